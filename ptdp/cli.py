@@ -1,0 +1,46 @@
+"""`ptdp` command line: one sub-command per module.
+
+Each command module exposes `register(subparsers)`, which adds its parser(s) and sets
+`func=callable(args) -> int`. Modules import torch lazily so `ptdp --help` and `ptdp plan`
+stay fast and torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Modules that register sub-commands, in the order `ptdp --help` lists them.
+COMMAND_MODULES = [
+    "ptdp.commands.train",      # ptdp train
+    "ptdp.planner.cli",         # ptdp plan, ptdp profile
+    "ptdp.data.cli",            # ptdp tokenizer, ptdp preprocess
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ptdp", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:  # a real missing dependency inside the module
+                raise
+            continue  # command not built yet in this checkout
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
