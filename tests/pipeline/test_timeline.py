@@ -1,0 +1,89 @@
+"""The timeline simulator: exact bubbles, per-chunk durations, communication, deadlocks."""
+
+from fractions import Fraction
+
+import pytest
+
+from ptdp.pipeline.schedules import Action
+from ptdp.pipeline.timeline import DeadlockError, render_ascii, simulate, simulate_lists
+
+ONE = Fraction(1)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("t_b", [2 * ONE, ONE])
+@pytest.mark.parametrize("p", range(1, 9))
+def test_bubble_is_p_minus_1_over_m(name, t_b, p):
+    for m in sorted({1, max(p - 1, 1), p, 2 * p, 3 * p + 1}):
+        tl = simulate(name, p, 1, m, t_f=ONE, t_b=t_b)
+        assert tl.bubble_fraction == Fraction(p - 1, m), m
+
+
+@pytest.mark.parametrize("t_b", [2 * ONE, ONE])
+@pytest.mark.parametrize("p", range(1, 9))
+@pytest.mark.parametrize("v", range(2, 5))
+def test_interleaved_bubble_is_divided_by_v(t_b, p, v):
+    for m in (p, 2 * p, 3 * p):
+        tl = simulate("interleaved", p, v, m, t_f=ONE, t_b=t_b)
+        assert tl.bubble_fraction == Fraction(p - 1, v * m), m
+
+
+def test_every_rank_is_busy_for_exactly_the_ideal_time():
+    tl = simulate("interleaved", 4, 2, 8, t_f=ONE, t_b=2 * ONE)
+    for row in tl.ranks:
+        assert sum(s.end - s.start for s in row) == tl.ideal == 24
+        assert all(a.end <= b.start for a, b in zip(row, row[1:]))  # no overlap, in order
+
+
+def test_chunk_durations_are_a_vth_of_the_rank_share():
+    tl = simulate("interleaved", 2, 2, 2, t_f=ONE, t_b=2 * ONE)
+    spans = {s.action.kind: s.end - s.start for row in tl.ranks for s in row}
+    assert spans == {"F": Fraction(1, 2), "B": ONE}
+
+
+def test_1f1b_p2_m4_exact_slots():
+    tl = simulate("1f1b", 2, 1, 4, t_f=1.0, t_b=2.0)
+    rank1 = [(str(s.action), s.start, s.end) for s in tl.ranks[1]]
+    assert rank1[:3] == [("F0@s1", 1, 2), ("B0@s1", 2, 4), ("F1@s1", 4, 5)]
+    assert tl.makespan == 15 and tl.ideal == 12 and tl.bubble_fraction == 0.25
+
+
+def test_communication_latency_is_paid_per_rank_crossing():
+    # p=2, m=1: F on rank 0 [0,1], hop, F on rank 1 [1.5,2.5], B [2.5,4.5], hop, B [5,7]
+    tl = simulate("gpipe", 2, 1, 1, t_f=1.0, t_b=2.0, t_comm=0.5)
+    assert [(s.start, s.end) for s in tl.ranks[0]] == [(0, 1), (5, 7)]
+    assert tl.makespan == 7
+    assert simulate("1f1b", 4, 1, 8, t_comm=0.1).bubble_fraction > 3 / 8
+
+
+def test_deadlock_names_rank_and_action():
+    # rank 1 wants the backward before it has run the forward it depends on
+    broken = [
+        [Action("F", 0, 0), Action("B", 0, 0)],
+        [Action("B", 0, 1), Action("F", 0, 1)],
+    ]
+    with pytest.raises(DeadlockError) as err:
+        simulate_lists(broken, p=2, v=1, m=1)
+    message = str(err.value)
+    assert "rank 1 blocked at B0@s1" in message and "waiting for F0@s1" in message
+    assert "rank 0 blocked at B0@s0" in message
+
+
+def test_missing_action_is_reported():
+    with pytest.raises(DeadlockError, match="scheduled on no rank"):
+        simulate_lists([[Action("F", 0, 0)], [Action("B", 0, 1)]], p=2, v=1, m=1)
+
+
+def test_render_ascii_small_case():
+    art = render_ascii(simulate("1f1b", 2, 1, 4))
+    assert art.splitlines() == [
+        "1f1b: p=2 v=1 m=4  makespan=15  bubble=0.250",
+        "rank 0 |F0|F1|......B0   |F2|B1   |F3|B2   |...B3   |",
+        "rank 1 |...F0|B0   |F1|B1   |F2|B2   |F3|B3   |......",
+    ]
+
+
+def test_render_ascii_fixed_width_has_one_row_per_rank():
+    art = render_ascii(simulate("interleaved", 4, 2, 8), width=60)
+    rows = art.splitlines()[1:]
+    assert len(rows) == 4 and all(len(r) == len("rank 0 |") + 60 for r in rows)
