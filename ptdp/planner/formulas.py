@@ -1,0 +1,96 @@
+"""The dissertation's closed-form formulas, torch-free so anything can import them cheaply.
+
+Line numbers refer to `shared/seeds/001_b2108678eada8159.txt` (Narayanan's dissertation).
+The trainer imports `model_flops_per_iteration` to report model TFLOP/s per GPU (DESIGN
+principle 7), so the conventions here are the paper's, not a hardware FLOP count:
+
+* Eq. 4.2 (L4180-4200) counts 4 passes per transformer layer (forward, backward = 2x,
+  and the extra forward of activation recomputation) whether or not recomputation is on.
+  Pass `recompute_forward=False` for the 3-pass "model FLOPs" of a run without it.
+* Eq. 4.3 (L4205-4210) counts parameters of a GPT with a tied output embedding.
+* Eq. 4.4 (L4296-4318) estimates training time as 8*T*P / (n*X).
+"""
+
+from __future__ import annotations
+
+SECONDS_PER_DAY = 86_400.0
+
+
+def model_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int,
+                              recompute_forward: bool = True) -> float:
+    """Eq. 4.2: F = 96*B*s*l*h^2 * (1 + s/(6h) + V/(16*l*h)) floating-point operations.
+
+    Derivation (L4150-4195): a layer's forward pass costs 24Bsh^2 + 4Bs^2h; backward twice
+    that; recomputation one more forward -> 4x. The logit layer costs 6BshV (fwd + bwd) and
+    is never recomputed. With `recompute_forward=False` the layer factor is 3 instead of 4.
+    """
+    b, s, l, h, v = float(batch), float(seq), float(layers), float(hidden), float(vocab)
+    passes = 4.0 if recompute_forward else 3.0
+    per_layer_forward = 24.0 * b * s * h * h + 4.0 * b * s * s * h
+    return passes * l * per_layer_forward + 6.0 * b * s * h * v
+
+
+def parameter_count(layers: int, hidden: int, vocab: int, seq: int) -> float:
+    """Eq. 4.3: P = 12*l*h^2 * (1 + 13/(12h) + (V+s)/(12*l*h)).
+
+    Per layer 12h^2 weights + 13h biases/LayerNorm parameters, plus word (V*h) and position
+    (s*h) embeddings; the output layer shares the word embedding.
+    """
+    l, h, v, s = float(layers), float(hidden), float(vocab), float(seq)
+    return 12.0 * l * h * h * (1.0 + 13.0 / (12.0 * h) + (v + s) / (12.0 * l * h))
+
+
+def training_days(tokens: float, parameters: float, num_gpus: int,
+                  tflops_per_gpu: float) -> float:
+    """Eq. 4.4: end-to-end training time ~ 8*T*P / (n*X), in days.
+
+    `tflops_per_gpu` is X in teraFLOP/s per GPU as measured with Eq. 4.2. Example from the
+    source (L4310-4318): 175e9 parameters, 300e9 tokens, 1024 GPUs at 140 TFLOP/s -> ~34 days.
+    """
+    if num_gpus <= 0 or tflops_per_gpu <= 0:
+        raise ValueError("num_gpus and tflops_per_gpu must be positive")
+    seconds = 8.0 * tokens * parameters / (num_gpus * tflops_per_gpu * 1e12)
+    return seconds / SECONDS_PER_DAY
+
+
+def iterations_for_tokens(tokens: float, global_batch: int, seq: int) -> float:
+    """I = T / (B*s) (L4297)."""
+    return tokens / (global_batch * seq)
+
+
+def bubble_fraction(pipeline: int, micro_batches: int, chunks: int = 1) -> float:
+    """Pipeline bubble of flushing schedules as a fraction of ideal time: (p-1)/(v*m).
+
+    GPipe and 1F1B (L3548): (p-1)/m; interleaved 1F1B with v chunks per device (L3633):
+    (1/v)*(p-1)/m. PipeDream-2BW and async PipeDream have no flush, hence no bubble.
+    """
+    if micro_batches <= 0 or chunks <= 0:
+        raise ValueError("micro_batches and chunks must be positive")
+    return (pipeline - 1) / (chunks * micro_batches)
+
+
+def tensor_parallel_elements_per_layer(batch: int, seq: int, hidden: int, tensor: int) -> float:
+    """Elements each device moves per layer per micro-batch: 8*b*s*h*(t-1)/t (L3800).
+
+    Two all-reduces of b*s*h forward and two backward, each a ring moving 2(t-1)/t of it.
+    """
+    return 8.0 * batch * seq * hidden * (tensor - 1) / tensor
+
+
+def pipeline_elements_per_boundary(batch: int, seq: int, hidden: int, tensor: int = 1,
+                                   scatter_gather: bool = False) -> float:
+    """Elements sent between consecutive stages per micro-batch, one direction: b*s*h,
+    or b*s*h/t with the scatter/gather optimization (L3787, L4034)."""
+    elements = float(batch * seq * hidden)
+    return elements / tensor if scatter_gather else elements
+
+
+def eq41_batch_time(global_per_replica: int, micro_batch: int, pipeline: int,
+                    t_forward: float, t_backward: float) -> float:
+    """Eq. 4.1 (L3920): (b'/b + p - 1) * (t_f(b) + t_b(b)) with b' = B/d; ignores comm."""
+    return (global_per_replica / micro_batch + pipeline - 1) * (t_forward + t_backward)
+
+
+def optimal_checkpoints(layers: int, a_intermediate: float, a_input: float) -> float:
+    """c = sqrt(l * A_intermediate / A_input) minimises c*A_input + (l/c)*A_intermediate (L3950)."""
+    return (layers * a_intermediate / a_input) ** 0.5
