@@ -20,13 +20,13 @@ Schedules. All three are one shape, ``_one_f_one_b(forwards, backwards, warmup)`
 forwards, then alternate one forward and one backward, then drain the remaining backwards. They
 differ only in the order of the (micro-batch, chunk) work and in the warm-up length:
 
-=============  =================================  ===================================  ==========
-name           forward order                      warm-up forwards on ``rank``         in flight
-=============  =================================  ===================================  ==========
-gpipe          chunk-major, mb 0..m-1             all of them (no steady state)        m * v
-1f1b  (v=1)    mb 0..m-1                          min(p - rank - 1, m)                 min(p - rank, m)
-interleaved    groups of p mbs per chunk          min(2(p - rank - 1) + (v-1)p, m*v)   warm-up + 1
-=============  =================================  ===================================  ==========
+===========  =========================  =================================  ================
+name         forward order              warm-up forwards on ``rank``       in flight
+===========  =========================  =================================  ================
+gpipe        chunk-major, mb 0..m-1     all of them (no steady state)      m * v
+1f1b (v=1)   mb 0..m-1                  min(p - rank - 1, m)               min(p - rank, m)
+interleaved  groups of p mbs per chunk  min(2(p-rank-1) + (v-1)p, m*v)     warm-up + 1
+===========  =========================  =================================  ================
 
 "In flight" counts (micro-batch, stage) pairs whose forward ran and backward has not (the
 activation stashes a rank holds; ``max_in_flight``). For interleaved each such stash is one
@@ -42,8 +42,11 @@ Backwards always run in ascending micro-batch order (GPipe too, as in Fig. 4.3);
 chunks they visit the chunks in reverse, since gradients flow from the last stage back.
 
 Extending. PipeDream-2BW and PipeDream (async) will be more entries in ``_BUILDERS`` and more
-action kinds (e.g. ``"W"`` for a weight-version swap); the ``Action`` record and the executor's
-contract stay as they are.
+action kinds (e.g. ``"W"`` where a stage generates its next weight version), with a duration in
+the simulator and a rule in ``dependencies()``. Neither flushes, so their lists will cover a
+window of consecutive batches (micro-batch indices numbered across the window) rather than one;
+for 2BW that is ``_one_f_one_b`` over all the window's micro-batches with a "W" after each batch's
+last backward on the stage. The ``Action`` record and the executor's contract stay as they are.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def local_chunk(stage: int, p: int) -> int:
 
 
 def rank_stages(rank: int, p: int, v: int) -> list[int]:
-    """Global virtual stages held by ``rank``, by chunk: ``[rank, rank + p, ..., rank + (v-1)p]``."""
+    """Global virtual stages held by ``rank``, by chunk: ``[rank, rank+p, ..., rank+(v-1)p]``."""
     return [rank + chunk * p for chunk in range(v)]
 
 

@@ -71,7 +71,14 @@ def simulate(name: str, p: int, v: int, m: int, t_f=1.0, t_b=2.0, t_comm=0.0) ->
 
 
 def simulate_lists(
-    schedule: list[list[Action]], p: int, v: int, m: int, t_f=1.0, t_b=2.0, t_comm=0.0, name="custom"
+    schedule: list[list[Action]],
+    p: int,
+    v: int,
+    m: int,
+    t_f=1.0,
+    t_b=2.0,
+    t_comm=0.0,
+    name: str = "custom",
 ) -> Timeline:
     """Simulate explicit per-rank action lists (e.g. a hand-written or broken schedule)."""
     if len(schedule) != p:
@@ -164,7 +171,8 @@ def render_ascii(timeline: Timeline, width: int | None = None) -> str:
         return ""
 
     def label(a: Action) -> str:
-        return f"{a.kind}{a.mb}" if timeline.v == 1 else f"{a.kind}{a.mb}.{local_chunk(a.stage, timeline.p)}"
+        chunk = "" if timeline.v == 1 else f".{local_chunk(a.stage, timeline.p)}"
+        return f"{a.kind}{a.mb}{chunk}"
 
     if width is None:
         shortest = min(s.end - s.start for s in slots if s.end > s.start)

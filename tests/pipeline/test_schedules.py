@@ -21,7 +21,7 @@ from ptdp.pipeline.timeline import simulate
 
 
 def _micro_batch_counts(name: str, p: int, v: int) -> list[int]:
-    """m values worth testing: tiny, around p, and several multiples (interleaved: multiples only)."""
+    """m values to test: tiny, around p, several multiples (interleaved v>1: multiples only)."""
     if name == "interleaved" and v > 1:
         return [p, 2 * p, 3 * p]
     return sorted({1, 2, max(p - 1, 1), p, p + 1, 2 * p, 3 * p + 1})
@@ -50,7 +50,8 @@ def test_every_forward_and_backward_once_forward_first(case):
             pairs = Counter((a.mb, a.stage) for a in actions if a.kind == kind)
             assert set(pairs) == expected and set(pairs.values()) == {1}, (rank, kind)
         position = {a: i for i, a in enumerate(actions)}
-        assert all(position[Action("F", mb, s)] < position[Action("B", mb, s)] for mb, s in expected)
+        for mb, s in expected:
+            assert position[Action("F", mb, s)] < position[Action("B", mb, s)], (rank, mb, s)
         assert len(actions) == 2 * m * v
 
 

@@ -28,6 +28,19 @@ def test_interleaved_bubble_is_divided_by_v(t_b, p, v):
         assert tl.bubble_fraction == Fraction(p - 1, v * m), m
 
 
+@pytest.mark.parametrize("v", range(2, 5))
+def test_gpipe_with_chunks_also_divides_the_bubble_by_v_once_m_reaches_p(v):
+    for p in range(1, 9):
+        for m in (p, p + 1, 2 * p):
+            tl = simulate("gpipe", p, v, m, t_f=ONE, t_b=2 * ONE)
+            assert tl.bubble_fraction == Fraction(p - 1, v * m), (p, m)
+
+
+def test_unknown_action_kind_is_rejected():
+    with pytest.raises(ValueError, match="cannot simulate action kind 'W'"):
+        simulate_lists([[Action("W", 0, 0)]], p=1, v=1, m=1)
+
+
 def test_every_rank_is_busy_for_exactly_the_ideal_time():
     tl = simulate("interleaved", 4, 2, 8, t_f=ONE, t_b=2 * ONE)
     for row in tl.ranks:
