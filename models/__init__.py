@@ -1,0 +1,33 @@
+"""GPT and BERT built only from ptdp.parallel layers."""
+
+from models.bert import BertChunk
+from models.gpt import GPTChunk
+from models.transformer import ModelContext
+
+__all__ = ["BertChunk", "GPTChunk", "ModelContext", "build_chunk", "global_parameter_name",
+           "named_global_parameters"]
+
+
+def build_chunk(ctx: ModelContext, stage: int, num_stages: int):
+    """Virtual pipeline stage `stage` of `num_stages` for ctx.model.arch."""
+    cls = {"gpt": GPTChunk, "bert": BertChunk}[ctx.model.arch]
+    return cls(ctx, stage, num_stages)
+
+
+def global_parameter_name(chunk, local_name: str) -> str:
+    """A chunk-local parameter name -> its name in the whole (single-process) model.
+
+    `stack.layers.{i}.` becomes `layers.{first + i}.`; the last stage's copy of the tied word
+    table is `embedding.word.weight`, like the original on the first stage.
+    """
+    if local_name.startswith("stack.layers."):
+        index, rest = local_name[len("stack.layers."):].split(".", 1)
+        return f"layers.{chunk.stack.first + int(index)}.{rest}"
+    if local_name == "output.weight":
+        return "embedding.word.weight"
+    return local_name
+
+
+def named_global_parameters(chunk):
+    for name, param in chunk.named_parameters():
+        yield global_parameter_name(chunk, name), param

@@ -1,0 +1,76 @@
+"""BERT: pre-LN bidirectional encoder (as Megatron-BERT) with padding mask, a masked-LM head
+tied to the word embedding, and a binary sentence-order (or next-sentence) head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.embedding import Embedding, OutputEmbedding, logits, mark_shared
+from models.transformer import ModelContext, TransformerStack, layer_norm
+from ptdp.parallel.tensor import full_normal, shard_param, vocab_parallel_cross_entropy
+
+
+class Linear(nn.Module):
+    """A small replicated linear layer initialised from its global name (layout-free)."""
+
+    def __init__(self, ctx: ModelContext, n_in: int, n_out: int, key: str):
+        super().__init__()
+        self.weight = shard_param(full_normal((n_out, n_in), ctx.model.init_std, ctx.seed,
+                                              f"{key}.weight"), None, ctx.tp)
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class BertHeads(nn.Module):
+    """Masked-LM head (dense, GeLU, LN, tied logits + vocab-parallel bias) and binary head."""
+
+    def __init__(self, ctx: ModelContext):
+        super().__init__()
+        h = ctx.model.hidden_size
+        self.ctx = ctx
+        self.lm_dense = Linear(ctx, h, h, "heads.lm_dense")
+        self.lm_ln = layer_norm(h, ctx.model.layernorm_eps)
+        self.lm_bias = shard_param(torch.zeros(ctx.padded_vocab_size), 0, ctx.tp)
+        self.lm_bias.vocab_padded = True
+        self.pooler = Linear(ctx, h, h, "heads.pooler")
+        self.binary = Linear(ctx, h, 2, "heads.binary")
+
+    def forward(self, hidden, table, batch):
+        lm = self.lm_ln(F.gelu(self.lm_dense(hidden)))
+        per_token = vocab_parallel_cross_entropy(logits(lm, table, self.ctx, self.lm_bias),
+                                                 batch["labels"].t(), self.ctx.model.vocab_size,
+                                                 self.ctx.tp)
+        mask = batch["loss_mask"].t().to(per_token.dtype)
+        lm_loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        pooled = torch.tanh(self.pooler(hidden[0]))  # the [CLS] position
+        sop_loss = F.cross_entropy(self.binary(pooled).float(), batch["sop_label"].view(-1))
+        return lm_loss + sop_loss, {"lm_loss": lm_loss.detach(), "sop_loss": sop_loss.detach()}
+
+
+class BertChunk(nn.Module):
+    def __init__(self, ctx: ModelContext, stage: int, num_stages: int):
+        super().__init__()
+        cfg = ctx.model
+        per_stage = cfg.num_layers // num_stages
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.embedding = Embedding(ctx, cfg.num_tokentypes) if self.is_first else None
+        if self.is_first and not self.is_last:
+            mark_shared(self.embedding.word.weight)
+        self.stack = TransformerStack(ctx, stage * per_stage, per_stage, causal=False)
+        if self.is_last:
+            self.final_ln = layer_norm(cfg.hidden_size, cfg.layernorm_eps)
+            self.output = None if self.is_first else OutputEmbedding(ctx)
+            self.heads = BertHeads(ctx)
+
+    def forward(self, hidden, batch):
+        if self.is_first:
+            hidden = self.embedding(batch["tokens"], batch["types"])
+        hidden = self.stack(hidden, batch["padding_mask"])
+        if not self.is_last:
+            return hidden
+        table = self.embedding.word.weight if self.output is None else self.output.weight
+        return self.heads(self.final_ln(hidden), table, batch)

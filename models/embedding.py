@@ -1,0 +1,65 @@
+"""Input embeddings and the tied output head shared by GPT and BERT."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from models.transformer import ModelContext
+from ptdp.parallel.tensor import VocabParallelEmbedding, full_normal, parallel_logits, shard_param
+
+WORD_EMBEDDING_KEY = "embedding.word"
+
+
+def word_embedding(ctx: ModelContext) -> VocabParallelEmbedding:
+    """The vocab-parallel word table. The last pipeline stage builds its own copy from the same
+    key, so input and output embeddings start identical and stay tied by gradient all-reduce."""
+    cfg = ctx.model
+    return VocabParallelEmbedding(cfg.vocab_size, ctx.padded_vocab_size, cfg.hidden_size, ctx.tp,
+                                  seed=ctx.seed, key=WORD_EMBEDDING_KEY, std=cfg.init_std)
+
+
+class Embedding(nn.Module):
+    """word + learned position (+ token type for BERT) embeddings, then dropout; -> [s, b, h]."""
+
+    def __init__(self, ctx: ModelContext, num_tokentypes: int = 0):
+        super().__init__()
+        cfg = ctx.model
+        self.word = word_embedding(ctx)
+        replicated = lambda shape, key: shard_param(  # noqa: E731 - small local helper
+            full_normal(shape, cfg.init_std, ctx.seed, key), None, ctx.tp)
+        self.position = replicated((cfg.seq_length, cfg.hidden_size), "embedding.position")
+        self.tokentype = (replicated((num_tokentypes, cfg.hidden_size), "embedding.tokentype")
+                          if num_tokentypes else None)
+        self.dropout = cfg.dropout
+
+    def forward(self, tokens: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
+        tokens = tokens.t()  # [b, s] -> [s, b]
+        x = self.word(tokens) + self.position[: tokens.shape[0]].unsqueeze(1)
+        if self.tokentype is not None:
+            x = x + F.embedding(types.t(), self.tokentype)
+        return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+
+
+class OutputEmbedding(nn.Module):
+    """The last stage's copy of the word table, used only to compute logits (p > 1).
+
+    Marked `shared_embedding` so its gradient is summed with the first stage's, and
+    `duplicate` so norms and checkpoints count the weight once.
+    """
+
+    def __init__(self, ctx: ModelContext):
+        super().__init__()
+        self.weight = word_embedding(ctx).weight
+        self.weight.shared_embedding = True
+        self.weight.duplicate = True
+
+
+def mark_shared(weight: torch.Tensor) -> None:
+    """The first stage's word table when the head lives on another stage (p > 1)."""
+    weight.shared_embedding = True
+
+
+def logits(hidden: torch.Tensor, table: torch.Tensor, ctx: ModelContext, bias=None) -> torch.Tensor:
+    return parallel_logits(hidden, table, ctx.tp, bias)

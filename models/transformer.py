@@ -1,0 +1,168 @@
+"""The pre-LN transformer layer shared by GPT and BERT, in the [s, b, h] layout.
+
+Attention: Q, K, V come from one column-parallel GEMM (each tensor rank owns num_heads/t whole
+heads), the output projection is row-parallel. MLP: column-parallel h -> 4h, GeLU,
+row-parallel 4h -> h. So a layer does two all-reduces forward and two backward (SPEC item 21).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ptdp.config import ModelConfig
+from ptdp.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallel,
+                                  TensorParallelRNG, full_normal, scaled_std)
+
+
+@dataclass
+class ModelContext:
+    """What every layer needs besides its shape: the tensor group, the seed, dropout RNG."""
+
+    model: ModelConfig
+    tp: TensorParallel
+    seed: int
+    rng: TensorParallelRNG
+    padded_vocab_size: int
+    recompute: str = "none"          # none | full | selective
+    recompute_num_layers: int = 1
+
+
+def layer_norm(hidden: int, eps: float) -> nn.LayerNorm:
+    """LayerNorm weights are replicated across tensor ranks (ones and zeros: layout-free)."""
+    return nn.LayerNorm(hidden, eps=eps)
+
+
+def qkv_weight(cfg: ModelConfig, seed: int, key: str) -> torch.Tensor:
+    """The full QKV weight with rows ordered [head, (q, k, v), head_dim].
+
+    Ordering rows head-major makes a contiguous row slice hold whole heads with their own
+    q, k and v, so column-parallel splitting gives each rank complete heads.
+    """
+    h, n, d = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    return full_normal((n * 3 * d, h), cfg.init_std, seed, f"{key}.weight")
+
+
+class ParallelAttention(nn.Module):
+    def __init__(self, ctx: ModelContext, layer: int, causal: bool):
+        super().__init__()
+        cfg, tp = ctx.model, ctx.tp
+        key = f"layers.{layer}.attention"
+        self.ctx, self.causal = ctx, causal
+        self.local_heads = tp.shard(cfg.num_heads)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, tp, seed=ctx.seed,
+                                        key=f"{key}.qkv", std=cfg.init_std,
+                                        full_weight=qkv_weight(cfg, ctx.seed, f"{key}.qkv"))
+        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
+                                      key=f"{key}.proj",
+                                      std=scaled_std(cfg.init_std, cfg.num_layers))
+
+    def core_attention(self, q, k, v, padding_mask):
+        """[b, heads, s, d] -> [b, heads, s, d]; dropout here is inside the tensor region."""
+        dropout = self.ctx.model.dropout if self.training else 0.0
+        mask = None
+        if padding_mask is not None:  # [b, s] with 1 = real token -> [b, 1, 1, s] bool keep-mask
+            mask = padding_mask.bool()[:, None, None, :]
+        with self.ctx.rng.fork():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                  is_causal=self.causal and mask is None)
+
+    def forward(self, x, padding_mask=None):
+        s, b, _ = x.shape
+        qkv = self.qkv(x).view(s, b, self.local_heads, 3, -1)
+        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # [b, n, s, d]
+        if self.ctx.recompute == "selective":
+            out = checkpoint(self.core_attention, q, k, v, padding_mask, use_reentrant=False)
+        else:
+            out = self.core_attention(q, k, v, padding_mask)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        return self.proj(out)
+
+
+class ParallelMLP(nn.Module):
+    def __init__(self, ctx: ModelContext, layer: int):
+        super().__init__()
+        cfg, tp = ctx.model, ctx.tp
+        key = f"layers.{layer}.mlp"
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp, seed=ctx.seed,
+                                        key=f"{key}.fc1", std=cfg.init_std)
+        self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
+                                     key=f"{key}.fc2", std=scaled_std(cfg.init_std, cfg.num_layers))
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class TransformerLayer(nn.Module):
+    """x + Dropout(Attn(LN(x))), then x + Dropout(MLP(LN(x)))."""
+
+    def __init__(self, ctx: ModelContext, layer: int, causal: bool):
+        super().__init__()
+        cfg = ctx.model
+        self.ln1 = layer_norm(cfg.hidden_size, cfg.layernorm_eps)
+        self.attention = ParallelAttention(ctx, layer, causal)
+        self.ln2 = layer_norm(cfg.hidden_size, cfg.layernorm_eps)
+        self.mlp = ParallelMLP(ctx, layer)
+        self.dropout = cfg.dropout
+
+    def _drop(self, x):
+        # Replicated activations: the default generator, identical on every tensor rank.
+        return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+
+    def forward(self, x, padding_mask=None):
+        x = x + self._drop(self.attention(self.ln1(x), padding_mask))
+        return x + self._drop(self.mlp(self.ln2(x)))
+
+
+class TransformerStack(nn.Module):
+    """Layers [first, first + count) of the model, with optional full recomputation.
+
+    With `recompute=full` the stack is cut into groups of `recompute_num_layers` layers and
+    only each group's input is kept; the group is re-run during backward (SPEC item 25).
+    """
+
+    def __init__(self, ctx: ModelContext, first: int, count: int, causal: bool):
+        super().__init__()
+        self.ctx, self.first = ctx, first
+        self.layers = nn.ModuleList(TransformerLayer(ctx, first + i, causal) for i in range(count))
+
+    def _run(self, start: int, end: int, x, padding_mask):
+        for layer in self.layers[start:end]:
+            x = layer(x, padding_mask)
+        return x
+
+    def forward(self, x, padding_mask=None):
+        if self.ctx.recompute != "full" or not self.training:
+            return self._run(0, len(self.layers), x, padding_mask)
+        step = self.ctx.recompute_num_layers
+        for start in range(0, len(self.layers), step):
+            x = recompute(self.ctx.rng, self._run, start, start + step, x, padding_mask)
+        return x
+
+
+def recompute(rng: TensorParallelRNG, fn, *args):
+    """torch.utils.checkpoint that also replays the tensor-parallel dropout stream.
+
+    torch's checkpoint restores the default generator for the re-run; the tensor-parallel
+    stream is ours, so the re-run starts from the state the first run saw and then puts back
+    whatever state the stream had reached meanwhile (other micro-batches may have run).
+    """
+    start_state = rng.get_state()
+    calls = []
+
+    def run(*a):
+        if not calls:
+            calls.append(1)
+            return fn(*a)
+        current = rng.get_state()
+        rng.set_state(start_state)
+        try:
+            return fn(*a)
+        finally:
+            rng.set_state(current)
+
+    return checkpoint(run, *args, use_reentrant=False)

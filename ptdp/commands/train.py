@@ -1,0 +1,32 @@
+"""`ptdp train CONFIG [key=value ...]`: one rank per process, under torchrun."""
+
+from __future__ import annotations
+
+import sys
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "train", help="train a GPT or BERT model (run under torchrun, one process per rank)",
+        description="Train with the layout, schedule and model of CONFIG. Overrides are "
+                    "dotted keys, e.g. parallel.tensor=2 train.iters=20 (prefer key=value: "
+                    "torchrun swallows flags that look like its own).")
+    parser.add_argument("config", help="YAML config file")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ptdp.config import ConfigError, load_config
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"ptdp train: config error: {err}", file=sys.stderr)
+        return 2
+    from ptdp.runtime import shutdown
+    from ptdp.training import Trainer
+    try:
+        Trainer(cfg).train()
+    finally:
+        shutdown()
+    return 0

@@ -1,0 +1,135 @@
+"""Gradient communication after backward: data-parallel reduction, tied embeddings, clipping.
+
+Data-parallel reduction is bucketed and overlapped with the backward pass: each parameter
+counts its gradient accumulations; when it has received all `m` of the iteration, its bucket
+is one step closer to ready, and a ready bucket's all-reduce is launched at once (async)
+while backward continues on earlier layers. `finish()` waits for the last buckets.
+
+The executor already scales each micro-batch loss by 1/(m*d), so a SUM all-reduce yields the
+gradient of the mean loss over the whole global batch, as a single process computes it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.ready = 0
+        self.work = None
+        self.flat = None
+
+    def launch(self, group) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        self.flat = torch.cat([g.reshape(-1) for g in grads])
+        self.work = dist.all_reduce(self.flat, group=group, async_op=True)
+
+    def finish(self) -> None:
+        self.work.wait()
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = self.flat[offset: offset + n].view_as(p).clone()
+            offset += n
+        self.work = self.flat = None
+        self.ready = 0
+
+
+class DataParallelGradients:
+    """Sums gradients over the data group in buckets launched during the last backward.
+
+    `accumulations` is how many backward passes each parameter sees per iteration (m).
+    """
+
+    def __init__(self, params: list[nn.Parameter], group, size: int, accumulations: int,
+                 bucket_mb: float = 25.0):
+        self.group, self.size, self.accumulations = group, size, accumulations
+        self.params = [p for p in params if p.requires_grad]
+        self.buckets = self._make_buckets(bucket_mb * 2**20) if size > 1 else []
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.counts: dict[int, int] = {}
+        if size > 1:
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._on_accumulated)
+
+    def _make_buckets(self, limit_bytes: float) -> list[_Bucket]:
+        # Reverse registration order approximates the order gradients become ready.
+        buckets, current, size = [], [], 0
+        for p in reversed(self.params):
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= limit_bytes:
+                buckets.append(_Bucket(current))
+                current, size = [], 0
+        if current:
+            buckets.append(_Bucket(current))
+        return buckets
+
+    def start_iteration(self) -> None:
+        self.counts.clear()
+
+    def _on_accumulated(self, param: nn.Parameter) -> None:
+        count = self.counts.get(id(param), 0) + 1
+        self.counts[id(param)] = count
+        if count == self.accumulations:
+            bucket = self.bucket_of[id(param)]
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                bucket.launch(self.group)
+
+    def finish(self) -> None:
+        """Launch buckets whose parameters got no gradient, then wait for all of them."""
+        for bucket in self.buckets:
+            if bucket.work is None:
+                bucket.launch(self.group)
+        for bucket in self.buckets:
+            bucket.finish()
+
+
+def sync_shared_embeddings(params: list[nn.Parameter], group, size: int) -> None:
+    """Sum the gradients of the word embedding's two copies (first and last stage)."""
+    if size <= 1:
+        return
+    for p in params:
+        if getattr(p, "shared_embedding", False):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)
+
+
+def counts_in_norm(param: nn.Parameter, tp_rank: int) -> bool:
+    """Count every weight exactly once in the global norm.
+
+    Split weights contribute their shard on every tensor rank; replicated weights only on
+    tensor rank 0; the last stage's copy of the tied embedding not at all.
+    """
+    if getattr(param, "duplicate", False):
+        return False
+    return getattr(param, "tp_split_dim", None) is not None or tp_rank == 0
+
+
+def global_grad_norm(params: list[nn.Parameter], model_group, tp_rank: int) -> float:
+    device = params[0].device if params else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)  # NCCL needs device tensors
+    for p in params:
+        if p.grad is not None and counts_in_norm(p, tp_rank):
+            total += p.grad.detach().double().pow(2).sum()
+    if model_group is not None and dist.get_world_size(model_group) > 1:
+        dist.all_reduce(total, group=model_group)
+    return math.sqrt(total.item())
+
+
+def clip_gradients(params: list[nn.Parameter], max_norm: float, norm: float) -> None:
+    """Scale gradients so the global norm is at most `max_norm` (0 disables)."""
+    if max_norm <= 0 or not math.isfinite(norm) or norm <= max_norm:
+        return
+    coef = max_norm / (norm + 1e-6)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef)

@@ -1,0 +1,18 @@
+"""AdamW over this rank's parameters, with decoupled weight decay skipped for biases and norms."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ptdp.config import TrainConfig
+
+
+def build_optimizer(params: list[nn.Parameter], train: TrainConfig) -> torch.optim.Optimizer:
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": train.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    fused = all(p.is_cuda for p in params) and len(params) > 0
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
+                             eps=train.adam_eps, fused=fused or None)

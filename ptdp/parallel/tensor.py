@@ -1,0 +1,374 @@
+"""Tensor (intra-layer) model parallelism, as in Megatron-LM (SPEC item 21, source L3654–3713).
+
+* `copy_to_tensor_region` is the paper's **f**: identity forward, all-reduce backward.
+* `reduce_from_tensor_region` is **g**: all-reduce forward, identity backward.
+* `ColumnParallelLinear` splits the weight's output dimension, `RowParallelLinear` its input
+  dimension, so an MLP or attention block needs one f and one g: two all-reduces forward and
+  two backward per transformer layer.
+* `VocabParallelEmbedding` and `vocab_parallel_cross_entropy` split the vocabulary, so the
+  full [s, b, V] logits never exist on one rank.
+
+Every parameter is initialised from the *full* tensor's RNG stream (seeded by the run seed
+and the parameter's global name) and then sliced, so any tensor/pipeline layout starts from
+exactly the weights a single process would have. Split parameters carry `tp_split_dim`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# --------------------------------------------------------------------------------------------
+# The tensor-parallel group
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class TensorParallel:
+    """The tensor group a layer communicates over, and this rank's place in it."""
+
+    group: object = None
+    rank: int = 0
+    size: int = 1
+
+    @classmethod
+    def from_grid(cls, grid) -> "TensorParallel":
+        return cls(grid.tensor_group, grid.tp_rank, grid.t)
+
+    def shard(self, n: int) -> int:
+        assert n % self.size == 0, f"{n} is not divisible by tensor parallel size {self.size}"
+        return n // self.size
+
+
+# --------------------------------------------------------------------------------------------
+# f and g, plus gather/scatter along the last dimension
+# --------------------------------------------------------------------------------------------
+
+def _all_reduce(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    if size == 1:
+        return x
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _gather_last_dim(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    if size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _split_last_dim(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    if size == 1:
+        return x
+    return x.chunk(size, dim=-1)[rank].contiguous()
+
+
+class _CopyToTensorRegion(torch.autograd.Function):
+    """f: identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TensorParallel):
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.tp.group, ctx.tp.size), None
+
+
+class _ReduceFromTensorRegion(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TensorParallel):
+        return _all_reduce(x, tp.group, tp.size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTensorRegion(torch.autograd.Function):
+    """All-gather along the last dim forward, keep my slice backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TensorParallel):
+        ctx.tp = tp
+        return _gather_last_dim(x, tp.group, tp.size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last_dim(grad, ctx.tp.rank, ctx.tp.size), None
+
+
+class _ScatterToTensorRegion(torch.autograd.Function):
+    """Keep my slice of the last dim forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TensorParallel):
+        ctx.tp = tp
+        return _split_last_dim(x, tp.rank, tp.size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last_dim(grad, ctx.tp.group, ctx.tp.size), None
+
+
+def copy_to_tensor_region(x, tp: TensorParallel):
+    return _CopyToTensorRegion.apply(x, tp) if tp.size > 1 else x
+
+
+def reduce_from_tensor_region(x, tp: TensorParallel):
+    return _ReduceFromTensorRegion.apply(x, tp) if tp.size > 1 else x
+
+
+def gather_from_tensor_region(x, tp: TensorParallel):
+    return _GatherFromTensorRegion.apply(x, tp) if tp.size > 1 else x
+
+
+def scatter_to_tensor_region(x, tp: TensorParallel):
+    return _ScatterToTensorRegion.apply(x, tp) if tp.size > 1 else x
+
+
+# --------------------------------------------------------------------------------------------
+# Layout-independent initialisation
+# --------------------------------------------------------------------------------------------
+
+def stable_seed(seed: int, key: str) -> int:
+    """A seed that depends only on the run seed and the parameter's global name."""
+    return zlib.crc32(f"{seed}:{key}".encode()) & 0x7FFFFFFF
+
+
+def full_normal(shape, std: float, seed: int, key: str) -> torch.Tensor:
+    """The full (unsplit) tensor as a single process would draw it, in fp32 on CPU."""
+    generator = torch.Generator().manual_seed(stable_seed(seed, key))
+    return torch.randn(shape, generator=generator) * std
+
+
+def shard_param(full: torch.Tensor, split_dim: int | None, tp: TensorParallel) -> nn.Parameter:
+    """Slice my part of `full` along `split_dim` (None: replicated) into a Parameter."""
+    if split_dim is None or tp.size == 1:
+        data = full.clone()
+    else:
+        data = full.chunk(tp.size, dim=split_dim)[tp.rank].clone()
+    param = nn.Parameter(data)
+    param.tp_split_dim = split_dim if tp.size > 1 else None
+    return param
+
+
+# --------------------------------------------------------------------------------------------
+# Layers
+# --------------------------------------------------------------------------------------------
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns: each rank computes Y_i = X A_i + b_i.
+
+    The input must be replicated across the tensor group (f is applied here); the output
+    stays split unless `gather_output`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, *, seed: int,
+                 key: str, std: float, bias: bool = True, gather_output: bool = False,
+                 full_weight: torch.Tensor | None = None):
+        super().__init__()
+        self.tp, self.gather_output = tp, gather_output
+        full = full_weight if full_weight is not None else full_normal(
+            (out_features, in_features), std, seed, f"{key}.weight")
+        self.weight = shard_param(full, 0, tp)
+        self.bias = shard_param(torch.zeros(out_features), 0, tp) if bias else None
+
+    def forward(self, x):
+        y = F.linear(copy_to_tensor_region(x, self.tp), self.weight, self.bias)
+        return gather_from_tensor_region(y, self.tp) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows: Y = g(sum_i X_i A_i) + b.
+
+    The input is normally already split (`input_is_parallel`, the output of a
+    ColumnParallelLinear); the bias is added once, after the all-reduce.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, *, seed: int,
+                 key: str, std: float, bias: bool = True, input_is_parallel: bool = True):
+        super().__init__()
+        self.tp, self.input_is_parallel = tp, input_is_parallel
+        full = full_normal((out_features, in_features), std, seed, f"{key}.weight")
+        self.weight = shard_param(full, 1, tp)
+        self.bias = shard_param(torch.zeros(out_features), None, tp) if bias else None
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_region(x, self.tp)
+        y = reduce_from_tensor_region(F.linear(x, self.weight), self.tp)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; rank i owns rows [i*V/t, (i+1)*V/t).
+
+    Rows past the real vocabulary (padding up to a multiple of 128*t) are zero and are never
+    looked up; the loss masks them, so they stay zero and the model is layout-independent.
+    """
+
+    def __init__(self, vocab_size: int, padded_vocab_size: int, hidden: int, tp: TensorParallel,
+                 *, seed: int, key: str, std: float):
+        super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        full = torch.zeros(padded_vocab_size, hidden)
+        full[:vocab_size] = full_normal((vocab_size, hidden), std, seed, f"{key}.weight")
+        self.weight = shard_param(full, 0, tp)
+        self.weight.vocab_padded = True
+        self.per_rank = padded_vocab_size // tp.size
+        self.vocab_start = tp.rank * self.per_rank
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_region(out, self.tp)
+
+
+def parallel_logits(hidden: torch.Tensor, embedding_weight: torch.Tensor, tp: TensorParallel,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """[s, b, h] x [V/t, h]^T -> this rank's [s, b, V/t] slice of the logits."""
+    return F.linear(copy_to_tensor_region(hidden, tp), embedding_weight, bias)
+
+
+# --------------------------------------------------------------------------------------------
+# Vocab-parallel cross-entropy
+# --------------------------------------------------------------------------------------------
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits split along the vocabulary, never gathering them.
+
+    Three reductions over the tensor group: max (for stability), then the target logit and
+    the sum of exponentials together in one all-reduce.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_size: int, tp: TensorParallel):
+        ctx.logits_dtype = logits.dtype
+        logits = logits.float()
+        per_rank = logits.shape[-1]
+        start = tp.rank * per_rank
+        real_here = max(0, min(per_rank, vocab_size - start))
+        if real_here < per_rank:  # padded vocabulary columns never win and get no gradient
+            logits = logits.clone()
+            logits[..., real_here:] = float("-inf")
+        logits_max = logits.max(dim=-1).values
+        if tp.size > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp.group)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        local_target = target - start
+        outside = (local_target < 0) | (local_target >= per_rank)
+        local_target = local_target.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = target_logit.masked_fill(outside, 0.0)
+        exp = shifted.exp()
+        sums = torch.stack([target_logit, exp.sum(dim=-1)])
+        if tp.size > 1:
+            dist.all_reduce(sums, group=tp.group)
+        target_logit, sum_exp = sums[0], sums[1]
+
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, outside)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        hit = (~outside).to(grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
+                                 tp: TensorParallel) -> torch.Tensor:
+    """Per-token loss ([s, b]) from this rank's [s, b, V_padded/t] logits slice.
+
+    `vocab_size` is the real vocabulary; columns past it are padding and are masked out.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, tp)
+
+
+# --------------------------------------------------------------------------------------------
+# RNG for dropout
+# --------------------------------------------------------------------------------------------
+
+TENSOR_RNG_OFFSET = 2718
+
+
+class TensorParallelRNG:
+    """A second RNG stream for dropout *inside* tensor-parallel regions.
+
+    Activations inside a tensor-parallel region (e.g. attention probabilities of this rank's
+    heads) are different tensors on each rank, so their dropout masks must differ: that stream
+    is seeded with the tensor rank. Activations outside (the replicated hidden state) must be
+    dropped identically on every tensor rank, so they use the default torch generator, which
+    is seeded identically across the tensor group.
+    """
+
+    def __init__(self, seed: int, tp_rank: int, device: torch.device):
+        self.device = torch.device(device)
+        self._state = self._fresh_state(seed + TENSOR_RNG_OFFSET + tp_rank)
+
+    def _fresh_state(self, seed: int) -> torch.Tensor:
+        saved = self._get()
+        torch.manual_seed(seed) if self.device.type == "cpu" else torch.cuda.manual_seed(seed)
+        state = self._get()
+        self._set(saved)
+        return state
+
+    def _get(self) -> torch.Tensor:
+        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(state, self.device)
+        else:
+            torch.set_rng_state(state)
+
+    def get_state(self) -> torch.Tensor:
+        return self._state.clone()
+
+    def set_state(self, state: torch.Tensor) -> None:
+        self._state = state.clone()
+
+    @contextlib.contextmanager
+    def fork(self):
+        """Run the body with the tensor-parallel stream, then restore the default stream."""
+        default = self._get()
+        self._set(self._state)
+        try:
+            yield
+        finally:
+            self._state = self._get()
+            self._set(default)
+
+
+def seed_everything(seed: int, pp_rank: int) -> None:
+    """Default generator: same across tensor and data ranks, distinct per pipeline stage."""
+    torch.manual_seed(seed + 100 * pp_rank)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed + 100 * pp_rank)
+
+
+def scaled_std(std: float, num_layers: int) -> float:
+    """Output projections get std / sqrt(2 L) so the residual stream's variance stays flat."""
+    return std / math.sqrt(2.0 * num_layers)

@@ -1,0 +1,48 @@
+"""Process-group start-up: one rank per process, as launched by torchrun.
+
+Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (torchrun
+sets them); gloo on CPU, NCCL on GPU. Every collective gets `timeout_s` so a dead peer ends
+the job with an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ptdp.config import Config
+from ptdp.parallel.grid import RankGrid
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device=cuda but no CUDA device is visible")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: Config) -> tuple[RankGrid, torch.device]:
+    """Initialise torch.distributed (if not yet) and build the rank grid for cfg.parallel."""
+    device = pick_device(cfg.train.device)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s),
+                                **({"device_id": device} if device.type == "cuda" else {}))
+    par = cfg.parallel
+    grid = RankGrid(par.pipeline, par.tensor, par.data, timeout_s=cfg.train.timeout_s)
+    return grid, device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

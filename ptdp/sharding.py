@@ -1,0 +1,57 @@
+"""Whole-model views of sharded parameters: gather shards into full tensors, slice them back.
+
+A parameter split over the tensor group carries `tp_split_dim`; vocabulary-sized ones carry
+`vocab_padded` (their padding rows depend on t, so full tensors are trimmed to the real
+vocabulary). With these two facts any layout's shards convert to and from the layout-free
+single-process tensors, which is what the equivalence tests compare and what resharding uses.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def full_tensor(param: torch.Tensor, value: torch.Tensor, tp, vocab_size: int) -> torch.Tensor:
+    """All-gather `value` (the param or its grad) over the tensor group; trim vocab padding."""
+    dim = getattr(param, "tp_split_dim", None)
+    if dim is not None and tp.size > 1:
+        parts = [torch.empty_like(value) for _ in range(tp.size)]
+        dist.all_gather(parts, value.contiguous(), group=tp.group)
+        value = torch.cat(parts, dim=dim)
+    if getattr(param, "vocab_padded", False):
+        value = value[:vocab_size]
+    return value.detach().clone()
+
+
+def local_slice(param: torch.Tensor, full: torch.Tensor, tp, padded_vocab: int) -> torch.Tensor:
+    """The inverse of `full_tensor`: pad the vocabulary, then take this rank's shard."""
+    if getattr(param, "vocab_padded", False) and full.shape[0] < padded_vocab:
+        pad = torch.zeros((padded_vocab - full.shape[0],) + tuple(full.shape[1:]), dtype=full.dtype)
+        full = torch.cat([full, pad])
+    dim = getattr(param, "tp_split_dim", None)
+    if dim is not None and tp.size > 1:
+        full = full.chunk(tp.size, dim=dim)[tp.rank]
+    return full
+
+
+def gather_full_state(named_params, tp, vocab_size: int, grads: bool = False) -> dict:
+    """{global name: full fp32 CPU tensor} for the whole model, on every rank.
+
+    `named_params` yields (global name, parameter) for this rank's chunks. Duplicates (the last
+    stage's tied embedding copy) are skipped. Meant for tests and conversion, not hot paths.
+    """
+    mine = {}
+    for name, param in named_params:
+        if getattr(param, "duplicate", False):
+            continue
+        value = param.grad if grads else param
+        if value is None:
+            value = torch.zeros_like(param)
+        mine[name] = full_tensor(param, value, tp, vocab_size).float().cpu()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    full = {}
+    for part in gathered:
+        full.update(part)
+    return full
