@@ -1,0 +1,55 @@
+"""Blending several datasets by weight into one map-style dataset.
+
+Sample i of the blend comes from the dataset whose share of the first i + 1 samples is
+furthest behind its weight, so every prefix of the blend matches the weights to within one
+sample per dataset (no sampling noise, nothing random to seed). Each dataset's own samples are
+taken in order and wrap around when a heavily weighted small dataset runs out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def blend_index(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dataset id, sample id within it) for each of `size` blended samples.
+
+    Dataset k's n-th sample is placed at "time" (n + 1/2) / w_k; sorting all those times
+    interleaves the datasets so that counts track w_k * i (Sainte-Lague apportionment).
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 1 or w.size == 0 or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"blend weights must be non-negative and not all zero, got {weights}")
+    w = w / w.sum()
+    times, owner, nth = [], [], []
+    for k, wk in enumerate(w):
+        if wk == 0:
+            continue
+        n = np.arange(int(np.ceil(wk * size)) + 1)
+        times.append((n + 0.5) / wk)
+        owner.append(np.full(n.size, k))
+        nth.append(n)
+    order = np.argsort(np.concatenate(times), kind="stable")[:size]
+    return np.concatenate(owner)[order], np.concatenate(nth)[order]
+
+
+class BlendedDataset:
+    """Datasets mixed by normalised weight; length = the sum of the parts' lengths."""
+
+    def __init__(self, datasets: list, weights: list[float], size: int | None = None):
+        if len(datasets) != len(weights):
+            raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
+        for ds, w in zip(datasets, weights):
+            if w > 0 and len(ds) == 0:
+                raise ValueError(f"cannot blend an empty dataset with weight {w}: {ds!r}")
+        self.datasets = datasets
+        self.weights = [float(w) for w in weights]
+        self.size = sum(len(d) for d in datasets) if size is None else size
+        self.dataset_index, self.sample_index = blend_index(self.weights, self.size)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int):
+        ds = self.datasets[int(self.dataset_index[i])]
+        return ds[int(self.sample_index[i]) % len(ds)]

@@ -1,0 +1,116 @@
+"""`build_datasets(cfg)`: the trainer's entry point for `data.source: indexed`.
+
+Opens every prefix in `data.paths`, checks that the data, the tokenizer and the model agree
+on the vocabulary, splits each dataset's documents by `data.split`, builds GPT or BERT
+samples per split and blends several prefixes by weight.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ptdp.config import Config, ConfigError
+from ptdp.data.bert_dataset import BertDataset
+from ptdp.data.blend import BlendedDataset
+from ptdp.data.gpt_dataset import GPTDataset
+from ptdp.data.indexed import IndexedDataError, IndexedDataset
+
+SPLITS = ("train", "valid", "test")
+
+
+def parse_paths(paths: list) -> list[tuple[float, str]]:
+    """`[prefix]` or `[weight, prefix, weight, prefix, ...]` -> [(weight, prefix), ...]."""
+    if len(paths) == 1:
+        return [(1.0, str(paths[0]))]
+    if len(paths) == 0 or len(paths) % 2:
+        raise ConfigError(f"data.paths must be [prefix] or [weight, prefix, weight, prefix, ...], "
+                          f"got {paths}")
+    pairs = []
+    for weight, prefix in zip(paths[::2], paths[1::2]):
+        try:
+            w = float(weight)
+        except (TypeError, ValueError):
+            raise ConfigError(f"data.paths: expected a weight before '{prefix}', got {weight!r}") from None
+        if w < 0:
+            raise ConfigError(f"data.paths: weight of '{prefix}' is negative ({w})")
+        pairs.append((w, str(prefix)))
+    if sum(w for w, _ in pairs) <= 0:
+        raise ConfigError(f"data.paths: the weights must not all be zero, got {paths}")
+    return pairs
+
+
+def split_bounds(split: str, num_docs: int) -> list[tuple[int, int]]:
+    """'98,1,1' -> document ranges [(0, a), (a, b), (b, num_docs)] in proportion."""
+    try:
+        ratios = [float(x) for x in str(split).replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"data.split must be comma-separated numbers like 98,1,1, got {split!r}") from None
+    if not 1 <= len(ratios) <= 3 or min(ratios) < 0 or sum(ratios) <= 0:
+        raise ConfigError(f"data.split must be up to three non-negative ratios (train,valid,test) "
+                          f"with a positive sum, got {split!r}")
+    ratios += [0.0] * (3 - len(ratios))
+    edges = np.round(np.cumsum([0.0] + ratios) / sum(ratios) * num_docs).astype(int)
+    return [(int(edges[k]), int(edges[k + 1])) for k in range(3)]
+
+
+def check_vocab(cfg: Config, datasets: list[IndexedDataset]) -> None:
+    """Data, tokenizer and model must agree on the vocabulary; errors name the files."""
+    first = datasets[0]
+    for ds in datasets[1:]:
+        if (ds.vocab_size, ds.meta.get("tokenizer_fingerprint")) != \
+                (first.vocab_size, first.meta.get("tokenizer_fingerprint")):
+            raise IndexedDataError(f"{ds.idx_path} and {first.idx_path} were tokenised with "
+                                   f"different vocabularies; blend only data from one tokenizer")
+    if cfg.data.tokenizer:
+        from ptdp.data.tokenizer import Tokenizer
+
+        tok = Tokenizer(cfg.data.tokenizer)
+        data_fp = first.meta.get("tokenizer_fingerprint")
+        if tok.vocab_size != first.vocab_size or (data_fp and data_fp != tok.fingerprint):
+            raise IndexedDataError(
+                f"tokenizer {tok.path} (vocab_size {tok.vocab_size}, fingerprint {tok.fingerprint}) "
+                f"does not match the vocabulary {first.idx_path} was tokenised with (vocab_size "
+                f"{first.vocab_size}, fingerprint {data_fp}, tokenizer "
+                f"{first.meta.get('tokenizer', 'unknown')}); point data.tokenizer at that model "
+                f"or re-run `ptdp preprocess` with this one")
+    if cfg.model.vocab_size < first.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary "
+                          f"of {first.idx_path} ({first.vocab_size}); set "
+                          f"model.vocab_size={first.vocab_size}")
+
+
+def _split_dataset(cfg: Config, indexed: IndexedDataset, bounds: tuple[int, int], name: str):
+    m = cfg.model
+    if m.arch == "bert":
+        return BertDataset(indexed, *bounds, seq_length=m.seq_length, seed=cfg.train.seed,
+                           mask_prob=cfg.data.mask_prob, name=name)
+    return GPTDataset(indexed, *bounds, seq_length=m.seq_length, seed=cfg.train.seed, name=name)
+
+
+def _combine(parts: list, weights: list[float]):
+    """One dataset as is; several blended, leaving out those with no samples in this split."""
+    if len(parts) == 1:
+        return parts[0]
+    kept = [(p, w) for p, w in zip(parts, weights) if len(p) > 0 and w > 0]
+    if not kept:
+        return parts[0]  # empty; indexing it raises an error that names the split
+    return BlendedDataset([p for p, _ in kept], [w for _, w in kept])
+
+
+def build_datasets(cfg: Config) -> dict:
+    """{'train', 'valid', 'test'} map-style datasets of numpy sample dicts (see gpt/bert_dataset)."""
+    pairs = parse_paths(cfg.data.paths)
+    indexed = [IndexedDataset(prefix) for _, prefix in pairs]
+    check_vocab(cfg, indexed)
+    per_split: dict[str, list] = {name: [] for name in SPLITS}
+    for ds in indexed:
+        for name, bounds in zip(SPLITS, split_bounds(cfg.data.split, ds.num_documents)):
+            per_split[name].append(_split_dataset(cfg, ds, bounds, name))
+    weights = [w for w, _ in pairs]
+    out = {name: _combine(parts, weights) for name, parts in per_split.items()}
+    if len(out["train"]) == 0:
+        raise IndexedDataError(
+            f"the train split of {', '.join(p for _, p in pairs)} has no samples: too few tokens "
+            f"(or, for BERT, no documents with two sentences) for model.seq_length="
+            f"{cfg.model.seq_length} and data.split={cfg.data.split}")
+    return out
