@@ -134,8 +134,9 @@ def train_tokenizer(input_path: str | os.PathLike, model_prefix: str | os.PathLi
 
     if model_type not in ("bpe", "unigram"):
         raise ValueError(f"tokenizer type must be bpe or unigram, got {model_type!r}")
+    if not Path(input_path).is_file():
+        raise FileNotFoundError(f"input not found: {input_path}")
     Path(model_prefix).parent.mkdir(parents=True, exist_ok=True)
-    log = None if verbose else open(os.devnull, "w")
     try:
         spm.SentencePieceTrainer.Train(
             sentence_iterator=_training_lines(input_path, json_key),
@@ -143,10 +144,7 @@ def train_tokenizer(input_path: str | os.PathLike, model_prefix: str | os.PathLi
             control_symbols=list(SPECIAL_TOKENS), bos_id=-1, eos_id=-1, pad_id=-1, unk_id=0,
             byte_fallback=True, split_digits=True, character_coverage=0.9995,
             input_sentence_size=max_sentences, shuffle_input_sentence=True,
-            num_threads=os.cpu_count() or 1, logstream=log)
+            num_threads=os.cpu_count() or 1, minloglevel=0 if verbose else 2)
     except RuntimeError as err:
         raise TokenizerError(f"sentencepiece could not train on {input_path}: {err}") from err
-    finally:
-        if log is not None:
-            log.close()
     return Tokenizer(f"{model_prefix}.model")
