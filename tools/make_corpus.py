@@ -96,12 +96,16 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
                 count += 1
                 chars += len(record["text"])
-        os.replace(tmp, out)  # never leave a half-written corpus under the real name
+        if count:
+            os.replace(tmp, out)  # never leave a half-written corpus under the real name
     finally:
         tmp.unlink(missing_ok=True)
+    if not count:
+        print(f"error: no docstrings found under {args.stdlib_dir}", file=sys.stderr)
+        return 1
     print(f"wrote {count} documents ({chars / 1e6:.1f} M characters) to {out} "
           f"in {time.perf_counter() - start:.1f} s")
-    return 0 if count else 1
+    return 0
 
 
 if __name__ == "__main__":
