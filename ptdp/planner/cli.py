@@ -1,0 +1,182 @@
+"""`ptdp plan` and `ptdp profile`. No torch import here: planning must stay fast.
+
+Bad input (unknown hardware, impossible --fix, GPU counts that do not divide) prints one
+line naming the problem and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from ptdp.config import ConfigError, config_from_dict, validate_model
+from ptdp.planner.compute import BYTES, ModelShape
+from ptdp.planner.cost_model import SCHEDULES, Workload
+from ptdp.planner.errors import PlanError
+from ptdp.planner.formulas import parameter_count
+from ptdp.planner.hardware import load_hardware
+from ptdp.planner.report import format_result, result_dict, trainer_config
+from ptdp.planner.search import STRICT_SCHEDULES, parse_fix, search
+
+
+def register(subparsers) -> None:
+    plan = subparsers.add_parser(
+        "plan", help="pick (p, t, d, v, b, schedule, recompute) for a model and cluster",
+        description="Search every valid PTD-P layout with the closed-form cost model and rank "
+                    "them by predicted step time.")
+    plan.add_argument("model", help="YAML with a model: section (other sections are kept)")
+    plan.add_argument("--hardware", required=True,
+                      help="profile name in configs/hardware (e.g. a100-80gb) or a YAML path")
+    plan.add_argument("--nodes", type=int, default=1)
+    plan.add_argument("--gpus-per-node", type=int, default=None,
+                      help="default: the hardware profile's")
+    plan.add_argument("--gpus", type=int, default=None,
+                      help="total GPUs instead of --nodes (a multiple of --gpus-per-node)")
+    plan.add_argument("--global-batch-size", type=int, default=None,
+                      help="B; default: train.global_batch_size from the YAML")
+    plan.add_argument("--precision", choices=sorted(BYTES), default=None,
+                      help="default: the hardware profile's")
+    plan.add_argument("--fix", default=None,
+                      help="pin choices, e.g. p=8,t=8,b=1,v=2,schedule=interleaved,"
+                           "recompute=full,sg=true")
+    plan.add_argument("--allow-2bw", action="store_true",
+                      help="also consider PipeDream-2BW (relaxed, 1-stale weight updates)")
+    plan.add_argument("--attention", choices=("flash", "materialized"), default=None,
+                      help="attention kernel memory/time model; default: the profile's")
+    plan.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.add_argument("--write-config", metavar="OUT.yaml", default=None,
+                      help="write the best layout as a config `ptdp train` runs unchanged")
+    plan.set_defaults(func=run_plan)
+
+    prof = subparsers.add_parser(
+        "profile", help="measure layer times and bandwidths here; write a hardware profile",
+        description="Measure per-layer forward/backward time, activation and weight bytes at "
+                    "several micro-batch sizes on this device, and collective/p2p bandwidth "
+                    "between local ranks; write a hardware profile for `ptdp plan`.")
+    prof.add_argument("model", help="YAML with a model: section (the shape to measure)")
+    prof.add_argument("--out", required=True, help="profile YAML to write")
+    prof.add_argument("--name", default=None, help="profile name (default: the file's stem)")
+    prof.add_argument("--micro-batches", default="1,2,4", help="comma-separated b values")
+    prof.add_argument("--tensor", default="1,2", help="comma-separated t values to shard for")
+    prof.add_argument("--ranks", type=int, default=2, help="local ranks for bandwidth tests")
+    prof.add_argument("--threads", type=int, default=1,
+                      help="torch threads per process (match the trainer's ranks)")
+    prof.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    prof.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    prof.add_argument("--iters", type=int, default=5, help="timed repetitions per point")
+    prof.set_defaults(func=run_profile)
+
+
+def _fail(command: str, err: Exception) -> int:
+    print(f"ptdp {command}: error: {err}", file=sys.stderr)
+    return 2
+
+
+def load_model_yaml(path: str) -> tuple[dict, object]:
+    """(raw YAML dict, Config) for a file that may hold only a model: section."""
+    p = Path(path)
+    if not p.is_file():
+        raise PlanError(f"model file not found: {path}")
+    try:
+        raw = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise PlanError(f"{path}: not valid YAML: {err}") from err
+    cfg = config_from_dict(raw, str(path))
+    model_raw = raw.get("model") or {}
+    if model_raw.get("ffn_hidden_size") is None:
+        # ptdp.config fills the default 4h from the *default* hidden size before the YAML's
+        # hidden_size is applied; state the intended default explicitly.
+        cfg.model.ffn_hidden_size = 4 * cfg.model.hidden_size
+        raw = {**raw, "model": {**model_raw, "ffn_hidden_size": cfg.model.ffn_hidden_size}}
+    validate_model(cfg.model)
+    return raw, cfg
+
+
+def _cluster(args, hw) -> tuple[int, int]:
+    """(total GPUs, GPUs per node) from --nodes/--gpus/--gpus-per-node."""
+    per_node = args.gpus_per_node or hw.gpus_per_node
+    if per_node < 1 or args.nodes < 1:
+        raise PlanError("--nodes and --gpus-per-node must be positive")
+    if args.gpus is None:
+        return args.nodes * per_node, per_node
+    if args.gpus < 1:
+        raise PlanError("--gpus must be positive")
+    if args.gpus > per_node and args.gpus % per_node:
+        raise PlanError(f"--gpus {args.gpus} is not a whole number of {per_node}-GPU nodes")
+    return args.gpus, min(per_node, args.gpus)
+
+
+def _global_batch(args, raw: dict, cfg) -> int:
+    if args.global_batch_size is not None:
+        batch = args.global_batch_size
+    elif "global_batch_size" in ((raw.get("train") or {})):
+        batch = cfg.train.global_batch_size
+    else:
+        raise PlanError("--global-batch-size is required (the YAML has no train.global_batch_size)")
+    if batch < 1:
+        raise PlanError(f"--global-batch-size must be positive, got {batch}")
+    return batch
+
+
+def run_plan(args) -> int:
+    try:
+        return _plan(args)
+    except (PlanError, ConfigError) as err:
+        return _fail("plan", err)
+
+
+def _plan(args) -> int:
+    raw, cfg = load_model_yaml(args.model)
+    hw = load_hardware(args.hardware)
+    gpus, per_node = _cluster(args, hw)
+    batch = _global_batch(args, raw, cfg)
+    precision = args.precision or hw.default_precision
+    hw.peak_flops(precision)  # fails early, naming the precisions the profile knows
+    if args.top < 1:
+        raise PlanError("--top must be at least 1")
+    fixed = parse_fix(args.fix)
+    schedules = SCHEDULES if args.allow_2bw or fixed.get("schedule") == "2bw" else STRICT_SCHEDULES
+    shape = ModelShape.from_config(cfg.model)
+    work = Workload(shape, batch, precision, per_node)
+    result = search(hw, work, gpus, fixed, attention=args.attention, schedules=schedules)
+    if not result.ranked:
+        reasons = "; ".join(f"{cat} ({n}, e.g. {result.rejected.examples[cat]})"
+                            for cat, n in result.rejected.counts.items()) or "no candidates"
+        raise PlanError(f"no layout of {gpus} GPUs fits"
+                        f"{' with --fix ' + args.fix if args.fix else ''}: {reasons}")
+    m = cfg.model
+    params = parameter_count(m.num_layers, m.hidden_size, m.vocab_size, m.seq_length)
+    if args.json:
+        header = {"model": {"arch": m.arch, "parameters": params, "num_layers": m.num_layers,
+                            "hidden_size": m.hidden_size, "num_heads": m.num_heads,
+                            "seq_length": m.seq_length, "vocab_size": m.vocab_size},
+                  "hardware": hw.name, "gpus": gpus, "gpus_per_node": per_node,
+                  "global_batch_size": batch}
+        print(json.dumps(result_dict(result, header, precision, args.top), indent=2))
+    else:
+        title = (f"{m.arch} {params / 1e9:.1f}B parameters ({m.num_layers} layers, "
+                 f"h={m.hidden_size}, {m.num_heads} heads, s={m.seq_length}, V={m.vocab_size}) "
+                 f"on {gpus} x {hw.name} ({gpus // per_node} node(s) x {per_node}), "
+                 f"B={batch}, {precision}")
+        print(format_result(result, title, args.top))
+        if schedules == STRICT_SCHEDULES:
+            print("(2bw not considered: it changes the weight-update rule; --allow-2bw to include)")
+    if args.write_config:
+        out = trainer_config(raw, result.best, batch, precision)
+        Path(args.write_config).write_text(yaml.safe_dump(out, sort_keys=False))
+        if not args.json:
+            print(f"wrote {args.write_config}")
+    return 0
+
+
+def run_profile(args) -> int:
+    try:
+        from ptdp.planner import profiler  # torch is imported only here
+        return profiler.main(args)
+    except (PlanError, ConfigError) as err:
+        return _fail("profile", err)

@@ -1,0 +1,76 @@
+"""Where each communication runs (NVLink or network) and how long a collective takes.
+
+Rank placement follows ptdp.parallel.grid: the rank array is reshaped to (p, d, t), so
+tensor-parallel groups are t consecutive ranks, data-parallel peers are t apart and pipeline
+neighbours are t*d apart. With G GPUs per node a group stays on one node when its span fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ptdp.planner.hardware import HardwareProfile
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float   # bytes/s achievable by one GPU
+    latency: float     # seconds per message / ring step
+    intra_node: bool
+
+
+def intra_link(hw: HardwareProfile) -> Link:
+    return Link(hw.intra_node_bandwidth_GBps * 1e9 * hw.efficiency.collective,
+                hw.intra_node_latency_us * 1e-6, True)
+
+
+def inter_link(hw: HardwareProfile, members_per_node: int = 1) -> Link:
+    """A group that leaves the node. Its k members on one node share the node's NICs with
+    the node's other G/k groups, which run the same collective at the same time. A ring
+    crosses the node boundary once per channel, so the group's bus bandwidth is the NIC
+    share k/G of the node's aggregate (e.g. t=8 on DGX A100: 1 NIC, 25 GB/s; t=1: all 8)."""
+    share = min(hw.nics_per_node, hw.gpus_per_node) * members_per_node / hw.gpus_per_node
+    bandwidth = min(hw.inter_node_bandwidth_GBps * share, hw.intra_node_bandwidth_GBps)
+    return Link(bandwidth * 1e9 * hw.efficiency.collective, hw.inter_node_latency_us * 1e-6, False)
+
+
+def group_link(hw: HardwareProfile, span: int, gpus_per_node: int, members_per_node: int = 1) -> Link:
+    """A group whose ranks lie within `span` consecutive ranks."""
+    return intra_link(hw) if span <= gpus_per_node else inter_link(hw, members_per_node)
+
+
+def tensor_link(hw, t: int, gpus_per_node: int) -> Link:
+    return group_link(hw, t, gpus_per_node, min(t, gpus_per_node))
+
+
+def data_link(hw, t: int, d: int, gpus_per_node: int) -> Link:
+    """Data-parallel peers are t ranks apart: max(1, G/t) of them share a node."""
+    return group_link(hw, t * d, gpus_per_node, max(1, min(d, gpus_per_node // t)))
+
+
+def pipeline_link(hw, t: int, d: int, p: int, gpus_per_node: int) -> Link:
+    """The slowest stage boundary: on the network as soon as the pipeline leaves one node,
+    where every GPU of the node sends to its peer at once (one NIC share each)."""
+    link = group_link(hw, t * d * p, gpus_per_node)
+    p2p = (hw.measured or {}).get("p2p")
+    if link.intra_node and p2p:  # a profile measured on this machine knows its own p2p rate
+        return Link(p2p["bandwidth_GBps"] * 1e9, p2p["latency_us"] * 1e-6, True)
+    return link
+
+
+def all_reduce_time(n: int, nbytes: float, link: Link) -> float:
+    """Ring all-reduce: every rank sends and receives 2(n-1)/n of the buffer."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+
+
+def all_gather_time(n: int, nbytes_total: float, link: Link) -> float:
+    """Ring all-gather of a buffer of `nbytes_total` (each rank holds 1/n of it)."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes_total / link.bandwidth + (n - 1) * link.latency
+
+
+def p2p_time(nbytes: float, link: Link) -> float:
+    return nbytes / link.bandwidth + link.latency

@@ -1,0 +1,191 @@
+"""Compute time of one tensor-parallel shard of a transformer layer, the embedding and the head.
+
+Two sources, in order of preference:
+1. the profile's `measured` table (from `ptdp profile`), when it holds this exact shape;
+   times are interpolated linearly in the micro-batch size;
+2. an analytic roofline per kernel: GEMMs at an efficiency that depends on their shape
+   (see `hardware.Efficiency`), attention kernels, memory-bound elementwise kernels, and a
+   launch cost per kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ptdp.planner.hardware import HardwareProfile
+
+BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model dimensions the cost model needs (hashable, so costs can be cached)."""
+
+    arch: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    seq: int
+    vocab: int          # the tokenizer's vocabulary; padded per t where GEMMs see it
+    dropout: bool
+
+    @classmethod
+    def from_config(cls, m) -> "ModelShape":
+        return cls(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.ffn_hidden_size,
+                   m.seq_length, m.vocab_size, m.dropout > 0)
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Seconds for one micro-batch through one layer shard (no communication)."""
+
+    forward: float
+    backward: float
+    attention_forward: float   # the core attention part of `forward` (selective recompute)
+
+
+@dataclass(frozen=True)
+class HeadTimes:
+    """Embedding on the first stage; final LayerNorm + logits + loss on the last."""
+
+    embed_forward: float
+    embed_backward: float
+    head_forward: float
+    head_backward: float
+
+
+def _sat(x: float, half: float) -> float:
+    return x / (x + half)
+
+
+def gemm_time(hw: HardwareProfile, precision: str, m: float, n: float, k: float,
+              count: float = 1.0) -> float:
+    """`count` independent [m,k]x[k,n] GEMMs (a batched GEMM when count > 1)."""
+    eff = hw.efficiency
+    shape_eff = _sat(m, eff.gemm_half_dim) * _sat(n, eff.gemm_half_dim) * _sat(k, eff.gemm_half_dim)
+    flops = 2.0 * m * n * k * count
+    compute = flops / (hw.peak_flops(precision) * eff.gemm_max * shape_eff)
+    traffic = (m * k + k * n + m * n) * count * BYTES[precision]
+    memory = traffic / (hw.memory_bandwidth_GBps * 1e9 * eff.memory)
+    return max(compute, memory) + eff.kernel_launch_us * 1e-6
+
+
+def elementwise_time(hw: HardwareProfile, nbytes: float, kernels: int) -> float:
+    eff = hw.efficiency
+    return nbytes / (hw.memory_bandwidth_GBps * 1e9 * eff.memory) + kernels * eff.kernel_launch_us * 1e-6
+
+
+def _attention_times(hw, precision, shape: ModelShape, b: int, t: int, attention: str):
+    """Forward and backward seconds of softmax(QK^T)V for the rank's heads."""
+    s, dh = shape.seq, shape.hidden // shape.heads
+    heads = b * shape.heads / t
+    e = BYTES[precision]
+    if attention == "flash":
+        # One fused kernel; backward recomputes scores and does 5 matmuls against 2 -> 2.5x.
+        eff = hw.efficiency
+        shape_eff = _sat(s, eff.gemm_half_dim) * _sat(dh, eff.gemm_half_dim)
+        flops = 4.0 * s * s * dh * heads
+        fwd = flops / (hw.peak_flops(precision) * eff.gemm_max * eff.attention * shape_eff)
+        fwd += eff.kernel_launch_us * 1e-6
+        return fwd, 2.5 * fwd
+    scores = gemm_time(hw, precision, s, s, dh, heads) + gemm_time(hw, precision, s, dh, s, heads)
+    # fused scale+mask+softmax (+dropout): read and write the [b, a/t, s, s] scores.
+    softmax = elementwise_time(hw, 2 * heads * s * s * e, 1 + shape.dropout)
+    return scores + softmax, 2 * scores + 2 * softmax
+
+
+def _analytic_layer(hw, precision, shape: ModelShape, b: int, t: int, attention: str) -> LayerTimes:
+    s, h, f = shape.seq, shape.hidden, shape.ffn
+    tokens = b * s
+    e = BYTES[precision]
+    gemms = [(tokens, 3 * h / t, h), (tokens, h, h / t), (tokens, f / t, h), (tokens, h, f / t)]
+    fwd_gemm = sum(gemm_time(hw, precision, m, n, k) for m, n, k in gemms)
+    # Backward: data gradient [m,n]x[n,k] and weight gradient [k,m]x[m,n] per forward GEMM.
+    bwd_gemm = sum(gemm_time(hw, precision, m, k, n) + gemm_time(hw, precision, k, n, m)
+                   for m, n, k in gemms)
+    attn_fwd, attn_bwd = _attention_times(hw, precision, shape, b, t, attention)
+    # Elementwise traffic (elements): 2 LayerNorms 4sbh, 2 bias+dropout+residual 6sbh,
+    # bias+GeLU 2sf/t, head split/merge copies 8sh/t per token; backward moves about twice.
+    elems = tokens * (10 * h + 2 * f / t + 8 * h / t)
+    fwd_elem = elementwise_time(hw, elems * e, 10)
+    bwd_elem = elementwise_time(hw, 2 * elems * e, 20)
+    return LayerTimes(forward=fwd_gemm + attn_fwd + fwd_elem,
+                      backward=bwd_gemm + attn_bwd + bwd_elem,
+                      attention_forward=attn_fwd)
+
+
+def _analytic_head(hw, precision, shape: ModelShape, b: int, t: int, vocab_padded: int) -> HeadTimes:
+    tokens, h = b * shape.seq, shape.hidden
+    e = BYTES[precision]
+    embed_fwd = elementwise_time(hw, 3 * tokens * h * e, 3)         # gather + position add
+    embed_bwd = elementwise_time(hw, 3 * tokens * h * e, 3)         # scatter-add into the table
+    logits = gemm_time(hw, precision, tokens, vocab_padded / t, h)
+    logits_bwd = (gemm_time(hw, precision, tokens, h, vocab_padded / t)
+                  + gemm_time(hw, precision, h, vocab_padded / t, tokens))
+    # Cross-entropy in fp32 over [s, b, V/t]: max, exp-sum, loss forward; softmax-grad backward.
+    ce_bytes = tokens * vocab_padded / t * 4
+    layer_norm = elementwise_time(hw, 2 * tokens * h * e, 1)
+    head_fwd = logits + layer_norm + elementwise_time(hw, 3 * ce_bytes, 4)
+    head_bwd = logits_bwd + 2 * layer_norm + elementwise_time(hw, 2 * ce_bytes, 2)
+    return HeadTimes(embed_fwd, embed_bwd, head_fwd, head_bwd)
+
+
+# --------------------------------------------------------------------------------------------
+# Measured profiles
+# --------------------------------------------------------------------------------------------
+
+def _interpolate(points: list[tuple[int, float]], b: int) -> float:
+    """Piecewise-linear in b through the measured points, extended linearly past the ends
+    (per-sample cost is close to constant for large b)."""
+    points = sorted(points)
+    if len(points) == 1:
+        b0, y0 = points[0]
+        return y0 * b / b0
+    i = 0
+    while i < len(points) - 2 and b > points[i + 1][0]:
+        i += 1
+    (b0, y0), (b1, y1) = points[i], points[i + 1]
+    return max(y0 + (y1 - y0) * (b - b0) / (b1 - b0), 1e-9)
+
+
+def _measured_rows(hw: HardwareProfile, table: str, match: dict) -> list[dict]:
+    rows = (hw.measured or {}).get(table) or []
+    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+
+
+def _measured_layer(hw, precision, shape: ModelShape, b: int, t: int) -> LayerTimes | None:
+    rows = _measured_rows(hw, "layers", dict(hidden=shape.hidden, heads=shape.heads,
+                                             ffn=shape.ffn, seq=shape.seq, tensor=t,
+                                             precision=precision))
+    if not rows:
+        return None
+    fwd = _interpolate([(r["micro_batch"], r["forward_s"]) for r in rows], b)
+    bwd = _interpolate([(r["micro_batch"], r["backward_s"]) for r in rows], b)
+    share = [(r["micro_batch"], r.get("attention_forward_s", 0.0)) for r in rows]
+    return LayerTimes(fwd, bwd, _interpolate(share, b) if any(y for _, y in share) else 0.2 * fwd)
+
+
+def _measured_head(hw, precision, shape: ModelShape, b: int, t: int, vocab_padded: int):
+    rows = _measured_rows(hw, "heads", dict(hidden=shape.hidden, seq=shape.seq, tensor=t,
+                                            vocab=vocab_padded, precision=precision))
+    if not rows:
+        return None
+    pick = lambda key: _interpolate([(r["micro_batch"], r[key]) for r in rows], b)  # noqa: E731
+    return HeadTimes(pick("embed_forward_s"), pick("embed_backward_s"),
+                     pick("head_forward_s"), pick("head_backward_s"))
+
+
+@lru_cache(maxsize=65536)
+def layer_times(hw: HardwareProfile, precision: str, shape: ModelShape, b: int, t: int,
+                attention: str) -> LayerTimes:
+    return (_measured_layer(hw, precision, shape, b, t)
+            or _analytic_layer(hw, precision, shape, b, t, attention))
+
+
+@lru_cache(maxsize=65536)
+def head_times(hw: HardwareProfile, precision: str, shape: ModelShape, b: int, t: int,
+               vocab_padded: int) -> HeadTimes:
+    return (_measured_head(hw, precision, shape, b, t, vocab_padded)
+            or _analytic_head(hw, precision, shape, b, t, vocab_padded))

@@ -1,0 +1,226 @@
+"""Closed-form prediction of one training iteration: step time, TFLOP/s, memory, bubble.
+
+Assumptions (each one a place where reality can differ; `ptdp profile` + validation measure
+how much):
+
+Compute (compute.py)
+  * Every rank of a pipeline stage does the same work; a stage holds l/p layers (l/(p*v) per
+    chunk). The first stage also embeds, the last also runs the final LayerNorm, the
+    logits GEMM and a vocab-parallel cross-entropy. No load balancing of those extras.
+  * Kernel times come from the profile's measurements when it has this exact shape, else
+    from a roofline per kernel: GEMMs at peak * gemm_max * sat(M) sat(N) sat(K) with
+    sat(x) = x / (x + gemm_half_dim) (small GEMMs, e.g. from large t or small b, run less
+    efficiently), attention kernels at a further `attention` factor, elementwise kernels at
+    `memory` x HBM bandwidth, plus a launch cost per kernel.
+  * Backward = data-gradient + weight-gradient GEMMs (2x forward FLOPs). Recomputation
+    re-runs the forward of every layer ("full", the paper's 4/3 c_extra, L2740) or only the
+    attention core ("selective").
+
+Communication (comm.py)
+  * Ranks are laid out (p, d, t) with t fastest: a group is on NVLink when its span of
+    consecutive ranks fits in a node, else on the network at the node's per-GPU share of
+    its NICs. Collectives are rings: all-reduce moves 2(n-1)/n of the buffer, i.e. the
+    8bsh(t-1)/t per layer of L3800 for tensor parallelism (2 all-reduces forward, 2
+    backward, 2 more in a full recompute). Tensor-parallel communication never overlaps.
+  * Pipeline: per micro-batch and per chunk each rank sends b*s*h activations forward and
+    receives as many gradients (both on the critical path, x v for interleaving, L3640); with
+    scatter/gather it sends b*s*h/t over the link and all-gathers over NVLink (L4034).
+  * Data parallelism: one ring all-reduce of the rank's fp32 gradients per iteration. For
+    flushing schedules it overlaps with the last micro-batch's backward pass (buckets are
+    reduced as they fill); 2BW can hide it behind the next batch (no flush). Tied word
+    embeddings add an all-reduce between the first and last stage.
+
+Pipeline (formulas.bubble_fraction)
+  * Flushing schedules (gpipe, 1f1b, interleaved): m * T_slowest + (p-1)/v * T_mean, which
+    is (p-1)/(v*m) bubble for balanced stages (L3548, L3633). 2BW never flushes: m *
+    T_slowest. GPipe costs the same time as 1F1B but keeps m micro-batches in flight.
+
+Memory (memory.py): weights, fp32 gradients and Adam state (18 B/param mixed precision,
+  16 B fp32), 2BW's second weight version, activation stashes x the schedule's peak in-flight
+  count on the first and last pipeline ranks, transient buffers and the profile's reserve.
+
+Reporting: model TFLOP/s per GPU is Eq. 4.2's F (which counts recomputation's extra forward
+  whether or not it runs, and uses the padded vocabulary as the GEMMs do) / (step * n);
+  MFU = that / the precision's peak, so it matches the paper's "% of peak".
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ptdp.config import padded_vocab_size
+from ptdp.planner import comm
+from ptdp.planner.compute import BYTES, ModelShape, head_times, layer_times
+from ptdp.planner.formulas import bubble_fraction, model_flops_per_iteration
+from ptdp.planner.hardware import HardwareProfile
+from ptdp.planner.memory import GB, MemoryBreakdown, gpu_memory, stage_parameters
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    pipeline: int = 1
+    tensor: int = 1
+    data: int = 1
+    chunks: int = 1
+    micro_batch: int = 1
+    schedule: str = "1f1b"
+    recompute: str = "none"
+    scatter_gather: bool = False
+
+    @property
+    def gpus(self) -> int:
+        return self.pipeline * self.tensor * self.data
+
+    def micro_batches(self, global_batch: int) -> int:
+        return global_batch // (self.micro_batch * self.data)
+
+    def describe(self) -> str:
+        sg = " sg" if self.scatter_gather else ""
+        v = f" v={self.chunks}" if self.chunks > 1 else ""
+        return (f"p={self.pipeline} t={self.tensor} d={self.data}{v} b={self.micro_batch} "
+                f"{self.schedule} rc={self.recompute}{sg}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: ModelShape
+    global_batch: int
+    precision: str
+    gpus_per_node: int
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step_time_s: float
+    tflops_per_gpu: float
+    mfu: float
+    memory_gb_per_gpu: float
+    bubble_fraction: float
+    fits: bool
+    time: dict = field(default_factory=dict)      # seconds per iteration by cause
+    memory: dict = field(default_factory=dict)    # GB per GPU by kind (worst rank)
+
+    def summary(self) -> dict:
+        return {"step_time_s": self.step_time_s, "tflops_per_gpu": self.tflops_per_gpu,
+                "mfu": self.mfu, "memory_gb_per_gpu": self.memory_gb_per_gpu,
+                "bubble_fraction": self.bubble_fraction}
+
+
+@dataclass(frozen=True)
+class _RankTimes:
+    """One micro-batch through one pipeline rank (all its chunks), seconds."""
+
+    compute: float
+    recompute: float
+    tensor_comm: float
+    p2p: float
+    backward: float        # the part of `compute` that is backward (DP overlap window)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.tensor_comm + self.p2p
+
+
+def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str,
+                first: bool, last: bool) -> _RankTimes:
+    shape, prec = work.shape, work.precision
+    p, t, d, v, b = lay.pipeline, lay.tensor, lay.data, lay.chunks, lay.micro_batch
+    layers = shape.layers // p
+    lt = layer_times(hw, prec, shape, b, t, attention)
+    act_bytes = shape.seq * b * shape.hidden * BYTES[prec]
+    tp_link = comm.tensor_link(hw, t, work.gpus_per_node)
+    ar = comm.all_reduce_time(t, act_bytes, tp_link)
+    fwd, bwd = layers * lt.forward, layers * lt.backward
+    recompute = {"none": 0.0, "selective": layers * lt.attention_forward,
+                 "full": layers * lt.forward}[lay.recompute]
+    tensor_comm = layers * (6 if lay.recompute == "full" else 4) * ar
+    if first or last:
+        ht = head_times(hw, prec, shape, b, t, padded_vocab_size(shape.vocab, t))
+        if first:   # embedding lookup + its all-reduce over the vocab shards
+            fwd, bwd, tensor_comm = fwd + ht.embed_forward, bwd + ht.embed_backward, tensor_comm + ar
+        if last:    # logits input's backward all-reduce + 3 small cross-entropy reductions
+            fwd, bwd = fwd + ht.head_forward, bwd + ht.head_backward
+            tensor_comm += ar + 3 * comm.all_reduce_time(t, shape.seq * b * 4, tp_link)
+    p2p = 0.0
+    if p > 1:
+        link = comm.pipeline_link(hw, t, d, p, work.gpus_per_node)
+        if lay.scatter_gather and t > 1:
+            one_way = (comm.p2p_time(act_bytes / t, link)
+                       + comm.all_gather_time(t, act_bytes, comm.intra_link(hw)))
+        else:
+            one_way = comm.p2p_time(act_bytes, link)
+        p2p = 2 * v * one_way
+    return _RankTimes(fwd + bwd, recompute, tensor_comm, p2p, bwd)
+
+
+def _optimizer_time(hw: HardwareProfile, params: float, precision: str) -> float:
+    """Adam is memory-bound: read grads, read/write master weights and both moments, write
+    the 16-bit copy, plus a grad-norm pass and zeroing: ~38 bytes per parameter."""
+    traffic = 38.0 if BYTES[precision] < 4 else 36.0
+    return params * traffic / (hw.memory_bandwidth_GBps * 1e9 * hw.efficiency.memory)
+
+
+def _worst_memory(hw, work: Workload, lay: Layout, attention: str) -> MemoryBreakdown:
+    m = lay.micro_batches(work.global_batch)
+    kwargs = dict(p=lay.pipeline, t=lay.tensor, v=lay.chunks, m=m, b=lay.micro_batch,
+                  schedule=lay.schedule, recompute=lay.recompute, precision=work.precision,
+                  attention=attention,
+                  vocab_padded=padded_vocab_size(work.shape.vocab, lay.tensor),
+                  reserved_gb=hw.memory_reserved_gb)
+    ranks = {0, lay.pipeline - 1}
+    return max((gpu_memory(work.shape, rank=r, **kwargs) for r in ranks), key=lambda mb: mb.total)
+
+
+def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: bool = True,
+            attention: str | None = None) -> Prediction:
+    """Predict one iteration of `lay` (assumed valid: see search.check_layout)."""
+    attention = attention or hw.attention
+    shape, p, t, d, v = work.shape, lay.pipeline, lay.tensor, lay.data, lay.chunks
+    m = lay.micro_batches(work.global_batch)
+    first = _rank_times(hw, work, lay, attention, True, p == 1)
+    last = _rank_times(hw, work, lay, attention, p == 1, True) if p > 1 else first
+    middle = _rank_times(hw, work, lay, attention, False, False) if p > 2 else first
+    ranks = [first, middle, last] if p > 2 else [first, last]
+    slowest = max(ranks, key=lambda r: r.total)
+    mean = (first.total + last.total + (p - 2) * middle.total) / p if p > 1 else first.total
+    pipelined = m * slowest.total
+    flush = (p - 1) / v * mean if lay.schedule != "2bw" else 0.0
+    bubble = bubble_fraction(p, m, v) if lay.schedule != "2bw" else 0.0
+
+    vocab_padded = padded_vocab_size(shape.vocab, t)
+    params = max(stage_parameters(shape, t, p, vocab_padded, r == 0, r == p - 1) for r in {0, p - 1})
+    grad_bytes = params * 4
+    dp_total = comm.all_reduce_time(d, grad_bytes, comm.data_link(hw, t, d, work.gpus_per_node))
+    if lay.schedule == "2bw":
+        hidden = pipelined                      # no flush: overlaps the next batch's work
+    else:
+        hidden = slowest.backward if dp_overlap else 0.0
+    dp_exposed = max(0.0, dp_total - hidden)
+    embedding_sync = 0.0
+    if p > 1:   # tied word embeddings: sum the first and last stage's table gradients
+        table = vocab_padded * shape.hidden / t * 4
+        embedding_sync = comm.all_reduce_time(2, table, comm.pipeline_link(hw, t, d, p, work.gpus_per_node))
+    optimizer = _optimizer_time(hw, params, work.precision)
+    step = (pipelined + flush + dp_exposed + embedding_sync + optimizer
+            + hw.efficiency.host_overhead_s)
+
+    flops = model_flops_per_iteration(work.global_batch, shape.seq, shape.layers, shape.hidden,
+                                      vocab_padded)
+    tflops = flops / (step * lay.gpus) / 1e12
+    mem = _worst_memory(hw, work, lay, attention)
+    time = {"compute": m * slowest.compute, "recompute": m * slowest.recompute,
+            "tensor_comm": m * slowest.tensor_comm, "pipeline_p2p": m * slowest.p2p,
+            "bubble": flush, "dp_allreduce": dp_total, "dp_exposed": dp_exposed,
+            "embedding_sync": embedding_sync, "optimizer": optimizer}
+    return Prediction(layout=lay, step_time_s=step, tflops_per_gpu=tflops,
+                      mfu=tflops * 1e12 / hw.peak_flops(work.precision),
+                      memory_gb_per_gpu=mem.total / GB, bubble_fraction=bubble,
+                      fits=mem.total <= hw.memory_gb * GB, time=time, memory=mem.as_gb())
+
+
+def layout_dict(lay: Layout) -> dict:
+    return asdict(lay)

@@ -1,0 +1,127 @@
+"""Hardware profiles: datasheet numbers for GPUs, or measurements written by `ptdp profile`.
+
+A profile is a YAML file in `configs/hardware/` (or any path). Bandwidths are bytes per second
+in one direction per link (GB/s = 1e9 B/s); peaks are dense TFLOP/s per precision. The
+`efficiency` block turns datasheet peaks into achievable rates; `measured` (profiler output)
+holds per-layer timings that replace the analytic compute model when the shape matches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ptdp.planner.errors import PlanError
+
+HARDWARE_DIR = Path(os.environ.get("PTDP_HARDWARE_DIR",
+                                   Path(__file__).resolve().parents[2] / "configs" / "hardware"))
+
+
+@dataclass
+class Efficiency:
+    """Achievable fractions of datasheet rates, and the shape model for GEMMs.
+
+    A GEMM [M,K] x [K,N] runs at peak * gemm_max * sat(M) * sat(N) * sat(K), with
+    sat(x) = x / (x + gemm_half_dim): small dimensions (from large t or small b) fill the
+    machine's tiles and waves less well. Every kernel also pays `kernel_launch_us`.
+    """
+
+    gemm_max: float = 0.70            # large, well-shaped GEMMs in end-to-end training
+    gemm_half_dim: float = 24.0       # dimension at which a GEMM runs at half efficiency
+    attention: float = 0.55           # attention kernels relative to gemm efficiency
+    kernel_launch_us: float = 6.0     # per kernel; dominates only for tiny layers
+    memory: float = 0.75              # elementwise kernels' share of HBM bandwidth
+    collective: float = 0.80          # NCCL bus bandwidth / link bandwidth
+    host_overhead_s: float = 0.0      # per-iteration fixed cost (data loading, logging)
+
+
+@dataclass(eq=False)  # hashed by identity so cost functions can cache per profile
+class HardwareProfile:
+    name: str
+    memory_gb: float
+    memory_bandwidth_GBps: float
+    peak_tflops: dict
+    gpus_per_node: int
+    intra_node_bandwidth_GBps: float
+    inter_node_bandwidth_GBps: float
+    nics_per_node: int = 1
+    intra_node_latency_us: float = 5.0
+    inter_node_latency_us: float = 10.0
+    memory_reserved_gb: float = 0.0
+    default_precision: str = "bf16"
+    attention: str = "flash"          # flash | materialized (s^2 scores kept in memory)
+    device: str = "gpu"
+    source: str = "datasheet"
+    description: str = ""
+    efficiency: Efficiency = field(default_factory=Efficiency)
+    measured: dict | None = None      # written by the profiler; see ptdp/planner/profiler.py
+
+    def peak_flops(self, precision: str) -> float:
+        """Peak FLOP/s for a precision; fp32 training on tensor-core GPUs uses TF32 rates
+        only if the profile says so (key 'fp32'), so no silent upgrade happens here."""
+        if precision not in self.peak_tflops:
+            raise PlanError(f"hardware '{self.name}' has no peak for precision '{precision}' "
+                            f"(it lists {', '.join(sorted(self.peak_tflops))}); pass --precision")
+        return float(self.peak_tflops[precision]) * 1e12
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_REQUIRED = ("name", "memory_gb", "memory_bandwidth_GBps", "peak_tflops", "gpus_per_node",
+             "intra_node_bandwidth_GBps", "inter_node_bandwidth_GBps")
+
+
+def profile_from_dict(raw: dict, source: str = "profile") -> HardwareProfile:
+    if not isinstance(raw, dict):
+        raise PlanError(f"{source}: a hardware profile must be a mapping")
+    missing = [k for k in _REQUIRED if k not in raw]
+    if missing:
+        raise PlanError(f"{source}: hardware profile is missing {', '.join(missing)}")
+    known = {f.name for f in dataclasses.fields(HardwareProfile)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise PlanError(f"{source}: unknown hardware key(s) {', '.join(unknown)}")
+    values = dict(raw)
+    eff_raw = values.pop("efficiency", None) or {}
+    eff_known = {f.name for f in dataclasses.fields(Efficiency)}
+    bad = sorted(set(eff_raw) - eff_known)
+    if bad:
+        raise PlanError(f"{source}: unknown efficiency key(s) {', '.join(bad)}")
+    profile = HardwareProfile(**values, efficiency=Efficiency(**eff_raw))
+    if profile.gpus_per_node < 1 or profile.memory_gb <= 0:
+        raise PlanError(f"{source}: gpus_per_node and memory_gb must be positive")
+    return profile
+
+
+def available_hardware() -> list[str]:
+    if not HARDWARE_DIR.is_dir():
+        return []
+    return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
+
+
+def load_hardware(name_or_path: str) -> HardwareProfile:
+    """A catalogue name ('a100-80gb') or a path to a profile YAML."""
+    path = Path(name_or_path)
+    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
+        path = HARDWARE_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = available_hardware()
+        close = difflib.get_close_matches(name_or_path, known, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise PlanError(f"unknown hardware '{name_or_path}'{hint}; known profiles: "
+                        f"{', '.join(known) or 'none'} (in {HARDWARE_DIR}), or pass a YAML path")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise PlanError(f"{path}: not valid YAML: {err}") from err
+    return profile_from_dict(raw, str(path))
+
+
+def save_hardware(profile: HardwareProfile, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))

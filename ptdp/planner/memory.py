@@ -1,0 +1,155 @@
+"""Memory per GPU: weights, gradients, optimizer state, activation stashes, buffers.
+
+Activations per layer follow the breakdown of Korthikanti et al. (Megatron "Reducing
+activation recomputation") for a pre-LN layer with t-way tensor parallelism, generalised to
+any ffn size, precision and attention kernel. Elements of e bytes each:
+
+* replicated on every tensor rank: LayerNorm inputs 2sbh, QKV and fc1 inputs 2sbh, and
+  1-byte dropout masks 2sbh when dropout > 0;
+* split by t: Q, K, V 3sbh/t, the projection input sbh/t, GeLU input and output 2sbf/t
+  (plus the attention output sbh/t that a flash kernel saves);
+* attention scores (materialized kernels only): softmax output and dropout output
+  2*a*s^2*b/t elements plus the 1-byte mask.
+
+With f = 4h, e = 2 and dropout this is the paper's sbh(34 + 5as/h) at t = 1.
+Recompute "selective" keeps everything but the attention core's internals; "full" keeps only
+each layer's input (sbh elements; checkpoints every layer, §4.3.5 "every 1 or 2 layers").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ptdp.planner.compute import BYTES, ModelShape
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffers: float       # transient working set, pipeline buffers, framework reserve
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
+
+    def as_gb(self) -> dict:
+        return {k: round(getattr(self, k) / GB, 3)
+                for k in ("weights", "gradients", "optimizer", "activations", "buffers", "total")}
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------------
+
+def layer_parameters(shape: ModelShape, t: int) -> float:
+    """Parameters of one layer held by one tensor rank."""
+    h, f = shape.hidden, shape.ffn
+    split = (3 * h * h + 3 * h) + h * h + (h * f + f) + f * h   # QKV, proj W, fc1, fc2 W
+    replicated = h + h + 4 * h                                   # proj and fc2 biases, 2 LNs
+    return split / t + replicated
+
+
+def embedding_parameters(shape: ModelShape, t: int, vocab_padded: int) -> float:
+    """Word table shard plus replicated positions (first stage); BERT adds token types."""
+    extra = 2 * shape.hidden if shape.arch == "bert" else 0
+    return vocab_padded * shape.hidden / t + shape.seq * shape.hidden + extra
+
+
+def stage_parameters(shape: ModelShape, t: int, p: int, vocab_padded: int, first: bool,
+                     last: bool) -> float:
+    params = shape.layers // p * layer_parameters(shape, t)
+    if first:
+        params += embedding_parameters(shape, t, vocab_padded)
+    if last:
+        params += 2 * shape.hidden                       # final LayerNorm
+        if not first:
+            params += vocab_padded * shape.hidden / t    # the last stage's copy of the table
+    return params
+
+
+def state_bytes_per_parameter(precision: str) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter with Adam.
+
+    Mixed precision keeps 16-bit weights, fp32 gradient accumulation buffers (as Megatron's
+    main_grad) and fp32 master weights + two moments: 2 + 4 + 12 = 18 bytes.
+    fp32 training: 4 + 4 + 8 = 16 bytes.
+    """
+    e = BYTES[precision]
+    if e >= 4:
+        return 4.0, 4.0, 8.0
+    return float(e), 4.0, 12.0
+
+
+# --------------------------------------------------------------------------------------------
+# Activations
+# --------------------------------------------------------------------------------------------
+
+def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, recompute: str,
+                           attention: str) -> float:
+    """Bytes one layer keeps for backward per micro-batch on one tensor rank."""
+    s, h, f, a = shape.seq, shape.hidden, shape.ffn, shape.heads
+    e = BYTES[precision]
+    sbh = s * b * h
+    if recompute == "full":
+        return sbh * e
+    masks = 2 * sbh if shape.dropout else 0
+    replicated = 4 * sbh * e + masks
+    split = (4 * sbh + 2 * s * b * f) / t * e
+    if attention == "flash":
+        core = sbh / t * e + a * s * b / t * 4           # saved output + fp32 logsumexp
+    else:
+        core = a * s * s * b / t * (2 * e + (1 if shape.dropout else 0))
+    if recompute == "selective":
+        core = 0.0
+    return replicated + split + core
+
+
+def in_flight_layer_stashes(schedule: str, p: int, v: int, m: int, layers_per_rank: int,
+                            rank: int) -> float:
+    """How many (micro-batch, layer) activation stashes `rank` holds at its peak.
+
+    Matches ptdp.pipeline.schedules.max_in_flight: GPipe keeps all m micro-batches, 1F1B and
+    2BW min(p - rank, m) (PipeDream-Flush's "at most p", L2409), interleaved
+    min(2(p-rank-1) + (v-1)p, m*v) + 1 chunk stashes of layers_per_rank/v layers each.
+    """
+    if schedule == "gpipe":
+        return m * layers_per_rank
+    if schedule == "interleaved":
+        chunks = min(2 * (p - rank - 1) + (v - 1) * p, m * v) + 1
+        return chunks * layers_per_rank / v
+    return min(p - rank, m) * layers_per_rank
+
+
+# --------------------------------------------------------------------------------------------
+# Per GPU
+# --------------------------------------------------------------------------------------------
+
+def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, schedule: str,
+               recompute: str, precision: str, attention: str, vocab_padded: int,
+               reserved_gb: float, rank: int) -> MemoryBreakdown:
+    """Peak memory of pipeline rank `rank` (0 = first stage, p-1 = last)."""
+    first, last = rank == 0, rank == p - 1
+    e = BYTES[precision]
+    w, g, o = state_bytes_per_parameter(precision)
+    params = stage_parameters(shape, t, p, vocab_padded, first, last)
+    weights = params * w * (2 if schedule == "2bw" else 1)      # 2BW's second version (L2314)
+    layers_per_rank = shape.layers // p
+    stashes = in_flight_layer_stashes(schedule, p, v, m, layers_per_rank, rank)
+    activations = stashes * layer_activation_bytes(shape, b, t, precision, recompute, attention)
+    sbh = shape.seq * b * shape.hidden
+    # Transient: a recomputed layer's activations live while its backward runs; the last
+    # stage holds fp32 logits and their gradient for one micro-batch; send/recv buffers.
+    transient = 2 * sbh * e
+    if recompute != "none":
+        transient += layer_activation_bytes(shape, b, t, precision, "none", attention)
+    if last:
+        transient += 2 * shape.seq * b * vocab_padded / t * 4
+    if first and shape.dropout:
+        activations += sbh * min(m, p - rank if schedule != "gpipe" else m)  # embedding mask
+    return MemoryBreakdown(weights=weights, gradients=params * g, optimizer=params * o,
+                           activations=activations, buffers=transient + reserved_gb * GB)

@@ -1,0 +1,93 @@
+"""Turning a search result into what users read: a ranked table, JSON, a trainer YAML."""
+
+from __future__ import annotations
+
+import copy
+
+from ptdp.planner.cost_model import Prediction
+from ptdp.planner.search import SearchResult, why_slower
+
+TIME_LABELS = {"compute": "compute", "recompute": "recompute", "tensor_comm": "tensor all-reduce",
+               "pipeline_p2p": "pipeline p2p", "bubble": "bubble", "dp_exposed": "DP all-reduce",
+               "embedding_sync": "embedding sync", "optimizer": "optimizer"}
+
+
+def plan_dict(pred: Prediction, precision: str) -> dict:
+    """The JSON shape of one layout (keys documented in the issue and DESIGN.md)."""
+    lay = pred.layout
+    return {
+        "parallel": {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data,
+                     "chunks": lay.chunks, "scatter_gather": lay.scatter_gather},
+        "micro_batch_size": lay.micro_batch,
+        "schedule": lay.schedule,
+        "recompute": lay.recompute,
+        "precision": precision,
+        "predicted": {**{k: round(v, 6) for k, v in pred.summary().items()},
+                      "time_breakdown_s": {k: round(v, 6) for k, v in pred.time.items()},
+                      "memory_breakdown_gb": pred.memory},
+    }
+
+
+def result_dict(result: SearchResult, header: dict, precision: str, top: int) -> dict:
+    best = result.best
+    out = dict(header)
+    out.update(plan_dict(best, precision))
+    out["alternatives"] = [{**plan_dict(p, precision), "why_slower": why_slower(p, best)}
+                           for p in result.ranked[1:top]]
+    out["rejected"] = result.rejected.as_dict()
+    out["search"] = {"evaluated": result.evaluated, "feasible": len(result.ranked),
+                     "seconds": round(result.seconds, 3)}
+    return out
+
+
+def trainer_config(raw: dict, pred: Prediction, global_batch: int, precision: str) -> dict:
+    """The input YAML with parallel/schedule/train set to the plan (other keys kept)."""
+    cfg = copy.deepcopy(raw or {})
+    lay = pred.layout
+    cfg["parallel"] = {**(cfg.get("parallel") or {}), "tensor": lay.tensor,
+                       "pipeline": lay.pipeline, "data": lay.data, "chunks": lay.chunks,
+                       "scatter_gather": lay.scatter_gather}
+    cfg["schedule"] = {**(cfg.get("schedule") or {}), "name": lay.schedule}
+    cfg["train"] = {**(cfg.get("train") or {}), "micro_batch_size": lay.micro_batch,
+                    "global_batch_size": global_batch, "recompute": lay.recompute,
+                    "precision": precision}
+    return cfg
+
+
+def _row(rank, pred: Prediction, best: Prediction) -> list[str]:
+    lay = pred.layout
+    return [str(rank), str(lay.pipeline), str(lay.tensor), str(lay.data), str(lay.chunks),
+            str(lay.micro_batch), lay.schedule, lay.recompute,
+            "yes" if lay.scatter_gather else "no", f"{pred.step_time_s:.3f}",
+            f"{pred.tflops_per_gpu:.1f}", f"{pred.mfu:.0%}", f"{pred.memory_gb_per_gpu:.1f}",
+            f"{pred.bubble_fraction:.1%}", why_slower(pred, best)]
+
+
+def format_table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def format_result(result: SearchResult, title: str, top: int) -> str:
+    best = result.best
+    header = ["#", "p", "t", "d", "v", "b", "schedule", "recompute", "sg", "step_s",
+              "TFLOP/s", "MFU", "mem_GB", "bubble", "vs best"]
+    rows = [_row(i + 1, p, best) for i, p in enumerate(result.ranked[:top])]
+    rej = result.rejected
+    lines = [title,
+             f"searched {result.evaluated} layouts in {result.seconds:.2f} s; "
+             f"{len(result.ranked)} fit in memory", "",
+             format_table(rows, header), ""]
+    total = sum(best.time[k] for k in TIME_LABELS)
+    parts = ", ".join(f"{TIME_LABELS[k]} {best.time[k] / total:.0%}" for k in TIME_LABELS
+                      if best.time[k] / total >= 0.005)
+    lines.append(f"best layout's time: {parts}")
+    mem = best.memory
+    lines.append("best layout's memory (GB): " + ", ".join(
+        f"{k} {mem[k]:.1f}" for k in ("weights", "gradients", "optimizer", "activations", "buffers")))
+    if rej.counts:
+        lines += ["", "why the others lost (choices pruned or rejected):"]
+        for cat, n in sorted(rej.counts.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {cat:<14} {n:>7}  e.g. {rej.examples[cat]}")
+    return "\n".join(lines)

@@ -1,0 +1,228 @@
+"""Exhaustive search over layouts (p, t, d, v, b, schedule, recompute, scatter/gather).
+
+Like Algorithm 1 (L2561-2587) but over every dimension at once: enumerate every valid
+combination, predict it with the cost model, drop those that do not fit in memory, rank the
+rest by step time. Choices that can never work are pruned as early as possible and counted
+by reason, so the CLI can say why the others lost. Micro-batch sizes are tried in increasing
+order and the loop stops at the first one that does not fit (memory grows with b).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ptdp.planner.cost_model import RECOMPUTE, SCHEDULES, Layout, Prediction, Workload, predict
+from ptdp.planner.errors import PlanError
+from ptdp.planner.hardware import HardwareProfile
+
+FIX_KEYS = {"p": "pipeline", "pipeline": "pipeline", "t": "tensor", "tensor": "tensor",
+            "d": "data", "data": "data", "v": "chunks", "chunks": "chunks",
+            "b": "micro_batch", "micro_batch": "micro_batch", "micro_batch_size": "micro_batch",
+            "schedule": "schedule", "recompute": "recompute", "sg": "scatter_gather",
+            "scatter_gather": "scatter_gather"}
+INT_KEYS = ("pipeline", "tensor", "data", "chunks", "micro_batch")
+STRICT_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+# Rejection categories, in the order the CLI lists them.
+INDIVISIBLE = "indivisible"
+SCHEDULE_RULE = "schedule rule"
+OUT_OF_MEMORY = "out of memory"
+
+
+@dataclass
+class Rejections:
+    counts: dict = field(default_factory=dict)
+    examples: dict = field(default_factory=dict)
+
+    def add(self, category: str, message: str, count: int = 1) -> None:
+        self.counts[category] = self.counts.get(category, 0) + count
+        self.examples.setdefault(category, message)
+
+    def as_dict(self) -> dict:
+        return {c: {"count": n, "example": self.examples[c]} for c, n in self.counts.items()}
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Prediction]
+    rejected: Rejections
+    evaluated: int
+    seconds: float
+
+    @property
+    def best(self) -> Prediction:
+        return self.ranked[0]
+
+
+def parse_fix(text: str | None) -> dict:
+    """'p=8,t=8,schedule=interleaved' -> {'pipeline': 8, 'tensor': 8, 'schedule': ...}."""
+    fixed: dict = {}
+    for item in filter(None, (s.strip() for s in (text or "").split(","))):
+        if "=" not in item:
+            raise PlanError(f"--fix '{item}': expected key=value, e.g. p=8,t=8")
+        key, value = (s.strip() for s in item.split("=", 1))
+        if key not in FIX_KEYS:
+            raise PlanError(f"--fix: unknown key '{key}'; use p, t, d, v, b, schedule, "
+                            f"recompute or sg")
+        name = FIX_KEYS[key]
+        if name in INT_KEYS:
+            if not value.isdigit() or int(value) < 1:
+                raise PlanError(f"--fix {key}={value}: expected a positive integer")
+            fixed[name] = int(value)
+        elif name == "schedule":
+            if value not in SCHEDULES:
+                raise PlanError(f"--fix schedule={value}: not one of {', '.join(SCHEDULES)}")
+            fixed[name] = value
+        elif name == "recompute":
+            if value not in RECOMPUTE:
+                raise PlanError(f"--fix recompute={value}: not one of {', '.join(RECOMPUTE)}")
+            fixed[name] = value
+        else:
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise PlanError(f"--fix {key}={value}: expected true or false")
+            fixed[name] = value.lower() in ("true", "1", "yes")
+    return fixed
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _choices(name: str, options, fixed: dict) -> list:
+    return [fixed[name]] if name in fixed else list(options)
+
+
+def check_fix_against_gpus(fixed: dict, gpus: int) -> None:
+    """Fail fast, naming the key, when a fixed value cannot divide the GPU count."""
+    product = 1
+    for key, flag in (("pipeline", "p"), ("tensor", "t"), ("data", "d")):
+        if key in fixed:
+            if gpus % fixed[key]:
+                raise PlanError(f"--fix {flag}={fixed[key]}: {fixed[key]} does not divide the "
+                                f"{gpus} GPUs")
+            product *= fixed[key]
+    if gpus % product:
+        raise PlanError(f"--fix: the fixed sizes multiply to {product}, which does not divide "
+                        f"the {gpus} GPUs")
+    if all(k in fixed for k in ("pipeline", "tensor", "data")) and product != gpus:
+        raise PlanError(f"--fix: p*t*d = {product} but there are {gpus} GPUs")
+
+
+def _schedule_options(work: Workload, p: int, m: int, fixed: dict, rej: Rejections, where: str,
+                      schedules: tuple):
+    """(schedule, v) pairs valid for this pipeline depth and micro-batch count."""
+    layers = work.shape.layers
+    out = []
+    for name in _choices("schedule", schedules, fixed):
+        if name == "interleaved":
+            if p == 1:
+                continue
+            if m % p:
+                rej.add(SCHEDULE_RULE, f"{where}: interleaved needs m={m} micro-batches to be "
+                                       f"a multiple of p={p}")
+                continue
+            vs = _choices("chunks", [v for v in divisors(layers // p) if v > 1], fixed)
+            for v in vs:
+                if v > 1 and layers % (p * v) == 0:
+                    out.append((name, v))
+                else:
+                    rej.add(INDIVISIBLE, f"{where}: {layers} layers not divisible by p*v = {p}*{v}")
+            continue
+        if fixed.get("chunks", 1) != 1:
+            continue  # v > 1 only exists with the interleaved schedule
+        if name == "2bw":
+            if p == 1:
+                continue
+            if m < p:
+                rej.add(SCHEDULE_RULE, f"{where}: 2bw needs m={m} >= p={p} micro-batches")
+                continue
+        if name == "gpipe" and p == 1 and "schedule" not in fixed:
+            continue  # identical to 1f1b without a pipeline
+        out.append((name, 1))
+    return out
+
+
+def _shape_reason(work: Workload, t: int, p: int) -> str | None:
+    s = work.shape
+    for what, size in (("num_heads", s.heads), ("hidden_size", s.hidden), ("ffn_hidden_size", s.ffn)):
+        if size % t:
+            return f"t={t}: model.{what} ({size}) not divisible by t"
+    if s.layers % p:
+        return f"p={p}: model.num_layers ({s.layers}) not divisible by p"
+    return None
+
+
+def search(hw: HardwareProfile, work: Workload, gpus: int, fixed: dict | None = None,
+           attention: str | None = None, schedules: tuple = STRICT_SCHEDULES) -> SearchResult:
+    """Every valid layout for `gpus` GPUs, feasible ones ranked by predicted step time.
+
+    `schedules` defaults to the flushing ones, which keep the optimizer's semantics exact;
+    2BW (W(t+1) = W(t) - lr * grad f(W(t-1)), L2306) changes the update rule, so callers
+    opt in (the CLI's --allow-2bw, or --fix schedule=2bw).
+    """
+    fixed = dict(fixed or {})
+    check_fix_against_gpus(fixed, gpus)
+    start = time.perf_counter()
+    rej, ranked, evaluated = Rejections(), [], 0
+    B = work.global_batch
+    for t in _choices("tensor", divisors(gpus), fixed):
+        for p in _choices("pipeline", divisors(gpus // t) if gpus % t == 0 else [], fixed):
+            if gpus % (t * p):
+                continue
+            d = gpus // (t * p)
+            if "data" in fixed and fixed["data"] != d:
+                continue
+            reason = _shape_reason(work, t, p)
+            if reason is None and B % d:
+                reason = f"d={d}: global batch {B} not divisible by d"
+            if reason:
+                rej.add(INDIVISIBLE, reason)
+                continue
+            for b in _choices("micro_batch", divisors(B // d), fixed):
+                if (B // d) % b:
+                    rej.add(INDIVISIBLE, f"b={b}: B/d = {B // d} not divisible by b")
+                    continue
+                evaluated += _try_micro_batch(hw, work, t, p, d, b, fixed, attention, rej, ranked,
+                                              schedules)
+    ranked.sort(key=lambda pr: (pr.step_time_s, pr.memory_gb_per_gpu, pr.layout.chunks,
+                                pr.layout.scatter_gather))
+    return SearchResult(ranked, rej, evaluated, time.perf_counter() - start)
+
+
+def _try_micro_batch(hw, work, t, p, d, b, fixed, attention, rej, ranked, schedules) -> int:
+    m = work.global_batch // (d * b)
+    where = f"p={p} t={t} d={d} b={b}"
+    evaluated = 0
+    for schedule, v in _schedule_options(work, p, m, fixed, rej, where, schedules):
+        sg_options = [False, True] if p > 1 and t > 1 else [False]
+        for recompute in _choices("recompute", RECOMPUTE, fixed):
+            for sg in _choices("scatter_gather", sg_options, fixed):
+                if sg and not (p > 1 and t > 1):
+                    rej.add(SCHEDULE_RULE, f"{where}: scatter/gather needs p > 1 and t > 1")
+                    continue
+                lay = Layout(p, t, d, v, b, schedule, recompute, sg)
+                pred = predict(hw, work, lay, attention=attention)
+                evaluated += 1
+                if pred.fits:
+                    ranked.append(pred)
+                else:
+                    rej.add(OUT_OF_MEMORY, f"{lay.describe()} needs {pred.memory_gb_per_gpu:.1f} GB "
+                                           f"> {hw.memory_gb:g} GB")
+    return evaluated
+
+
+def why_slower(pred: Prediction, best: Prediction) -> str:
+    """The cost component that grew most against the best layout, as a short phrase."""
+    if pred is best:
+        return "best"
+    labels = {"compute": "slower GEMMs", "recompute": "recomputation",
+              "tensor_comm": "tensor all-reduces", "pipeline_p2p": "pipeline sends",
+              "bubble": "pipeline bubble", "dp_exposed": "data-parallel all-reduce",
+              "embedding_sync": "embedding sync", "optimizer": "optimizer step"}
+    deltas = {k: pred.time[k] - best.time[k] for k in labels}
+    key = max(deltas, key=deltas.get)
+    slower = pred.step_time_s / best.step_time_s - 1
+    if deltas[key] <= 0 or slower < 1e-9:
+        return "ties on time, more memory" if pred.memory_gb_per_gpu > best.memory_gb_per_gpu else "tie"
+    return f"+{slower:.1%}: {labels[key]}"
