@@ -45,8 +45,10 @@ def build_bert_index(sizes: np.ndarray, doc_idx: np.ndarray, max_tokens: int,
         start, length, goal = first, 0, target()
         for s in range(first, end):
             length += int(sizes[s])
-            full = length >= goal and s + 1 - start >= 2 and end - (s + 1) != 1
-            if full or s + 1 == end:
+            remaining = end - (s + 1)
+            # Close a sample once it is long enough, but never strand a lone last sentence.
+            full = length >= goal and s + 1 - start >= 2 and remaining != 1
+            if full or remaining == 0:
                 if s + 1 - start >= 2:
                     samples.append((start, s + 1))
                 start, length, goal = s + 1, 0, target()

@@ -9,6 +9,7 @@ different vocabulary.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -75,7 +76,7 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.DecodeIds([int(i) for i in ids])
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         """Hash of the ordered piece list: equal iff token ids mean the same strings."""
         pieces = "\n".join(self._sp.IdToPiece(i) for i in range(self.vocab_size))
