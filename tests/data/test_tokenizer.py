@@ -80,7 +80,7 @@ def test_foreign_model_uses_eos_and_names_missing_specials(tmp_path, corpus):
 
     lines = (json.loads(line)["text"].replace("\n", " ") for line in corpus.read_text().splitlines())
     spm.SentencePieceTrainer.Train(sentence_iterator=lines, model_prefix=str(tmp_path / "plain"),
-                                   vocab_size=400, minloglevel=2)
+                                   vocab_size=400, model_type="bpe", minloglevel=2)
     tok = Tokenizer(tmp_path / "plain.model")
     assert tok.eod_id == 2  # sentencepiece's default </s>
     with pytest.raises(TokenizerError, match=r"plain\.model: has no special token \[MASK\]"):
