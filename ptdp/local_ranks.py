@@ -1,0 +1,94 @@
+"""Run a function on N local ranks (one process each, gloo), for tests, tools and benchmarks.
+
+Processes are started with the `spawn` method: forking after torch has run a threaded op can
+deadlock in OpenMP. Every run has a hard timeout: a rank that hangs or dies ends the whole
+run with an error naming it, never a hung caller.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.multiprocessing as mp
+
+
+class RankFailure(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, fn, args, results, timeout_s, threads):
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        # Serialised to plain bytes: tensors passed through a torch queue live in shared
+        # memory that vanishes when this process exits before the parent reads them.
+        buffer = io.BytesIO()
+        torch.save(fn(*args), buffer)
+        results.put((rank, "ok", buffer.getvalue()))
+    except BaseException:  # report, never hang the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, threads: int = 1) -> list:
+    """fn(*args) on every rank of a fresh gloo world; returns the per-rank results in order.
+
+    `fn` must be importable (a module-level function). Raises RankFailure naming the rank
+    that failed, or the ranks that had not finished within `timeout_s`.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, daemon=True,
+                         args=(r, world_size, port, fn, args, results, timeout_s, threads))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise RankFailure(f"ranks {missing} did not finish within {timeout_s:.0f}s")
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out]
+                if dead and all(not procs[r].is_alive() for r in dead):
+                    time.sleep(0.5)  # let a final message arrive before declaring death
+                    if results.empty():
+                        raise RankFailure(f"rank {dead[0]} exited with code "
+                                          f"{procs[dead[0]].exitcode} without a result")
+                continue
+            if status == "error":
+                raise RankFailure(f"rank {rank} failed:\n{value}")
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world_size)]

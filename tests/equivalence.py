@@ -1,0 +1,81 @@
+"""Train a tiny model in several layouts on local gloo ranks and compare with one process.
+
+The oracle (DESIGN principle 3): in fp32 with dropout 0, every layout must produce the
+single-process loss sequence, gradients and updated weights to float32 round-off.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from ptdp.local_ranks import run_on_ranks
+
+RTOL = 1e-5
+
+# Small enough for 8 ranks on 2 cores, big enough to exercise every split: vocab 100 is
+# padded to 128*t, 8 layers divide by p*v up to 8, 4 heads divide by t up to 4.
+TINY = ["model.num_layers=8", "model.hidden_size=32", "model.num_heads=4",
+        "model.seq_length=16", "model.vocab_size=100", "model.dropout=0.0",
+        "train.micro_batch_size=2", "train.global_batch_size=8", "train.lr=1e-2",
+        "train.clip_grad=1.0", "train.timeout_s=60", "train.seed=7",
+        # AdamW divides by sqrt(v): it is blind to a gradient's scale, so an element whose
+        # gradient is ~1e-5 of its tensor's (or exactly zero, like the key bias, whose float32
+        # gradient is pure round-off) takes full-size steps driven by round-off, and two
+        # single-process runs that merely sum in another order disagree at ~3e-5. eps=1e-4
+        # keeps such elements in Adam's linear regime; gradients of normal size (~1e-2 here)
+        # are still normalised. Gradients themselves are compared before any optimizer step.
+        "train.adam_eps=1e-4"]
+
+
+def train_and_collect(runs: list[list[str]], iters: int = 3) -> list[dict] | None:
+    """Runs on every rank; for each override list: losses, first-step grads, final weights."""
+    from ptdp.config import load_config
+    from ptdp.training import Trainer
+
+    collected = []
+    for overrides in runs:
+        cfg = load_config(None, TINY + overrides, world_size=dist.get_world_size())
+        trainer = Trainer(cfg)
+        first = trainer.forward_backward(0)
+        norm = trainer.reduce_gradients()
+        grads = trainer.full_state(grads=True)
+        trainer.optimizer_step(0, norm)
+        losses = [first.loss] + [trainer.train_step(it).loss for it in range(1, iters)]
+        weights = trainer.full_state()
+        collected.append({"losses": losses, "grad_norm": norm, "grads": grads, "weights": weights,
+                          "aux": first.aux, "bytes_sent": trainer.p2p.bytes_sent,
+                          "shards": {n: tuple(p.shape) for n, p in trainer.named_parameters()},
+                          "coords": trainer.grid.coords})
+    return collected
+
+
+def run_layouts(world_size: int, runs: list[list[str]], timeout_s: float = 240.0) -> list[list[dict]]:
+    """[per run][per rank] results of `train_and_collect`."""
+    per_rank = run_on_ranks(world_size, train_and_collect, runs, timeout_s=timeout_s)
+    return [[per_rank[r][i] for r in range(world_size)] for i in range(len(runs))]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(arch: str, extra: tuple = ()) -> dict:
+    """The single-process run for `arch` (cached across tests)."""
+    return run_layouts(1, [[f"model.arch={arch}", *extra]])[0][0]
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+
+def assert_equivalent(got: dict, ref: dict, what: str) -> None:
+    for i, (x, y) in enumerate(zip(got["losses"], ref["losses"])):
+        assert abs(x - y) <= RTOL * abs(y), f"{what}: loss at iteration {i} is {x}, expected {y}"
+    assert abs(got["grad_norm"] - ref["grad_norm"]) <= RTOL * ref["grad_norm"], what
+    for kind in ("grads", "weights"):
+        assert got[kind].keys() == ref[kind].keys(), f"{what}: different {kind} names"
+        for name, expected in ref[kind].items():
+            actual = got[kind][name]
+            assert actual.shape == expected.shape, f"{what}: {kind} {name} shape {actual.shape}"
+            err = relative_error(actual, expected)
+            assert err <= RTOL, f"{what}: {kind} of {name} differ by {err:.2e} (relative)"
