@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from ptdp.config import ConfigError, config_from_dict, validate_model
-from ptdp.planner.compute import BYTES, ModelShape
+from ptdp.planner.compute import ModelShape
 from ptdp.planner.cost_model import SCHEDULES, Workload
 from ptdp.planner.errors import PlanError
 from ptdp.planner.formulas import parameter_count
@@ -38,7 +38,7 @@ def register(subparsers) -> None:
                       help="total GPUs instead of --nodes (a multiple of --gpus-per-node)")
     plan.add_argument("--global-batch-size", type=int, default=None,
                       help="B; default: train.global_batch_size from the YAML")
-    plan.add_argument("--precision", choices=sorted(BYTES), default=None,
+    plan.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None,
                       help="default: the hardware profile's")
     plan.add_argument("--fix", default=None,
                       help="pin choices, e.g. p=8,t=8,b=1,v=2,schedule=interleaved,"

@@ -1,0 +1,149 @@
+"""The cost model against the source's formulas and its reported results."""
+
+import pytest
+
+from tests.planner.planner_cases import GPT3_175B, GPT_145B, GPT_1T, GPT_530B, gpt, run
+from ptdp.planner import comm
+from ptdp.planner.compute import layer_times
+from ptdp.planner.cost_model import Layout
+from ptdp.planner.formulas import model_flops_per_iteration, tensor_parallel_elements_per_layer
+from ptdp.planner.memory import in_flight_layer_stashes, layer_activation_bytes
+
+SMALL = gpt(8, 1024, 16, seq=1024)
+
+
+def test_tensor_parallel_volume_is_8bsh_per_layer(ideal):
+    b, s, h, t = 2, 1024, 1024, 4
+    link = comm.tensor_link(ideal, t, 8)
+    per_layer = 4 * comm.all_reduce_time(t, b * s * h * 2, link)   # 2 fwd + 2 bwd, bf16
+    expected = tensor_parallel_elements_per_layer(b, s, h, t) * 2 / link.bandwidth
+    assert per_layer == pytest.approx(expected)
+    # A full recompute repeats the 2 forward all-reduces of every layer.
+    none = run(ideal, SMALL, 64, Layout(1, t, 2, micro_batch=b, recompute="none"))
+    full = run(ideal, SMALL, 64, Layout(1, t, 2, micro_batch=b, recompute="full"))
+    m = 64 // (b * 2)
+    extra = full.time["tensor_comm"] - none.time["tensor_comm"]
+    assert extra == pytest.approx(m * SMALL.layers * expected / 2)
+
+
+def test_tensor_parallelism_leaves_the_node_at_t_above_gpus_per_node(a100):
+    assert comm.tensor_link(a100, 8, 8).intra_node
+    inside, outside = comm.tensor_link(a100, 8, 8), comm.tensor_link(a100, 16, 8)
+    assert not outside.intra_node and outside.bandwidth < inside.bandwidth
+
+
+def test_pipeline_exchange_bsh_scatter_gather_and_interleaving(ideal):
+    shape, B = gpt(16, 4096, 32), 64
+    base = Layout(pipeline=4, tensor=8, data=2, micro_batch=1)   # 4 nodes: p2p on the network
+    plain = run(ideal, shape, B, base)
+    m = plain.layout.micro_batches(B)
+    link = comm.pipeline_link(ideal, 8, 2, 4, 8)
+    bsh_bytes = 1 * 2048 * 4096 * 2
+    assert plain.time["pipeline_p2p"] == pytest.approx(m * 2 * bsh_bytes / link.bandwidth)
+    inter = run(ideal, shape, B, Layout(4, 8, 2, chunks=2, micro_batch=1, schedule="interleaved"))
+    assert inter.time["pipeline_p2p"] == pytest.approx(2 * plain.time["pipeline_p2p"])  # x v
+    sg = run(ideal, shape, B, Layout(4, 8, 2, micro_batch=1, scatter_gather=True))
+    gather = comm.all_gather_time(8, bsh_bytes, comm.intra_link(ideal))
+    assert sg.time["pipeline_p2p"] == pytest.approx(m * 2 * (bsh_bytes / 8 / link.bandwidth + gather))
+    assert sg.step_time_s < plain.step_time_s
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2),
+                                        ("interleaved", 4), ("2bw", 1)])
+def test_bubble(a100, schedule, v):
+    lay = Layout(8, 2, 1, chunks=v, micro_batch=1, schedule=schedule)
+    pred = run(a100, gpt(32, 2048, 16, vocab=256), 32, lay)   # tiny vocab: balanced stages
+    expected = 0.0 if schedule == "2bw" else 7 / (v * 32)
+    assert pred.bubble_fraction == pytest.approx(expected)
+    # Balanced middle stages: the flush costs (p-1)/v stage-times (L3548, L3633).
+    if schedule != "2bw":
+        assert pred.time["bubble"] / (pred.time["compute"] + pred.time["tensor_comm"]
+                                      + pred.time["pipeline_p2p"]) == pytest.approx(
+            7 / (v * 32), rel=0.1)
+
+
+def test_2bw_has_no_flush_and_two_weight_versions(a100):
+    flush = run(a100, GPT_145B, 128, Layout(16, 8, 1, micro_batch=1, schedule="1f1b", recompute="full"))
+    tbw = run(a100, GPT_145B, 128, Layout(16, 8, 1, micro_batch=1, schedule="2bw", recompute="full"))
+    assert tbw.step_time_s < flush.step_time_s
+    assert tbw.memory["weights"] == pytest.approx(2 * flush.memory["weights"], rel=1e-3)
+    assert tbw.memory["activations"] == pytest.approx(flush.memory["activations"])
+
+
+def test_recomputation_costs_a_third_more_compute(a100):
+    # c_extra = 4/3 (L2740): the extra forward is 1/3 of forward + backward.
+    pred = run(a100, GPT_145B, 64, Layout(16, 8, 1, micro_batch=1, recompute="full"))
+    assert pred.time["recompute"] / pred.time["compute"] == pytest.approx(1 / 3, abs=0.03)
+    none = run(a100, GPT_145B, 64, Layout(16, 8, 1, micro_batch=1, recompute="none"))
+    # Fig. 4.17: "up to 33% lower throughput" at small batch sizes.
+    assert 0.67 <= none.step_time_s / pred.step_time_s <= 0.85
+
+
+def test_small_gemms_from_large_t_run_less_efficiently(a100):
+    shape = gpt(1, 4096, 64)
+    one = layer_times(a100, "bf16", shape, 1, 1, "flash")
+    per_gpu_work = [layer_times(a100, "bf16", shape, 1, t, "flash").forward * t for t in (1, 2, 4, 8, 16, 32)]
+    assert per_gpu_work == sorted(per_gpu_work)
+    assert per_gpu_work[-1] > 1.3 * one.forward
+
+
+def test_eq42_conventions_and_mfu(a100):
+    lay = Layout(8, 8, 16, chunks=2, micro_batch=1, schedule="interleaved", recompute="full",
+                 scatter_gather=True)
+    pred = run(a100, GPT3_175B, 1536, lay)
+    flops = model_flops_per_iteration(1536, 2048, 96, 12288, 51200)
+    assert pred.tflops_per_gpu * 1e12 * pred.step_time_s * 1024 == pytest.approx(flops)
+    assert pred.mfu == pytest.approx(pred.tflops_per_gpu / 312)
+
+
+@pytest.mark.parametrize("shape,batch,t,p,d,v,reported", [
+    (GPT3_175B, 1536, 8, 8, 16, 2, 140),     # Eq. 4.4 example, L4310
+    (GPT3_175B, 1536, 8, 12, 4, 2, 153),     # Table 4.2, 384 GPUs
+    (GPT3_175B, 1536, 8, 12, 8, 2, 149),     # Table 4.2, 768 GPUs
+    (GPT3_175B, 1536, 8, 12, 16, 2, 141),    # Table 4.2, 1536 GPUs
+    (GPT_530B, 2240, 8, 35, 2, 3, 171),      # Table 4.2, 560 GPUs
+    (GPT_530B, 2240, 8, 35, 8, 3, 159),      # Table 4.2, 2240 GPUs
+    (GPT_1T, 3072, 8, 64, 6, 2, 163),        # Eq. 4.4 example, L4316
+])
+def test_predictions_match_the_source_within_15_percent(a100, shape, batch, t, p, d, v, reported):
+    # The source's runs: interleaved + scatter/gather, b = 1, full recomputation, and 2021
+    # Megatron kernels that keep the attention scores ("materialized").
+    lay = Layout(p, t, d, chunks=v, micro_batch=1, schedule="interleaved", recompute="full",
+                 scatter_gather=True)
+    pred = run(a100, shape, batch, lay, attention="materialized")
+    assert pred.fits
+    assert pred.tflops_per_gpu == pytest.approx(reported, rel=0.15)
+
+
+def test_korthikanti_activation_formula():
+    # sbh(10 + 24/t + 5as/(ht)) bytes per layer for f = 4h, 16-bit, dropout, kept scores.
+    s, b, h, a = 2048, 1, 12288, 96
+    shape = gpt(1, h, a)
+    for t in (1, 2, 8):
+        got = layer_activation_bytes(shape, b, t, "bf16", "none", "materialized")
+        assert got == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    sel = layer_activation_bytes(shape, b, 8, "bf16", "selective", "materialized")
+    assert sel == pytest.approx(s * b * h * (10 + 24 / 8))
+    assert layer_activation_bytes(shape, b, 8, "bf16", "full", "materialized") == s * b * h * 2
+
+
+def test_in_flight_counts_match_the_schedules_module():
+    schedules = pytest.importorskip("ptdp.pipeline.schedules")
+    for name, p, v, m in [("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8), ("1f1b", 4, 1, 2),
+                          ("interleaved", 4, 2, 8), ("interleaved", 2, 4, 4)]:
+        for rank in range(p):
+            actions = schedules.build_schedule(name, p, v, m, rank)
+            stashes = schedules.max_in_flight(actions)  # (micro-batch, chunk) pairs
+            assert in_flight_layer_stashes(name, p, v, m, layers_per_rank=v, rank=rank) == stashes
+
+
+def test_memory_by_schedule_and_recompute(a100):
+    shape, B = GPT_145B, 128
+    mem = lambda **kw: run(a100, shape, B, Layout(16, 8, 1, micro_batch=1, **kw)).memory  # noqa: E731
+    assert mem(schedule="gpipe")["activations"] > 7 * mem(schedule="1f1b")["activations"]
+    none, sel, full = (mem(recompute=r)["activations"] for r in ("none", "selective", "full"))
+    assert full < sel <= none
+    mixed = run(a100, shape, B, Layout(16, 8, 1))
+    # 2 bytes of bf16 weights, 4 of fp32 gradients, 12 of fp32 master weights + Adam moments.
+    assert mixed.memory["gradients"] == pytest.approx(2 * mixed.memory["weights"], rel=1e-3)
+    assert mixed.memory["optimizer"] == pytest.approx(6 * mixed.memory["weights"], rel=1e-3)
