@@ -1,0 +1,125 @@
+"""`ptdp plan` end to end: table, JSON, --write-config, and clear errors with exit code 2."""
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from ptdp.config import load_config
+from ptdp.planner import cli
+
+GPT3 = {"model": {"arch": "gpt", "num_layers": 96, "hidden_size": 12288, "num_heads": 96,
+                  "seq_length": 2048, "vocab_size": 51200}}
+SMALL = {"model": {"arch": "bert", "num_layers": 4, "hidden_size": 256, "num_heads": 8,
+                   "seq_length": 128, "vocab_size": 1000},
+         "data": {"source": "synthetic"}, "train": {"global_batch_size": 32, "iters": 3}}
+
+
+def plan(argv):
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    args = parser.parse_args(["plan"] + argv)
+    return args.func(args)
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    def write(content, name="model.yaml"):
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(content))
+        return str(path)
+    return write
+
+
+def test_table_names_the_best_layout_and_the_losers(model_file, capsys):
+    rc = plan([model_file(GPT3), "--hardware", "a100-80gb", "--nodes", "128",
+               "--gpus-per-node", "8", "--global-batch-size", "1536", "--top", "5"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "out of memory" in out and "indivisible" in out
+    assert "TFLOP/s" in out and "bubble" in out
+    assert len([l for l in out.splitlines() if l[:2] in ("1 ", "2 ", "3 ", "4 ", "5 ")]) == 5
+
+
+def test_json_and_written_config_run_unchanged(model_file, tmp_path, capsys):
+    out_yaml = tmp_path / "plan.yaml"
+    rc = plan([model_file(GPT3), "--hardware", "a100-80gb", "--nodes", "128",
+               "--global-batch-size", "1536", "--json", "--write-config", str(out_yaml)])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    for key in ("parallel", "micro_batch_size", "schedule", "recompute", "predicted"):
+        assert key in result
+    for key in ("step_time_s", "tflops_per_gpu", "mfu", "memory_gb_per_gpu", "bubble_fraction"):
+        assert key in result["predicted"]
+    assert set(result["parallel"]) == {"tensor", "pipeline", "data", "chunks", "scatter_gather"}
+    cfg = load_config(out_yaml, world_size=1024)
+    par = result["parallel"]
+    assert (cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.data, cfg.parallel.chunks) == (
+        par["tensor"], par["pipeline"], par["data"], par["chunks"])
+    assert cfg.train.micro_batch_size == result["micro_batch_size"]
+    assert cfg.schedule.name == result["schedule"] and cfg.train.recompute == result["recompute"]
+    assert cfg.model.ffn_hidden_size == 4 * 12288     # the shape that was planned
+
+
+def test_other_sections_survive_and_batch_comes_from_yaml(model_file, tmp_path, capsys):
+    out_yaml = tmp_path / "small.yaml"
+    rc = plan([model_file(SMALL), "--hardware", "v100-16gb", "--gpus", "4", "--fix", "d=2",
+               "--write-config", str(out_yaml)])
+    assert rc == 0, capsys.readouterr().err
+    written = yaml.safe_load(out_yaml.read_text())
+    assert written["data"] == {"source": "synthetic"} and written["train"]["iters"] == 3
+    cfg = load_config(out_yaml, world_size=4)
+    assert cfg.parallel.data == 2 and cfg.train.global_batch_size == 32
+    assert cfg.train.precision == "fp16"     # V100 has no bf16
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--hardware", "a100-80"], "unknown hardware 'a100-80' (did you mean 'a100-80gb'?)"),
+    (["--hardware", "a100-80gb", "--fix", "p=7"], "--fix p=7: 7 does not divide the 8 GPUs"),
+    (["--hardware", "a100-80gb", "--gpus", "12"], "--gpus 12 is not a whole number of 8-GPU nodes"),
+    (["--hardware", "a100-80gb", "--fix", "t=16"], "does not divide the 8 GPUs"),
+    (["--hardware", "v100-16gb", "--precision", "bf16"], "no peak for precision 'bf16'"),
+    (["--hardware", "a100-80gb", "--fix", "t=8,p=1,recompute=none,b=64"], "no layout of 8 GPUs fits"),
+])
+def test_bad_input_exits_2_with_a_named_problem(model_file, capsys, argv, message):
+    rc = plan([model_file(SMALL)] + argv)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_missing_batch_and_bad_model(model_file, capsys):
+    assert plan([model_file(GPT3), "--hardware", "a100-80gb"]) == 2
+    assert "--global-batch-size is required" in capsys.readouterr().err
+    bad = {"model": {**SMALL["model"], "num_heads": 7}}
+    assert plan([model_file(bad), "--hardware", "a100-80gb", "--global-batch-size", "8"]) == 2
+    assert "divisible by model.num_heads" in capsys.readouterr().err
+    assert plan(["/no/such.yaml", "--hardware", "a100-80gb"]) == 2
+    assert "not found" in capsys.readouterr().err
+
+
+def test_plan_imports_no_torch(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(GPT3))
+    code = ("import sys, argparse\n"
+            "from ptdp.planner import cli\n"
+            "p = argparse.ArgumentParser(); cli.register(p.add_subparsers())\n"
+            f"a = p.parse_args(['plan', {str(path)!r}, '--hardware', 'a100-80gb', '--nodes', '16',"
+            " '--global-batch-size', '512', '--json'])\n"
+            "assert a.func(a) == 0\n"
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"
+            "assert not bad, bad\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_python_dash_m_ptdp_plan(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(SMALL))
+    proc = subprocess.run([sys.executable, "-m", "ptdp", "plan", str(path), "--hardware",
+                           "a100-80gb", "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["parallel"]["tensor"] >= 1

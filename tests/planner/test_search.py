@@ -1,0 +1,141 @@
+"""The search: ranking properties, pruning reasons, and the source's layout takeaways."""
+
+import time
+
+import pytest
+
+from ptdp.planner.cost_model import SCHEDULES, Workload
+from ptdp.planner.errors import PlanError
+from ptdp.planner.search import parse_fix, search, why_slower
+from tests.planner.planner_cases import (GPT3_175B, GPT_145B, GPT_162B, GPT_1T, GPT_5_9B, Layout,
+                                         gpt, run)
+
+
+def _search(hw, shape, batch, gpus, fixed=None, **kw):
+    return search(hw, Workload(shape, batch, "bf16", hw.gpus_per_node), gpus, fixed, **kw)
+
+
+@pytest.fixture(scope="module")
+def gpt3_plan(a100):
+    return _search(a100, GPT3_175B, 1536, 1024)
+
+
+def test_ranking_is_sorted_feasible_and_complete(gpt3_plan, a100):
+    times = [p.step_time_s for p in gpt3_plan.ranked]
+    assert times == sorted(times)
+    assert all(p.memory_gb_per_gpu <= a100.memory_gb for p in gpt3_plan.ranked)
+    assert all(p.layout.gpus == 1024 for p in gpt3_plan.ranked)
+    rejected = sum(gpt3_plan.rejected.counts.values())
+    assert gpt3_plan.rejected.counts["out of memory"] > 0
+    assert len(gpt3_plan.ranked) + gpt3_plan.rejected.counts["out of memory"] == gpt3_plan.evaluated
+    assert rejected > 0
+
+
+def test_gpt3_plan_keeps_tensor_parallelism_in_a_node(gpt3_plan):
+    # Takeaway #1 (L3825): t up to the GPUs per node, pipeline across nodes.
+    best = gpt3_plan.best.layout
+    assert best.tensor == 8 and best.pipeline > 1
+    assert all(p.layout.tensor <= 8 for p in gpt3_plan.ranked[:20])
+    assert best.schedule != "2bw"            # not considered unless asked for
+    assert gpt3_plan.best.tflops_per_gpu > 120
+
+
+def test_recomputation_only_when_memory_or_throughput_calls_for_it(a100):
+    # §4.3.5 / Fig. 4.17: 145B on 128 GPUs with (t, p) = (8, 16). On 80 GB the stashes fit,
+    # so recomputing would only cost time; on 40 GB something must be recomputed.
+    fixed = {"tensor": 8, "pipeline": 16, "schedule": "1f1b"}
+    roomy = _search(a100, GPT_145B, 16, 128, fixed, attention="materialized").best
+    assert roomy.layout.recompute == "none"
+    from ptdp.planner.hardware import load_hardware
+    small = _search(load_hardware("a100-40gb"), GPT_145B, 16, 128, fixed,
+                    attention="materialized")
+    assert small.best.layout.recompute != "none"
+    assert not any(p.layout.recompute == "none" for p in small.ranked)
+
+
+def test_tensor_pipeline_tradeoff_peaks_at_t_equal_gpus_per_node(a100):
+    # Fig. 4.13: 162B on 64 GPUs, peak at t = 8; poor combinations are far slower (up to 2x).
+    for batch in (32, 128):
+        tflops = {t: run(a100, GPT_162B, batch, Layout(64 // t, t, 1, micro_batch=1,
+                                                      recompute="full")).tflops_per_gpu
+                  for t in (2, 4, 8, 16, 32)}
+        assert max(tflops, key=tflops.get) == 8
+        assert tflops[8] / min(tflops.values()) > 1.4
+
+
+@pytest.mark.parametrize("batch", [32, 128, 512])
+def test_throughput_falls_with_pipeline_and_tensor_size_for_a_small_model(a100, batch):
+    # Figs. 4.14 and 4.15: 5.9B on 64 GPUs, b = 1; data parallelism scales best.
+    by_p = [run(a100, GPT_5_9B, batch, Layout(p, 1, 64 // p, micro_batch=1)).tflops_per_gpu
+            for p in (2, 4, 8, 16, 32)]
+    by_t = [run(a100, GPT_5_9B, batch, Layout(1, t, 64 // t, micro_batch=1)).tflops_per_gpu
+            for t in (2, 4, 8, 16, 32)]
+    assert by_p == sorted(by_p, reverse=True)
+    assert by_t == sorted(by_t, reverse=True)
+
+
+def test_interleaving_needs_scatter_gather_at_large_batch(a100):
+    # Fig. 4.12: 175B on 96 GPUs; interleaved + scatter/gather beats the default schedule and
+    # the gap closes as the batch grows; without scatter/gather the default wins at large B.
+    def tflops(batch, **kw):
+        return run(a100, GPT3_175B, batch, Layout(12, 8, 1, micro_batch=1, recompute="full", **kw),
+                   attention="materialized").tflops_per_gpu
+    gaps = []
+    for batch in (12, 48, 384):
+        default = tflops(batch)
+        sg = tflops(batch, chunks=2, schedule="interleaved", scatter_gather=True)
+        assert sg > default
+        gaps.append(sg / default)
+    assert gaps == sorted(gaps, reverse=True)
+    assert tflops(384) > tflops(384, chunks=2, schedule="interleaved")
+
+
+def test_2bw_wins_when_allowed_because_it_never_flushes(a100):
+    result = _search(a100, GPT_145B, 128, 128, {"tensor": 8, "pipeline": 16}, schedules=SCHEDULES)
+    assert result.best.layout.schedule == "2bw"
+    assert result.best.bubble_fraction == 0
+
+
+def test_fix_pins_every_choice(a100):
+    fixed = parse_fix("p=8,t=8,b=1,v=2,schedule=interleaved,recompute=full,sg=true")
+    result = _search(a100, GPT3_175B, 1536, 1024, fixed)
+    assert {(p.layout.pipeline, p.layout.tensor, p.layout.data, p.layout.chunks,
+             p.layout.micro_batch, p.layout.schedule, p.layout.recompute,
+             p.layout.scatter_gather) for p in result.ranked} == {
+        (8, 8, 16, 2, 1, "interleaved", "full", True)}
+
+
+@pytest.mark.parametrize("text,message", [
+    ("p=0", "positive integer"), ("q=3", "unknown key 'q'"), ("schedule=zigzag", "not one of"),
+    ("recompute=some", "not one of"), ("sg=maybe", "true or false"), ("p8", "key=value"),
+])
+def test_bad_fix_is_named(text, message):
+    with pytest.raises(PlanError, match=message):
+        parse_fix(text)
+
+
+def test_impossible_fix_names_the_problem(a100):
+    with pytest.raises(PlanError, match="p=3: 3 does not divide"):
+        _search(a100, GPT3_175B, 1536, 1024, {"pipeline": 3})
+    result = _search(a100, GPT3_175B, 2048, 1024, {"pipeline": 1, "tensor": 1})
+    assert not result.ranked and "out of memory" in result.rejected.counts
+    heads = _search(a100, gpt(4, 1024, 12), 64, 16, {"tensor": 16})
+    assert not heads.ranked and "num_heads" in heads.rejected.examples["indivisible"]
+
+
+def test_why_slower_names_the_cause(a100):
+    best = run(a100, GPT_145B, 32, Layout(16, 8, 1, chunks=5, micro_batch=1, schedule="interleaved",
+                                          recompute="full"))
+    worse = run(a100, GPT_145B, 32, Layout(16, 8, 1, micro_batch=1, recompute="full"))
+    assert worse.step_time_s > best.step_time_s
+    assert "bubble" in why_slower(worse, best)
+    assert why_slower(best, best) == "best"
+
+
+def test_search_over_3072_gpus_takes_seconds(a100):
+    start = time.perf_counter()
+    result = _search(a100, GPT_1T, 3072, 3072)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 10, f"search took {elapsed:.1f} s"
+    best = result.best.layout
+    assert best.tensor == 8 and result.best.tflops_per_gpu > 130
