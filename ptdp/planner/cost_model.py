@@ -38,10 +38,16 @@ Pipeline (formulas.bubble_fraction)
 Memory (memory.py): weights, fp32 gradients and Adam state (18 B/param mixed precision,
   16 B fp32), 2BW's second weight version, activation stashes x the schedule's peak in-flight
   count on the first and last pipeline ranks, transient buffers and the profile's reserve.
+  A layout fits when that is at most (1 - memory_headroom) of the device memory: the
+  headroom (5% on GPUs) absorbs allocator fragmentation.
 
-Reporting: model TFLOP/s per GPU is Eq. 4.2's F (which counts recomputation's extra forward
-  whether or not it runs, and uses the padded vocabulary as the GEMMs do) / (step * n);
-  MFU = that / the precision's peak, so it matches the paper's "% of peak".
+CPU profiles: when more ranks (x threads) share a node than it has cores (`compute_units`),
+  compute, recomputation and the optimizer slow down by that oversubscription factor.
+
+Reporting: model TFLOP/s per GPU is Eq. 4.2's F / (step * n), counted as the trainer does:
+  with the padded vocabulary, and with the extra forward pass (4 passes per layer, as in the
+  paper's runs) only when recompute=full, 3 passes otherwise. MFU = that / the precision's
+  peak, the paper's "% of peak". Memory is in GiB (2^30 bytes), as the trainer's mem_gb.
 """
 
 from __future__ import annotations
@@ -154,7 +160,16 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
         else:
             one_way = comm.p2p_time(act_bytes, link)
         p2p = 2 * v * one_way
-    return _RankTimes(fwd + bwd, recompute, tensor_comm, p2p, bwd)
+    slow = _oversubscription(hw, lay.gpus, work.gpus_per_node)
+    return _RankTimes((fwd + bwd) * slow, recompute * slow, tensor_comm, p2p, bwd * slow)
+
+
+def _oversubscription(hw: HardwareProfile, gpus: int, gpus_per_node: int) -> float:
+    """>1 when a node's ranks (x their threads) outnumber its cores (CPU profiles)."""
+    if not hw.compute_units:
+        return 1.0
+    threads = int((hw.measured or {}).get("threads", 1))
+    return max(1.0, min(gpus, gpus_per_node) * threads / hw.compute_units)
 
 
 def _optimizer_time(hw: HardwareProfile, params: float, precision: str) -> float:
@@ -170,7 +185,7 @@ def _worst_memory(hw, work: Workload, lay: Layout, attention: str) -> MemoryBrea
                   schedule=lay.schedule, recompute=lay.recompute, precision=work.precision,
                   attention=attention,
                   vocab_padded=padded_vocab_size(work.shape.vocab, lay.tensor),
-                  reserved_gb=hw.memory_reserved_gb)
+                  reserved_gb=hw.memory_reserved_gb, hw=hw)
     ranks = {0, lay.pipeline - 1}
     return max((gpu_memory(work.shape, rank=r, **kwargs) for r in ranks), key=lambda mb: mb.total)
 
@@ -204,12 +219,13 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     if p > 1:   # tied word embeddings: sum the first and last stage's table gradients
         table = vocab_padded * shape.hidden / t * 4
         embedding_sync = comm.all_reduce_time(2, table, comm.pipeline_link(hw, t, d, p, work.gpus_per_node))
-    optimizer = _optimizer_time(hw, params, work.precision)
+    optimizer = _optimizer_time(hw, params, work.precision) * _oversubscription(
+        hw, lay.gpus, work.gpus_per_node)
     step = (pipelined + flush + dp_exposed + embedding_sync + optimizer
             + hw.efficiency.host_overhead_s)
 
     flops = model_flops_per_iteration(work.global_batch, shape.seq, shape.layers, shape.hidden,
-                                      vocab_padded)
+                                      vocab_padded, recompute_forward=lay.recompute == "full")
     tflops = flops / (step * lay.gpus) / 1e12
     mem = _worst_memory(hw, work, lay, attention)
     time = {"compute": m * slowest.compute, "recompute": m * slowest.recompute,
@@ -219,7 +235,7 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     return Prediction(layout=lay, step_time_s=step, tflops_per_gpu=tflops,
                       mfu=tflops * 1e12 / hw.peak_flops(work.precision),
                       memory_gb_per_gpu=mem.total / GB, bubble_fraction=bubble,
-                      fits=mem.total <= hw.memory_gb * GB, time=time, memory=mem.as_gb())
+                      fits=mem.total <= hw.usable_memory_bytes, time=time, memory=mem.as_gb())
 
 
 def layout_dict(lay: Layout) -> dict:

@@ -53,9 +53,11 @@ class HardwareProfile:
     intra_node_latency_us: float = 5.0
     inter_node_latency_us: float = 10.0
     memory_reserved_gb: float = 0.0
+    memory_headroom: float = 0.05     # fraction left free for allocator fragmentation
     default_precision: str = "bf16"
     attention: str = "flash"          # flash | materialized (s^2 scores kept in memory)
     device: str = "gpu"
+    compute_units: int | None = None  # CPU cores shared by a node's ranks (None for GPUs)
     source: str = "datasheet"
     description: str = ""
     efficiency: Efficiency = field(default_factory=Efficiency)
@@ -68,6 +70,10 @@ class HardwareProfile:
             raise PlanError(f"hardware '{self.name}' has no peak for precision '{precision}' "
                             f"(it lists {', '.join(sorted(self.peak_tflops))}); pass --precision")
         return float(self.peak_tflops[precision]) * 1e12
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_gb * 2**30 * (1.0 - self.memory_headroom)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ptdp.planner.compute import BYTES, ModelShape
 
-GB = 1e9
+GB = 2**30   # GiB, as torch.cuda memory stats and the trainer's mem_gb report
 
 
 @dataclass(frozen=True)
@@ -89,9 +89,27 @@ def state_bytes_per_parameter(precision: str) -> tuple[float, float, float]:
 # Activations
 # --------------------------------------------------------------------------------------------
 
+def measured_activation_bytes(hw, shape: ModelShape, b: int, t: int, precision: str,
+                              recompute: str) -> float | None:
+    """The profile's measured saved-tensor bytes for this layer shard, if it has them
+    (linear in b through the measured points)."""
+    rows = [r for r in ((hw.measured or {}).get("layers") or [])
+            if (r.get("hidden"), r.get("heads"), r.get("ffn"), r.get("seq"), r.get("tensor"),
+                r.get("precision")) == (shape.hidden, shape.heads, shape.ffn, shape.seq, t, precision)
+            and f"activation_bytes_{recompute}" in r]
+    if not rows:
+        return None
+    per_sample = sum(r[f"activation_bytes_{recompute}"] / r["micro_batch"] for r in rows) / len(rows)
+    return per_sample * b
+
+
 def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, recompute: str,
-                           attention: str) -> float:
+                           attention: str, hw=None) -> float:
     """Bytes one layer keeps for backward per micro-batch on one tensor rank."""
+    if hw is not None:
+        measured = measured_activation_bytes(hw, shape, b, t, precision, recompute)
+        if measured is not None:
+            return measured
     s, h, f, a = shape.seq, shape.hidden, shape.ffn, shape.heads
     e = BYTES[precision]
     sbh = s * b * h
@@ -131,7 +149,7 @@ def in_flight_layer_stashes(schedule: str, p: int, v: int, m: int, layers_per_ra
 
 def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, schedule: str,
                recompute: str, precision: str, attention: str, vocab_padded: int,
-               reserved_gb: float, rank: int) -> MemoryBreakdown:
+               reserved_gb: float, rank: int, hw=None) -> MemoryBreakdown:
     """Peak memory of pipeline rank `rank` (0 = first stage, p-1 = last)."""
     first, last = rank == 0, rank == p - 1
     e = BYTES[precision]
@@ -140,13 +158,13 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     weights = params * w * (2 if schedule == "2bw" else 1)      # 2BW's second version (L2314)
     layers_per_rank = shape.layers // p
     stashes = in_flight_layer_stashes(schedule, p, v, m, layers_per_rank, rank)
-    activations = stashes * layer_activation_bytes(shape, b, t, precision, recompute, attention)
+    activations = stashes * layer_activation_bytes(shape, b, t, precision, recompute, attention, hw)
     sbh = shape.seq * b * shape.hidden
     # Transient: a recomputed layer's activations live while its backward runs; the last
     # stage holds fp32 logits and their gradient for one micro-batch; send/recv buffers.
     transient = 2 * sbh * e
     if recompute != "none":
-        transient += layer_activation_bytes(shape, b, t, precision, "none", attention)
+        transient += layer_activation_bytes(shape, b, t, precision, "none", attention, hw)
     if last:
         transient += 2 * shape.seq * b * vocab_padded / t * 4
     if first and shape.dropout:

@@ -207,8 +207,9 @@ def _try_micro_batch(hw, work, t, p, d, b, fixed, attention, rej, ranked, schedu
                 if pred.fits:
                     ranked.append(pred)
                 else:
+                    usable = hw.usable_memory_bytes / 2**30
                     rej.add(OUT_OF_MEMORY, f"{lay.describe()} needs {pred.memory_gb_per_gpu:.1f} GB "
-                                           f"> {hw.memory_gb:g} GB")
+                                           f"> {usable:.1f} GB usable of {hw.memory_gb:g}")
     return evaluated
 
 

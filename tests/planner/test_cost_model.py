@@ -147,3 +147,19 @@ def test_memory_by_schedule_and_recompute(a100):
     # 2 bytes of bf16 weights, 4 of fp32 gradients, 12 of fp32 master weights + Adam moments.
     assert mixed.memory["gradients"] == pytest.approx(2 * mixed.memory["weights"], rel=1e-3)
     assert mixed.memory["optimizer"] == pytest.approx(6 * mixed.memory["weights"], rel=1e-3)
+
+
+def test_tflops_count_the_extra_forward_only_when_it_runs(a100):
+    # As the trainer reports it: Eq. 4.2's 4 passes with recompute=full, 3 otherwise.
+    for recompute, passes in (("full", True), ("selective", False), ("none", False)):
+        lay = Layout(16, 8, 8, micro_batch=1, recompute=recompute)
+        pred = run(a100, GPT3_175B, 1536, lay)
+        flops = model_flops_per_iteration(1536, 2048, 96, 12288, 51200, recompute_forward=passes)
+        assert pred.tflops_per_gpu * 1e12 * pred.step_time_s * 1024 == pytest.approx(flops)
+
+
+def test_headroom_keeps_a_margin_below_device_memory(a100):
+    assert a100.usable_memory_bytes == pytest.approx(0.95 * 80 * 2**30)
+    pred = run(a100, GPT3_175B, 1536, Layout(32, 4, 8, chunks=3, micro_batch=1,
+                                             schedule="interleaved", scatter_gather=True))
+    assert 76 < pred.memory_gb_per_gpu < 80 and not pred.fits
