@@ -58,10 +58,47 @@ def run_layouts(world_size: int, runs: list[list[str]], timeout_s: float = 240.0
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(runs))]
 
 
+# name -> (world size, overrides). Every layout is run for GPT and for BERT; layouts of one
+# world size share one spawned job (process start-up dominates on 2 cores).
+LAYOUTS = {
+    "single":               (1, []),
+    "t2":                   (2, ["parallel.tensor=2"]),
+    "d2":                   (2, ["parallel.data=2"]),
+    "p2-gpipe":             (2, ["parallel.pipeline=2", "schedule.name=gpipe"]),
+    "p2-1f1b":              (2, ["parallel.pipeline=2", "schedule.name=1f1b"]),
+    "t4":                   (4, ["parallel.tensor=4"]),
+    "t2-d2":                (4, ["parallel.tensor=2", "parallel.data=2"]),
+    "p4-v2-interleaved":    (4, ["parallel.pipeline=4", "parallel.chunks=2",
+                                 "schedule.name=interleaved"]),
+    "p2-t2-v2-sg":          (4, ["parallel.pipeline=2", "parallel.tensor=2", "parallel.chunks=2",
+                                 "schedule.name=interleaved", "parallel.scatter_gather=true"]),
+    "p2-t2-v2":             (4, ["parallel.pipeline=2", "parallel.tensor=2", "parallel.chunks=2",
+                                 "schedule.name=interleaved"]),
+    "p2-t2-recompute-full": (4, ["parallel.pipeline=2", "parallel.tensor=2", "train.recompute=full",
+                                 "train.recompute_num_layers=2"]),
+    "t2-d2-selective":      (4, ["parallel.tensor=2", "parallel.data=2",
+                                 "train.recompute=selective"]),
+    "t4-d2":                (8, ["parallel.tensor=4", "parallel.data=2"]),
+    "p2-t2-d2-1f1b":        (8, ["parallel.pipeline=2", "parallel.tensor=2", "parallel.data=2"]),
+}
+ARCHS = ("gpt", "bert")
+
+
 @functools.lru_cache(maxsize=None)
-def reference(arch: str, extra: tuple = ()) -> dict:
-    """The single-process run for `arch` (cached across tests)."""
-    return run_layouts(1, [[f"model.arch={arch}", *extra]])[0][0]
+def _world_results(world: int) -> dict:
+    names = [n for n, (w, _) in LAYOUTS.items() if w == world]
+    runs = [[f"model.arch={arch}", *LAYOUTS[n][1]] for n in names for arch in ARCHS]
+    results = iter(run_layouts(world, runs))
+    return {(n, arch): next(results) for n in names for arch in ARCHS}
+
+
+def layout_result(name: str, arch: str) -> list[dict]:
+    """Per-rank results of layout `name` for `arch` (cached; one spawn per world size)."""
+    return _world_results(LAYOUTS[name][0])[(name, arch)]
+
+
+def reference(arch: str) -> dict:
+    return layout_result("single", arch)[0]
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

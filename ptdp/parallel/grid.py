@@ -71,7 +71,10 @@ class RankGrid:
             first_last.permute(1, 2, 0).reshape(-1, first_last.shape[0]), timeout)
 
     def _build(self, rows: torch.Tensor, timeout: timedelta):
-        mine = None
+        """Create one group per row; return (group, ranks) of mine, (None, []) if none is.
+
+        Only the embedding groups leave ranks out (middle pipeline stages)."""
+        mine = (None, [])
         for row in rows.tolist():
             group = dist.new_group(row, timeout=timeout)
             if self.rank in row:
