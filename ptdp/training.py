@@ -23,6 +23,7 @@ from ptdp.config import Config
 from ptdp.data.synthetic import synthetic_datasets
 from ptdp.optim.grads import (DataParallelGradients, clip_gradients, global_grad_norm,
                               sync_shared_embeddings)
+from ptdp.optim.loss_scale import LossScaler
 from ptdp.optim.lr import learning_rate
 from ptdp.optim.optimizer import build_optimizer
 from ptdp.parallel.tensor import TensorParallel, TensorParallelRNG, seed_everything
@@ -69,7 +70,10 @@ class Trainer:
         num_stages = par.pipeline * par.chunks
         self.chunks = {s: build_chunk(self.ctx, s, num_stages).to(self.device) for s in self.stages}
         self.params = [p for c in self.chunks.values() for p in c.parameters()]
-        self.optimizer = build_optimizer(self.params, tr)
+        # The optimizer updates fp32 master weights; in fp32 training they are the model's own.
+        self.master_params = self.params
+        self.optimizer = build_optimizer(self.master_params, tr)
+        self.loss_scaler = LossScaler(dynamic=tr.precision == "fp16", initial=tr.initial_loss_scale)
         self.dp_grads = DataParallelGradients(self.params, grid.data_group, grid.d, self.m,
                                               tr.grad_bucket_mb)
         self.p2p = P2P(tensor_group=grid.tensor_group, tp_rank=grid.tp_rank, tp_size=grid.t,
@@ -86,7 +90,10 @@ class Trainer:
                                             data_rank=grid.dp_rank, data_size=grid.d,
                                             device=self.device)
                         for split, ds in datasets.items()}
-        self.iteration = 0
+        self.iteration = 0   # iterations done = the next iteration to run (the data position)
+        if cfg.checkpoint.load:
+            from ptdp.checkpoint import load_checkpoint
+            load_checkpoint(self, cfg.checkpoint.load)
 
     # One iteration, in three steps the tests can call separately ---------------------------
     def forward_backward(self, iteration: int) -> StepResult:
@@ -156,10 +163,23 @@ class Trainer:
                           f"lr {record['lr']:.2e} grad_norm {step.grad_norm:.3f} "
                           f"{record['tokens_per_s']:.0f} tok/s", flush=True)
                 self.iteration = it + 1
+                if self._checkpoint_due():
+                    self.save_checkpoint()
         finally:
             if metrics_out:
                 metrics_out.close()
         return history
+
+    def _checkpoint_due(self) -> bool:
+        ck = self.cfg.checkpoint
+        if not ck.dir:
+            return False
+        interval_hit = ck.save_interval and self.iteration % ck.save_interval == 0
+        return bool(interval_hit or self.iteration == self.cfg.train.iters)
+
+    def save_checkpoint(self) -> None:
+        from ptdp.checkpoint import save_checkpoint
+        save_checkpoint(self, self.cfg.checkpoint.dir)
 
     def _metrics(self, it: int, step: StepResult, seconds: float) -> dict:
         cfg, tr = self.cfg, self.cfg.train
