@@ -1,0 +1,460 @@
+"""Sharded checkpoints: atomic save, exact resume, and resharding to another (p, t, d, v).
+
+Layout of one checkpoint (N = iterations done, zero-padded to 7 digits):
+
+    {dir}/latest                      "iter_000000N": the newest complete checkpoint
+    {dir}/iter_000000N/metadata.json  iteration, layout, model and train config, loss scaler,
+                                      and per global parameter name: full shape,
+                                      tp_split_dim, vocab_padded and the pipeline rank holding it
+    {dir}/iter_000000N/model_pp{P:03d}_tp{T:03d}.pt
+                                      one per model-parallel rank, written by data rank 0:
+                                      {name: {"value", "exp_avg", "exp_avg_sq", "step"}} with the
+                                      shards of the master (fp32) weights and their AdamW state
+    {dir}/iter_000000N/rng_rank{R:05d}.pt
+                                      one per world rank: CPU/CUDA and tensor-parallel RNG
+
+Atomicity: everything is written into `iter_N.tmp/`, every rank reports success, then rank 0
+writes metadata.json, renames the directory to `iter_N` and replaces `latest` with
+os.replace. A crash at any point leaves either a `.tmp` directory (never loaded) or a complete
+checkpoint; `latest` only ever names complete ones.
+
+Resharding: shards are layout-specific, but the global names, full shapes and split dims in
+the metadata are not. A loading rank rebuilds the full tensor of each of its parameters from
+the saved shards (concatenate along tp_split_dim, trim vocab padding) and slices it for its
+own layout with `ptdp.sharding.local_slice`, so any (p, t, d, v) can load any other's
+checkpoint. Data position and learning rate are pure functions of the iteration, so restoring
+the iteration restores both.
+
+Failures on any rank are shared with every rank (one small all_gather), so a job never hangs
+in a collective because one rank could not read or write, and a trainer is only modified
+after every rank has read and checked all of its state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ptdp.parallel.tensor import TensorParallelRNG, seed_everything
+from ptdp.sharding import local_slice
+
+FORMAT_VERSION = 1
+METADATA = "metadata.json"
+LATEST = "latest"
+TMP_SUFFIX = ".tmp"
+OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
+# Model keys that do not change what the saved weights mean; a resumed job may change them.
+NON_STRUCTURAL_MODEL_KEYS = ("dropout", "init_std")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message names the path or parameter."""
+
+
+def iteration_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def shard_file_name(pp_rank: int, tp_rank: int) -> str:
+    return f"model_pp{pp_rank:03d}_tp{tp_rank:03d}.pt"
+
+
+def rng_file_name(rank: int) -> str:
+    return f"rng_rank{rank:05d}.pt"
+
+
+# --------------------------------------------------------------------------------------------
+# Agreement between ranks
+# --------------------------------------------------------------------------------------------
+
+def _on_all_ranks(what: str, fn):
+    """Run fn() on this rank; if it failed on any rank, raise on every rank.
+
+    Returns fn's local result. Only the error text travels, so results may be large.
+    """
+    error, result = None, None
+    try:
+        result = fn()
+    except Exception as err:  # shared below, then re-raised (chained) on this rank too
+        error = err
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
+    if failed:
+        rank, msg = failed[0]
+        others = f" (and on {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+        raise CheckpointError(f"{what} failed on rank {rank}{others}: {msg}") from error
+    return result
+
+
+def _all_gather(obj) -> list:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+# --------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------
+
+def save_checkpoint(trainer, directory: str | os.PathLike) -> Path:
+    """Write the trainer's state after `trainer.iteration` iterations; returns the final dir.
+
+    Collective: every rank of the job must call it.
+    """
+    root = Path(directory)
+    final = root / iteration_dir_name(trainer.iteration)
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    rank0 = dist.get_rank() == 0
+    _on_all_ranks(f"preparing checkpoint {tmp}", lambda: _fresh_dir(tmp) if rank0 else None)
+    info = _on_all_ranks(f"writing checkpoint {tmp}", lambda: _write_rank_files(trainer, tmp))
+    params = {}
+    for part in _all_gather(info):
+        params.update(part)
+    _on_all_ranks(f"publishing checkpoint {final}",
+                  lambda: _publish(tmp, final, _metadata(trainer, params)) if rank0 else None)
+    return final
+
+
+def _fresh_dir(path: Path) -> None:
+    """An empty directory; a leftover from a crashed save of the same iteration is discarded."""
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+
+
+def _write_rank_files(trainer, tmp: Path) -> dict:
+    """This rank's files; returns metadata of the parameters it saved ({} if none)."""
+    grid = trainer.grid
+    _save_durably(_rng_state(trainer), tmp / rng_file_name(grid.rank))
+    if grid.dp_rank != 0:  # data-parallel replicas hold identical model and optimizer state
+        return {}
+    shards, info = _model_shards(trainer)
+    _save_durably(shards, tmp / shard_file_name(grid.pp_rank, grid.tp_rank))
+    return info
+
+
+def _model_shards(trainer) -> tuple[dict, dict]:
+    """({name: saved tensors}, {name: metadata}) for this rank's unique parameters."""
+    masters = _master_of(trainer)
+    shards, info = {}, {}
+    for name, param in trainer.named_parameters():
+        if getattr(param, "duplicate", False):  # the tied head's copy; the original is saved
+            continue
+        master = masters[id(param)]
+        entry = {"value": master.detach().cpu().clone()}
+        state = trainer.optimizer.state.get(master, {})
+        for key in OPTIMIZER_KEYS + ("step",):
+            if key in state:
+                entry[key] = torch.as_tensor(state[key]).detach().cpu().clone()
+        shards[name] = entry
+        info[name] = _param_metadata(param, trainer)
+    return shards, info
+
+
+def _param_metadata(param, trainer) -> dict:
+    """Full (layout-free) shape and how this layout split it."""
+    dim = getattr(param, "tp_split_dim", None)
+    vocab_padded = bool(getattr(param, "vocab_padded", False))
+    shape = list(param.shape)
+    if dim is not None:
+        shape[dim] *= trainer.tp.size
+    if vocab_padded:
+        shape[0] = trainer.cfg.model.vocab_size
+    return {"shape": shape, "tp_split_dim": dim, "vocab_padded": vocab_padded,
+            "pipeline_rank": trainer.grid.pp_rank}
+
+
+def _master_of(trainer) -> dict:
+    """id(model param) -> the master param the optimizer updates (same order, maybe same object)."""
+    return {id(p): m for p, m in zip(trainer.params, trainer.master_params)}
+
+
+def _rng_state(trainer) -> dict:
+    state = {"cpu": torch.get_rng_state(), "tensor_parallel": trainer.ctx.rng.get_state()}
+    if trainer.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(trainer.device)
+    return state
+
+
+def _metadata(trainer, params: dict) -> dict:
+    cfg, grid = trainer.cfg, trainer.grid
+    return {
+        "format_version": FORMAT_VERSION,
+        "iteration": trainer.iteration,
+        "consumed_samples": trainer.iteration * cfg.train.global_batch_size,
+        "layout": _layout(cfg),
+        "model": dataclasses.asdict(cfg.model),
+        "train": dataclasses.asdict(cfg.train),  # for the record; LR is f(iteration, train)
+        "loss_scaler": trainer.loss_scaler.state_dict(),
+        "params": params,
+        "files": sorted([shard_file_name(pp, tp) for pp in range(grid.p) for tp in range(grid.t)]
+                        + [rng_file_name(r) for r in range(dist.get_world_size())]),
+    }
+
+
+def _layout(cfg) -> dict:
+    par = cfg.parallel
+    return {"pipeline": par.pipeline, "tensor": par.tensor, "data": par.data, "chunks": par.chunks}
+
+
+def _publish(tmp: Path, final: Path, metadata: dict) -> None:
+    """metadata.json last, then the directory rename, then `latest`: each step atomic."""
+    _write_text_durably(tmp / METADATA, json.dumps(metadata, indent=1))
+    if final.exists():  # re-saving an iteration: move the old one aside, never merge into it
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    latest_tmp = final.parent / (LATEST + TMP_SUFFIX)
+    _write_text_durably(latest_tmp, final.name + "\n")
+    os.replace(latest_tmp, final.parent / LATEST)
+    _fsync_dir(final.parent)
+
+
+def _save_durably(obj, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make renames inside `path` survive a power loss (a no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------
+# Finding and checking a checkpoint (no torch.distributed: usable from tools and tests)
+# --------------------------------------------------------------------------------------------
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint root (follow `latest`) or one iteration directory -> a complete iteration dir."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    if path.name.endswith(TMP_SUFFIX):
+        raise CheckpointError(f"{path} is an incomplete checkpoint (a save that did not finish)")
+    if (path / METADATA).is_file():
+        return path
+    if re.fullmatch(r"iter_\d+", path.name):
+        raise CheckpointError(f"{path} is an incomplete checkpoint: it has no {METADATA}")
+    latest = path / LATEST
+    if not latest.is_file():
+        raise CheckpointError(f"{path} holds no checkpoint: no '{LATEST}' file and no {METADATA}")
+    name = latest.read_text().strip()
+    target = path / name
+    if not (target / METADATA).is_file():
+        raise CheckpointError(f"{latest} names '{name}', but {target} is missing or incomplete")
+    return target
+
+
+def read_metadata(directory: Path) -> dict:
+    """metadata.json of a complete checkpoint, after checking that its files are all there."""
+    try:
+        meta = json.loads((directory / METADATA).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {directory / METADATA}: {err}") from err
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{directory}: format version {meta.get('format_version')} is not "
+                              f"{FORMAT_VERSION}")
+    missing = [f for f in meta["files"] if not (directory / f).is_file()]
+    if missing:
+        raise CheckpointError(f"{directory} is an incomplete checkpoint: missing {', '.join(missing)}")
+    return meta
+
+
+def check_model_config(meta: dict, model, directory: Path) -> None:
+    """The model must be the checkpoint's (the layout may differ); name every differing key."""
+    current = json.loads(json.dumps(dataclasses.asdict(model)))  # same types as the saved JSON
+    saved = meta["model"]
+    differ = [k for k in sorted(set(saved) | set(current))
+              if k not in NON_STRUCTURAL_MODEL_KEYS and saved.get(k) != current.get(k)]
+    if differ:
+        details = ", ".join(f"model.{k}={saved.get(k)!r} in the checkpoint but {current.get(k)!r} "
+                            f"in the config" for k in differ)
+        raise CheckpointError(f"{directory} was saved for a different model: {details}")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+def load_checkpoint(trainer, path: str | os.PathLike) -> Path:
+    """Restore a checkpoint into a freshly built trainer, resharding if the layout differs.
+
+    Collective. Every rank first reads and checks all of its state; the trainer is modified
+    only if that succeeded on every rank, otherwise every rank raises CheckpointError.
+    """
+    def read():
+        directory = resolve_checkpoint(path)
+        meta = read_metadata(directory)
+        check_model_config(meta, trainer.cfg.model, directory)
+        return directory, meta, _read_rank_state(trainer, directory, meta)
+
+    directory, meta, state = _on_all_ranks(f"loading checkpoint {path}", read)
+    _apply(trainer, meta, state)
+    if dist.get_rank() == 0 and trainer.cfg.log.progress:
+        print(f"loaded checkpoint {directory} (iteration {meta['iteration']}, saved with layout "
+              f"{_layout_text(meta['layout'])})", flush=True)
+    return directory
+
+
+def _read_rank_state(trainer, directory: Path, meta: dict) -> dict:
+    """Everything this rank needs, read and shape-checked, nothing applied yet."""
+    shards = _ShardReader(directory, meta)
+    masters = _master_of(trainer)
+    values, optimizer_state = {}, {}
+    for name, param in trainer.named_parameters():
+        entry = shards.full(name)
+        local = {key: _to_local(param, full, trainer, name, key) for key, full in entry.items()
+                 if key != "step"}
+        master = masters[id(param)]
+        values[id(master)] = local["value"]
+        if all(k in local for k in OPTIMIZER_KEYS) and "step" in entry:
+            optimizer_state[id(master)] = {"step": entry["step"].clone(),
+                                          **{k: local[k] for k in OPTIMIZER_KEYS}}
+    return {"values": values, "optimizer": optimizer_state, "rng": _rng_to_restore(trainer, directory, meta)}
+
+
+class _ShardReader:
+    """Full tensors of saved parameters, rebuilt from the shard files of the saved layout."""
+
+    def __init__(self, directory: Path, meta: dict):
+        self.directory, self.meta = directory, meta
+        self.tensor = meta["layout"]["tensor"]
+        self.vocab_size = meta["model"]["vocab_size"]
+        self._files: dict[tuple[int, int], dict] = {}
+
+    def full(self, name: str) -> dict:
+        """{"value", "exp_avg", "exp_avg_sq": full tensors, "step"} for global `name`."""
+        info = self.meta["params"].get(name)
+        if info is None:
+            raise CheckpointError(f"{self.directory} has no parameter '{name}'")
+        parts = [self._shard(info["pipeline_rank"], tp, name) for tp in range(self.tensor)]
+        entry = {key: self._unshard([p[key] for p in parts], info)
+                 for key in parts[0] if key != "step"}
+        if "step" in parts[0]:
+            entry["step"] = parts[0]["step"]
+        expected = list(info["shape"])
+        if list(entry["value"].shape) != expected:
+            raise CheckpointError(f"{self.directory}: parameter '{name}' rebuilds to shape "
+                                  f"{list(entry['value'].shape)}, metadata says {expected}")
+        return entry
+
+    def _unshard(self, parts: list, info: dict):
+        dim = info["tp_split_dim"]
+        full = torch.cat(parts, dim=dim) if dim is not None else parts[0]
+        return full[: self.vocab_size] if info["vocab_padded"] else full
+
+    def _shard(self, pp: int, tp: int, name: str) -> dict:
+        shard = self._file(pp, tp).get(name)
+        if shard is None:
+            raise CheckpointError(f"{self.directory / shard_file_name(pp, tp)} has no entry for "
+                                  f"parameter '{name}' (the metadata says it is there)")
+        return shard
+
+    def _file(self, pp: int, tp: int) -> dict:
+        key = (pp, tp)
+        if key not in self._files:
+            path = self.directory / shard_file_name(pp, tp)
+            try:  # mmap: only the tensors this rank asks for are read from disk
+                self._files[key] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as err:
+                raise CheckpointError(f"cannot read {path}: {err}") from err
+        return self._files[key]
+
+
+def _to_local(param, full: torch.Tensor, trainer, name: str, key: str) -> torch.Tensor:
+    """This rank's shard of `full` for the current layout, checked against the parameter."""
+    local = local_slice(param, full, trainer.tp, trainer.cfg.padded_vocab_size)
+    if local.shape != param.shape:
+        raise CheckpointError(f"parameter '{name}' ({key}): the checkpoint gives a shard of shape "
+                              f"{list(local.shape)} but the model's is {list(param.shape)}")
+    return local.clone()  # own the memory: the source may be a memory-mapped file
+
+
+def _rng_to_restore(trainer, directory: Path, meta: dict) -> dict | None:
+    """The saved RNG state of this rank if the layout is unchanged, else None."""
+    if meta["layout"] != _layout(trainer.cfg):
+        return None
+    path = directory / rng_file_name(trainer.grid.rank)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"cannot read {path}: {err}") from err
+
+
+def _apply(trainer, meta: dict, state: dict) -> None:
+    """Copy validated state into the trainer (cannot fail on shapes: all checked already)."""
+    with torch.no_grad():
+        for master in trainer.master_params:
+            master.copy_(state["values"][id(master)])
+        for param, master in zip(trainer.params, trainer.master_params):
+            if param is not master:  # low-precision model weights follow the fp32 masters
+                param.copy_(master)
+    _load_optimizer_state(trainer.optimizer, state["optimizer"])
+    trainer.loss_scaler.load_state_dict(meta["loss_scaler"])
+    _restore_rng(trainer, state["rng"], meta["iteration"])
+    trainer.iteration = meta["iteration"]
+
+
+def _load_optimizer_state(optimizer, by_param: dict) -> None:
+    """Through load_state_dict, so torch places `step` and casts moments as it expects."""
+    sd = optimizer.state_dict()
+    index = 0
+    state = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in by_param:
+                state[index] = by_param[id(p)]
+            index += 1
+    sd["state"] = state
+    optimizer.load_state_dict(sd)
+
+
+def _restore_rng(trainer, saved: dict | None, iteration: int) -> None:
+    """Exact streams when the layout is unchanged; otherwise fresh ones derived from the
+    iteration (a rank's stream has no counterpart in another layout, and reusing the
+    start-of-training seeds would repeat the first iterations' dropout masks)."""
+    if saved is None:
+        seed = trainer.cfg.train.seed + 1_000_003 * iteration
+        seed_everything(seed, trainer.grid.pp_rank)
+        fresh = TensorParallelRNG(seed, trainer.grid.tp_rank, trainer.device)
+        trainer.ctx.rng.set_state(fresh.get_state())
+        return
+    torch.set_rng_state(saved["cpu"])
+    trainer.ctx.rng.set_state(saved["tensor_parallel"])
+    if "cuda" in saved and trainer.device.type == "cuda":
+        torch.cuda.set_rng_state(saved["cuda"], trainer.device)
+
+
+def _layout_text(layout: dict) -> str:
+    return (f"p={layout['pipeline']} t={layout['tensor']} d={layout['data']} "
+            f"v={layout['chunks']}")
