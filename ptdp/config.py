@@ -217,6 +217,7 @@ def _apply_section(section_obj: Any, values: dict, section: str) -> None:
 
 def config_from_dict(raw: dict, source: str = "config") -> Config:
     cfg = Config()
+    cfg.model.ffn_hidden_size = None  # re-derived below from the loaded hidden_size
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

@@ -262,7 +262,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_size: int, tp: TensorParallel):
         ctx.logits_dtype = logits.dtype
-        logits = logits.float()
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # softmax statistics in fp32; fp64 stays fp64
         per_rank = logits.shape[-1]
         start = tp.rank * per_rank
         real_here = max(0, min(per_rank, vocab_size - start))

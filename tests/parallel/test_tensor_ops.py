@@ -1,0 +1,154 @@
+"""f/g operators, parallel linears, vocab-parallel cross-entropy and dropout RNG on 2 ranks.
+
+Every check runs inside one spawned 2-rank job (start-up dominates); each returns a named
+result that the tests below assert on.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ptdp.local_ranks import run_on_ranks
+from ptdp.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallel,
+                                  TensorParallelRNG, VocabParallelEmbedding, copy_to_tensor_region,
+                                  full_normal, reduce_from_tensor_region,
+                                  vocab_parallel_cross_entropy)
+
+T = 2
+
+
+def _tp() -> TensorParallel:
+    return TensorParallel(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+
+
+def _gradcheck_mlp(tp):
+    """g(GeLU(f(x) A_i) B_i) as a function of the replicated activation x, in float64.
+
+    Every rank perturbs the same element of x at once, so finite differences see the true
+    function of x; the analytic gradient needs f's backward all-reduce to match. (Weight
+    shards can't be checked this way: perturbing them on all ranks at once changes the
+    function; their gradients are compared with the dense model in _mlp_matches_dense.)
+    """
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, dtype=torch.float64, generator=g).requires_grad_()
+    a = torch.randn(6, 4, dtype=torch.float64, generator=g).chunk(tp.size, 0)[tp.rank]
+    b = torch.randn(4, 6, dtype=torch.float64, generator=g).chunk(tp.size, 1)[tp.rank]
+
+    def mlp(x):
+        hidden = F.gelu(F.linear(copy_to_tensor_region(x, tp), a))
+        return reduce_from_tensor_region(F.linear(hidden, b), tp)
+
+    return torch.autograd.gradcheck(mlp, (x,), eps=1e-6, atol=1e-6)
+
+
+def _mlp_matches_dense(tp):
+    """Column -> Row on t ranks equals the dense two-layer MLP (output and all grads)."""
+    col = ColumnParallelLinear(6, 8, tp, seed=3, key="c", std=0.5, bias=True)
+    row = RowParallelLinear(8, 6, tp, seed=3, key="r", std=0.5, bias=True)
+    torch.nn.init.normal_(col.bias, generator=torch.Generator().manual_seed(tp.rank))
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    y = row(F.gelu(col(x)))
+    y.square().sum().backward()
+    w1, w2 = full_normal((8, 6), 0.5, 3, "c.weight"), full_normal((6, 8), 0.5, 3, "r.weight")
+    b1 = torch.cat([torch.empty(8 // tp.size).normal_(generator=torch.Generator().manual_seed(r))
+                    for r in range(tp.size)]).requires_grad_()
+    w1.requires_grad_(), w2.requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = F.linear(F.gelu(F.linear(x_ref, w1, b1)), w2)
+    y_ref.square().sum().backward()
+    shard = lambda t, d: t.chunk(tp.size, d)[tp.rank]  # noqa: E731
+    return {"out": torch.allclose(y, y_ref, atol=1e-6),
+            "x_grad": torch.allclose(x.grad, x_ref.grad, atol=1e-5),
+            "w1_grad": torch.allclose(col.weight.grad, shard(w1.grad, 0), atol=1e-5),
+            "w2_grad": torch.allclose(row.weight.grad, shard(w2.grad, 1), atol=1e-5),
+            "b1_grad": torch.allclose(col.bias.grad, shard(b1.grad, 0), atol=1e-5)}
+
+
+def _cross_entropy(tp):
+    """Vocab-parallel CE over padded logits equals F.cross_entropy on the real vocabulary."""
+    vocab, padded = 13, 16
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(5, 3, padded, generator=g, dtype=torch.float64)
+    target = torch.randint(0, vocab, (5, 3), generator=g)
+    target[0, 0], target[1, 1] = 0, vocab - 1  # both edges of the vocabulary
+    local = full.chunk(tp.size, -1)[tp.rank].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, target, vocab, tp)
+    loss.sum().backward()
+    ref_logits = full[..., :vocab].clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits.reshape(-1, vocab), target.reshape(-1), reduction="none")
+    ref.sum().backward()
+    ref_grad = torch.cat([ref_logits.grad, torch.zeros(5, 3, padded - vocab, dtype=torch.float64)], -1)
+    return {"loss": torch.allclose(loss, ref.view(5, 3), atol=1e-10),
+            "grad": torch.allclose(local.grad, ref_grad.chunk(tp.size, -1)[tp.rank], atol=1e-10),
+            "padding_grad_zero": bool((local.grad[..., max(0, vocab - tp.rank * 8):] == 0).all())}
+
+
+def _embedding(tp):
+    emb = VocabParallelEmbedding(10, 16, 4, tp, seed=2, key="e", std=1.0)
+    ids = torch.tensor([[0, 7, 9], [3, 8, 1]])
+    ref = full_normal((10, 4), 1.0, 2, "e.weight")[ids]
+    return torch.allclose(emb(ids), ref)
+
+
+def _dropout_streams(tp):
+    """Inside the tensor region masks differ across ranks; outside they agree."""
+    torch.manual_seed(11)  # the default stream: same seed on every tensor rank
+    rng = TensorParallelRNG(11, tp.rank, torch.device("cpu"))
+    with rng.fork():
+        inside = F.dropout(torch.ones(64), 0.5)
+    outside = F.dropout(torch.ones(64), 0.5)
+    both = [torch.empty(2, 64) for _ in range(tp.size)]
+    dist.all_gather(both, torch.stack([inside, outside]))
+    state_after_fork = rng.get_state()
+    with rng.fork():
+        again = F.dropout(torch.ones(64), 0.5)
+    return {"inside_differs": not torch.equal(both[0][0], both[1][0]),
+            "outside_agrees": torch.equal(both[0][1], both[1][1]),
+            "stream_advances": not torch.equal(again, inside),
+            "fork_keeps_state": not torch.equal(state_after_fork, rng.get_state())}
+
+
+def run_checks():
+    torch.set_default_dtype(torch.float32)
+    tp = _tp()
+    return {"gradcheck_mlp": _gradcheck_mlp(tp), "mlp": _mlp_matches_dense(tp),
+            "ce": _cross_entropy(tp), "embedding": _embedding(tp), "dropout": _dropout_streams(tp)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_on_ranks(T, run_checks, timeout_s=120)
+
+
+def test_f_and_g_pass_gradcheck(results):
+    assert all(r["gradcheck_mlp"] for r in results)
+
+
+@pytest.mark.parametrize("what", ["out", "x_grad", "w1_grad", "w2_grad", "b1_grad"])
+def test_parallel_mlp_equals_dense(results, what):
+    assert all(r["mlp"][what] for r in results), what
+
+
+@pytest.mark.parametrize("what", ["loss", "grad", "padding_grad_zero"])
+def test_vocab_parallel_cross_entropy(results, what):
+    assert all(r["ce"][what] for r in results), what
+
+
+def test_vocab_parallel_embedding_equals_lookup(results):
+    assert all(r["embedding"] for r in results)
+
+
+@pytest.mark.parametrize("what", ["inside_differs", "outside_agrees", "stream_advances",
+                                  "fork_keeps_state"])
+def test_dropout_rng_streams(results, what):
+    assert results[0]["dropout"][what], what
+
+
+def test_single_process_cross_entropy_matches_torch():
+    tp = TensorParallel()
+    logits = torch.randn(4, 2, 128, requires_grad=True)
+    target = torch.randint(0, 100, (4, 2))
+    ours = vocab_parallel_cross_entropy(logits, target, 100, tp)
+    ref = F.cross_entropy(logits[..., :100].reshape(-1, 100), target.reshape(-1), reduction="none")
+    torch.testing.assert_close(ours, ref.view(4, 2))

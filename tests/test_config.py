@@ -1,0 +1,82 @@
+"""Config loading, overrides and every validation error (before any process group exists)."""
+
+import pytest
+
+from ptdp.config import ConfigError, load_config, padded_vocab_size
+
+
+def load(*overrides, world=1):
+    return load_config(None, list(overrides), world_size=world)
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (["parallel.tensor=2", "parallel.pipeline=2", "parallel.data=1"], 8,
+     "parallel.pipeline * parallel.tensor * parallel.data = 2 * 2 * 1 = 4 but the world size is 8"),
+    (["parallel.tensor=3"], 6, "model.num_heads (4) must be divisible by parallel.tensor (3)"),
+    (["model.num_heads=8", "model.hidden_size=36", "parallel.tensor=8"], 8,
+     "model.hidden_size (36) must be divisible by model.num_heads (8)"),
+    (["model.num_heads=6", "model.hidden_size=60", "parallel.tensor=3",
+      "model.ffn_hidden_size=100"], 3, "model.ffn_hidden_size (100) must be divisible by parallel.tensor (3)"),
+    (["model.num_layers=6", "parallel.pipeline=2", "parallel.chunks=2",
+      "schedule.name=interleaved"], 2, "model.num_layers (6) must be divisible by parallel.pipeline * parallel.chunks = 2 * 2 = 4"),
+    (["train.global_batch_size=10", "train.micro_batch_size=2", "parallel.data=2"], 2,
+     "train.global_batch_size (10) must be divisible by train.micro_batch_size * parallel.data = 2 * 2 = 4"),
+    (["parallel.tensr=2"], 1, "unknown key 'parallel.tensr' (did you mean 'tensor'?)"),
+    (["modle.arch=gpt"], 1, "unknown section 'modle'"),
+    (["train.iters=ten"], 1, "train.iters: expected an integer, got 'ten'"),
+    (["train.lr=fast"], 1, "train.lr: expected a number, got 'fast'"),
+    (["parallel.scatter_gather=maybe"], 1, "parallel.scatter_gather: expected true or false"),
+    (["schedule.name=1f1f"], 1, "schedule.name: '1f1f' is not one of"),
+    (["parallel.pipeline=2", "parallel.chunks=2", "schedule.name=1f1b", "model.num_layers=4"], 2,
+     "parallel.chunks=2 needs schedule.name=interleaved"),
+    (["parallel.pipeline=4", "parallel.chunks=2", "schedule.name=interleaved", "model.num_layers=8",
+      "train.global_batch_size=12", "train.micro_batch_size=2"], 4,
+     "to be a multiple of parallel.pipeline (4)"),
+    (["train.precision=fp8"], 1, "train.precision: 'fp8' is not one of fp32, bf16, fp16"),
+    (["train.iters"], 1, "must look like section.key=value"),
+    (["data.source=indexed"], 1, "data.source=indexed needs data.paths"),
+])
+def test_validation_names_the_offending_key(overrides, world, message):
+    with pytest.raises(ConfigError) as err:
+        load(*overrides, world=world)
+    assert message in str(err.value)
+
+
+def test_data_parallel_size_is_derived_from_the_world():
+    cfg = load("parallel.tensor=2", "parallel.pipeline=2", world=8)
+    assert cfg.parallel.data == 2
+    assert cfg.num_micro_batches == cfg.train.global_batch_size // (cfg.train.micro_batch_size * 2)
+
+
+def test_world_not_divisible_by_model_parallel_size():
+    with pytest.raises(ConfigError, match="world size 6 is not divisible by"):
+        load("parallel.tensor=4", world=6)
+
+
+@pytest.mark.parametrize("vocab,t,padded", [(50257, 1, 50304), (50257, 2, 50432), (50257, 8, 51200),
+                                            (256, 1, 256), (100, 4, 512)])
+def test_vocab_is_padded_to_a_multiple_of_128_t(vocab, t, padded):
+    assert padded_vocab_size(vocab, t) == padded
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  hidden_size: 32\n  num_heads: 2\ntrain:\n  iters: 3\n")
+    cfg = load_config(path, ["train.iters=7", "model.dropout=0.1"], world_size=1)
+    assert (cfg.model.hidden_size, cfg.train.iters, cfg.model.dropout) == (32, 7, 0.1)
+    assert cfg.model.ffn_hidden_size == 128  # default 4 * hidden, from the YAML's hidden
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml", world_size=1)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad, world_size=1)
+
+
+def test_shipped_tiny_configs_load():
+    for name in ("gpt_tiny", "bert_tiny"):
+        cfg = load_config(f"configs/{name}.yaml", ["parallel.tensor=2", "parallel.pipeline=2"], world_size=8)
+        assert cfg.parallel.data == 2
