@@ -64,6 +64,10 @@ def register(subparsers) -> None:
     prof.add_argument("--micro-batches", default="1,2,4", help="comma-separated b values")
     prof.add_argument("--tensor", default="1,2", help="comma-separated t values to shard for")
     prof.add_argument("--ranks", type=int, default=2, help="local ranks for bandwidth tests")
+    prof.add_argument("--ranks-per-node", type=int, default=8,
+                      help="ranks one node of this kind hosts (the profile's gpus_per_node)")
+    prof.add_argument("--base", default=None,
+                      help="GPU only: datasheet profile for what one device cannot measure")
     prof.add_argument("--threads", type=int, default=1,
                       help="torch threads per process (match the trainer's ranks)")
     prof.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))

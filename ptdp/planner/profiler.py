@@ -1,0 +1,397 @@
+"""`ptdp profile`: measure this machine and write a hardware profile the planner can use.
+
+What is measured (PipeDream's profiler, L1152-1178, plus what the closed-form model needs):
+* per transformer-layer shard (the real `models.transformer` code, for each t and b):
+  forward and backward seconds, the attention core's forward, bytes saved for backward
+  (saved-tensor hooks, de-duplicated by storage) and weight bytes;
+* embedding and head (final LayerNorm, logits, vocab-parallel cross-entropy) times;
+* the device: large-GEMM rate (the peak), a GEMM shape model, memory bandwidth and the
+  per-kernel launch cost, so the analytic model also works for shapes not profiled;
+* all-reduce and point-to-point bandwidth/latency between `--ranks` local processes (gloo
+  on CPU, NCCL with 2+ GPUs), fitted as time = latency + bytes / bandwidth.
+
+A tensor-parallel shard of size t is measured in one process by giving the layer a
+1-process group that claims size t: the layer has exactly a t-rank's shapes and its
+all-reduces become local copies, so the time is compute only (the cost model adds the
+communication separately from the measured bandwidths).
+
+torch is imported inside functions only: `ptdp plan` must not pay for it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import statistics
+import time
+from pathlib import Path
+
+from ptdp.planner.errors import PlanError
+from ptdp.planner.hardware import Efficiency, HardwareProfile, load_hardware, save_hardware
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+# --------------------------------------------------------------------------------------------
+# Timing helpers
+# --------------------------------------------------------------------------------------------
+
+def _sync(device) -> None:
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(fn, device, iters: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def saved_bytes(fn, exclude: set) -> tuple[object, int]:
+    """Run fn() and count the bytes autograd saves for backward (unique storages, minus
+    `exclude`, e.g. parameters)."""
+    import torch
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in exclude:
+            seen[ptr] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+# --------------------------------------------------------------------------------------------
+# Model pieces
+# --------------------------------------------------------------------------------------------
+
+def _ensure_process_group() -> None:
+    """A 1-process gloo world so layers that believe t > 1 can call their collectives."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    from ptdp.local_ranks import free_port
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def _context(model_cfg, t: int, device, recompute: str = "none"):
+    from models.transformer import ModelContext
+    from ptdp.config import padded_vocab_size
+    from ptdp.parallel.tensor import TensorParallel, TensorParallelRNG
+    tp = TensorParallel(group=None, rank=0, size=t)
+    return ModelContext(model_cfg, tp, 1234, TensorParallelRNG(1234, 0, device),
+                        padded_vocab_size(model_cfg.vocab_size, t), recompute, 1)
+
+
+def _param_storages(module) -> set:
+    return {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+
+def measure_layer(model_cfg, t: int, b: int, precision: str, device, iters: int) -> dict:
+    """One row of `measured.layers`: a layer shard's times and bytes at micro-batch b."""
+    import torch
+    from models.transformer import TransformerStack
+    dtype = getattr(torch, DTYPES[precision])
+    causal = model_cfg.arch == "gpt"
+    m = model_cfg
+    row = dict(hidden=m.hidden_size, heads=m.num_heads, ffn=m.ffn_hidden_size, seq=m.seq_length,
+               tensor=t, precision=precision, micro_batch=b)
+    x = torch.randn(m.seq_length, b, m.hidden_size, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+    for recompute in ("none", "selective", "full"):
+        stack = TransformerStack(_context(m, t, device, recompute), 0, 1, causal).to(device, dtype)
+        stack.train()
+        out, nbytes = saved_bytes(lambda: stack(x), _param_storages(stack) | {x.untyped_storage().data_ptr()})
+        out.backward(grad)
+        # The layer input is kept by the previous layer's LayerNorm or the checkpoint: count it.
+        row[f"activation_bytes_{recompute}"] = nbytes + x.numel() * x.element_size()
+        if recompute == "none":
+            layer = stack
+            row["weight_bytes"] = sum(p.numel() * p.element_size() for p in stack.parameters())
+    state = {}
+
+    def forward():
+        state["y"] = layer(x)
+
+    def backward():
+        state["y"].backward(grad)
+
+    row["forward_s"] = _median_time(forward, device, iters)
+    fwd_bwd = _median_time(lambda: (forward(), backward()), device, iters)
+    row["backward_s"] = max(fwd_bwd - row["forward_s"], 1e-9)
+    row["attention_forward_s"] = _attention_time(layer.layers[0].attention, x, device, iters)
+    return row
+
+
+def _attention_time(attention, x, device, iters: int) -> float:
+    import torch
+    s, b, _ = x.shape
+    heads, dh = attention.local_heads, attention.ctx.model.head_dim
+    q, k, v = (torch.randn(b, heads, s, dh, device=device, dtype=x.dtype, requires_grad=True)
+               for _ in range(3))
+    return _median_time(lambda: attention.core_attention(q, k, v, None), device, iters)
+
+
+def measure_head(model_cfg, t: int, b: int, precision: str, device, iters: int) -> dict:
+    """One row of `measured.heads`: embedding and final LN + logits + loss at micro-batch b."""
+    import torch
+    from models.embedding import Embedding, logits
+    from models.transformer import layer_norm
+    from ptdp.parallel.tensor import vocab_parallel_cross_entropy
+    m = model_cfg
+    dtype = getattr(torch, DTYPES[precision])
+    ctx = _context(m, t, device)
+    embedding = Embedding(ctx).to(device, dtype)
+    final_ln = layer_norm(m.hidden_size, m.layernorm_eps).to(device, dtype)
+    tokens = torch.randint(0, m.vocab_size, (b, m.seq_length), device=device)
+    hidden = torch.randn(m.seq_length, b, m.hidden_size, device=device, dtype=dtype,
+                         requires_grad=True)
+    state = {}
+
+    def embed():
+        state["e"] = embedding(tokens)
+
+    def head():
+        out = logits(final_ln(hidden), embedding.word.weight, ctx)
+        state["h"] = vocab_parallel_cross_entropy(out, tokens.t(), m.vocab_size, ctx.tp).mean()
+
+    row = dict(hidden=m.hidden_size, seq=m.seq_length, tensor=t, vocab=ctx.padded_vocab_size,
+               precision=precision, micro_batch=b)
+    row["embed_forward_s"] = _median_time(embed, device, iters)
+    grad = torch.randn(m.seq_length, b, m.hidden_size, device=device, dtype=dtype)
+    both = _median_time(lambda: (embed(), state["e"].backward(grad)), device, iters)
+    row["embed_backward_s"] = max(both - row["embed_forward_s"], 1e-9)
+    row["head_forward_s"] = _median_time(head, device, iters)
+    both = _median_time(lambda: (head(), state["h"].backward()), device, iters)
+    row["head_backward_s"] = max(both - row["head_forward_s"], 1e-9)
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# The device: GEMM rate and shape model, memory bandwidth, launch cost
+# --------------------------------------------------------------------------------------------
+
+def _gemm_seconds(m: int, n: int, k: int, dtype, device, iters: int) -> float:
+    import torch
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    w = torch.randn(k, n, device=device, dtype=dtype)
+    return _median_time(lambda: torch.mm(a, w), device, iters)
+
+
+def measure_device(precision: str, device, iters: int) -> dict:
+    """Peak GEMM FLOP/s, the half-efficiency dimension, HBM/DRAM bandwidth, launch cost."""
+    import torch
+    dtype = getattr(torch, DTYPES[precision])
+    big = 4096 if device.type == "cuda" else 1024
+    peak = 2 * big**3 / _gemm_seconds(big, big, big, dtype, device, iters)
+    launch = _median_time(lambda: torch.add(torch.ones(1, device=device), 1), device, iters * 20)
+    shapes = [(32, 32, 32), (64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 64, 512),
+              (512, 512, 32), (1024, 128, 256)]
+    samples = [(shape, _gemm_seconds(*shape, dtype, device, iters)) for shape in shapes]
+    nbytes = (256 if device.type == "cuda" else 64) * 2**20
+    src = torch.empty(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * nbytes / _median_time(lambda: dst.copy_(src), device, iters)
+    return {"peak_flops": peak, "launch_s": launch, "memory_Bps": bandwidth,
+            "half_dim": fit_half_dim(samples, peak, launch)}
+
+
+def fit_half_dim(samples, peak: float, launch: float) -> float:
+    """The gemm_half_dim that best explains the measured GEMM times (log-error grid search)."""
+    import math
+
+    def error(half):
+        total = 0.0
+        for (m, n, k), seconds in samples:
+            sat = (m / (m + half)) * (n / (n + half)) * (k / (k + half))
+            predicted = 2 * m * n * k / (peak * sat) + launch
+            total += math.log(predicted / seconds) ** 2
+        return total
+
+    return min((1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256), key=error)
+
+
+# --------------------------------------------------------------------------------------------
+# Collectives between local ranks
+# --------------------------------------------------------------------------------------------
+
+SIZES = (2**10, 2**14, 2**18, 2**20, 2**22)   # float32 elements
+
+
+def _bench_collectives(sizes, iters: int) -> dict:
+    """Runs on every rank of a run_on_ranks world; rank 0's result is used."""
+    import torch
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    baseline_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    device = torch.device("cpu")
+    out = {"world": world, "baseline_gb": baseline_gb, "all_reduce": [], "p2p": []}
+    for n in sizes:
+        buf = torch.ones(n)
+        dist.barrier()
+        out["all_reduce"].append((n * 4, _median_time(lambda: dist.all_reduce(buf), device, iters,
+                                                      warmup=2)))
+        dist.barrier()
+
+        def ping_pong():
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            elif rank == 1:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        out["p2p"].append((n * 4, _median_time(ping_pong, device, iters, warmup=2) / 2))
+    return out
+
+
+def fit_latency_bandwidth(points) -> tuple[float, float]:
+    """(seconds per byte, latency seconds) from (bytes, seconds) samples: the slope between
+    the two largest messages (bandwidth-bound), the latency from the smallest (latency-bound),
+    which is more robust to one noisy sample than a least-squares line."""
+    points = sorted(points)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    slope = max((y1 - y0) / (x1 - x0), y1 / x1 * 0.5, 1e-15)
+    latency = max(points[0][1] - slope * points[0][0], 0.0)
+    return slope, latency
+
+
+def measure_collectives(ranks: int, threads: int, iters: int) -> dict:
+    from ptdp.local_ranks import run_on_ranks
+    result = run_on_ranks(ranks, _bench_collectives, SIZES, iters, timeout_s=300.0,
+                          threads=threads)[0]
+    n = result["world"]
+    ring = [(2 * (n - 1) / n * nbytes, sec) for nbytes, sec in result["all_reduce"]]
+    ar_slope, ar_intercept = fit_latency_bandwidth(ring)
+    p2p_slope, p2p_intercept = fit_latency_bandwidth(result["p2p"])
+    return {"ranks": n, "baseline_gb": result["baseline_gb"],
+            "all_reduce": {"bandwidth_GBps": 1e-9 / ar_slope,
+                           "latency_us": ar_intercept / (2 * (n - 1)) * 1e6,
+                           "samples": [list(p) for p in result["all_reduce"]]},
+            "p2p": {"bandwidth_GBps": 1e-9 / p2p_slope, "latency_us": p2p_intercept * 1e6,
+                    "samples": [list(p) for p in result["p2p"]]}}
+
+
+# --------------------------------------------------------------------------------------------
+# Putting the profile together
+# --------------------------------------------------------------------------------------------
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise PlanError(f"{flag} '{text}': expected comma-separated integers") from err
+    if not values or min(values) < 1:
+        raise PlanError(f"{flag} '{text}': expected positive integers")
+    return values
+
+
+def _total_memory_gb() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def build_profile(model_cfg, *, name: str, micro_batches: list[int], tensors: list[int],
+                  ranks: int, ranks_per_node: int, threads: int, precision: str, device_name: str,
+                  iters: int, base: str | None = None, log=print) -> HardwareProfile:
+    import torch
+    torch.set_num_threads(threads)
+    device = torch.device("cuda" if device_name == "cuda" or (
+        device_name == "auto" and torch.cuda.is_available()) else "cpu")
+    for t in tensors:
+        if model_cfg.num_heads % t or model_cfg.ffn_hidden_size % t:
+            raise PlanError(f"--tensor {t}: model.num_heads and ffn_hidden_size must divide by it")
+    _ensure_process_group()
+    log(f"profiling on {device} ({threads} thread(s)), {precision}")
+    dev = measure_device(precision, device, iters)
+    log(f"  GEMM peak {dev['peak_flops'] / 1e12:.3f} TFLOP/s, memory "
+        f"{dev['memory_Bps'] / 1e9:.1f} GB/s, launch {dev['launch_s'] * 1e6:.1f} us, "
+        f"half-dim {dev['half_dim']}")
+    layers, heads = [], []
+    for t in tensors:
+        for b in micro_batches:
+            layers.append(measure_layer(model_cfg, t, b, precision, device, iters))
+            heads.append(measure_head(model_cfg, t, b, precision, device, iters))
+            row = layers[-1]
+            log(f"  layer t={t} b={b}: fwd {row['forward_s'] * 1e3:.2f} ms, bwd "
+                f"{row['backward_s'] * 1e3:.2f} ms, saved {row['activation_bytes_none'] / 2**20:.1f} MiB")
+    comms = None
+    if device.type == "cpu" and ranks > 1:
+        comms = measure_collectives(ranks, threads, max(iters, 3))
+        log(f"  all-reduce {comms['all_reduce']['bandwidth_GBps']:.2f} GB/s bus, "
+            f"p2p {comms['p2p']['bandwidth_GBps']:.2f} GB/s, {comms['p2p']['latency_us']:.0f} us")
+    measured = {"threads": threads, "device": str(device), "torch": str(torch.__version__),
+                "host": platform.node(), "layers": layers, "heads": heads}
+    if comms:
+        measured.update(all_reduce=comms["all_reduce"], p2p={
+            k: comms["p2p"][k] for k in ("bandwidth_GBps", "latency_us", "samples")})
+    return _assemble(name, device, precision, dev, comms, measured, ranks_per_node, base)
+
+
+def _assemble(name, device, precision, dev, comms, measured, ranks_per_node, base) -> HardwareProfile:
+    """Measured numbers on top of a base profile (GPU) or on their own (CPU)."""
+    peak_tflops = {precision: dev["peak_flops"] / 1e12}
+    efficiency = Efficiency(gemm_max=1.0, gemm_half_dim=float(dev["half_dim"]), attention=1.0,
+                            kernel_launch_us=dev["launch_s"] * 1e6, memory=1.0, collective=1.0)
+    if base:
+        profile = load_hardware(base)
+        profile.name, profile.source = name, f"measured over {base}"
+        profile.peak_tflops = {**profile.peak_tflops, **peak_tflops}
+        profile.efficiency = efficiency
+        profile.memory_bandwidth_GBps = dev["memory_Bps"] / 1e9
+        profile.measured = measured
+        return profile
+    if device.type == "cuda":
+        raise PlanError("profiling a GPU needs --base NAME for what one GPU cannot measure "
+                        "(node size, NVLink and network bandwidth)")
+    all_reduce = comms["all_reduce"] if comms else {"bandwidth_GBps": 10.0, "latency_us": 50.0}
+    baseline = comms["baseline_gb"] if comms else 0.3
+    return HardwareProfile(
+        name=name, description=f"measured on {platform.node()} ({os.cpu_count()} CPU cores)",
+        source="measured", device="cpu", compute_units=len(os.sched_getaffinity(0)),
+        memory_gb=round(_total_memory_gb() / ranks_per_node, 3), memory_reserved_gb=round(baseline, 3),
+        memory_headroom=0.0, memory_bandwidth_GBps=dev["memory_Bps"] / 1e9,
+        peak_tflops=peak_tflops, default_precision=precision, gpus_per_node=ranks_per_node,
+        intra_node_bandwidth_GBps=all_reduce["bandwidth_GBps"],
+        intra_node_latency_us=all_reduce["latency_us"],
+        inter_node_bandwidth_GBps=all_reduce["bandwidth_GBps"],
+        inter_node_latency_us=all_reduce["latency_us"], nics_per_node=ranks_per_node,
+        attention="flash", efficiency=efficiency, measured=measured)
+
+
+def main(args) -> int:
+    from ptdp.planner.cli import load_model_yaml
+    _, cfg = load_model_yaml(args.model)
+    out = Path(args.out)
+    try:
+        profile = _profile_from_args(cfg, args, out)
+    finally:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_hardware(profile, out)
+    print(f"wrote {out}")
+    return 0
+
+
+def _profile_from_args(cfg, args, out: Path) -> HardwareProfile:
+    return build_profile(
+        cfg.model, name=args.name or out.stem, micro_batches=_ints(args.micro_batches, "--micro-batches"),
+        tensors=_ints(args.tensor, "--tensor"), ranks=args.ranks, ranks_per_node=args.ranks_per_node,
+        threads=args.threads, precision=args.precision, device_name=args.device, iters=args.iters,
+        base=args.base)

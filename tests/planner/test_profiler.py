@@ -1,0 +1,91 @@
+"""`ptdp profile` on this machine's CPU, and the fits it uses."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from ptdp.planner.compute import ModelShape, layer_times
+from ptdp.planner.cost_model import Layout, Workload, predict
+from ptdp.planner.hardware import load_hardware
+from ptdp.planner.memory import layer_activation_bytes
+from ptdp.planner.profiler import fit_half_dim, fit_latency_bandwidth
+
+TINY = {"model": {"arch": "gpt", "num_layers": 2, "hidden_size": 64, "num_heads": 4,
+                  "seq_length": 32, "vocab_size": 100, "ffn_hidden_size": 256}}
+
+
+@pytest.fixture(scope="module")
+def profile_path(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("profile")
+    model = tmp / "tiny.yaml"
+    model.write_text(yaml.safe_dump(TINY))
+    out = tmp / "cpu-test.yaml"
+    proc = subprocess.run([sys.executable, "-m", "ptdp", "profile", str(model), "--out", str(out),
+                           "--micro-batches", "1,2", "--tensor", "1,2", "--ranks", "2",
+                           "--iters", "2"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_profile_is_a_usable_hardware_profile(profile_path):
+    hw = load_hardware(str(profile_path))
+    assert hw.source == "measured" and hw.device == "cpu" and hw.compute_units >= 1
+    rows = hw.measured["layers"]
+    assert {(r["tensor"], r["micro_batch"]) for r in rows} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    assert all(r["forward_s"] > 0 and r["backward_s"] > 0 for r in rows)
+    assert hw.measured["p2p"]["bandwidth_GBps"] > 0 and hw.intra_node_bandwidth_GBps > 0
+    # The cost model uses the measured rows for this exact shape.
+    shape = ModelShape("gpt", 2, 64, 4, 256, 32, 100, False)
+    row = next(r for r in rows if r["tensor"] == 2 and r["micro_batch"] == 2)
+    assert layer_times(hw, "fp32", shape, 2, 2, "flash").forward == pytest.approx(row["forward_s"])
+    pred = predict(hw, Workload(shape, 8, "fp32", hw.gpus_per_node), Layout(2, 1, 1, micro_batch=2))
+    assert pred.fits and pred.step_time_s > 0
+
+
+@pytest.mark.timeout(300)
+def test_measured_activations_match_the_memory_formula(profile_path):
+    # Saved-tensor bytes of the real layer vs memory.py's breakdown (flash attention on CPU,
+    # no dropout): the formula should be within 15% of what autograd actually keeps.
+    hw = load_hardware(str(profile_path))
+    shape = ModelShape("gpt", 2, 64, 4, 256, 32, 100, False)
+    for row in hw.measured["layers"]:
+        t, b = row["tensor"], row["micro_batch"]
+        for mode in ("none", "full"):
+            formula = layer_activation_bytes(shape, b, t, "fp32", mode, "flash")
+            assert row[f"activation_bytes_{mode}"] == pytest.approx(formula, rel=0.15), (t, b, mode)
+
+
+@pytest.mark.timeout(300)
+def test_plan_runs_on_the_measured_profile(profile_path, tmp_path):
+    model = tmp_path / "tiny.yaml"
+    model.write_text(yaml.safe_dump(TINY))
+    proc = subprocess.run([sys.executable, "-m", "ptdp", "plan", str(model), "--hardware",
+                           str(profile_path), "--gpus", "4", "--global-batch-size", "8", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["precision"] == "fp32"
+
+
+def test_fits_recover_known_parameters():
+    points = [(n, 1e-4 + n / 2e9) for n in (1e3, 1e5, 1e6, 1e7)]
+    per_byte, latency = fit_latency_bandwidth(points)
+    assert 1 / per_byte == pytest.approx(2e9, rel=1e-6) and latency == pytest.approx(1e-4, rel=1e-3)
+    peak, half = 1e11, 64
+    samples = []
+    for shape in [(32, 32, 32), (128, 64, 256), (512, 512, 512), (1024, 32, 256)]:
+        m, n, k = shape
+        sat = (m / (m + half)) * (n / (n + half)) * (k / (k + half))
+        samples.append((shape, 2 * m * n * k / (peak * sat) + 5e-6))
+    assert fit_half_dim(samples, peak, 5e-6) == half
+
+
+def test_bad_profile_arguments(tmp_path):
+    model = tmp_path / "tiny.yaml"
+    model.write_text(yaml.safe_dump(TINY))
+    proc = subprocess.run([sys.executable, "-m", "ptdp", "profile", str(model), "--out",
+                           str(tmp_path / "x.yaml"), "--tensor", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--tensor 3" in proc.stderr and "Traceback" not in proc.stderr
