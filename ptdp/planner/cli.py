@@ -6,7 +6,6 @@ line naming the problem and exits with code 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path

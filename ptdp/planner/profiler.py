@@ -197,7 +197,7 @@ def measure_device(precision: str, device, iters: int) -> dict:
     """Peak GEMM FLOP/s, the half-efficiency dimension, HBM/DRAM bandwidth, launch cost."""
     import torch
     dtype = getattr(torch, DTYPES[precision])
-    big = 4096 if device.type == "cuda" else 1024
+    big = 4096 if device.type == "cuda" else 768
     peak = 2 * big**3 / _gemm_seconds(big, big, big, dtype, device, iters)
     launch = _median_time(lambda: torch.add(torch.ones(1, device=device), 1), device, iters * 20)
     shapes = [(32, 32, 32), (64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 64, 512),
@@ -230,7 +230,7 @@ def fit_half_dim(samples, peak: float, launch: float) -> float:
 # Collectives between local ranks
 # --------------------------------------------------------------------------------------------
 
-SIZES = (2**10, 2**14, 2**18, 2**20, 2**22)   # float32 elements
+SIZES = (2**10, 2**14, 2**18, 2**21)   # float32 elements
 
 
 def _bench_collectives(sizes, iters: int) -> dict:

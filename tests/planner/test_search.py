@@ -139,3 +139,14 @@ def test_search_over_3072_gpus_takes_seconds(a100):
     assert elapsed < 10, f"search took {elapsed:.1f} s"
     best = result.best.layout
     assert best.tensor == 8 and result.best.tflops_per_gpu > 130
+
+
+def test_recomputation_chosen_when_it_buys_throughput(a100):
+    # With 2021-style attention kernels (scores kept in memory), GPT-3 on 1024 GPUs can run
+    # without recomputation only on deeper pipelines; recomputing lets shallower, faster
+    # layouts fit, so the planner recomputes although a no-recomputation layout exists.
+    result = _search(a100, GPT3_175B, 1536, 1024, attention="materialized")
+    best = result.best
+    assert best.layout.recompute in ("selective", "full")
+    no_recompute = [p for p in result.ranked if p.layout.recompute == "none"]
+    assert no_recompute and no_recompute[0].step_time_s > best.step_time_s
