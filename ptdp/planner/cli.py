@@ -171,10 +171,27 @@ def _plan(args) -> int:
             print("(2bw not considered: it changes the weight-update rule; --allow-2bw to include)")
     if args.write_config:
         out = trainer_config(raw, result.best, batch, precision)
+        _check_trainer_accepts(out, gpus)
         Path(args.write_config).write_text(yaml.safe_dump(out, sort_keys=False))
         if not args.json:
             print(f"wrote {args.write_config}")
     return 0
+
+
+def _check_trainer_accepts(out: dict, gpus: int) -> None:
+    """Validate the written config as `ptdp train` will, and warn when this checkout's
+    pipeline module cannot build the schedule yet (e.g. 2bw before it lands)."""
+    from ptdp.config import validate
+    validate(config_from_dict(out, "planned config"), gpus)
+    name, par = out["schedule"]["name"], out["parallel"]
+    try:
+        from ptdp.pipeline.schedules import build_schedule  # torch-free
+        build_schedule(name, par["pipeline"], par["chunks"], par["pipeline"], 0)
+    except ImportError:
+        return
+    except ValueError as err:
+        print(f"warning: this checkout's trainer cannot run schedule '{name}' yet: {err}",
+              file=sys.stderr)
 
 
 def run_profile(args) -> int:

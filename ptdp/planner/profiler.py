@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import platform
 import resource
-import statistics
 import time
 from pathlib import Path
 
@@ -43,7 +42,9 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(fn, device, iters: int, warmup: int = 1) -> float:
+def _best_time(fn, device, iters: int, warmup: int = 1) -> float:
+    """Best of `iters` timed runs: other processes only ever add time, so the minimum is the
+    least noisy estimate of the work itself (as timeit recommends)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -53,7 +54,7 @@ def _median_time(fn, device, iters: int, warmup: int = 1) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def saved_bytes(fn, exclude: set) -> tuple[object, int]:
@@ -131,8 +132,8 @@ def measure_layer(model_cfg, t: int, b: int, precision: str, device, iters: int)
     def backward():
         state["y"].backward(grad)
 
-    row["forward_s"] = _median_time(forward, device, iters)
-    fwd_bwd = _median_time(lambda: (forward(), backward()), device, iters)
+    row["forward_s"] = _best_time(forward, device, iters)
+    fwd_bwd = _best_time(lambda: (forward(), backward()), device, iters)
     row["backward_s"] = max(fwd_bwd - row["forward_s"], 1e-9)
     row["attention_forward_s"] = _attention_time(layer.layers[0].attention, x, device, iters)
     return row
@@ -144,7 +145,7 @@ def _attention_time(attention, x, device, iters: int) -> float:
     heads, dh = attention.local_heads, attention.ctx.model.head_dim
     q, k, v = (torch.randn(b, heads, s, dh, device=device, dtype=x.dtype, requires_grad=True)
                for _ in range(3))
-    return _median_time(lambda: attention.core_attention(q, k, v, None), device, iters)
+    return _best_time(lambda: attention.core_attention(q, k, v, None), device, iters)
 
 
 def measure_head(model_cfg, t: int, b: int, precision: str, device, iters: int) -> dict:
@@ -172,12 +173,12 @@ def measure_head(model_cfg, t: int, b: int, precision: str, device, iters: int) 
 
     row = dict(hidden=m.hidden_size, seq=m.seq_length, tensor=t, vocab=ctx.padded_vocab_size,
                precision=precision, micro_batch=b)
-    row["embed_forward_s"] = _median_time(embed, device, iters)
+    row["embed_forward_s"] = _best_time(embed, device, iters)
     grad = torch.randn(m.seq_length, b, m.hidden_size, device=device, dtype=dtype)
-    both = _median_time(lambda: (embed(), state["e"].backward(grad)), device, iters)
+    both = _best_time(lambda: (embed(), state["e"].backward(grad)), device, iters)
     row["embed_backward_s"] = max(both - row["embed_forward_s"], 1e-9)
-    row["head_forward_s"] = _median_time(head, device, iters)
-    both = _median_time(lambda: (head(), state["h"].backward()), device, iters)
+    row["head_forward_s"] = _best_time(head, device, iters)
+    both = _best_time(lambda: (head(), state["h"].backward()), device, iters)
     row["head_backward_s"] = max(both - row["head_forward_s"], 1e-9)
     return row
 
@@ -190,7 +191,7 @@ def _gemm_seconds(m: int, n: int, k: int, dtype, device, iters: int) -> float:
     import torch
     a = torch.randn(m, k, device=device, dtype=dtype)
     w = torch.randn(k, n, device=device, dtype=dtype)
-    return _median_time(lambda: torch.mm(a, w), device, iters)
+    return _best_time(lambda: torch.mm(a, w), device, iters)
 
 
 def measure_device(precision: str, device, iters: int) -> dict:
@@ -199,14 +200,14 @@ def measure_device(precision: str, device, iters: int) -> dict:
     dtype = getattr(torch, DTYPES[precision])
     big = 4096 if device.type == "cuda" else 768
     peak = 2 * big**3 / _gemm_seconds(big, big, big, dtype, device, iters)
-    launch = _median_time(lambda: torch.add(torch.ones(1, device=device), 1), device, iters * 20)
+    launch = _best_time(lambda: torch.add(torch.ones(1, device=device), 1), device, iters * 20)
     shapes = [(32, 32, 32), (64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 64, 512),
               (512, 512, 32), (1024, 128, 256)]
     samples = [(shape, _gemm_seconds(*shape, dtype, device, iters)) for shape in shapes]
     nbytes = (256 if device.type == "cuda" else 64) * 2**20
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    bandwidth = 2 * nbytes / _median_time(lambda: dst.copy_(src), device, iters)
+    bandwidth = 2 * nbytes / _best_time(lambda: dst.copy_(src), device, iters)
     return {"peak_flops": peak, "launch_s": launch, "memory_Bps": bandwidth,
             "half_dim": fit_half_dim(samples, peak, launch)}
 
@@ -244,7 +245,7 @@ def _bench_collectives(sizes, iters: int) -> dict:
     for n in sizes:
         buf = torch.ones(n)
         dist.barrier()
-        out["all_reduce"].append((n * 4, _median_time(lambda: dist.all_reduce(buf), device, iters,
+        out["all_reduce"].append((n * 4, _best_time(lambda: dist.all_reduce(buf), device, iters,
                                                       warmup=2)))
         dist.barrier()
 
@@ -256,7 +257,7 @@ def _bench_collectives(sizes, iters: int) -> dict:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
 
-        out["p2p"].append((n * 4, _median_time(ping_pong, device, iters, warmup=2) / 2))
+        out["p2p"].append((n * 4, _best_time(ping_pong, device, iters, warmup=2) / 2))
     return out
 
 
