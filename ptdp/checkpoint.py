@@ -328,7 +328,7 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> Path:
 
 def _read_rank_state(trainer, directory: Path, meta: dict) -> dict:
     """Everything this rank needs, read and shape-checked, nothing applied yet."""
-    shards = _ShardReader(directory, meta)
+    shards = ShardReader(directory, meta)
     masters = _master_of(trainer)
     values, optimizer_state = {}, {}
     for name, param in trainer.named_parameters():
@@ -343,7 +343,7 @@ def _read_rank_state(trainer, directory: Path, meta: dict) -> dict:
     return {"values": values, "optimizer": optimizer_state, "rng": _rng_to_restore(trainer, directory, meta)}
 
 
-class _ShardReader:
+class ShardReader:
     """Full tensors of saved parameters, rebuilt from the shard files of the saved layout."""
 
     def __init__(self, directory: Path, meta: dict):

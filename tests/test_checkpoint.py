@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ptdp.checkpoint import (CheckpointError, check_model_config, read_metadata,
-                             resolve_checkpoint, _ShardReader)
+                             resolve_checkpoint, ShardReader)
 from ptdp.config import ModelConfig
 from ptdp.local_ranks import run_on_ranks
 from tests.equivalence import RTOL, TINY, relative_error
@@ -257,7 +257,7 @@ def test_shape_and_name_mismatches_name_the_parameter(jobs, tmp_path):
     directory = root / "ref" / "iter_0000002"
     meta = read_metadata(directory)
     meta["params"]["layers.0.mlp.fc1.weight"]["shape"] = [64, 32]
-    reader = _ShardReader(directory, meta)
+    reader = ShardReader(directory, meta)
     with pytest.raises(CheckpointError, match=r"'layers\.0\.mlp\.fc1\.weight' rebuilds to shape "
                                               r"\[128, 32\], metadata says \[64, 32\]"):
         reader.full("layers.0.mlp.fc1.weight")
