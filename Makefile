@@ -1,17 +1,25 @@
 PYTHON ?= python3
 
-.PHONY: install test demo clean
+.PHONY: install setup test demo clean
 
+# torch first, only if it is missing, and pinned: an unpinned `pip install torch` can pull a
+# multi-GB CUDA build. Then the project with its test extras.
 install:
-	$(PYTHON) -m pip install "torch>=2.1" 2>/dev/null || true
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==2.13.0"
 	$(PYTHON) -m pip install -e ".[dev]"
 
+# Install only what is missing (fast when everything is there).
+setup:
+	PYTHON=$(PYTHON) bash tools/demo.sh --setup
+
 # The README's test command (CI runs the same through .ci/run).
-test:
+test: setup
 	$(PYTHON) -m pytest -q
 
+# Corpus, tokenizer and dataset (if absent), then a tiny GPT with (p,t,d) = (2,2,2) on 8 CPU ranks.
 demo:
-	bash tools/demo.sh
+	PYTHON=$(PYTHON) bash tools/demo.sh
 
+# Removes the demo's data and run; never runs/ (real jobs' checkpoints go there).
 clean:
-	rm -rf demo runs .pytest_cache
+	rm -rf demo .pytest_cache

@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Launch `ptdp train` under torchrun on this node: one process per GPU, or CPU ranks with gloo
+# when no GPU is visible. Run the same command on every node of a multi-node job.
+#
+#   tools/pretrain_gpt.sh [CONFIG.yaml] [key=value ...]
+#
+# CONFIG defaults to configs/gpt_tiny.yaml. Overrides are dotted config keys
+# (parallel.tensor=2 train.iters=50 ...); pass them as key=value only: torchrun would swallow
+# flags that begin like its own (--node..., --master..., --virtual...).
+#
+# Environment (defaults in brackets):
+#   NNODES          nodes in the job                                     [1]
+#   NODE_RANK       this node's index, 0 .. NNODES-1                     [0]
+#   MASTER_ADDR     address of node 0                                    [127.0.0.1]
+#   MASTER_PORT     a free TCP port on node 0                            [a free port when NNODES=1, else 29500]
+#   GPUS_PER_NODE   processes on this node                               [visible GPUs; NPROC if none]
+#   NPROC           CPU ranks on this node when no GPU is visible        [8]
+#   OMP_NUM_THREADS threads per CPU rank                                 [1]
+#   PYTHON          Python interpreter                                   [python3]
+#   TORCHRUN        launcher command                                     [torchrun, else $PYTHON -m torch.distributed.run]
+#   TORCHRUN_ARGS   extra torchrun flags, e.g. "--max-restarts 0"        []
+#   DRY_RUN=1       print the command instead of running it
+# Hide GPUs to force CPU ranks: CUDA_VISIBLE_DEVICES= tools/pretrain_gpt.sh ...
+set -euo pipefail
+
+SCRIPT_NAME="${PTDP_SCRIPT_NAME:-$(basename "$0")}"
+DEFAULT_CONFIG="${PTDP_DEFAULT_CONFIG:-configs/gpt_tiny.yaml}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+
+die() { echo "$SCRIPT_NAME: error: $*" >&2; exit 2; }
+
+usage() {
+    sed -n '2,/^set -euo/p' "$ROOT/tools/pretrain_gpt.sh" | sed '$d' | sed 's/^# \{0,1\}//'
+}
+
+# --- arguments ------------------------------------------------------------------------------
+CONFIG="$DEFAULT_CONFIG"
+if [[ $# -gt 0 ]]; then
+    case "$1" in
+        -h|--help) usage; exit 0 ;;
+        -*) ;;            # reported below with the other flags
+        *=*) ;;           # first argument is already an override: keep the default config
+        *) CONFIG="$1"; shift ;;
+    esac
+fi
+if [[ ! -f "$CONFIG" ]]; then
+    if [[ "$CONFIG" != /* && -f "$ROOT/$CONFIG" ]]; then
+        CONFIG="$ROOT/$CONFIG"   # e.g. the default config when called from outside the repo
+    else
+        die "config file not found: $CONFIG (give a YAML path, e.g. configs/gpt_tiny.yaml)"
+    fi
+fi
+for arg in "$@"; do
+    case "$arg" in
+        -*) die "'$arg': pass overrides as key=value (e.g. parallel.tensor=2), not flags; torchrun swallows flags like its own" ;;
+        *.*=*) ;;
+        *) die "'$arg' is not a section.key=value override (e.g. train.iters=20)" ;;
+    esac
+done
+
+# --- resources ------------------------------------------------------------------------------
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+[[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || die "NNODES must be a positive integer, got '$NNODES'"
+[[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NNODES" ]] \
+    || die "NODE_RANK must be in 0..$((NNODES - 1)), got '$NODE_RANK'"
+
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+    die "cannot import torch with $PYTHON; run 'make install' (or pip install -e '.[dev]')"
+fi
+if [[ -z "${GPUS_PER_NODE:-}" ]]; then
+    visible_gpus="$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")"
+    if [[ "$visible_gpus" -gt 0 ]]; then
+        GPUS_PER_NODE="$visible_gpus"
+        DEVICE="cuda (NCCL)"
+    else
+        GPUS_PER_NODE="${NPROC:-8}"
+        DEVICE="cpu (gloo)"
+    fi
+else
+    DEVICE="as set (GPUS_PER_NODE=$GPUS_PER_NODE)"
+fi
+[[ "$GPUS_PER_NODE" =~ ^[1-9][0-9]*$ ]] || die "GPUS_PER_NODE must be a positive integer, got '$GPUS_PER_NODE'"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+if [[ -z "${MASTER_PORT:-}" ]]; then
+    if [[ "$NNODES" -eq 1 ]]; then   # one node: any free port, so several jobs can share a box
+        MASTER_PORT="$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")"
+    else
+        MASTER_PORT=29500
+    fi
+fi
+WORLD_SIZE=$((NNODES * GPUS_PER_NODE))
+
+# The checkout's own code first, whether or not ptdp is pip-installed.
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+# Validate the whole config once here, so a mistake is one clear message, not one per rank.
+if ! "$PYTHON" - "$CONFIG" "$WORLD_SIZE" "$@" <<'EOF'
+import sys
+from ptdp.config import ConfigError, load_config
+config, world, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+try:
+    cfg = load_config(config, overrides, world_size=world)
+except ConfigError as err:
+    sys.exit(f"config error for {world} ranks: {err}")
+p, t, d = cfg.parallel.pipeline, cfg.parallel.tensor, cfg.parallel.data
+print(f"{cfg.model.arch} {cfg.model.num_layers} layers h={cfg.model.hidden_size}: (p, t, d) = "
+      f"({p}, {t}, {d}), v = {cfg.parallel.chunks}, schedule {cfg.schedule.name}, "
+      f"m = {cfg.num_micro_batches} micro-batches of {cfg.train.micro_batch_size}", file=sys.stderr)
+EOF
+then
+    die "fix the config or launch a different number of ranks (NNODES=$NNODES x GPUS_PER_NODE=$GPUS_PER_NODE = $WORLD_SIZE)"
+fi
+
+# --- launch ---------------------------------------------------------------------------------
+if [[ -n "${TORCHRUN:-}" ]]; then
+    read -r -a launcher <<< "$TORCHRUN"
+elif command -v torchrun >/dev/null 2>&1; then
+    launcher=(torchrun)
+else
+    launcher=("$PYTHON" -m torch.distributed.run)
+fi
+read -r -a extra <<< "${TORCHRUN_ARGS:-}"
+
+cmd=("${launcher[@]}"
+     --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$GPUS_PER_NODE"
+     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
+     ${extra[@]+"${extra[@]}"}
+     -m ptdp train "$CONFIG" "$@")
+
+echo "$SCRIPT_NAME: node $NODE_RANK of $NNODES, $GPUS_PER_NODE ranks here, device $DEVICE, master $MASTER_ADDR:$MASTER_PORT" >&2
+echo "$SCRIPT_NAME: ${cmd[*]}" >&2
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+    exit 0
+fi
+exec "${cmd[@]}"
