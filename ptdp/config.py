@@ -108,7 +108,8 @@ class LogConfig:
     metrics_file: str | None = None
     trace_file: str | None = None
     tensorboard_dir: str | None = None
-    progress: bool = True
+    progress: bool = True                # tqdm bar on rank 0 (only when stderr is a terminal)
+    hardware: str | None = None          # profile name/path for MFU; auto-detected on known GPUs
 
 
 @dataclass

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ptdp.optim.mixed_precision import grad_of, set_grad
+
 
 class _Bucket:
     def __init__(self, params: list[nn.Parameter]):
@@ -26,7 +28,9 @@ class _Bucket:
         self.flat = None
 
     def launch(self, group) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        grads = [grad_of(p) for p in self.params]
+        grads = [g if g is not None else torch.zeros_like(p, dtype=torch.float32)
+                 for g, p in zip(grads, self.params)]
         self.flat = torch.cat([g.reshape(-1) for g in grads])
         self.work = dist.all_reduce(self.flat, group=group, async_op=True)
 
@@ -35,7 +39,7 @@ class _Bucket:
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.grad = self.flat[offset: offset + n].view_as(p).clone()
+            set_grad(p, self.flat[offset: offset + n].view(p.shape).clone())
             offset += n
         self.work = self.flat = None
         self.ready = 0

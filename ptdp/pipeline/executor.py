@@ -8,6 +8,7 @@ and where its output goes. It knows nothing about GPT or BERT: a chunk is any mo
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -56,7 +57,13 @@ class PipelineExecutor:
         self.last_stage = layout.num_stages - 1
 
     def run(self, actions: list[Action], get_batch: Callable[[int], dict], loss_scale: float,
-            record_trace: bool = False) -> IterationResult:
+            record_trace: bool = False, forward_only: bool = False) -> IterationResult:
+        """Run `actions` in order. `forward_only` (validation): no graph, nothing stashed."""
+        with torch.no_grad() if forward_only else contextlib.nullcontext():
+            return self._run(actions, get_batch, loss_scale, record_trace, forward_only)
+
+    def _run(self, actions, get_batch, loss_scale, record_trace, forward_only) -> IterationResult:
+        self.forward_only = forward_only
         result = IterationResult()
         stash: dict[tuple[int, int], tuple] = {}     # (mb, stage) -> (input, output)
         batches: dict[int, dict] = {}
@@ -108,7 +115,9 @@ class PipelineExecutor:
         mb, stage = action.mb, action.stage
         inp = None
         if stage > 0:
-            inp = recvs.pop(action).wait().requires_grad_()
+            inp = recvs.pop(action).wait()
+            if not self.forward_only:
+                inp.requires_grad_()
         out = self.chunks[stage](inp, batch)
         if stage == self.last_stage:
             loss, aux = out
@@ -117,7 +126,8 @@ class PipelineExecutor:
             out = loss * loss_scale
         else:
             self._send(out, ACTIVATION, mb, stage + 1)
-        stash[(mb, stage)] = (inp, out)
+        if not self.forward_only:
+            stash[(mb, stage)] = (inp, out)
 
     def _backward(self, action, recvs, stash) -> None:
         mb, stage = action.mb, action.stage

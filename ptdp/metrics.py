@@ -1,0 +1,125 @@
+"""What a training job reports: the start-up summary, per-iteration metrics (JSON lines,
+TensorBoard, console and progress bar). Only rank 0 writes; every rank computes the same
+numbers, so any rank could.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+
+import torch
+import yaml
+
+from ptdp.config import Config
+from ptdp.planner.formulas import model_flops_per_iteration, parameter_count
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def peak_tflops(cfg: Config, device: torch.device) -> float | None:
+    """The hardware's peak for the training precision: from log.hardware, or the GPU's name."""
+    from ptdp.planner.hardware import available_hardware, load_hardware
+    name = cfg.log.hardware
+    if name is None and device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device).lower()
+        gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        for candidate in available_hardware():
+            family, _, size = candidate.partition("-")
+            if family in gpu and size.endswith("gb") and abs(float(size[:-2]) - gib) < 8:
+                name = candidate
+    if name is None:
+        return None
+    peaks = load_hardware(name).peak_tflops
+    return peaks.get(cfg.train.precision) or peaks.get("fp32")
+
+
+def iteration_tflops(cfg: Config, seconds: float, world_size: int) -> float:
+    """Model TFLOP/s per GPU by Eq. 4.2; the recomputed forward counts only when it runs."""
+    m, tr = cfg.model, cfg.train
+    flops = model_flops_per_iteration(tr.global_batch_size, m.seq_length, m.num_layers,
+                                      m.hidden_size, cfg.padded_vocab_size,
+                                      recompute_forward=tr.recompute == "full")
+    return flops / seconds / world_size / 1e12
+
+
+def startup_report(cfg: Config, grid, local_params: int, total_params: int) -> str:
+    m, par = cfg.model, cfg.parallel
+    eq43 = parameter_count(m.num_layers, m.hidden_size, cfg.padded_vocab_size, m.seq_length)
+    return "\n".join([
+        "ptdp: resolved config",
+        yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip(),
+        f"layout: (p, t, d) = ({par.pipeline}, {par.tensor}, {par.data}), v = {par.chunks}, "
+        f"schedule {cfg.schedule.name}, {cfg.num_micro_batches} micro-batches of "
+        f"{cfg.train.micro_batch_size} per pipeline, world size {grid.p * grid.t * grid.d}",
+        f"parameters: {local_params:,} on rank 0, {total_params:,} in the model "
+        f"(Eq. 4.3: {eq43:,.0f}; padded vocabulary {cfg.padded_vocab_size})",
+    ])
+
+
+class MetricsLog:
+    """Writes one JSON object per iteration, TensorBoard scalars and console lines (rank 0).
+
+    Iterations that ran validation carry `valid_loss` in the same record.
+    """
+
+    def __init__(self, cfg: Config, is_writer: bool):
+        self.cfg, self.active = cfg, is_writer
+        self.file = self.tensorboard = self.progress = None
+        if not is_writer:
+            return
+        if cfg.log.metrics_file:
+            self.file = open(cfg.log.metrics_file, "a")
+        if cfg.log.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:
+                raise RuntimeError("log.tensorboard_dir is set but tensorboard is not installed: "
+                                   "pip install 'ptdp[tensorboard]'") from err
+            self.tensorboard = SummaryWriter(cfg.log.tensorboard_dir)
+        if cfg.log.progress and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.progress = tqdm(total=cfg.train.iters, desc="train", unit="it")
+
+    def log(self, record: dict) -> None:
+        if not self.active:
+            return
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.tensorboard:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "iter":
+                    self.tensorboard.add_scalar(f"train/{key}", value, record["iter"])
+        if self.progress:
+            self.progress.update(1)
+            self.progress.set_postfix(loss=f"{record['loss']:.4f}")
+        if record["iter"] % self.cfg.log.interval == 0 or "valid_loss" in record:
+            self.print(self._line(record))
+
+    def _line(self, r: dict) -> str:
+        mfu = f" | mfu {r['mfu']:.1%}" if r["mfu"] is not None else ""
+        skipped = " | skipped (overflow)" if r["skipped"] else ""
+        valid = f" | valid loss {r['valid_loss']:.4f}" if "valid_loss" in r else ""
+        return (f"iter {r['iter']:>6}/{self.cfg.train.iters} | loss {r['loss']:.4f} | "
+                f"lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f} | "
+                f"{r['step_time_s'] * 1e3:.0f} ms | {r['tokens_per_s']:.0f} tok/s | "
+                f"{r['tflops_per_gpu']:.3f} TFLOP/s/GPU{mfu} | {r['mem_gb']:.2f} GB{valid}{skipped}")
+
+    def print(self, text: str) -> None:
+        if not self.active:
+            return
+        if self.progress:
+            self.progress.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        for handle in (self.file, self.tensorboard, self.progress):
+            if handle:
+                handle.close()

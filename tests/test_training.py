@@ -1,0 +1,84 @@
+"""The training loop as a user sees it: mixed precision, fp16 overflow handling, metrics."""
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+from ptdp.local_ranks import run_on_ranks
+from tests.equivalence import TINY, reference
+
+REQUIRED_METRICS = {"iter", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
+                    "tflops_per_gpu", "mfu", "loss_scale", "skipped", "mem_gb"}
+
+
+def run_jobs(metrics_dir: str) -> dict:
+    from ptdp.config import load_config
+    from ptdp.training import Trainer
+
+    def trainer(*overrides):
+        return Trainer(load_config(None, TINY + list(overrides), world_size=dist.get_world_size()))
+
+    out = {}
+    bf16 = trainer("parallel.pipeline=2", "parallel.tensor=2", "train.precision=bf16")
+    out["bf16"] = [bf16.train_step(it).loss for it in range(3)]
+    out["bf16_param_dtype"] = str(bf16.params[0].dtype)
+    out["bf16_master_dtype"] = str(bf16.master_params[0].dtype)
+
+    overflow = trainer("parallel.tensor=4", "train.precision=fp16", "train.initial_loss_scale=1e12")
+    before = overflow.full_state()["layers.0.mlp.fc1.weight"]
+    steps = [overflow.train_step(it) for it in range(3)]
+    out["overflow_skipped"] = [s.skipped for s in steps]
+    out["overflow_scales"] = overflow.loss_scaler.scale
+    out["overflow_unchanged"] = bool((overflow.full_state()["layers.0.mlp.fc1.weight"] == before).all())
+
+    fp16 = trainer("parallel.pipeline=2", "parallel.data=2", "train.precision=fp16",
+                   "train.initial_loss_scale=4096")
+    out["fp16"] = [fp16.train_step(it).loss for it in range(3)]
+
+    path = f"{metrics_dir}/metrics.jsonl"
+    logged = trainer("parallel.pipeline=2", "parallel.tensor=2", "model.arch=bert", "train.iters=4",
+                     "train.eval_interval=2", "train.eval_iters=1", f"log.metrics_file={path}")
+    out["history"] = logged.train()
+    return out
+
+
+@pytest.fixture(scope="module")
+def metrics_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("metrics")
+
+
+@pytest.fixture(scope="module")
+def jobs(metrics_dir):
+    return run_on_ranks(4, run_jobs, str(metrics_dir), timeout_s=240)[0]
+
+
+def test_bf16_trains_with_fp32_master_weights_close_to_fp32(jobs):
+    assert jobs["bf16_param_dtype"] == "torch.bfloat16"
+    assert jobs["bf16_master_dtype"] == "torch.float32"
+    for got, want in zip(jobs["bf16"], reference("gpt")["losses"]):
+        assert abs(got - want) < 0.02 * want
+
+
+def test_fp16_with_loss_scaling_is_close_to_fp32(jobs):
+    for got, want in zip(jobs["fp16"], reference("gpt")["losses"]):
+        assert abs(got - want) < 0.01 * want
+
+
+def test_fp16_overflow_skips_steps_and_halves_the_scale(jobs):
+    assert jobs["overflow_skipped"] == [True, True, True]
+    assert jobs["overflow_scales"] == 1e12 / 8
+    assert jobs["overflow_unchanged"]
+
+
+def test_metrics_file_has_one_record_per_iteration(jobs, metrics_dir):
+    history = [json.loads(line) for line in (metrics_dir / "metrics.jsonl").read_text().splitlines()]
+    assert history == json.loads(json.dumps(jobs["history"]))  # written once, by rank 0 only
+    assert [r["iter"] for r in history] == [1, 2, 3, 4]
+    for record in history:
+        assert REQUIRED_METRICS <= record.keys()
+        assert {"lm_loss", "sop_loss"} <= record.keys()  # BERT
+        assert abs(record["lm_loss"] + record["sop_loss"] - record["loss"]) < 1e-5
+        assert record["tflops_per_gpu"] > 0 and record["mfu"] is None  # CPU: no known peak
+    assert "valid_loss" in history[1] and "valid_loss" in history[3]
+    assert "valid_loss" not in history[0]
