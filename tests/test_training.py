@@ -36,6 +36,11 @@ def run_jobs(metrics_dir: str) -> dict:
                    "train.initial_loss_scale=4096")
     out["fp16"] = [fp16.train_step(it).loss for it in range(3)]
 
+    buckets = trainer("parallel.pipeline=2", "parallel.data=2", "train.grad_bucket_mb=0.02")
+    buckets.forward_backward(0)
+    out["buckets"] = len(buckets.dp_grads.buckets)
+    out["buckets_launched_in_backward"] = buckets.dp_grads.launched_during_backward
+
     path = f"{metrics_dir}/metrics.jsonl"
     logged = trainer("parallel.pipeline=2", "parallel.tensor=2", "model.arch=bert", "train.iters=4",
                      "train.eval_interval=2", "train.eval_iters=1", f"log.metrics_file={path}")
@@ -82,3 +87,9 @@ def test_metrics_file_has_one_record_per_iteration(jobs, metrics_dir):
         assert record["tflops_per_gpu"] > 0 and record["mfu"] is None  # CPU: no known peak
     assert "valid_loss" in history[1] and "valid_loss" in history[3]
     assert "valid_loss" not in history[0]
+
+
+def test_data_parallel_buckets_are_launched_during_backward(jobs):
+    """Every bucket's all-reduce starts from a gradient hook, before backward has finished."""
+    assert jobs["buckets"] > 3
+    assert jobs["buckets_launched_in_backward"] == jobs["buckets"]

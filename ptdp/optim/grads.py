@@ -58,6 +58,7 @@ class DataParallelGradients:
         self.buckets = self._make_buckets(bucket_mb * 2**20) if size > 1 else []
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.counts: dict[int, int] = {}
+        self.launched_during_backward = 0   # buckets whose all-reduce overlapped backward
         if size > 1:
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._on_accumulated)
@@ -77,6 +78,7 @@ class DataParallelGradients:
 
     def start_iteration(self) -> None:
         self.counts.clear()
+        self.launched_during_backward = 0
 
     def _on_accumulated(self, param: nn.Parameter) -> None:
         count = self.counts.get(id(param), 0) + 1
@@ -86,6 +88,7 @@ class DataParallelGradients:
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
                 bucket.launch(self.group)
+                self.launched_during_backward += 1
 
     def finish(self) -> None:
         """Launch buckets whose parameters got no gradient, then wait for all of them."""
