@@ -1,0 +1,244 @@
+"""The shipped configs, the launch scripts that run them, and the README's config table.
+
+Configs: each one validates for the number of GPUs its header comment names, with the
+(p, t, d) the comment states. Launch scripts: run with DRY_RUN=1 (and a fake `scontrol` and
+`srun` for SLURM), so the tests check the torchrun command line they build without starting
+any rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+from ptdp.config import Config, ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+TOOLS = ROOT / "tools"
+
+# name -> (GPUs it is meant for, (p, t, d), billions of parameters by Eq. 4.3)
+REALISTIC = {
+    "gpt_1.3b": (32, (1, 1, 32), 1.3),
+    "gpt_8.3b": (512, (1, 8, 64), 8.3),
+    "gpt_175b": (96, (12, 8, 1), 175),
+    "bert_large": (8, (1, 1, 8), 0.34),
+}
+
+
+def header_layout(path: Path) -> tuple[tuple[int, int, int], int]:
+    """The '(p, t, d) = (a, b, c) on N GPUs/ranks' statement in a config's top comment."""
+    header = "".join(line for line in path.read_text().splitlines(keepends=True)
+                     if line.startswith("#"))
+    match = re.search(r"\(p, t, d\) = \((\d+), (\d+), (\d+)\)[^\n]*? on (\d+) (?:local CPU )?"
+                      r"(?:GPUs|ranks)", header)
+    assert match, f"{path.name}: the header comment must say '(p, t, d) = (..) on N GPUs'"
+    p, t, d, n = map(int, match.groups())
+    return (p, t, d), n
+
+
+def eq43_parameters(cfg: Config) -> float:
+    m = cfg.model
+    l, h, s, v = m.num_layers, m.hidden_size, m.seq_length, m.vocab_size
+    return 12 * l * h * h * (1 + 13 / (12 * h) + (v + s) / (12 * l * h))
+
+
+@pytest.mark.parametrize("name", sorted(REALISTIC))
+def test_realistic_config_layout(name):
+    gpus, layout, billions = REALISTIC[name]
+    path = CONFIGS / f"{name}.yaml"
+    assert header_layout(path) == (layout, gpus)
+    cfg = load_config(path, world_size=gpus)
+    assert (cfg.parallel.pipeline, cfg.parallel.tensor, cfg.parallel.data) == layout
+    assert cfg.train.precision == "bf16"
+    assert eq43_parameters(cfg) / 1e9 == pytest.approx(billions, rel=0.05)
+
+
+def test_gpt_175b_follows_the_source():
+    cfg = load_config(CONFIGS / "gpt_175b.yaml", world_size=96)
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.seq_length) == (96, 12288, 96, 2048)
+    assert cfg.parallel.tensor == 8 and cfg.parallel.chunks > 1
+    assert cfg.schedule.name == "interleaved" and cfg.parallel.scatter_gather
+    assert cfg.train.recompute == "full"
+    for gpus, d in ((384, 4), (768, 8), (1536, 16)):  # the scale-out of Table 4.2
+        assert load_config(CONFIGS / "gpt_175b.yaml", world_size=gpus).parallel.data == d
+
+
+def test_demo_config():
+    path = CONFIGS / "gpt_demo.yaml"
+    assert header_layout(path) == ((2, 2, 2), 8)
+    cfg = load_config(path, world_size=8)
+    assert (cfg.parallel.pipeline, cfg.parallel.tensor, cfg.parallel.data) == (2, 2, 2)
+    assert cfg.model.hidden_size <= 128
+    assert cfg.data.source == "indexed"
+    # The demo tokenizer is trained with this vocabulary size (tools/demo.sh).
+    assert f"--vocab-size {cfg.model.vocab_size}" in (TOOLS / "demo.sh").read_text()
+    with pytest.raises(ConfigError):
+        load_config(path, world_size=6)
+
+
+@pytest.mark.parametrize("name", ["gpt_tiny", "bert_tiny"])
+def test_tiny_configs_run_on_one_to_eight_ranks(name):
+    for world in (1, 2, 4, 8):
+        assert load_config(CONFIGS / f"{name}.yaml", world_size=world).parallel.data == world
+
+
+# --------------------------------------------------------------------------------------------
+# Launch scripts
+# --------------------------------------------------------------------------------------------
+
+SCRIPTS = ["pretrain_gpt.sh", "pretrain_bert.sh", "slurm_pretrain.sh", "demo.sh"]
+
+
+def run_script(args, env=None, cwd=ROOT):
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE",
+                             "NPROC", "TORCHRUN", "TORCHRUN_ARGS")}
+    full_env.update(PYTHON=sys.executable, DRY_RUN="1", **(env or {}))
+    return subprocess.run(["bash", *map(str, args)], cwd=cwd, env=full_env, text=True,
+                          capture_output=True, timeout=120)
+
+
+def torchrun_line(stderr: str) -> list[list[str]]:
+    return [line.split(": ", 1)[1].split() for line in stderr.splitlines()
+            if re.match(r"pretrain_(gpt|bert)\.sh: \S+ --nnodes", line)]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_scripts_are_strict_bash(script):
+    text = (TOOLS / script).read_text()
+    assert text.startswith("#!/usr/bin/env bash")
+    assert "set -euo pipefail" in text
+    assert os.access(TOOLS / script, os.X_OK)
+    subprocess.run(["bash", "-n", str(TOOLS / script)], check=True)
+
+
+def test_pretrain_gpt_multi_node_command():
+    res = run_script([TOOLS / "pretrain_gpt.sh", "configs/gpt_tiny.yaml", "parallel.tensor=2",
+                      "parallel.pipeline=2"],
+                     env=dict(NNODES="2", NODE_RANK="1", MASTER_ADDR="10.1.2.3",
+                              MASTER_PORT="6000", GPUS_PER_NODE="4", TORCHRUN="torchrun"))
+    assert res.returncode == 0, res.stderr
+    [cmd] = torchrun_line(res.stderr)
+    assert cmd == ["torchrun", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "4",
+                   "--master-addr", "10.1.2.3", "--master-port", "6000", "-m", "ptdp", "train",
+                   "configs/gpt_tiny.yaml", "parallel.tensor=2", "parallel.pipeline=2"]
+    assert "(p, t, d) = (2, 2, 2)" in res.stderr
+
+
+def test_pretrain_cpu_defaults():
+    res = run_script([TOOLS / "pretrain_gpt.sh"], env=dict(CUDA_VISIBLE_DEVICES="", NPROC="4"))
+    assert res.returncode == 0, res.stderr
+    [cmd] = torchrun_line(res.stderr)
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "4"
+    assert cmd[cmd.index("--nnodes") + 1] == "1"
+    assert cmd[-1].endswith("configs/gpt_tiny.yaml")
+    assert "cpu (gloo)" in res.stderr
+
+
+def test_pretrain_bert_default_config():
+    res = run_script([TOOLS / "pretrain_bert.sh", "train.iters=3"],
+                     env=dict(CUDA_VISIBLE_DEVICES="", NPROC="2"))
+    assert res.returncode == 0, res.stderr
+    [cmd] = torchrun_line(res.stderr)
+    assert cmd[-2:] == ["configs/bert_tiny.yaml", "train.iters=3"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["configs/missing.yaml"], "config file not found: configs/missing.yaml"),
+    (["configs/gpt_tiny.yaml", "--nproc-per-node", "2"], "pass overrides as key=value"),
+    (["configs/gpt_tiny.yaml", "iters=5"], "not a section.key=value override"),
+    (["configs/gpt_tiny.yaml", "parallel.tensor=3"], "not divisible by parallel.pipeline"),
+])
+def test_pretrain_errors(args, message):
+    res = run_script([TOOLS / "pretrain_gpt.sh", *args],
+                     env=dict(CUDA_VISIBLE_DEVICES="", NPROC="8"))
+    assert res.returncode == 2
+    assert message in res.stderr
+    assert not torchrun_line(res.stderr)
+
+
+def test_slurm_script(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        '#!/usr/bin/env bash\n[[ "$1 $2" == "show hostnames" ]] || exit 1\n'
+        'echo gpu-node-07; echo gpu-node-08\n')
+    # A fake srun: runs the command once per node, here, with SLURM_NODEID set.
+    (bin_dir / "srun").write_text(
+        '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\n'
+        'for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do SLURM_NODEID=$i "$@" || exit; done\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    res = run_script([TOOLS / "slurm_pretrain.sh", "configs/gpt_tiny.yaml", "train.iters=2"],
+                     env=dict(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="123",
+                              SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="gpu-node-[07-08]",
+                              SLURM_SUBMIT_DIR=str(ROOT), SLURM_GPUS_PER_NODE="a100:4",
+                              TORCHRUN="torchrun"))
+    assert res.returncode == 0, res.stderr
+    cmds = torchrun_line(res.stderr)
+    assert len(cmds) == 2
+    for node, cmd in enumerate(cmds):
+        args = dict(zip(cmd[1:11:2], cmd[2:11:2]))
+        assert args == {"--nnodes": "2", "--node-rank": str(node), "--nproc-per-node": "4",
+                        "--master-addr": "gpu-node-07", "--master-port": "20123"}
+        assert cmd[-3:] == ["train", "configs/gpt_tiny.yaml", "train.iters=2"]
+
+
+def test_slurm_script_outside_slurm():
+    res = run_script([TOOLS / "slurm_pretrain.sh", "configs/gpt_tiny.yaml"],
+                     env=dict(SLURM_JOB_ID=""))
+    assert res.returncode == 2 and "not inside a SLURM job" in res.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# README
+# --------------------------------------------------------------------------------------------
+
+def config_keys() -> dict[str, object]:
+    """'section.key' -> default, for every key of every section of Config."""
+    keys = {}
+    for section in dataclasses.fields(Config):
+        section_cls = typing.get_type_hints(Config)[section.name]
+        for f in dataclasses.fields(section_cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            keys[f"{section.name}.{f.name}"] = default
+    return keys
+
+
+def yaml_text(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def test_readme_documents_every_config_key():
+    readme = (ROOT / "README.md").read_text()
+    rows = {m.group(1): m.group(2) for m in
+            re.finditer(r"^\| `([a-z_]+\.[a-z_0-9]+)` \| `([^`]*)` \|", readme, re.M)}
+    keys = config_keys()
+    missing = sorted(set(keys) - set(rows))
+    assert not missing, f"README.md's config table lacks {missing}"
+    stale = sorted(set(rows) - set(keys))
+    assert not stale, f"README.md's config table lists keys ptdp/config.py does not have: {stale}"
+    wrong = {k: (rows[k], yaml_text(v)) for k, v in keys.items() if rows[k] != yaml_text(v)}
+    assert not wrong, f"README.md's defaults differ from ptdp/config.py (README, code): {wrong}"
+
+
+def test_readme_commands_exist():
+    readme = (ROOT / "README.md").read_text()
+    for path in re.findall(r"\b((?:tools|configs)/[\w./-]+\.(?:sh|yaml|py))\b", readme):
+        assert (ROOT / path).exists(), f"README.md mentions {path}, which does not exist"
+    assert "python -m pytest -q" in readme
+    assert shutil.which("bash")
