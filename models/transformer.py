@@ -76,7 +76,7 @@ class ParallelAttention(nn.Module):
         qkv = self.qkv(x).view(s, b, self.local_heads, 3, -1)
         q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # [b, n, s, d]
         if self.ctx.recompute == "selective":
-            out = checkpoint(self.core_attention, q, k, v, padding_mask, use_reentrant=False)
+            out = recompute(self.ctx.rng, self.core_attention, q, k, v, padding_mask)
         else:
             out = self.core_attention(q, k, v, padding_mask)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)

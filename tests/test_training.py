@@ -41,6 +41,13 @@ def run_jobs(metrics_dir: str) -> dict:
     out["buckets"] = len(buckets.dp_grads.buckets)
     out["buckets_launched_in_backward"] = buckets.dp_grads.launched_during_backward
 
+    for mode in ("none", "full", "selective"):  # dropout on: recomputation must replay both streams
+        run = trainer("parallel.tensor=2", "parallel.data=2", "model.dropout=0.1",
+                      f"train.recompute={mode}", "train.recompute_num_layers=3")
+        step = run.forward_backward(0)
+        run.reduce_gradients()
+        out[f"dropout_{mode}"] = (step.loss, run.full_state(grads=True))
+
     path = f"{metrics_dir}/metrics.jsonl"
     logged = trainer("parallel.pipeline=2", "parallel.tensor=2", "model.arch=bert", "train.iters=4",
                      "train.eval_interval=2", "train.eval_iters=1", f"log.metrics_file={path}")
@@ -93,3 +100,13 @@ def test_data_parallel_buckets_are_launched_during_backward(jobs):
     """Every bucket's all-reduce starts from a gradient hook, before backward has finished."""
     assert jobs["buckets"] > 3
     assert jobs["buckets_launched_in_backward"] == jobs["buckets"]
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputation_replays_dropout_exactly(jobs, mode):
+    from tests.equivalence import relative_error
+    loss, grads = jobs[f"dropout_{mode}"]
+    ref_loss, ref_grads = jobs["dropout_none"]
+    assert loss == ref_loss
+    for name, ref in ref_grads.items():
+        assert relative_error(grads[name], ref) < 1e-6, name
