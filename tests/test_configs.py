@@ -110,7 +110,7 @@ def run_script(args, env=None, cwd=ROOT):
 
 def torchrun_line(stderr: str) -> list[list[str]]:
     return [line.split(": ", 1)[1].split() for line in stderr.splitlines()
-            if re.match(r"pretrain_(gpt|bert)\.sh: \S+ --nnodes", line)]
+            if re.match(r"pretrain_(gpt|bert)\.sh: .*? --nnodes ", line)]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

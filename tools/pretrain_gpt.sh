@@ -17,7 +17,7 @@
 #   NPROC           CPU ranks on this node when no GPU is visible        [8]
 #   OMP_NUM_THREADS threads per CPU rank                                 [1]
 #   PYTHON          Python interpreter                                   [python3]
-#   TORCHRUN        launcher command                                     [torchrun, else $PYTHON -m torch.distributed.run]
+#   TORCHRUN        launcher command                                     [$PYTHON -m torch.distributed.run, i.e. torchrun]
 #   TORCHRUN_ARGS   extra torchrun flags, e.g. "--max-restarts 0"        []
 #   DRY_RUN=1       print the command instead of running it
 # Hide GPUs to force CPU ranks: CUDA_VISIBLE_DEVICES= tools/pretrain_gpt.sh ...
@@ -116,10 +116,10 @@ then
 fi
 
 # --- launch ---------------------------------------------------------------------------------
+# `python -m torch.distributed.run` is torchrun, run by the same interpreter that was checked
+# above (a `torchrun` on PATH may belong to another Python).
 if [[ -n "${TORCHRUN:-}" ]]; then
     read -r -a launcher <<< "$TORCHRUN"
-elif command -v torchrun >/dev/null 2>&1; then
-    launcher=(torchrun)
 else
     launcher=("$PYTHON" -m torch.distributed.run)
 fi
