@@ -1,0 +1,557 @@
+"""Benchmark (not a test): the same small GPT under each pipeline schedule on local CPU ranks.
+
+For every schedule (gpipe, 1f1b, interleaved with v chunks) this spawns nothing new: one gloo
+job of p*t ranks runs all schedules in turn. Per schedule it reports
+
+* ``ours step s``: median wall time of one training step (forward_backward + reduce_gradients
+  + optimizer_step) of ``ptdp.training.Trainer``, from the first rank leaving the barrier to the
+  last rank finishing (ranks share CLOCK_MONOTONIC on one machine);
+* ``torch step s``: the same for ``torch.distributed.pipelining`` (PipelineStage +
+  ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B) running the same GPT written as plain
+  nn.Modules, loaded with our initial weights, on the same data, p, v, m, loss, tied-embedding
+  gradient sum, clipping and AdamW; timed steps alternate ours/theirs so load drifts hit both;
+* ``measured bubble``: from the executor trace, per rank (makespan - compute) / compute, where
+  the makespan runs from the first action start to the last action end over all ranks and
+  compute is the rank's action time minus the time spent waiting for receives; the mean over
+  ranks is compared with (p-1)/(v*m);
+* ``bytes/msg``: ``P2P.bytes_sent / messages_sent`` per iteration, against b*s*h*4 (/t with
+  scatter/gather).
+
+    python tools/bench_pipeline.py --p 2 --m 8 --layers 8 --hidden 128 --seq 64 \
+        --micro-batch 4 --iters 5 [--json out.json]
+
+Each rank runs one thread (``torch.set_num_threads(1)``); with more ranks than cores the ranks
+time-share and every figure (bubble above all) is distorted: the output says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable (also in spawned ranks)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+# ------------------------------------------------------------------------ the torch-side GPT
+class _Embedding(nn.Module):
+    def __init__(self, vocab: int, seq: int, hidden: int):
+        super().__init__()
+        self.word = nn.Embedding(vocab, hidden)
+        self.position = nn.Parameter(torch.zeros(seq, hidden))
+
+    def forward(self, tokens):  # [b, s] -> [s, b, h]
+        tokens = tokens.t()
+        return self.word(tokens) + self.position[: tokens.shape[0]].unsqueeze(1)
+
+
+class _Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)   # rows ordered [head, (q, k, v), head_dim]
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        s, b, _ = x.shape
+        qkv = self.qkv(x).view(s, b, self.heads, 3, -1)
+        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class _Layer(nn.Module):
+    def __init__(self, hidden: int, heads: int, ffn: int, eps: float):
+        super().__init__()
+        self.ln1, self.attention = nn.LayerNorm(hidden, eps=eps), _Attention(hidden, heads)
+        self.ln2, self.mlp = nn.LayerNorm(hidden, eps=eps), _MLP(hidden, ffn)
+
+    def forward(self, x):
+        x = x + self.attention(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class _Stack(nn.Module):
+    def __init__(self, count: int, *shape):
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer(*shape) for _ in range(count))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _OutputTable(nn.Module):
+    def __init__(self, vocab: int, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(vocab, hidden))
+
+
+class PlainGPTStage(nn.Module):
+    """Virtual stage ``stage`` of ``num_stages`` of the same GPT as models.gpt, in plain torch.
+
+    Parameter names equal GPTChunk's, so ``load_state_dict(chunk.state_dict())`` copies ours
+    (and checks every shape). The last stage returns logits [s, b, V]; the loss is outside.
+    """
+
+    def __init__(self, model, vocab: int, stage: int, num_stages: int):
+        super().__init__()
+        h = model.hidden_size
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.embedding = _Embedding(vocab, model.seq_length, h) if self.is_first else None
+        self.stack = _Stack(model.num_layers // num_stages, h, model.num_heads,
+                            model.ffn_hidden_size, model.layernorm_eps)
+        if self.is_last:
+            self.final_ln = nn.LayerNorm(h, eps=model.layernorm_eps)
+            self.output = None if self.is_first else _OutputTable(vocab, h)
+
+    def forward(self, x):
+        if self.is_first:
+            x = self.embedding(x)
+        x = self.stack(x)
+        if not self.is_last:
+            return x
+        table = self.embedding.word.weight if self.output is None else self.output.weight
+        return F.linear(self.final_ln(x), table)
+
+
+def _lm_loss(logits, target):
+    """Mean token cross-entropy; logits [s, b, V], target [b, s] (as models.gpt, all-ones mask)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.t().reshape(-1))
+
+
+# ------------------------------------------------------------------------ per-rank benchmark
+def _overrides(s: dict, name: str, v: int) -> list[str]:
+    return [f"model.num_layers={s['layers']}", f"model.hidden_size={s['hidden']}",
+            f"model.num_heads={s['heads']}", f"model.seq_length={s['seq']}",
+            f"model.vocab_size={s['vocab']}", "model.dropout=0.0", "model.arch=gpt",
+            f"parallel.pipeline={s['p']}", f"parallel.tensor={s['t']}", "parallel.data=1",
+            f"parallel.chunks={v}", f"parallel.scatter_gather={str(s['scatter_gather']).lower()}",
+            f"schedule.name={name}", f"train.micro_batch_size={s['micro_batch']}",
+            f"train.global_batch_size={s['micro_batch'] * s['m']}",
+            f"train.iters={s['warmup'] + s['iters']}", "train.lr=1e-4", "train.seed=1234",
+            f"train.timeout_s={s['timeout']}", "train.device=cpu"]
+
+
+class _Instrument:
+    """Wraps one Trainer's executor and p2p (instance attributes only) to record the trace
+    (record_trace=True) and the time each receive wait takes, so compute excludes it."""
+
+    def __init__(self, trainer):
+        self.trace, self.waits = [], []
+        run, post_recv = trainer.executor.run, trainer.p2p.post_recv
+
+        def traced_run(*args, **kwargs):
+            kwargs["record_trace"] = True
+            result = run(*args, **kwargs)
+            self.trace = list(result.trace)
+            return result
+
+        def timed_post_recv(*args, **kwargs):
+            pending = post_recv(*args, **kwargs)
+            wait = pending.wait
+
+            def timed_wait():
+                start = time.perf_counter()
+                try:
+                    return wait()
+                finally:
+                    self.waits.append((start, time.perf_counter()))
+            pending.wait = timed_wait
+            return pending
+
+        trainer.executor.run = traced_run
+        trainer.p2p.post_recv = timed_post_recv
+
+    def reset(self):
+        self.trace, self.waits = [], []
+
+
+class _TorchSide:
+    """torch.distributed.pipelining running the same GPT, weights copied from `trainer`."""
+
+    def __init__(self, s: dict, name: str, trainer, embedding_group):
+        import torch.distributed as dist
+        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                                  ScheduleInterleaved1F1B)
+
+        from ptdp.optim.optimizer import build_optimizer
+
+        self.s, self.trainer, self.cfg = s, trainer, trainer.cfg
+        p, v = s["p"], trainer.cfg.parallel.chunks
+        self.rank, self.num_stages = dist.get_rank(), p * v
+        self.modules, stages = {}, []
+        for stage in trainer.stages:
+            mod = PlainGPTStage(trainer.cfg.model, trainer.cfg.padded_vocab_size, stage,
+                                self.num_stages)
+            mod.load_state_dict(trainer.chunks[stage].state_dict())
+            mod.train()
+            self.modules[stage] = mod
+            stages.append(PipelineStage(mod, stage, self.num_stages, torch.device("cpu")))
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+               "interleaved": ScheduleInterleaved1F1B}[name]
+        self.schedule = cls(stages if name == "interleaved" else stages[0], n_microbatches=s["m"],
+                            loss_fn=_lm_loss)
+        self.params = [q for mod in self.modules.values() for q in mod.parameters()]
+        self.shared = [mod.embedding.word.weight for st, mod in self.modules.items()
+                       if st == 0 and self.num_stages > 1]
+        self.shared += [mod.output.weight for st, mod in self.modules.items()
+                        if st == self.num_stages - 1 and mod.output is not None]
+        self.duplicate = {id(mod.output.weight) for mod in self.modules.values()
+                          if mod.is_last and mod.output is not None}
+        self.embedding_group = embedding_group
+        self.optimizer = build_optimizer(self.params, trainer.cfg.train)
+        self.holds_first = 0 in self.modules
+        self.holds_last = self.num_stages - 1 in self.modules
+
+    def batch(self, iteration: int) -> dict:
+        mbs = [self.trainer.batches["train"].get(iteration, mb) for mb in range(self.s["m"])]
+        return {k: torch.cat([mb[k] for mb in mbs]) for k in ("tokens", "labels")}
+
+    def step(self, iteration: int, batch: dict) -> float:
+        import torch.distributed as dist
+
+        from ptdp.optim.grads import clip_gradients
+        from ptdp.optim.lr import learning_rate
+        for q in self.params:
+            q.grad = None
+        args = (batch["tokens"],) if self.holds_first else ()
+        losses = [] if self.holds_last else None
+        kwargs = {"target": batch["labels"], "losses": losses} if self.holds_last else {}
+        self.schedule.step(*args, return_outputs=False, **kwargs)
+        if self.shared:  # the tied word table: first- and last-stage copies sum gradients
+            for q in self.shared:
+                if q.grad is None:
+                    q.grad = torch.zeros_like(q)
+                dist.all_reduce(q.grad, group=self.embedding_group)
+        total = torch.zeros((), dtype=torch.float64)
+        for q in self.params:
+            if q.grad is not None and id(q) not in self.duplicate:
+                total += q.grad.double().pow(2).sum()
+        dist.all_reduce(total)
+        norm = math.sqrt(total.item())
+        clip_gradients(self.params, self.cfg.train.clip_grad, norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate(iteration, self.cfg.train)
+        self.optimizer.step()
+        if losses:
+            return float(torch.stack([x.detach() for x in losses]).mean())
+        return float("nan")
+
+
+def bench_rank(s: dict) -> list[dict]:
+    """Runs on every rank: all schedules, ours and (t == 1) torch's, alternating timed steps."""
+    import torch.distributed as dist
+
+    from ptdp.config import load_config
+    from ptdp.training import Trainer
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    out = []
+    for name in s["schedules"]:
+        v = s["chunks"] if name == "interleaved" else 1
+        cfg = load_config(None, _overrides(s, name, v), world_size=world)
+        trainer = Trainer(cfg)
+        inst = _Instrument(trainer)
+        # Created on every rank in the same order (new_group is collective).
+        p = s["p"]
+        emb_group = dist.new_group([0, world - 1]) if s["torch"] and p > 1 else None
+        theirs, error = None, None
+        if s["torch"]:
+            try:
+                theirs = _TorchSide(s, name, trainer, emb_group)
+            except Exception as exc:  # report exactly what failed, keep benchmarking ours
+                error = f"{type(exc).__name__}: {exc}"
+        row = {"schedule": name, "v": v, "ours": [], "theirs": [], "ours_loss": [],
+               "theirs_loss": [], "torch_error": error, "pp_rank": trainer.grid.pp_rank,
+               "tp_rank": trainer.grid.tp_rank}
+        total = s["warmup"] + s["iters"]
+        for it in range(total):
+            timed = it >= s["warmup"]
+            bytes0, msgs0 = trainer.p2p.bytes_sent, trainer.p2p.messages_sent
+            inst.reset()
+            dist.barrier()
+            c0, t0 = time.process_time(), time.perf_counter()
+            step = trainer.forward_backward(it)
+            t1 = time.perf_counter()
+            norm = trainer.reduce_gradients()
+            t2 = time.perf_counter()
+            trainer.optimizer_step(it, norm)
+            t3, c3 = time.perf_counter(), time.process_time()
+            row["ours_loss"].append(step.loss)
+            if timed:
+                row["ours"].append({"t0": t0, "t_fb": t1, "t_reduce": t2, "t_end": t3,
+                                    "cpu": c3 - c0,
+                                    "trace": inst.trace, "waits": inst.waits,
+                                    "bytes": trainer.p2p.bytes_sent - bytes0,
+                                    "messages": trainer.p2p.messages_sent - msgs0})
+            if theirs is not None and error is None:
+                try:
+                    dist.barrier()
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    # Timed with the step, as ours builds its micro-batches inside the step.
+                    loss = theirs.step(it, theirs.batch(it))
+                    t3, c3 = time.perf_counter(), time.process_time()
+                except Exception as exc:
+                    error = row["torch_error"] = f"{type(exc).__name__}: {exc}"
+                    theirs = None
+                    continue
+                row["theirs_loss"].append(loss)
+                if timed:
+                    row["theirs"].append({"t0": t0, "t_end": t3, "cpu": c3 - c0})
+        if theirs is not None and error is None:
+            row["model_only"] = _model_only(trainer, theirs, s)
+        out.append(row)
+        dist.barrier()
+    return out
+
+
+def _model_only(trainer, theirs, s: dict, reps: int = 5) -> dict:
+    """Forward+backward of this rank's chunks on one micro-batch, no pipeline, no messages:
+    our GPTChunk vs the plain module (alternating, best of `reps`), to tell the model's cost
+    from the engine's."""
+    cfg = trainer.cfg.model
+    batch = trainer.batches["train"].get(0, 0)
+    shape = (cfg.seq_length, s["micro_batch"], cfg.hidden_size)
+
+    def once(module, stage, ours: bool):
+        x = None if stage == 0 else torch.randn(shape, requires_grad=True)
+        start = time.perf_counter()
+        if ours:
+            out = module(x, batch)
+            out = out[0] if isinstance(out, tuple) else out
+        else:
+            out = module(batch["tokens"] if stage == 0 else x)
+            if module.is_last:
+                out = _lm_loss(out, batch["labels"])
+        if out.dim() == 0:
+            out.backward()
+        else:
+            out.backward(torch.ones_like(out))
+        return time.perf_counter() - start
+
+    best = {"ours": math.inf, "torch": math.inf}
+    for _ in range(reps):
+        best["ours"] = min(best["ours"], sum(once(trainer.chunks[st], st, True)
+                                             for st in trainer.stages))
+        best["torch"] = min(best["torch"], sum(once(theirs.modules[st], st, False)
+                                               for st in trainer.stages))
+    for q in list(trainer.params) + theirs.params:
+        q.grad = None
+    return best
+
+
+# ------------------------------------------------------------------------ aggregation
+def _median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def _bubble(ranks_iter: list[dict]) -> tuple[float, list[float], dict]:
+    """One iteration, all pipeline ranks (tensor rank 0): mean (makespan - compute)/compute."""
+    first = min(r["trace"][0][1] for r in ranks_iter)
+    last = max(r["trace"][-1][2] for r in ranks_iter)
+    makespan = last - first
+    per_rank, detail = [], {"compute": [], "wait": [], "gaps": [], "actions": []}
+    for r in ranks_iter:
+        busy = sum(e - b for _, b, e in r["trace"])
+        wait = sum(e - b for b, e in r["waits"])
+        compute = busy - wait
+        gaps = [r["trace"][i + 1][1] - r["trace"][i][2] for i in range(len(r["trace"]) - 1)]
+        per_rank.append((makespan - compute) / compute)
+        detail["compute"].append(compute)
+        detail["wait"].append(wait)
+        detail["gaps"].append(_median(gaps))
+        detail["actions"].append(len(r["trace"]))
+    return statistics.fmean(per_rank), per_rank, detail
+
+
+def aggregate(s: dict, per_rank: list[list[dict]]) -> list[dict]:
+    rows = []
+    world = len(per_rank)
+    for k, name in enumerate(s["schedules"]):
+        ranks = [per_rank[r][k] for r in range(world)]
+        v = ranks[0]["v"]
+        pipe = sorted((r for r in ranks if r["tp_rank"] == 0), key=lambda r: r["pp_rank"])
+        ours_steps, theirs_steps, bubbles, bubbles_per_rank = [], [], [], []
+        fb, post, overhead, comp, waits, cpu_ours, cpu_theirs = [], [], [], [], [], [], []
+        for i in range(s["iters"]):
+            its = [r["ours"][i] for r in ranks]
+            ours_steps.append(max(x["t_end"] for x in its) - min(x["t0"] for x in its))
+            fb.append(max(x["t_fb"] for x in its) - min(x["t0"] for x in its))
+            post.append(max(x["t_end"] - x["t_fb"] for x in its))
+            mean, per, detail = _bubble([r["ours"][i] for r in pipe])
+            bubbles.append(mean)
+            bubbles_per_rank.append(per)
+            overhead.append(max(detail["gaps"]))
+            cpu_ours.append(sum(x["cpu"] for x in its))
+            comp.append(statistics.fmean(detail["compute"]))
+            waits.append(statistics.fmean(detail["wait"]))
+            if all(len(r["theirs"]) > i for r in ranks):
+                th = [r["theirs"][i] for r in ranks]
+                theirs_steps.append(max(x["t_end"] for x in th) - min(x["t0"] for x in th))
+                cpu_theirs.append(sum(x["cpu"] for x in th))
+        sent = sum(r["ours"][0]["bytes"] for r in ranks)
+        msgs = sum(r["ours"][0]["messages"] for r in ranks)
+        t = s["t"]
+        formula = s["micro_batch"] * s["seq"] * s["hidden"] * 4 // (t if s["scatter_gather"] else 1)
+        boundaries = s["p"] * v - 1
+        errors = {r["torch_error"] for r in ranks if r["torch_error"]}
+        ours_med, theirs_med = _median(ours_steps), _median(theirs_steps)
+        paired = [o / th for o, th in zip(ours_steps, theirs_steps)]
+        model_only = [r.get("model_only") for r in pipe if r.get("model_only")]
+        ours_loss = next((r["ours_loss"] for r in ranks), [])
+        theirs_loss = next((r["theirs_loss"] for r in ranks if r["theirs_loss"]
+                            and not math.isnan(r["theirs_loss"][0])), [])
+        rows.append({
+            "schedule": name, "p": s["p"], "v": v, "m": s["m"], "t": t,
+            "ours_step_s": ours_med, "torch_step_s": theirs_med,
+            "ratio": ours_med / theirs_med if theirs_steps else None,
+            "measured_bubble": _median(bubbles), "formula_bubble": (s["p"] - 1) / (v * s["m"]),
+            "bytes_per_msg": sent / msgs if msgs else 0, "bytes_per_msg_formula": formula,
+            "bytes_per_boundary_per_iter": sent / boundaries / t if boundaries else 0,
+            "bytes_per_boundary_per_iter_formula": 2 * s["m"] * formula if boundaries else 0,
+            "ours_steps_s": ours_steps, "torch_steps_s": theirs_steps,
+            "ratio_paired_median": _median(paired) if paired else None,
+            "ratio_of_minima": min(ours_steps) / min(theirs_steps) if theirs_steps else None,
+            "model_only_fwd_bwd_per_mb_s": {
+                "ours": max(x["ours"] for x in model_only),
+                "torch": max(x["torch"] for x in model_only)} if model_only else None,
+            "ours_forward_backward_s": _median(fb), "ours_reduce_optimizer_s": _median(post),
+            "ours_compute_per_rank_s": _median(comp), "ours_recv_wait_per_rank_s": _median(waits),
+            "ours_gap_between_actions_median_s": _median(overhead),
+            "ours_cpu_s_all_ranks": _median(cpu_ours), "torch_cpu_s_all_ranks": _median(cpu_theirs),
+            "measured_bubble_per_rank": [_median([b[r] for b in bubbles_per_rank])
+                                         for r in range(len(pipe))],
+            "ours_losses": ours_loss, "torch_losses": theirs_loss,
+            "torch_error": "; ".join(sorted(errors)) or None,
+        })
+    return rows
+
+
+def _fmt(x, spec):
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ["schedule", "p", "v", "m", "ours step s", "torch step s", "ratio", "measured bubble",
+            "(p-1)/(v*m)", "bytes/msg measured", "bytes/msg formula"]
+    body = [[r["schedule"], str(r["p"]), str(r["v"]), str(r["m"]), _fmt(r["ours_step_s"], ".4f"),
+             _fmt(r["torch_step_s"], ".4f"), _fmt(r["ratio"], ".3f"),
+             _fmt(r["measured_bubble"], ".3f"), _fmt(r["formula_bubble"], ".3f"),
+             _fmt(r["bytes_per_msg"], ".0f"), str(r["bytes_per_msg_formula"])] for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    line = lambda cells: " | ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(head), "-+-".join("-" * w for w in widths)] + [line(b) for b in body])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--p", type=int, default=2, help="pipeline ranks")
+    ap.add_argument("--m", type=int, default=8, help="micro-batches per iteration")
+    ap.add_argument("--chunks", type=int, default=2, help="v for the interleaved schedule")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=256,
+                    help="vocabulary (a multiple of 128*t avoids padding columns)")
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=5, help="timed iterations per schedule")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed iterations per schedule first")
+    ap.add_argument("--tensor", type=int, default=1,
+                    help="t (ours only; torch.distributed.pipelining is skipped when t > 1)")
+    ap.add_argument("--scatter-gather", action="store_true")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole job")
+    ap.add_argument("--json", help="write the rows (with per-iteration detail) here")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from ptdp.local_ranks import run_on_ranks
+
+    a = parse_args(argv)
+    schedules = [x for x in a.schedules.split(",") if x]
+    unknown = sorted(set(schedules) - set(SCHEDULES))
+    if unknown or a.p < 2 or a.iters < 1:
+        print(f"error: need --p >= 2, --iters >= 1 and schedules from {SCHEDULES} "
+              f"(got p={a.p}, iters={a.iters}, unknown {unknown})", file=sys.stderr)
+        return 2
+    s = {"p": a.p, "m": a.m, "chunks": a.chunks, "layers": a.layers, "hidden": a.hidden,
+         "heads": a.heads, "seq": a.seq, "vocab": a.vocab, "micro_batch": a.micro_batch,
+         "iters": a.iters, "warmup": a.warmup, "t": a.tensor, "scatter_gather": a.scatter_gather,
+         "schedules": schedules, "torch": not a.no_torch and a.tensor == 1,
+         "timeout": a.timeout}
+    world, cores = a.p * a.tensor, os.cpu_count() or 1
+    print(f"bench_pipeline: GPT layers={a.layers} hidden={a.hidden} heads={a.heads} seq={a.seq} "
+          f"vocab={a.vocab} b={a.micro_batch}; p={a.p} t={a.tensor} m={a.m}; {world} gloo ranks, "
+          f"1 thread each, {cores} cores; warm-up {a.warmup}, timed {a.iters} (median)")
+    if a.tensor > 1 and not a.no_torch:
+        print("torch.distributed.pipelining is skipped: t > 1 would need its DTensor tensor "
+              "parallelism, not the same model")
+    if world > cores:
+        print(f"WARNING: {world} ranks on {cores} cores: oversubscribed, ranks time-share the "
+              "cores, so step times and above all the measured bubble are distorted")
+    try:
+        load = os.getloadavg()[0]
+        if load > cores:
+            print(f"WARNING: load average {load:.1f} > {cores} cores before the run: other "
+                  "processes compete for the CPU; figures are noisy")
+    except OSError:
+        pass
+    per_rank = run_on_ranks(world, bench_rank, s, timeout_s=a.timeout, threads=1)
+    rows = aggregate(s, per_rank)
+    print(format_table(rows))
+    for r in rows:
+        extra = (f"  {r['schedule']}: ours forward_backward {r['ours_forward_backward_s']:.4f}s "
+                 f"(compute/rank {r['ours_compute_per_rank_s']:.4f}s, recv wait/rank "
+                 f"{r['ours_recv_wait_per_rank_s']:.4f}s, median gap between actions "
+                 f"{1e3 * r['ours_gap_between_actions_median_s']:.3f}ms), reduce+optimizer "
+                 f"{r['ours_reduce_optimizer_s']:.4f}s; bubble per rank "
+                 + ", ".join(f"{b:.3f}" for b in r["measured_bubble_per_rank"]))
+        if r["ratio_paired_median"] is not None:
+            extra += (f"; ratio paired-median {r['ratio_paired_median']:.3f}, of minima "
+                      f"{r['ratio_of_minima']:.3f}; CPU s/step (all ranks) ours "
+                      f"{r['ours_cpu_s_all_ranks']:.3f} torch {r['torch_cpu_s_all_ranks']:.3f}")
+        if r["model_only_fwd_bwd_per_mb_s"]:
+            mo = r["model_only_fwd_bwd_per_mb_s"]
+            extra += (f"; model alone fwd+bwd/mb (slowest rank) ours {mo['ours'] * 1e3:.2f}ms "
+                      f"torch {mo['torch'] * 1e3:.2f}ms")
+        if r["ours_losses"] and r["torch_losses"]:
+            extra += (f"; first loss ours {r['ours_losses'][0]:.6f} torch "
+                      f"{r['torch_losses'][0]:.6f}")
+        print(extra)
+        if r["torch_error"]:
+            print(f"  {r['schedule']}: torch.distributed.pipelining failed: {r['torch_error']}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"settings": s, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
