@@ -35,9 +35,15 @@ command -v "$PYTHON" >/dev/null 2>&1 || die "no '$PYTHON' on PATH; install Pytho
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
     || die "$("$PYTHON" --version 2>&1) is too old; ptdp needs Python >= 3.10"
 
+pip_install() {
+    "$PYTHON" -m pip --version >/dev/null 2>&1 \
+        || die "$PYTHON has no pip; run '$PYTHON -m ensurepip --upgrade' (or install python3-pip) and retry"
+    "$PYTHON" -m pip install "$@" \
+        || die "pip install $* failed. If pip refused an 'externally managed' system Python, use a virtual environment: $PYTHON -m venv .venv && . .venv/bin/activate && make demo"
+}
 if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
     say "torch is not importable: pip install torch==2.13.0"
-    "$PYTHON" -m pip install "torch==2.13.0"
+    pip_install "torch==2.13.0"
 fi
 # ptdp counts as installed when pip knows it (an editable install of this or another checkout:
 # the launch scripts put this checkout first on PYTHONPATH either way).
@@ -50,7 +56,7 @@ sys.exit(1 if missing else 0)
 EOF
 then
     say "installing ptdp and its dependencies: pip install -e '.[dev]'"
-    "$PYTHON" -m pip install -e ".[dev]"
+    pip_install -e ".[dev]"
 fi
 if [[ $SETUP_ONLY == 1 ]]; then
     say "dependencies ready ($((SECONDS - start)) s)"

@@ -67,11 +67,10 @@ MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 [[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NNODES" ]] \
     || die "NODE_RANK must be in 0..$((NNODES - 1)), got '$NODE_RANK'"
 
-if ! "$PYTHON" -c "import torch" 2>/dev/null; then
-    die "cannot import torch with $PYTHON; run 'make install' (or pip install -e '.[dev]')"
-fi
+no_torch="cannot import torch with $PYTHON; run 'make install' (or pip install -e '.[dev]')"
 if [[ -z "${GPUS_PER_NODE:-}" ]]; then
-    visible_gpus="$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")"
+    visible_gpus="$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null)" \
+        || die "$no_torch"
     if [[ "$visible_gpus" -gt 0 ]]; then
         GPUS_PER_NODE="$visible_gpus"
         DEVICE="cuda (NCCL)"
@@ -80,6 +79,8 @@ if [[ -z "${GPUS_PER_NODE:-}" ]]; then
         DEVICE="cpu (gloo)"
     fi
 else
+    "$PYTHON" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" \
+        || die "$no_torch"
     DEVICE="as set (GPUS_PER_NODE=$GPUS_PER_NODE)"
 fi
 [[ "$GPUS_PER_NODE" =~ ^[1-9][0-9]*$ ]] || die "GPUS_PER_NODE must be a positive integer, got '$GPUS_PER_NODE'"
