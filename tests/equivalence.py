@@ -24,10 +24,11 @@ TINY = ["model.num_layers=8", "model.hidden_size=32", "model.num_heads=4",
         # AdamW divides by sqrt(v): it is blind to a gradient's scale, so an element whose
         # gradient is ~1e-5 of its tensor's (or exactly zero, like the key bias, whose float32
         # gradient is pure round-off) takes full-size steps driven by round-off, and two
-        # single-process runs that merely sum in another order disagree at ~3e-5. eps=1e-4
-        # keeps such elements in Adam's linear regime; gradients of normal size (~1e-2 here)
-        # are still normalised. Gradients themselves are compared before any optimizer step.
-        "train.adam_eps=1e-4"]
+        # single-process runs that merely sum in another order disagree at ~3e-5 (measured:
+        # eps=1e-4 leaves t=4's fc2.bias at 1.03e-5, eps=1e-3 at 1.2e-6). eps=1e-3 keeps such
+        # elements in Adam's linear regime; larger gradients are still normalised. Gradients
+        # themselves are compared before any optimizer step, where no eps is involved.
+        "train.adam_eps=1e-3"]
 
 
 def train_and_collect(runs: list[list[str]], iters: int = 3) -> list[dict] | None:
