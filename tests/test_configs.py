@@ -170,9 +170,11 @@ def test_pretrain_errors(args, message):
 def test_slurm_script(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    # The pause makes a reader that stops after the first host (`| head -n 1`) kill the fake
+    # with SIGPIPE, which `set -o pipefail` would turn into a failed job.
     (bin_dir / "scontrol").write_text(
         '#!/usr/bin/env bash\n[[ "$1 $2" == "show hostnames" ]] || exit 1\n'
-        'echo gpu-node-07; echo gpu-node-08\n')
+        'echo gpu-node-07; sleep 0.3; echo gpu-node-08\n')
     # A fake srun: runs the command once per node, here, with SLURM_NODEID set.
     (bin_dir / "srun").write_text(
         '#!/usr/bin/env bash\nwhile [[ "$1" == --* ]]; do shift; done\n'

@@ -37,8 +37,10 @@ CONFIG="$1"
 [[ -f "$CONFIG" ]] || die "config file not found: $CONFIG (relative to $ROOT)"
 
 NNODES="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}"
-MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
-[[ -n "$MASTER_ADDR" ]] || die "scontrol show hostnames '$SLURM_JOB_NODELIST' gave no host"
+# Read every line (no `| head`: with pipefail, scontrol dying of SIGPIPE would end the job).
+mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+[[ ${#hosts[@]} -gt 0 && -n "${hosts[0]}" ]] || die "scontrol show hostnames '$SLURM_JOB_NODELIST' gave no host"
+MASTER_ADDR="${hosts[0]}"
 MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
 if [[ -z "${GPUS_PER_NODE:-}" ]]; then
     # SLURM_GPUS_PER_NODE may read "8" or "a100:8"; SLURM_GPUS_ON_NODE is a plain count.
