@@ -7,8 +7,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.embedding import Embedding, OutputEmbedding, logits, mark_shared
-from models.transformer import ModelContext, TransformerStack, layer_norm
+from models.chunk import ModelChunk
+from models.embedding import logits
+from models.transformer import ModelContext, layer_norm
 from ptdp.parallel.tensor import full_normal, shard_param, vocab_parallel_cross_entropy
 
 
@@ -51,19 +52,11 @@ class BertHeads(nn.Module):
         return lm_loss + sop_loss, {"lm_loss": lm_loss.detach(), "sop_loss": sop_loss.detach()}
 
 
-class BertChunk(nn.Module):
+class BertChunk(ModelChunk):
     def __init__(self, ctx: ModelContext, stage: int, num_stages: int):
-        super().__init__()
-        cfg = ctx.model
-        per_stage = cfg.num_layers // num_stages
-        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
-        self.embedding = Embedding(ctx, cfg.num_tokentypes) if self.is_first else None
-        if self.is_first and not self.is_last:
-            mark_shared(self.embedding.word.weight)
-        self.stack = TransformerStack(ctx, stage * per_stage, per_stage, causal=False)
+        super().__init__(ctx, stage, num_stages, causal=False,
+                         num_tokentypes=ctx.model.num_tokentypes)
         if self.is_last:
-            self.final_ln = layer_norm(cfg.hidden_size, cfg.layernorm_eps)
-            self.output = None if self.is_first else OutputEmbedding(ctx)
             self.heads = BertHeads(ctx)
 
     def forward(self, hidden, batch):
@@ -72,5 +65,4 @@ class BertChunk(nn.Module):
         hidden = self.stack(hidden, batch["padding_mask"])
         if not self.is_last:
             return hidden
-        table = self.embedding.word.weight if self.output is None else self.output.weight
-        return self.heads(self.final_ln(hidden), table, batch)
+        return self.heads(self.final_ln(hidden), self.output_table(), batch)

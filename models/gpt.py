@@ -7,31 +7,15 @@ the tied output head and the vocab-parallel loss.
 
 from __future__ import annotations
 
-import torch
-import torch.nn as nn
-
-from models.embedding import Embedding, OutputEmbedding, logits, mark_shared
-from models.transformer import ModelContext, TransformerStack, layer_norm
+from models.chunk import ModelChunk
+from models.embedding import logits
+from models.transformer import ModelContext
 from ptdp.parallel.tensor import vocab_parallel_cross_entropy
 
 
-class GPTChunk(nn.Module):
+class GPTChunk(ModelChunk):
     def __init__(self, ctx: ModelContext, stage: int, num_stages: int):
-        super().__init__()
-        cfg = ctx.model
-        per_stage = cfg.num_layers // num_stages
-        self.ctx = ctx
-        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
-        self.embedding = Embedding(ctx) if self.is_first else None
-        if self.is_first and not self.is_last:
-            mark_shared(self.embedding.word.weight)
-        self.stack = TransformerStack(ctx, stage * per_stage, per_stage, causal=True)
-        if self.is_last:
-            self.final_ln = layer_norm(cfg.hidden_size, cfg.layernorm_eps)
-            self.output = None if self.is_first else OutputEmbedding(ctx)
-
-    def output_table(self) -> torch.Tensor:
-        return self.embedding.word.weight if self.output is None else self.output.weight
+        super().__init__(ctx, stage, num_stages, causal=True)
 
     def forward(self, hidden, batch):
         """hidden: [s, b, h] from the previous stage (None on the first); batch: tensors [b, s].

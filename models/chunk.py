@@ -1,0 +1,35 @@
+"""What every model chunk (virtual pipeline stage) has, whatever the architecture.
+
+The first chunk embeds tokens, every chunk runs its share of transformer layers, and the last
+one applies the final LayerNorm and owns the output word table (its own tied copy when the
+embedding lives on another stage).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from models.embedding import Embedding, OutputEmbedding, mark_shared
+from models.transformer import ModelContext, TransformerStack, layer_norm
+
+
+class ModelChunk(nn.Module):
+    def __init__(self, ctx: ModelContext, stage: int, num_stages: int, *, causal: bool,
+                 num_tokentypes: int = 0):
+        super().__init__()
+        cfg = ctx.model
+        per_stage = cfg.num_layers // num_stages
+        self.ctx = ctx
+        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.embedding = Embedding(ctx, num_tokentypes) if self.is_first else None
+        if self.is_first and not self.is_last:
+            mark_shared(self.embedding.word.weight)
+        self.stack = TransformerStack(ctx, stage * per_stage, per_stage, causal=causal)
+        if self.is_last:
+            self.final_ln = layer_norm(cfg.hidden_size, cfg.layernorm_eps)
+            self.output = None if self.is_first else OutputEmbedding(ctx)
+
+    def output_table(self) -> torch.Tensor:
+        """The word table the logits use: the embedding itself, or this stage's tied copy."""
+        return self.embedding.word.weight if self.output is None else self.output.weight
