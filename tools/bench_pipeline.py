@@ -1,7 +1,7 @@
 """Benchmark (not a test): the same small GPT under each pipeline schedule on local CPU ranks.
 
-For every schedule (gpipe, 1f1b, interleaved with v chunks) this spawns nothing new: one gloo
-job of p*t ranks runs all schedules in turn. Per schedule it reports
+One gloo job of p*t local ranks (``ptdp.local_ranks.run_on_ranks``) runs every schedule in turn
+(gpipe and 1f1b with v=1, interleaved with v=--chunks). Per schedule it reports
 
 * ``ours step s``: median wall time of one training step (forward_backward + reduce_gradients
   + optimizer_step) of ``ptdp.training.Trainer``, from the first rank leaving the barrier to the
@@ -21,7 +21,14 @@ job of p*t ranks runs all schedules in turn. Per schedule it reports
         --micro-batch 4 --iters 5 [--json out.json]
 
 Each rank runs one thread (``torch.set_num_threads(1)``); with more ranks than cores the ranks
-time-share and every figure (bubble above all) is distorted: the output says so.
+time-share and every figure (bubble above all) is distorted: the output says so, and also when
+the load average already exceeds the cores. Extra lines (and the JSON) give what helps read a
+noisy machine: the ratio of paired steps, CPU seconds per step over all ranks (less sensitive to
+other processes than wall time), our forward_backward split into compute / receive wait / the
+median gap between actions (the executor's own per-action cost), and each model alone (our
+GPTChunk vs the plain modules, forward+backward of one micro-batch, no pipeline), which tells the
+model's cost from the engine's. ``--tensor``/``--scatter-gather`` check the /t byte formula
+(ours only). The first losses of both sides must agree: same weights, same data, same math.
 """
 
 from __future__ import annotations
