@@ -67,9 +67,12 @@ class ParallelAttention(nn.Module):
         mask = None
         if padding_mask is not None:  # [b, s] with 1 = real token -> [b, 1, 1, s] bool keep-mask
             mask = padding_mask.bool()[:, None, None, :]
+        causal = self.causal and mask is None
+        if dropout == 0.0:  # no randomness: skip swapping RNG states
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         with self.ctx.rng.fork():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                  is_causal=self.causal and mask is None)
+                                                  is_causal=causal)
 
     def forward(self, x, padding_mask=None):
         s, b, _ = x.shape

@@ -10,7 +10,7 @@ coordinates; nothing is global.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import json
@@ -43,6 +43,7 @@ class StepResult:
     aux: dict
     grad_norm: float = float("nan")
     skipped: bool = False
+    trace: list = field(default_factory=list)   # (action, start, end) when recorded
 
 
 def build_datasets(cfg: Config) -> dict:
@@ -113,7 +114,8 @@ class Trainer:
                         for split, ds in build_datasets(self.cfg).items() if len(ds) > 0}
 
     # One iteration, in three steps the tests can call separately ---------------------------
-    def forward_backward(self, iteration: int) -> StepResult:
+    def forward_backward(self, iteration: int, record_trace: bool = False) -> StepResult:
+        """Every micro-batch's forward and backward; `record_trace` keeps per-action times."""
         self.weights.zero_grads()
         for chunk in self.chunks.values():
             chunk.train()
@@ -121,9 +123,9 @@ class Trainer:
         batches = self.batches["train"]
         result = self.executor.run(
             self.actions, lambda mb: batches.get(iteration, mb),
-            loss_scale=self.loss_scaler.scale / (self.m * self.grid.d))
+            loss_scale=self.loss_scaler.scale / (self.m * self.grid.d), record_trace=record_trace)
         loss, aux = self._average_loss(result.losses, result.aux)
-        return StepResult(loss, aux)
+        return StepResult(loss, aux, trace=result.trace)
 
     def reduce_gradients(self) -> float:
         """Data-parallel and tied-embedding sums, loss-scale removal; returns the global norm."""
