@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -27,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from ptdp.config import config_from_dict, validate  # noqa: E402
 from ptdp.planner.compute import ModelShape  # noqa: E402
 from ptdp.planner.cost_model import Layout, Workload, predict  # noqa: E402
-from ptdp.planner.hardware import load_hardware, save_hardware  # noqa: E402
+from ptdp.planner.hardware import load_hardware  # noqa: E402
 
 MODEL = {"arch": "gpt", "num_layers": 4, "hidden_size": 512, "num_heads": 8,
          "seq_length": 128, "vocab_size": 1000, "dropout": 0.0}
@@ -64,41 +67,47 @@ def config_dict(layout: Layout, iters: int) -> dict:
 
 def train_worker(raw: dict) -> list[dict]:
     """Runs on every rank (module-level so spawned processes can import it)."""
+    import contextlib
+    import os
+
     import torch.distributed as dist
     from ptdp.training import Trainer
     cfg = config_from_dict(raw)
     validate(cfg, dist.get_world_size())
-    return Trainer(cfg).train()
+    from ptdp.planner.profiler import peak_rss_gb
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        history = Trainer(cfg).train()
+    return {"history": history, "peak_gb": peak_rss_gb()}
 
 
 def measure(layout: Layout, iters: int, timeout_s: float) -> tuple[float, float]:
     """(fastest step seconds after the first iteration, peak memory GiB over ranks).
 
     The fastest step, like the profiler's best-of-N timings, discounts time other processes
-    on a shared machine steal; the first iteration (allocations, Adam state) is skipped."""
+    on a shared machine steal; the first iteration (allocations, Adam state) is skipped.
+    Memory is each rank's VmHWM: the trainer's mem_gb on CPU (getrusage ru_maxrss) inherits
+    the launching process's peak across fork+exec."""
     from ptdp.local_ranks import run_on_ranks
-    histories = run_on_ranks(layout.gpus, train_worker, config_dict(layout, iters),
-                             timeout_s=timeout_s, threads=1)
-    steps = [record["step_time_s"] for record in histories[0][1:]]
-    memory = max(record["mem_gb"] for history in histories for record in history)
-    return min(steps), memory
+    results = run_on_ranks(layout.gpus, train_worker, config_dict(layout, iters),
+                           timeout_s=timeout_s, threads=1)
+    steps = [record["step_time_s"] for record in results[0]["history"][1:]]
+    return min(steps), max(r["peak_gb"] for r in results)
 
 
 def ensure_profile(path: Path, reprofile: bool, iters: int):
+    """Load the profile, measuring it first (in a child process, `ptdp profile`) if asked."""
     if path.is_file() and not reprofile:
         return load_hardware(str(path))
-    from ptdp.planner.profiler import build_profile
-    model = config_from_dict({"model": MODEL}).model
-    model.ffn_hidden_size = 4 * model.hidden_size
+    import subprocess
+    import tempfile
     micro_batches = sorted({lay.micro_batch for lay in LAYOUTS.values()} | {4})
-    profile = build_profile(model, name=path.stem, micro_batches=micro_batches, tensors=[1, 2],
-                            ranks=2, ranks_per_node=8, threads=1, precision="fp32",
-                            device_name="cpu", iters=iters)
-    import torch.distributed as dist
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    save_hardware(profile, path)
-    print(f"wrote {path}")
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as model_file:
+        yaml.safe_dump({"model": {**MODEL, "ffn_hidden_size": 4 * MODEL["hidden_size"]}}, model_file)
+    subprocess.run([sys.executable, "-m", "ptdp", "profile", model_file.name, "--out", str(path),
+                    "--micro-batches", ",".join(map(str, micro_batches)), "--tensor", "1,2",
+                    "--ranks", "2", "--ranks-per-node", "8", "--threads", "1",
+                    "--iters", str(iters)], check=True, cwd=ROOT)
+    os.unlink(model_file.name)
     return load_hardware(str(path))
 
 

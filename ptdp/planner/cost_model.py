@@ -28,7 +28,8 @@ Communication (comm.py)
   * Data parallelism: one ring all-reduce of the rank's fp32 gradients per iteration. For
     flushing schedules it overlaps with the last micro-batch's backward pass (buckets are
     reduced as they fill); 2BW can hide it behind the next batch (no flush). Tied word
-    embeddings add an all-reduce between the first and last stage.
+    embeddings add an all-reduce between the first and last stage. On CPUs nothing overlaps
+    (`overlap_communication: false`): gloo's copies and reductions run on the same cores.
 
 Pipeline (formulas.bubble_fraction)
   * Flushing schedules (gpipe, 1f1b, interleaved): m * T_slowest + (p-1)/v * T_mean, which
@@ -181,7 +182,7 @@ def _optimizer_time(hw: HardwareProfile, params: float, precision: str) -> float
 
 def _worst_memory(hw, work: Workload, lay: Layout, attention: str) -> MemoryBreakdown:
     m = lay.micro_batches(work.global_batch)
-    kwargs = dict(p=lay.pipeline, t=lay.tensor, v=lay.chunks, m=m, b=lay.micro_batch,
+    kwargs = dict(p=lay.pipeline, t=lay.tensor, v=lay.chunks, m=m, b=lay.micro_batch, d=lay.data,
                   schedule=lay.schedule, recompute=lay.recompute, precision=work.precision,
                   attention=attention,
                   vocab_padded=padded_vocab_size(work.shape.vocab, lay.tensor),
@@ -213,7 +214,7 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     if lay.schedule == "2bw":
         hidden = pipelined                      # no flush: overlaps the next batch's work
     else:
-        hidden = slowest.backward if dp_overlap else 0.0
+        hidden = slowest.backward if dp_overlap and hw.overlap_communication else 0.0
     dp_exposed = max(0.0, dp_total - hidden)
     embedding_sync = 0.0
     if p > 1:   # tied word embeddings: sum the first and last stage's table gradients

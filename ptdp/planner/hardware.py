@@ -58,6 +58,7 @@ class HardwareProfile:
     attention: str = "flash"          # flash | materialized (s^2 scores kept in memory)
     device: str = "gpu"
     compute_units: int | None = None  # CPU cores shared by a node's ranks (None for GPUs)
+    overlap_communication: bool = True  # False on CPUs: gloo's copies and sums use the cores
     source: str = "datasheet"
     description: str = ""
     efficiency: Efficiency = field(default_factory=Efficiency)

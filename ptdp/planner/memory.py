@@ -149,8 +149,15 @@ def in_flight_layer_stashes(schedule: str, p: int, v: int, m: int, layers_per_ra
 
 def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, schedule: str,
                recompute: str, precision: str, attention: str, vocab_padded: int,
-               reserved_gb: float, rank: int, hw=None) -> MemoryBreakdown:
-    """Peak memory of pipeline rank `rank` (0 = first stage, p-1 = last)."""
+               reserved_gb: float, rank: int, d: int = 1, hw=None) -> MemoryBreakdown:
+    """Peak memory of pipeline rank `rank` (0 = first stage, p-1 = last).
+
+    Weights, gradients and optimizer state live throughout. On top of them the peak is the
+    larger of two phases: backward (activation stashes, the working set of one layer or the
+    loss, p2p buffers, and with d > 1 the data-parallel buckets: a flat copy of the
+    gradients) and the optimizer step (torch's foreach AdamW on CPU allocates one fp32
+    temporary per parameter; the fused CUDA kernel does not).
+    """
     first, last = rank == 0, rank == p - 1
     e = BYTES[precision]
     w, g, o = state_bytes_per_parameter(precision)
@@ -160,14 +167,16 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     stashes = in_flight_layer_stashes(schedule, p, v, m, layers_per_rank, rank)
     activations = stashes * layer_activation_bytes(shape, b, t, precision, recompute, attention, hw)
     sbh = shape.seq * b * shape.hidden
-    # Transient: a recomputed layer's activations live while its backward runs; the last
-    # stage holds fp32 logits and their gradient for one micro-batch; send/recv buffers.
-    transient = 2 * sbh * e
-    if recompute != "none":
-        transient += layer_activation_bytes(shape, b, t, precision, "none", attention, hw)
-    if last:
-        transient += 2 * shape.seq * b * vocab_padded / t * 4
     if first and shape.dropout:
         activations += sbh * min(m, p - rank if schedule != "gpipe" else m)  # embedding mask
+    working = 2 * sbh * e                                      # send/recv buffers
+    if recompute != "none":   # a recomputed layer's activations live while its backward runs
+        working += layer_activation_bytes(shape, b, t, precision, "none", attention, hw)
+    if last:                  # fp32 logits and their gradient for one micro-batch
+        working += 2 * shape.seq * b * vocab_padded / t * 4
+    if d > 1:
+        working += params * g
+    optimizer_step = params * 4 if hw is not None and hw.device == "cpu" else 0.0
+    buffers = max(working, optimizer_step - activations)
     return MemoryBreakdown(weights=weights, gradients=params * g, optimizer=params * o,
-                           activations=activations, buffers=transient + reserved_gb * GB)
+                           activations=activations, buffers=buffers + reserved_gb * GB)

@@ -42,18 +42,28 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_time(fn, device, iters: int, warmup: int = 1) -> float:
+def _clock(device):
+    """CPU time for single-threaded CPU work (immune to other processes sharing the cores),
+    wall time otherwise (GPUs, several threads, anything that waits)."""
+    import torch
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def _best_time(fn, device, iters: int, warmup: int = 1, clock=None) -> float:
     """Best of `iters` timed runs: other processes only ever add time, so the minimum is the
     least noisy estimate of the work itself (as timeit recommends)."""
+    clock = clock or _clock(device)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         _sync(device)
-        start = time.perf_counter()
+        start = clock()
         fn()
         _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return min(times)
 
 
@@ -234,19 +244,52 @@ def fit_half_dim(samples, peak: float, launch: float) -> float:
 SIZES = (2**10, 2**14, 2**18, 2**21)   # float32 elements
 
 
+def peak_rss_gb() -> float:
+    """This process's resident-memory high-water mark (VmHWM). Unlike getrusage's ru_maxrss
+    it is not inherited across fork+exec, so a large launcher does not inflate it."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20   # kB -> GiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _framework_baseline_gb(world: int) -> float:
+    """Peak memory of a rank that built and trained a negligible model with the real trainer
+    (interpreter, torch, process groups, data, allocator): on CPU the counterpart of a GPU's
+    CUDA context reserve, which the planner adds to every layout."""
+    import contextlib
+    try:
+        from ptdp.config import config_from_dict, validate
+        from ptdp.training import Trainer
+    except ImportError:  # no trainer in this checkout: the bare process
+        return peak_rss_gb()
+    raw = {"model": {"arch": "gpt", "num_layers": 1, "hidden_size": 8, "num_heads": 2,
+                     "seq_length": 8, "vocab_size": 64},
+           "parallel": {"data": world}, "data": {"source": "synthetic"},
+           "train": {"micro_batch_size": 1, "global_batch_size": world, "iters": 2,
+                     "device": "cpu"},
+           "log": {"progress": False}}
+    cfg = config_from_dict(raw)
+    validate(cfg, world)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        Trainer(cfg).train()
+    return peak_rss_gb()
+
+
 def _bench_collectives(sizes, iters: int) -> dict:
     """Runs on every rank of a run_on_ranks world; rank 0's result is used."""
     import torch
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
-    baseline_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    baseline_gb = _framework_baseline_gb(world)
     device = torch.device("cpu")
     out = {"world": world, "baseline_gb": baseline_gb, "all_reduce": [], "p2p": []}
     for n in sizes:
         buf = torch.ones(n)
         dist.barrier()
         out["all_reduce"].append((n * 4, _best_time(lambda: dist.all_reduce(buf), device, iters,
-                                                      warmup=2)))
+                                                    warmup=2, clock=time.perf_counter)))
         dist.barrier()
 
         def ping_pong():
@@ -257,18 +300,19 @@ def _bench_collectives(sizes, iters: int) -> dict:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
 
-        out["p2p"].append((n * 4, _best_time(ping_pong, device, iters, warmup=2) / 2))
+        out["p2p"].append((n * 4, _best_time(ping_pong, device, iters, warmup=2,
+                                             clock=time.perf_counter) / 2))
     return out
 
 
 def fit_latency_bandwidth(points) -> tuple[float, float]:
     """(seconds per byte, latency seconds) from (bytes, seconds) samples: the slope between
-    the two largest messages (bandwidth-bound), the latency from the smallest (latency-bound),
-    which is more robust to one noisy sample than a least-squares line."""
+    the two largest messages (bandwidth-bound), the latency as the smallest residual of the
+    others (latency-bound); more robust to one noisy sample than a least-squares line."""
     points = sorted(points)
     (x0, y0), (x1, y1) = points[-2], points[-1]
     slope = max((y1 - y0) / (x1 - x0), y1 / x1 * 0.5, 1e-15)
-    latency = max(points[0][1] - slope * points[0][0], 0.0)
+    latency = max(min(y - slope * x for x, y in points[:-1]), 0.0)
     return slope, latency
 
 
@@ -371,7 +415,7 @@ def _assemble(name, device, precision, dev, comms, measured, ranks_per_node, bas
         intra_node_latency_us=all_reduce["latency_us"],
         inter_node_bandwidth_GBps=all_reduce["bandwidth_GBps"],
         inter_node_latency_us=all_reduce["latency_us"], nics_per_node=ranks_per_node,
-        attention="flash", efficiency=efficiency, measured=measured)
+        attention="flash", overlap_communication=False, efficiency=efficiency, measured=measured)
 
 
 def main(args) -> int:
