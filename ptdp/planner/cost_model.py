@@ -174,8 +174,12 @@ def _oversubscription(hw: HardwareProfile, gpus: int, gpus_per_node: int) -> flo
 
 
 def _optimizer_time(hw: HardwareProfile, params: float, precision: str) -> float:
-    """Adam is memory-bound: read grads, read/write master weights and both moments, write
-    the 16-bit copy, plus a grad-norm pass and zeroing: ~38 bytes per parameter."""
+    """Clipping + Adam, memory-bound: read grads, read/write master weights and both moments,
+    write the 16-bit copy, plus a grad-norm pass: ~38 bytes per parameter (or the profile's
+    measured seconds per parameter)."""
+    measured = (hw.measured or {}).get("optimizer_s_per_param")
+    if measured:
+        return params * measured
     traffic = 38.0 if BYTES[precision] < 4 else 36.0
     return params * traffic / (hw.memory_bandwidth_GBps * 1e9 * hw.efficiency.memory)
 

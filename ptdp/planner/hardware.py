@@ -130,5 +130,7 @@ def load_hardware(name_or_path: str) -> HardwareProfile:
     return profile_from_dict(raw, str(path))
 
 
-def save_hardware(profile: HardwareProfile, path: str | os.PathLike) -> None:
-    Path(path).write_text(yaml.safe_dump(profile.to_dict(), sort_keys=False))
+def save_hardware(profile: HardwareProfile, path: str | os.PathLike, header: str = "") -> None:
+    """Write a profile; `header` lines become YAML comments at the top."""
+    comments = "".join(f"# {line}\n" for line in header.splitlines())
+    Path(path).write_text(comments + yaml.safe_dump(profile.to_dict(), sort_keys=False))

@@ -219,7 +219,24 @@ def measure_device(precision: str, device, iters: int) -> dict:
     dst = torch.empty_like(src)
     bandwidth = 2 * nbytes / _best_time(lambda: dst.copy_(src), device, iters)
     return {"peak_flops": peak, "launch_s": launch, "memory_Bps": bandwidth,
-            "half_dim": fit_half_dim(samples, peak, launch)}
+            "half_dim": fit_half_dim(samples, peak, launch),
+            "optimizer_s_per_param": measure_optimizer(device, iters)}
+
+
+def measure_optimizer(device, iters: int, numel: int = 2**22) -> float:
+    """Seconds per parameter of clip-by-global-norm + AdamW step (what the trainer runs after
+    backward); on CPU the foreach implementation makes several passes over the state."""
+    import torch
+    params = [torch.nn.Parameter(torch.randn(numel // 8, device=device)) for _ in range(8)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=True if device.type == "cuda" else None)
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+
+    return _best_time(step, device, iters) / numel
 
 
 def fit_half_dim(samples, peak: float, launch: float) -> float:
@@ -254,27 +271,28 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def _framework_baseline_gb(world: int) -> float:
-    """Peak memory of a rank that built and trained a negligible model with the real trainer
-    (interpreter, torch, process groups, data, allocator): on CPU the counterpart of a GPU's
-    CUDA context reserve, which the planner adds to every layout."""
+def _framework_baseline(world: int) -> tuple[float, float]:
+    """(peak GiB, seconds per iteration) of a rank that trains a negligible model with the real
+    trainer: interpreter, torch, process groups, data and allocator memory (on CPU the
+    counterpart of a GPU's CUDA context reserve) and the per-iteration host overhead, which
+    the planner adds to every layout."""
     import contextlib
     try:
         from ptdp.config import config_from_dict, validate
         from ptdp.training import Trainer
     except ImportError:  # no trainer in this checkout: the bare process
-        return peak_rss_gb()
+        return peak_rss_gb(), 0.0
     raw = {"model": {"arch": "gpt", "num_layers": 1, "hidden_size": 8, "num_heads": 2,
                      "seq_length": 8, "vocab_size": 64},
            "parallel": {"data": world}, "data": {"source": "synthetic"},
-           "train": {"micro_batch_size": 1, "global_batch_size": world, "iters": 2,
+           "train": {"micro_batch_size": 1, "global_batch_size": world, "iters": 4,
                      "device": "cpu"},
            "log": {"progress": False}}
     cfg = config_from_dict(raw)
     validate(cfg, world)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        Trainer(cfg).train()
-    return peak_rss_gb()
+        history = Trainer(cfg).train()
+    return peak_rss_gb(), min(r["step_time_s"] for r in history[1:])
 
 
 def _bench_collectives(sizes, iters: int) -> dict:
@@ -282,9 +300,10 @@ def _bench_collectives(sizes, iters: int) -> dict:
     import torch
     import torch.distributed as dist
     rank, world = dist.get_rank(), dist.get_world_size()
-    baseline_gb = _framework_baseline_gb(world)
+    baseline_gb, overhead_s = _framework_baseline(world)
     device = torch.device("cpu")
-    out = {"world": world, "baseline_gb": baseline_gb, "all_reduce": [], "p2p": []}
+    out = {"world": world, "baseline_gb": baseline_gb, "overhead_s": overhead_s,
+           "all_reduce": [], "p2p": []}
     for n in sizes:
         buf = torch.ones(n)
         dist.barrier()
@@ -324,7 +343,7 @@ def measure_collectives(ranks: int, threads: int, iters: int) -> dict:
     ring = [(2 * (n - 1) / n * nbytes, sec) for nbytes, sec in result["all_reduce"]]
     ar_slope, ar_intercept = fit_latency_bandwidth(ring)
     p2p_slope, p2p_intercept = fit_latency_bandwidth(result["p2p"])
-    return {"ranks": n, "baseline_gb": result["baseline_gb"],
+    return {"ranks": n, "baseline_gb": result["baseline_gb"], "overhead_s": result["overhead_s"],
             "all_reduce": {"bandwidth_GBps": 1e-9 / ar_slope,
                            "latency_us": ar_intercept / (2 * (n - 1)) * 1e6,
                            "samples": [list(p) for p in result["all_reduce"]]},
@@ -380,7 +399,8 @@ def build_profile(model_cfg, *, name: str, micro_batches: list[int], tensors: li
         log(f"  all-reduce {comms['all_reduce']['bandwidth_GBps']:.2f} GB/s bus, "
             f"p2p {comms['p2p']['bandwidth_GBps']:.2f} GB/s, {comms['p2p']['latency_us']:.0f} us")
     measured = {"threads": threads, "device": str(device), "torch": str(torch.__version__),
-                "host": platform.node(), "layers": layers, "heads": heads}
+                "host": platform.node(), "optimizer_s_per_param": dev["optimizer_s_per_param"],
+                "layers": layers, "heads": heads}
     if comms:
         measured.update(all_reduce=comms["all_reduce"], p2p={
             k: comms["p2p"][k] for k in ("bandwidth_GBps", "latency_us", "samples")})
@@ -391,7 +411,8 @@ def _assemble(name, device, precision, dev, comms, measured, ranks_per_node, bas
     """Measured numbers on top of a base profile (GPU) or on their own (CPU)."""
     peak_tflops = {precision: dev["peak_flops"] / 1e12}
     efficiency = Efficiency(gemm_max=1.0, gemm_half_dim=float(dev["half_dim"]), attention=1.0,
-                            kernel_launch_us=dev["launch_s"] * 1e6, memory=1.0, collective=1.0)
+                            kernel_launch_us=dev["launch_s"] * 1e6, memory=1.0, collective=1.0,
+                            host_overhead_s=comms["overhead_s"] if comms else 0.0)
     if base:
         profile = load_hardware(base)
         profile.name, profile.source = name, f"measured over {base}"
@@ -429,7 +450,12 @@ def main(args) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_hardware(profile, out)
+    save_hardware(profile, out, header=(
+        f"Written by `ptdp profile` ({args.threads} thread(s) per rank) for {cfg.model.arch} "
+        f"l={cfg.model.num_layers} h={cfg.model.hidden_size} a={cfg.model.num_heads} "
+        f"f={cfg.model.ffn_hidden_size} s={cfg.model.seq_length} V={cfg.model.vocab_size}.\n"
+        "measured.layers/heads hold per-shard times for that model's shape; the efficiency\n"
+        "block (GEMM rate, launch cost, memory bandwidth) serves every other shape."))
     print(f"wrote {out}")
     return 0
 
