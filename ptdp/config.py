@@ -335,6 +335,9 @@ def validate(cfg: Config, world_size: int) -> None:
              f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline * "
              f"parallel.chunks = {p} * {v} = {p * v}")
     _choice(cfg.schedule.name, SCHEDULES, "schedule.name")
+    _require(cfg.schedule.name in FLUSHING_SCHEDULES,
+             f"schedule.name={cfg.schedule.name} is not runnable by the trainer yet (the planner "
+             f"models it); use one of {', '.join(FLUSHING_SCHEDULES)}")
     if v > 1:
         _require(cfg.schedule.name == "interleaved",
                  f"parallel.chunks={v} needs schedule.name=interleaved (got {cfg.schedule.name})")

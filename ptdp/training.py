@@ -34,6 +34,7 @@ from ptdp.pipeline.executor import PipelineExecutor, StageLayout
 from ptdp.pipeline.p2p import P2P
 from ptdp.pipeline.schedules import FORWARD, build_schedule, rank_stages
 from ptdp.runtime import init_distributed
+from ptdp.trace import TraceRecorder
 from ptdp.sharding import gather_full_state
 
 
@@ -151,8 +152,8 @@ class Trainer:
         self.weights.masters_to_model()
         return False
 
-    def train_step(self, iteration: int) -> StepResult:
-        step = self.forward_backward(iteration)
+    def train_step(self, iteration: int, record_trace: bool = False) -> StepResult:
+        step = self.forward_backward(iteration, record_trace)
         step.grad_norm = self.reduce_gradients()
         step.skipped = self.optimizer_step(iteration, step.grad_norm)
         return step
@@ -193,11 +194,13 @@ class Trainer:
         log.print(startup_report(cfg, self.grid, self.local_parameter_count(),
                                  self.total_parameter_count()))
         peak = peak_tflops(cfg, self.device)
+        tracer = TraceRecorder(cfg.log.trace_file, self.grid.rank, self.grid.coords)
         history = []
         try:
             for it in range(self.iteration, cfg.train.iters):
                 start = time.perf_counter()
-                step = self.train_step(it)
+                step = self.train_step(it, record_trace=tracer.wants(it + 1))
+                tracer.add(it + 1, step.trace)
                 record = self._record(it, step, time.perf_counter() - start, peak)
                 self.iteration = it + 1
                 if cfg.train.eval_interval and self.iteration % cfg.train.eval_interval == 0:
@@ -206,6 +209,7 @@ class Trainer:
                 log.log(record)
                 if self._checkpoint_due():
                     self.save_checkpoint()
+            tracer.write()
         finally:
             log.close()
         return history

@@ -27,6 +27,7 @@ def load(*overrides, world=1):
     (["train.lr=fast"], 1, "train.lr: expected a number, got 'fast'"),
     (["parallel.scatter_gather=maybe"], 1, "parallel.scatter_gather: expected true or false"),
     (["schedule.name=1f1f"], 1, "schedule.name: '1f1f' is not one of"),
+    (["schedule.name=2bw"], 1, "schedule.name=2bw is not runnable by the trainer yet"),
     (["parallel.pipeline=2", "parallel.chunks=2", "schedule.name=1f1b", "model.num_layers=4"], 2,
      "parallel.chunks=2 needs schedule.name=interleaved"),
     (["parallel.pipeline=4", "parallel.chunks=2", "schedule.name=interleaved", "model.num_layers=8",

@@ -50,7 +50,8 @@ def run_jobs(metrics_dir: str) -> dict:
 
     path = f"{metrics_dir}/metrics.jsonl"
     logged = trainer("parallel.pipeline=2", "parallel.tensor=2", "model.arch=bert", "train.iters=4",
-                     "train.eval_interval=2", "train.eval_iters=1", f"log.metrics_file={path}")
+                     "train.eval_interval=2", "train.eval_iters=1", f"log.metrics_file={path}",
+                     f"log.trace_file={metrics_dir}/trace.json")
     out["history"] = logged.train()
     return out
 
@@ -110,3 +111,15 @@ def test_recomputation_replays_dropout_exactly(jobs, mode):
     assert loss == ref_loss
     for name, ref in ref_grads.items():
         assert relative_error(grads[name], ref) < 1e-6, name
+
+
+def test_trace_file_has_every_rank_and_action(jobs, metrics_dir):
+    """Iterations 2-4 of a (p, t) = (2, 2) BERT run with m = 4: each rank runs 4 F and 4 B."""
+    events = json.loads((metrics_dir / "trace.json").read_text())["traceEvents"]
+    actions = [e for e in events if e["ph"] == "X"]
+    assert sorted({e["pid"] for e in actions}) == [0, 1, 2, 3]
+    for rank in range(4):
+        mine = [e for e in actions if e["pid"] == rank]
+        assert len(mine) == 3 * 8, rank
+        assert {e["args"]["iteration"] for e in mine} == {2, 3, 4}
+        assert all(e["dur"] > 0 for e in mine)
