@@ -131,6 +131,9 @@ def run_plan(args) -> int:
         return _plan(args)
     except (PlanError, ConfigError) as err:
         return _fail("plan", err)
+    except BrokenPipeError:        # `ptdp plan ... | head`
+        sys.stderr.close()
+        return 0
 
 
 def _plan(args) -> int:

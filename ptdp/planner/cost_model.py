@@ -42,6 +42,10 @@ Memory (memory.py): weights, fp32 gradients and Adam state (18 B/param mixed pre
   A layout fits when that is at most (1 - memory_headroom) of the device memory: the
   headroom (5% on GPUs) absorbs allocator fragmentation.
 
+Optimizer and host: clipping + Adam are memory-bound (~38 bytes of traffic per parameter, or
+  the profile's measured seconds per parameter); `host_overhead_s` (measured by the profiler
+  as a negligible model's step time) is added per iteration.
+
 CPU profiles: when more ranks (x threads) share a node than it has cores (`compute_units`),
   compute, recomputation and the optimizer slow down by that oversubscription factor.
 

@@ -461,6 +461,10 @@ def main(args) -> int:
 
 
 def _profile_from_args(cfg, args, out: Path) -> HardwareProfile:
+    for t in _ints(args.tensor, "--tensor"):   # before any slow import
+        if cfg.model.num_heads % t or cfg.model.ffn_hidden_size % t:
+            raise PlanError(f"--tensor {t}: model.num_heads ({cfg.model.num_heads}) and "
+                            f"ffn_hidden_size ({cfg.model.ffn_hidden_size}) must divide by it")
     return build_profile(
         cfg.model, name=args.name or out.stem, micro_batches=_ints(args.micro_batches, "--micro-batches"),
         tensors=_ints(args.tensor, "--tensor"), ranks=args.ranks, ranks_per_node=args.ranks_per_node,
