@@ -19,6 +19,13 @@ from ptdp.planner.formulas import model_flops_per_iteration, parameter_count
 def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    # VmHWM is this process's own peak; ru_maxrss can carry the launcher's peak across fork.
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
