@@ -84,6 +84,18 @@ def _cross_entropy(tp):
             "padding_grad_zero": bool((local.grad[..., max(0, vocab - tp.rank * 8):] == 0).all())}
 
 
+def _gather_and_scatter_modes(tp):
+    """Column with gather_output and Row with a replicated input both equal a dense linear."""
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(4))
+    col = ColumnParallelLinear(6, 8, tp, seed=5, key="g", std=0.5, gather_output=True)
+    row = RowParallelLinear(6, 4, tp, seed=5, key="s", std=0.5, input_is_parallel=False)
+    torch.nn.init.constant_(row.bias, 0.25)
+    dense_col = F.linear(x, full_normal((8, 6), 0.5, 5, "g.weight"))
+    dense_row = F.linear(x, full_normal((4, 6), 0.5, 5, "s.weight")) + 0.25
+    return {"gather_output": torch.allclose(col(x), dense_col, atol=1e-6),
+            "input_is_parallel=False": torch.allclose(row(x), dense_row, atol=1e-6)}
+
+
 def _embedding(tp):
     emb = VocabParallelEmbedding(10, 16, 4, tp, seed=2, key="e", std=1.0)
     ids = torch.tensor([[0, 7, 9], [3, 8, 1]])
@@ -113,7 +125,8 @@ def run_checks():
     torch.set_default_dtype(torch.float32)
     tp = _tp()
     return {"gradcheck_mlp": _gradcheck_mlp(tp), "mlp": _mlp_matches_dense(tp),
-            "ce": _cross_entropy(tp), "embedding": _embedding(tp), "dropout": _dropout_streams(tp)}
+            "ce": _cross_entropy(tp), "modes": _gather_and_scatter_modes(tp),
+            "embedding": _embedding(tp), "dropout": _dropout_streams(tp)}
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +146,11 @@ def test_parallel_mlp_equals_dense(results, what):
 @pytest.mark.parametrize("what", ["loss", "grad", "padding_grad_zero"])
 def test_vocab_parallel_cross_entropy(results, what):
     assert all(r["ce"][what] for r in results), what
+
+
+@pytest.mark.parametrize("mode", ["gather_output", "input_is_parallel=False"])
+def test_linear_modes_equal_dense(results, mode):
+    assert all(r["modes"][mode] for r in results), mode
 
 
 def test_vocab_parallel_embedding_equals_lookup(results):
