@@ -20,7 +20,9 @@ COMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ptdp", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="ptdp", description="Train GPT and BERT models with pipeline, tensor and data "
+                                 "parallelism (PTD-P), and plan their layout.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
