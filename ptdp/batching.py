@@ -13,10 +13,9 @@ import torch
 
 
 def micro_batch_indices(iteration: int, micro_batch: int, *, global_batch: int,
-                        micro_batch_size: int, data_rank: int, data_size: int,
-                        offset: int = 0) -> range:
+                        micro_batch_size: int, data_rank: int, data_size: int) -> range:
     per_rank = global_batch // data_size
-    start = offset + iteration * global_batch + data_rank * per_rank + micro_batch * micro_batch_size
+    start = iteration * global_batch + data_rank * per_rank + micro_batch * micro_batch_size
     return range(start, start + micro_batch_size)
 
 

@@ -261,20 +261,22 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
+def read_yaml(path: str | os.PathLike) -> dict:
+    """The YAML file's contents ({} if empty); ConfigError naming the file otherwise."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        return yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from err
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] = (),
                 world_size: int | None = None) -> Config:
     """Load YAML, apply overrides and validate. `world_size` defaults to $WORLD_SIZE or 1."""
-    raw: dict = {}
-    source = "overrides"
-    if path is not None:
-        source = str(path)
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    raw = read_yaml(path) if path is not None else {}
+    source = str(path) if path is not None else "overrides"
     raw = _merge(raw, parse_overrides(list(overrides)))
     cfg = config_from_dict(raw, source)
     if world_size is None:

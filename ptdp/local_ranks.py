@@ -77,7 +77,7 @@ def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, threads: 
                 rank, status, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out]
-                if dead and all(not procs[r].is_alive() for r in dead):
+                if dead:
                     time.sleep(0.5)  # let a final message arrive before declaring death
                     if results.empty():
                         raise RankFailure(f"rank {dead[0]} exited with code "

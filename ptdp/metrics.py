@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+from pathlib import Path
 
 import torch
 import yaml
@@ -130,3 +131,8 @@ class MetricsLog:
         for handle in (self.file, self.tensorboard, self.progress):
             if handle:
                 handle.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics file (one JSON object per line), in order."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

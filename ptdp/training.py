@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import json
 
 import torch
 import torch.distributed as dist
@@ -262,6 +260,3 @@ class Trainer:
             dist.all_reduce(total, group=self.grid.model_group)
         return int(total.item())
 
-
-def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

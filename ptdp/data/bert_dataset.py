@@ -60,7 +60,7 @@ def _truncate_pair(a: np.ndarray, b: np.ndarray, max_tokens: int, rng) -> tuple[
     """Trim the longer segment first until both fit; each cut splits randomly front/back."""
     if a.size + b.size <= max_tokens:
         return a, b
-    short, long_ = sorted((a.size, b.size))
+    short = min(a.size, b.size)
     if 2 * short <= max_tokens:
         keep_short, keep_long = short, max_tokens - short
     else:

@@ -103,7 +103,7 @@ class IndexedDatasetWriter:
     def __enter__(self):
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type, *_):
         if exc_type is None:
             self.finish()
         else:

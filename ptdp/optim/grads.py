@@ -39,7 +39,7 @@ class _Bucket:
         offset = 0
         for p in self.params:
             n = p.numel()
-            set_grad(p, self.flat[offset: offset + n].view(p.shape).clone())
+            set_grad(p, self.flat[offset: offset + n].view(p.shape))  # views keep flat alive
             offset += n
         self.work = self.flat = None
         self.ready = 0

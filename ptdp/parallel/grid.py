@@ -94,23 +94,7 @@ class RankGrid:
     def pp_rank(self) -> int:
         return self.coords.pipeline
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.p - 1
-
-    def pipeline_peer(self, pp_rank: int) -> int:
-        """World rank of the rank at pipeline position `pp_rank` with my (d, t) coordinates."""
-        return self.pipeline_ranks[pp_rank]
-
     def describe(self) -> str:
         return (f"rank {self.rank} {self.coords}: tensor group {self.tensor_ranks}, "
                 f"data group {self.data_ranks}, pipeline group {self.pipeline_ranks}")
 
-
-def group_size(group) -> int:
-    """Size of a process group; 1 for None (the single-process grid)."""
-    return 1 if group is None else dist.get_world_size(group)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from ptdp.config import ConfigError, config_from_dict, validate_model
+from ptdp.config import ConfigError, config_from_dict, read_yaml, validate_model
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.cost_model import SCHEDULES, Workload
 from ptdp.planner.errors import PlanError
@@ -82,21 +82,11 @@ def _fail(command: str, err: Exception) -> int:
 
 def load_model_yaml(path: str) -> tuple[dict, object]:
     """(raw YAML dict, Config) for a file that may hold only a model: section."""
-    p = Path(path)
-    if not p.is_file():
-        raise PlanError(f"model file not found: {path}")
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise PlanError(f"{path}: not valid YAML: {err}") from err
+    raw = read_yaml(path)
     cfg = config_from_dict(raw, str(path))
-    model_raw = raw.get("model") or {}
-    if model_raw.get("ffn_hidden_size") is None:
-        # ptdp.config fills the default 4h from the *default* hidden size before the YAML's
-        # hidden_size is applied; state the intended default explicitly.
-        cfg.model.ffn_hidden_size = 4 * cfg.model.hidden_size
-        raw = {**raw, "model": {**model_raw, "ffn_hidden_size": cfg.model.ffn_hidden_size}}
     validate_model(cfg.model)
+    # Written configs state the derived default (4h) so they read the same everywhere.
+    raw = {**raw, "model": {**(raw.get("model") or {}), "ffn_hidden_size": cfg.model.ffn_hidden_size}}
     return raw, cfg
 
 

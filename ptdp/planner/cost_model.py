@@ -57,7 +57,7 @@ Reporting: model TFLOP/s per GPU is Eq. 4.2's F / (step * n), counted as the tra
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from ptdp.config import padded_vocab_size
 from ptdp.planner import comm
@@ -245,7 +245,3 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
                       mfu=tflops * 1e12 / hw.peak_flops(work.precision),
                       memory_gb_per_gpu=mem.total / GB, bubble_fraction=bubble,
                       fits=mem.total <= hw.usable_memory_bytes, time=time, memory=mem.as_gb())
-
-
-def layout_dict(lay: Layout) -> dict:
-    return asdict(lay)
