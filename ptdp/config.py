@@ -86,6 +86,7 @@ class TrainConfig:
     clip_grad: float = 1.0               # 0 disables clipping
     grad_bucket_mb: float = 25.0         # data-parallel all-reduce bucket size
     initial_loss_scale: float = 2.0 ** 16
+    fp16_max_skips: int = 10             # stop after this many overflows in a row at scale 1
     eval_interval: int = 0               # 0 disables validation
     eval_iters: int = 2
     device: str = "auto"                 # auto | cpu | cuda
@@ -364,6 +365,7 @@ def validate(cfg: Config, world_size: int) -> None:
              f"train.recompute_num_layers must be >= 1, got {tr.recompute_num_layers}")
     _require(tr.iters >= 0, f"train.iters must be >= 0, got {tr.iters}")
     _require(tr.timeout_s > 0, f"train.timeout_s must be positive, got {tr.timeout_s}")
+    _require(tr.fp16_max_skips >= 1, f"train.fp16_max_skips must be >= 1, got {tr.fp16_max_skips}")
     if par.scatter_gather:
         _require(p > 1, "parallel.scatter_gather=true only applies with parallel.pipeline > 1")
     _choice(cfg.data.source, ("synthetic", "indexed"), "data.source")

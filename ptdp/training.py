@@ -9,9 +9,9 @@ coordinates; nothing is global.
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass, field
-
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,21 +28,37 @@ from ptdp.optim.lr import learning_rate
 from ptdp.optim.mixed_precision import PRECISIONS, MasterWeights
 from ptdp.optim.optimizer import build_optimizer
 from ptdp.parallel.tensor import TensorParallel, TensorParallelRNG, seed_everything
-from ptdp.pipeline.executor import PipelineExecutor, StageLayout
+from ptdp.pipeline.comm_plan import check_plans, plan_exchanges
+from ptdp.pipeline.executor import PipelineExecutor
 from ptdp.pipeline.p2p import P2P
-from ptdp.pipeline.schedules import FORWARD, build_schedule, rank_stages
+from ptdp.pipeline.schedules import FORWARD, build_all, rank_stages
 from ptdp.runtime import init_distributed
-from ptdp.trace import TraceRecorder
+from ptdp.trace import NO_SPANS, TraceRecorder
 from ptdp.sharding import gather_full_state
 
 
 @dataclass
 class StepResult:
-    loss: float
+    """One iteration's statistics. `forward_backward` and `reduce_gradients` leave them as
+    device tensors (no host sync inside the step); `resolve()` reads them all at once."""
+
+    loss: torch.Tensor | float
     aux: dict
-    grad_norm: float = float("nan")
+    grad_norm: torch.Tensor | float = float("nan")
     skipped: bool = False
-    trace: list = field(default_factory=list)   # (action, start, end) when recorded
+
+    def resolve(self) -> "StepResult":
+        """Floats instead of tensors, with a single device-to-host copy."""
+        names = list(self.aux)
+        values = torch.stack([torch.as_tensor(x, dtype=torch.float64, device=self.loss.device)
+                              for x in [self.loss, self.grad_norm, *self.aux.values()]]).tolist()
+        self.loss, self.grad_norm = values[0], values[1]
+        self.aux = dict(zip(names, values[2:]))
+        return self
+
+
+class DivergenceError(RuntimeError):
+    """Training produced a non-finite loss or gradient; the message says where."""
 
 
 def build_datasets(cfg: Config) -> dict:
@@ -93,16 +109,25 @@ class Trainer:
 
     def _build_pipeline(self) -> None:
         cfg, grid, par, tr = self.cfg, self.grid, self.cfg.parallel, self.cfg.train
-        self.p2p = P2P(tensor_group=grid.tensor_group, tp_rank=grid.tp_rank, tp_size=grid.t,
+        self.p2p = P2P(grid.pipeline_ranks, group=grid.pipeline_group,
+                       tensor_group=grid.tensor_group, tp_rank=grid.tp_rank, tp_size=grid.t,
                        scatter_gather=par.scatter_gather)
+        activation_shape = (cfg.model.seq_length, tr.micro_batch_size, cfg.model.hidden_size)
         self.executor = PipelineExecutor(
-            self.chunks, StageLayout(par.pipeline, par.chunks, grid.pipeline_ranks), self.p2p,
-            activation_shape=(cfg.model.seq_length, tr.micro_batch_size, cfg.model.hidden_size),
+            self.chunks, par.pipeline * par.chunks, self.p2p, activation_shape=activation_shape,
             activation_dtype=self.dtype, device=self.device)
-        self.actions = build_schedule(cfg.schedule.name, par.pipeline, par.chunks, self.m,
-                                      grid.pp_rank)
-        gpipe = build_schedule("gpipe", par.pipeline, par.chunks, self.m, grid.pp_rank)
-        self.forward_actions = [a for a in gpipe if a.kind == FORWARD]
+        schedule = build_all(cfg.schedule.name, par.pipeline, par.chunks, self.m)
+        forwards = [[a for a in row if a.kind == FORWARD]
+                    for row in build_all("gpipe", par.pipeline, par.chunks, self.m)]
+        self.steps, self.eval_steps = (self._plan(lists, activation_shape)
+                                       for lists in (schedule, forwards))
+
+    def _plan(self, schedule, activation_shape) -> list:
+        """This rank's steps, after checking every rank's exchanges under NCCL's rules."""
+        par, wire = self.cfg.parallel, self.p2p.wire_shape(activation_shape)
+        plans = plan_exchanges(schedule, par.pipeline, par.chunks, lambda message: wire)
+        check_plans(plans)
+        return plans[self.grid.pp_rank]
 
     def _build_data(self) -> None:
         tr, grid = self.cfg.train, self.grid
@@ -113,48 +138,80 @@ class Trainer:
                         for split, ds in build_datasets(self.cfg).items() if len(ds) > 0}
 
     # One iteration, in three steps the tests can call separately ---------------------------
-    def forward_backward(self, iteration: int, record_trace: bool = False) -> StepResult:
-        """Every micro-batch's forward and backward; `record_trace` keeps per-action times."""
+    def forward_backward(self, iteration: int, spans=NO_SPANS) -> StepResult:
+        """Every micro-batch's forward and backward; `spans` records their times."""
         self.weights.zero_grads()
         for chunk in self.chunks.values():
             chunk.train()
         self.dp_grads.start_iteration()
         batches = self.batches["train"]
         result = self.executor.run(
-            self.actions, lambda mb: batches.get(iteration, mb),
-            loss_scale=self.loss_scaler.scale / (self.m * self.grid.d), record_trace=record_trace)
+            self.steps, lambda mb: batches.get(iteration, mb),
+            loss_scale=self.loss_scaler.scale / (self.m * self.grid.d), spans=spans)
         loss, aux = self._average_loss(result.losses, result.aux)
-        return StepResult(loss, aux, trace=result.trace)
+        return StepResult(loss, aux)
 
-    def reduce_gradients(self) -> float:
-        """Data-parallel and tied-embedding sums, loss-scale removal; returns the global norm."""
-        self.dp_grads.finish()
-        self.weights.grads_to_masters()
-        sync_shared_embeddings(self.master_params, self.grid.embedding_group,
-                               len(self.grid.embedding_ranks))
-        if self.loss_scaler.scale != 1.0:
-            for master in self.master_params:
-                if master.grad is not None:
-                    master.grad.div_(self.loss_scaler.scale)
-        return global_grad_norm(self.master_params, self.grid.model_group, self.grid.tp_rank)
+    def reduce_gradients(self, spans=NO_SPANS) -> torch.Tensor:
+        """Data-parallel and tied-embedding sums, loss-scale removal; returns the global norm
+        (a device tensor: nothing here waits for the device)."""
+        with spans("data-parallel reduce", "reduce"):
+            self.dp_grads.finish()
+            self.weights.grads_to_masters()
+        with spans("embedding reduce + norm", "reduce"):
+            sync_shared_embeddings(self.master_params, self.grid.embedding_group,
+                                   len(self.grid.embedding_ranks))
+            grads = [m.grad for m in self.master_params if m.grad is not None]
+            if self.loss_scaler.scale != 1.0 and grads:
+                torch._foreach_div_(grads, self.loss_scaler.scale)
+            return global_grad_norm(self.master_params, self.grid.model_group, self.grid.tp_rank)
 
-    def optimizer_step(self, iteration: int, grad_norm: float) -> bool:
-        """Clip and step; returns True if the step was skipped (fp16 overflow)."""
-        if self.loss_scaler.update(grad_norm):
+    def optimizer_step(self, iteration: int, grad_norm: torch.Tensor, spans=NO_SPANS) -> bool:
+        """Clip and step; returns True if the step was skipped (fp16 overflow).
+
+        Only fp16 reads the norm on the host (to decide the skip); otherwise clipping uses it
+        on the device and a non-finite norm is caught once per iteration by `train_step`.
+        """
+        if self.loss_scaler.dynamic and self.loss_scaler.update(float(grad_norm)):
             return True
-        clip_gradients(self.master_params, self.cfg.train.clip_grad, grad_norm)
-        lr = learning_rate(iteration, self.cfg.train)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.weights.masters_to_model()
+        with spans("optimizer step", "optimizer"):
+            clip_gradients(self.master_params, self.cfg.train.clip_grad, grad_norm)
+            lr = learning_rate(iteration, self.cfg.train)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.weights.masters_to_model()
         return False
 
-    def train_step(self, iteration: int, record_trace: bool = False) -> StepResult:
-        step = self.forward_backward(iteration, record_trace)
-        step.grad_norm = self.reduce_gradients()
-        step.skipped = self.optimizer_step(iteration, step.grad_norm)
+    def train_step(self, iteration: int, spans=NO_SPANS) -> StepResult:
+        """One iteration; reads its statistics from the device once, at the end."""
+        step = self.forward_backward(iteration, spans)
+        step.grad_norm = self.reduce_gradients(spans)
+        step.skipped = self.optimizer_step(iteration, step.grad_norm, spans)
+        step.resolve()
+        self._check_finite(iteration, step)
         return step
+
+    def _check_finite(self, iteration: int, step: StepResult) -> None:
+        """Stop on a non-finite loss or gradient (fp32/bf16), or when fp16 keeps overflowing
+        at the smallest loss scale: never train on, never checkpoint, diverged weights."""
+        if self.loss_scaler.dynamic:
+            if not self.loss_scaler.given_up(self.cfg.train.fp16_max_skips):
+                return
+            what = (f"fp16 overflowed on {self.loss_scaler.skips_at_min_scale} consecutive steps "
+                    f"at the minimum loss scale {self.loss_scaler.min_scale:g}")
+        elif math.isfinite(step.loss) and math.isfinite(step.grad_norm):
+            return
+        else:
+            what = f"loss {step.loss}, gradient norm {step.grad_norm}"
+        # Every rank saw the same reduced loss and norm, so all of them get here together.
+        first = next((name for (name, _), master in zip(self.named_parameters(), self.master_params)
+                      if master.grad is not None and not torch.isfinite(master.grad).all()), None)
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, (first, str(self.grid.coords)))
+        where = next((f"first non-finite gradient: {name} on rank {rank} {coords}"
+                      for rank, (name, coords) in enumerate(found) if name), "")
+        raise DivergenceError(f"iteration {iteration + 1}: {what}" + (f"; {where}" if where else "")
+                              + "; stopping (no checkpoint written). Lower train.lr or check the data.")
 
     @torch.no_grad()
     def evaluate(self, round_index: int) -> float:
@@ -163,27 +220,28 @@ class Trainer:
             return float("nan")
         for chunk in self.chunks.values():
             chunk.eval()
-        batches, total = self.batches["valid"], 0.0
+        batches = self.batches["valid"]
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for k in range(self.cfg.train.eval_iters):
             it = round_index * self.cfg.train.eval_iters + k
-            result = self.executor.run(self.forward_actions, lambda mb: batches.get(it, mb),
+            result = self.executor.run(self.eval_steps, lambda mb: batches.get(it, mb),
                                        loss_scale=1.0, forward_only=True)
             total += self._average_loss(result.losses, result.aux)[0]
-        return total / self.cfg.train.eval_iters
+        return total.item() / self.cfg.train.eval_iters
 
-    def _average_loss(self, losses, aux) -> tuple[float, dict]:
-        """Mean over micro-batches and data ranks, known on every rank afterwards."""
+    def _average_loss(self, losses, aux) -> tuple[torch.Tensor, dict]:
+        """Mean over micro-batches and data ranks, known on every rank afterwards (on device)."""
         names = ["lm_loss", "sop_loss"] if self.cfg.model.arch == "bert" else ["lm_loss"]
         values = torch.zeros(1 + len(names), dtype=torch.float64, device=self.device)
-        for loss, extra in zip(losses, aux):
-            values[0] += loss.double()
-            for i, name in enumerate(names):
-                values[1 + i] += extra[name].double()
+        if losses:
+            stacked = torch.stack([torch.stack([loss, *(extra[n] for n in names)]).double()
+                                   for loss, extra in zip(losses, aux)])
+            values += stacked.sum(0)
         for group, size in ((self.grid.pipeline_group, self.grid.p), (self.grid.data_group, self.grid.d)):
             if size > 1:  # only the last stage holds losses; the others add zeros
                 dist.all_reduce(values, group=group)
         values /= self.m * self.grid.d
-        return values[0].item(), {n: values[1 + i].item() for i, n in enumerate(names)}
+        return values[0], {n: values[1 + i] for i, n in enumerate(names)}
 
     # The loop ----------------------------------------------------------------------------------
     def train(self) -> list[dict]:
@@ -192,13 +250,15 @@ class Trainer:
         log.print(startup_report(cfg, self.grid, self.local_parameter_count(),
                                  self.total_parameter_count()))
         peak = peak_tflops(cfg, self.device)
-        tracer = TraceRecorder(cfg.log.trace_file, self.grid.rank, self.grid.coords)
+        tracer = TraceRecorder(cfg.log.trace_file, self.grid.rank, self.grid.coords,
+                               self.device, first_iteration=self.iteration + 1)
         history = []
         try:
             for it in range(self.iteration, cfg.train.iters):
                 start = time.perf_counter()
-                step = self.train_step(it, record_trace=tracer.wants(it + 1))
-                tracer.add(it + 1, step.trace)
+                spans = tracer.spans_for(it + 1)
+                step = self.train_step(it, spans)
+                tracer.add(it + 1, spans)
                 record = self._record(it, step, time.perf_counter() - start, peak)
                 self.iteration = it + 1
                 if cfg.train.eval_interval and self.iteration % cfg.train.eval_interval == 0:

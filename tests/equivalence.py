@@ -31,31 +31,43 @@ TINY = ["model.num_layers=8", "model.hidden_size=32", "model.num_heads=4",
         "train.adam_eps=1e-3"]
 
 
-def train_and_collect(runs: list[list[str]], iters: int = 3) -> list[dict] | None:
-    """Runs on every rank; for each override list: losses, first-step grads, final weights."""
+def train_and_collect(runs: list[list[str]], iters: int = 3,
+                      nccl_rules: bool = False) -> list[dict] | None:
+    """Runs on every rank; for each override list: losses, first-step grads, final weights.
+
+    `nccl_rules` swaps in the transport that imposes NCCL's point-to-point rules on gloo.
+    """
     from ptdp.config import load_config
     from ptdp.training import Trainer
+    from tests.pipeline.nccl_rules import InOrderTransport
 
     collected = []
     for overrides in runs:
         cfg = load_config(None, TINY + overrides, world_size=dist.get_world_size())
         trainer = Trainer(cfg)
+        if nccl_rules:
+            trainer.p2p.transport = InOrderTransport(trainer.grid.pipeline_group)
         first = trainer.forward_backward(0)
         norm = trainer.reduce_gradients()
         grads = trainer.full_state(grads=True)
         trainer.optimizer_step(0, norm)
+        first.grad_norm = norm
+        norm = first.resolve().grad_norm
         losses = [first.loss] + [trainer.train_step(it).loss for it in range(1, iters)]
         weights = trainer.full_state()
         collected.append({"losses": losses, "grad_norm": norm, "grads": grads, "weights": weights,
                           "aux": first.aux, "bytes_sent": trainer.p2p.bytes_sent,
                           "shards": {n: tuple(p.shape) for n, p in trainer.named_parameters()},
-                          "coords": trainer.grid.coords})
+                          "coords": trainer.grid.coords,
+                          "batches": getattr(trainer.p2p.transport, "batches", None)})
     return collected
 
 
-def run_layouts(world_size: int, runs: list[list[str]], timeout_s: float = 240.0) -> list[list[dict]]:
+def run_layouts(world_size: int, runs: list[list[str]], timeout_s: float = 240.0,
+                nccl_rules: bool = False) -> list[list[dict]]:
     """[per run][per rank] results of `train_and_collect`."""
-    per_rank = run_on_ranks(world_size, train_and_collect, runs, timeout_s=timeout_s)
+    per_rank = run_on_ranks(world_size, train_and_collect, runs, 3, nccl_rules,
+                            timeout_s=timeout_s)
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(runs))]
 
 

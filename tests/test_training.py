@@ -1,6 +1,7 @@
 """The training loop as a user sees it: mixed precision, fp16 overflow handling, metrics."""
 
 import json
+from collections import Counter
 
 import pytest
 import torch.distributed as dist
@@ -115,12 +116,18 @@ def test_recomputation_replays_dropout_exactly(jobs, mode):
 
 
 def test_trace_file_has_every_rank_and_action(jobs, metrics_dir):
-    """Iterations 2-4 of a (p, t) = (2, 2) BERT run with m = 4: each rank runs 4 F and 4 B."""
+    """Iterations 2-4 of a (p, t) = (2, 2) BERT run with m = 4: per iteration each rank runs
+    4 F and 4 B, waits for 4 received tensors (activations on stage 1, gradients on stage 0),
+    reduces twice (data-parallel, then embedding + norm) and steps the optimizer once."""
     events = json.loads((metrics_dir / "trace.json").read_text())["traceEvents"]
     actions = [e for e in events if e["ph"] == "X"]
     assert sorted({e["pid"] for e in actions}) == [0, 1, 2, 3]
     for rank in range(4):
         mine = [e for e in actions if e["pid"] == rank]
-        assert len(mine) == 3 * 8, rank
+        counts = Counter(e["cat"] for e in mine)
+        assert counts == {"forward": 12, "backward": 12, "wait": 12, "reduce": 6,
+                          "optimizer": 3}, rank
+        waited = "grad" if rank < 2 else "act"
+        assert all(e["name"].startswith(f"wait {waited}") for e in mine if e["cat"] == "wait")
         assert {e["args"]["iteration"] for e in mine} == {2, 3, 4}
         assert all(e["dur"] > 0 for e in mine)

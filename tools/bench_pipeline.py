@@ -162,38 +162,12 @@ def _overrides(s: dict, name: str, v: int) -> list[str]:
             f"train.timeout_s={s['timeout']}", "train.device=cpu"]
 
 
-class _Instrument:
-    """Wraps one Trainer's executor and p2p (instance attributes only) to record the trace
-    (record_trace=True) and the time each receive wait takes, so compute excludes it."""
-
-    def __init__(self, trainer):
-        self.trace, self.waits = [], []
-        run, post_recv = trainer.executor.run, trainer.p2p.post_recv
-
-        def traced_run(*args, **kwargs):
-            kwargs["record_trace"] = True
-            result = run(*args, **kwargs)
-            self.trace = list(result.trace)
-            return result
-
-        def timed_post_recv(*args, **kwargs):
-            pending = post_recv(*args, **kwargs)
-            wait = pending.wait
-
-            def timed_wait():
-                start = time.perf_counter()
-                try:
-                    return wait()
-                finally:
-                    self.waits.append((start, time.perf_counter()))
-            pending.wait = timed_wait
-            return pending
-
-        trainer.executor.run = traced_run
-        trainer.p2p.post_recv = timed_post_recv
-
-    def reset(self):
-        self.trace, self.waits = [], []
+def _trace_and_waits(spans) -> tuple[list, list]:
+    """The executor's spans as (action, start, end) and receive waits as (start, end)."""
+    collected = spans.collect()
+    trace = [(name, a, b) for name, cat, a, b, _ in collected if cat in ("forward", "backward")]
+    waits = [(a, b) for _, cat, a, b, _ in collected if cat == "wait"]
+    return trace, waits
 
 
 class _TorchSide:
@@ -273,6 +247,7 @@ def bench_rank(s: dict) -> list[dict]:
     import torch.distributed as dist
 
     from ptdp.config import load_config
+    from ptdp.trace import Spans
     from ptdp.training import Trainer
 
     torch.set_num_threads(1)
@@ -282,7 +257,6 @@ def bench_rank(s: dict) -> list[dict]:
         v = s["chunks"] if name == "interleaved" else 1
         cfg = load_config(None, _overrides(s, name, v), world_size=world)
         trainer = Trainer(cfg)
-        inst = _Instrument(trainer)
         # Created on every rank in the same order (new_group is collective).
         p = s["p"]
         emb_group = dist.new_group([0, world - 1]) if s["torch"] and p > 1 else None
@@ -299,20 +273,20 @@ def bench_rank(s: dict) -> list[dict]:
         for it in range(total):
             timed = it >= s["warmup"]
             bytes0, msgs0 = trainer.p2p.bytes_sent, trainer.p2p.messages_sent
-            inst.reset()
+            spans = Spans(torch.device("cpu"))
             dist.barrier()
             c0, t0 = time.process_time(), time.perf_counter()
-            step = trainer.forward_backward(it)
+            step = trainer.forward_backward(it, spans)
             t1 = time.perf_counter()
             norm = trainer.reduce_gradients()
             t2 = time.perf_counter()
             trainer.optimizer_step(it, norm)
             t3, c3 = time.perf_counter(), time.process_time()
-            row["ours_loss"].append(step.loss)
+            row["ours_loss"].append(float(step.loss))
             if timed:
+                trace, waits = _trace_and_waits(spans)
                 row["ours"].append({"t0": t0, "t_fb": t1, "t_reduce": t2, "t_end": t3,
-                                    "cpu": c3 - c0,
-                                    "trace": inst.trace, "waits": inst.waits,
+                                    "cpu": c3 - c0, "trace": trace, "waits": waits,
                                     "bytes": trainer.p2p.bytes_sent - bytes0,
                                     "messages": trainer.p2p.messages_sent - msgs0})
             if theirs is not None and error is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -24,9 +25,13 @@ def run(args) -> int:
         print(f"ptdp train: config error: {err}", file=sys.stderr)
         return 2
     from ptdp.runtime import shutdown
-    from ptdp.training import Trainer
+    from ptdp.training import DivergenceError, Trainer
     try:
         Trainer(cfg).train()
+    except DivergenceError as err:  # every rank stops here together; rank 0 says why
+        if os.environ.get("RANK", "0") == "0":
+            print(f"ptdp train: {err}", file=sys.stderr)
+        return 3
     finally:
         shutdown()
     return 0

@@ -11,8 +11,6 @@ gradient of the mean loss over the whole global batch, as a single process compu
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -121,22 +119,27 @@ def counts_in_norm(param: nn.Parameter, tp_rank: int) -> bool:
     return getattr(param, "tp_split_dim", None) is not None or tp_rank == 0
 
 
-def global_grad_norm(params: list[nn.Parameter], model_group, tp_rank: int) -> float:
+def global_grad_norm(params: list[nn.Parameter], model_group, tp_rank: int) -> torch.Tensor:
+    """The gradient norm of the whole model, as a float64 device tensor (no host sync)."""
     device = params[0].device if params else torch.device("cpu")
+    grads = [p.grad.detach() for p in params if p.grad is not None and counts_in_norm(p, tp_rank)]
     total = torch.zeros((), dtype=torch.float64, device=device)  # NCCL needs device tensors
-    for p in params:
-        if p.grad is not None and counts_in_norm(p, tp_rank):
-            total += p.grad.detach().double().pow(2).sum()
+    if grads:
+        total += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
     if model_group is not None and dist.get_world_size(model_group) > 1:
         dist.all_reduce(total, group=model_group)
-    return math.sqrt(total.item())
+    return total.sqrt()
 
 
-def clip_gradients(params: list[nn.Parameter], max_norm: float, norm: float) -> None:
-    """Scale gradients so the global norm is at most `max_norm` (0 disables)."""
-    if max_norm <= 0 or not math.isfinite(norm) or norm <= max_norm:
+def clip_gradients(params: list[nn.Parameter], max_norm: float, norm: torch.Tensor) -> None:
+    """Scale gradients so the global norm is at most `max_norm` (0 disables), on the device.
+
+    A non-finite norm leaves the gradients as they are, so the divergence check can still
+    name the first parameter whose gradient is not finite.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if max_norm <= 0 or not grads:
         return
-    coef = max_norm / (norm + 1e-6)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef)
+    coef = (max_norm / (torch.as_tensor(norm, dtype=torch.float64) + 1e-6)).clamp(max=1.0)
+    coef = torch.where(torch.isfinite(coef), coef, torch.ones_like(coef))
+    torch._foreach_mul_(grads, coef.to(device=grads[0].device, dtype=grads[0].dtype))

@@ -1,140 +1,130 @@
-"""Runs one pipeline rank's action list for one iteration.
+"""Runs one pipeline rank's steps for one iteration.
 
-The schedule (`ptdp.pipeline.schedules`) says *what* to run and in which order; this module
-only knows how to run a forward or a backward of a model chunk, where its input comes from
-and where its output goes. It knows nothing about GPT or BERT: a chunk is any module called as
-`chunk(hidden_or_None, batch)` that returns a hidden tensor, or `(loss, aux)` on the last stage.
+The schedule (`ptdp.pipeline.schedules`) says *what* to run and in which order; the
+communication plan (`ptdp.pipeline.comm_plan`) says which boundary tensors to send and
+receive before each action. This module only knows how to run a forward or a backward of a
+model chunk, where its input comes from and where its output goes. It knows nothing about GPT
+or BERT: a chunk is any module called as `chunk(hidden_or_None, batch)` that returns a hidden
+tensor, or `(loss, aux)` on the last stage.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from ptdp.pipeline.p2p import ACTIVATION, GRADIENT, P2P, message_tag
-from ptdp.pipeline.schedules import BACKWARD, FORWARD, Action, stage_rank
-
-
-@dataclass
-class StageLayout:
-    """Where stages live: p ranks, v chunks each, and the world rank of each pipeline rank."""
-
-    p: int
-    v: int
-    pipeline_ranks: list[int]
-
-    @property
-    def num_stages(self) -> int:
-        return self.p * self.v
-
-    def peer(self, stage: int) -> int:
-        return self.pipeline_ranks[stage_rank(stage, self.p)]
+from ptdp.pipeline.comm_plan import Step, needed_message, produced_message
+from ptdp.pipeline.p2p import P2P
+from ptdp.pipeline.schedules import BACKWARD, FORWARD
+from ptdp.trace import NO_SPANS
 
 
 @dataclass
 class IterationResult:
     losses: list[torch.Tensor] = field(default_factory=list)   # unscaled, last stage only
     aux: list[dict] = field(default_factory=list)
-    trace: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 class PipelineExecutor:
-    """Executes `actions` over `chunks` ({global stage: module}) for one rank.
+    """Executes a rank's steps over `chunks` ({global stage: module}).
 
     `loss_scale` multiplies each micro-batch's loss before backward: 1/(m*d) averages over the
     micro-batches of the whole data-parallel batch (times the fp16 loss scale, if any).
+    `activation_shape` is the [s, b, h] shape of every boundary tensor.
     """
 
-    def __init__(self, chunks: dict[int, nn.Module], layout: StageLayout, p2p: P2P, *,
+    def __init__(self, chunks: dict[int, nn.Module], num_stages: int, p2p: P2P, *,
                  activation_shape: tuple, activation_dtype: torch.dtype, device: torch.device):
-        self.chunks, self.layout, self.p2p = chunks, layout, p2p
+        self.chunks, self.num_stages, self.p2p = chunks, num_stages, p2p
         self.activation_shape, self.dtype, self.device = activation_shape, activation_dtype, device
-        self.last_stage = layout.num_stages - 1
+        self.last_stage = num_stages - 1
 
-    def run(self, actions: list[Action], get_batch: Callable[[int], dict], loss_scale: float,
-            record_trace: bool = False, forward_only: bool = False) -> IterationResult:
-        """Run `actions` in order. `forward_only` (validation): no graph, nothing stashed."""
+    def run(self, steps: list[Step], get_batch: Callable[[int], dict], loss_scale,
+            spans=NO_SPANS, forward_only: bool = False) -> IterationResult:
+        """Run `steps` in order. `forward_only` (validation): no graph, nothing stashed.
+
+        `spans` records each action and each wait for a received tensor (`ptdp.trace`).
+        """
         with torch.no_grad() if forward_only else contextlib.nullcontext():
-            return self._run(actions, get_batch, loss_scale, record_trace, forward_only)
+            return _Iteration(self, get_batch, loss_scale, spans, forward_only).run(steps)
 
-    def _run(self, actions, get_batch, loss_scale, record_trace, forward_only) -> IterationResult:
-        self.forward_only = forward_only
-        result = IterationResult()
-        stash: dict[tuple[int, int], tuple] = {}     # (mb, stage) -> (input, output)
-        batches: dict[int, dict] = {}
-        recvs = {}
-        self._post_recv(actions, 0, recvs)
-        for i, action in enumerate(actions):
-            self._post_recv(actions, i + 1, recvs)  # overlap the next receive with this compute
-            start = time.perf_counter()
-            if action.kind == FORWARD:
-                if action.mb not in batches:
-                    batches[action.mb] = get_batch(action.mb)
-                self._forward(action, batches[action.mb], recvs, stash, result, loss_scale)
-            elif action.kind == BACKWARD:
-                self._backward(action, recvs, stash)
-            else:
-                raise ValueError(f"executor cannot run action kind {action.kind!r} ({action})")
-            if record_trace:
-                result.trace.append((str(action), start, time.perf_counter()))
-        self.p2p.wait_sends()
-        if stash:
-            raise RuntimeError(f"schedule left forwards without backwards: {sorted(stash)}")
-        return result
 
-    # Communication ----------------------------------------------------------------------------
-    def _needs_recv(self, action: Action):
-        if action.kind == FORWARD and action.stage > 0:
-            return ACTIVATION, action.stage - 1
-        if action.kind == BACKWARD and action.stage < self.last_stage:
-            return GRADIENT, action.stage + 1
-        return None
+class _Iteration:
+    """The state of one run: received and to-be-sent tensors, stashes, results."""
 
-    def _post_recv(self, actions, i, recvs) -> None:
-        if i >= len(actions) or actions[i] in recvs:
-            return
-        need = self._needs_recv(actions[i])
-        if need is None:
-            return
-        kind, src_stage = need
-        tag = message_tag(kind, actions[i].mb, actions[i].stage, self.layout.num_stages)
-        recvs[actions[i]] = self.p2p.post_recv(self.activation_shape, self.dtype, self.device,
-                                               self.layout.peer(src_stage), tag)
+    def __init__(self, executor: PipelineExecutor, get_batch, loss_scale, spans, forward_only):
+        self.ex, self.get_batch, self.loss_scale = executor, get_batch, loss_scale
+        self.spans, self.forward_only = spans, forward_only
+        self.inbox: dict = {}      # message -> PendingRecv, posted and not yet used
+        self.outbox: dict = {}     # message -> tensor produced, not yet sent
+        self.stash: dict = {}      # (mb, stage) -> (input, output) kept for the backward
+        self.batches: dict = {}
+        self.result = IterationResult()
 
-    def _send(self, tensor, kind: int, mb: int, to_stage: int) -> None:
-        tag = message_tag(kind, mb, to_stage, self.layout.num_stages)
-        self.p2p.send(tensor, self.layout.peer(to_stage), tag)
+    def run(self, steps: list[Step]) -> IterationResult:
+        ex = self.ex
+        for step in steps:
+            self.inbox.update(ex.p2p.exchange(step.exchange, self.outbox, ex.activation_shape,
+                                              ex.dtype, ex.device))
+            action = step.action
+            if action is None:
+                continue
+            with self.spans(str(action), "forward" if action.kind == FORWARD else "backward",
+                            mb=action.mb, stage=action.stage):
+                if action.kind == FORWARD:
+                    self._forward(action)
+                elif action.kind == BACKWARD:
+                    self._backward(action)
+                else:
+                    raise ValueError(f"executor cannot run action kind {action.kind!r} ({action})")
+        ex.p2p.wait_sends()
+        leftovers = [f"unused receives {sorted(map(str, self.inbox))}" if self.inbox else "",
+                     f"unsent outputs {sorted(map(str, self.outbox))}" if self.outbox else "",
+                     f"forwards without backwards {sorted(self.stash)}" if self.stash else ""]
+        if any(leftovers):
+            raise RuntimeError("pipeline steps are inconsistent: " + "; ".join(filter(None, leftovers)))
+        return self.result
 
-    # Compute ----------------------------------------------------------------------------------
-    def _forward(self, action, batch, recvs, stash, result, loss_scale) -> None:
-        mb, stage = action.mb, action.stage
-        inp = None
-        if stage > 0:
-            inp = recvs.pop(action).wait()
-            if not self.forward_only:
-                inp.requires_grad_()
-        out = self.chunks[stage](inp, batch)
-        if stage == self.last_stage:
+    def _received(self, action):
+        message = needed_message(action, self.ex.num_stages)
+        if message is None:
+            return None
+        if message not in self.inbox:
+            raise RuntimeError(f"{action} needs {message}, but no exchange before it received it")
+        with self.spans(f"wait {message}", "wait", mb=action.mb, stage=action.stage):
+            return self.inbox.pop(message).wait()
+
+    def _produced(self, action, tensor) -> None:
+        message = produced_message(action, self.ex.num_stages)
+        if message is not None:
+            self.outbox[message] = tensor
+
+    def _forward(self, action) -> None:
+        inp = self._received(action)
+        if inp is not None and not self.forward_only:
+            inp.requires_grad_()
+        if action.mb not in self.batches:
+            self.batches[action.mb] = self.get_batch(action.mb)
+        out = self.ex.chunks[action.stage](inp, self.batches[action.mb])
+        if action.stage == self.ex.last_stage:
             loss, aux = out
-            result.losses.append(loss.detach())
-            result.aux.append(aux)
-            out = loss * loss_scale
+            self.result.losses.append(loss.detach())
+            self.result.aux.append(aux)
+            out = loss * self.loss_scale
         else:
-            self._send(out, ACTIVATION, mb, stage + 1)
+            self._produced(action, out)
         if not self.forward_only:
-            stash[(mb, stage)] = (inp, out)
+            self.stash[(action.mb, action.stage)] = (inp, out)
 
-    def _backward(self, action, recvs, stash) -> None:
-        mb, stage = action.mb, action.stage
-        inp, out = stash.pop((mb, stage))
-        if stage == self.last_stage:
+    def _backward(self, action) -> None:
+        inp, out = self.stash.pop((action.mb, action.stage))
+        if action.stage == self.ex.last_stage:
             out.backward()
         else:
-            torch.autograd.backward(out, recvs.pop(action).wait())
-        if stage > 0:
-            self._send(inp.grad, GRADIENT, mb, stage - 1)
+            torch.autograd.backward(out, self._received(action))
+        if action.stage > 0:
+            self._produced(action, inp.grad)

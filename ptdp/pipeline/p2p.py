@@ -1,52 +1,113 @@
 """Point-to-point exchange of activations and gradients between pipeline stages.
 
-Sends are asynchronous (`isend`); a receive is posted when the executor reaches the matching
-action and waited for only when the data is needed. Messages carry a tag unique within an
-iteration, so they match regardless of the order two ranks issue them in.
+The executor hands over one *exchange* at a time (``ptdp.pipeline.comm_plan``): the sends and
+receives a rank posts together between two compute actions. They go out as one
+``batch_isend_irecv`` on the pipeline group, in the plan's order and without tags: messages
+match by order alone, as NCCL requires, so the same code path is correct on NCCL and gloo.
+Nothing waits for a send until the end of the iteration; a receive is waited for only when
+its tensor is needed (on NCCL that makes the compute stream wait, not the host).
 
 Scatter/gather (SPEC item 26, source L3988–4036): with t > 1 the tensor ranks of a stage hold
 identical boundary tensors, so each sends only its 1/t slice to its peer in the next stage
 (in a cluster: one slice per InfiniBand card) and the receiving tensor group all-gathers the
 slices (over NVLink). Bytes crossing the boundary per rank drop from bsh to bsh/t.
+
+The transport (how a batch is posted) is replaceable: tests put one in that imposes NCCL's
+in-order completion on gloo (``tests/pipeline/nccl_rules.py``).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
-ACTIVATION, GRADIENT = 0, 1
+from ptdp.pipeline.comm_plan import Message, Transfer
+
+
+class BatchedTransport:
+    """Posts a batch of sends and receives with ``dist.batch_isend_irecv`` on ``group``."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def post(self, ops: list[tuple[Transfer, torch.Tensor, int]]) -> list:
+        """``ops``: (transfer, tensor, peer's world rank). Returns one waitable per op."""
+        p2p_ops = [dist.P2POp(dist.isend if t.send else dist.irecv, tensor, peer, self.group)
+                   for t, tensor, peer in ops]
+        works = dist.batch_isend_irecv(p2p_ops)
+        if len(works) == len(ops):
+            return works
+        # NCCL coalesces a batch into one work: every operation completes with it
+        return [_AllOf(works)] * len(ops)
+
+
+class _AllOf:
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 class P2P:
-    def __init__(self, *, tensor_group=None, tp_rank: int = 0, tp_size: int = 1,
-                 scatter_gather: bool = False):
+    """One rank's pipeline exchange; counts the payload bytes it puts on stage boundaries.
+
+    ``pipeline_ranks[i]`` is the world rank of pipeline rank ``i`` in this rank's pipeline.
+    """
+
+    def __init__(self, pipeline_ranks: list[int], *, group=None, tensor_group=None,
+                 tp_rank: int = 0, tp_size: int = 1, scatter_gather: bool = False,
+                 transport=None):
+        self.pipeline_ranks = pipeline_ranks
         self.tensor_group, self.tp_rank, self.tp_size = tensor_group, tp_rank, tp_size
         self.scatter_gather = scatter_gather and tp_size > 1
+        self.transport = transport or BatchedTransport(group)
         self.pending_sends: list = []
         self.bytes_sent = 0          # payload bytes this rank put on stage boundaries
         self.messages_sent = 0
 
-    def _slice(self, flat: torch.Tensor) -> torch.Tensor:
-        if flat.numel() % self.tp_size:
-            raise ValueError(f"scatter/gather needs the boundary tensor's {flat.numel()} elements "
+    def wire_shape(self, shape: tuple) -> tuple:
+        """The shape a boundary tensor of ``shape`` has on the wire (1/t of it, flat, with s/g)."""
+        if not self.scatter_gather:
+            return tuple(shape)
+        numel = math.prod(shape)
+        if numel % self.tp_size:
+            raise ValueError(f"scatter/gather needs the boundary tensor's {numel} elements "
                              f"to divide by parallel.tensor={self.tp_size}")
-        return flat.chunk(self.tp_size)[self.tp_rank]
+        return (numel // self.tp_size,)
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        payload = tensor.detach().reshape(-1)
+    def exchange(self, transfers: tuple[Transfer, ...], outbox: dict, full_shape: tuple,
+                 dtype: torch.dtype, device: torch.device) -> dict[Message, "PendingRecv"]:
+        """Post ``transfers`` as one batch. Sends take their tensor from ``outbox`` (removed);
+        returns {message: PendingRecv} for the receives."""
+        if not transfers:
+            return {}
+        ops, received = [], {}
+        for t in transfers:
+            if t.send:
+                tensor = self._payload(outbox.pop(t.message), t)
+                self.bytes_sent += tensor.numel() * tensor.element_size()
+                self.messages_sent += 1
+            else:
+                tensor = torch.empty(t.shape, dtype=dtype, device=device)
+            ops.append((t, tensor, self.pipeline_ranks[t.peer]))
+        works = self.transport.post(ops)
+        for (t, tensor, _), work in zip(ops, works):
+            if t.send:
+                self.pending_sends.append((work, tensor))  # keep the buffer alive until sent
+            else:
+                received[t.message] = PendingRecv(self, work, tensor, full_shape)
+        return received
+
+    def _payload(self, tensor: torch.Tensor, transfer: Transfer) -> torch.Tensor:
+        flat = tensor.detach().reshape(-1)
         if self.scatter_gather:
-            payload = self._slice(payload)
-        payload = payload.contiguous()  # gloo refuses non-contiguous sends (peer would hang)
-        self.pending_sends.append(dist.isend(payload, dst, tag=tag))
-        self.bytes_sent += payload.numel() * payload.element_size()
-        self.messages_sent += 1
-
-    def post_recv(self, shape, dtype, device, src: int, tag: int) -> "PendingRecv":
-        numel = int(torch.Size(shape).numel())
-        count = numel // self.tp_size if self.scatter_gather else numel
-        buffer = torch.empty(count, dtype=dtype, device=device)
-        return PendingRecv(self, dist.irecv(buffer, src, tag=tag), buffer, shape)
+            flat = flat.chunk(self.tp_size)[self.tp_rank]
+        payload = flat.contiguous().view(transfer.shape)  # gloo refuses non-contiguous sends
+        return payload
 
     def _assemble(self, buffer: torch.Tensor, shape) -> torch.Tensor:
         if not self.scatter_gather:
@@ -57,7 +118,7 @@ class P2P:
 
     def wait_sends(self) -> None:
         """Complete every outstanding send (end of iteration), so buffers can be reused."""
-        for work in self.pending_sends:
+        for work, _ in self.pending_sends:
             work.wait()
         self.pending_sends.clear()
 
@@ -69,8 +130,3 @@ class PendingRecv:
     def wait(self) -> torch.Tensor:
         self.work.wait()
         return self.p2p._assemble(self.buffer, self.shape)
-
-
-def message_tag(kind: int, mb: int, stage: int, num_stages: int) -> int:
-    """Unique per (activation|gradient, micro-batch, receiving stage) within an iteration."""
-    return (mb * num_stages + stage) * 2 + kind

@@ -1,0 +1,226 @@
+"""Which boundary tensors each pipeline rank sends and receives, and when: NCCL-safe by design.
+
+The schedule (``ptdp.pipeline.schedules``) lists a rank's compute actions. Between two of them
+the rank posts one *exchange*: the sends and receives it issues together (one
+``batch_isend_irecv``). This module derives those exchanges from the schedules of all ranks,
+as pure data, so that they hold under NCCL's rules (DESIGN.md, "NCCL rules"), which are
+stricter than gloo's:
+
+1. **No tags.** A receive matches the next message from that peer, in issue order. So for
+   every ordered pair of ranks, the sequence of messages the sender sends must equal the
+   sequence the receiver receives, shapes included.
+2. **In-order completion.** A rank's point-to-point operations run in issue order on one
+   stream: an exchange completes only when every one of its operations has met its partner in
+   the peer's *current* exchange, and the next exchange starts only after that. A receive
+   posted too early blocks every later send (the rendezvous model; NCCL may buffer small
+   messages, but correctness must not depend on it).
+
+Placement rule. Every message is produced by one action and consumed by one action on another
+rank (or the same rank: a chunk boundary inside one rank with p = 1 never crosses the wire,
+since p = 1 has no pipeline). The schedules are played once on the timeline simulator
+(``timeline.simulate_lists``, forward 1, backward 2 time units per whole stage); then
+
+* the producer sends the message in the exchange right after the producing action, and
+* the consumer receives it in its first exchange whose simulated time is no earlier than the
+  message's production time (exchange ``k`` sits before action ``k``; its time is the
+  action's simulated start; the last exchange sits after the last action).
+
+Both sides thus place each message at the same logical moment, so an exchange's partners are
+exchanges of the same moment, and within an exchange operations are ordered by (production
+time, message), which both sides compute identically. A received tensor may wait in a buffer
+until its action runs (posting early costs one boundary tensor of memory and lets the
+transfer overlap compute). Naive placement (receive just before use) deadlocks under rule 2:
+with GPipe and v = 2 rank 1 sends its first chunk-1 activation while rank 0, still pushing
+forwards, has not yet posted that receive, and both stop.
+
+``check_plans`` replays every rank's exchanges under rules 1 and 2 and raises ``PlanError``
+naming the pair or the stuck ranks; the trainer runs it at start-up for its layout, and
+``tests/pipeline/test_comm_plan.py`` runs it over every schedule, p <= 8, v <= 4, m in [p, 4p],
+with and without scatter/gather. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable
+
+from ptdp.pipeline.schedules import BACKWARD, FORWARD, Action, stage_rank
+from ptdp.pipeline.timeline import simulate_lists
+
+ACTIVATION, GRADIENT = "act", "grad"
+
+
+class PlanError(RuntimeError):
+    """The exchanges would mismatch messages or deadlock under NCCL's rules."""
+
+
+@dataclass(frozen=True, order=True)
+class Message:
+    """One boundary tensor: an activation (forward) or gradient (backward) of micro-batch ``mb``
+    from global virtual stage ``src`` to the adjacent stage ``dst``."""
+
+    kind: str
+    mb: int
+    src: int
+    dst: int
+
+    def __str__(self) -> str:
+        return f"{self.kind} mb{self.mb} s{self.src}->s{self.dst}"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One operation of an exchange: send ``message`` to, or receive it from, pipeline ``peer``."""
+
+    send: bool
+    peer: int
+    message: Message
+    shape: tuple
+
+    def __str__(self) -> str:
+        return f"{'send' if self.send else 'recv'} {self.message} {'to' if self.send else 'from'} {self.peer}"
+
+
+@dataclass(frozen=True)
+class Step:
+    """Post ``exchange`` (all together), then run ``action`` (None after the last action)."""
+
+    exchange: tuple[Transfer, ...]
+    action: Action | None
+
+
+def produced_message(action: Action, num_stages: int) -> Message | None:
+    """The tensor ``action`` hands to the adjacent stage, if any."""
+    if action.kind == FORWARD and action.stage < num_stages - 1:
+        return Message(ACTIVATION, action.mb, action.stage, action.stage + 1)
+    if action.kind == BACKWARD and action.stage > 0:
+        return Message(GRADIENT, action.mb, action.stage, action.stage - 1)
+    return None
+
+
+def needed_message(action: Action, num_stages: int) -> Message | None:
+    """The tensor ``action`` needs from the adjacent stage, if any."""
+    if action.kind == FORWARD and action.stage > 0:
+        return Message(ACTIVATION, action.mb, action.stage - 1, action.stage)
+    if action.kind == BACKWARD and action.stage < num_stages - 1:
+        return Message(GRADIENT, action.mb, action.stage + 1, action.stage)
+    return None
+
+
+def plan_exchanges(schedule: list[list[Action]], p: int, v: int,
+                   shape_of: Callable[[Message], tuple] = lambda message: ()) -> list[list[Step]]:
+    """Every rank's steps: its actions with the exchange to post before each (see module doc).
+
+    ``schedule`` is every rank's action list (``build_all``); ``shape_of`` gives each message's
+    shape, recorded in its transfers so that both sides' shapes can be checked.
+    """
+    num_stages = p * v
+    micro_batches = len({a.mb for row in schedule for a in row}) or 1
+    timeline = simulate_lists(schedule, p, v, micro_batches, t_f=Fraction(1), t_b=Fraction(2))
+    produced_at = {}
+    for row in timeline.ranks:
+        for slot in row:
+            message = produced_message(slot.action, num_stages)
+            if message is not None:
+                produced_at[message] = slot.end
+    plans = []
+    for rank, row in enumerate(timeline.ranks):
+        # exchange k sits before action k; the extra last one after the last action
+        times = [slot.start for slot in row] + [row[-1].end if row else 0]
+        pending: list[list[tuple]] = [[] for _ in times]
+        for k, slot in enumerate(row):
+            sent = produced_message(slot.action, num_stages)
+            if sent is not None and stage_rank(sent.dst, p) != rank:
+                pending[k + 1].append((produced_at[sent], True, sent))
+            needed = needed_message(slot.action, num_stages)
+            if needed is not None and stage_rank(needed.src, p) != rank:
+                at = produced_at[needed]
+                # times only grow, and times[k] >= at since action k needs the message
+                pending[bisect_left(times, at, hi=k)].append((at, False, needed))
+        steps = []
+        for k, ops in enumerate(pending):
+            ops.sort(key=lambda op: (op[0], op[2], op[1]))
+            exchange = tuple(Transfer(send, stage_rank(msg.dst if send else msg.src, p), msg,
+                                      tuple(shape_of(msg))) for _, send, msg in ops)
+            steps.append(Step(exchange, row[k].action if k < len(row) else None))
+        plans.append(steps)
+    return plans
+
+
+# ---------------------------------------------------------------------------- checking
+
+
+def check_plans(plans: list[list[Step]]) -> None:
+    """Raise PlanError unless the exchanges match in order and complete under NCCL's rules."""
+    partner = _pair_transfers(plans)
+    _replay_in_order(plans, partner)
+
+
+def _pair_transfers(plans) -> dict:
+    """(rank, step, index) of each operation -> (peer, step, index) of its partner (rule 1)."""
+    sends: dict[tuple[int, int], list] = {}
+    recvs: dict[tuple[int, int], list] = {}
+    for rank, steps in enumerate(plans):
+        for k, step in enumerate(steps):
+            for i, op in enumerate(step.exchange):
+                if op.send:
+                    sends.setdefault((rank, op.peer), []).append((op, (rank, k, i)))
+                else:
+                    recvs.setdefault((op.peer, rank), []).append((op, (rank, k, i)))
+    partner = {}
+    for pair in set(sends) | set(recvs):
+        out, into = sends.get(pair, []), recvs.get(pair, [])
+        for j in range(max(len(out), len(into))):
+            if j >= len(out) or j >= len(into):
+                extra = out[j][0] if j < len(out) else into[j][0]
+                raise PlanError(f"ranks {pair[0]}->{pair[1]}: {len(out)} sends but {len(into)} "
+                                f"receives; unmatched: {extra}")
+            (sent, a), (got, b) = out[j], into[j]
+            if (sent.message, sent.shape) != (got.message, got.shape):
+                raise PlanError(f"ranks {pair[0]}->{pair[1]}, message {j}: rank {pair[0]} sends "
+                                f"{sent.message} {list(sent.shape)} but rank {pair[1]} receives "
+                                f"{got.message} {list(got.shape)}")
+            partner[a], partner[b] = b, a
+    return partner
+
+
+def _replay_in_order(plans, partner) -> None:
+    """Rule 2: each rank at one exchange at a time; an operation completes when its partner's
+    rank stands at the partner's exchange; a rank moves on when its exchange is complete."""
+    at = [0] * len(plans)              # the exchange each rank stands at
+    done: set = set()
+    work = list(range(len(plans)))
+    while work:
+        rank = work.pop()
+        while at[rank] < len(plans[rank]):
+            k = at[rank]
+            for i in range(len(plans[rank][k].exchange)):
+                peer, pk, pi = partner[(rank, k, i)]
+                if at[peer] == pk and (rank, k, i) not in done:
+                    done.update({(rank, k, i), (peer, pk, pi)})
+                    work.append(peer)   # the peer's exchange may now be complete
+            if any((rank, k, i) not in done for i in range(len(plans[rank][k].exchange))):
+                break
+            at[rank] += 1
+    stuck = [r for r, steps in enumerate(plans) if at[r] < len(steps)]
+    if stuck:
+        lines = []
+        for r in stuck:
+            step = plans[r][at[r]]
+            waiting = [str(op) for i, op in enumerate(step.exchange) if (r, at[r], i) not in done]
+            lines.append(f"rank {r} at exchange {at[r]} before {step.action}: {'; '.join(waiting)}")
+        raise PlanError("point-to-point exchanges deadlock under in-order completion:\n  "
+                        + "\n  ".join(lines))
+
+
+def format_plan(steps: list[Step]) -> str:
+    """One line per step: the exchange, then the action (for debugging and docs)."""
+    lines = []
+    for step in steps:
+        if step.exchange:
+            lines.append("  [" + ", ".join(map(str, step.exchange)) + "]")
+        if step.action is not None:
+            lines.append(str(step.action))
+    return "\n".join(lines)

@@ -1,0 +1,108 @@
+"""A test-only pipeline transport that imposes NCCL's point-to-point rules on gloo.
+
+gloo matches messages by tag and lets a rank's sends and receives complete in any order, so a
+pipeline exchange that would hang or mix up tensors on NCCL can pass on gloo. This transport
+takes those freedoms away (DESIGN.md, "NCCL rules"):
+
+1. **No tags.** Every boundary tensor goes out with tag 0, so it matches the receiver's next
+   receive from that peer, in issue order. Each payload is preceded by a header naming the
+   message; the receiver checks it against the message it expected and fails loudly (naming
+   both) instead of silently using the wrong tensor.
+2. **In-order completion, no buffering.** A batch completes only when every receive has
+   arrived *and* every send has been received by its peer (the receiver acknowledges on a
+   separate tag, which is this transport's own bookkeeping, not a data message), and the next
+   batch is not posted before that. This is the rendezvous model under which
+   `ptdp.pipeline.comm_plan.check_plans` proves a plan deadlock-free; the host blocks where
+   NCCL would block the communication stream, which only removes freedom.
+
+Use: `trainer.p2p.transport = InOrderTransport(trainer.grid.pipeline_group)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from ptdp.pipeline.comm_plan import ACTIVATION
+
+DATA_TAG, ACK_TAG = 0, 1
+
+
+class MessageMismatch(RuntimeError):
+    pass
+
+
+class _Done:
+    def wait(self) -> None:
+        return None
+
+
+def _header(transfer, numel: int) -> torch.Tensor:
+    m = transfer.message
+    return torch.tensor([0 if m.kind == ACTIVATION else 1, m.mb, m.src, m.dst, numel])
+
+
+class InOrderTransport:
+    def __init__(self, group=None, timeout_s: float = 60.0):
+        self.group, self.timeout_s = group, timeout_s
+        self.batches = 0      # batches posted (tests check that the transport was used)
+
+    def post(self, ops) -> list:
+        """Run the whole batch to completion; return already-completed handles.
+
+        Each operation completes on its own, as in the rendezvous model: a receive as soon as
+        its header and payload are in (it is acknowledged at once), a send when its
+        acknowledgement arrives. The call returns when all of them have. (gloo's works only
+        progress inside wait(), so each operation waits in its own thread.)
+        """
+        self.batches += 1
+        threads, errors = [], []
+        for transfer, tensor, peer in ops:
+            if transfer.send:
+                works = [dist.isend(_header(transfer, tensor.numel()), peer, self.group, DATA_TAG),
+                         dist.isend(tensor, peer, self.group, DATA_TAG),
+                         dist.irecv(torch.zeros(1, dtype=torch.int64), peer, self.group, ACK_TAG)]
+                job = functools.partial(_wait_all, works)
+            else:
+                header = torch.zeros(5, dtype=torch.int64)
+                works = [dist.irecv(header, peer, self.group, DATA_TAG),
+                         dist.irecv(tensor, peer, self.group, DATA_TAG)]
+                job = functools.partial(self._receive, transfer, tensor, header, peer, works)
+            threads.append((transfer, threading.Thread(target=_capture, args=(job, errors),
+                                                       daemon=True)))
+        for _, thread in threads:
+            thread.start()
+        deadline = time.monotonic() + self.timeout_s
+        for _, thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if errors:
+            raise errors[0]
+        stuck = [str(t) for t, thread in threads if thread.is_alive()]
+        if stuck:
+            raise TimeoutError(f"in-order transport timed out after {self.timeout_s:g}s waiting "
+                               f"for: {', '.join(stuck)}")
+        return [_Done()] * len(ops)
+
+    def _receive(self, transfer, tensor, header, peer, works) -> None:
+        _wait_all(works)
+        expected = _header(transfer, tensor.numel())
+        if not torch.equal(header, expected):
+            raise MessageMismatch(f"expected {transfer} ({expected.tolist()}) but rank {peer} "
+                                  f"sent {header.tolist()} (kind, mb, src, dst, numel)")
+        dist.isend(torch.ones(1, dtype=torch.int64), peer, self.group, ACK_TAG).wait()
+
+
+def _wait_all(works) -> None:
+    for work in works:
+        work.wait()
+
+
+def _capture(job, errors: list) -> None:
+    try:
+        job()
+    except Exception as err:  # re-raised by post() on the calling thread
+        errors.append(err)

@@ -1,0 +1,85 @@
+"""The pipeline exchange under NCCL's point-to-point rules, imposed on gloo.
+
+`tests/pipeline/nccl_rules.py` ignores tags (matching by order only, with a header check on
+every message) and completes each rank's batches strictly in issue order without buffering.
+Under it every pipelined layout of the equivalence tests must still train exactly like one
+process; and the naive exchange (receive right before use), which the plan checker rejects,
+must really hang under it, so the transport is known to have teeth.
+"""
+
+import pytest
+
+from ptdp.local_ranks import RankFailure, run_on_ranks
+from ptdp.pipeline.comm_plan import PlanError, Step, Transfer, check_plans, needed_message, produced_message
+from ptdp.pipeline.schedules import build_all, stage_rank
+from tests.equivalence import LAYOUTS, TINY, assert_equivalent, reference, run_layouts
+
+# every layout of the equivalence tests with p > 1; GPT in all, BERT in the richest one
+PIPELINED = {name: spec for name, spec in LAYOUTS.items()
+             if any(o.startswith("parallel.pipeline=") and o != "parallel.pipeline=1"
+                    for o in spec[1])}
+CASES = [(name, "gpt") for name in sorted(PIPELINED)] + [("p2-t2-v2-sg", "bert")]
+
+
+@pytest.fixture(scope="module")
+def strict_results():
+    """{(layout, arch): per-rank results}, one spawned job per world size."""
+    out = {}
+    for world in sorted({PIPELINED[name][0] for name, _ in CASES}):
+        cases = [c for c in CASES if PIPELINED[c[0]][0] == world]
+        runs = [[f"model.arch={arch}", *PIPELINED[name][1]] for name, arch in cases]
+        out.update(zip(cases, run_layouts(world, runs, nccl_rules=True)))
+    return out
+
+
+def test_every_pipelined_layout_is_covered():
+    assert {"p2-gpipe", "p2-1f1b", "p4-v2-interleaved", "p2-t2-v2-sg",
+            "p2-t2-d2-1f1b"} <= set(PIPELINED)
+
+
+@pytest.mark.parametrize("layout,arch", CASES)
+def test_pipelined_layouts_match_single_process_under_nccl_rules(strict_results, layout, arch):
+    ranks = strict_results[(layout, arch)]
+    assert all(r["batches"] > 0 for r in ranks), "the in-order transport was not used"
+    assert_equivalent(ranks[0], reference(arch), f"{arch} {layout} under NCCL rules")
+
+
+def naive_plans(name: str, p: int, v: int, m: int) -> list[list[Step]]:
+    """Receive each tensor right before the action that needs it, send right after."""
+    plans, last = [], p * v
+    for rank, actions in enumerate(build_all(name, p, v, m)):
+        steps, previous = [], None
+        for action in actions + [None]:
+            ops = []
+            sent = previous and produced_message(previous, last)
+            if sent:
+                ops.append(Transfer(True, stage_rank(sent.dst, p), sent, (16, 2, 32)))
+            needed = action and needed_message(action, last)
+            if needed:
+                ops.append(Transfer(False, stage_rank(needed.src, p), needed, (16, 2, 32)))
+            steps.append(Step(tuple(ops), action))
+            previous = action
+        plans.append(steps)
+    return plans
+
+
+def _train_with_naive_plan(overrides):
+    import torch.distributed as dist
+
+    from ptdp.config import load_config
+    from ptdp.training import Trainer
+    from tests.pipeline.nccl_rules import InOrderTransport
+
+    cfg = load_config(None, TINY + overrides, world_size=dist.get_world_size())
+    trainer = Trainer(cfg)
+    trainer.p2p.transport = InOrderTransport(trainer.grid.pipeline_group, timeout_s=3)
+    trainer.steps = naive_plans("interleaved", 2, 2, cfg.num_micro_batches)[trainer.grid.pp_rank]
+    return trainer.train_step(0).loss
+
+
+def test_naive_exchange_deadlocks_in_the_checker_and_under_the_transport():
+    with pytest.raises(PlanError, match="deadlock"):
+        check_plans(naive_plans("interleaved", 2, 2, 4))
+    overrides = ["parallel.pipeline=2", "parallel.chunks=2", "schedule.name=interleaved"]
+    with pytest.raises(RankFailure, match="in-order transport timed out"):
+        run_on_ranks(2, _train_with_naive_plan, overrides, timeout_s=60)
