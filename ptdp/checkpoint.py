@@ -415,6 +415,39 @@ def check_model_config(meta: dict, model, directory: Path) -> None:
         raise CheckpointError(f"{directory} was saved for a different model: {details}")
 
 
+def check_files_readable(directory: Path, meta: dict) -> None:
+    """Open every file of a checkpoint without reading its tensors (memory-mapped) and check
+    that each shard holds the parameters the metadata places on its pipeline rank.
+
+    What `ptdp check` uses: a truncated or garbage file fails here, before any rank starts.
+    """
+    by_stage: dict[int, list[str]] = {}
+    for name, info in meta["params"].items():
+        by_stage.setdefault(info["pipeline_rank"], []).append(name)
+    layout = meta["layout"]
+    for pp in range(layout["pipeline"]):
+        for tp in range(layout["tensor"]):
+            path = directory / shard_file_name(pp, tp)
+            shard = _load_file(path, mmap=True)
+            missing = [n for n in by_stage.get(pp, [])
+                       if not isinstance(shard, dict) or "value" not in (shard.get(n) or {})]
+            if missing:
+                more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+                raise CheckpointError(f"{path} has no entry for parameter '{missing[0]}'{more} "
+                                      f"(the metadata says it is there)")
+    for name in meta["files"]:
+        if name.startswith("rng_rank"):
+            _load_file(directory / name, mmap=False)
+
+
+def _load_file(path: Path, mmap: bool):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as err:  # torch raises many types for a bad file; the text says which
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"cannot read {path}: {first_line}") from err
+
+
 # --------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------
@@ -505,10 +538,8 @@ class ShardReader:
         key = (pp, tp)
         if key not in self._files:
             path = self.directory / shard_file_name(pp, tp)
-            try:  # mmap: only the tensors this rank asks for are read from disk
-                self._files[key] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as err:
-                raise CheckpointError(f"cannot read {path}: {err}") from err
+            # mmap: only the tensors this rank asks for are read from disk
+            self._files[key] = _load_file(path, mmap=True)
         return self._files[key]
 
 
@@ -525,11 +556,7 @@ def _rng_to_restore(trainer, directory: Path, meta: dict) -> dict | None:
     """The saved RNG state of this rank if the layout is unchanged, else None."""
     if meta["layout"] != _layout(trainer.cfg):
         return None
-    path = directory / rng_file_name(trainer.grid.rank)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise CheckpointError(f"cannot read {path}: {err}") from err
+    return _load_file(directory / rng_file_name(trainer.grid.rank), mmap=False)
 
 
 def _apply(trainer, meta: dict, state: dict) -> None:

@@ -314,13 +314,17 @@ def read_yaml(path: str | os.PathLike) -> dict:
     return raw
 
 
+def parse_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """Load YAML and apply overrides: known keys, right types; no range checks yet."""
+    raw = read_yaml(path) if path is not None else {}
+    source = str(path) if path is not None else "overrides"
+    return config_from_dict(_merge(raw, parse_overrides(list(overrides))), source)
+
+
 def load_config(path: str | os.PathLike | None, overrides: list[str] = (),
                 world_size: int | None = None) -> Config:
     """Load YAML, apply overrides and validate. `world_size` defaults to $WORLD_SIZE or 1."""
-    raw = read_yaml(path) if path is not None else {}
-    source = str(path) if path is not None else "overrides"
-    raw = _merge(raw, parse_overrides(list(overrides)))
-    cfg = config_from_dict(raw, source)
+    cfg = parse_config(path, overrides)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world_size)

@@ -82,7 +82,8 @@ class MetricsLog:
         self.file = self.tensorboard = self.progress = None
         if not is_writer:
             return
-        if cfg.log.metrics_file:
+        if cfg.log.metrics_file:  # its folder may not exist yet (runs/<name>/metrics.jsonl)
+            Path(cfg.log.metrics_file).parent.mkdir(parents=True, exist_ok=True)
             self.file = open(cfg.log.metrics_file, "a")
         if cfg.log.tensorboard_dir:
             try:
