@@ -128,8 +128,10 @@ def _check_enough_tokens(cfg: Config, pairs: list, headers: list, found: Finding
     except ConfigError:
         return   # reported by the config's validation
     share = share[0] / sum(share)
-    estimates = [(h, int(h.num_tokens * share)) for (w, _), h in zip(pairs, headers) if w > 0]
-    if estimates and all(tokens < s + 1 for _, tokens in estimates):
+    # Empty datasets and an empty train split are reported on their own.
+    estimates = [(h, int(h.num_tokens * share)) for (w, _), h in zip(pairs, headers)
+                 if w > 0 and h.num_tokens > 0]
+    if share > 0 and estimates and all(tokens < s + 1 for _, tokens in estimates):
         h, tokens = estimates[0]
         found.error(f"model.seq_length={s} needs {s + 1} tokens per sample, but the train split "
                     f"of {_idx(h)} holds about {tokens} ({h.num_tokens} tokens, data.split="
