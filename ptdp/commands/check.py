@@ -26,7 +26,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from ptdp.checks import check_job, summary
 
-    world = args.world_size or int(os.environ.get("WORLD_SIZE") or 1)
+    world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE") or 1)
     if world < 1:
         print(f"ptdp check: --world-size must be >= 1, got {world}", file=sys.stderr)
         return 2
