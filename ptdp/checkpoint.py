@@ -142,7 +142,7 @@ def _prepare(root: Path, tmp: Path) -> None:
     """Finish or discard what crashed saves left, then make an empty `tmp` directory."""
     root.mkdir(parents=True, exist_ok=True)
     named = _latest_name(root)
-    if named and named.endswith(RESAVE_SUFFIX) and (root / named / METADATA).is_file():
+    if named and named.endswith(RESAVE_SUFFIX) and not _incomplete(root / named):
         _finish_resave(root / named, root / named[: -len(RESAVE_SUFFIX)])
         named = _latest_name(root)
     for entry in root.iterdir():
