@@ -16,7 +16,14 @@ Layout of one checkpoint (N = iterations done, zero-padded to 7 digits):
 Atomicity: everything is written into `iter_N.tmp/`, every rank reports success, then rank 0
 writes metadata.json, renames the directory to `iter_N` and replaces `latest` with
 os.replace. A crash at any point leaves either a `.tmp` directory (never loaded) or a complete
-checkpoint; `latest` only ever names complete ones.
+checkpoint, and `latest` names a complete one. Re-saving an iteration that exists never
+removes the old copy before the new one is in place: the new one is published as
+`iter_N.new`, `latest` is switched to it, the old copy is moved to `iter_N.old.tmp` and
+deleted, then `iter_N.new` becomes `iter_N` and `latest` follows. The one moment where
+`latest` names nothing (between the last rename and the last switch) is covered by the
+loader's fallback: when `latest` is missing or names an incomplete directory, the newest
+complete checkpoint in the folder is loaded, with a one-line note. Each save starts by
+removing leftovers of crashed saves (`*.tmp`, and `*.new` that `latest` does not name).
 
 Resharding: shards are layout-specific, but the global names, full shapes and split dims in
 the metadata are not. A loading rank rebuilds the full tensor of each of its parameters from
@@ -42,6 +49,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ptdp.metrics import drop_records_after
 from ptdp.parallel.tensor import TensorParallelRNG, seed_everything
 from ptdp.sharding import local_slice
 
@@ -49,6 +57,9 @@ FORMAT_VERSION = 1
 METADATA = "metadata.json"
 LATEST = "latest"
 TMP_SUFFIX = ".tmp"
+RESAVE_SUFFIX = ".new"   # a re-saved iteration, published beside the copy it replaces
+# Directory names a checkpoint can be loaded from: iter_N, or iter_N.new mid-way in a re-save.
+CHECKPOINT_NAME = re.compile(r"iter_(\d+)(\.new)?")
 OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
 # Model keys that do not change what the saved weights mean; a resumed job may change them.
 NON_STRUCTURAL_MODEL_KEYS = ("dropout", "init_std")
@@ -113,7 +124,7 @@ def save_checkpoint(trainer, directory: str | os.PathLike) -> Path:
     final = root / iteration_dir_name(trainer.iteration)
     tmp = final.with_name(final.name + TMP_SUFFIX)
     rank0 = dist.get_rank() == 0
-    _on_all_ranks(f"preparing checkpoint {tmp}", lambda: _fresh_dir(tmp) if rank0 else None)
+    _on_all_ranks(f"preparing checkpoint {tmp}", lambda: _prepare(root, tmp) if rank0 else None)
     info = _on_all_ranks(f"writing checkpoint {tmp}", lambda: _write_rank_files(trainer, tmp))
     params = {}
     for part in _all_gather(info):
@@ -123,11 +134,38 @@ def save_checkpoint(trainer, directory: str | os.PathLike) -> Path:
     return final
 
 
-def _fresh_dir(path: Path) -> None:
-    """An empty directory; a leftover from a crashed save of the same iteration is discarded."""
-    if path.exists():
+def _reached(stage: str) -> None:
+    """Called after each step of a save; does nothing. Tests replace it to crash a save there."""
+
+
+def _prepare(root: Path, tmp: Path) -> None:
+    """Finish or discard what crashed saves left, then make an empty `tmp` directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    named = _latest_name(root)
+    if named and named.endswith(RESAVE_SUFFIX) and not _incomplete(root / named):
+        _finish_resave(root / named, root / named[: -len(RESAVE_SUFFIX)])
+        named = _latest_name(root)
+    for entry in root.iterdir():
+        stale = entry.name.endswith(TMP_SUFFIX) or (
+            entry.name.endswith(RESAVE_SUFFIX) and entry.name != named)
+        if stale:
+            _remove(entry)
+    tmp.mkdir()
+    _reached("tmp_dir")
+
+
+def _latest_name(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
-    path.mkdir(parents=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _write_rank_files(trainer, tmp: Path) -> dict:
@@ -135,9 +173,11 @@ def _write_rank_files(trainer, tmp: Path) -> dict:
     grid = trainer.grid
     _save_durably(_rng_state(trainer), tmp / rng_file_name(grid.rank))
     if grid.dp_rank != 0:  # data-parallel replicas hold identical model and optimizer state
+        _reached("rank_files")
         return {}
     shards, info = _model_shards(trainer)
     _save_durably(shards, tmp / shard_file_name(grid.pp_rank, grid.tp_rank))
+    _reached("rank_files")
     return info
 
 
@@ -208,18 +248,45 @@ def _layout(cfg) -> dict:
 def _publish(tmp: Path, final: Path, metadata: dict) -> None:
     """metadata.json last, then the directory rename, then `latest`: each step atomic."""
     _write_text_durably(tmp / METADATA, json.dumps(metadata, indent=1))
-    if final.exists():  # re-saving an iteration: move the old one aside, never merge into it
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
+    _reached("metadata")
+    if not final.exists():
         os.rename(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
-    latest_tmp = final.parent / (LATEST + TMP_SUFFIX)
-    _write_text_durably(latest_tmp, final.name + "\n")
-    os.replace(latest_tmp, final.parent / LATEST)
+        _fsync_dir(final.parent)
+        _reached("renamed")
+        _point_latest(final)
+        return
+    # Re-saving an iteration: never remove the old copy before the new one is in place and
+    # `latest` names it, so a crash at any step leaves a complete checkpoint to resume from.
+    side = final.with_name(final.name + RESAVE_SUFFIX)
+    os.rename(tmp, side)
     _fsync_dir(final.parent)
+    _reached("side_renamed")
+    _point_latest(side)
+    _reached("latest_to_side")
+    _finish_resave(side, final)
+
+
+def _finish_resave(side: Path, final: Path) -> None:
+    """`latest` names `side`: drop the old `final`, give `side` the usual name, point at it."""
+    if final.exists():
+        trash = final.with_name(final.name + ".old" + TMP_SUFFIX)  # never loaded; swept later
+        _remove(trash)
+        os.rename(final, trash)
+        _reached("old_moved")
+        shutil.rmtree(trash)
+        _reached("old_removed")
+    os.rename(side, final)
+    _fsync_dir(final.parent)
+    _reached("renamed_back")  # `latest` names nothing until the next line: the loader falls back
+    _point_latest(final)
+
+
+def _point_latest(target: Path) -> None:
+    latest_tmp = target.parent / (LATEST + TMP_SUFFIX)
+    _write_text_durably(latest_tmp, target.name + "\n")
+    os.replace(latest_tmp, target.parent / LATEST)
+    _fsync_dir(target.parent)
+    _reached("latest")
 
 
 def _save_durably(obj, path: Path) -> None:
@@ -256,23 +323,67 @@ def _fsync_dir(path: Path) -> None:
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A checkpoint root (follow `latest`) or one iteration directory -> a complete iteration dir."""
+    return find_checkpoint(path)[0]
+
+
+def find_checkpoint(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """(complete iteration dir, note). The note says why `latest` was not followed and which
+    checkpoint was taken instead (None when `latest` or the given directory was used)."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint path {path} does not exist")
+        raise CheckpointError(f"checkpoint path {path} does not exist; check checkpoint.load")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path {path} is a file, not a checkpoint directory; "
+                              f"point checkpoint.load at a checkpoint.dir or an iter_N directory")
     if path.name.endswith(TMP_SUFFIX):
         raise CheckpointError(f"{path} is an incomplete checkpoint (a save that did not finish)")
     if (path / METADATA).is_file():
-        return path
-    if re.fullmatch(r"iter_\d+", path.name):
+        return path, None
+    if CHECKPOINT_NAME.fullmatch(path.name):
         raise CheckpointError(f"{path} is an incomplete checkpoint: it has no {METADATA}")
-    latest = path / LATEST
+    problem = _latest_problem(path)
+    if problem is None:
+        return path / _latest_name(path), None
+    fallback = newest_complete_checkpoint(path)
+    if fallback is None:
+        raise CheckpointError(f"{path} holds no checkpoint: {problem}, and no complete iter_N "
+                              f"directory to fall back to")
+    return fallback, f"{problem}; loading the newest complete checkpoint, {fallback}"
+
+
+def _latest_problem(root: Path) -> str | None:
+    """Why `root/latest` cannot be followed, or None if it names a complete checkpoint."""
+    latest = root / LATEST
     if not latest.is_file():
-        raise CheckpointError(f"{path} holds no checkpoint: no '{LATEST}' file and no {METADATA}")
-    name = latest.read_text().strip()
-    target = path / name
-    if not (target / METADATA).is_file():
-        raise CheckpointError(f"{latest} names '{name}', but {target} is missing or incomplete")
-    return target
+        return f"no '{LATEST}' file"
+    name = _latest_name(root)
+    target = root / (name or "")
+    if not name or not CHECKPOINT_NAME.fullmatch(name) or _incomplete(target):
+        return f"{latest} names '{name}', but {target} is missing or incomplete"
+    return None
+
+
+def _incomplete(directory: Path) -> str | None:
+    """Why `directory` is not a complete checkpoint, or None if it is."""
+    try:
+        read_metadata(directory)
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def newest_complete_checkpoint(root: Path) -> Path | None:
+    """The complete iteration directory with the highest iteration (a re-save's `.new` copy
+    wins a tie: it is the later save), or None."""
+    candidates = []
+    for entry in root.iterdir():
+        match = CHECKPOINT_NAME.fullmatch(entry.name)
+        if match and entry.is_dir():
+            candidates.append((int(match.group(1)), bool(match.group(2)), entry))
+    for _, _, entry in sorted(candidates, reverse=True):
+        if not _incomplete(entry):
+            return entry
+    return None
 
 
 def read_metadata(directory: Path) -> dict:
@@ -281,6 +392,8 @@ def read_metadata(directory: Path) -> dict:
         meta = json.loads((directory / METADATA).read_text())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"cannot read {directory / METADATA}: {err}") from err
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), list):
+        raise CheckpointError(f"{directory / METADATA} is not checkpoint metadata")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{directory}: format version {meta.get('format_version')} is not "
                               f"{FORMAT_VERSION}")
@@ -302,6 +415,39 @@ def check_model_config(meta: dict, model, directory: Path) -> None:
         raise CheckpointError(f"{directory} was saved for a different model: {details}")
 
 
+def check_files_readable(directory: Path, meta: dict) -> None:
+    """Open every file of a checkpoint without reading its tensors (memory-mapped) and check
+    that each shard holds the parameters the metadata places on its pipeline rank.
+
+    What `ptdp check` uses: a truncated or garbage file fails here, before any rank starts.
+    """
+    by_stage: dict[int, list[str]] = {}
+    for name, info in meta["params"].items():
+        by_stage.setdefault(info["pipeline_rank"], []).append(name)
+    layout = meta["layout"]
+    for pp in range(layout["pipeline"]):
+        for tp in range(layout["tensor"]):
+            path = directory / shard_file_name(pp, tp)
+            shard = _load_file(path, mmap=True)
+            missing = [n for n in by_stage.get(pp, [])
+                       if not isinstance(shard, dict) or "value" not in (shard.get(n) or {})]
+            if missing:
+                more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+                raise CheckpointError(f"{path} has no entry for parameter '{missing[0]}'{more} "
+                                      f"(the metadata says it is there)")
+    for name in meta["files"]:
+        if name.startswith("rng_rank"):
+            _load_file(directory / name, mmap=False)
+
+
+def _load_file(path: Path, mmap: bool):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as err:  # torch raises many types for a bad file; the text says which
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"cannot read {path}: {first_line}") from err
+
+
 # --------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------
@@ -313,14 +459,22 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> Path:
     only if that succeeded on every rank, otherwise every rank raises CheckpointError.
     """
     def read():
-        directory = resolve_checkpoint(path)
+        directory, note = find_checkpoint(path)
         meta = read_metadata(directory)
         check_model_config(meta, trainer.cfg.model, directory)
-        return directory, meta, _read_rank_state(trainer, directory, meta)
+        return directory, note, meta, _read_rank_state(trainer, directory, meta)
 
-    directory, meta, state = _on_all_ranks(f"loading checkpoint {path}", read)
+    directory, note, meta, state = _on_all_ranks(f"loading checkpoint {path}", read)
     _apply(trainer, meta, state)
-    if dist.get_rank() == 0 and trainer.cfg.log.progress:
+    rank0 = dist.get_rank() == 0
+    if rank0 and note:
+        print(f"checkpoint.load: {note}", flush=True)
+    # The resumed job replays the iterations after this one: keep each in the metrics once.
+    metrics_file = trainer.cfg.log.metrics_file
+    _on_all_ranks(f"trimming {metrics_file} to iteration {meta['iteration']}",
+                  lambda: drop_records_after(metrics_file, meta["iteration"])
+                  if rank0 and metrics_file else None)
+    if rank0 and trainer.cfg.log.progress:
         print(f"loaded checkpoint {directory} (iteration {meta['iteration']}, saved with layout "
               f"{_layout_text(meta['layout'])})", flush=True)
     return directory
@@ -384,10 +538,8 @@ class ShardReader:
         key = (pp, tp)
         if key not in self._files:
             path = self.directory / shard_file_name(pp, tp)
-            try:  # mmap: only the tensors this rank asks for are read from disk
-                self._files[key] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as err:
-                raise CheckpointError(f"cannot read {path}: {err}") from err
+            # mmap: only the tensors this rank asks for are read from disk
+            self._files[key] = _load_file(path, mmap=True)
         return self._files[key]
 
 
@@ -404,11 +556,7 @@ def _rng_to_restore(trainer, directory: Path, meta: dict) -> dict | None:
     """The saved RNG state of this rank if the layout is unchanged, else None."""
     if meta["layout"] != _layout(trainer.cfg):
         return None
-    path = directory / rng_file_name(trainer.grid.rank)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise CheckpointError(f"cannot read {path}: {err}") from err
+    return _load_file(directory / rng_file_name(trainer.grid.rank), mmap=False)
 
 
 def _apply(trainer, meta: dict, state: dict) -> None:

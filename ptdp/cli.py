@@ -14,6 +14,7 @@ import sys
 # Modules that register sub-commands, in the order `ptdp --help` lists them.
 COMMAND_MODULES = [
     "ptdp.commands.train",      # ptdp train
+    "ptdp.commands.check",      # ptdp check
     "ptdp.planner.cli",         # ptdp plan, ptdp profile
     "ptdp.data.cli",            # ptdp tokenizer, ptdp preprocess
 ]
@@ -37,7 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse cannot take positionals after an option (`CONFIG --world-size 8 a.b=1`):
+    # key=value words it left over are the command's overrides, in order.
+    if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
+        args.overrides = list(args.overrides) + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

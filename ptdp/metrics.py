@@ -6,6 +6,7 @@ numbers, so any rank could.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 from pathlib import Path
@@ -81,7 +82,8 @@ class MetricsLog:
         self.file = self.tensorboard = self.progress = None
         if not is_writer:
             return
-        if cfg.log.metrics_file:
+        if cfg.log.metrics_file:  # its folder may not exist yet (runs/<name>/metrics.jsonl)
+            Path(cfg.log.metrics_file).parent.mkdir(parents=True, exist_ok=True)
             self.file = open(cfg.log.metrics_file, "a")
         if cfg.log.tensorboard_dir:
             try:
@@ -136,3 +138,32 @@ class MetricsLog:
 def read_metrics(path: str | Path) -> list[dict]:
     """The records of a metrics file (one JSON object per line), in order."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def drop_records_after(path: str | Path, iteration: int) -> int:
+    """Keep only the records with iter <= `iteration`; returns how many were dropped.
+
+    A job resumed from iteration N logs N+1, N+2, ... again, so the records a crashed run wrote
+    after its checkpoint go. A torn last line (the run died mid-write) goes too. The file is
+    replaced atomically, so a crash here leaves the old file, never a half-written one.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            keep = json.loads(line)["iter"] <= iteration
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped

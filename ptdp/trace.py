@@ -117,4 +117,5 @@ class TraceRecorder:
             events.append({"name": "process_name", "ph": "M", "pid": rank,
                            "args": {"name": f"rank {rank} {coords}"}})
             events.extend(rank_events)
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         Path(self.path).write_text(json.dumps({"traceEvents": events}))

@@ -81,3 +81,20 @@ def test_shipped_tiny_configs_load():
     for name in ("gpt_tiny", "bert_tiny"):
         cfg = load_config(f"configs/{name}.yaml", ["parallel.tensor=2", "parallel.pipeline=2"], world_size=8)
         assert cfg.parallel.data == 2
+
+
+def test_every_problem_is_reported_one_line_each():
+    with pytest.raises(ConfigError) as err:
+        load("train.lr=-1", "train.adam_beta1=1.5", "train.clip_grad=-1", "parallel.tensor=3", world=3)
+    assert len(err.value.errors) == 6 and str(err.value) == "\n".join(err.value.errors)
+    for key in ("train.lr", "train.adam_beta1", "train.clip_grad", "model.num_heads",
+                "model.hidden_size", "model.ffn_hidden_size"):
+        assert sum(line.startswith(key) for line in err.value.errors) == 1, key
+
+
+def test_a_yaml_list_is_not_a_config(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- model\n- train\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping of sections") as err:
+        load_config(path, world_size=1)
+    assert len(err.value.errors) == 1

@@ -98,22 +98,11 @@ WORLD_SIZE=$((NNODES * GPUS_PER_NODE))
 # The checkout's own code first, whether or not ptdp is pip-installed.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-# Validate the whole config once here, so a mistake is one clear message, not one per rank.
-if ! "$PYTHON" - "$CONFIG" "$WORLD_SIZE" "$@" <<'EOF'
-import sys
-from ptdp.config import ConfigError, load_config
-config, world, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-try:
-    cfg = load_config(config, overrides, world_size=world)
-except ConfigError as err:
-    sys.exit(f"config error for {world} ranks: {err}")
-p, t, d = cfg.parallel.pipeline, cfg.parallel.tensor, cfg.parallel.data
-print(f"{cfg.model.arch} {cfg.model.num_layers} layers h={cfg.model.hidden_size}: (p, t, d) = "
-      f"({p}, {t}, {d}), v = {cfg.parallel.chunks}, schedule {cfg.schedule.name}, "
-      f"m = {cfg.num_micro_batches} micro-batches of {cfg.train.micro_batch_size}", file=sys.stderr)
-EOF
-then
-    die "fix the config or launch a different number of ranks (NNODES=$NNODES x GPUS_PER_NODE=$GPUS_PER_NODE = $WORLD_SIZE)"
+# Check the whole job once here (`ptdp check`: config, layout for this world size, data,
+# tokenizer, checkpoint, output folders), so a mistake is one clear message before torchrun
+# starts, not one per rank. Its summary (layout, micro-batches, memory) goes to stderr.
+if ! "$PYTHON" -m ptdp check "$CONFIG" "$@" --world-size "$WORLD_SIZE" >&2; then
+    die "fix the job or launch a different number of ranks (NNODES=$NNODES x GPUS_PER_NODE=$GPUS_PER_NODE = $WORLD_SIZE)"
 fi
 
 # --- launch ---------------------------------------------------------------------------------

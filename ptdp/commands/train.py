@@ -11,25 +11,36 @@ def register(subparsers) -> None:
         "train", help="train a GPT or BERT model (run under torchrun, one process per rank)",
         description="Train with the layout, schedule and model of CONFIG. Overrides are "
                     "dotted keys, e.g. parallel.tensor=2 train.iters=20 (prefer key=value: "
-                    "torchrun swallows flags that look like its own).")
+                    "torchrun swallows flags that look like its own). Every rank first runs "
+                    "the checks of `ptdp check`; if one fails, rank 0 prints one line per "
+                    "problem and every rank exits with code 2 before any process group exists.")
     parser.add_argument("config", help="YAML config file")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     parser.set_defaults(func=run)
 
 
-def run(args) -> int:
-    from ptdp.config import ConfigError, load_config
+def _env_int(name: str, default: int) -> int:
     try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"ptdp train: config error: {err}", file=sys.stderr)
+        return int(os.environ.get(name) or default)
+    except ValueError:
+        return default
+
+
+def run(args) -> int:
+    from ptdp.checks import check_job
+
+    found = check_job(args.config, args.overrides, _env_int("WORLD_SIZE", 1))
+    if found.errors:
+        if _env_int("RANK", 0) == 0:  # every rank found the same: one copy is enough
+            for line in found.errors:
+                print(f"ptdp train: {line}", file=sys.stderr)
         return 2
     from ptdp.runtime import shutdown
     from ptdp.training import DivergenceError, Trainer
     try:
-        Trainer(cfg).train()
+        Trainer(found.cfg).train()
     except DivergenceError as err:  # every rank stops here together; rank 0 says why
-        if os.environ.get("RANK", "0") == "0":
+        if _env_int("RANK", 0) == 0:
             print(f"ptdp train: {err}", file=sys.stderr)
         return 3
     finally:

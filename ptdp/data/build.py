@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ptdp.config import Config, ConfigError
+from ptdp.config import Config, ConfigError, parse_paths, parse_split  # noqa: F401 (re-exported)
 from ptdp.data.bert_dataset import BertDataset
 from ptdp.data.blend import BlendedDataset
 from ptdp.data.gpt_dataset import GPTDataset
@@ -18,37 +18,9 @@ from ptdp.data.indexed import IndexedDataError, IndexedDataset
 SPLITS = ("train", "valid", "test")
 
 
-def parse_paths(paths: list) -> list[tuple[float, str]]:
-    """`[prefix]` or `[weight, prefix, weight, prefix, ...]` -> [(weight, prefix), ...]."""
-    if len(paths) == 1:
-        return [(1.0, str(paths[0]))]
-    if len(paths) == 0 or len(paths) % 2:
-        raise ConfigError(f"data.paths must be [prefix] or [weight, prefix, weight, prefix, ...], "
-                          f"got {paths}")
-    pairs = []
-    for weight, prefix in zip(paths[::2], paths[1::2]):
-        try:
-            w = float(weight)
-        except (TypeError, ValueError):
-            raise ConfigError(f"data.paths: expected a weight before '{prefix}', got {weight!r}") from None
-        if w < 0:
-            raise ConfigError(f"data.paths: weight of '{prefix}' is negative ({w})")
-        pairs.append((w, str(prefix)))
-    if sum(w for w, _ in pairs) <= 0:
-        raise ConfigError(f"data.paths: the weights must not all be zero, got {paths}")
-    return pairs
-
-
 def split_bounds(split: str, num_docs: int) -> list[tuple[int, int]]:
     """'98,1,1' -> document ranges [(0, a), (a, b), (b, num_docs)] in proportion."""
-    try:
-        ratios = [float(x) for x in str(split).replace("/", ",").split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"data.split must be comma-separated numbers like 98,1,1, got {split!r}") from None
-    if not 1 <= len(ratios) <= 3 or min(ratios) < 0 or sum(ratios) <= 0:
-        raise ConfigError(f"data.split must be up to three non-negative ratios (train,valid,test) "
-                          f"with a positive sum, got {split!r}")
-    ratios += [0.0] * (3 - len(ratios))
+    ratios = parse_split(split)
     edges = np.round(np.cumsum([0.0] + ratios) / sum(ratios) * num_docs).astype(int)
     return [(int(edges[k]), int(edges[k + 1])) for k in range(3)]
 

@@ -20,6 +20,7 @@ import json
 import os
 import struct
 from array import array
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -111,67 +112,95 @@ class IndexedDatasetWriter:
         return False
 
 
+@dataclass(frozen=True)
+class IndexHeader:
+    """What the fixed-size start of a `.idx` says, checked against both files' sizes."""
+
+    prefix: str
+    dtype: np.dtype
+    vocab_size: int
+    num_sequences: int
+    num_documents: int
+    num_tokens: int
+    meta: dict
+    arrays_offset: int   # where doc_idx starts in the .idx
+
+
+def _corrupt(idx_path: Path, what: str) -> IndexedDataError:
+    return IndexedDataError(f"{idx_path}: {what}; the index is corrupt or was not written by "
+                            f"`ptdp preprocess`, re-run it")
+
+
+def read_index_header(prefix: str | os.PathLike) -> IndexHeader:
+    """Read only the header and metadata of `PREFIX.idx` and check both files' sizes.
+
+    Cheap (no token or size array is read), so `ptdp check` can use it on any corpus.
+    """
+    bin_path, idx_path = data_paths(prefix)
+    for path in (idx_path, bin_path):
+        if not path.is_file():
+            raise IndexedDataError(f"{path}: not found (data prefix '{prefix}'; create it "
+                                   f"with `ptdp preprocess --output-prefix {prefix}`)")
+    idx_size = idx_path.stat().st_size
+    with idx_path.open("rb") as f:
+        head = f.read(_HEADER.size)
+        if len(head) < _HEADER.size:
+            raise _corrupt(idx_path, f"file is {len(head)} bytes, shorter than the "
+                                     f"{_HEADER.size}-byte header")
+        magic, version, code, vocab, n_seq, n_doc, n_tok, meta_len = _HEADER.unpack(head)
+        if magic != MAGIC:
+            raise _corrupt(idx_path, f"bad magic {magic!r} (expected {MAGIC!r})")
+        if version != VERSION:
+            raise IndexedDataError(f"{idx_path}: format version {version}, this ptdp reads "
+                                   f"version {VERSION}; re-run `ptdp preprocess`")
+        if code not in DTYPES:
+            raise _corrupt(idx_path, f"unknown dtype code {code}")
+        expected = _HEADER.size + meta_len + 4 * n_seq + 8 * (n_doc + 1)
+        if idx_size != expected:
+            raise _corrupt(idx_path, f"file is {idx_size} bytes but its header describes "
+                                     f"{expected} ({n_seq} sequences, {n_doc} documents)")
+        try:
+            meta = json.loads(f.read(meta_len).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise _corrupt(idx_path, "metadata is not valid JSON") from None
+    dtype = np.dtype(DTYPES[code])
+    size, expected = bin_path.stat().st_size, n_tok * dtype.itemsize
+    if size != expected:
+        state = "truncated" if size < expected else "longer than its index"
+        raise IndexedDataError(
+            f"{bin_path}: {size} bytes but {idx_path.name} describes {n_tok} {dtype.name} "
+            f"tokens ({expected} bytes): the .bin is {state} or the pair does not belong "
+            f"together; re-run `ptdp preprocess`")
+    return IndexHeader(str(prefix), dtype, int(vocab), int(n_seq), int(n_doc), int(n_tok),
+                       meta, _HEADER.size + meta_len)
+
+
 class IndexedDataset:
     """Read-only view of a .bin/.idx pair; `ds[i]` is sequence i as a numpy array (no copy)."""
 
     def __init__(self, prefix: str | os.PathLike):
         self.prefix = str(prefix)
         self.bin_path, self.idx_path = data_paths(prefix)
-        for path in (self.idx_path, self.bin_path):
-            if not path.is_file():
-                raise IndexedDataError(f"{path}: not found (data prefix '{prefix}'; create it "
-                                       f"with `ptdp preprocess --output-prefix {prefix}`)")
-        self._read_index()
-        self._read_bin()
+        header = read_index_header(prefix)
+        self.meta, self.dtype = header.meta, header.dtype
+        self.vocab_size, self.num_tokens = header.vocab_size, header.num_tokens
+        self._read_arrays(header)
+        self.tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r") if self.num_tokens
+                       else np.empty(0, self.dtype))
 
-    def _corrupt(self, what: str) -> IndexedDataError:
-        return IndexedDataError(f"{self.idx_path}: {what}; the index is corrupt or was not "
-                                f"written by `ptdp preprocess`, re-run it")
-
-    def _read_index(self) -> None:
-        raw = np.memmap(self.idx_path, dtype=np.uint8, mode="r") \
-            if self.idx_path.stat().st_size else np.empty(0, np.uint8)
-        if raw.size < _HEADER.size:
-            raise self._corrupt(f"file is {raw.size} bytes, shorter than the {_HEADER.size}-byte header")
-        magic, version, code, vocab, n_seq, n_doc, n_tok, meta_len = _HEADER.unpack(
-            raw[:_HEADER.size].tobytes())
-        if magic != MAGIC:
-            raise self._corrupt(f"bad magic {magic!r} (expected {MAGIC!r})")
-        if version != VERSION:
-            raise IndexedDataError(f"{self.idx_path}: format version {version}, this ptdp reads "
-                                   f"version {VERSION}; re-run `ptdp preprocess`")
-        if code not in DTYPES:
-            raise self._corrupt(f"unknown dtype code {code}")
-        expected = _HEADER.size + meta_len + 4 * n_seq + 8 * (n_doc + 1)
-        if raw.size != expected:
-            raise self._corrupt(f"file is {raw.size} bytes but its header describes {expected} "
-                                f"({n_seq} sequences, {n_doc} documents)")
-        start = _HEADER.size + meta_len
-        try:
-            self.meta = json.loads(raw[_HEADER.size:start].tobytes().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise self._corrupt("metadata is not valid JSON") from None
+    def _read_arrays(self, header: IndexHeader) -> None:
+        """doc_idx and sizes, checked against the header's totals."""
+        raw = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
+        n_doc, n_seq, start = header.num_documents, header.num_sequences, header.arrays_offset
         self.doc_idx = np.frombuffer(raw, np.int64, n_doc + 1, start)
         self.sizes = np.frombuffer(raw, np.int32, n_seq, start + 8 * (n_doc + 1))
-        self.dtype, self.vocab_size, self.num_tokens = np.dtype(DTYPES[code]), int(vocab), int(n_tok)
-        if int(self.sizes.sum(dtype=np.int64)) != n_tok or (self.sizes < 0).any():
-            raise self._corrupt(f"sequence sizes do not add up to the {n_tok} tokens in the header")
+        if int(self.sizes.sum(dtype=np.int64)) != header.num_tokens or (self.sizes < 0).any():
+            raise _corrupt(self.idx_path, f"sequence sizes do not add up to the "
+                                          f"{header.num_tokens} tokens in the header")
         if self.doc_idx[0] != 0 or self.doc_idx[-1] != n_seq or (np.diff(self.doc_idx) < 0).any():
-            raise self._corrupt("document index is not a monotonic cover of the sequences")
+            raise _corrupt(self.idx_path, "document index is not a monotonic cover of the sequences")
         # Token offset of every sequence (and one past the last), derived, not stored.
         self.pointers = np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)])
-
-    def _read_bin(self) -> None:
-        size = self.bin_path.stat().st_size
-        expected = self.num_tokens * self.dtype.itemsize
-        if size != expected:
-            state = "truncated" if size < expected else "longer than its index"
-            raise IndexedDataError(
-                f"{self.bin_path}: {size} bytes but {self.idx_path.name} describes "
-                f"{self.num_tokens} {self.dtype.name} tokens ({expected} bytes): the .bin is "
-                f"{state} or the pair does not belong together; re-run `ptdp preprocess`")
-        self.tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r") if expected
-                       else np.empty(0, self.dtype))
 
     # Sequences ------------------------------------------------------------------------------
     def __len__(self) -> int:

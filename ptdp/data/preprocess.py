@@ -66,6 +66,8 @@ def _load_documents(input_path: Path, json_key: str, cache_dir: str, progress: b
         datasets.disable_progress_bars()
     if not input_path.is_file():
         raise FileNotFoundError(f"input not found: {input_path}")
+    if not _has_text(input_path):  # `datasets` fails on an empty file with a bare StopIteration
+        raise ValueError(f"input {input_path} is empty: no documents to tokenise")
     builder = "json" if input_path.suffix in (".jsonl", ".json") else "text"
     ds = datasets.load_dataset(builder, data_files=str(input_path), split="train",
                                cache_dir=cache_dir)
@@ -74,6 +76,12 @@ def _load_documents(input_path: Path, json_key: str, cache_dir: str, progress: b
         raise ValueError(f"{input_path}: no '{key}' field (columns: {', '.join(ds.column_names)}); "
                          f"pass --json-key")
     return ds, key
+
+
+def _has_text(path: Path) -> bool:
+    """True if some line holds more than whitespace (stops at the first such line)."""
+    with path.open("rb") as f:
+        return any(line.strip() for line in f)
 
 
 def preprocess(input_path: str | os.PathLike, tokenizer_path: str | os.PathLike,
@@ -105,6 +113,8 @@ def preprocess(input_path: str | os.PathLike, tokenizer_path: str | os.PathLike,
                         skipped += 1  # empty text: a document of only <eod> teaches nothing
                 bar.update(len(batch["ids"]))
             documents = writer.num_documents
+            if documents == 0:  # raised inside the writer: no .bin/.idx is left behind
+                raise ValueError(f"input {input_path}: every document is empty, nothing to write")
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
     return {"documents": documents, "skipped": skipped, "output_prefix": str(output_prefix),

@@ -1,0 +1,329 @@
+"""Everything that can be known about a job before it starts: `ptdp check`, and the first
+thing `ptdp train` does on every rank, before any process group exists.
+
+One function per concern, each adding one line per problem to a `Findings`; the concerns
+are independent, so a user sees every problem at once (only a config that does not load
+stops the rest). Checks stay cheap: `.idx` headers and file sizes, not the corpus; the
+tokenizer is loaded; a checkpoint's files are opened memory-mapped (torch is imported only
+then). Nothing is created or written.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ptdp.config import Config, ConfigError, parse_config, parse_paths, parse_split, validate
+
+
+@dataclass
+class Findings:
+    """The outcome of the checks: errors (the job must not start) and notes (it may)."""
+
+    cfg: Config | None = None
+    errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    hardware: object = None        # the log.hardware profile, when it loads
+
+    def error(self, line: str) -> None:
+        self.errors.append(_one_line(line))
+
+    def note(self, line: str) -> None:
+        self.notes.append(_one_line(line))
+
+
+def _one_line(text: str) -> str:
+    """Messages from libraries can span lines; a finding is one line."""
+    return " ".join(str(text).split())
+
+
+def check_job(config_path: str | None, overrides: list[str], world_size: int) -> Findings:
+    """Load and validate the config for `world_size` ranks, then check everything it names.
+
+    `found.cfg` is the validated config when there is no error. Only a config that does not
+    parse (unknown keys, wrong types) stops the other checks: they guard their own inputs.
+    """
+    found = Findings()
+    try:
+        cfg = parse_config(config_path, overrides)
+    except ConfigError as err:
+        for line in err.errors:
+            found.error(line)
+        return found
+    try:
+        validate(cfg, world_size)
+    except ConfigError as err:
+        for line in err.errors:
+            found.error(line)
+    headers = check_data(cfg, found)
+    check_tokenizer(cfg, headers, found)
+    check_hardware(cfg, found)
+    check_packages(cfg, found)
+    check_checkpoint_load(cfg, found)
+    check_outputs(cfg, found)
+    if not found.errors:
+        found.cfg = cfg
+    return found
+
+
+# --------------------------------------------------------------------------------------------
+# Data and tokenizer
+# --------------------------------------------------------------------------------------------
+
+def check_data(cfg: Config, found: Findings) -> list:
+    """Headers and sizes of every data.paths prefix; returns the headers that could be read."""
+    if cfg.data.source != "indexed":
+        return []
+    from ptdp.data.indexed import IndexedDataError, read_index_header
+
+    try:
+        pairs = parse_paths(cfg.data.paths)
+    except ConfigError:
+        return []   # reported by the config's validation
+    headers = []
+    for _, prefix in pairs:
+        try:
+            headers.append(read_index_header(prefix))
+        except IndexedDataError as err:
+            found.error(f"data.paths: {err}")
+    for header in headers:
+        _check_dataset(cfg, header, found)
+    if len(headers) == len(pairs):
+        _check_enough_tokens(cfg, pairs, headers, found)
+    _check_same_vocabulary(headers, found)
+    return headers
+
+
+def _idx(header) -> str:
+    return f"{header.prefix}.idx"
+
+
+def _check_dataset(cfg: Config, header, found: Findings) -> None:
+    if header.num_documents == 0 or header.num_tokens == 0:
+        found.error(f"data.paths: {_idx(header)} holds no tokens ({header.num_documents} "
+                    f"documents); re-run `ptdp preprocess` on a corpus with text in it")
+    if cfg.model.vocab_size < header.vocab_size:
+        found.error(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of "
+                    f"{_idx(header)} ({header.vocab_size}); set "
+                    f"model.vocab_size={header.vocab_size}")
+    if cfg.model.arch == "bert":
+        if not header.meta.get("sentences"):
+            found.error(f"data.paths: {_idx(header)} has no sentence boundaries, which BERT "
+                        f"needs; re-run `ptdp preprocess --split-sentences`")
+        from ptdp.data.tokenizer import SPECIAL_TOKENS
+        missing = [t for t in SPECIAL_TOKENS if t not in header.meta.get("special_ids", {})]
+        if missing:
+            found.error(f"data.paths: {_idx(header)} was tokenised without {', '.join(missing)}; "
+                        f"train the tokenizer with `ptdp tokenizer train` and re-run preprocess")
+
+
+def _check_enough_tokens(cfg: Config, pairs: list, headers: list, found: Findings) -> None:
+    """At least one sample in the train split: L + 1 tokens (estimated from the header and
+    data.split, since the split is by documents and their sizes are not read here)."""
+    s = cfg.model.seq_length
+    try:
+        share = parse_split(cfg.data.split)
+    except ConfigError:
+        return   # reported by the config's validation
+    share = share[0] / sum(share)
+    # Empty datasets and an empty train split are reported on their own.
+    estimates = [(h, int(h.num_tokens * share)) for (w, _), h in zip(pairs, headers)
+                 if w > 0 and h.num_tokens > 0]
+    if share > 0 and estimates and all(tokens < s + 1 for _, tokens in estimates):
+        h, tokens = estimates[0]
+        found.error(f"model.seq_length={s} needs {s + 1} tokens per sample, but the train split "
+                    f"of {_idx(h)} holds about {tokens} ({h.num_tokens} tokens, data.split="
+                    f"{cfg.data.split}); use a shorter model.seq_length or more data")
+
+
+def _check_same_vocabulary(headers: list, found: Findings) -> None:
+    if not headers:
+        return
+    first = headers[0]
+    for h in headers[1:]:
+        if (h.vocab_size, h.meta.get("tokenizer_fingerprint")) != \
+                (first.vocab_size, first.meta.get("tokenizer_fingerprint")):
+            found.error(f"data.paths: {_idx(h)} and {_idx(first)} were tokenised with different "
+                        f"vocabularies; blend only data from one tokenizer")
+
+
+def check_tokenizer(cfg: Config, headers: list, found: Findings) -> None:
+    """data.tokenizer loads, fits in model.vocab_size and is the one the data was made with."""
+    path = cfg.data.tokenizer
+    if not path:
+        return
+    if not package_installed("sentencepiece"):
+        return  # reported by check_packages
+    from ptdp.data.tokenizer import Tokenizer, TokenizerError
+    try:
+        tok = Tokenizer(path)
+    except (TokenizerError, ImportError, OSError) as err:
+        found.error(f"data.tokenizer: {err}")
+        return
+    vocab_reported = any(line.startswith("model.vocab_size=") for line in found.errors)
+    if tok.vocab_size > cfg.model.vocab_size and not vocab_reported:
+        found.error(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of "
+                    f"the tokenizer {path} ({tok.vocab_size}); set model.vocab_size={tok.vocab_size}")
+    if headers:
+        data = headers[0]
+        data_fp = data.meta.get("tokenizer_fingerprint")
+        if tok.vocab_size != data.vocab_size or (data_fp and data_fp != tok.fingerprint):
+            found.error(f"data.tokenizer: {path} (vocab_size {tok.vocab_size}) is not the tokenizer "
+                        f"{_idx(data)} was made with (vocab_size {data.vocab_size}, tokenizer "
+                        f"{data.meta.get('tokenizer', 'unknown')}); point data.tokenizer at that "
+                        f"model or re-run `ptdp preprocess` with this one")
+
+
+# --------------------------------------------------------------------------------------------
+# Hardware profile and optional packages
+# --------------------------------------------------------------------------------------------
+
+def check_hardware(cfg: Config, found: Findings) -> None:
+    if not cfg.log.hardware:
+        return
+    from ptdp.planner.errors import PlanError
+    from ptdp.planner.hardware import load_hardware
+    try:
+        found.hardware = load_hardware(cfg.log.hardware)
+    except PlanError as err:
+        found.error(f"log.hardware: {err}")
+
+
+def package_installed(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def check_packages(cfg: Config, found: Findings) -> None:
+    """Optional packages the config asks for (torch.utils.tensorboard needs `tensorboard`)."""
+    if cfg.log.tensorboard_dir and not package_installed("tensorboard"):
+        found.error("log.tensorboard_dir is set but the tensorboard package is not installed: "
+                    "pip install 'ptdp[tensorboard]', or unset log.tensorboard_dir")
+    if cfg.data.tokenizer and not package_installed("sentencepiece"):
+        found.error("data.tokenizer needs the sentencepiece package: pip install sentencepiece")
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint to load
+# --------------------------------------------------------------------------------------------
+
+def check_checkpoint_load(cfg: Config, found: Findings) -> None:
+    """The checkpoint exists, is complete and readable, and holds this model (any layout)."""
+    if not cfg.checkpoint.load:
+        return
+    from ptdp.checkpoint import (CheckpointError, check_files_readable, check_model_config,
+                                 find_checkpoint, read_metadata)
+    try:
+        directory, fallback = find_checkpoint(cfg.checkpoint.load)
+        meta = read_metadata(directory)
+        check_model_config(meta, cfg.model, directory)
+        check_files_readable(directory, meta)
+    except CheckpointError as err:
+        found.error(f"checkpoint.load: {err}")
+        return
+    if fallback:
+        found.note(f"checkpoint.load: {fallback}")
+    if meta["iteration"] >= cfg.train.iters:
+        found.note(f"checkpoint.load: {directory} is at iteration {meta['iteration']}, not before "
+                   f"train.iters={cfg.train.iters}: there is nothing left to train")
+
+
+# --------------------------------------------------------------------------------------------
+# Output folders
+# --------------------------------------------------------------------------------------------
+
+def check_outputs(cfg: Config, found: Findings) -> None:
+    """Outputs go into folders that exist and are writable, or that the job can create
+    (rank 0 creates missing ones when it starts, as the shipped configs' runs/<name>/)."""
+    for key, path in (("log.metrics_file", cfg.log.metrics_file),
+                      ("log.trace_file", cfg.log.trace_file)):
+        if path:
+            _check_output_file(key, Path(path), found)
+    for key, path in (("checkpoint.dir", cfg.checkpoint.dir),
+                      ("log.tensorboard_dir", cfg.log.tensorboard_dir)):
+        if path:
+            _check_output_dir(key, Path(path), found)
+
+
+def _check_output_file(key: str, path: Path, found: Findings) -> None:
+    if path.is_dir():
+        found.error(f"{key}: {path} is a directory; give a file name")
+    elif path.exists() and not os.access(path, os.W_OK):
+        found.error(f"{key}: {path} is not writable; choose another path")
+    else:
+        _check_output_dir(key, path.absolute().parent, found, file=path)
+
+
+def _check_output_dir(key: str, path: Path, found: Findings, file: Path | None = None) -> None:
+    """`path` is a writable directory, or the nearest existing ancestor is one."""
+    whose = f" (the folder of {file})" if file else ""
+    if path.exists():
+        if not path.is_dir():
+            found.error(f"{key}: {path}{whose} is a file, not a directory; choose another path")
+        elif not os.access(path, os.W_OK):
+            found.error(f"{key}: {path}{whose} is not writable; choose another path")
+        return
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        found.error(f"{key}: {path}{whose} cannot be created: {ancestor} is a file; choose "
+                    f"another path")
+    elif not os.access(ancestor, os.W_OK):
+        found.error(f"{key}: {path}{whose} cannot be created: {ancestor} is not writable; "
+                    f"choose another path")
+
+
+# --------------------------------------------------------------------------------------------
+# What a job that passes will look like
+# --------------------------------------------------------------------------------------------
+
+def memory_per_stage(cfg: Config, hardware=None) -> list:
+    """The planner's memory model for every pipeline rank: [MemoryBreakdown per stage]."""
+    from ptdp.planner.compute import ModelShape
+    from ptdp.planner.memory import gpu_memory
+
+    par, tr = cfg.parallel, cfg.train
+    kwargs = dict(p=par.pipeline, t=par.tensor, v=par.chunks, m=cfg.num_micro_batches,
+                  b=tr.micro_batch_size, d=par.data, schedule=cfg.schedule.name,
+                  recompute=tr.recompute, precision=tr.precision,
+                  attention=hardware.attention if hardware else "flash",
+                  vocab_padded=cfg.padded_vocab_size,
+                  reserved_gb=hardware.memory_reserved_gb if hardware else 0.0, hw=hardware)
+    shape = ModelShape.from_config(cfg.model)
+    return [gpu_memory(shape, rank=r, **kwargs) for r in range(par.pipeline)]
+
+
+def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
+    """Lines describing the resolved job: layout, micro-batches, bubble, memory per rank."""
+    from ptdp.planner.formulas import bubble_fraction, parameter_count
+    from ptdp.planner.memory import GB
+
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
+    mb = cfg.num_micro_batches
+    params = parameter_count(m.num_layers, m.hidden_size, cfg.padded_vocab_size, m.seq_length)
+    lines = [
+        f"model: {m.arch}, {m.num_layers} layers, h={m.hidden_size}, {m.num_heads} heads, "
+        f"ffn {m.ffn_hidden_size}, s={m.seq_length}, vocab {m.vocab_size} (padded "
+        f"{cfg.padded_vocab_size}), {params / 1e6:,.2f} M parameters (Eq. 4.3)",
+        f"layout: (p, t, d) = ({par.pipeline}, {par.tensor}, {par.data}), v = {par.chunks}, "
+        f"schedule {cfg.schedule.name}, world size {world_size}",
+        f"micro-batches: m = {mb} of {tr.micro_batch_size} per pipeline per iteration "
+        f"(global batch {tr.global_batch_size}); bubble (p-1)/(v*m) = "
+        f"{bubble_fraction(par.pipeline, mb, par.chunks):.3f}",
+    ]
+    stages = memory_per_stage(cfg, hardware)
+    where = f"log.hardware {hardware.name}" if hardware else "analytic, flash attention"
+    lines.append(f"memory per rank (estimate, {where}, {tr.precision}):")
+    shown = range(len(stages)) if len(stages) <= 4 else sorted(
+        {0, len(stages) - 1, max(range(len(stages)), key=lambda r: stages[r].total)})
+    for r in shown:
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in stages[r].as_gb().items() if k != "total")
+        lines.append(f"  pipeline rank {r}: {stages[r].total / GB:.3f} GiB ({parts})")
+    if hardware is not None:
+        worst = max(stages, key=lambda s: s.total)
+        if worst.total > hardware.usable_memory_bytes:
+            lines.append(f"  warning: the estimate exceeds {hardware.name}'s usable "
+                         f"{hardware.usable_memory_bytes / GB:.1f} GiB")
+    return lines
