@@ -39,8 +39,12 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def check_job(config_path: str | None, overrides: list[str], world_size: int) -> Findings:
+def check_job(config_path: str | None, overrides: list[str], world_size: int,
+              ranks_per_node: int | None = None) -> Findings:
     """Load and validate the config for `world_size` ranks, then check everything it names.
+
+    `ranks_per_node` (torchrun's --nproc-per-node, LOCAL_WORLD_SIZE) also checks that every
+    rank of this node gets a GPU of its own when the job trains on GPUs.
 
     `found.cfg` is the validated config when there is no error. Only a config that does not
     parse (unknown keys, wrong types) stops the other checks: they guard their own inputs.
@@ -61,6 +65,8 @@ def check_job(config_path: str | None, overrides: list[str], world_size: int) ->
     check_tokenizer(cfg, headers, found)
     check_hardware(cfg, found)
     check_packages(cfg, found)
+    if ranks_per_node is not None:
+        check_devices(cfg, ranks_per_node, found)
     check_checkpoint_load(cfg, found)
     check_outputs(cfg, found)
     if not found.errors:
@@ -202,6 +208,27 @@ def check_packages(cfg: Config, found: Findings) -> None:
                     "pip install 'ptdp[tensorboard]', or unset log.tensorboard_dir")
     if cfg.data.tokenizer and not package_installed("sentencepiece"):
         found.error("data.tokenizer needs the sentencepiece package: pip install sentencepiece")
+
+
+def check_devices(cfg: Config, ranks_per_node: int, found: Findings) -> None:
+    """One GPU per rank: rank LOCAL_RANK uses GPU LOCAL_RANK, so a node cannot start more
+    GPU ranks than it has visible GPUs (DESIGN.md, NCCL rule 4)."""
+    if cfg.train.device == "cpu":
+        return
+    import torch
+    gpus = torch.cuda.device_count()
+    if cfg.train.device == "auto" and gpus == 0:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    if gpus == 0:
+        found.error(f"train.device=cuda but no GPU is visible{shown}; train on CPU with "
+                    f"train.device=cpu")
+    elif ranks_per_node > gpus:
+        found.error(f"train.device={cfg.train.device}: this node starts {ranks_per_node} ranks but "
+                    f"only {gpus} GPU(s) are visible{shown}, and each rank needs a GPU of its "
+                    f"own; start at most {gpus} ranks per node (torchrun --nproc-per-node {gpus}) "
+                    f"or train on CPU with train.device=cpu")
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,6 +22,9 @@ def pick_device(choice: str) -> torch.device:
         if not torch.cuda.is_available():
             raise RuntimeError("train.device=cuda but no CUDA device is visible")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= torch.cuda.device_count():  # `ptdp train` checks this before starting
+            raise RuntimeError(f"LOCAL_RANK={local_rank} has no GPU of its own: only "
+                               f"{torch.cuda.device_count()} visible; use train.device=cpu")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

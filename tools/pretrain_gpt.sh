@@ -101,7 +101,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # Check the whole job once here (`ptdp check`: config, layout for this world size, data,
 # tokenizer, checkpoint, output folders), so a mistake is one clear message before torchrun
 # starts, not one per rank. Its summary (layout, micro-batches, memory) goes to stderr.
-if ! "$PYTHON" -m ptdp check "$CONFIG" "$@" --world-size "$WORLD_SIZE" >&2; then
+if ! "$PYTHON" -m ptdp check "$CONFIG" "$@" --world-size "$WORLD_SIZE" --nproc-per-node "$GPUS_PER_NODE" >&2; then
     die "fix the job or launch a different number of ranks (NNODES=$NNODES x GPUS_PER_NODE=$GPUS_PER_NODE = $WORLD_SIZE)"
 fi
 

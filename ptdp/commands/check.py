@@ -20,6 +20,9 @@ def register(subparsers) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     parser.add_argument("--world-size", type=int, default=None, metavar="N",
                         help="ranks the job will run on (default: $WORLD_SIZE, else 1)")
+    parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                        help="ranks per node, as torchrun's --nproc-per-node: checks that each "
+                             "GPU rank gets a visible GPU of its own (default: not checked)")
     parser.set_defaults(func=run)
 
 
@@ -30,7 +33,7 @@ def run(args) -> int:
     if world < 1:
         print(f"ptdp check: --world-size must be >= 1, got {world}", file=sys.stderr)
         return 2
-    found = check_job(args.config, args.overrides, world)
+    found = check_job(args.config, args.overrides, world, ranks_per_node=args.nproc_per_node)
     if found.errors:
         for line in found.errors:
             print(f"ptdp check: {line}", file=sys.stderr)

@@ -29,7 +29,8 @@ def _env_int(name: str, default: int) -> int:
 def run(args) -> int:
     from ptdp.checks import check_job
 
-    found = check_job(args.config, args.overrides, _env_int("WORLD_SIZE", 1))
+    found = check_job(args.config, args.overrides, _env_int("WORLD_SIZE", 1),
+                      ranks_per_node=_env_int("LOCAL_WORLD_SIZE", 1))
     if found.errors:
         if _env_int("RANK", 0) == 0:  # every rank found the same: one copy is enough
             for line in found.errors:

@@ -1,0 +1,43 @@
+"""One GPU per rank: a node cannot start more GPU ranks than it has visible GPUs, and says so
+in one line before any process group; CPU training never needs a GPU."""
+
+import pytest
+import torch
+
+from ptdp.checks import check_job
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    def visible(count: int):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    return visible
+
+
+def test_more_ranks_than_gpus_is_one_line_naming_the_fix(gpus):
+    gpus(1)
+    found = check_job(None, ["parallel.data=2"], world_size=2, ranks_per_node=2)
+    assert len(found.errors) == 1
+    line = found.errors[0]
+    assert "this node starts 2 ranks but only 1 GPU(s) are visible" in line
+    assert "--nproc-per-node 1" in line and "train.device=cpu" in line
+
+
+@pytest.mark.parametrize("device,count,ranks", [("cpu", 1, 8), ("auto", 0, 8), ("auto", 8, 8),
+                                                ("cuda", 2, 2)])
+def test_enough_gpus_or_cpu_passes(gpus, device, count, ranks):
+    gpus(count)
+    found = check_job(None, [f"train.device={device}", "train.global_batch_size=16"],
+                      world_size=ranks, ranks_per_node=ranks)
+    assert found.errors == []
+
+
+def test_cuda_without_gpus_is_refused(gpus):
+    gpus(0)
+    found = check_job(None, ["train.device=cuda"], world_size=1, ranks_per_node=1)
+    assert found.errors == ["train.device=cuda but no GPU is visible (CUDA_VISIBLE_DEVICES=); "
+                            "train on CPU with train.device=cpu"]
+
+
+def test_the_suite_itself_runs_without_gpus():
+    assert not torch.cuda.is_available()
