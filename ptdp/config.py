@@ -99,7 +99,7 @@ class TrainConfig:
     eval_interval: int = 0               # 0 disables validation
     eval_iters: int = 2
     device: str = "auto"                 # auto | cpu | cuda
-    timeout_s: float = 600.0             # every collective gives up after this long
+    timeout_s: float = 180.0             # every collective gives up after this long
 
 
 @dataclass

@@ -27,6 +27,7 @@ from ptdp.optim.loss_scale import LossScaler
 from ptdp.optim.lr import learning_rate
 from ptdp.optim.mixed_precision import PRECISIONS, MasterWeights
 from ptdp.optim.optimizer import build_optimizer
+from ptdp.parallel.grid import coordinates_of
 from ptdp.parallel.tensor import TensorParallel, TensorParallelRNG, seed_everything
 from ptdp.pipeline.comm_plan import check_plans, plan_exchanges
 from ptdp.pipeline.executor import PipelineExecutor
@@ -34,6 +35,7 @@ from ptdp.pipeline.p2p import P2P
 from ptdp.pipeline.schedules import FORWARD, build_all, rank_stages
 from ptdp.runtime import init_distributed
 from ptdp.trace import NO_SPANS, TraceRecorder
+from ptdp.watchdog import Watchdog
 from ptdp.sharding import gather_full_state
 
 
@@ -252,25 +254,38 @@ class Trainer:
         peak = peak_tflops(cfg, self.device)
         tracer = TraceRecorder(cfg.log.trace_file, self.grid.rank, self.grid.coords,
                                self.device, first_iteration=self.iteration + 1)
+        watchdog = self._start_watchdog()
         history = []
         try:
             for it in range(self.iteration, cfg.train.iters):
+                watchdog.doing(f"iteration {it + 1}", iteration=it + 1)
                 start = time.perf_counter()
                 spans = tracer.spans_for(it + 1)
-                step = self.train_step(it, spans)
+                step = self.train_step(it, watchdog.track(spans))
                 tracer.add(it + 1, spans)
                 record = self._record(it, step, time.perf_counter() - start, peak)
                 self.iteration = it + 1
                 if cfg.train.eval_interval and self.iteration % cfg.train.eval_interval == 0:
+                    watchdog.doing("evaluation")
                     record["valid_loss"] = self.evaluate(self.iteration // cfg.train.eval_interval - 1)
                 history.append(record)
                 log.log(record)
                 if self._checkpoint_due():
+                    watchdog.doing("checkpoint save", watch=False)  # as long as the disk takes
                     self.save_checkpoint()
+            watchdog.doing("trace and shutdown", watch=False)
             tracer.write()
         finally:
+            watchdog.stop()
             log.close()
         return history
+
+    def _start_watchdog(self) -> Watchdog:
+        """Heartbeats and the stall check (ptdp.watchdog); inert on a single rank."""
+        grid = self.grid
+        describe = lambda r: str(coordinates_of(r, grid.p, grid.d, grid.t))  # noqa: E731
+        return Watchdog(grid.rank, dist.get_world_size(), describe, self.cfg.train.timeout_s,
+                        first_iteration=self.iteration + 1).start()
 
     def _record(self, it: int, step: StepResult, seconds: float, peak: float | None) -> dict:
         cfg, tr = self.cfg, self.cfg.train
