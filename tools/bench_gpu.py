@@ -350,6 +350,7 @@ def run_one(make, args, s: dict, device, vocab: int, peak: float | None) -> dict
            "loss_first": losses[0], "loss_last": losses[-1], "parameters": runner.parameters,
            "vocab": vocab}
     del runner
+    torch.compiler.reset()  # drop compiled graphs before the next model is measured
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -26,6 +26,15 @@ def test_should_compile_defaults_to_cuda_only():
     assert should_compile(False, torch.device("cuda", 0)) is False
 
 
+def test_train_compile_is_true_false_or_null():
+    from ptdp.config import ConfigError, load_config
+    assert load_config(None, []).train.compile is None
+    assert load_config(None, ["train.compile=true"]).train.compile is True
+    assert load_config(None, ["train.compile=null"]).train.compile is None
+    with pytest.raises(ConfigError, match="train.compile"):
+        load_config(None, ["train.compile=fast"])
+
+
 def loss_and_grads(compile: bool, recompute: str, dropout: float = 0.0):
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=100,
                       dropout=dropout)
