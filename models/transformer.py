@@ -3,6 +3,16 @@
 Attention: Q, K, V come from one column-parallel GEMM (each tensor rank owns num_heads/t whole
 heads), the output projection is row-parallel. MLP: column-parallel h -> 4h, GeLU,
 row-parallel 4h -> h. So a layer does two all-reduces forward and two backward (SPEC item 21).
+
+The output projections hand their bias back (`skip_bias_add`) so that bias + GeLU and bias +
+dropout + residual add are one elementwise chain each (ptdp/kernels/fused.py), fused into one
+kernel when the layer is compiled (`ModelContext.compile`, from `train.compile`).
+
+Attention is F.scaled_dot_product_attention on [b, heads, s, head_dim] views of the QKV GEMM.
+GPT passes `is_causal=True` and no mask, so on GPU the flash kernel runs (bf16/fp16, head_dim
+<= 256). BERT passes its padding mask as a boolean [b, 1, 1, s] keep-mask, broadcast over
+heads and queries: flash takes no mask, so the memory-efficient kernel (or cuDNN's, where it
+accepts masks) runs instead; the math kernel only when neither applies (e.g. on CPU).
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ptdp.config import ModelConfig
+from ptdp.kernels import bias_dropout_add, bias_gelu
 from ptdp.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallel,
                                   TensorParallelRNG, full_normal, scaled_std)
 
@@ -30,6 +41,7 @@ class ModelContext:
     padded_vocab_size: int
     recompute: str = "none"          # none | full | selective
     recompute_num_layers: int = 1
+    compile: bool = False            # torch.compile each TransformerLayer (train.compile)
 
 
 def layer_norm(hidden: int, eps: float) -> nn.LayerNorm:
@@ -58,7 +70,7 @@ class ParallelAttention(nn.Module):
                                         key=f"{key}.qkv", std=cfg.init_std,
                                         full_weight=qkv_weight(cfg, ctx.seed, f"{key}.qkv"))
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
-                                      key=f"{key}.proj",
+                                      key=f"{key}.proj", skip_bias_add=True,
                                       std=scaled_std(cfg.init_std, cfg.num_layers))
 
     def core_attention(self, q, k, v, padding_mask):
@@ -70,11 +82,10 @@ class ParallelAttention(nn.Module):
         causal = self.causal and mask is None
         if dropout == 0.0:  # no randomness: skip swapping RNG states
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-        with self.ctx.rng.fork():
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                                  is_causal=causal)
+        return _attention_with_dropout(self.ctx.rng, q, k, v, mask, dropout, causal)
 
     def forward(self, x, padding_mask=None):
+        """-> (output without the projection's bias, that bias)."""
         s, b, _ = x.shape
         qkv = self.qkv(x).view(s, b, self.local_heads, 3, -1)
         q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # [b, n, s, d]
@@ -86,18 +97,29 @@ class ParallelAttention(nn.Module):
         return self.proj(out)
 
 
+@torch.compiler.disable
+def _attention_with_dropout(rng: TensorParallelRNG, q, k, v, mask, dropout: float, causal: bool):
+    """Attention dropout draws from the tensor-parallel stream; swapping generator states is
+    Python-side work a compiled layer must not trace, so this runs eagerly (a graph break)."""
+    with rng.fork():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                              is_causal=causal)
+
+
 class ParallelMLP(nn.Module):
     def __init__(self, ctx: ModelContext, layer: int):
         super().__init__()
         cfg, tp = ctx.model, ctx.tp
         key = f"layers.{layer}.mlp"
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp, seed=ctx.seed,
-                                        key=f"{key}.fc1", std=cfg.init_std)
+                                        key=f"{key}.fc1", std=cfg.init_std, skip_bias_add=True)
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
-                                     key=f"{key}.fc2", std=scaled_std(cfg.init_std, cfg.num_layers))
+                                     key=f"{key}.fc2", std=scaled_std(cfg.init_std, cfg.num_layers),
+                                     skip_bias_add=True)
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
+        """-> (output without fc2's bias, that bias)."""
+        return self.fc2(bias_gelu(*self.fc1(x)))
 
 
 class TransformerLayer(nn.Module):
@@ -112,13 +134,10 @@ class TransformerLayer(nn.Module):
         self.mlp = ParallelMLP(ctx, layer)
         self.dropout = cfg.dropout
 
-    def _drop(self, x):
-        # Replicated activations: the default generator, identical on every tensor rank.
-        return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
-
     def forward(self, x, padding_mask=None):
-        x = x + self._drop(self.attention(self.ln1(x), padding_mask))
-        return x + self._drop(self.mlp(self.ln2(x)))
+        x = bias_dropout_add(*self.attention(self.ln1(x), padding_mask), x, self.dropout,
+                             self.training)
+        return bias_dropout_add(*self.mlp(self.ln2(x)), x, self.dropout, self.training)
 
 
 class TransformerStack(nn.Module):
@@ -132,6 +151,9 @@ class TransformerStack(nn.Module):
         super().__init__()
         self.ctx, self.first = ctx, first
         self.layers = nn.ModuleList(TransformerLayer(ctx, first + i, causal) for i in range(count))
+        if ctx.compile:  # in place: parameter names and state_dict keys stay the same
+            for layer in self.layers:
+                layer.compile()
 
     def _run(self, start: int, end: int, x, padding_mask):
         for layer in self.layers[start:end]:
@@ -147,6 +169,7 @@ class TransformerStack(nn.Module):
         return x
 
 
+@torch.compiler.disable  # selective recomputation runs inside a compiled layer: keep it eager
 def recompute(rng: TensorParallelRNG, fn, *args):
     """torch.utils.checkpoint that also replays the tensor-parallel dropout stream.
 

@@ -99,6 +99,7 @@ class TrainConfig:
     eval_interval: int = 0               # 0 disables validation
     eval_iters: int = 2
     device: str = "auto"                 # auto | cpu | cuda
+    compile: bool | None = None          # torch.compile each layer; null = on for CUDA only
     timeout_s: float = 180.0             # every collective gives up after this long
 
 

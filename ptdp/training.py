@@ -20,6 +20,7 @@ from models import ModelContext, build_chunk, named_global_parameters
 from ptdp.batching import MicroBatches
 from ptdp.config import Config
 from ptdp.data.synthetic import synthetic_datasets
+from ptdp.kernels import should_compile
 from ptdp.metrics import MetricsLog, iteration_tflops, peak_memory_gb, peak_tflops, startup_report
 from ptdp.optim.grads import (DataParallelGradients, clip_gradients, counts_in_norm,
                               global_grad_norm, sync_shared_embeddings)
@@ -90,7 +91,8 @@ class Trainer:
         self.tp = TensorParallel.from_grid(grid)
         self.ctx = ModelContext(cfg.model, self.tp, tr.seed,
                                 TensorParallelRNG(tr.seed, grid.tp_rank, self.device),
-                                cfg.padded_vocab_size, tr.recompute, tr.recompute_num_layers)
+                                cfg.padded_vocab_size, tr.recompute, tr.recompute_num_layers,
+                                compile=should_compile(tr.compile, self.device))
         self.dtype = PRECISIONS[tr.precision]
         self.stages = rank_stages(grid.pp_rank, par.pipeline, par.chunks)
         num_stages = par.pipeline * par.chunks
@@ -107,7 +109,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.master_params, tr)
         self.loss_scaler = LossScaler(dynamic=tr.precision == "fp16", initial=tr.initial_loss_scale)
         self.dp_grads = DataParallelGradients(self.params, grid.data_group, grid.d, self.m,
-                                              tr.grad_bucket_mb)
+                                              tr.grad_bucket_mb, flat=self.weights.flat_grads)
 
     def _build_pipeline(self) -> None:
         cfg, grid, par, tr = self.cfg, self.grid, self.cfg.parallel, self.cfg.train

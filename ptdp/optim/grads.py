@@ -7,6 +7,9 @@ while backward continues on earlier layers. `finish()` waits for the last bucket
 
 The executor already scales each micro-batch loss by 1/(m*d), so a SUM all-reduce yields the
 gradient of the mean loss over the whole global batch, as a single process computes it.
+
+When the gradients live in one flat buffer (`FlatGrads`, ptdp/optim/buffers.py), a
+bucket is a contiguous slice of it, all-reduced in place: no concatenation, no copy back.
 """
 
 from __future__ import annotations
@@ -15,17 +18,22 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ptdp.optim.buffers import FlatGrads
 from ptdp.optim.mixed_precision import grad_of, set_grad
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], in_place: torch.Tensor | None = None):
         self.params = params
+        self.in_place = in_place     # the bucket's slice of the flat gradient buffer, if any
         self.ready = 0
         self.work = None
         self.flat = None
 
     def launch(self, group) -> None:
+        if self.in_place is not None:
+            self.work = dist.all_reduce(self.in_place, group=group, async_op=True)
+            return
         grads = [grad_of(p) for p in self.params]
         grads = [g if g is not None else torch.zeros_like(p, dtype=torch.float32)
                  for g, p in zip(grads, self.params)]
@@ -34,6 +42,9 @@ class _Bucket:
 
     def finish(self) -> None:
         self.work.wait()
+        if self.in_place is not None:
+            self.work, self.ready = None, 0
+            return
         offset = 0
         for p in self.params:
             n = p.numel()
@@ -47,12 +58,14 @@ class DataParallelGradients:
     """Sums gradients over the data group in buckets launched during the last backward.
 
     `accumulations` is how many backward passes each parameter sees per iteration (m).
+    `flat`: the gradient buffer the parameters' gradients are views of, if there is one.
     """
 
     def __init__(self, params: list[nn.Parameter], group, size: int, accumulations: int,
-                 bucket_mb: float = 25.0):
+                 bucket_mb: float = 25.0, flat: FlatGrads | None = None):
         self.group, self.size, self.accumulations = group, size, accumulations
         self.params = [p for p in params if p.requires_grad]
+        self.flat = flat
         self.buckets = self._make_buckets(bucket_mb * 2**20) if size > 1 else []
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.counts: dict[int, int] = {}
@@ -68,11 +81,16 @@ class DataParallelGradients:
             current.append(p)
             size += p.numel() * p.element_size()
             if size >= limit_bytes:
-                buckets.append(_Bucket(current))
+                buckets.append(self._bucket(current))
                 current, size = [], 0
         if current:
-            buckets.append(_Bucket(current))
+            buckets.append(self._bucket(current))
         return buckets
+
+    def _bucket(self, params: list[nn.Parameter]) -> _Bucket:
+        # The flat buffer is laid out in the same reversed order, so the slice holds exactly
+        # these parameters' gradients (and alignment padding, which stays zero).
+        return _Bucket(params, self.flat.slice_for(params) if self.flat is not None else None)
 
     def start_iteration(self) -> None:
         self.counts.clear()

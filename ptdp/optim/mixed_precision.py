@@ -5,12 +5,21 @@ an fp32 `main_grad` as soon as autograd produces it (accumulating m micro-batche
 precision would lose the small contributions), and AdamW updates fp32 master copies that are
 cast back into the model after each step. In fp32 training the master weights are the model's
 own parameters and `main_grad` is simply `.grad`.
+
+Storage (`contiguous=True`, the default): the model weights, the masters and the gradients
+are views into one flat buffer each (ptdp/optim/buffers.py). Zeroing the gradients and
+copying the masters into the model are then one kernel each, and the data-parallel buckets
+all-reduce slices of the gradient buffer in place. The masters' `.grad` are bound to
+the gradient views once, so `grads_to_masters` has nothing left to do. `contiguous=False`
+keeps one storage per tensor: the same arithmetic, the reference the tests compare with.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+from ptdp.optim.buffers import FlatGrads, FlatLayout
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -30,46 +39,96 @@ def set_grad(param: nn.Parameter, value: torch.Tensor) -> None:
         param.grad = value
 
 
+def _master_copy(param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """An fp32 Parameter over `data` (aliased, not copied) with the model weight's layout tags."""
+    master = nn.Parameter(data)
+    for attr in LAYOUT_ATTRIBUTES:
+        if hasattr(param, attr):
+            setattr(master, attr, getattr(param, attr))
+    return master
+
+
 class MasterWeights:
     """Pairs each model parameter with the fp32 tensor the optimizer updates."""
 
-    def __init__(self, params: list[nn.Parameter], precision: str):
+    contiguous_default = True   # tests flip it to compare with one storage per tensor
+
+    def __init__(self, params: list[nn.Parameter], precision: str, contiguous: bool | None = None):
         self.params = params
         self.half = precision != "fp32"
-        if not self.half:
+        self.contiguous = self.contiguous_default if contiguous is None else contiguous
+        self.flat_grads: FlatGrads | None = None
+        if self.contiguous and params:
+            self._build_flat()
+        elif self.half:
+            self.masters = [_master_copy(p, p.detach().float().clone()) for p in params]
+            for p in params:
+                p.main_grad = None
+        else:
             self.masters = params
+        if self.half:
+            for p in params:
+                p.register_post_accumulate_grad_hook(
+                    _add_to_main_grad if self.contiguous else _accumulate_fp32)
+
+    def _build_flat(self) -> None:
+        params = self.params
+        device, dtype = params[0].device, params[0].dtype
+        assert all(p.device == device and p.dtype == dtype for p in params), \
+            "one flat buffer needs one device and one dtype"
+        layout = FlatLayout([p.shape for p in params])
+        grads = layout.allocate(torch.float32, device)
+        self.flat_grads = FlatGrads(layout, grads, {id(p): i for i, p in enumerate(params)})
+        grad_views = layout.views(grads)
+        if not self.half:  # the params are the masters; autograd accumulates into .grad in place
+            self.masters = params
+            for p, g in zip(params, grad_views):
+                p.grad = g
             return
-        self.masters = []
-        for p in params:
-            master = nn.Parameter(p.detach().float().clone())
-            for attr in LAYOUT_ATTRIBUTES:
-                if hasattr(p, attr):
-                    setattr(master, attr, getattr(p, attr))
-            self.masters.append(master)
-            p.main_grad = None
-            p.register_post_accumulate_grad_hook(_accumulate_fp32)
+        self.model_buffer = layout.allocate(dtype, device)
+        with torch.no_grad():
+            for p, view in zip(params, layout.views(self.model_buffer)):
+                view.copy_(p)
+                p.data = view          # same Parameter object, storage now in the buffer
+        self.master_buffer = self.model_buffer.float()
+        self.masters = [_master_copy(p, view)
+                        for p, view in zip(params, layout.views(self.master_buffer))]
+        for p, master, g in zip(params, self.masters, grad_views):
+            p.main_grad = g
+            master.grad = g
 
     def zero_grads(self) -> None:
+        if self.flat_grads is not None:
+            self.flat_grads.buffer.zero_()
+            return
         for p in self.params:
             p.grad = None
             if self.half:
                 p.main_grad = None
 
     def grads_to_masters(self) -> None:
-        """Hand the reduced fp32 gradients to the master weights."""
-        if self.half:
+        """Hand the reduced fp32 gradients to the master weights (bound once when contiguous)."""
+        if self.half and self.flat_grads is None:
             for p, master in zip(self.params, self.masters):
                 master.grad = p.main_grad if p.main_grad is not None else torch.zeros_like(master)
 
     @torch.no_grad()
     def masters_to_model(self) -> None:
-        if self.half:
-            for p, master in zip(self.params, self.masters):
-                p.copy_(master)
+        if not self.half:
+            return
+        if self.flat_grads is not None:
+            self.model_buffer.copy_(self.master_buffer)  # one cast-and-copy kernel
+        else:
+            torch._foreach_copy_(self.params, self.masters)
+
+
+def _add_to_main_grad(param: nn.Parameter) -> None:
+    # Runs before the data-parallel hook (registered first), so that hook sees main_grad.
+    param.main_grad.add_(param.grad)
+    param.grad = None
 
 
 def _accumulate_fp32(param: nn.Parameter) -> None:
-    # Runs before the data-parallel hook (registered first), so that hook sees main_grad.
     grad = param.grad.float()
     param.main_grad = grad if param.main_grad is None else param.main_grad.add_(grad)
     param.grad = None

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ptdp.local_ranks import run_on_ranks
 from ptdp.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallel,
@@ -84,6 +85,47 @@ def _cross_entropy(tp):
             "padding_grad_zero": bool((local.grad[..., max(0, vocab - tp.rank * 8):] == 0).all())}
 
 
+class _CountFullSizeFloat32(TorchDispatchMode):
+    """Counts new (non-aliasing) fp32 tensors with `numel` elements made by any op."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.numel() == self.numel
+                    and t.untyped_storage().data_ptr() not in inputs):
+                self.count += 1
+        return out
+
+
+def _cross_entropy_low_precision(tp, vocab=13, padded=16):
+    """bf16 logits: the loss equals F.cross_entropy on the fp32 upcast, the gradient comes back
+    in bf16, and forward + backward make exactly one fp32 [s, b, V/t] tensor. With vocab=6 the
+    second rank holds only padding columns."""
+    g = torch.Generator().manual_seed(6)
+    full = torch.randn(5, 3, padded, generator=g).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (5, 3), generator=g)
+    local = full.chunk(tp.size, -1)[tp.rank].clone().requires_grad_()
+    counter = _CountFullSizeFloat32(local.numel())
+    with counter:
+        loss = vocab_parallel_cross_entropy(local, target, vocab, tp)
+        loss.sum().backward()
+    ref_logits = full[..., :vocab].float().requires_grad_()
+    ref = F.cross_entropy(ref_logits.reshape(-1, vocab), target.reshape(-1), reduction="none")
+    ref.sum().backward()
+    ref_grad = torch.cat([ref_logits.grad, torch.zeros(5, 3, padded - vocab)], -1)
+    return {"loss": torch.allclose(loss, ref.view(5, 3), rtol=1e-6, atol=1e-6),
+            "grad_dtype": local.grad.dtype == torch.bfloat16,
+            "grad": torch.allclose(local.grad.float(), ref_grad.chunk(tp.size, -1)[tp.rank].to(
+                torch.bfloat16).float(), atol=1e-2),
+            "one_fp32_copy": counter.count == 1}
+
+
 def _gather_and_scatter_modes(tp):
     """Column with gather_output and Row with a replicated input both equal a dense linear."""
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(4))
@@ -125,7 +167,9 @@ def run_checks():
     torch.set_default_dtype(torch.float32)
     tp = _tp()
     return {"gradcheck_mlp": _gradcheck_mlp(tp), "mlp": _mlp_matches_dense(tp),
-            "ce": _cross_entropy(tp), "modes": _gather_and_scatter_modes(tp),
+            "ce": _cross_entropy(tp), "ce_bf16": _cross_entropy_low_precision(tp),
+            "ce_padding_rank": _cross_entropy_low_precision(tp, vocab=6),
+            "modes": _gather_and_scatter_modes(tp),
             "embedding": _embedding(tp), "dropout": _dropout_streams(tp)}
 
 
@@ -146,6 +190,17 @@ def test_parallel_mlp_equals_dense(results, what):
 @pytest.mark.parametrize("what", ["loss", "grad", "padding_grad_zero"])
 def test_vocab_parallel_cross_entropy(results, what):
     assert all(r["ce"][what] for r in results), what
+
+
+@pytest.mark.parametrize("case", ["ce_bf16", "ce_padding_rank"])
+@pytest.mark.parametrize("what", ["loss", "grad_dtype", "grad", "one_fp32_copy"])
+def test_vocab_parallel_cross_entropy_low_precision(results, case, what):
+    assert all(r[case][what] for r in results), (case, what)
+
+
+def test_single_process_cross_entropy_low_precision():
+    assert all(_cross_entropy_low_precision(TensorParallel()).values())
+    assert all(_cross_entropy_low_precision(TensorParallel(), vocab=6).values())
 
 
 @pytest.mark.parametrize("mode", ["gather_output", "input_is_parallel=False"])

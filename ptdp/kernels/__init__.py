@@ -1,0 +1,11 @@
+"""Fused elementwise paths and per-layer compilation (SPEC item 27; DESIGN principle 5).
+
+* `fused.py`: bias + GeLU and bias + dropout + residual add, as plain torch functions that
+  torch.compile fuses; eager PyTorch runs them with exactly the unfused numerics.
+* `compile.py`: whether to torch.compile the transformer layers (`train.compile`).
+"""
+
+from ptdp.kernels.compile import should_compile
+from ptdp.kernels.fused import bias_dropout_add, bias_gelu
+
+__all__ = ["bias_dropout_add", "bias_gelu", "should_compile"]

@@ -1,0 +1,24 @@
+"""`train.compile`: torch.compile each transformer layer, never the whole model.
+
+Compiling per layer keeps everything around the layers eager and unchanged: pipeline chunks
+and the executor, activation recomputation (torch.utils.checkpoint around compiled layers),
+the tensor-parallel collectives (graph breaks, see ptdp/parallel/tensor.py) and the
+vocab-parallel loss. Every layer runs the same code on same-shaped inputs, so one compiled
+graph serves all layers (plus one more for evaluation, which runs without autograd).
+
+What changes with compile on: elementwise chains (LayerNorm, bias + GeLU, bias + dropout +
+add) become fused kernels, so results differ from eager by float round-off, and dropout masks
+come from inductor's generator (still seeded from torch's default generator, so recomputation
+replays them). Start-up pays the compilation (seconds to a minute per distinct graph).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def should_compile(setting: bool | None, device: torch.device) -> bool:
+    """`train.compile`: true / false, or null = on when training on CUDA, off on CPU."""
+    if setting is None:
+        return torch.device(device).type == "cuda"
+    return bool(setting)

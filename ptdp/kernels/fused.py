@@ -1,0 +1,34 @@
+"""The elementwise chains that follow a transformer layer's GEMMs (SPEC item 27).
+
+Megatron-LM fuses bias + GeLU (after the first MLP GEMM) and bias + dropout + residual add
+(after the attention projection and the second MLP GEMM) with TorchScript. Here they are plain
+torch functions, and the parallel linears hand their bias over instead of adding it
+(`skip_bias_add` in ptdp/parallel/tensor.py), so the whole chain is visible in one place:
+
+* eager PyTorch runs each op as its own kernel, with the same numerics and the same dropout
+  draws (default generator, same shape, same order) as the unfused layer;
+* with `train.compile` the transformer layer is compiled (ptdp/kernels/compile.py) and
+  inductor fuses each chain into one kernel, recomputing the GeLU input in backward instead
+  of storing it. TorchScript is not used: torch.compile supersedes it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """GeLU(x + bias), exact (erf) GeLU as the unfused model uses."""
+    return F.gelu(x if bias is None else x + bias)
+
+
+def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
+                     p: float, training: bool) -> torch.Tensor:
+    """residual + Dropout(x + bias). The dropout mask comes from the default generator: the
+    hidden state is replicated across tensor ranks, so every rank draws the same mask."""
+    if bias is not None:
+        x = x + bias
+    if p > 0 and training:
+        x = F.dropout(x, p, training=True)
+    return residual + x

@@ -1,0 +1,48 @@
+"""Smoke test of tools/bench_gpu.py (a benchmark, not a test of speed): on CPU with the tiny
+shape it runs ptdp's Trainer and the plain-PyTorch reference end to end, prints its table and
+writes every field of its JSON; the two models have the same shape (the plain references:
+the same parameter count) and both start at the loss of a uniform guess."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ROW_FIELDS = {"model", "micro_batch", "micro_batches", "step_ms", "step_ms_all", "tokens_per_s",
+              "tflops", "tflops_eq42", "mfu", "peak_memory_gb", "loss_first", "loss_last",
+              "parameters", "vocab"}
+
+
+@pytest.mark.parametrize("arch", ["gpt", "bert"])
+def test_bench_gpu_tiny_on_cpu(tmp_path, arch):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "tools" / "bench_gpu.py"), "--device", "cpu", "--tiny",
+           "--arch", arch, "--steps", "2", "--warmup", "1", "--json", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for heading in ("step ms", "tokens/s", "TFLOP/s eq4.2", "MFU", "peak GB"):
+        assert heading in run.stdout
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["compile"] is False
+    ours, ref = result["rows"]
+    assert ours["model"] == "ptdp" and ref["model"].startswith("reference")
+    vocab = result["shape"]["vocab"]
+    for row in (ours, ref):
+        assert ROW_FIELDS <= row.keys()
+        assert (row["micro_batch"], row["micro_batches"]) == (2, 2)
+        assert len(row["step_ms_all"]) == 2
+        for key in ("step_ms", "tokens_per_s", "tflops", "peak_memory_gb", "parameters"):
+            assert row[key] > 0, key
+        assert row["tflops_eq42"] > row["tflops"]  # 4 passes per layer instead of 3
+        assert row["mfu"] is None  # no known peak on CPU
+        # Both really trained from a fresh init: loss near ln V (BERT adds the 2-way head's ln 2)
+        start = math.log(vocab) + (math.log(2) if arch == "bert" else 0.0)
+        assert abs(row["loss_first"] - start) < 0.2 * start, row
+    if "plain" in ref["model"]:  # same shape, same parameters (V = 512 needs no padding)
+        assert ours["parameters"] == ref["parameters"]
+    assert result["speedup"] == pytest.approx(ours["tokens_per_s"] / ref["tokens_per_s"])
+    assert result["targets"]["speedup"] > 1 and result["met"] is None  # targets are for GPUs
