@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "ptdp.commands.check",      # ptdp check
     "ptdp.planner.cli",         # ptdp plan, ptdp profile
     "ptdp.data.cli",            # ptdp tokenizer, ptdp preprocess
+    "ptdp.commands.timeline",   # ptdp timeline
 ]
 
 

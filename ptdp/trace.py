@@ -80,11 +80,12 @@ class Spans:
 
 class TraceRecorder:
     def __init__(self, path: str | None, rank: int, coords, device: torch.device,
-                 first_iteration: int = 1):
+                 first_iteration: int = 1, layout: dict | None = None):
         """`first_iteration` (1-based) is the job's first: a resumed job traces its own
-        second to fourth iterations, like a fresh one."""
+        second to fourth iterations, like a fresh one. `layout` (p, t, d, v, schedule, m)
+        goes into the file's `otherData` for `ptdp timeline`."""
         self.path, self.rank, self.coords = path, rank, coords
-        self.device, self.first = device, first_iteration
+        self.device, self.first, self.layout = device, first_iteration, layout or {}
         self.events: list[dict] = []
         # perf_counter is per-host monotonic; shift it to wall-clock so ranks line up.
         self.offset = time.time() - time.perf_counter()
@@ -118,4 +119,4 @@ class TraceRecorder:
                            "args": {"name": f"rank {rank} {coords}"}})
             events.extend(rank_events)
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        Path(self.path).write_text(json.dumps({"traceEvents": events}))
+        Path(self.path).write_text(json.dumps({"traceEvents": events, "otherData": self.layout}))

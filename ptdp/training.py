@@ -254,8 +254,11 @@ class Trainer:
         log.print(startup_report(cfg, self.grid, self.local_parameter_count(),
                                  self.total_parameter_count()))
         peak = peak_tflops(cfg, self.device)
-        tracer = TraceRecorder(cfg.log.trace_file, self.grid.rank, self.grid.coords,
-                               self.device, first_iteration=self.iteration + 1)
+        par = cfg.parallel
+        tracer = TraceRecorder(cfg.log.trace_file, self.grid.rank, self.grid.coords, self.device,
+                               first_iteration=self.iteration + 1,
+                               layout={"p": par.pipeline, "t": par.tensor, "d": par.data,
+                                       "v": par.chunks, "schedule": cfg.schedule.name, "m": self.m})
         watchdog = self._start_watchdog()
         history = []
         try:

@@ -1,0 +1,92 @@
+"""`ptdp timeline TRACE --out timeline.png`: draw a recorded (or simulated) pipeline timeline."""
+
+from __future__ import annotations
+
+import sys
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "timeline", help="draw the per-rank timeline of a traced run (or of a schedule)",
+        description="Draw the Gantt chart of one iteration of a trace written with "
+                    "log.trace_file: one row per rank, one colour per micro-batch, forwards "
+                    "light and backwards dark (as the dissertation's Figure 4.4), waits for "
+                    "received tensors hatched, reductions and the optimizer step grey. Also "
+                    "prints each rank's compute and wait time and the measured bubble. "
+                    "Without TRACE, --schedule draws the simulated timeline of a schedule.")
+    parser.add_argument("trace", nargs="?", help="Chrome-trace JSON from log.trace_file")
+    parser.add_argument("--out", default="timeline.png", help="picture to write (.png, .svg, .pdf)")
+    parser.add_argument("--iteration", type=int, default=None,
+                        help="traced iteration to draw (default: the last one traced)")
+    parser.add_argument("--chrome", metavar="JSON", default=None,
+                        help="also write the drawn iteration as Chrome-trace JSON (Perfetto)")
+    sim = parser.add_argument_group("simulated schedule (no TRACE)")
+    sim.add_argument("--schedule", help="gpipe, 1f1b or interleaved")
+    sim.add_argument("--p", type=int, default=4, help="pipeline ranks (default 4)")
+    sim.add_argument("--v", type=int, default=1, help="chunks per rank (default 1)")
+    sim.add_argument("--m", type=int, default=8, help="micro-batches (default 8)")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ptdp.pipeline import gantt
+    try:
+        lanes, title, unit, chunks = (_recorded(args) if args.trace else _simulated(args))
+    except (gantt.TraceError, ValueError) as err:
+        print(f"ptdp timeline: {err}", file=sys.stderr)
+        return 2
+    try:
+        out = gantt.draw(lanes, args.out, title, unit, chunks)
+    except ImportError:
+        print("ptdp timeline: drawing needs matplotlib: pip install 'ptdp[plot]'", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    if args.chrome:
+        print(f"wrote {gantt.write_chrome_trace(lanes, args.chrome)}")
+    for line in _summary(lanes, unit):
+        print(line)
+    return 0
+
+
+def _recorded(args):
+    from ptdp.pipeline import gantt
+    trace = gantt.read_trace(args.trace)
+    layout = trace.get("otherData", {})
+    iterations = gantt.traced_iterations(trace)
+    if not iterations:
+        raise gantt.TraceError(f"{args.trace} holds no traced iterations")
+    iteration = args.iteration if args.iteration is not None else iterations[-1]
+    p, v = layout.get("p", 1), layout.get("v", 1)
+    lanes = gantt.lanes_from_trace(trace, iteration, chunks_of=lambda stage: stage // p)
+    title = (f"{layout.get('schedule', '?')}: p={p} t={layout.get('t', '?')} "
+             f"d={layout.get('d', '?')} v={v} m={layout.get('m', '?')}, iteration {iteration}")
+    return lanes, title, "s", v
+
+
+def _simulated(args):
+    from ptdp.pipeline import gantt
+    from ptdp.pipeline.timeline import simulate
+    if not args.schedule:
+        raise ValueError("give a TRACE file, or --schedule NAME to draw a simulated schedule")
+    timeline = simulate(args.schedule, args.p, args.v, args.m)
+    title = (f"{args.schedule} (simulated, backward = 2 x forward): p={args.p} v={args.v} "
+             f"m={args.m}, bubble {timeline.bubble_fraction:.3f}")
+    return gantt.lanes_from_simulation(timeline), title, "forward times", args.v
+
+
+def _summary(lanes, unit: str) -> list[str]:
+    """Per lane: compute (forward + backward, minus the waits inside them), waits, and the
+    bubble: the idle share of the span from the first forward to the last backward."""
+    work = [b for lane in lanes for b in lane.boxes if b.category in ("forward", "backward")]
+    if not work:
+        return []
+    start, end = min(b.start for b in work), max(b.end for b in work)
+    lines = []
+    for lane in lanes:
+        busy = sum(b.end - b.start for b in lane.boxes if b.category in ("forward", "backward"))
+        wait = sum(b.end - b.start for b in lane.boxes if b.category == "wait")
+        compute = busy - wait
+        bubble = (end - start - compute) / compute if compute > 0 else float("nan")
+        lines.append(f"  {lane.label}: compute {compute:.4g} {unit}, waiting {wait:.4g} {unit}, "
+                     f"bubble {bubble:.3f}")
+    return lines
