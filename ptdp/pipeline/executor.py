@@ -63,13 +63,14 @@ class _Iteration:
         self.outbox: dict = {}     # message -> tensor produced, not yet sent
         self.stash: dict = {}      # (mb, stage) -> (input, output) kept for the backward
         self.batches: dict = {}
+        self.posted: set = set()   # messages whose receive is already posted (lookahead)
         self.result = IterationResult()
 
     def run(self, steps: list[Step]) -> IterationResult:
         ex = self.ex
-        for step in steps:
-            self.inbox.update(ex.p2p.exchange(step.exchange, self.outbox, ex.activation_shape,
-                                              ex.dtype, ex.device))
+        for k, step in enumerate(steps):
+            self.inbox.update(ex.p2p.exchange(self._to_post(steps, k), self.outbox,
+                                              ex.activation_shape, ex.dtype, ex.device))
             action = step.action
             if action is None:
                 continue
@@ -88,6 +89,20 @@ class _Iteration:
         if any(leftovers):
             raise RuntimeError("pipeline steps are inconsistent: " + "; ".join(filter(None, leftovers)))
         return self.result
+
+    def _to_post(self, steps: list[Step], k: int) -> tuple:
+        """Step k's exchange, plus the receives of the next `receive_lookahead` steps when the
+        transport completes operations out of order (gloo): posted early, in the same order,
+        they match the same messages and let transfers overlap compute. 0 under NCCL's rules."""
+        ahead = self.ex.p2p.receive_lookahead
+        if not ahead:
+            return steps[k].exchange
+        posted = self.posted
+        now = [t for t in steps[k].exchange if t.send or t.message not in posted]
+        for later in steps[k + 1: k + 1 + ahead]:
+            now += [t for t in later.exchange if not t.send and t.message not in posted]
+        posted.update(t.message for t in now if not t.send)
+        return tuple(now)
 
     def _received(self, action):
         message = needed_message(action, self.ex.num_stages)

@@ -27,10 +27,16 @@ from ptdp.pipeline.comm_plan import Message, Transfer
 
 
 class BatchedTransport:
-    """Posts a batch of sends and receives with ``dist.batch_isend_irecv`` on ``group``."""
+    """Posts a batch of sends and receives with ``dist.batch_isend_irecv`` on ``group``.
+
+    ``receive_lookahead``: on gloo, whose operations complete in any order, receives of that
+    many later exchanges are posted early (see the executor); NCCL gets the plan exactly.
+    """
 
     def __init__(self, group=None):
         self.group = group
+        gloo = dist.get_backend(group) == "gloo" if dist.is_initialized() else False
+        self.receive_lookahead = LOOKAHEAD if gloo else 0
 
     def post(self, ops: list[tuple[Transfer, torch.Tensor, int]]) -> list:
         """``ops``: (transfer, tensor, peer's world rank). Returns one waitable per op."""
@@ -52,6 +58,9 @@ class _AllOf:
             work.wait()
 
 
+LOOKAHEAD = 2
+
+
 class P2P:
     """One rank's pipeline exchange; counts the payload bytes it puts on stage boundaries.
 
@@ -68,6 +77,10 @@ class P2P:
         self.pending_sends: list = []
         self.bytes_sent = 0          # payload bytes this rank put on stage boundaries
         self.messages_sent = 0
+
+    @property
+    def receive_lookahead(self) -> int:
+        return getattr(self.transport, "receive_lookahead", 0)
 
     def wire_shape(self, shape: tuple) -> tuple:
         """The shape a boundary tensor of ``shape`` has on the wire (1/t of it, flat, with s/g)."""
@@ -86,7 +99,9 @@ class P2P:
         if not transfers:
             return {}
         ops, received = [], {}
-        for t in transfers:
+        # Receives first: on gloo a receive posted while a send to the same peer is being
+        # written waits for it. (Only the order among sends, and among receives, matters.)
+        for t in sorted(transfers, key=lambda t: t.send):
             if t.send:
                 tensor = self._payload(outbox.pop(t.message), t)
                 self.bytes_sent += tensor.numel() * tensor.element_size()
