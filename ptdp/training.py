@@ -125,6 +125,9 @@ class Trainer:
                     for row in build_all("gpipe", par.pipeline, par.chunks, self.m)]
         self.steps, self.eval_steps = (self._plan(lists, activation_shape)
                                        for lists in (schedule, forwards))
+        if grid.p > 1:  # NCCL: a group's first operation must involve all of its ranks, which
+            # a batch of point-to-point operations does not (see dist.batch_isend_irecv)
+            dist.all_reduce(torch.zeros(1, device=self.device), group=grid.pipeline_group)
 
     def _plan(self, schedule, activation_shape) -> list:
         """This rank's steps, after checking every rank's exchanges under NCCL's rules."""
