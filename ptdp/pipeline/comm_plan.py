@@ -33,8 +33,19 @@ transfer overlap compute). Naive placement (receive just before use) deadlocks u
 with GPipe and v = 2 rank 1 sends its first chunk-1 activation while rank 0, still pushing
 forwards, has not yet posted that receive, and both stop.
 
+No-flush schedules (2BW, PipeDream) run as one stream cut into iterations at their ``E``
+actions (``ptdp.pipeline.schedules``). Between two iterations the trainer may validate (more
+exchanges on the same group) or checkpoint (collectives), so no exchange may straddle an ``E``:
+each message is received in the iteration it is sent in. A receive whose natural place lies in a
+later iteration is posted in the sender's iteration instead (at the latest in the exchange just
+before ``E``; the tensor then waits in a buffer across the boundary), and one whose natural place
+lies in an earlier iteration is posted at the start of the sender's.
+
 ``check_plans`` replays every rank's exchanges under rules 1 and 2 and raises ``PlanError``
-naming the pair or the stuck ranks; the trainer runs it at start-up for its layout, and
+naming the pair or the stuck ranks. The replay also honours the rank actions that wait for other
+ranks (``W`` and ``E`` for every rank's ``R``, ``T`` for rank 0's ``U``: collectives in the
+trainer) and, by default, treats every ``E`` as a barrier of all ranks (the strongest thing the
+trainer may do at an iteration boundary). The trainer runs it at start-up for its layout, and
 ``tests/pipeline/test_comm_plan.py`` runs it over every schedule, p <= 8, v <= 4, m in [p, 4p],
 with and without scatter/gather. Nothing here imports torch.
 """
@@ -46,7 +57,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
 
-from ptdp.pipeline.schedules import BACKWARD, FORWARD, Action, stage_rank
+from ptdp.pipeline.schedules import (BACKWARD, END, FORWARD, RANK_ACTIONS, Action, dependencies,
+                                     stage_rank)
 from ptdp.pipeline.timeline import simulate_lists
 
 ACTIVATION, GRADIENT = "act", "grad"
@@ -119,26 +131,29 @@ def plan_exchanges(schedule: list[list[Action]], p: int, v: int,
     num_stages = p * v
     micro_batches = len({a.mb for row in schedule for a in row}) or 1
     timeline = simulate_lists(schedule, p, v, micro_batches, t_f=Fraction(1), t_b=Fraction(2))
-    produced_at = {}
+    produced_at = {}   # message -> (simulated time, iteration of the producing action)
     for row in timeline.ranks:
-        for slot in row:
+        for slot, segment in zip(row, _iterations(row)):
             message = produced_message(slot.action, num_stages)
             if message is not None:
-                produced_at[message] = slot.end
+                produced_at[message] = (slot.end, segment)
     plans = []
     for rank, row in enumerate(timeline.ranks):
         # exchange k sits before action k; the extra last one after the last action
         times = [slot.start for slot in row] + [row[-1].end if row else 0]
+        bounds = _iteration_bounds(row)
         pending: list[list[tuple]] = [[] for _ in times]
         for k, slot in enumerate(row):
             sent = produced_message(slot.action, num_stages)
             if sent is not None and stage_rank(sent.dst, p) != rank:
-                pending[k + 1].append((produced_at[sent], True, sent))
+                pending[k + 1].append((produced_at[sent][0], True, sent))
             needed = needed_message(slot.action, num_stages)
             if needed is not None and stage_rank(needed.src, p) != rank:
-                at = produced_at[needed]
+                at, segment = produced_at[needed]
                 # times only grow, and times[k] >= at since action k needs the message
-                pending[bisect_left(times, at, hi=k)].append((at, False, needed))
+                natural = bisect_left(times, at, hi=k)
+                first, last = bounds[segment]
+                pending[min(max(natural, first), last)].append((at, False, needed))
         steps = []
         for k, ops in enumerate(pending):
             ops.sort(key=lambda op: (op[0], op[2], op[1]))
@@ -149,13 +164,36 @@ def plan_exchanges(schedule: list[list[Action]], p: int, v: int,
     return plans
 
 
+def _iterations(row) -> list[int]:
+    """The iteration each slot of a rank's row belongs to (its E closes it)."""
+    out, segment = [], 0
+    for slot in row:
+        out.append(segment)
+        segment += slot.action.kind == END
+    return out
+
+
+def _iteration_bounds(row) -> dict:
+    """iteration -> (first, last) exchange index of that iteration on this rank (no E: one)."""
+    bounds, first = {}, 0
+    ends = [k for k, slot in enumerate(row) if slot.action.kind == END]
+    for segment, k in enumerate(ends):
+        bounds[segment] = (first, k)
+        first = k + 1
+    bounds[len(ends)] = (first, len(row))
+    return bounds
+
+
 # ---------------------------------------------------------------------------- checking
 
 
-def check_plans(plans: list[list[Step]]) -> None:
-    """Raise PlanError unless the exchanges match in order and complete under NCCL's rules."""
+def check_plans(plans: list[list[Step]], barriers: bool = True) -> None:
+    """Raise PlanError unless the exchanges match in order and complete under NCCL's rules.
+
+    ``barriers``: every rank waits at each ``E`` until all ranks reached theirs.
+    """
     partner = _pair_transfers(plans)
-    _replay_in_order(plans, partner)
+    _replay_in_order(plans, partner, barriers)
 
 
 def _pair_transfers(plans) -> dict:
@@ -186,33 +224,71 @@ def _pair_transfers(plans) -> dict:
     return partner
 
 
-def _replay_in_order(plans, partner) -> None:
+def _replay_in_order(plans, partner, barriers: bool) -> None:
     """Rule 2: each rank at one exchange at a time; an operation completes when its partner's
-    rank stands at the partner's exchange; a rank moves on when its exchange is complete."""
+    rank stands at the partner's exchange; a rank moves on when its exchange is complete and
+    its action's waits on other ranks (``_Gates``) are over."""
     at = [0] * len(plans)              # the exchange each rank stands at
     done: set = set()
-    work = list(range(len(plans)))
-    while work:
-        rank = work.pop()
-        while at[rank] < len(plans[rank]):
-            k = at[rank]
-            for i in range(len(plans[rank][k].exchange)):
-                peer, pk, pi = partner[(rank, k, i)]
-                if at[peer] == pk and (rank, k, i) not in done:
-                    done.update({(rank, k, i), (peer, pk, pi)})
-                    work.append(peer)   # the peer's exchange may now be complete
-            if any((rank, k, i) not in done for i in range(len(plans[rank][k].exchange))):
-                break
-            at[rank] += 1
+    gates = _Gates(plans, barriers)
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, steps in enumerate(plans):
+            while at[rank] < len(steps):
+                k = at[rank]
+                for i in range(len(steps[k].exchange)):
+                    peer, pk, pi = partner[(rank, k, i)]
+                    if at[peer] == pk and (rank, k, i) not in done:
+                        done.update({(rank, k, i), (peer, pk, pi)})
+                if not _exchanged(plans, done, rank, k) or not gates.open(rank, k, at, done):
+                    break
+                at[rank] += 1
+                progressed = True
     stuck = [r for r, steps in enumerate(plans) if at[r] < len(steps)]
     if stuck:
         lines = []
         for r in stuck:
             step = plans[r][at[r]]
             waiting = [str(op) for i, op in enumerate(step.exchange) if (r, at[r], i) not in done]
-            lines.append(f"rank {r} at exchange {at[r]} before {step.action}: {'; '.join(waiting)}")
+            what = "; ".join(waiting) or f"other ranks before {step.action} (gate)"
+            lines.append(f"rank {r} at exchange {at[r]} before {step.action}: {what}")
         raise PlanError("point-to-point exchanges deadlock under in-order completion:\n  "
                         + "\n  ".join(lines))
+
+
+def _exchanged(plans, done, rank: int, k: int) -> bool:
+    return all((rank, k, i) in done for i in range(len(plans[rank][k].exchange)))
+
+
+class _Gates:
+    """Rank actions that wait for other ranks: the action's ``dependencies()`` on other ranks
+    must have run, and with ``barriers`` an ``E`` waits until every rank stands at its own."""
+
+    def __init__(self, plans, barriers: bool):
+        self.plans, self.barriers = plans, barriers
+        self.position = {}   # (rank, action) -> its step index
+        for rank, steps in enumerate(plans):
+            for k, step in enumerate(steps):
+                if step.action is not None and step.action.kind in RANK_ACTIONS:
+                    self.position[(rank, step.action)] = k
+        self.p = len(plans)
+
+    def open(self, rank: int, k: int, at: list, done: set) -> bool:
+        action = self.plans[rank][k].action
+        if action is None or action.kind not in RANK_ACTIONS:
+            return True
+        for dep in dependencies(action, self.p, 1):
+            dep_rank = stage_rank(dep.stage, self.p)
+            if dep_rank != rank and at[dep_rank] <= self.position[(dep_rank, dep)]:
+                return False
+        if self.barriers and action.kind == END:
+            for other in range(self.p):
+                there = self.position[(other, Action(END, action.mb, other))]
+                if at[other] < there or (at[other] == there
+                                         and not _exchanged(self.plans, done, other, there)):
+                    return False
+        return True
 
 
 def format_plan(steps: list[Step]) -> str:

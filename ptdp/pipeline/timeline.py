@@ -18,11 +18,16 @@ for exact arithmetic.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import NamedTuple
 
 from ptdp.pipeline.schedules import (
     BACKWARD,
+    END,
     FORWARD,
+    REDUCE,
+    RANK_ACTIONS,
+    WEIGHTS,
     Action,
     build_all,
     dependencies,
@@ -65,9 +70,12 @@ class Timeline:
         return (self.makespan - self.ideal) / self.ideal
 
 
-def simulate(name: str, p: int, v: int, m: int, t_f=1.0, t_b=2.0, t_comm=0.0) -> Timeline:
-    """Simulate schedule ``name`` on ``p`` ranks with ``v`` chunks each and ``m`` micro-batches."""
-    return simulate_lists(build_all(name, p, v, m), p, v, m, t_f, t_b, t_comm, name=name)
+def simulate(name: str, p: int, v: int, m: int, t_f=1.0, t_b=2.0, t_comm=0.0,
+             batches: int = 1) -> Timeline:
+    """Simulate schedule ``name`` on ``p`` ranks with ``v`` chunks each and ``m`` micro-batches
+    per batch, over ``batches`` consecutive batches (the timeline's ``m`` is all of them)."""
+    return simulate_lists(build_all(name, p, v, m, batches), p, v, m * batches, t_f, t_b, t_comm,
+                          name=name)
 
 
 def simulate_lists(
@@ -83,7 +91,9 @@ def simulate_lists(
     """Simulate explicit per-rank action lists (e.g. a hand-written or broken schedule)."""
     if len(schedule) != p:
         raise ValueError(f"expected one action list per rank (p={p}), got {len(schedule)}")
-    duration = {FORWARD: t_f / v, BACKWARD: t_b / v}
+    # Rank actions take no simulated time: the optimizer and reductions are outside the
+    # (p-1)/m accounting, and W/E still wait for every rank's R through their dependencies.
+    duration = {FORWARD: t_f / v, BACKWARD: t_b / v, **{kind: 0 * t_f for kind in RANK_ACTIONS}}
     finished: dict[Action, float] = {}  # action -> end time
     rows: list[list[Slot]] = [[] for _ in range(p)]
 
@@ -122,6 +132,49 @@ def simulate_lists(
         if not progressed:
             raise DeadlockError(_deadlock_report(schedule, rows, finished, p, v))
     return Timeline(name, p, v, m, t_f, t_b, t_comm, rows)
+
+
+def place_iteration_ends(rows: list[list[Action]], p: int, v: int, m: int, *,
+                         weights: bool) -> list[list[Action]]:
+    """Insert ``E`` of every batch into each rank's list (and ``W`` right before it if
+    ``weights``), at the first action boundary no earlier than the simulated moment the last
+    rank ran that batch's ``R``; so a rank reaching ``E`` (or ``W``) finds the iteration's
+    reduction already launched everywhere and never waits. A ``W`` is moved earlier if needed
+    so that it precedes the rank's first forward of batch t+2, which uses its version.
+    """
+    timeline = simulate_lists(rows, p, v, m, t_f=Fraction(1), t_b=Fraction(2))
+    done = {}  # batch -> when its last R ends
+    for row in timeline.ranks:
+        for slot in row:
+            if slot.action.kind == REDUCE:
+                batch = slot.action.mb // m
+                done[batch] = max(done.get(batch, slot.end), slot.end)
+    return [_insert_ends(row, rank, m, done, weights) for rank, row in enumerate(timeline.ranks)]
+
+
+def _insert_ends(row: list[Slot], rank: int, m: int, done: dict, weights: bool) -> list[Action]:
+    at: dict[int, list[int]] = {}    # list position -> batches whose end goes before it
+    reduced = {slot.action.mb // m: i for i, slot in enumerate(row) if slot.action.kind == REDUCE}
+    first_forward = {}
+    for i, slot in enumerate(row):
+        if slot.action.kind == FORWARD:
+            first_forward.setdefault(slot.action.mb // m, i)
+    last_batch = max(done)
+    for batch, ready in sorted(done.items()):
+        i = reduced[batch] + 1
+        while i < len(row) and (row[i].start < ready or batch == last_batch):
+            i += 1   # the window's last iteration ends after everything (the drain)
+        if weights:   # the new version must exist before batch + 2's first forward
+            i = min(i, first_forward.get(batch + 2, len(row)))
+        at.setdefault(i, []).append(batch)
+    out = []
+    for i in range(len(row) + 1):
+        for batch in at.get(i, []):
+            last = batch * m + m - 1
+            out += ([Action(WEIGHTS, last, rank)] if weights else []) + [Action(END, last, rank)]
+        if i < len(row):
+            out.append(row[i].action)
+    return out
 
 
 def _check_action(action: Action, rank: int, p: int, duration: dict, finished: dict) -> None:

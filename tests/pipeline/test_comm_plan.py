@@ -12,7 +12,7 @@ import pytest
 from ptdp.pipeline.comm_plan import (ACTIVATION, GRADIENT, Message, PlanError, Step, Transfer,
                                      check_plans, needed_message, plan_exchanges,
                                      produced_message)
-from ptdp.pipeline.schedules import SCHEDULES, build_all, stage_rank
+from ptdp.pipeline.schedules import FLUSHING, build_all, stage_rank
 
 ACT_SHAPE = (16, 2, 32)
 
@@ -23,7 +23,7 @@ def _wire_shapes(t: int, scatter_gather: bool):
 
 
 def _cases():
-    for name in SCHEDULES:
+    for name in FLUSHING:
         for p in range(2, 9):
             for v in ([1] if name == "1f1b" else range(1, 5)):
                 for m in range(p, 4 * p + 1):
@@ -33,7 +33,7 @@ def _cases():
 
 
 @pytest.mark.parametrize("scatter_gather", [False, True])
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name", FLUSHING)
 def test_every_schedule_matches_and_completes_under_nccl_rules(name, scatter_gather):
     checked = 0
     for case in _cases():

@@ -5,7 +5,7 @@ from collections import Counter
 import pytest
 
 from ptdp.pipeline.schedules import (
-    SCHEDULES,
+    FLUSHING,
     Action,
     build_all,
     build_schedule,
@@ -29,7 +29,7 @@ def _micro_batch_counts(name: str, p: int, v: int) -> list[int]:
 
 CASES = [
     (name, p, v, m)
-    for name in SCHEDULES
+    for name in FLUSHING
     for p in range(1, 9)
     for v in ([1] if name == "1f1b" else range(1, 5))
     for m in _micro_batch_counts(name, p, v)
