@@ -37,8 +37,8 @@ def test_gpipe_with_chunks_also_divides_the_bubble_by_v_once_m_reaches_p(v):
 
 
 def test_unknown_action_kind_is_rejected():
-    with pytest.raises(ValueError, match="cannot simulate action kind 'W'"):
-        simulate_lists([[Action("W", 0, 0)]], p=1, v=1, m=1)
+    with pytest.raises(ValueError, match="cannot simulate action kind 'X'"):
+        simulate_lists([[Action("X", 0, 0)]], p=1, v=1, m=1)
 
 
 def test_every_rank_is_busy_for_exactly_the_ideal_time():
