@@ -33,8 +33,8 @@ class ConfigError(ValueError):
 VOCAB_PAD_MULTIPLE = 128  # vocab is padded to a multiple of 128 * t (GEMM-friendly shards)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw", "pipedream")
 FLUSHING_SCHEDULES = ("gpipe", "1f1b", "interleaved")
-# What `ptdp train` runs; 2bw and pipedream join when the trainer runs them.
-TRAINER_SCHEDULES = FLUSHING_SCHEDULES
+# What `ptdp train` runs (all of them; the one place a schedule would be refused).
+TRAINER_SCHEDULES = SCHEDULES
 
 
 @dataclass
@@ -72,6 +72,7 @@ class ParallelConfig:
 @dataclass
 class ScheduleConfig:
     name: str = "1f1b"                   # gpipe | 1f1b | interleaved | 2bw | pipedream
+    vertical_sync: bool = False          # pipedream: every stage uses the input stage's version
 
 
 @dataclass
@@ -570,15 +571,55 @@ def _check_schedule(cfg: Config, out: _Problems) -> None:
                        f"schedule.name={name} is not runnable by the trainer yet (the planner "
                        f"models it); use one of {', '.join(TRAINER_SCHEDULES)}"):
         return
+    out.require(not cfg.schedule.vertical_sync or name == "pipedream",
+                f"schedule.vertical_sync=true only applies to schedule.name=pipedream (got {name})")
+    if name == "2bw":
+        _check_two_bw(cfg, out)
+        return
+    if name == "pipedream":
+        _check_pipedream(cfg, out)
     if name != "interleaved":
-        out.require(v == 1, f"parallel.chunks={v} needs schedule.name=interleaved (got {name})")
+        out.require(v == 1, f"parallel.chunks={v} needs schedule.name=interleaved or 2bw "
+                            f"(got {name})")
         return
     out.require(p > 1, "schedule.name=interleaved needs parallel.pipeline > 1; use "
                        "schedule.name=1f1b for a single stage")
     out.require(v > 1, "schedule.name=interleaved needs parallel.chunks > 1 (v model chunks per "
                        "pipeline rank); set parallel.chunks=2 or more, or use schedule.name=1f1b")
-    mb = cfg.num_micro_batches
+    _require_multiple_of_p(cfg, out)
+
+
+def _require_multiple_of_p(cfg: Config, out: _Problems) -> None:
+    mb, p, name = cfg.num_micro_batches, cfg.parallel.pipeline, cfg.schedule.name
     out.require(mb % p == 0,
-                f"schedule.name=interleaved needs the number of micro-batches per pipeline "
+                f"schedule.name={name} needs the number of micro-batches per pipeline "
                 f"(train.global_batch_size / (train.micro_batch_size * parallel.data) = {mb}) "
                 f"to be a multiple of parallel.pipeline ({p})")
+
+
+def _check_two_bw(cfg: Config, out: _Problems) -> None:
+    """PipeDream-2BW: m >= p micro-batches per batch (L2285), more when interleaved."""
+    from ptdp.pipeline.schedules import two_bw_min_micro_batches  # torch-free
+    p, v, mb = cfg.parallel.pipeline, cfg.parallel.chunks, cfg.num_micro_batches
+    if v > 1:
+        out.require(p > 1, "schedule.name=2bw with parallel.chunks > 1 needs parallel.pipeline > 1")
+        _require_multiple_of_p(cfg, out)
+    least = two_bw_min_micro_batches(p, v)
+    why = "m >= p" if v == 1 else "m >= p and m*v >= rank 0's interleaved warm-up 2(p-1)+(v-1)p"
+    out.require(mb >= least,
+                f"schedule.name=2bw needs at least {least} micro-batches per pipeline with "
+                f"parallel.pipeline={p}, parallel.chunks={v} ({why}: the weights made from batch "
+                f"t are first used by batch t+2), got train.global_batch_size / "
+                f"(train.micro_batch_size * parallel.data) = {mb}")
+
+
+def _check_pipedream(cfg: Config, out: _Problems) -> None:
+    """PipeDream async updates each stage after every input: no global norm, no common skip."""
+    tr = cfg.train
+    out.require(tr.clip_grad == 0,
+                f"schedule.name=pipedream needs train.clip_grad=0 (got {tr.clip_grad}): each "
+                f"stage updates as soon as its backward of an input ends, so there is no "
+                f"gradient norm of the whole model to clip by")
+    out.require(tr.precision != "fp16",
+                "schedule.name=pipedream does not support train.precision=fp16: a dynamic loss "
+                "scale would need every stage to agree on skipping each input's update; use bf16")

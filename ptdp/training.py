@@ -5,6 +5,10 @@ backwards of every micro-batch), gradients are summed over the data group (overl
 the last backward) and between the tied embedding copies, unscaled and clipped by the global
 norm, and AdamW steps on fp32 master weights. Every rank builds the same objects for its
 coordinates; nothing is global.
+
+The no-flush schedules (2bw, pipedream) keep the pipeline running across iterations and keep
+weight versions; `ptdp.no_flush` says how their iterations map onto the stream and what
+happens at their reduction and update actions. They run whole iterations only (`train_step`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from ptdp.parallel.tensor import TensorParallel, TensorParallelRNG, seed_everyth
 from ptdp.pipeline.comm_plan import check_plans, plan_exchanges
 from ptdp.pipeline.executor import PipelineExecutor
 from ptdp.pipeline.p2p import P2P
-from ptdp.pipeline.schedules import FORWARD, build_all, rank_stages
+from ptdp.pipeline.schedules import FORWARD, NO_FLUSH, build_all, rank_stages
+from ptdp.pipeline.weights import aliasing_masters
 from ptdp.runtime import init_distributed
 from ptdp.trace import NO_SPANS, TraceRecorder
 from ptdp.watchdog import Watchdog
@@ -84,6 +89,8 @@ class Trainer:
         if cfg.checkpoint.load:
             from ptdp.checkpoint import load_checkpoint
             load_checkpoint(self, cfg.checkpoint.load)
+        if self.no_flush is not None:
+            self.no_flush.start(self.iteration)
 
     # Construction ---------------------------------------------------------------------------
     def _build_model(self) -> None:
@@ -103,13 +110,25 @@ class Trainer:
     def _build_optimizer(self) -> None:
         tr, grid = self.cfg.train, self.grid
         self.m = self.cfg.num_micro_batches
-        # Master weights first: their fp32-accumulation hook must run before the data-parallel one.
-        self.weights = MasterWeights(self.params, tr.precision)
+        no_flush = self.cfg.schedule.name in NO_FLUSH
+        # Master weights first: their fp32-accumulation hook must run before the data-parallel
+        # one. Weight versions point parameters at tensors of their own, and 2BW holds one
+        # batch's gradients while the next accumulates: one storage per tensor, not flat buffers.
+        self.weights = MasterWeights(self.params, tr.precision, contiguous=False if no_flush else None)
         self.master_params = self.weights.masters
+        if no_flush:  # fp32: the optimizer must not step the parameter objects autograd saved
+            self.master_params = aliasing_masters(self.params, self.master_params)
         self.optimizer = build_optimizer(self.master_params, tr)
         self.loss_scaler = LossScaler(dynamic=tr.precision == "fp16", initial=tr.initial_loss_scale)
-        self.dp_grads = DataParallelGradients(self.params, grid.data_group, grid.d, self.m,
+        # pipedream updates after every input: each parameter accumulates once per reduction
+        accumulations = 1 if self.cfg.schedule.name == "pipedream" else self.m
+        self.dp_grads = DataParallelGradients(self.params, grid.data_group, grid.d, accumulations,
                                               tr.grad_bucket_mb, flat=self.weights.flat_grads)
+        self.versions = None     # weight versions (set by the no-flush schedules)
+        self.no_flush = None
+        if no_flush:
+            from ptdp import no_flush as no_flush_training
+            self.no_flush = no_flush_training.build(self)
 
     def _build_pipeline(self) -> None:
         cfg, grid, par, tr = self.cfg, self.grid, self.cfg.parallel, self.cfg.train
@@ -119,19 +138,21 @@ class Trainer:
         activation_shape = (cfg.model.seq_length, tr.micro_batch_size, cfg.model.hidden_size)
         self.executor = PipelineExecutor(
             self.chunks, par.pipeline * par.chunks, self.p2p, activation_shape=activation_shape,
-            activation_dtype=self.dtype, device=self.device)
-        schedule = build_all(cfg.schedule.name, par.pipeline, par.chunks, self.m)
+            activation_dtype=self.dtype, device=self.device, versions=self.versions)
+        self.wire_shape = self.p2p.wire_shape(activation_shape)
         forwards = [[a for a in row if a.kind == FORWARD]
                     for row in build_all("gpipe", par.pipeline, par.chunks, self.m)]
-        self.steps, self.eval_steps = (self._plan(lists, activation_shape)
-                                       for lists in (schedule, forwards))
+        self.eval_steps = self._plan(forwards)
+        self.steps = None  # the no-flush schedules plan a stream of iterations (ptdp.no_flush)
+        if self.no_flush is None:
+            self.steps = self._plan(build_all(cfg.schedule.name, par.pipeline, par.chunks, self.m))
         if grid.p > 1:  # NCCL: a group's first operation must involve all of its ranks, which
             # a batch of point-to-point operations does not (see dist.batch_isend_irecv)
             dist.all_reduce(torch.zeros(1, device=self.device), group=grid.pipeline_group)
 
-    def _plan(self, schedule, activation_shape) -> list:
+    def _plan(self, schedule) -> list:
         """This rank's steps, after checking every rank's exchanges under NCCL's rules."""
-        par, wire = self.cfg.parallel, self.p2p.wire_shape(activation_shape)
+        par, wire = self.cfg.parallel, self.wire_shape
         plans = plan_exchanges(schedule, par.pipeline, par.chunks, lambda message: wire)
         check_plans(plans)
         return plans[self.grid.pp_rank]
@@ -147,6 +168,7 @@ class Trainer:
     # One iteration, in three steps the tests can call separately ---------------------------
     def forward_backward(self, iteration: int, spans=NO_SPANS) -> StepResult:
         """Every micro-batch's forward and backward; `spans` records their times."""
+        self._flushing_only("forward_backward")
         self.weights.zero_grads()
         for chunk in self.chunks.values():
             chunk.train()
@@ -161,6 +183,7 @@ class Trainer:
     def reduce_gradients(self, spans=NO_SPANS) -> torch.Tensor:
         """Data-parallel and tied-embedding sums, loss-scale removal; returns the global norm
         (a device tensor: nothing here waits for the device)."""
+        self._flushing_only("reduce_gradients")
         with spans("data-parallel reduce", "reduce"):
             self.dp_grads.finish()
             self.weights.grads_to_masters()
@@ -178,6 +201,7 @@ class Trainer:
         Only fp16 reads the norm on the host (to decide the skip); otherwise clipping uses it
         on the device and a non-finite norm is caught once per iteration by `train_step`.
         """
+        self._flushing_only("optimizer_step")
         if self.loss_scaler.dynamic and self.loss_scaler.update(float(grad_norm)):
             return True
         with spans("optimizer step", "optimizer"):
@@ -189,11 +213,19 @@ class Trainer:
             self.weights.masters_to_model()
         return False
 
+    def _flushing_only(self, what: str) -> None:
+        if self.no_flush is not None:
+            raise RuntimeError(f"schedule {self.cfg.schedule.name} runs whole iterations: call "
+                               f"train_step, not {what}")
+
     def train_step(self, iteration: int, spans=NO_SPANS) -> StepResult:
         """One iteration; reads its statistics from the device once, at the end."""
-        step = self.forward_backward(iteration, spans)
-        step.grad_norm = self.reduce_gradients(spans)
-        step.skipped = self.optimizer_step(iteration, step.grad_norm, spans)
+        if self.no_flush is not None:
+            step = self.no_flush.train_step(iteration, spans)
+        else:
+            step = self.forward_backward(iteration, spans)
+            step.grad_norm = self.reduce_gradients(spans)
+            step.skipped = self.optimizer_step(iteration, step.grad_norm, spans)
         step.resolve()
         self._check_finite(iteration, step)
         return step
@@ -225,6 +257,8 @@ class Trainer:
         """Mean loss over train.eval_iters global batches of the validation split."""
         if "valid" not in self.batches:
             return float("nan")
+        if self.versions is not None:   # validate the newest weights
+            self.versions.activate_newest()
         for chunk in self.chunks.values():
             chunk.eval()
         batches = self.batches["valid"]
@@ -326,6 +360,8 @@ class Trainer:
 
     def full_state(self, grads: bool = False) -> dict:
         """Full fp32 weights (or the master weights' gradients) by global name, on every rank."""
+        if self.versions is not None:   # the newest version (the masters'), not the one in use
+            self.versions.activate_newest()
         if grads:
             pairs = [(name, master) for (name, _), master
                      in zip(self.named_parameters(), self.master_params)]

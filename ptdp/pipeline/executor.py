@@ -1,4 +1,4 @@
-"""Runs one pipeline rank's steps for one iteration.
+"""Runs one pipeline rank's steps: one iteration (flushing schedules) or a stream of them.
 
 The schedule (`ptdp.pipeline.schedules`) says *what* to run and in which order; the
 communication plan (`ptdp.pipeline.comm_plan`) says which boundary tensors to send and
@@ -6,6 +6,14 @@ receive before each action. This module only knows how to run a forward or a bac
 model chunk, where its input comes from and where its output goes. It knows nothing about GPT
 or BERT: a chunk is any module called as `chunk(hidden_or_None, batch)` that returns a hidden
 tensor, or `(loss, aux)` on the last stage.
+
+No-flush schedules (2BW, PipeDream) never drain between iterations: `stream()` returns a
+`Stream` whose `run(steps)` runs one iteration's steps and keeps what is in flight (stashed
+activations, received tensors, losses of unfinished batches) for the next. With weight
+versions (`ptdp.pipeline.weights.StashedVersions`) every forward activates the version its
+micro-batch uses and stashes its id; the backward activates the same one. Rank actions (R, W,
+U, T, E) are handed to the trainer's `rank_actions(action, stream)`: the optimizer and the
+reductions are the trainer's business.
 """
 
 from __future__ import annotations
@@ -19,14 +27,14 @@ import torch.nn as nn
 
 from ptdp.pipeline.comm_plan import Step, needed_message, produced_message
 from ptdp.pipeline.p2p import P2P
-from ptdp.pipeline.schedules import BACKWARD, FORWARD
+from ptdp.pipeline.schedules import BACKWARD, FORWARD, REDUCE, END
 from ptdp.trace import NO_SPANS
-
 
 @dataclass
 class IterationResult:
     losses: list[torch.Tensor] = field(default_factory=list)   # unscaled, last stage only
     aux: list[dict] = field(default_factory=list)
+    micro_batches: list[int] = field(default_factory=list)     # whose losses these are
 
 
 class PipelineExecutor:
@@ -34,14 +42,18 @@ class PipelineExecutor:
 
     `loss_scale` multiplies each micro-batch's loss before backward: 1/(m*d) averages over the
     micro-batches of the whole data-parallel batch (times the fp16 loss scale, if any).
-    `activation_shape` is the [s, b, h] shape of every boundary tensor.
+    It may also be a function of the micro-batch (2BW's fp16 scale is fixed per batch).
+    `activation_shape` is the [s, b, h] shape of every boundary tensor. `versions`: the weight
+    versions of the no-flush schedules (None: the parameters as they are).
     """
 
     def __init__(self, chunks: dict[int, nn.Module], num_stages: int, p2p: P2P, *,
-                 activation_shape: tuple, activation_dtype: torch.dtype, device: torch.device):
+                 activation_shape: tuple, activation_dtype: torch.dtype, device: torch.device,
+                 versions=None):
         self.chunks, self.num_stages, self.p2p = chunks, num_stages, p2p
         self.activation_shape, self.dtype, self.device = activation_shape, activation_dtype, device
         self.last_stage = num_stages - 1
+        self.versions = versions
 
     def run(self, steps: list[Step], get_batch: Callable[[int], dict], loss_scale,
             spans=NO_SPANS, forward_only: bool = False) -> IterationResult:
@@ -50,50 +62,90 @@ class PipelineExecutor:
         `spans` records each action and each wait for a received tensor (`ptdp.trace`).
         """
         with torch.no_grad() if forward_only else contextlib.nullcontext():
-            return _Iteration(self, get_batch, loss_scale, spans, forward_only).run(steps)
+            run = _Run(self, get_batch, loss_scale, forward_only=forward_only)
+            run.run(steps, spans)
+            self.p2p.wait_sends()
+            run.check_drained()
+            return run.take_result()
+
+    def stream(self, get_batch: Callable[[int], dict], loss_scale,
+               rank_actions: Callable) -> "Stream":
+        """A no-flush run: iterations' steps, one `Stream.run` each, on one shared state."""
+        return Stream(_Run(self, get_batch, loss_scale, forward_only=False,
+                           rank_actions=rank_actions))
 
 
-class _Iteration:
-    """The state of one run: received and to-be-sent tensors, stashes, results."""
+class Stream:
+    """Runs consecutive iterations of a no-flush schedule; `close()` after the last."""
 
-    def __init__(self, executor: PipelineExecutor, get_batch, loss_scale, spans, forward_only):
-        self.ex, self.get_batch, self.loss_scale = executor, get_batch, loss_scale
-        self.spans, self.forward_only = spans, forward_only
+    def __init__(self, run: "_Run"):
+        self._run = run
+        self.losses: dict[int, tuple[torch.Tensor, dict]] = {}   # mb -> (loss, aux), not yet taken
+
+    def run(self, steps: list[Step], spans=NO_SPANS) -> None:
+        self._run.run(steps, spans, stream=self)
+        self._run.ex.p2p.release_completed_sends()
+
+    def take_losses(self, micro_batches) -> list[tuple[torch.Tensor, dict]]:
+        """The (loss, aux) of these micro-batches (last stage), forgotten afterwards."""
+        return [self.losses.pop(mb) for mb in micro_batches if mb in self.losses]
+
+    def close(self) -> None:
+        self._run.ex.p2p.wait_sends()
+        self._run.check_drained()
+        if self.losses:
+            raise RuntimeError(f"losses never taken for micro-batches {sorted(self.losses)}")
+
+
+
+class _Run:
+    """The state of a run: received and to-be-sent tensors, stashes, results."""
+
+    def __init__(self, executor: PipelineExecutor, get_batch, loss_scale, *, forward_only: bool,
+                 rank_actions: Callable | None = None):
+        self.ex, self.get_batch, self.forward_only = executor, get_batch, forward_only
+        self.scale = loss_scale if callable(loss_scale) else (lambda mb: loss_scale)
+        self.rank_actions = rank_actions
+        self.versions = None if forward_only else executor.versions
         self.inbox: dict = {}      # message -> PendingRecv, posted and not yet used
         self.outbox: dict = {}     # message -> tensor produced, not yet sent
-        self.stash: dict = {}      # (mb, stage) -> (input, output) kept for the backward
-        self.batches: dict = {}
-        self.posted: set = set()   # messages whose receive is already posted (lookahead)
+        self.stash: dict = {}      # (mb, stage) -> (input, output, version ids) for the backward
+        self.batches: dict = {}    # mb -> (batch, forwards of it still to run on this rank)
+        self.posted: set = set()   # receives posted ahead of their step and not yet used
         self.result = IterationResult()
+        self.spans = NO_SPANS
 
-    def run(self, steps: list[Step]) -> IterationResult:
-        ex = self.ex
+    def run(self, steps: list[Step], spans, stream: Stream | None = None) -> None:
+        ex, self.spans = self.ex, spans
         for k, step in enumerate(steps):
             self.inbox.update(ex.p2p.exchange(self._to_post(steps, k), self.outbox,
                                               ex.activation_shape, ex.dtype, ex.device))
             action = step.action
             if action is None:
                 continue
-            with self.spans(str(action), "forward" if action.kind == FORWARD else "backward",
-                            mb=action.mb, stage=action.stage):
+            with spans(str(action), _CATEGORY.get(action.kind, "optimizer"),
+                       mb=action.mb, stage=action.stage):
                 if action.kind == FORWARD:
-                    self._forward(action)
+                    self._forward(action, stream)
                 elif action.kind == BACKWARD:
                     self._backward(action)
+                elif self.rank_actions is not None:
+                    self.rank_actions(action, stream)
                 else:
                     raise ValueError(f"executor cannot run action kind {action.kind!r} ({action})")
-        ex.p2p.wait_sends()
+
+    def check_drained(self) -> None:
         leftovers = [f"unused receives {sorted(map(str, self.inbox))}" if self.inbox else "",
                      f"unsent outputs {sorted(map(str, self.outbox))}" if self.outbox else "",
                      f"forwards without backwards {sorted(self.stash)}" if self.stash else ""]
         if any(leftovers):
             raise RuntimeError("pipeline steps are inconsistent: " + "; ".join(filter(None, leftovers)))
-        return self.result
 
     def _to_post(self, steps: list[Step], k: int) -> tuple:
         """Step k's exchange, plus the receives of the next `receive_lookahead` steps when the
         transport completes operations out of order (gloo): posted early, in the same order,
-        they match the same messages and let transfers overlap compute. 0 under NCCL's rules."""
+        they match the same messages and let transfers overlap compute. 0 under NCCL's rules.
+        (Only within `steps`: a no-flush iteration never posts the next one's receives.)"""
         ahead = self.ex.p2p.receive_lookahead
         if not ahead:
             return steps[k].exchange
@@ -101,8 +153,12 @@ class _Iteration:
         now = [t for t in steps[k].exchange if t.send or t.message not in posted]
         for later in steps[k + 1: k + 1 + ahead]:
             now += [t for t in later.exchange if not t.send and t.message not in posted]
-        posted.update(t.message for t in now if not t.send)
+        posted.update(t.message for t in now if not t.send and t not in steps[k].exchange)
         return tuple(now)
+
+    def take_result(self) -> IterationResult:
+        result, self.result = self.result, IterationResult()
+        return result
 
     def _received(self, action):
         message = needed_message(action, self.ex.num_stages)
@@ -110,6 +166,7 @@ class _Iteration:
             return None
         if message not in self.inbox:
             raise RuntimeError(f"{action} needs {message}, but no exchange before it received it")
+        self.posted.discard(message)
         with self.spans(f"wait {message}", "wait", mb=action.mb, stage=action.stage):
             return self.inbox.pop(message).wait()
 
@@ -118,28 +175,53 @@ class _Iteration:
         if message is not None:
             self.outbox[message] = tensor
 
-    def _forward(self, action) -> None:
+    def _batch(self, mb: int) -> dict:
+        """The micro-batch's tensors, built once and dropped after its last forward here."""
+        if mb not in self.batches:
+            self.batches[mb] = [self.get_batch(mb), len(self.ex.chunks)]
+        entry = self.batches[mb]
+        entry[1] -= 1
+        if not entry[1]:
+            del self.batches[mb]
+        return entry[0]
+
+    def _forward(self, action, stream) -> None:
         inp = self._received(action)
         if inp is not None and not self.forward_only:
             inp.requires_grad_()
-        if action.mb not in self.batches:
-            self.batches[action.mb] = self.get_batch(action.mb)
-        out = self.ex.chunks[action.stage](inp, self.batches[action.mb])
+        ids = self.versions.forward(action.mb) if self.versions is not None else None
+        out = self.ex.chunks[action.stage](inp, self._batch(action.mb))
         if action.stage == self.ex.last_stage:
             loss, aux = out
             self.result.losses.append(loss.detach())
             self.result.aux.append(aux)
-            out = loss * self.loss_scale
+            self.result.micro_batches.append(action.mb)
+            if stream is not None:
+                stream.losses[action.mb] = (loss.detach(), aux)
+            out = loss * self.scale(action.mb)
         else:
             self._produced(action, out)
         if not self.forward_only:
-            self.stash[(action.mb, action.stage)] = (inp, out)
+            self.stash[(action.mb, action.stage)] = (inp, out, ids)
+            self._log(action, ids)
 
     def _backward(self, action) -> None:
-        inp, out = self.stash.pop((action.mb, action.stage))
+        inp, out, ids = self.stash.pop((action.mb, action.stage))
+        if ids is not None:
+            self.versions.backward(ids)
         if action.stage == self.ex.last_stage:
             out.backward()
         else:
             torch.autograd.backward(out, self._received(action))
         if action.stage > 0:
             self._produced(action, inp.grad)
+        if ids is not None:
+            self.versions.done(ids)
+            self._log(action, ids)
+
+    def _log(self, action, ids) -> None:
+        if ids is not None:
+            self.versions.log.append((action.kind, action.mb, action.stage, ids))
+
+
+_CATEGORY = {FORWARD: "forward", BACKWARD: "backward", REDUCE: "reduce", END: "reduce"}

@@ -53,6 +53,9 @@ class _AllOf:
     def __init__(self, works):
         self.works = works
 
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
     def wait(self) -> None:
         for work in self.works:
             work.wait()
@@ -130,6 +133,12 @@ class P2P:
         parts = [torch.empty_like(buffer) for _ in range(self.tp_size)]
         dist.all_gather(parts, buffer, group=self.tensor_group)
         return torch.cat(parts).view(shape)
+
+    def release_completed_sends(self) -> None:
+        """Forget sends that have completed (a no-flush run never waits for all of them until
+        it ends: each iteration's sends are received within that iteration, see comm_plan)."""
+        self.pending_sends = [(work, tensor) for work, tensor in self.pending_sends
+                              if not work.is_completed()]
 
     def wait_sends(self) -> None:
         """Complete every outstanding send (end of iteration), so buffers can be reused."""
