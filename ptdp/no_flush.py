@@ -298,6 +298,9 @@ class PipeDream(_NoFlush):
         before F(mb), k - p + 1 in steady state (``schedules.weight_updates_before_forwards``)."""
         return self.first_update + max(mb - self.first_update - self.p + 1, 0)
 
+    def loss_scale(self, mb: int) -> float:
+        return 1.0 / self.d      # one input per update, averaged over the data ranks
+
     def own_version(self, mb: int) -> int:
         return self.input_version(mb) if self.vertical_sync else self.own.newest
 

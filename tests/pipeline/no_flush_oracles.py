@@ -14,8 +14,9 @@ from tests.equivalence import TINY
 def _trainer(overrides: list[str], iters: int):
     from ptdp.config import load_config
     from ptdp.training import Trainer
-    kept = [o for o in overrides if o.split("=")[0] in ("model.arch", "train.precision",
-                                                          "train.clip_grad", "train.lr")]
+    # the model and the optimizer settings, not the layout or the schedule
+    kept = [o for o in overrides if o.startswith(("model.", "train.")) and
+            not o.startswith(("train.iters", "train.recompute"))]
     cfg = load_config(None, TINY + kept + [f"train.iters={iters}", "schedule.name=1f1b"],
                       world_size=1)
     return Trainer(cfg)
@@ -49,3 +50,46 @@ def simulate_two_bw(overrides: list[str], iters: int) -> dict:
         losses.append(step.loss)
         norms.append(step.grad_norm)
     return {"losses": losses, "grad_norms": norms, "weights": trainer.full_state()}
+
+
+def pipedream_versions(j: int, p: int, stage: int, vertical_sync: bool) -> int:
+    """The version (updates applied) stage ``stage`` of ``p`` runs input j with: the newest it
+    has at j's forward, j - p + 1 + stage (weight stashing, SPEC item 8), or the version j was
+    tagged with at the input stage, j - p + 1, everywhere (vertical sync, item 9); at least 0."""
+    return max(j - p + 1 + (0 if vertical_sync else stage), 0)
+
+
+def simulate_pipedream(overrides: list[str], iters: int, p: int, d: int, stage_of: dict,
+                       vertical_sync: bool) -> dict:
+    """One update per input j: W(j+1) = W(j) - lr * AdamW(grad f_j(mixed versions)), where
+    input j is the j-th micro-batch of every data rank (their gradients averaged: 1F1B-RR keeps
+    data rank i's inputs on data rank i) and each parameter of stage s (``stage_of``: global
+    name -> stage; the tied embedding is stage 0's) is taken at ``pipedream_versions``."""
+    from ptdp.batching import MicroBatches
+    from ptdp.training import build_datasets
+    trainer = _trainer(overrides, iters)
+    cfg, (chunk,) = trainer.cfg, trainer.chunks.values()
+    tr = cfg.train
+    per_rank = [MicroBatches(build_datasets(cfg)["train"], global_batch=tr.global_batch_size,
+                             micro_batch_size=tr.micro_batch_size, data_rank=i, data_size=d,
+                             device=torch.device("cpu")) for i in range(d)]
+    m = tr.global_batch_size // (tr.micro_batch_size * d)
+    stages = [stage_of[name] for name, _ in trainer.named_parameters()]
+    history, losses = [_snapshot(trainer)], []
+    for t in range(iters):
+        total = 0.0
+        for c in range(m):
+            j = t * m + c
+            current = _snapshot(trainer)
+            _load(trainer, [history[pipedream_versions(j, p, s, vertical_sync)][i]
+                            for i, s in enumerate(stages)])
+            trainer.weights.zero_grads()
+            for batches in per_rank:
+                loss, _ = chunk(None, batches.get(t, c))
+                (loss / d).backward()
+                total += loss.item()
+            _load(trainer, current)
+            trainer.optimizer_step(t, torch.zeros((), dtype=torch.float64))
+            history.append(_snapshot(trainer))
+        losses.append(total / (m * d))
+    return {"losses": losses, "weights": trainer.full_state()}
