@@ -9,7 +9,8 @@ Layout of one checkpoint (N = iterations done, zero-padded to 7 digits):
     {dir}/iter_000000N/model_pp{P:03d}_tp{T:03d}.pt
                                       one per model-parallel rank, written by data rank 0:
                                       {name: {"value", "exp_avg", "exp_avg_sq", "step"}} with the
-                                      shards of the master (fp32) weights and their AdamW state
+                                      shards of the master (fp32) weights and their AdamW state;
+                                      2BW adds "shadow": the older of its two weight versions
     {dir}/iter_000000N/rng_rank{R:05d}.pt
                                       one per world rank: CPU/CUDA and tensor-parallel RNG
 
@@ -24,6 +25,14 @@ deleted, then `iter_N.new` becomes `iter_N` and `latest` follows. The one moment
 loader's fallback: when `latest` is missing or names an incomplete directory, the newest
 complete checkpoint in the folder is loaded, with a one-line note. Each save starts by
 removing leftovers of crashed saves (`*.tmp`, and `*.new` that `latest` does not name).
+
+PipeDream-2BW: after N iterations the masters are W(N) and batch N still runs with W(N-1), the
+shadow version; it is saved beside each value (and the fp16 loss scales fixed for batches N and
+N+1, in the metadata), so a resumed 2BW run recomputes batch N with W(N-1) and continues the
+loss sequence of the uninterrupted run exactly. Without a saved shadow (a checkpoint of another
+schedule) a 2BW run starts as at iteration 0: its first two batches use the loaded weights.
+PipeDream async saves its newest weights; a resumed run refills the pipeline, so its first p-1
+inputs see fresher weights than they would have without the interruption.
 
 Resharding: shards are layout-specific, but the global names, full shapes and split dims in
 the metadata are not. A loading rank rebuilds the full tensor of each of its parameters from
@@ -184,12 +193,15 @@ def _write_rank_files(trainer, tmp: Path) -> dict:
 def _model_shards(trainer) -> tuple[dict, dict]:
     """({name: saved tensors}, {name: metadata}) for this rank's unique parameters."""
     masters = _master_of(trainer)
+    shadow = _shadow_of(trainer)
     shards, info = {}, {}
     for name, param in trainer.named_parameters():
         if getattr(param, "duplicate", False):  # the tied head's copy; the original is saved
             continue
         master = masters[id(param)]
         entry = {"value": master.detach().cpu().clone()}
+        if shadow is not None:
+            entry["shadow"] = shadow[id(param)].detach().float().cpu().clone()
         state = trainer.optimizer.state.get(master, {})
         for key in OPTIMIZER_KEYS + ("step",):
             if key in state:
@@ -197,6 +209,14 @@ def _model_shards(trainer) -> tuple[dict, dict]:
         shards[name] = entry
         info[name] = _param_metadata(param, trainer)
     return shards, info
+
+
+def _shadow_of(trainer) -> dict | None:
+    """id(model param) -> its value in 2BW's older live version, or None."""
+    shadow = getattr(trainer.no_flush, "shadow", lambda: None)()
+    if shadow is None:
+        return None
+    return {id(p): value for p, value in zip(trainer.params, shadow[1])}
 
 
 def _param_metadata(param, trainer) -> dict:
@@ -234,10 +254,19 @@ def _metadata(trainer, params: dict) -> dict:
         "model": dataclasses.asdict(cfg.model),
         "train": dataclasses.asdict(cfg.train),  # for the record; LR is f(iteration, train)
         "loss_scaler": trainer.loss_scaler.state_dict(),
+        **_two_bw_metadata(trainer),
         "params": params,
         "files": sorted([shard_file_name(pp, tp) for pp in range(grid.p) for tp in range(grid.t)]
                         + [rng_file_name(r) for r in range(dist.get_world_size())]),
     }
+
+
+def _two_bw_metadata(trainer) -> dict:
+    shadow = getattr(trainer.no_flush, "shadow", lambda: None)()
+    if shadow is None:
+        return {}
+    scales = {str(b): s for b, s in trainer.no_flush.scales.items() if b >= trainer.iteration}
+    return {"two_bw": {"shadow_version": shadow[0], "loss_scales": scales}}
 
 
 def _layout(cfg) -> dict:
@@ -484,17 +513,20 @@ def _read_rank_state(trainer, directory: Path, meta: dict) -> dict:
     """Everything this rank needs, read and shape-checked, nothing applied yet."""
     shards = ShardReader(directory, meta)
     masters = _master_of(trainer)
-    values, optimizer_state = {}, {}
+    values, optimizer_state, shadow = {}, {}, {}
     for name, param in trainer.named_parameters():
         entry = shards.full(name)
         local = {key: _to_local(param, full, trainer, name, key) for key, full in entry.items()
                  if key != "step"}
         master = masters[id(param)]
         values[id(master)] = local["value"]
+        if "shadow" in local:
+            shadow[id(param)] = local["shadow"]
         if all(k in local for k in OPTIMIZER_KEYS) and "step" in entry:
             optimizer_state[id(master)] = {"step": entry["step"].clone(),
                                           **{k: local[k] for k in OPTIMIZER_KEYS}}
-    return {"values": values, "optimizer": optimizer_state, "rng": _rng_to_restore(trainer, directory, meta)}
+    return {"values": values, "optimizer": optimizer_state, "shadow": shadow,
+            "rng": _rng_to_restore(trainer, directory, meta)}
 
 
 class ShardReader:
@@ -569,6 +601,11 @@ def _apply(trainer, meta: dict, state: dict) -> None:
                 param.copy_(master)
     _load_optimizer_state(trainer.optimizer, state["optimizer"])
     trainer.loss_scaler.load_state_dict(meta["loss_scaler"])
+    if hasattr(trainer.no_flush, "resume"):   # 2BW: the older version the next batch uses
+        shadow = state["shadow"]
+        values = [shadow[id(p)] for p in trainer.params] if len(shadow) == len(trainer.params) else None
+        trainer.no_flush.resume(meta["iteration"], values,
+                                meta.get("two_bw", {}).get("loss_scales", {}))
     _restore_rng(trainer, state["rng"], meta["iteration"])
     trainer.iteration = meta["iteration"]
 

@@ -27,6 +27,7 @@ from ptdp.pipeline.schedules import (
     FORWARD,
     REDUCE,
     RANK_ACTIONS,
+    UPDATE,
     WEIGHTS,
     Action,
     build_all,
@@ -162,8 +163,10 @@ def _insert_ends(row: list[Slot], rank: int, m: int, done: dict, weights: bool) 
     last_batch = max(done)
     for batch, ready in sorted(done.items()):
         i = reduced[batch] + 1
-        while i < len(row) and (row[i].start < ready or batch == last_batch):
-            i += 1   # the window's last iteration ends after everything (the drain)
+        while i < len(row) and (row[i].start < ready or batch == last_batch
+                                or row[i].action.kind == UPDATE):
+            i += 1   # the window's last iteration ends after everything (the drain); a
+            # PipeDream update stays with its backward (its reduction is that backward's)
         if weights:   # the new version must exist before batch + 2's first forward
             i = min(i, first_forward.get(batch + 2, len(row)))
         at.setdefault(i, []).append(batch)
