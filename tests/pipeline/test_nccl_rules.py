@@ -3,11 +3,15 @@
 `tests/pipeline/nccl_rules.py` ignores tags (matching by order only, with a header check on
 every message) and completes each rank's batches strictly in issue order without buffering.
 Under it every pipelined layout of the equivalence tests must still train exactly like one
-process; and the naive exchange (receive right before use), which the plan checker rejects,
-must really hang under it, so the transport is known to have teeth.
+process; the no-flush schedules (2BW interleaved with scatter/gather, PipeDream with vertical
+sync and d = 2) must train exactly as with the plain exchange, with a checkpoint (collectives on
+every rank) at every iteration boundary; and the naive exchange (receive right before use),
+which the plan checker rejects, must really hang under it, so the transport is known to have
+teeth.
 """
 
 import pytest
+import torch
 
 from ptdp.local_ranks import RankFailure, run_on_ranks
 from ptdp.pipeline.comm_plan import PlanError, Step, Transfer, check_plans, needed_message, produced_message
@@ -42,6 +46,51 @@ def test_pipelined_layouts_match_single_process_under_nccl_rules(strict_results,
     ranks = strict_results[(layout, arch)]
     assert all(r["batches"] > 0 for r in ranks), "the in-order transport was not used"
     assert_equivalent(ranks[0], reference(arch), f"{arch} {layout} under NCCL rules")
+
+
+NO_FLUSH_UNDER_RULES = [
+    ["schedule.name=2bw", "parallel.pipeline=2", "parallel.tensor=2", "parallel.chunks=2",
+     "parallel.scatter_gather=true"],
+    ["schedule.name=pipedream", "parallel.pipeline=2", "parallel.data=2", "train.clip_grad=0",
+     "schedule.vertical_sync=true"],
+]
+
+
+def _no_flush_both_ways(directory: str) -> list:
+    import contextlib
+    import os
+
+    import torch.distributed as dist
+
+    from ptdp.config import load_config
+    from ptdp.training import Trainer
+    from tests.pipeline.nccl_rules import InOrderTransport
+
+    out = []
+    for i, overrides in enumerate(NO_FLUSH_UNDER_RULES):
+        runs = []
+        for strict in (True, False):
+            extra = ([f"checkpoint.dir={directory}/{i}", "checkpoint.save_interval=1"]
+                     if strict else [])
+            cfg = load_config(None, TINY + overrides + extra + ["train.iters=4", "log.progress=false"],
+                              world_size=dist.get_world_size())
+            trainer = Trainer(cfg)
+            if strict:
+                trainer.p2p.transport = InOrderTransport(trainer.grid.pipeline_group)
+            with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+                history = trainer.train()
+            runs.append(([r["loss"] for r in history], trainer.full_state(),
+                         getattr(trainer.p2p.transport, "batches", None)))
+        out.append(runs)
+    return out
+
+
+def test_no_flush_schedules_train_the_same_under_nccl_rules_with_checkpoints(tmp_path):
+    for (strict, plain) in run_on_ranks(4, _no_flush_both_ways, str(tmp_path), timeout_s=240)[0]:
+        assert strict[2] > 0, "the in-order transport was not used"
+        assert strict[0] == plain[0]
+        for name, value in plain[1].items():
+            assert torch.equal(strict[1][name], value), name
 
 
 def naive_plans(name: str, p: int, v: int, m: int) -> list[list[Step]]:
