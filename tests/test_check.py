@@ -181,7 +181,8 @@ def a_dir(tmp, assets):
     (tmp / "adir").mkdir()
 
 
-MODEL_2BW = ["schedule.name=2bw", "parallel.pipeline=2"]
+MODEL_2BW = ["schedule.name=2bw", "parallel.pipeline=2", "train.global_batch_size=2",
+             "train.micro_batch_size=2"]
 ROWS = [
     # The config file itself
     Row("yaml-list-top-level", [], ["top level must be a mapping of sections"],
@@ -232,7 +233,11 @@ ROWS = [
         ["train.global_batch_size (6) must be divisible by train.micro_batch_size * parallel.data"], world=2),
     Row("interleaved-one-chunk", ["parallel.pipeline=2", "schedule.name=interleaved"],
         ["set parallel.chunks=2 or more, or use schedule.name=1f1b"], world=2),
-    Row("2bw-not-runnable", MODEL_2BW, ["schedule.name=2bw is not runnable by the trainer yet"], world=2),
+    Row("2bw-too-few-micro-batches", MODEL_2BW,
+        ["schedule.name=2bw needs at least 2 micro-batches per pipeline"], world=2),
+    Row("pipedream-clipping", ["schedule.name=pipedream", "train.precision=fp16"],
+        ["schedule.name=pipedream needs train.clip_grad=0",
+         "schedule.name=pipedream does not support train.precision=fp16"]),
     # Data files
     Row("idx-missing-prefix", ["data.paths=[{tmp}/nowhere]"], ["data.paths: {tmp}/nowhere.idx: not found"]),
     Row("idx-missing", ["data.paths=[{tmp}/bad]"], ["{tmp}/bad.idx: not found"], setup=idx_missing),
