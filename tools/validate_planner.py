@@ -47,6 +47,9 @@ LAYOUTS = {
     "p2v2":        Layout(2, 1, 1, 2, 1, "interleaved", "none", False),
     "p2t2":        Layout(2, 2, 1, 1, 2, "1f1b", "none", False),
     "d2t2":        Layout(1, 2, 2, 1, 2, "1f1b", "none", False),
+    "p2-2bw":      Layout(2, 1, 1, 1, 1, "2bw", "none", False),
+    "p2-2bw-b2":   Layout(2, 1, 1, 1, 2, "2bw", "none", False),
+    "p2t2-2bw":    Layout(2, 2, 1, 1, 2, "2bw", "none", False),
 }
 TOLERANCE = 0.15
 

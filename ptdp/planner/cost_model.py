@@ -25,20 +25,24 @@ Communication (comm.py)
   * Pipeline: per micro-batch and per chunk each rank sends b*s*h activations forward and
     receives as many gradients (both on the critical path, x v for interleaving, L3640); with
     scatter/gather it sends b*s*h/t over the link and all-gathers over NVLink (L4034).
-  * Data parallelism: one ring all-reduce of the rank's fp32 gradients per iteration. For
-    flushing schedules it overlaps with the last micro-batch's backward pass (buckets are
-    reduced as they fill); 2BW can hide it behind the next batch (no flush). Tied word
-    embeddings add an all-reduce between the first and last stage. On CPUs nothing overlaps
-    (`overlap_communication: false`): gloo's copies and reductions run on the same cores.
+  * Data parallelism: one ring all-reduce of the rank's fp32 gradients per iteration. It
+    overlaps with the last micro-batch's backward pass (buckets are reduced as they fill),
+    for 2BW too: its trainer waits for the sums right after a batch's last backward, since
+    the global norm needs them (ptdp/no_flush.py). Tied word embeddings add an all-reduce
+    between the first and last stage. On CPUs nothing overlaps (`overlap_communication:
+    false`): gloo's copies and reductions run on the same cores.
 
 Pipeline (formulas.bubble_fraction)
   * Flushing schedules (gpipe, 1f1b, interleaved): m * T_slowest + (p-1)/v * T_mean, which
     is (p-1)/(v*m) bubble for balanced stages (L3548, L3633). 2BW never flushes: m *
-    T_slowest. GPipe costs the same time as 1F1B but keeps m micro-batches in flight.
+    T_slowest per iteration in steady state (the fill and drain are paid once per job, not
+    counted). GPipe costs the same time as 1F1B but keeps m micro-batches in flight.
 
 Memory (memory.py): weights, fp32 gradients and Adam state (18 B/param mixed precision,
-  16 B fp32), 2BW's second weight version, activation stashes x the schedule's peak in-flight
-  count on the first and last pipeline ranks, transient buffers and the profile's reserve.
+  16 B fp32), 2BW's second weight version and, on all but the first pipeline rank, the
+  gradients of the batch waiting for its update while the next one accumulates, activation
+  stashes x the schedule's peak in-flight count on the first and last pipeline ranks,
+  transient buffers and the profile's reserve.
   A layout fits when that is at most (1 - memory_headroom) of the device memory: the
   headroom (5% on GPUs) absorbs allocator fragmentation.
 
@@ -219,10 +223,7 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     params = max(stage_parameters(shape, t, p, vocab_padded, r == 0, r == p - 1) for r in {0, p - 1})
     grad_bytes = params * 4
     dp_total = comm.all_reduce_time(d, grad_bytes, comm.data_link(hw, t, d, work.gpus_per_node))
-    if lay.schedule == "2bw":
-        hidden = pipelined                      # no flush: overlaps the next batch's work
-    else:
-        hidden = slowest.backward if dp_overlap and hw.overlap_communication else 0.0
+    hidden = slowest.backward if dp_overlap and hw.overlap_communication else 0.0
     dp_exposed = max(0.0, dp_total - hidden)
     embedding_sync = 0.0
     if p > 1:   # tied word embeddings: sum the first and last stage's table gradients

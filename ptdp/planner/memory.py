@@ -127,16 +127,30 @@ def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, re
     return replicated + split + core
 
 
+def weight_versions(schedule: str, p: int, rank: int, vertical_sync: bool = False) -> int:
+    """Copies of the rank's weights: 2 for 2BW (L2314); PipeDream's weight stashing keeps one
+    per in-flight input, max(p - rank, 2) with the one being made, p with vertical sync
+    (L1499); 1 for the flushing schedules. In fp32 the newest version is the master copy."""
+    if schedule == "2bw":
+        return 2
+    if schedule == "pipedream":
+        return p if vertical_sync else max(p - rank, 2)
+    return 1
+
+
 def in_flight_layer_stashes(schedule: str, p: int, v: int, m: int, layers_per_rank: int,
                             rank: int) -> float:
     """How many (micro-batch, layer) activation stashes `rank` holds at its peak.
 
-    Matches ptdp.pipeline.schedules.max_in_flight: GPipe keeps all m micro-batches, 1F1B and
-    2BW min(p - rank, m) (PipeDream-Flush's "at most p", L2409), interleaved
-    min(2(p-rank-1) + (v-1)p, m*v) + 1 chunk stashes of layers_per_rank/v layers each.
+    Matches ptdp.pipeline.schedules.max_in_flight: GPipe keeps all m micro-batches, 1F1B,
+    2BW and PipeDream min(p - rank, m) (PipeDream-Flush's "at most p", L2409), interleaved
+    min(2(p-rank-1) + (v-1)p, m*v) + 1 chunk stashes of layers_per_rank/v layers each (2BW
+    with v > 1 the same without the cap: it never drains).
     """
     if schedule == "gpipe":
         return m * layers_per_rank
+    if schedule == "2bw" and v > 1:
+        return (2 * (p - rank - 1) + (v - 1) * p + 1) * layers_per_rank / v
     if schedule == "interleaved":
         chunks = min(2 * (p - rank - 1) + (v - 1) * p, m * v) + 1
         return chunks * layers_per_rank / v
@@ -162,7 +176,10 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     e = BYTES[precision]
     w, g, o = state_bytes_per_parameter(precision)
     params = stage_parameters(shape, t, p, vocab_padded, first, last)
-    weights = params * w * (2 if schedule == "2bw" else 1)      # 2BW's second version (L2314)
+    weights = params * w * weight_versions(schedule, p, rank)
+    # 2BW: batch t's gradients wait for every rank to finish it while batch t+1 accumulates;
+    # the first rank finishes last and updates at once (ptdp/no_flush.py)
+    gradients = params * g * (2 if schedule == "2bw" and rank > 0 else 1)
     layers_per_rank = shape.layers // p
     stashes = in_flight_layer_stashes(schedule, p, v, m, layers_per_rank, rank)
     activations = stashes * layer_activation_bytes(shape, b, t, precision, recompute, attention, hw)
@@ -178,5 +195,5 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
         working += params * g
     optimizer_step = params * 4 if hw is not None and hw.device == "cpu" else 0.0
     buffers = max(working, optimizer_step - activations)
-    return MemoryBreakdown(weights=weights, gradients=params * g, optimizer=params * o,
+    return MemoryBreakdown(weights=weights, gradients=gradients, optimizer=params * o,
                            activations=activations, buffers=buffers + reserved_gb * GB)
