@@ -317,7 +317,8 @@ def memory_per_stage(cfg: Config, hardware=None) -> list:
                   recompute=tr.recompute, precision=tr.precision,
                   attention=hardware.attention if hardware else "flash",
                   vocab_padded=cfg.padded_vocab_size,
-                  reserved_gb=hardware.memory_reserved_gb if hardware else 0.0, hw=hardware)
+                  reserved_gb=hardware.memory_reserved_gb if hardware else 0.0, hw=hardware,
+                  vertical_sync=cfg.schedule.vertical_sync)
     shape = ModelShape.from_config(cfg.model)
     return [gpu_memory(shape, rank=r, **kwargs) for r in range(par.pipeline)]
 
@@ -337,8 +338,10 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
         f"layout: (p, t, d) = ({par.pipeline}, {par.tensor}, {par.data}), v = {par.chunks}, "
         f"schedule {cfg.schedule.name}, world size {world_size}",
         f"micro-batches: m = {mb} of {tr.micro_batch_size} per pipeline per iteration "
-        f"(global batch {tr.global_batch_size}); bubble (p-1)/(v*m) = "
-        f"{bubble_fraction(par.pipeline, mb, par.chunks):.3f}",
+        f"(global batch {tr.global_batch_size}); " + (
+            "bubble 0 (no flush: the pipeline fills once per job)"
+            if cfg.schedule.name in ("2bw", "pipedream") else
+            f"bubble (p-1)/(v*m) = {bubble_fraction(par.pipeline, mb, par.chunks):.3f}"),
     ]
     stages = memory_per_stage(cfg, hardware)
     where = f"log.hardware {hardware.name}" if hardware else "analytic, flash attention"

@@ -163,7 +163,8 @@ def in_flight_layer_stashes(schedule: str, p: int, v: int, m: int, layers_per_ra
 
 def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, schedule: str,
                recompute: str, precision: str, attention: str, vocab_padded: int,
-               reserved_gb: float, rank: int, d: int = 1, hw=None) -> MemoryBreakdown:
+               reserved_gb: float, rank: int, d: int = 1, hw=None,
+               vertical_sync: bool = False) -> MemoryBreakdown:
     """Peak memory of pipeline rank `rank` (0 = first stage, p-1 = last).
 
     Weights, gradients and optimizer state live throughout. On top of them the peak is the
@@ -176,7 +177,7 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     e = BYTES[precision]
     w, g, o = state_bytes_per_parameter(precision)
     params = stage_parameters(shape, t, p, vocab_padded, first, last)
-    weights = params * w * weight_versions(schedule, p, rank)
+    weights = params * w * weight_versions(schedule, p, rank, vertical_sync)
     # 2BW: batch t's gradients wait for every rank to finish it while batch t+1 accumulates;
     # the first rank finishes last and updates at once (ptdp/no_flush.py)
     gradients = params * g * (2 if schedule == "2bw" and rank > 0 else 1)

@@ -2,8 +2,10 @@
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -123,3 +125,34 @@ def test_python_dash_m_ptdp_plan(tmp_path):
                            "a100-80gb", "--json"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["parallel"]["tensor"] >= 1
+
+
+def test_allow_2bw_writes_a_layout_ptdp_train_runs_unchanged(tmp_path, capsys):
+    """On two CPU ranks the measured profile makes 2BW (no flush) the best layout; the written
+    config trains under torchrun as it is, one metrics record per iteration."""
+    model = tmp_path / "small.yaml"
+    model.write_text(yaml.safe_dump({
+        "model": {"arch": "gpt", "num_layers": 4, "hidden_size": 64, "num_heads": 4,
+                  "seq_length": 32, "vocab_size": 256},
+        "train": {"global_batch_size": 16, "iters": 3, "device": "cpu", "timeout_s": 60},
+        "data": {"source": "synthetic"}, "log": {"progress": False}}))
+    out_yaml, metrics = tmp_path / "plan.yaml", tmp_path / "metrics.jsonl"
+    hardware = str(Path(__file__).resolve().parents[2] / "configs" / "hardware" / "cpu-local.yaml")
+    assert plan([str(model), "--hardware", hardware, "--gpus", "2", "--allow-2bw",
+                 "--write-config", str(out_yaml)]) == 0
+    assert "2bw" in capsys.readouterr().out
+    written = yaml.safe_load(out_yaml.read_text())
+    assert written["schedule"]["name"] == "2bw" and written["parallel"]["pipeline"] == 2
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(_free_port()), "-m", "ptdp", "train",
+                           str(out_yaml), f"log.metrics_file={metrics}"],
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iter"] for r in records] == [1, 2, 3]
+
+
+def _free_port() -> int:
+    from ptdp.local_ranks import free_port
+    return free_port()
