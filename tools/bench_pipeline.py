@@ -1,7 +1,7 @@
 """Benchmark (not a test): the same small GPT under each pipeline schedule on local CPU ranks.
 
 One gloo job of p*t local ranks (``ptdp.local_ranks.run_on_ranks``) runs every schedule in turn
-(gpipe and 1f1b with v=1, interleaved with v=--chunks). Per schedule it reports
+(gpipe, 1f1b and 2bw with v=1, interleaved with v=--chunks). Per schedule it reports
 
 * ``ours step s``: median wall time of one training step (forward_backward + reduce_gradients
   + optimizer_step) of ``ptdp.training.Trainer``, from the first rank leaving the barrier to the
@@ -9,7 +9,11 @@ One gloo job of p*t local ranks (``ptdp.local_ranks.run_on_ranks``) runs every s
 * ``torch step s``: the same for ``torch.distributed.pipelining`` (PipelineStage +
   ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B) running the same GPT written as plain
   nn.Modules, loaded with our initial weights, on the same data, p, v, m, loss, tied-embedding
-  gradient sum, clipping and AdamW; timed steps alternate ours/theirs so load drifts hit both;
+  gradient sum, clipping and AdamW; timed steps alternate ours/theirs so load drifts hit both.
+  2bw is compared with torch's Schedule1F1B (the same p and m; torch has no 2BW). Its
+  iterations run back to back, as in training (a barrier between them would be a flush): its
+  step is the time between consecutive iterations' ends (the last rank's), over the timed
+  ones, the drain excluded; torch's steps then run after them;
 * ``measured bubble``: from the executor trace, per rank (makespan - compute) / compute, where
   the makespan runs from the first action start to the last action end over all ranks and
   compute is the rank's action time minus the time spent waiting for receives; the mean over
@@ -49,7 +53,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
+THEIRS = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "2bw": "1f1b"}
 
 
 # ------------------------------------------------------------------------ the torch-side GPT
@@ -158,7 +163,8 @@ def _overrides(s: dict, name: str, v: int) -> list[str]:
             f"parallel.chunks={v}", f"parallel.scatter_gather={str(s['scatter_gather']).lower()}",
             f"schedule.name={name}", f"train.micro_batch_size={s['micro_batch']}",
             f"train.global_batch_size={s['micro_batch'] * s['m']}",
-            f"train.iters={s['warmup'] + s['iters']}", "train.lr=1e-4", "train.seed=1234",
+            f"train.iters={s['warmup'] + s['iters'] + (name == '2bw')}", "train.lr=1e-4",
+            "train.seed=1234",
             f"train.timeout_s={s['timeout']}", "train.device=cpu"]
 
 
@@ -263,51 +269,98 @@ def bench_rank(s: dict) -> list[dict]:
         theirs, error = None, None
         if s["torch"]:
             try:
-                theirs = _TorchSide(s, name, trainer, emb_group)
+                theirs = _TorchSide(s, THEIRS[name], trainer, emb_group)
             except Exception as exc:  # report exactly what failed, keep benchmarking ours
                 error = f"{type(exc).__name__}: {exc}"
         row = {"schedule": name, "v": v, "ours": [], "theirs": [], "ours_loss": [],
                "theirs_loss": [], "torch_error": error, "pp_rank": trainer.grid.pp_rank,
                "tp_rank": trainer.grid.tp_rank}
-        total = s["warmup"] + s["iters"]
-        for it in range(total):
-            timed = it >= s["warmup"]
-            bytes0, msgs0 = trainer.p2p.bytes_sent, trainer.p2p.messages_sent
-            spans = Spans(torch.device("cpu"))
-            dist.barrier()
-            c0, t0 = time.process_time(), time.perf_counter()
-            step = trainer.forward_backward(it, spans)
-            t1 = time.perf_counter()
-            norm = trainer.reduce_gradients()
-            t2 = time.perf_counter()
-            trainer.optimizer_step(it, norm)
-            t3, c3 = time.perf_counter(), time.process_time()
-            row["ours_loss"].append(float(step.loss))
-            if timed:
-                trace, waits = _trace_and_waits(spans)
-                row["ours"].append({"t0": t0, "t_fb": t1, "t_reduce": t2, "t_end": t3,
-                                    "cpu": c3 - c0, "trace": trace, "waits": waits,
-                                    "bytes": trainer.p2p.bytes_sent - bytes0,
-                                    "messages": trainer.p2p.messages_sent - msgs0})
-            if theirs is not None and error is None:
-                try:
-                    dist.barrier()
-                    c0, t0 = time.process_time(), time.perf_counter()
-                    # Timed with the step, as ours builds its micro-batches inside the step.
-                    loss = theirs.step(it, theirs.batch(it))
-                    t3, c3 = time.perf_counter(), time.process_time()
-                except Exception as exc:
-                    error = row["torch_error"] = f"{type(exc).__name__}: {exc}"
-                    theirs = None
-                    continue
-                row["theirs_loss"].append(loss)
-                if timed:
-                    row["theirs"].append({"t0": t0, "t_end": t3, "cpu": c3 - c0})
+        if name == "2bw":
+            _bench_back_to_back(trainer, s, row)
+            for it in range(s["warmup"] + s["iters"]):
+                if theirs is None or error is not None:
+                    break
+                error = _time_theirs(theirs, it, s, row)
+        else:
+            error = _bench_alternating(trainer, theirs, error, s, row)
+        if error is not None:
+            row["torch_error"], theirs = error, None
         if theirs is not None and error is None:
             row["model_only"] = _model_only(trainer, theirs, s)
         out.append(row)
         dist.barrier()
     return out
+
+
+def _bench_alternating(trainer, theirs, error, s: dict, row: dict):
+    """Flushing schedules: each timed step starts from a barrier, ours then theirs."""
+    import torch.distributed as dist
+
+    from ptdp.trace import Spans
+    total = s["warmup"] + s["iters"]
+    for it in range(total):
+        timed = it >= s["warmup"]
+        bytes0, msgs0 = trainer.p2p.bytes_sent, trainer.p2p.messages_sent
+        spans = Spans(torch.device("cpu"))
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        step = trainer.forward_backward(it, spans)
+        t1 = time.perf_counter()
+        norm = trainer.reduce_gradients()
+        t2 = time.perf_counter()
+        trainer.optimizer_step(it, norm)
+        t3, c3 = time.perf_counter(), time.process_time()
+        row["ours_loss"].append(float(step.loss))
+        if timed:
+            trace, waits = _trace_and_waits(spans)
+            row["ours"].append({"t0": t0, "t_fb": t1, "t_reduce": t2, "t_end": t3,
+                                "cpu": c3 - c0, "trace": trace, "waits": waits,
+                                "bytes": trainer.p2p.bytes_sent - bytes0,
+                                "messages": trainer.p2p.messages_sent - msgs0})
+        if theirs is not None and error is None:
+            error = _time_theirs(theirs, it, s, row)
+    return error
+
+
+def _bench_back_to_back(trainer, s: dict, row: dict) -> None:
+    """2BW: iterations one after the other (no barrier), each rank noting when each ends."""
+    import torch.distributed as dist
+
+    from ptdp.trace import Spans
+    row["ends"] = []
+    dist.barrier()
+    for it in range(s["warmup"] + s["iters"] + 1):     # + the drain, not timed
+        timed = s["warmup"] <= it < s["warmup"] + s["iters"]
+        bytes0, msgs0 = trainer.p2p.bytes_sent, trainer.p2p.messages_sent
+        spans = Spans(torch.device("cpu"))
+        c0, t0 = time.process_time(), time.perf_counter()
+        step = trainer.train_step(it, spans)
+        t3, c3 = time.perf_counter(), time.process_time()
+        row["ours_loss"].append(float(step.loss))
+        row["ends"].append(t3)
+        if timed:
+            trace, waits = _trace_and_waits(spans)
+            row["ours"].append({"t0": t0, "t_fb": t3, "t_reduce": t3, "t_end": t3,
+                                "cpu": c3 - c0, "trace": trace, "waits": waits,
+                                "bytes": trainer.p2p.bytes_sent - bytes0,
+                                "messages": trainer.p2p.messages_sent - msgs0})
+
+
+def _time_theirs(theirs, it: int, s: dict, row: dict):
+    """One torch.distributed.pipelining step from a barrier; returns an error text or None."""
+    import torch.distributed as dist
+    try:
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        # Timed with the step, as ours builds its micro-batches inside the step.
+        loss = theirs.step(it, theirs.batch(it))
+        t3, c3 = time.perf_counter(), time.process_time()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    row["theirs_loss"].append(loss)
+    if it >= s["warmup"]:
+        row["theirs"].append({"t0": t0, "t_end": t3, "cpu": c3 - c0})
+    return None
 
 
 def _model_only(trainer, theirs, s: dict, reps: int = 5) -> dict:
@@ -380,7 +433,12 @@ def aggregate(s: dict, per_rank: list[list[dict]]) -> list[dict]:
         fb, post, overhead, comp, waits, cpu_ours, cpu_theirs = [], [], [], [], [], [], []
         for i in range(s["iters"]):
             its = [r["ours"][i] for r in ranks]
-            ours_steps.append(max(x["t_end"] for x in its) - min(x["t0"] for x in its))
+            if "ends" in ranks[0]:   # 2bw: the period between consecutive iterations' ends
+                k = s["warmup"] + i
+                ours_steps.append(max(r["ends"][k] for r in ranks)
+                                  - max(r["ends"][k - 1] for r in ranks))
+            else:
+                ours_steps.append(max(x["t_end"] for x in its) - min(x["t0"] for x in its))
             fb.append(max(x["t_fb"] for x in its) - min(x["t0"] for x in its))
             post.append(max(x["t_end"] - x["t_fb"] for x in its))
             mean, per, detail = _bubble([r["ours"][i] for r in pipe])
@@ -410,7 +468,9 @@ def aggregate(s: dict, per_rank: list[list[dict]]) -> list[dict]:
             "schedule": name, "p": s["p"], "v": v, "m": s["m"], "t": t,
             "ours_step_s": ours_med, "torch_step_s": theirs_med,
             "ratio": ours_med / theirs_med if theirs_steps else None,
-            "measured_bubble": _median(bubbles), "formula_bubble": (s["p"] - 1) / (v * s["m"]),
+            "measured_bubble": _median(bubbles),
+            "formula_bubble": 0.0 if name == "2bw" else (s["p"] - 1) / (v * s["m"]),
+            "torch_schedule": THEIRS[name],
             "bytes_per_msg": sent / msgs if msgs else 0, "bytes_per_msg_formula": formula,
             "bytes_per_boundary_per_iter": sent / boundaries / t if boundaries else 0,
             "bytes_per_boundary_per_iter_formula": 2 * s["m"] * formula if boundaries else 0,
@@ -529,6 +589,11 @@ def main(argv=None) -> int:
         print(extra)
         if r["torch_error"]:
             print(f"  {r['schedule']}: torch.distributed.pipelining failed: {r['torch_error']}")
+        if r["schedule"] == "2bw" and r["ratio"] is not None:
+            bound = r["m"] / (r["m"] + r["p"] - 1)
+            print(f"  2bw vs torch's 1F1B (same model, p, m): {r['ratio']:.3f} (target <= 0.9; "
+                  f"without the flush the best is m/(m+p-1) = {bound:.3f} of a flushing step "
+                  f"as fast per micro-batch)")
     if a.json:
         Path(a.json).write_text(json.dumps({"settings": s, "rows": rows}, indent=1) + "\n")
     return 0

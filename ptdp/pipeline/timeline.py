@@ -27,6 +27,7 @@ from ptdp.pipeline.schedules import (
     FORWARD,
     REDUCE,
     RANK_ACTIONS,
+    TIED,
     UPDATE,
     WEIGHTS,
     Action,
@@ -88,13 +89,18 @@ def simulate_lists(
     t_b=2.0,
     t_comm=0.0,
     name: str = "custom",
+    t_update=0,
 ) -> Timeline:
-    """Simulate explicit per-rank action lists (e.g. a hand-written or broken schedule)."""
+    """Simulate explicit per-rank action lists (e.g. a hand-written or broken schedule).
+
+    ``t_update``: how long a rank's optimizer step (W, U, T) takes; other rank actions take no
+    time."""
     if len(schedule) != p:
         raise ValueError(f"expected one action list per rank (p={p}), got {len(schedule)}")
     # Rank actions take no simulated time: the optimizer and reductions are outside the
     # (p-1)/m accounting, and W/E still wait for every rank's R through their dependencies.
-    duration = {FORWARD: t_f / v, BACKWARD: t_b / v, **{kind: 0 * t_f for kind in RANK_ACTIONS}}
+    duration = {FORWARD: t_f / v, BACKWARD: t_b / v, **{kind: 0 * t_f for kind in RANK_ACTIONS},
+                **{kind: t_update for kind in (WEIGHTS, UPDATE, TIED)}}
     finished: dict[Action, float] = {}  # action -> end time
     rows: list[list[Slot]] = [[] for _ in range(p)]
 
