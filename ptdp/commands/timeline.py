@@ -21,7 +21,8 @@ def register(subparsers) -> None:
     parser.add_argument("--chrome", metavar="JSON", default=None,
                         help="also write the drawn iteration as Chrome-trace JSON (Perfetto)")
     sim = parser.add_argument_group("simulated schedule (no TRACE)")
-    sim.add_argument("--schedule", help="gpipe, 1f1b or interleaved")
+    sim.add_argument("--schedule", help="gpipe, 1f1b, interleaved, 2bw or pipedream (the "
+                                        "no-flush ones over 3 consecutive batches)")
     sim.add_argument("--p", type=int, default=4, help="pipeline ranks (default 4)")
     sim.add_argument("--v", type=int, default=1, help="chunks per rank (default 1)")
     sim.add_argument("--m", type=int, default=8, help="micro-batches (default 8)")
@@ -68,9 +69,11 @@ def _simulated(args):
     from ptdp.pipeline.timeline import simulate
     if not args.schedule:
         raise ValueError("give a TRACE file, or --schedule NAME to draw a simulated schedule")
-    timeline = simulate(args.schedule, args.p, args.v, args.m)
+    batches = 3 if args.schedule in ("2bw", "pipedream") else 1   # no flush: show the stream
+    timeline = simulate(args.schedule, args.p, args.v, args.m, batches=batches)
     title = (f"{args.schedule} (simulated, backward = 2 x forward): p={args.p} v={args.v} "
-             f"m={args.m}, bubble {timeline.bubble_fraction:.3f}")
+             f"m={args.m}" + (f" x {batches} batches" if batches > 1 else "")
+             + f", bubble {timeline.bubble_fraction:.3f}")
     return gantt.lanes_from_simulation(timeline), title, "forward times", args.v
 
 

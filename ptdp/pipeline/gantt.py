@@ -87,7 +87,7 @@ def lanes_from_simulation(timeline) -> list[Lane]:
     kinds = {FORWARD: "forward", BACKWARD: "backward"}
     return [Lane(f"rank {rank}", [Box(str(s.action), kinds[s.action.kind], float(s.start),
                                       float(s.end), s.action.mb, s.action.stage // timeline.p)
-                                  for s in row])
+                                  for s in row if s.action.kind in kinds])   # not rank actions
             for rank, row in enumerate(timeline.ranks)]
 
 
