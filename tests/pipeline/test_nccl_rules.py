@@ -4,8 +4,8 @@
 every message) and completes each rank's batches strictly in issue order without buffering.
 Under it every pipelined layout of the equivalence tests must still train exactly like one
 process; the no-flush schedules (2BW interleaved with scatter/gather, PipeDream with vertical
-sync and d = 2) must train exactly as with the plain exchange, with a checkpoint (collectives on
-every rank) at every iteration boundary; and the naive exchange (receive right before use),
+sync and d = 2) must train exactly as with the plain exchange, with validation and a checkpoint
+(collectives on every rank) at every iteration boundary; and the naive exchange (receive right before use),
 which the plan checker rejects, must really hang under it, so the transport is known to have
 teeth.
 """
@@ -70,8 +70,10 @@ def _no_flush_both_ways(directory: str) -> list:
     for i, overrides in enumerate(NO_FLUSH_UNDER_RULES):
         runs = []
         for strict in (True, False):
-            extra = ([f"checkpoint.dir={directory}/{i}", "checkpoint.save_interval=1"]
-                     if strict else [])
+            # validation (exchanges on the same group) and checkpoints (collectives) between
+            # every two iterations of the strict run
+            extra = ([f"checkpoint.dir={directory}/{i}", "checkpoint.save_interval=1",
+                      "train.eval_interval=1", "train.eval_iters=1"] if strict else [])
             cfg = load_config(None, TINY + overrides + extra + ["train.iters=4", "log.progress=false"],
                               world_size=dist.get_world_size())
             trainer = Trainer(cfg)
