@@ -1,9 +1,10 @@
 """Pipeline schedules as data (DESIGN.md, principle 1).
 
-A schedule is a pure function ``(name, p, v, m, rank) -> list[Action]``: the compute actions one
-pipeline rank runs, in order, for one training iteration (one batch of ``m`` micro-batches). The
-same lists drive the executor, the unit tests, the planner's bubble estimate and the timeline
-picture (``ptdp.pipeline.timeline``). Nothing here imports torch.
+A schedule is a pure function ``(name, p, v, m, rank, batches=1) -> list[Action]``: the actions
+one pipeline rank runs, in order, for ``batches`` consecutive training iterations of ``m``
+micro-batches each (the flushing schedules repeat one iteration's list; the no-flush ones below
+are one stream). The same lists drive the executor, the unit tests, the planner's bubble
+estimate and the timeline picture (``ptdp.pipeline.timeline``). Nothing here imports torch.
 
 Stages. The layer stack is cut into ``p * v`` *virtual stages*; global virtual stage ``s`` holds
 layers ``[s * L/(p*v), (s+1) * L/(p*v))`` and runs on rank ``s % p`` as that rank's chunk
