@@ -95,6 +95,7 @@ class TrainConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0               # 0 disables clipping
     grad_bucket_mb: float = 25.0         # data-parallel all-reduce bucket size
+    distributed_optimizer: bool = False  # shard fp32 masters + Adam state over the data group
     initial_loss_scale: float = 2.0 ** 16
     fp16_max_skips: int = 10             # stop after this many overflows in a row at scale 1
     eval_interval: int = 0               # 0 disables validation
@@ -573,6 +574,11 @@ def _check_schedule(cfg: Config, out: _Problems) -> None:
         return
     out.require(not cfg.schedule.vertical_sync or name == "pipedream",
                 f"schedule.vertical_sync=true only applies to schedule.name=pipedream (got {name})")
+    out.require(not cfg.train.distributed_optimizer or name not in ("2bw", "pipedream"),
+                f"train.distributed_optimizer=true does not work with schedule.name={name}: its "
+                f"weight versions keep one storage per tensor, not the flat buffers the "
+                f"distributed optimizer shards; use gpipe, 1f1b or interleaved, or "
+                f"train.distributed_optimizer=false")
     if name == "2bw":
         _check_two_bw(cfg, out)
         return

@@ -35,17 +35,19 @@ def local_slice(param: torch.Tensor, full: torch.Tensor, tp, padded_vocab: int) 
     return full
 
 
-def gather_full_state(named_params, tp, vocab_size: int, grads: bool = False) -> dict:
+def gather_full_state(named_params, tp, vocab_size: int, grads: bool = False,
+                      value_of=None) -> dict:
     """{global name: full fp32 CPU tensor} for the whole model, on every rank.
 
     `named_params` yields (global name, parameter) for this rank's chunks. Duplicates (the last
-    stage's tied embedding copy) are skipped. Meant for tests and conversion, not hot paths.
+    stage's tied embedding copy) are skipped. The value gathered is the parameter, its .grad
+    (`grads`) or `value_of(parameter)`. Meant for tests and conversion, not hot paths.
     """
     mine = {}
     for name, param in named_params:
         if getattr(param, "duplicate", False):
             continue
-        value = param.grad if grads else param
+        value = value_of(param) if value_of else param.grad if grads else param
         if value is None:
             value = torch.zeros_like(param)
         mine[name] = full_tensor(param, value, tp, vocab_size).float().cpu()

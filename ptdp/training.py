@@ -30,6 +30,7 @@ from ptdp.optim.grads import (DataParallelGradients, clip_gradients, counts_in_n
                               global_grad_norm, sync_shared_embeddings)
 from ptdp.optim.loss_scale import LossScaler
 from ptdp.optim.lr import learning_rate
+from ptdp.optim.distributed import ShardedMasterWeights
 from ptdp.optim.mixed_precision import PRECISIONS, MasterWeights
 from ptdp.optim.optimizer import build_optimizer
 from ptdp.parallel.grid import coordinates_of
@@ -114,7 +115,12 @@ class Trainer:
         # Master weights first: their fp32-accumulation hook must run before the data-parallel
         # one. Weight versions point parameters at tensors of their own, and 2BW holds one
         # batch's gradients while the next accumulates: one storage per tensor, not flat buffers.
-        self.weights = MasterWeights(self.params, tr.precision, contiguous=False if no_flush else None)
+        if tr.distributed_optimizer:   # (config refuses it with the no-flush schedules)
+            self.weights = ShardedMasterWeights(self.params, tr.precision, grid.data_group,
+                                                grid.dp_rank, grid.d, tr.grad_bucket_mb)
+        else:
+            self.weights = MasterWeights(self.params, tr.precision,
+                                         contiguous=False if no_flush else None)
         self.master_params = self.weights.masters
         if no_flush:  # fp32: the optimizer must not step the parameter objects autograd saved
             self.master_params = aliasing_masters(self.params, self.master_params)
@@ -122,8 +128,9 @@ class Trainer:
         self.loss_scaler = LossScaler(dynamic=tr.precision == "fp16", initial=tr.initial_loss_scale)
         # pipedream updates after every input: each parameter accumulates once per reduction
         accumulations = 1 if self.cfg.schedule.name == "pipedream" else self.m
-        self.dp_grads = DataParallelGradients(self.params, grid.data_group, grid.d, accumulations,
-                                              tr.grad_bucket_mb, flat=self.weights.flat_grads)
+        self.dp_grads = DataParallelGradients(
+            self.params, grid.data_group, grid.d, accumulations, tr.grad_bucket_mb,
+            flat=self.weights.flat_grads, sharded=self.weights if self.weights.sharded else None)
         self.versions = None     # weight versions (set by the no-flush schedules)
         self.no_flush = None
         if no_flush:
@@ -187,13 +194,18 @@ class Trainer:
         with spans("data-parallel reduce", "reduce"):
             self.dp_grads.finish()
             self.weights.grads_to_masters()
+        grid, sharded = self.grid, self.weights.sharded
         with spans("embedding reduce + norm", "reduce"):
-            sync_shared_embeddings(self.master_params, self.grid.embedding_group,
-                                   len(self.grid.embedding_ranks))
+            if sharded:
+                self.weights.sync_shared_embeddings(grid.embedding_group, len(grid.embedding_ranks))
+            else:
+                sync_shared_embeddings(self.master_params, grid.embedding_group,
+                                       len(grid.embedding_ranks))
             grads = [m.grad for m in self.master_params if m.grad is not None]
             if self.loss_scaler.scale != 1.0 and grads:
                 torch._foreach_div_(grads, self.loss_scaler.scale)
-            return global_grad_norm(self.master_params, self.grid.model_group, self.grid.tp_rank)
+            return global_grad_norm(self.master_params, grid.model_group, grid.tp_rank,
+                                    data_group=grid.data_group if sharded else None)
 
     def optimizer_step(self, iteration: int, grad_norm: torch.Tensor, spans=NO_SPANS) -> bool:
         """Clip and step; returns True if the step was skipped (fp16 overflow).
@@ -243,7 +255,7 @@ class Trainer:
         else:
             what = f"loss {step.loss}, gradient norm {step.grad_norm}"
         # Every rank saw the same reduced loss and norm, so all of them get here together.
-        first = next((name for (name, _), master in zip(self.named_parameters(), self.master_params)
+        first = next((name for name, master in self._named_masters()
                       if master.grad is not None and not torch.isfinite(master.grad).all()), None)
         found = [None] * dist.get_world_size()
         dist.all_gather_object(found, (first, str(self.grid.coords)))
@@ -358,10 +370,23 @@ class Trainer:
         for chunk in self.chunks.values():
             yield from named_global_parameters(chunk)
 
+    def _named_masters(self):
+        """(global name of the model parameter, master) for each tensor the optimizer steps:
+        one per parameter, or the distributed optimizer's pieces of this rank's shard."""
+        names = [name for name, _ in self.named_parameters()]
+        if self.weights.sharded:
+            return [(names[m.param_index], m) for m in self.master_params]
+        return list(zip(names, self.master_params))
+
     def full_state(self, grads: bool = False) -> dict:
-        """Full fp32 weights (or the master weights' gradients) by global name, on every rank."""
+        """Full fp32 weights (or the master weights' gradients) by global name, on every rank.
+        Collective over the whole job."""
         if self.versions is not None:   # the newest version (the masters'), not the one in use
             self.versions.activate_newest()
+        if grads and self.weights.sharded:   # each data rank holds the sums of its shard only
+            full = dict(zip(map(id, self.params), self.weights.full_grads()))
+            return gather_full_state(self.named_parameters(), self.tp, self.cfg.model.vocab_size,
+                                     value_of=lambda p: full[id(p)])
         if grads:
             pairs = [(name, master) for (name, _), master
                      in zip(self.named_parameters(), self.master_params)]

@@ -26,15 +26,29 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 class FlatLayout:
-    """Offsets of tensors of the given shapes inside one flat buffer (gaps are padding)."""
+    """Offsets of tensors of the given shapes inside one flat buffer (gaps are padding).
 
-    def __init__(self, shapes: list[torch.Size], align: int = ALIGN):
+    `buckets` (lists of tensor indices, each in backward order) places the tensors bucket by
+    bucket and pads every bucket's end to a multiple of `ALIGN * bucket_shards`: the
+    distributed optimizer (ptdp/optim/distributed.py) cuts each bucket into `bucket_shards`
+    equal, aligned, contiguous shards. Without it, one bucket of all tensors, unpadded.
+    """
+
+    def __init__(self, shapes: list[torch.Size], align: int = ALIGN,
+                 buckets: list[list[int]] | None = None, bucket_shards: int = 1):
         self.shapes = [torch.Size(s) for s in shapes]
         self.offsets = [0] * len(shapes)
+        if buckets is None:  # backward's order: last registered first
+            buckets, bucket_shards = [list(reversed(range(len(shapes))))], 1
+        self.bucket_spans: list[tuple[int, int]] = []
         offset = 0
-        for i in reversed(range(len(shapes))):  # backward's order: last registered first
-            self.offsets[i] = offset
-            offset = _round_up(offset + self.shapes[i].numel(), align)
+        for bucket in buckets:
+            start = offset
+            for i in bucket:
+                self.offsets[i] = offset
+                offset = _round_up(offset + self.shapes[i].numel(), align)
+            offset = _round_up(offset, align * bucket_shards)
+            self.bucket_spans.append((start, offset))
         self.numel = offset
 
     def allocate(self, dtype: torch.dtype, device) -> torch.Tensor:
@@ -51,6 +65,29 @@ class FlatLayout:
         """[start, end) of the smallest slice holding the tensors `indices`."""
         return (min(self.offsets[i] for i in indices),
                 max(self.offsets[i] + self.shapes[i].numel() for i in indices))
+
+
+def bucket_indices(sizes_bytes: list[int], limit_bytes: float,
+                   alone: list[bool] | None = None) -> list[list[int]]:
+    """Tensor indices grouped into buckets of about `limit_bytes`, in backward order (last
+    registered first), the order in which their gradients become ready. A tensor marked
+    `alone` gets a bucket of its own."""
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(sizes_bytes))):
+        if alone and alone[i]:
+            if current:
+                buckets.append(current)
+            buckets.append([i])
+            current, size = [], 0
+            continue
+        current.append(i)
+        size += sizes_bytes[i]
+        if size >= limit_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
 
 
 class FlatGrads:

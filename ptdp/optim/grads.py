@@ -10,6 +10,10 @@ gradient of the mean loss over the whole global batch, as a single process compu
 
 When the gradients live in one flat buffer (`FlatGrads`, ptdp/optim/buffers.py), a
 bucket is a contiguous slice of it, all-reduced in place: no concatenation, no copy back.
+With the distributed optimizer (ptdp/optim/distributed.py) a bucket is reduce-scattered
+instead: each data rank receives the sum of its own shard of the bucket, the only part its
+optimizer updates. Buckets that must end up whole on every rank (the tied word embedding,
+summed again between the first and last stage afterwards) are still all-reduced.
 """
 
 from __future__ import annotations
@@ -18,19 +22,25 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ptdp.optim.buffers import FlatGrads
+from ptdp.optim.buffers import FlatGrads, bucket_indices
 from ptdp.optim.mixed_precision import grad_of, set_grad
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], in_place: torch.Tensor | None = None):
+    def __init__(self, params: list[nn.Parameter], in_place: torch.Tensor | None = None,
+                 shard: torch.Tensor | None = None):
         self.params = params
         self.in_place = in_place     # the bucket's slice of the flat gradient buffer, if any
+        self.shard = shard           # this rank's part of in_place, when reduce-scattered
         self.ready = 0
         self.work = None
         self.flat = None
 
     def launch(self, group) -> None:
+        if self.shard is not None:   # in place: the shard is a view of its bucket
+            self.work = dist.reduce_scatter_single(self.shard, self.in_place, group=group,
+                                                   async_op=True)
+            return
         if self.in_place is not None:
             self.work = dist.all_reduce(self.in_place, group=group, async_op=True)
             return
@@ -59,14 +69,22 @@ class DataParallelGradients:
 
     `accumulations` is how many backward passes each parameter sees per iteration (m).
     `flat`: the gradient buffer the parameters' gradients are views of, if there is one.
+    `sharded`: the distributed optimizer's weights (ptdp/optim/distributed.py), whose layout
+    fixes the buckets and which part of each this rank receives.
     """
 
     def __init__(self, params: list[nn.Parameter], group, size: int, accumulations: int,
-                 bucket_mb: float = 25.0, flat: FlatGrads | None = None):
+                 bucket_mb: float = 25.0, flat: FlatGrads | None = None, sharded=None):
         self.group, self.size, self.accumulations = group, size, accumulations
         self.params = [p for p in params if p.requires_grad]
         self.flat = flat
-        self.buckets = self._make_buckets(bucket_mb * 2**20) if size > 1 else []
+        if size <= 1:
+            self.buckets = []
+        elif sharded is not None:
+            self.buckets = [_Bucket(b.params, b.grads, None if b.all_reduce else b.own_grads)
+                            for b in sharded.buckets]
+        else:
+            self.buckets = self._make_buckets(bucket_mb * 2**20)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.counts: dict[int, int] = {}
         self.launched_during_backward = 0   # buckets whose all-reduce overlapped backward
@@ -76,16 +94,8 @@ class DataParallelGradients:
 
     def _make_buckets(self, limit_bytes: float) -> list[_Bucket]:
         # Reverse registration order approximates the order gradients become ready.
-        buckets, current, size = [], [], 0
-        for p in reversed(self.params):
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= limit_bytes:
-                buckets.append(self._bucket(current))
-                current, size = [], 0
-        if current:
-            buckets.append(self._bucket(current))
-        return buckets
+        groups = bucket_indices([p.numel() * p.element_size() for p in self.params], limit_bytes)
+        return [self._bucket([self.params[i] for i in group]) for group in groups]
 
     def _bucket(self, params: list[nn.Parameter]) -> _Bucket:
         # The flat buffer is laid out in the same reversed order, so the slice holds exactly
@@ -137,15 +147,22 @@ def counts_in_norm(param: nn.Parameter, tp_rank: int) -> bool:
     return getattr(param, "tp_split_dim", None) is not None or tp_rank == 0
 
 
-def global_grad_norm(params: list[nn.Parameter], model_group, tp_rank: int) -> torch.Tensor:
-    """The gradient norm of the whole model, as a float64 device tensor (no host sync)."""
+def global_grad_norm(params: list[nn.Parameter], model_group, tp_rank: int,
+                     data_group=None) -> torch.Tensor:
+    """The gradient norm of the whole model, as a float64 device tensor (no host sync).
+
+    `data_group`: the gradients are sharded over it (distributed optimizer), so the squares
+    are summed over it too. A non-finite element on any rank makes the norm non-finite on
+    every rank: fp16's overflow check and skip are then common to all shards.
+    """
     device = params[0].device if params else torch.device("cpu")
     grads = [p.grad.detach() for p in params if p.grad is not None and counts_in_norm(p, tp_rank)]
     total = torch.zeros((), dtype=torch.float64, device=device)  # NCCL needs device tensors
     if grads:
         total += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
-    if model_group is not None and dist.get_world_size(model_group) > 1:
-        dist.all_reduce(total, group=model_group)
+    for group in (data_group, model_group):
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
     return total.sqrt()
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from ptdp.optim.buffers import FlatGrads, FlatLayout
+from ptdp.optim.optimizer import optimizer_moment_bytes
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -52,6 +53,7 @@ class MasterWeights:
     """Pairs each model parameter with the fp32 tensor the optimizer updates."""
 
     contiguous_default = True   # tests flip it to compare with one storage per tensor
+    sharded = False             # ptdp/optim/distributed.py shards them over the data group
 
     def __init__(self, params: list[nn.Parameter], precision: str, contiguous: bool | None = None):
         self.params = params
@@ -120,6 +122,13 @@ class MasterWeights:
             self.model_buffer.copy_(self.master_buffer)  # one cast-and-copy kernel
         else:
             torch._foreach_copy_(self.params, self.masters)
+
+
+    def state_bytes(self, optimizer) -> int:
+        """Bytes of fp32 state kept for the optimizer: masters held apart from the model
+        weights (bf16/fp16), and Adam's moments."""
+        masters = sum(m.numel() * 4 for m in self.masters) if self.half else 0
+        return masters + optimizer_moment_bytes(optimizer)
 
 
 def _add_to_main_grad(param: nn.Parameter) -> None:
