@@ -134,7 +134,12 @@ def save_checkpoint(trainer, directory: str | os.PathLike) -> Path:
     tmp = final.with_name(final.name + TMP_SUFFIX)
     rank0 = dist.get_rank() == 0
     _on_all_ranks(f"preparing checkpoint {tmp}", lambda: _prepare(root, tmp) if rank0 else None)
-    info = _on_all_ranks(f"writing checkpoint {tmp}", lambda: _write_rank_files(trainer, tmp))
+    # The distributed optimizer's state is sharded over the data group: every data rank takes
+    # part in assembling the whole tensors that data rank 0 writes, in the usual format.
+    gathered = (trainer.weights.gather_optimizer_state(trainer.optimizer)
+                if trainer.weights.sharded else None)
+    info = _on_all_ranks(f"writing checkpoint {tmp}",
+                         lambda: _write_rank_files(trainer, tmp, gathered))
     params = {}
     for part in _all_gather(info):
         params.update(part)
@@ -177,14 +182,14 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _write_rank_files(trainer, tmp: Path) -> dict:
+def _write_rank_files(trainer, tmp: Path, gathered: tuple | None) -> dict:
     """This rank's files; returns metadata of the parameters it saved ({} if none)."""
     grid = trainer.grid
     _save_durably(_rng_state(trainer), tmp / rng_file_name(grid.rank))
     if grid.dp_rank != 0:  # data-parallel replicas hold identical model and optimizer state
         _reached("rank_files")
         return {}
-    shards, info = _model_shards(trainer)
+    shards, info = _model_shards(trainer) if gathered is None else _gathered_shards(trainer, *gathered)
     _save_durably(shards, tmp / shard_file_name(grid.pp_rank, grid.tp_rank))
     _reached("rank_files")
     return info
@@ -206,6 +211,21 @@ def _model_shards(trainer) -> tuple[dict, dict]:
         for key in OPTIMIZER_KEYS + ("step",):
             if key in state:
                 entry[key] = torch.as_tensor(state[key]).detach().cpu().clone()
+        shards[name] = entry
+        info[name] = _param_metadata(param, trainer)
+    return shards, info
+
+
+def _gathered_shards(trainer, whole: dict, step) -> tuple[dict, dict]:
+    """`_model_shards` for the distributed optimizer, from the state its data ranks gathered
+    (ShardedMasterWeights.gather_optimizer_state): the same entries, so any layout loads it."""
+    shards, info = {}, {}
+    for i, (name, param) in enumerate(trainer.named_parameters()):
+        if getattr(param, "duplicate", False):
+            continue
+        entry = {key: tensors[i].detach().cpu().clone() for key, tensors in whole.items()}
+        if step is not None:
+            entry["step"] = step.clone()
         shards[name] = entry
         info[name] = _param_metadata(param, trainer)
     return shards, info
@@ -512,6 +532,8 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> Path:
 def _read_rank_state(trainer, directory: Path, meta: dict) -> dict:
     """Everything this rank needs, read and shape-checked, nothing applied yet."""
     shards = ShardReader(directory, meta)
+    if trainer.weights.sharded:
+        return _read_sharded_rank_state(trainer, shards, directory, meta)
     masters = _master_of(trainer)
     values, optimizer_state, shadow = {}, {}, {}
     for name, param in trainer.named_parameters():
@@ -526,6 +548,28 @@ def _read_rank_state(trainer, directory: Path, meta: dict) -> dict:
             optimizer_state[id(master)] = {"step": entry["step"].clone(),
                                           **{k: local[k] for k in OPTIMIZER_KEYS}}
     return {"values": values, "optimizer": optimizer_state, "shadow": shadow,
+            "rng": _rng_to_restore(trainer, directory, meta)}
+
+
+def _read_sharded_rank_state(trainer, shards, directory: Path, meta: dict) -> dict:
+    """`_read_rank_state` for the distributed optimizer: whole local tensors for the model
+    weights, and for each of this rank's pieces (ptdp/optim/distributed.py) its range of the
+    master value and of the Adam moments."""
+    model, locals_, steps = {}, [], []
+    for name, param in trainer.named_parameters():
+        entry = shards.full(name)
+        locals_.append({key: _to_local(param, full, trainer, name, key).reshape(-1)
+                        for key, full in entry.items() if key != "step"})
+        steps.append(entry.get("step"))
+        model[id(param)] = locals_[-1]["value"].view(param.shape)
+    values, optimizer_state = {}, {}
+    for piece in trainer.master_params:
+        local, step = locals_[piece.param_index], steps[piece.param_index]
+        part = {key: tensor[slice(*piece.param_range)].clone() for key, tensor in local.items()}
+        values[id(piece)] = part["value"]
+        if all(k in part for k in OPTIMIZER_KEYS) and step is not None:
+            optimizer_state[id(piece)] = {"step": step.clone(), **{k: part[k] for k in OPTIMIZER_KEYS}}
+    return {"values": values, "model": model, "optimizer": optimizer_state, "shadow": {},
             "rng": _rng_to_restore(trainer, directory, meta)}
 
 
@@ -596,9 +640,12 @@ def _apply(trainer, meta: dict, state: dict) -> None:
     with torch.no_grad():
         for master in trainer.master_params:
             master.copy_(state["values"][id(master)])
+        if "model" in state:   # distributed optimizer: masters of this rank's shard only
+            for param in trainer.params:
+                param.copy_(state["model"][id(param)])
         for param, master in zip(trainer.params, trainer.master_params):
-            if param is not master:  # low-precision model weights follow the fp32 masters
-                param.copy_(master)
+            if "model" not in state and param is not master:
+                param.copy_(master)  # low-precision model weights follow the fp32 masters
     _load_optimizer_state(trainer.optimizer, state["optimizer"])
     trainer.loss_scaler.load_state_dict(meta["loss_scaler"])
     if hasattr(trainer.no_flush, "resume"):   # 2BW: the older version the next batch uses

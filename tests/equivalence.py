@@ -93,6 +93,12 @@ LAYOUTS = {
                                  "train.recompute=selective"]),
     "t4-d2":                (8, ["parallel.tensor=4", "parallel.data=2"]),
     "p2-t2-d2-1f1b":        (8, ["parallel.pipeline=2", "parallel.tensor=2", "parallel.data=2"]),
+    # The distributed optimizer (tests/optim/test_distributed_optimizer.py)
+    "d2-distopt":           (2, ["parallel.data=2", "train.distributed_optimizer=true"]),
+    "t2-d2-distopt":        (4, ["parallel.tensor=2", "parallel.data=2",
+                                 "train.distributed_optimizer=true"]),
+    "p2-t2-d2-distopt":     (8, ["parallel.pipeline=2", "parallel.tensor=2", "parallel.data=2",
+                                 "train.distributed_optimizer=true"]),
 }
 ARCHS = ("gpt", "bert")
 
