@@ -318,7 +318,8 @@ def memory_per_stage(cfg: Config, hardware=None) -> list:
                   attention=hardware.attention if hardware else "flash",
                   vocab_padded=cfg.padded_vocab_size,
                   reserved_gb=hardware.memory_reserved_gb if hardware else 0.0, hw=hardware,
-                  vertical_sync=cfg.schedule.vertical_sync)
+                  vertical_sync=cfg.schedule.vertical_sync,
+                  distributed_optimizer=tr.distributed_optimizer)
     shape = ModelShape.from_config(cfg.model)
     return [gpu_memory(shape, rank=r, **kwargs) for r in range(par.pipeline)]
 

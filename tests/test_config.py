@@ -34,6 +34,13 @@ def load(*overrides, world=1):
      "schedule.name=2bw needs at least 8 micro-batches per pipeline with parallel.pipeline=4, "
      "parallel.chunks=2 (m >= p and m*v >= rank 0's interleaved warm-up"),
     (["schedule.name=pipedream", "parallel.pipeline=2"], 2, "needs train.clip_grad=0 (got 1.0)"),
+    (["schedule.name=2bw", "parallel.pipeline=2", "train.distributed_optimizer=true"], 4,
+     "train.distributed_optimizer=true does not work with schedule.name=2bw: its weight versions "
+     "keep one storage per tensor"),
+    (["schedule.name=pipedream", "train.clip_grad=0", "train.distributed_optimizer=true"], 2,
+     "train.distributed_optimizer=true does not work with schedule.name=pipedream"),
+    (["train.distributed_optimizer=yes please"], 1,
+     "train.distributed_optimizer: expected true or false"),
     (["schedule.name=pipedream", "train.clip_grad=0", "parallel.chunks=2", "model.num_layers=4"],
      1, "parallel.chunks=2 needs schedule.name=interleaved or 2bw (got pipedream)"),
     (["schedule.vertical_sync=true"], 1,

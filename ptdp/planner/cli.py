@@ -44,6 +44,10 @@ def register(subparsers) -> None:
                            "recompute=full,sg=true")
     plan.add_argument("--allow-2bw", action="store_true",
                       help="also consider PipeDream-2BW (relaxed, 1-stale weight updates)")
+    plan.add_argument("--allow-distributed-optimizer", action="store_true",
+                      help="also consider sharding the optimizer state over the data-parallel "
+                           "ranks (train.distributed_optimizer: same arithmetic, less memory, "
+                           "one all-gather of the weights per step)")
     plan.add_argument("--attention", choices=("flash", "materialized"), default=None,
                       help="attention kernel memory/time model; default: the profile's")
     plan.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
@@ -139,7 +143,8 @@ def _plan(args) -> int:
     schedules = SCHEDULES if args.allow_2bw or fixed.get("schedule") == "2bw" else STRICT_SCHEDULES
     shape = ModelShape.from_config(cfg.model)
     work = Workload(shape, batch, precision, per_node)
-    result = search(hw, work, gpus, fixed, attention=args.attention, schedules=schedules)
+    result = search(hw, work, gpus, fixed, attention=args.attention, schedules=schedules,
+                    distributed_optimizer=args.allow_distributed_optimizer)
     if not result.ranked:
         reasons = "; ".join(f"{cat} ({n}, e.g. {result.rejected.examples[cat]})"
                             for cat, n in result.rejected.counts.items()) or "no candidates"

@@ -84,6 +84,7 @@ class Layout:
     schedule: str = "1f1b"
     recompute: str = "none"
     scatter_gather: bool = False
+    distributed_optimizer: bool = False
 
     @property
     def gpus(self) -> int:
@@ -95,8 +96,9 @@ class Layout:
     def describe(self) -> str:
         sg = " sg" if self.scatter_gather else ""
         v = f" v={self.chunks}" if self.chunks > 1 else ""
+        zero = " distopt" if self.distributed_optimizer else ""
         return (f"p={self.pipeline} t={self.tensor} d={self.data}{v} b={self.micro_batch} "
-                f"{self.schedule} rc={self.recompute}{sg}")
+                f"{self.schedule} rc={self.recompute}{sg}{zero}")
 
 
 @dataclass(frozen=True)
@@ -192,13 +194,28 @@ def _optimizer_time(hw: HardwareProfile, params: float, precision: str) -> float
     return params * traffic / (hw.memory_bandwidth_GBps * 1e9 * hw.efficiency.memory)
 
 
+def _distributed_optimizer_comm(hw, work: Workload, lay: Layout, params: float) -> tuple[float, float]:
+    """(reduce-scatter, all-gather) seconds of the distributed optimizer, which splits the
+    data-parallel all-reduce in its two halves: the fp32 gradients are reduce-scattered during
+    backward (overlapped like the all-reduce; the tied embedding's bucket stays all-reduced),
+    the updated weights all-gathered in the model's precision after the step (exposed: the
+    trainer waits for them)."""
+    d, t, p = lay.data, lay.tensor, lay.pipeline
+    link = comm.data_link(hw, t, d, work.gpus_per_node)
+    table = padded_vocab_size(work.shape.vocab, t) * work.shape.hidden / t if p > 1 else 0.0
+    reduce = (comm.all_gather_time(d, (params - table) * 4, link)
+              + comm.all_reduce_time(d, table * 4, link))
+    return reduce, comm.all_gather_time(d, params * BYTES[work.precision], link)
+
+
 def _worst_memory(hw, work: Workload, lay: Layout, attention: str) -> MemoryBreakdown:
     m = lay.micro_batches(work.global_batch)
     kwargs = dict(p=lay.pipeline, t=lay.tensor, v=lay.chunks, m=m, b=lay.micro_batch, d=lay.data,
                   schedule=lay.schedule, recompute=lay.recompute, precision=work.precision,
                   attention=attention,
                   vocab_padded=padded_vocab_size(work.shape.vocab, lay.tensor),
-                  reserved_gb=hw.memory_reserved_gb, hw=hw)
+                  reserved_gb=hw.memory_reserved_gb, hw=hw,
+                  distributed_optimizer=lay.distributed_optimizer)
     ranks = {0, lay.pipeline - 1}
     return max((gpu_memory(work.shape, rank=r, **kwargs) for r in ranks), key=lambda mb: mb.total)
 
@@ -223,14 +240,18 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     params = max(stage_parameters(shape, t, p, vocab_padded, r == 0, r == p - 1) for r in {0, p - 1})
     grad_bytes = params * 4
     dp_total = comm.all_reduce_time(d, grad_bytes, comm.data_link(hw, t, d, work.gpus_per_node))
+    param_gather = 0.0
+    if lay.distributed_optimizer:
+        dp_total, param_gather = _distributed_optimizer_comm(hw, work, lay, params)
     hidden = slowest.backward if dp_overlap and hw.overlap_communication else 0.0
-    dp_exposed = max(0.0, dp_total - hidden)
+    dp_exposed = max(0.0, dp_total - hidden) + param_gather
+    dp_total += param_gather
     embedding_sync = 0.0
     if p > 1:   # tied word embeddings: sum the first and last stage's table gradients
         table = vocab_padded * shape.hidden / t * 4
         embedding_sync = comm.all_reduce_time(2, table, comm.pipeline_link(hw, t, d, p, work.gpus_per_node))
     optimizer = _optimizer_time(hw, params, work.precision) * _oversubscription(
-        hw, lay.gpus, work.gpus_per_node)
+        hw, lay.gpus, work.gpus_per_node) / (d if lay.distributed_optimizer else 1)
     step = (pipelined + flush + dp_exposed + embedding_sync + optimizer
             + hw.efficiency.host_overhead_s)
 

@@ -85,6 +85,16 @@ def state_bytes_per_parameter(precision: str) -> tuple[float, float, float]:
     return float(e), 4.0, 12.0
 
 
+def optimizer_state_bytes(params: float, precision: str, d: int = 1,
+                          distributed_optimizer: bool = False) -> float:
+    """Adam's fp32 state on one GPU: the two moments, plus master weights kept apart from
+    16-bit ones. The distributed optimizer (ZeRO stage 1, ptdp/optim/distributed.py) shards
+    it over the d data-parallel ranks (bucket padding, under ALIGN * d elements per bucket,
+    is ignored)."""
+    per_parameter = state_bytes_per_parameter(precision)[2]
+    return params * per_parameter / (d if distributed_optimizer else 1)
+
+
 # --------------------------------------------------------------------------------------------
 # Activations
 # --------------------------------------------------------------------------------------------
@@ -164,7 +174,7 @@ def in_flight_layer_stashes(schedule: str, p: int, v: int, m: int, layers_per_ra
 def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, schedule: str,
                recompute: str, precision: str, attention: str, vocab_padded: int,
                reserved_gb: float, rank: int, d: int = 1, hw=None,
-               vertical_sync: bool = False) -> MemoryBreakdown:
+               vertical_sync: bool = False, distributed_optimizer: bool = False) -> MemoryBreakdown:
     """Peak memory of pipeline rank `rank` (0 = first stage, p-1 = last).
 
     Weights, gradients and optimizer state live throughout. On top of them the peak is the
@@ -196,5 +206,6 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
         working += params * g
     optimizer_step = params * 4 if hw is not None and hw.device == "cpu" else 0.0
     buffers = max(working, optimizer_step - activations)
-    return MemoryBreakdown(weights=weights, gradients=gradients, optimizer=params * o,
+    optimizer = optimizer_state_bytes(params, precision, d, distributed_optimizer)
+    return MemoryBreakdown(weights=weights, gradients=gradients, optimizer=optimizer,
                            activations=activations, buffers=buffers + reserved_gb * GB)

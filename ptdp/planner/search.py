@@ -64,7 +64,7 @@ def parse_fix(text: str | None) -> dict:
         key, value = (s.strip() for s in item.split("=", 1))
         if key not in FIX_KEYS:
             raise PlanError(f"--fix: unknown key '{key}'; use p, t, d, v, b, schedule, "
-                            f"recompute or sg")
+                            f"recompute, sg or distopt")
         name = FIX_KEYS[key]
         if name in INT_KEYS:
             if not value.isdigit() or int(value) < 1:
@@ -154,14 +154,20 @@ def _shape_reason(work: Workload, t: int, p: int) -> str | None:
 
 
 def search(hw: HardwareProfile, work: Workload, gpus: int, fixed: dict | None = None,
-           attention: str | None = None, schedules: tuple = STRICT_SCHEDULES) -> SearchResult:
+           attention: str | None = None, schedules: tuple = STRICT_SCHEDULES,
+           distributed_optimizer: bool = False) -> SearchResult:
     """Every valid layout for `gpus` GPUs, feasible ones ranked by predicted step time.
 
     `schedules` defaults to the flushing ones, which keep the optimizer's semantics exact;
     2BW (W(t+1) = W(t) - lr * grad f(W(t-1)), L2306) changes the update rule, so callers
     opt in (the CLI's --allow-2bw, or --fix schedule=2bw).
+    `distributed_optimizer`: also try each layout with d > 1 with the optimizer state sharded
+    over d (the CLI's --allow-distributed-optimizer, or --fix distopt=true). Off by default:
+    the source's plans (and the tests that reproduce them) have every replica hold it all.
     """
     fixed = dict(fixed or {})
+    if not distributed_optimizer and "distributed_optimizer" not in fixed:
+        fixed["distributed_optimizer"] = False
     check_fix_against_gpus(fixed, gpus)
     start = time.perf_counter()
     rej, ranked, evaluated = Rejections(), [], 0
@@ -201,16 +207,30 @@ def _try_micro_batch(hw, work, t, p, d, b, fixed, attention, rej, ranked, schedu
                 if sg and not (p > 1 and t > 1):
                     rej.add(SCHEDULE_RULE, f"{where}: scatter/gather needs p > 1 and t > 1")
                     continue
-                lay = Layout(p, t, d, v, b, schedule, recompute, sg)
-                pred = predict(hw, work, lay, attention=attention)
-                evaluated += 1
-                if pred.fits:
-                    ranked.append(pred)
-                else:
-                    usable = hw.usable_memory_bytes / 2**30
-                    rej.add(OUT_OF_MEMORY, f"{lay.describe()} needs {pred.memory_gb_per_gpu:.1f} GB "
-                                           f"> {usable:.1f} GB usable of {hw.memory_gb:g}")
+                for zero in _distributed_optimizer_options(d, schedule, fixed, rej, where):
+                    lay = Layout(p, t, d, v, b, schedule, recompute, sg, zero)
+                    pred = predict(hw, work, lay, attention=attention)
+                    evaluated += 1
+                    if pred.fits:
+                        ranked.append(pred)
+                    else:
+                        usable = hw.usable_memory_bytes / 2**30
+                        rej.add(OUT_OF_MEMORY, f"{lay.describe()} needs {pred.memory_gb_per_gpu:.1f} "
+                                               f"GB > {usable:.1f} GB usable of {hw.memory_gb:g}")
     return evaluated
+
+
+def _distributed_optimizer_options(d: int, schedule: str, fixed: dict, rej: Rejections,
+                                   where: str) -> list[bool]:
+    """The distributed optimizer shards over d > 1 data ranks of a flushing schedule (the
+    trainer refuses it with 2bw)."""
+    if d > 1 and schedule != "2bw":
+        return _choices("distributed_optimizer", [False, True], fixed)
+    if fixed.get("distributed_optimizer"):
+        rej.add(SCHEDULE_RULE, f"{where} {schedule}: the distributed optimizer needs d > 1 and "
+                               f"a flushing schedule")
+        return []
+    return [False]
 
 
 def why_slower(pred: Prediction, best: Prediction) -> str:
