@@ -41,7 +41,7 @@ def register(subparsers) -> None:
                       help="default: the hardware profile's")
     plan.add_argument("--fix", default=None,
                       help="pin choices, e.g. p=8,t=8,b=1,v=2,schedule=interleaved,"
-                           "recompute=full,sg=true")
+                           "recompute=full,sg=true,distopt=true")
     plan.add_argument("--allow-2bw", action="store_true",
                       help="also consider PipeDream-2BW (relaxed, 1-stale weight updates)")
     plan.add_argument("--allow-distributed-optimizer", action="store_true",

@@ -20,7 +20,8 @@ FIX_KEYS = {"p": "pipeline", "pipeline": "pipeline", "t": "tensor", "tensor": "t
             "d": "data", "data": "data", "v": "chunks", "chunks": "chunks",
             "b": "micro_batch", "micro_batch": "micro_batch", "micro_batch_size": "micro_batch",
             "schedule": "schedule", "recompute": "recompute", "sg": "scatter_gather",
-            "scatter_gather": "scatter_gather"}
+            "scatter_gather": "scatter_gather", "distopt": "distributed_optimizer",
+            "distributed_optimizer": "distributed_optimizer"}
 INT_KEYS = ("pipeline", "tensor", "data", "chunks", "micro_batch")
 STRICT_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
