@@ -1,0 +1,148 @@
+"""Benchmark (not a test): per-rank optimizer-state memory with and without the distributed
+optimizer (train.distributed_optimizer, ptdp/optim/distributed.py), on d local CPU ranks.
+
+For each precision and data-parallel size d (p = t = 1, the same model and global batch), one
+job trains a few iterations and every rank reports:
+
+* state_MB: the bytes of the tensors its optimizer keeps (fp32 masters held apart from 16-bit
+  model weights, and Adam's two moments), counted from the tensors themselves;
+* rss_step_MB: how much the process's resident memory grew over the first optimizer step,
+  where AdamW allocates its moments (an independent, allocator-level view of the same thing;
+  the fp32 master shard of bf16 exists before that step and is not in it);
+* predicted_MB: the planner's optimizer term (ptdp/planner/memory.py optimizer_state_bytes);
+* step_s: median iteration time after the first (on CPU ranks sharing few cores: indicative).
+
+The table shows the worst rank; the JSON has every rank.
+
+    python tools/bench_distributed_optimizer.py --out bench/distributed_optimizer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:   # run as a script: make the repository importable (spawned ranks too)
+    sys.path.insert(0, str(ROOT))
+
+MB = 2**20
+
+
+def _rss_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure(overrides: list[str], iters: int) -> dict:
+    """On every rank: train `iters` iterations; optimizer-state bytes, RSS growth, step time."""
+    import torch.distributed as dist
+
+    from ptdp.config import load_config
+    from ptdp.planner.memory import optimizer_state_bytes
+    from ptdp.training import Trainer
+
+    cfg = load_config(None, overrides, world_size=dist.get_world_size())
+    trainer = Trainer(cfg)
+    times = []
+    for it in range(iters):
+        start = time.perf_counter()
+        if it == 0:   # the first step allocates Adam's moments: watch the resident set
+            trainer.weights.zero_grads()
+            step = trainer.forward_backward(0)
+            norm = trainer.reduce_gradients()
+            before = _rss_bytes()
+            trainer.optimizer_step(0, norm)
+            rss_step = _rss_bytes() - before
+            step.grad_norm = norm
+            step.resolve()
+        else:
+            trainer.train_step(it)
+        times.append(time.perf_counter() - start)
+    params = sum(p.numel() for p in trainer.params)
+    return {"rank": trainer.grid.rank, "params": params,
+            "state_bytes": trainer.weights.state_bytes(trainer.optimizer),
+            "rss_step_bytes": rss_step,
+            "predicted_bytes": optimizer_state_bytes(params, cfg.train.precision, trainer.grid.d,
+                                                     cfg.train.distributed_optimizer),
+            "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0]}
+
+
+def model_overrides(a) -> list[str]:
+    return [f"model.num_layers={a.layers}", f"model.hidden_size={a.hidden}",
+            f"model.num_heads={a.heads}", f"model.seq_length={a.seq}",
+            f"model.vocab_size={a.vocab}", "model.dropout=0.0", "train.micro_batch_size=1",
+            f"train.global_batch_size={a.global_batch}", "train.device=cpu",
+            "data.source=synthetic", "log.progress=false", f"train.timeout_s={a.timeout}",
+            f"train.iters={a.iters}"]
+
+
+def run(a) -> list[dict]:
+    from ptdp.local_ranks import run_on_ranks
+    rows = []
+    for precision in a.precisions.split(","):
+        for d in map(int, a.data.split(",")):
+            for sharded in ((False, True) if d > 1 else (False,)):
+                overrides = model_overrides(a) + [
+                    f"parallel.data={d}", f"train.precision={precision}",
+                    f"train.distributed_optimizer={str(sharded).lower()}"]
+                ranks = run_on_ranks(d, measure, overrides, a.iters, timeout_s=a.timeout)
+                rows.append({"precision": precision, "d": d, "distributed_optimizer": sharded,
+                             "ranks": ranks})
+                print(f"measured {precision} d={d} distributed_optimizer={sharded}", flush=True)
+    for row in rows:
+        base = next(r for r in rows if r["precision"] == row["precision"] and r["d"] == 1)
+        worst = max(r["state_bytes"] for r in row["ranks"])
+        row["state_bytes_max"] = worst
+        row["state_ratio_vs_d1"] = worst / max(r["state_bytes"] for r in base["ranks"])
+        row["rss_step_bytes_max"] = max(r["rss_step_bytes"] for r in row["ranks"])
+        row["predicted_bytes"] = row["ranks"][0]["predicted_bytes"]
+        row["step_s"] = max(r["step_s"] for r in row["ranks"])
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    header = ["precision", "d", "distopt", "state_MB", "x d=1", "predicted_MB", "rss_step_MB",
+              "step_s"]
+    lines = [[r["precision"], str(r["d"]), "yes" if r["distributed_optimizer"] else "no",
+              f"{r['state_bytes_max'] / MB:.1f}", f"{r['state_ratio_vs_d1']:.3f}",
+              f"{r['predicted_bytes'] / MB:.1f}", f"{r['rss_step_bytes_max'] / MB:.1f}",
+              f"{r['step_s']:.3f}"] for r in rows]
+    widths = [max(len(x[i]) for x in lines + [header]) for i in range(len(header))]
+    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(x) for x in lines])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/distributed_optimizer", help="folder for the JSON")
+    ap.add_argument("--data", default="1,2,4", help="data-parallel sizes")
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    a = ap.parse_args()
+    rows = run(a)
+    print(f"GPT {a.layers} layers, h={a.hidden}, s={a.seq}, V={a.vocab}, B={a.global_batch}, "
+          f"b=1, p=t=1; optimizer state per rank (worst rank)")
+    print(table(rows))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "distributed_optimizer.json").write_text(json.dumps(
+        {"args": vars(a), "rows": rows}, indent=1))
+    print(f"wrote {out / 'distributed_optimizer.json'}")
+
+
+if __name__ == "__main__":
+    main()
