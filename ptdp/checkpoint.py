@@ -41,6 +41,12 @@ own layout with `ptdp.sharding.local_slice`, so any (p, t, d, v) can load any ot
 checkpoint. Data position and learning rate are pure functions of the iteration, so restoring
 the iteration restores both.
 
+Distributed optimizer (ptdp/optim/distributed.py): each data rank holds the masters and Adam
+moments of its shard of every bucket only. At a save the data ranks all-gather them into whole
+tensors and data rank 0 writes the same entries as without it; at a load each rank slices its
+pieces' ranges out of the rebuilt local tensors. The files do not depend on whether it was on,
+so checkpoints move freely between runs with and without it.
+
 Failures on any rank are shared with every rank (one small all_gather), so a job never hangs
 in a collective because one rank could not read or write, and a trainer is only modified
 after every rank has read and checked all of its state.

@@ -50,6 +50,8 @@ LAYOUTS = {
     "p2-2bw":      Layout(2, 1, 1, 1, 1, "2bw", "none", False),
     "p2-2bw-b2":   Layout(2, 1, 1, 1, 2, "2bw", "none", False),
     "p2t2-2bw":    Layout(2, 2, 1, 1, 2, "2bw", "none", False),
+    "d2-distopt":  Layout(1, 1, 2, 1, 2, "1f1b", "none", False, True),
+    "d2t2-distopt": Layout(1, 2, 2, 1, 2, "1f1b", "none", False, True),
 }
 TOLERANCE = 0.15
 
@@ -62,7 +64,8 @@ def config_dict(layout: Layout, iters: int) -> dict:
         "schedule": {"name": layout.schedule},
         "train": {"micro_batch_size": layout.micro_batch, "global_batch_size": GLOBAL_BATCH,
                   "iters": iters, "recompute": layout.recompute, "precision": "fp32",
-                  "device": "cpu", "lr_warmup_iters": 0},
+                  "device": "cpu", "lr_warmup_iters": 0,
+                  "distributed_optimizer": layout.distributed_optimizer},
         "data": {"source": "synthetic"},
         "log": {"progress": False, "interval": 1000},
     }
