@@ -8,7 +8,11 @@ job trains a few iterations and every rank reports:
   model weights, and Adam's two moments), counted from the tensors themselves;
 * rss_step_MB: how much the process's resident memory grew over the first optimizer step,
   where AdamW allocates its moments (an independent, allocator-level view of the same thing;
-  the fp32 master shard of bf16 exists before that step and is not in it);
+  the fp32 master shard of bf16 exists before that step and is not in it). The ranks run with
+  MALLOC_MMAP_THRESHOLD_=65536 so that glibc maps every block of 64 KiB or more on its own and
+  returns it when freed: otherwise the moments reuse the freed activations of the backward
+  and the resident set hides them;
+* peak_rss_MB: the rank's peak resident set (VmHWM) over the run;
 * predicted_MB: the planner's optimizer term (ptdp/planner/memory.py optimizer_state_bytes);
 * step_s: median iteration time after the first (on CPU ranks sharing few cores: indicative).
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -33,11 +38,15 @@ if str(ROOT) not in sys.path:   # run as a script: make the repository importabl
 MB = 2**20
 
 
-def _rss_bytes() -> int:
+def _status_bytes(field: str) -> int:
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def _rss_bytes() -> int:
+    return _status_bytes("VmRSS")
 
 
 def measure(overrides: list[str], iters: int) -> dict:
@@ -68,7 +77,7 @@ def measure(overrides: list[str], iters: int) -> dict:
     params = sum(p.numel() for p in trainer.params)
     return {"rank": trainer.grid.rank, "params": params,
             "state_bytes": trainer.weights.state_bytes(trainer.optimizer),
-            "rss_step_bytes": rss_step,
+            "rss_step_bytes": rss_step, "peak_rss_bytes": _status_bytes("VmHWM"),
             "predicted_bytes": optimizer_state_bytes(params, cfg.train.precision, trainer.grid.d,
                                                      cfg.train.distributed_optimizer),
             "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0]}
@@ -102,6 +111,7 @@ def run(a) -> list[dict]:
         row["state_bytes_max"] = worst
         row["state_ratio_vs_d1"] = worst / max(r["state_bytes"] for r in base["ranks"])
         row["rss_step_bytes_max"] = max(r["rss_step_bytes"] for r in row["ranks"])
+        row["peak_rss_bytes_max"] = max(r["peak_rss_bytes"] for r in row["ranks"])
         row["predicted_bytes"] = row["ranks"][0]["predicted_bytes"]
         row["step_s"] = max(r["step_s"] for r in row["ranks"])
     return rows
@@ -109,11 +119,11 @@ def run(a) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     header = ["precision", "d", "distopt", "state_MB", "x d=1", "predicted_MB", "rss_step_MB",
-              "step_s"]
+              "peak_rss_MB", "step_s"]
     lines = [[r["precision"], str(r["d"]), "yes" if r["distributed_optimizer"] else "no",
               f"{r['state_bytes_max'] / MB:.1f}", f"{r['state_ratio_vs_d1']:.3f}",
               f"{r['predicted_bytes'] / MB:.1f}", f"{r['rss_step_bytes_max'] / MB:.1f}",
-              f"{r['step_s']:.3f}"] for r in rows]
+              f"{r['peak_rss_bytes_max'] / MB:.1f}", f"{r['step_s']:.3f}"] for r in rows]
     widths = [max(len(x[i]) for x in lines + [header]) for i in range(len(header))]
     fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(x) for x in lines])
@@ -133,6 +143,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600.0)
     a = ap.parse_args()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")   # read by each spawned rank's glibc
     rows = run(a)
     print(f"GPT {a.layers} layers, h={a.hidden}, s={a.seq}, V={a.vocab}, B={a.global_batch}, "
           f"b=1, p=t=1; optimizer state per rank (worst rank)")

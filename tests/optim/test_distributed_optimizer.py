@@ -149,7 +149,8 @@ def _losses(trainer) -> list[float]:
 LOADERS = {   # layouts of 4 ranks that load the distopt (1, 2, 2) checkpoint of iteration 2
     "p2-t2-d1": ["parallel.pipeline=2", "parallel.tensor=2"],
     "p1-t2-d2 unsharded": T2_D2,
-    "p2-t1-d2 distopt": ["parallel.pipeline=2", "parallel.data=2"] + DISTOPT,
+    "p2-t1-d2-v2 distopt": ["parallel.pipeline=2", "parallel.data=2", "parallel.chunks=2",
+                            "schedule.name=interleaved"] + DISTOPT,
     "p1-t1-d4 distopt": ["parallel.data=4"] + DISTOPT,
 }
 
