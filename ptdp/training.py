@@ -26,11 +26,11 @@ from ptdp.config import Config
 from ptdp.data.synthetic import synthetic_datasets
 from ptdp.kernels import should_compile
 from ptdp.metrics import MetricsLog, iteration_tflops, peak_memory_gb, peak_tflops, startup_report
+from ptdp.optim.distributed import ShardedMasterWeights
 from ptdp.optim.grads import (DataParallelGradients, clip_gradients, counts_in_norm,
                               global_grad_norm, sync_shared_embeddings)
 from ptdp.optim.loss_scale import LossScaler
 from ptdp.optim.lr import learning_rate
-from ptdp.optim.distributed import ShardedMasterWeights
 from ptdp.optim.mixed_precision import PRECISIONS, MasterWeights
 from ptdp.optim.optimizer import build_optimizer
 from ptdp.parallel.grid import coordinates_of
