@@ -95,8 +95,8 @@ LAYOUTS = {
     "p2-t2-d2-1f1b":        (8, ["parallel.pipeline=2", "parallel.tensor=2", "parallel.data=2"]),
     # The distributed optimizer (tests/optim/test_distributed_optimizer.py)
     "d2-distopt":           (2, ["parallel.data=2", "train.distributed_optimizer=true"]),
-    "t2-d2-distopt":        (4, ["parallel.tensor=2", "parallel.data=2",
-                                 "train.distributed_optimizer=true"]),
+    "t2-d2-distopt":        (4, ["parallel.tensor=2", "parallel.data=2",  # 17 buckets
+                                 "train.distributed_optimizer=true", "train.grad_bucket_mb=0.01"]),
     "p2-t2-d2-distopt":     (8, ["parallel.pipeline=2", "parallel.tensor=2", "parallel.data=2",
                                  "train.distributed_optimizer=true"]),
 }

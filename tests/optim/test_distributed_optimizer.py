@@ -1,8 +1,8 @@
 """The distributed optimizer (train.distributed_optimizer=true, ptdp/optim/distributed.py).
 
-* fp32, (p, t, d) = (1, 1, 2), (1, 2, 2), (2, 2, 2), GPT and BERT: the single-process losses,
-  first-step gradients and updated weights (the layouts live in tests/equivalence.py, whose
-  spawned jobs they share);
+* fp32, (p, t, d) = (1, 1, 2), (1, 2, 2) (with 17 small buckets), (2, 2, 2), GPT and BERT:
+  the single-process losses, first-step gradients and updated weights (the layouts live in
+  tests/equivalence.py, whose spawned jobs they share);
 * bf16 and fp16: the same numbers as the unsharded optimizer; an fp16 overflow in one rank's
   shard skips the step on every rank;
 * each data rank holds 1/d of the optimizer state, every element exactly once;
@@ -151,7 +151,7 @@ LOADERS = {   # layouts of 4 ranks that load the distopt (1, 2, 2) checkpoint of
     "p1-t2-d2 unsharded": T2_D2,
     "p2-t1-d2-v2 distopt": ["parallel.pipeline=2", "parallel.data=2", "parallel.chunks=2",
                             "schedule.name=interleaved"] + DISTOPT,
-    "p1-t1-d4 distopt": ["parallel.data=4"] + DISTOPT,
+    "p1-t1-d4 distopt": ["parallel.data=4", "train.grad_bucket_mb=0.01"] + DISTOPT,
 }
 
 

@@ -80,3 +80,12 @@ def test_written_config_sets_the_key_the_trainer_reads(tmp_path, capsys, flag):
     assert "distopt" in table.splitlines()[3]     # the table's header has the column
     cfg = load_config(out, world_size=1024)
     assert cfg.train.distributed_optimizer is bool(flag)
+
+
+def test_ptdp_check_predicts_the_sharded_state():
+    from ptdp.checks import memory_per_stage
+    base = ["parallel.pipeline=2", "parallel.data=4", "train.precision=bf16"]
+    whole, sharded = (memory_per_stage(load_config(None, base + extra, world_size=8))
+                      for extra in ([], ["train.distributed_optimizer=true"]))
+    for a, b in zip(whole, sharded):
+        assert b.optimizer == pytest.approx(a.optimizer / 4) and b.weights == a.weights
