@@ -346,7 +346,9 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
     ]
     stages = memory_per_stage(cfg, hardware)
     where = f"log.hardware {hardware.name}" if hardware else "analytic, flash attention"
-    lines.append(f"memory per rank (estimate, {where}, {tr.precision}):")
+    sharded = (f", optimizer state sharded over d = {par.data}"
+               if tr.distributed_optimizer else "")
+    lines.append(f"memory per rank (estimate, {where}, {tr.precision}{sharded}):")
     shown = range(len(stages)) if len(stages) <= 4 else sorted(
         {0, len(stages) - 1, max(range(len(stages)), key=lambda r: stages[r].total)})
     for r in shown:

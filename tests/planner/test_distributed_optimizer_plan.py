@@ -83,9 +83,11 @@ def test_written_config_sets_the_key_the_trainer_reads(tmp_path, capsys, flag):
 
 
 def test_ptdp_check_predicts_the_sharded_state():
-    from ptdp.checks import memory_per_stage
+    from ptdp.checks import memory_per_stage, summary
     base = ["parallel.pipeline=2", "parallel.data=4", "train.precision=bf16"]
-    whole, sharded = (memory_per_stage(load_config(None, base + extra, world_size=8))
+    whole, sharded = (load_config(None, base + extra, world_size=8)
                       for extra in ([], ["train.distributed_optimizer=true"]))
-    for a, b in zip(whole, sharded):
+    for a, b in zip(memory_per_stage(whole), memory_per_stage(sharded)):
         assert b.optimizer == pytest.approx(a.optimizer / 4) and b.weights == a.weights
+    assert any("optimizer state sharded over d = 4" in line for line in summary(sharded, 8))
+    assert not any("sharded" in line for line in summary(whole, 8))
