@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -225,3 +226,13 @@ def test_checkpoints_load_across_layouts_with_and_without_sharding(checkpoints, 
     assert len(got) == len(want) == 2
     for x, y in zip(got, want):
         assert abs(x - y) <= RTOL * abs(y), f"{loader}: {got} vs {want}"
+
+
+def test_divergence_names_the_parameter_from_the_shards():
+    from tests.test_divergence import EXPLODE, _train_until_it_stops
+    out = run_on_ranks(2, _train_until_it_stops, ["parallel.data=2", *DISTOPT, *EXPLODE],
+                       timeout_s=120)
+    errors = {r["error"] for r in out}
+    assert len(errors) == 1 and None not in errors, errors     # every rank stops together
+    error = errors.pop()
+    assert re.search(r"first non-finite gradient: \S+\.(weight|bias|position) on rank", error), error
