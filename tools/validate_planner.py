@@ -36,7 +36,7 @@ MODEL = {"arch": "gpt", "num_layers": 4, "hidden_size": 512, "num_heads": 8,
          "seq_length": 128, "vocab_size": 1000, "dropout": 0.0}
 GLOBAL_BATCH = 8
 
-# name -> (p, t, d, v, b, schedule, recompute, scatter_gather)
+# name -> (p, t, d, v, b, schedule, recompute, scatter_gather[, distributed_optimizer])
 LAYOUTS = {
     "single":      Layout(1, 1, 1, 1, 2, "1f1b", "none", False),
     "d2":          Layout(1, 1, 2, 1, 2, "1f1b", "none", False),
