@@ -133,6 +133,9 @@ class Watchdog:
             time.sleep(self.interval_s / 4)
             now = time.time()
             beats = self.heartbeats()
+        if self._stopped_others(beats, now):   # ranks lost together went quiet within an interval
+            time.sleep(self.interval_s)
+            now, beats = time.time(), self.heartbeats()
         stopped = self._stopped_others(beats, now)
         cause = _first_line(error)
         if stopped:
