@@ -95,9 +95,10 @@ def run_on_nodes(command: list[str], port: int, timeout_s: float, logs: Path) ->
         for job in jobs:
             job.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        for job in jobs:
-            if job.poll() is None:
-                job.kill()
+        if any(job.poll() is None for job in jobs):
+            for n in range(NODES):   # torchrun's workers run in sessions of their own
+                sim("kill", n, check=False)
+            for job in jobs:
                 job.wait()
     for n, job in enumerate(jobs):
         if job.returncode != 0:
@@ -135,6 +136,7 @@ def link_worker(out: str, iters: int) -> None:
                         req.wait()
                 else:
                     dist.all_reduce(send, group=mine)
+                dist.barrier()   # until every pair is done: they share the link
                 if i:   # the first is a warm-up
                     times.append(time.perf_counter() - start)
             samples[kind].append((n * 4, statistics.median(times)))
