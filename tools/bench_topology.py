@@ -234,7 +234,8 @@ def load_average() -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rate", default="200mbit", help="inter-node link rate (tc), default 200mbit")
+    ap.add_argument("--rate", default="200mbit", help="inter-node link rate (tc), default 200mbit; 'none': unlimited "
+                    "(a reference: the same runs without the slow link)")
     ap.add_argument("--iters", type=int, default=6, help="training iterations per run")
     ap.add_argument("--repeat", type=int, default=3, help="runs per layout (median reported)")
     ap.add_argument("--profile-iters", type=int, default=5, help="`ptdp profile --iters`")
@@ -259,7 +260,7 @@ def main(argv=None) -> int:
 
     start_load = load_average()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # so `finally` takes the cluster down
-    sim("up", NODES, "--inter-node-rate", a.rate)
+    sim("up", NODES, *(["--inter-node-rate", a.rate] if a.rate != "none" else []))
     try:
         with tempfile.TemporaryDirectory(prefix="bench_topology-") as tmp_name:
             tmp = Path(tmp_name)
