@@ -116,11 +116,10 @@ class Watchdog:
         return {r: json.loads(v) if v else None for r, v in enumerate(values)}
 
     def lost_peer(self, error: BaseException) -> None:
-        """The backend raised `error` in this rank's main thread: name who stopped, and end.
-
-        Called on every rank whose communication failed. Does not return when the heartbeats
-        show a stopped rank or the error is the backend's; returns (so the caller re-raises)
-        only when the watchdog is inert."""
+        """The backend raised `error` in this rank's main thread: name who stopped, and end
+        through `on_hang` (by default: exit with code 4). Called on every rank whose
+        communication failed; does nothing when the watchdog is inert (a single rank), so
+        the caller re-raises."""
         if not self.enabled:
             return
         # No stall check from here on, but the heartbeat goes on: the other ranks must not
@@ -138,7 +137,12 @@ class Watchdog:
             now, beats = time.time(), self.heartbeats()
         stopped = self._stopped_others(beats, now)
         cause = _first_line(error)
-        if stopped:
+        if all(b is None for b in beats.values()):   # the store went with the node hosting it
+            line = (f"lost the job's store at {os.environ.get('MASTER_ADDR')}:"
+                    f"{os.environ.get('MASTER_PORT')} and rank {self.rank} "
+                    f"{self.describe_rank(self.rank)} saw: {cause}; the node of MASTER_ADDR is "
+                    f"probably down. Ending the job.")
+        elif stopped:
             head = "; ".join(self._where(r, beats[r], now, stopped=True) for r in stopped[:8])
             more = f" (+{len(stopped) - 8} more)" if len(stopped) > 8 else ""
             line = (f"lost rank(s): {head}{more}; rank {self.rank} {self.describe_rank(self.rank)} "
