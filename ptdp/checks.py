@@ -20,11 +20,13 @@ from ptdp.config import Config, ConfigError, parse_config, parse_paths, parse_sp
 
 @dataclass
 class Findings:
-    """The outcome of the checks: errors (the job must not start) and notes (it may)."""
+    """The outcome of the checks: errors (the job must not start), warnings (it may, but
+    probably should not as it is) and notes (it may)."""
 
     cfg: Config | None = None
     errors: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     hardware: object = None        # the log.hardware profile, when it loads
 
     def error(self, line: str) -> None:
@@ -32,6 +34,9 @@ class Findings:
 
     def note(self, line: str) -> None:
         self.notes.append(_one_line(line))
+
+    def warn(self, line: str) -> None:
+        self.warnings.append(_one_line(line))
 
 
 def _one_line(text: str) -> str:
@@ -44,7 +49,8 @@ def check_job(config_path: str | None, overrides: list[str], world_size: int,
     """Load and validate the config for `world_size` ranks, then check everything it names.
 
     `ranks_per_node` (torchrun's --nproc-per-node, LOCAL_WORLD_SIZE) also checks that every
-    rank of this node gets a GPU of its own when the job trains on GPUs.
+    rank of this node gets a GPU of its own when the job trains on GPUs, and warns when
+    tensor groups straddle nodes.
 
     `found.cfg` is the validated config when there is no error. Only a config that does not
     parse (unknown keys, wrong types) stops the other checks: they guard their own inputs.
@@ -67,6 +73,7 @@ def check_job(config_path: str | None, overrides: list[str], world_size: int,
     check_packages(cfg, found)
     if ranks_per_node is not None:
         check_devices(cfg, ranks_per_node, found)
+        check_placement(cfg, world_size, ranks_per_node, found)
     check_checkpoint_load(cfg, found)
     check_outputs(cfg, found)
     if not found.errors:
@@ -229,6 +236,17 @@ def check_devices(cfg: Config, ranks_per_node: int, found: Findings) -> None:
                     f"only {gpus} GPU(s) are visible{shown}, and each rank needs a GPU of its "
                     f"own; start at most {gpus} ranks per node (torchrun --nproc-per-node {gpus}) "
                     f"or train on CPU with train.device=cpu")
+
+
+def check_placement(cfg: Config, world_size: int, ranks_per_node: int, found: Findings) -> None:
+    """Tensor groups inside a node (ptdp/parallel/placement.py): a warning, not an error,
+    since a job whose tensor groups straddle nodes is slow but correct."""
+    par = cfg.parallel
+    if ranks_per_node < 1 or par.data is None or par.pipeline * par.tensor * par.data != world_size:
+        return   # the layout error is reported by validate()
+    from ptdp.parallel.placement import placement_warnings
+    for line in placement_warnings(par.pipeline, par.tensor, par.data, ranks_per_node):
+        found.warn(line)
 
 
 # --------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from ptdp.pipeline.schedules import FORWARD, NO_FLUSH, build_all, rank_stages
 from ptdp.pipeline.weights import aliasing_masters
 from ptdp.runtime import init_distributed
 from ptdp.trace import NO_SPANS, TraceRecorder
-from ptdp.watchdog import Watchdog
+from ptdp.watchdog import Watchdog, is_communication_error
 from ptdp.sharding import gather_full_state
 
 
@@ -329,6 +329,10 @@ class Trainer:
                     self.save_checkpoint()
             watchdog.doing("trace and shutdown", watch=False)
             tracer.write()
+        except RuntimeError as err:
+            if is_communication_error(err):
+                watchdog.lost_peer(err)   # names the ranks that stopped; ends this process
+            raise
         finally:
             watchdog.stop()
             log.close()

@@ -14,6 +14,13 @@ lowest-numbered rank that is still alive prints the one line, and every live ran
 exit code 4, before the backend's own timeout (`train.timeout_s`) would end it with one
 traceback per rank. The thread only watches from the job's second iteration on: the first
 one may legitimately be slow (compilation, communicator set-up).
+
+A rank that dies at once (its node lost, its process killed) is noticed sooner: its peers'
+sockets close, and the backend raises in whichever ranks talk to it. Those ranks call
+`lost_peer`, which waits until the dead ranks' heartbeats are stale (at most four intervals),
+and one of them, the first to claim it in the store, prints one line naming the ranks that
+stopped, their host and what they last did; every rank that saw the error exits with code 4
+(the other ranks of its node are ended by torchrun).
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ class Watchdog:
 
     # Heartbeat thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        self._publish(time.time())   # at once: a rank may be lost before the first interval
         while not self._stop.wait(self.interval_s):
             now = time.time()
             self._publish(now)
@@ -106,6 +114,58 @@ class Watchdog:
         except Exception:
             return {r: None for r in range(self.world_size)}
         return {r: json.loads(v) if v else None for r, v in enumerate(values)}
+
+    def lost_peer(self, error: BaseException) -> None:
+        """The backend raised `error` in this rank's main thread: name who stopped, and end
+        through `on_hang` (by default: exit with code 4). Called on every rank whose
+        communication failed; does nothing when the watchdog is inert (a single rank), so
+        the caller re-raises."""
+        if not self.enabled:
+            return
+        # No stall check from here on, but the heartbeat goes on: the other ranks must not
+        # take this one for dead while they diagnose too.
+        self.watching, self.what, self.waiting = False, "lost-peer diagnosis", True
+        now = time.time()
+        deadline = now + 4 * self.interval_s
+        beats = self.heartbeats()
+        while not self._stopped_others(beats, now) and now < deadline:
+            time.sleep(self.interval_s / 4)
+            now = time.time()
+            beats = self.heartbeats()
+        if self._stopped_others(beats, now):   # ranks lost together went quiet within an interval
+            time.sleep(self.interval_s)
+            now, beats = time.time(), self.heartbeats()
+        stopped = self._stopped_others(beats, now)
+        cause = _first_line(error)
+        if all(b is None for b in beats.values()):   # the store went with the node hosting it
+            line = (f"lost the job's store at {os.environ.get('MASTER_ADDR')}:"
+                    f"{os.environ.get('MASTER_PORT')} and rank {self.rank} "
+                    f"{self.describe_rank(self.rank)} saw: {cause}; the node of MASTER_ADDR is "
+                    f"probably down. Ending the job.")
+        elif stopped:
+            head = "; ".join(self._where(r, beats[r], now, stopped=True) for r in stopped[:8])
+            more = f" (+{len(stopped) - 8} more)" if len(stopped) > 8 else ""
+            line = (f"lost rank(s): {head}{more}; rank {self.rank} {self.describe_rank(self.rank)} "
+                    f"saw: {cause}. Ending the job.")
+        else:
+            line = (f"communication failed on rank {self.rank} {self.describe_rank(self.rank)} "
+                    f"while every rank's heartbeat is fresh: {cause}. Ending the job.")
+        if self._claim_report():
+            self.on_hang(line)
+        else:
+            time.sleep(self.interval_s)    # let the reporter print before torchrun ends us all
+            self.on_hang(None)
+
+    def _stopped_others(self, beats: dict, now: float) -> list[int]:
+        return [r for r in self._stopped(beats, now) if r != self.rank]
+
+    def _claim_report(self) -> bool:
+        """The first rank to ask reports; without a store (it lived on the lost node)
+        every rank does."""
+        try:
+            return self.store.add(self.prefix + "lost-reporter", 1) == 1
+        except Exception:
+            return True
 
     def _stopped(self, beats: dict, now: float) -> list[int]:
         """Ranks with no heartbeat for three intervals (or none at all)."""
@@ -164,6 +224,27 @@ class _Span:
         w = self.watchdog
         w.waiting, w.moved_at = False, time.time()
         return self.inner.__exit__(*exc)
+
+
+def _first_line(error: BaseException) -> str:
+    """The backend's message without its source location, e.g. `gloo: Connection closed by
+    peer [10.213.0.2]:17536` from `[.../gloo/transport/tcp/pair.cc:553] Connection ...`."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if text.startswith("[") and "] " in text:
+        where, text = text[1:].split("] ", 1)
+        if "gloo" in where:
+            text = "gloo: " + text
+    return text.split(". This is typically")[0]
+
+
+def is_communication_error(error: BaseException) -> bool:
+    """An error the communication backend raised (a peer gone, a timeout), as opposed to
+    a bug in this rank's own computation."""
+    import torch.distributed as dist
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("gloo" in text or "NCCL" in text)
 
 
 def _store_client(timeout_s: float):

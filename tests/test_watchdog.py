@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.trace import NO_SPANS
-from ptdp.watchdog import Watchdog
+from ptdp.watchdog import Watchdog, is_communication_error
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,6 +30,11 @@ class MemoryStore:
 
     def multi_get(self, keys):
         return [self.data.get(k, b"") for k in keys]
+
+    def add(self, key, amount):
+        value = int(self.data.get(key, b"0")) + amount
+        self.data[key] = str(value).encode()
+        return value
 
 
 def _watchdogs(world: int, timeout_s: float = 30.0):
@@ -67,6 +72,30 @@ def test_when_every_rank_is_alive_the_ones_not_waiting_are_named():
     assert "every rank is alive" in line
     assert "rank 1 (p=1)" in line and "at B1@s1" in line
     assert "rank 0 " not in line and "rank 2 " not in line
+
+
+def test_a_lost_peer_is_named_once_with_the_backend_error():
+    """Ranks whose communication failed wait for the dead rank's heartbeat to go stale;
+    the first to claim the report names it, the others end quietly."""
+    fired = []
+    store, dogs = MemoryStore(), []
+    for r in range(4):
+        dogs.append(Watchdog(r, 4, lambda r: f"(p={r})", 1.0, store=store, on_hang=fired.append))
+    now = time.time()
+    for dog in dogs:
+        dog.doing("iteration 3", iteration=3)
+        dog._publish(now - (60 if dog.rank == 2 else 0))
+    error = RuntimeError("[/x/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+                         "by peer [10.213.0.2]:17536. This is typically caused by a remote "
+                         "worker crashing.")
+    assert is_communication_error(error) and not is_communication_error(ValueError("gloo"))
+    dogs[3].lost_peer(error)
+    dogs[0].lost_peer(error)
+    assert fired[1] is None
+    assert fired[0].startswith("lost rank(s): rank 2 (p=2) (pid ")
+    assert "no heartbeat for 6" in fired[0] and "last in iteration 3 at iteration 3" in fired[0]
+    assert fired[0].endswith("rank 3 (p=3) saw: gloo: Connection closed by peer "
+                             "[10.213.0.2]:17536. Ending the job.")
 
 
 def test_stall_check_fires_only_from_the_second_iteration_and_not_in_checkpoint_saves():

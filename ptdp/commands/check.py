@@ -22,7 +22,8 @@ def register(subparsers) -> None:
                         help="ranks the job will run on (default: $WORLD_SIZE, else 1)")
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                         help="ranks per node, as torchrun's --nproc-per-node: checks that each "
-                             "GPU rank gets a visible GPU of its own (default: not checked)")
+                             "GPU rank gets a visible GPU of its own and warns when tensor "
+                             "groups straddle nodes (default: not checked)")
     parser.set_defaults(func=run)
 
 
@@ -41,6 +42,8 @@ def run(args) -> int:
     print(f"ptdp check: {args.config} is ready to train on {world} rank(s)")
     for line in summary(found.cfg, world, found.hardware):
         print(f"  {line}")
+    for line in found.warnings:
+        print(f"  warning: {line}")
     for line in found.notes:
         print(f"  note: {line}")
     return 0

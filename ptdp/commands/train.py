@@ -36,6 +36,9 @@ def run(args) -> int:
             for line in found.errors:
                 print(f"ptdp train: {line}", file=sys.stderr)
         return 2
+    if _env_int("RANK", 0) == 0:
+        for line in found.warnings:   # e.g. tensor groups that straddle nodes
+            print(f"ptdp train: warning: {line}", file=sys.stderr)
     from ptdp.runtime import shutdown
     from ptdp.training import DivergenceError, Trainer
     try:

@@ -34,6 +34,14 @@ def rank_layout(p: int, d: int, t: int) -> torch.Tensor:
     return torch.arange(p * d * t).reshape(p, d, t)
 
 
+def group_rows(p: int, d: int, t: int) -> dict[str, list[list[int]]]:
+    """Every tensor, data and pipeline group as a list of world ranks, in creation order."""
+    layout = rank_layout(p, d, t)
+    return {"tensor": layout.reshape(-1, t).tolist(),
+            "data": layout.permute(0, 2, 1).reshape(-1, d).tolist(),
+            "pipeline": layout.permute(1, 2, 0).reshape(-1, p).tolist()}
+
+
 def coordinates_of(rank: int, p: int, d: int, t: int) -> Coordinates:
     pi, rest = divmod(rank, d * t)
     di, ti = divmod(rest, t)
@@ -59,23 +67,22 @@ class RankGrid:
         self.coords = coordinates_of(self.rank, pipeline, data, tensor)
         timeout = timedelta(seconds=timeout_s)
         layout = rank_layout(pipeline, data, tensor)
-        self.tensor_group, self.tensor_ranks = self._build(layout.reshape(-1, tensor), timeout)
-        self.data_group, self.data_ranks = self._build(
-            layout.permute(0, 2, 1).reshape(-1, data), timeout)
-        self.pipeline_group, self.pipeline_ranks = self._build(
-            layout.permute(1, 2, 0).reshape(-1, pipeline), timeout)
+        rows = group_rows(pipeline, data, tensor)
+        self.tensor_group, self.tensor_ranks = self._build(rows["tensor"], timeout)
+        self.data_group, self.data_ranks = self._build(rows["data"], timeout)
+        self.pipeline_group, self.pipeline_ranks = self._build(rows["pipeline"], timeout)
         self.model_group, self.model_ranks = self._build(
-            layout.permute(1, 0, 2).reshape(data, -1), timeout)
+            layout.permute(1, 0, 2).reshape(data, -1).tolist(), timeout)
         first_last = layout[[0, -1]] if pipeline > 1 else layout[[0]]
         self.embedding_group, self.embedding_ranks = self._build(
-            first_last.permute(1, 2, 0).reshape(-1, first_last.shape[0]), timeout)
+            first_last.permute(1, 2, 0).reshape(-1, first_last.shape[0]).tolist(), timeout)
 
-    def _build(self, rows: torch.Tensor, timeout: timedelta):
+    def _build(self, rows: list[list[int]], timeout: timedelta):
         """Create one group per row; return (group, ranks) of mine, (None, []) if none is.
 
         Only the embedding groups leave ranks out (middle pipeline stages)."""
         mine = (None, [])
-        for row in rows.tolist():
+        for row in rows:
             group = dist.new_group(row, timeout=timeout)
             if self.rank in row:
                 mine = (group, row)

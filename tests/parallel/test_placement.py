@@ -1,0 +1,88 @@
+"""Placement on nodes: with t ranks adjacent, tensor groups stay inside a node and pipeline
+stages cross nodes; when t does not divide the ranks per node, `ptdp check` and `ptdp train`
+warn (one line, naming a straddling group)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ptdp.checks import check_job
+from ptdp.local_ranks import free_port
+from ptdp.parallel.grid import group_rows
+from ptdp.parallel.placement import groups_across_nodes, nodes_of, placement_warnings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_two_nodes_by_four_ranks_keep_tensor_groups_in_a_node_and_cross_with_the_pipeline():
+    rows = group_rows(p=2, d=2, t=2)
+    assert [nodes_of(g, 4) for g in rows["tensor"]] == [[0], [0], [1], [1]]
+    assert [nodes_of(g, 4) for g in rows["data"]] == [[0], [0], [1], [1]]
+    assert rows["pipeline"] == [[0, 4], [1, 5], [2, 6], [3, 7]]   # stage s on node s
+    assert groups_across_nodes(2, 2, 2, 4) == {"tensor": [], "data": [],
+                                               "pipeline": rows["pipeline"]}
+    assert placement_warnings(2, 2, 2, 4) == []
+
+
+@pytest.mark.parametrize("ranks_per_node", [1, 2, 3, 4, 6, 8])
+@pytest.mark.parametrize("p,t,d", [(2, 2, 2), (1, 4, 6), (3, 6, 1), (2, 8, 3), (4, 1, 6)])
+def test_tensor_groups_stay_in_a_node_exactly_when_t_divides_the_node(p, t, d, ranks_per_node):
+    world = p * t * d
+    if world % ranks_per_node:
+        pytest.skip("torchrun needs whole nodes")
+    crossing = groups_across_nodes(p, t, d, ranks_per_node)
+    multi_node = world > ranks_per_node
+    straddles = multi_node and ranks_per_node % t != 0
+    assert bool(crossing["tensor"]) == straddles
+    assert bool(placement_warnings(p, t, d, ranks_per_node)) == straddles
+    if multi_node and ranks_per_node % (t * d) == 0 and p > 1:   # a stage per node or less
+        assert not crossing["data"] and crossing["pipeline"]
+
+
+def test_t6_on_8_rank_nodes_warns_naming_a_group():
+    [line] = placement_warnings(1, 6, 8, 8)
+    assert line.startswith("parallel.tensor=6 does not divide the 8 ranks per node: 4 of 8 "
+                           "tensor groups span nodes (e.g. ranks 6..11 on nodes 0..1)")
+    assert "parallel.tensor=4" in line
+
+
+def test_ptdp_check_warns_with_the_node_size_and_still_passes():
+    found = check_job(str(ROOT / "configs/gpt_tiny.yaml"), ["parallel.tensor=4"], 4,
+                      ranks_per_node=2)
+    assert not found.errors and len(found.warnings) == 1
+    assert found.warnings[0].startswith("parallel.tensor=4 does not divide the 2 ranks per node")
+    assert check_job(str(ROOT / "configs/gpt_tiny.yaml"), ["parallel.tensor=2"], 4,
+                     ranks_per_node=2).warnings == []
+    res = subprocess.run([sys.executable, "-m", "ptdp", "check", "configs/gpt_tiny.yaml",
+                          "parallel.tensor=4", "--world-size", "4", "--nproc-per-node", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0
+    assert "  warning: parallel.tensor=4 does not divide the 2 ranks per node" in res.stdout
+
+
+def test_ptdp_train_warns_once_when_a_tensor_group_straddles_two_nodes(tmp_path):
+    """Two torchrun launchers on this host play two nodes of 2 ranks; t = 4 spans both."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    port = free_port()
+    jobs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(n),
+         "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "-m", "ptdp", "train", str(ROOT / "configs/gpt_tiny.yaml"), "parallel.tensor=4",
+         "train.iters=1", "train.device=cpu", "log.progress=false", "train.timeout_s=60"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for n in (0, 1)]
+    try:
+        outs = [job.communicate(timeout=150)[0] for job in jobs]
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+    assert [job.returncode for job in jobs] == [0, 0], outs
+    warnings = [line for out in outs for line in out.splitlines()
+                if line.startswith("ptdp train: warning: ")]
+    assert len(warnings) == 1, outs
+    assert "parallel.tensor=4 does not divide the 2 ranks per node" in warnings[0]

@@ -1,0 +1,173 @@
+"""Two simulated nodes (tools/simcluster.sh: network namespaces, a 200 Mbit/s link between
+them), launched the way clusters launch: one tools/pretrain_gpt.sh per node with NNODES,
+NODE_RANK, MASTER_ADDR and GPUS_PER_NODE, or tools/slurm_pretrain.sh under a stand-in srun.
+
+The tiny GPT in (p, t, d) = (2, 2, 2) over 2 nodes x 4 ranks must reproduce one process's
+loss sequence; a node that dies must end the other node's ranks with one line naming the
+lost ranks, within 60 s. Skipped where namespaces cannot be made (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SIMCLUSTER = ROOT / "tools/simcluster.sh"
+NAME = f"ptdpsimt{os.getpid() % 100000}"
+LAYOUT = ["parallel.pipeline=2", "parallel.tensor=2", "train.device=cpu", "log.progress=false",
+          "log.interval=1", "train.timeout_s=30"]
+ITERS = 3
+
+
+def _cannot_make_namespaces() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if not (shutil.which("ip") or Path("/usr/sbin/ip").exists()) or not (
+            shutil.which("tc") or Path("/usr/sbin/tc").exists()):
+        return "needs iproute2 (ip, tc)"
+    probe = f"ptdpsimprobe{os.getpid() % 100000}"
+    made = subprocess.run(["/usr/sbin/ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace here: {made.stderr.strip()}"
+    subprocess.run(["/usr/sbin/ip", "netns", "delete", probe], capture_output=True)
+    return None
+
+
+def _sim(*args, check=True, **kwargs):
+    env = {**os.environ, "SIMCLUSTER_NAME": NAME}
+    return subprocess.run([str(SIMCLUSTER), *args], env=env, check=check, text=True,
+                          capture_output=True, timeout=60, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = _cannot_make_namespaces()
+    if reason:
+        pytest.skip(reason)
+    _sim("up", "2", "--inter-node-rate", "200mbit")
+    try:
+        yield NAME
+    finally:
+        _sim("down", check=False)
+
+
+def _job_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", SIMCLUSTER_NAME=NAME,
+               PYTHON=sys.executable, **extra)
+    return env
+
+
+def _launch_node(node: int, overrides: list[str], log: Path, port: int) -> subprocess.Popen:
+    """tools/pretrain_gpt.sh on one node, exactly as on a cluster."""
+    env = _job_env(NNODES="2", NODE_RANK=str(node), MASTER_ADDR=f"{NAME}-n0",
+                   MASTER_PORT=str(port), GPUS_PER_NODE="4")
+    return subprocess.Popen([str(SIMCLUSTER), "run", str(node), str(ROOT / "tools/pretrain_gpt.sh"),
+                             "configs/gpt_tiny.yaml", *LAYOUT, *overrides],
+                            cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _losses(metrics: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+
+def _wait_all(jobs, logs, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    try:
+        for job in jobs:
+            job.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+    for job, log in zip(jobs, logs):
+        assert job.returncode == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def single_process_losses(tmp_path_factory):
+    """The oracle: the same model, data and seed in one process (p = t = d = 1)."""
+    metrics = tmp_path_factory.mktemp("single") / "metrics.jsonl"
+    subprocess.run([sys.executable, "-m", "ptdp", "train", "configs/gpt_tiny.yaml",
+                    "train.device=cpu", "log.progress=false", f"train.iters={ITERS}",
+                    f"log.metrics_file={metrics}"], cwd=ROOT, env=_job_env(), check=True,
+                   capture_output=True, timeout=120)
+    return _losses(metrics)
+
+
+def test_two_nodes_by_four_ranks_match_one_process(cluster, single_process_losses, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
+    jobs = [_launch_node(n, [f"train.iters={ITERS}", f"log.metrics_file={metrics}"], logs[n], 29411)
+            for n in (0, 1)]
+    _wait_all(jobs, logs, timeout_s=180)
+    node0 = logs[0].read_text()
+    assert "node 0 of 2, 4 ranks here" in node0 and "world size 8" in node0
+    assert "node 1 of 2, 4 ranks here" in logs[1].read_text()
+    assert _losses(metrics) == pytest.approx(single_process_losses, rel=1e-5)
+
+
+def test_slurm_script_launches_one_node_per_namespace(cluster, single_process_losses, tmp_path):
+    """tools/slurm_pretrain.sh with stand-ins for scontrol and srun: srun starts the task on
+    every node at once, each inside its namespace, with SLURM_NODEID set."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho {NAME}-n0\necho {NAME}-n1\n")
+    (bin_dir / "srun").write_text(
+        "#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\n"
+        f'for i in 0 1; do SLURM_NODEID=$i "{SIMCLUSTER}" run $i "$@" & done\n'
+        "status=0; for job in $(jobs -p); do wait $job || status=1; done; exit $status\n")
+    for shim in bin_dir.iterdir():
+        shim.chmod(0o755)
+    metrics = tmp_path / "metrics.jsonl"
+    env = _job_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242",
+                   SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST=f"{NAME}-n[0-1]",
+                   SLURM_SUBMIT_DIR=str(ROOT), SLURM_GPUS_ON_NODE="4")
+    res = subprocess.run([str(ROOT / "tools/slurm_pretrain.sh"), "configs/gpt_tiny.yaml", *LAYOUT,
+                          f"train.iters={ITERS}", f"log.metrics_file={metrics}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"master {NAME}-n0:24242" in res.stderr
+    assert _losses(metrics) == pytest.approx(single_process_losses, rel=1e-5)
+
+
+def test_a_node_that_dies_ends_the_other_with_a_line_naming_its_ranks(cluster, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
+    jobs = [_launch_node(n, ["train.iters=100000", f"log.metrics_file={metrics}"], logs[n], 29412)
+            for n in (0, 1)]
+    try:
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and jobs[0].poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.5)
+        assert jobs[0].poll() is None, logs[0].read_text()[-3000:]
+        _sim("kill", "1")
+        killed = time.monotonic()
+        jobs[0].wait(timeout=90)
+        elapsed = time.monotonic() - killed
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+            job.wait(timeout=30)
+    out = logs[0].read_text()
+    ours = [line for line in out.splitlines() if line.startswith("ptdp train: ")]
+    assert jobs[0].returncode != 0
+    assert len(ours) == 1, out[-3000:]
+    assert ours[0].startswith("ptdp train: lost rank(s): rank 4 (p=1, d=0, t=0) (pid ")
+    for rank in (4, 5, 6, 7):   # node 1's ranks, named with their host
+        assert f"rank {rank} (p=1, " in ours[0]
+    assert ours[0].count(f"on {NAME}-n1; no heartbeat for") == 4
+    assert "gloo: " in ours[0] and "Ending the job." in ours[0]
+    assert elapsed < 60, elapsed
