@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from ptdp.config import config_from_dict, validate  # noqa: E402
 from ptdp.planner.compute import ModelShape  # noqa: E402
 from ptdp.planner.cost_model import Layout, Workload, predict  # noqa: E402
-from ptdp.planner.hardware import load_hardware  # noqa: E402
+from ptdp.hardware import load_hardware  # noqa: E402
 
 MODEL = {"arch": "gpt", "num_layers": 4, "hidden_size": 512, "num_heads": 8,
          "seq_length": 128, "vocab_size": 1000, "dropout": 0.0}
@@ -77,7 +77,7 @@ def train_worker(raw: dict) -> list[dict]:
     from ptdp.training import Trainer
     cfg = config_from_dict(raw)
     validate(cfg, dist.get_world_size())
-    from ptdp.planner.profiler import peak_rss_gb
+    from ptdp.profiler import peak_rss_gb
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         history = Trainer(cfg).train()
     return {"history": history, "peak_gb": peak_rss_gb()}

@@ -2,14 +2,20 @@
 
 Rank placement follows ptdp.parallel.grid: the rank array is reshaped to (p, d, t), so
 tensor-parallel groups are t consecutive ranks, data-parallel peers are t apart and pipeline
-neighbours are t*d apart. With G GPUs per node a group stays on one node when its span fits.
+neighbours are t*d apart. Nodes hold G consecutive ranks. A group is on NVLink only when it
+lies inside one node: a span that fits is not enough (with t = 6 on 8-GPU nodes the second
+tensor group is ranks 6-11, two on node 0 and four on node 1), so the groups are placed
+explicitly and one that crosses a node boundary makes the collective run at network speed
+(every group waits for the slowest in the next pipeline step).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import lru_cache
 
-from ptdp.planner.hardware import HardwareProfile
+from ptdp.hardware import HardwareProfile
 
 
 @dataclass(frozen=True)
@@ -35,17 +41,44 @@ def inter_link(hw: HardwareProfile, members_per_node: int = 1) -> Link:
 
 
 def group_link(hw: HardwareProfile, span: int, gpus_per_node: int, members_per_node: int = 1) -> Link:
-    """A group whose ranks lie within `span` consecutive ranks."""
+    """A group whose ranks lie within `span` consecutive ranks starting at a node boundary."""
     return intra_link(hw) if span <= gpus_per_node else inter_link(hw, members_per_node)
 
 
+@lru_cache(maxsize=4096)
+def crossing_members(t: int, d: int, gpus_per_node: int, tensor: bool) -> int | None:
+    """None when every tensor (tensor=True) or data-parallel group of a (p, d, t) grid lies
+    inside one node; else the fewest members a node-crossing group has on one node (its share
+    of that node's NICs). The placement repeats every lcm(t*d, G) ranks, so one period shows
+    every case."""
+    g = gpus_per_node
+    period = math.lcm(t * d, g)
+    if tensor:
+        groups = [range(start, start + t) for start in range(0, period, t)]
+    else:
+        groups = [range(stage + tt, stage + t * d, t)
+                  for stage in range(0, period, t * d) for tt in range(t)]
+    fewest = None
+    for ranks in groups:
+        per_node: dict[int, int] = {}
+        for rank in ranks:
+            per_node[rank // g] = per_node.get(rank // g, 0) + 1
+        if len(per_node) > 1:
+            fewest = min(min(per_node.values()), fewest or g)
+    return fewest
+
+
 def tensor_link(hw, t: int, gpus_per_node: int) -> Link:
-    return group_link(hw, t, gpus_per_node, min(t, gpus_per_node))
+    """Tensor groups are t consecutive ranks: inside a node when t divides G (or t <= G's
+    share of the ranks in a one-node job, where gpus_per_node is the job's size)."""
+    crossing = crossing_members(t, 1, gpus_per_node, True)
+    return intra_link(hw) if crossing is None else inter_link(hw, crossing)
 
 
 def data_link(hw, t: int, d: int, gpus_per_node: int) -> Link:
-    """Data-parallel peers are t ranks apart: max(1, G/t) of them share a node."""
-    return group_link(hw, t * d, gpus_per_node, max(1, min(d, gpus_per_node // t)))
+    """Data-parallel peers are t ranks apart; those of a node share its NICs."""
+    crossing = crossing_members(t, d, gpus_per_node, False)
+    return intra_link(hw) if crossing is None else inter_link(hw, crossing)
 
 
 def pipeline_link(hw, t: int, d: int, p: int, gpus_per_node: int) -> Link:

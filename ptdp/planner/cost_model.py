@@ -53,7 +53,8 @@ Optimizer and host: clipping + Adam are memory-bound (~38 bytes of traffic per p
 CPU profiles: when more ranks (x threads) share a node than it has cores (`compute_units`),
   compute, recomputation and the optimizer slow down by that oversubscription factor.
 
-Reporting: model TFLOP/s per GPU is Eq. 4.2's F / (step * n), counted as the trainer does:
+Reporting: model TFLOP/s per GPU is Eq. 4.2's F / (step * n) (BERT: formulas.bert_flops_
+  per_iteration, with its LM transform, pooler and binary head), counted as the trainer does:
   with the padded vocabulary, and with the extra forward pass (4 passes per layer, as in the
   paper's runs) only when recompute=full, 3 passes otherwise. MFU = that / the precision's
   peak, the paper's "% of peak". Memory is in GiB (2^30 bytes), as the trainer's mem_gb.
@@ -66,8 +67,8 @@ from dataclasses import dataclass, field
 from ptdp.config import padded_vocab_size
 from ptdp.planner import comm
 from ptdp.planner.compute import BYTES, ModelShape, head_times, layer_times
-from ptdp.planner.formulas import bubble_fraction, model_flops_per_iteration
-from ptdp.planner.hardware import HardwareProfile
+from ptdp.hardware import HardwareProfile
+from ptdp.planner.formulas import bubble_fraction, model_flops
 from ptdp.planner.memory import GB, MemoryBreakdown, gpu_memory, stage_parameters
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
@@ -234,8 +235,8 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     step = (pipelined + flush + dp_exposed + embedding_sync + optimizer
             + hw.efficiency.host_overhead_s)
 
-    flops = model_flops_per_iteration(work.global_batch, shape.seq, shape.layers, shape.hidden,
-                                      vocab_padded, recompute_forward=lay.recompute == "full")
+    flops = model_flops(shape.arch, work.global_batch, shape.seq, shape.layers, shape.hidden,
+                        vocab_padded, recompute_forward=lay.recompute == "full")
     tflops = flops / (step * lay.gpus) / 1e12
     mem = _worst_memory(hw, work, lay, attention)
     time = {"compute": m * slowest.compute, "recompute": m * slowest.recompute,

@@ -60,6 +60,13 @@ def embedding_parameters(shape: ModelShape, t: int, vocab_padded: int) -> float:
     return vocab_padded * shape.hidden / t + shape.seq * shape.hidden + extra
 
 
+def bert_head_parameters(shape: ModelShape, t: int, vocab_padded: int) -> float:
+    """models/bert.py's heads on the last stage: the LM transform (dense h x h + LayerNorm,
+    replicated), the vocabulary bias (split by t), the pooler and the binary head."""
+    h = shape.hidden
+    return (h * h + h) + 2 * h + vocab_padded / t + (h * h + h) + (2 * h + 2)
+
+
 def stage_parameters(shape: ModelShape, t: int, p: int, vocab_padded: int, first: bool,
                      last: bool) -> float:
     params = shape.layers // p * layer_parameters(shape, t)
@@ -69,6 +76,8 @@ def stage_parameters(shape: ModelShape, t: int, p: int, vocab_padded: int, first
         params += 2 * shape.hidden                       # final LayerNorm
         if not first:
             params += vocab_padded * shape.hidden / t    # the last stage's copy of the table
+        if shape.arch == "bert":
+            params += bert_head_parameters(shape, t, vocab_padded)
     return params
 
 
@@ -192,6 +201,8 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
         working += layer_activation_bytes(shape, b, t, precision, "none", attention, hw)
     if last:                  # fp32 logits and their gradient for one micro-batch
         working += 2 * shape.seq * b * vocab_padded / t * 4
+        if shape.arch == "bert":  # the LM transform's dense output, GeLU and LayerNorm inputs
+            working += 3 * sbh * e
     if d > 1:
         working += params * g
     optimizer_step = params * 4 if hw is not None and hw.device == "cpu" else 0.0

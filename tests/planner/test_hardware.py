@@ -3,8 +3,7 @@
 import pytest
 import yaml
 
-from ptdp.planner.errors import PlanError
-from ptdp.planner.hardware import available_hardware, load_hardware, profile_from_dict
+from ptdp.hardware import HardwareError, available_hardware, load_hardware, profile_from_dict
 
 
 def test_catalogue_has_the_datasheet_gpus():
@@ -26,7 +25,7 @@ def test_every_profile_is_complete(name):
 
 
 def test_unknown_name_suggests_the_closest():
-    with pytest.raises(PlanError, match="did you mean 'h100-80gb'"):
+    with pytest.raises(HardwareError, match="did you mean 'h100-80gb'"):
         load_hardware("h100-80")
 
 
@@ -35,7 +34,7 @@ def test_profile_from_a_path_and_bad_keys(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump({**raw, "name": "mine"}))
     assert load_hardware(str(path)).name == "mine"
-    with pytest.raises(PlanError, match="unknown hardware key"):
+    with pytest.raises(HardwareError, match="unknown hardware key"):
         profile_from_dict({**raw, "nvlink": 1})
-    with pytest.raises(PlanError, match="missing memory_gb"):
+    with pytest.raises(HardwareError, match="missing memory_gb"):
         profile_from_dict({k: v for k, v in raw.items() if k != "memory_gb"})

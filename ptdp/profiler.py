@@ -15,7 +15,14 @@ A tensor-parallel shard of size t is measured in one process by giving the layer
 all-reduces become local copies, so the time is compute only (the cost model adds the
 communication separately from the measured bandwidths).
 
-torch is imported inside functions only: `ptdp plan` must not pay for it.
+The profile records the machine's fingerprint (ptdp.hardware.machine_fingerprint), so
+`ptdp plan` and tools/validate_planner.py can tell when a profile comes from elsewhere. On a
+GPU the datasheet peak of the --base profile stays the profile's peak (the one the trainer's
+`mfu` also divides by); the measured GEMM rate becomes `efficiency.gemm_max`, its share.
+
+This module depends on the planner (for the model YAML loader) and the trainer's model code;
+nothing in ptdp.planner imports it. torch is imported inside functions only, so `ptdp
+profile --help` stays fast.
 """
 
 from __future__ import annotations
@@ -26,8 +33,9 @@ import resource
 import time
 from pathlib import Path
 
+from ptdp.hardware import (Efficiency, HardwareProfile, load_hardware, machine_fingerprint,
+                           save_hardware)
 from ptdp.planner.errors import PlanError
-from ptdp.planner.hardware import Efficiency, HardwareProfile, load_hardware, save_hardware
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -409,17 +417,23 @@ def build_profile(model_cfg, *, name: str, micro_batches: list[int], tensors: li
 
 def _assemble(name, device, precision, dev, comms, measured, ranks_per_node, base) -> HardwareProfile:
     """Measured numbers on top of a base profile (GPU) or on their own (CPU)."""
-    peak_tflops = {precision: dev["peak_flops"] / 1e12}
     efficiency = Efficiency(gemm_max=1.0, gemm_half_dim=float(dev["half_dim"]), attention=1.0,
                             kernel_launch_us=dev["launch_s"] * 1e6, memory=1.0, collective=1.0,
                             host_overhead_s=comms["overhead_s"] if comms else 0.0)
     if base:
         profile = load_hardware(base)
         profile.name, profile.source = name, f"measured over {base}"
-        profile.peak_tflops = {**profile.peak_tflops, **peak_tflops}
+        # One peak per device: the datasheet's stays (MFU divides by it, in the planner and
+        # the trainer alike); the measured large-GEMM rate is its achievable share.
+        datasheet = profile.peak_tflops.get(precision)
+        if datasheet:
+            efficiency.gemm_max = dev["peak_flops"] / (datasheet * 1e12)
+        else:
+            profile.peak_tflops = {**profile.peak_tflops, precision: dev["peak_flops"] / 1e12}
         profile.efficiency = efficiency
         profile.memory_bandwidth_GBps = dev["memory_Bps"] / 1e9
         profile.measured = measured
+        profile.fingerprint = machine_fingerprint()
         return profile
     if device.type == "cuda":
         raise PlanError("profiling a GPU needs --base NAME for what one GPU cannot measure "
@@ -431,12 +445,15 @@ def _assemble(name, device, precision, dev, comms, measured, ranks_per_node, bas
         source="measured", device="cpu", compute_units=len(os.sched_getaffinity(0)),
         memory_gb=round(_total_memory_gb() / ranks_per_node, 3), memory_reserved_gb=round(baseline, 3),
         memory_headroom=0.0, memory_bandwidth_GBps=dev["memory_Bps"] / 1e9,
-        peak_tflops=peak_tflops, default_precision=precision, gpus_per_node=ranks_per_node,
+        # A CPU has no datasheet peak: its measured GEMM rate is the peak (for MFU too).
+        peak_tflops={precision: dev["peak_flops"] / 1e12}, default_precision=precision,
+        gpus_per_node=ranks_per_node,
         intra_node_bandwidth_GBps=all_reduce["bandwidth_GBps"],
         intra_node_latency_us=all_reduce["latency_us"],
         inter_node_bandwidth_GBps=all_reduce["bandwidth_GBps"],
         inter_node_latency_us=all_reduce["latency_us"], nics_per_node=ranks_per_node,
-        attention="flash", overlap_communication=False, efficiency=efficiency, measured=measured)
+        attention="flash", overlap_communication=False, efficiency=efficiency, measured=measured,
+        fingerprint=machine_fingerprint())
 
 
 def main(args) -> int:

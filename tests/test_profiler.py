@@ -8,9 +8,9 @@ import yaml
 
 from ptdp.planner.compute import ModelShape, layer_times
 from ptdp.planner.cost_model import Layout, Workload, predict
-from ptdp.planner.hardware import load_hardware
+from ptdp.hardware import load_hardware
 from ptdp.planner.memory import layer_activation_bytes
-from ptdp.planner.profiler import fit_half_dim, fit_latency_bandwidth
+from ptdp.profiler import fit_half_dim, fit_latency_bandwidth
 
 TINY = {"model": {"arch": "gpt", "num_layers": 2, "hidden_size": 64, "num_heads": 4,
                   "seq_length": 32, "vocab_size": 100, "ffn_hidden_size": 256}}
