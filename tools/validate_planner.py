@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     profile_path = Path(args.profile)
     if args.reprofile and profile_path.is_file():
         profile_path.unlink()
-    hw = profile_here(profile_path, iters=7, ranks=2)
+    hw = profile_here(profile_path, iters=7, ranks=8)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.ranking:

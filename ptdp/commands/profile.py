@@ -20,7 +20,9 @@ def register(subparsers) -> None:
     prof.add_argument("--name", default=None, help="profile name (default: the file's stem)")
     prof.add_argument("--micro-batches", default="1,2,4", help="comma-separated b values")
     prof.add_argument("--tensor", default="1,2", help="comma-separated t values to shard for")
-    prof.add_argument("--ranks", type=int, default=2, help="local ranks for bandwidth tests")
+    prof.add_argument("--ranks", type=int, default=2,
+                      help="local ranks for bandwidth tests; on CPU the busy-node measurements "
+                           "run 2, 4, ... up to this many ranks at once (default 2)")
     prof.add_argument("--ranks-per-node", type=int, default=8,
                       help="ranks one node of this kind hosts (the profile's gpus_per_node)")
     prof.add_argument("--base", default=None,

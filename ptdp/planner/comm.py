@@ -68,25 +68,52 @@ def crossing_members(t: int, d: int, gpus_per_node: int, tensor: bool) -> int | 
     return fewest
 
 
-def tensor_link(hw, t: int, gpus_per_node: int) -> Link:
+def busy_node(hw: HardwareProfile, ranks: int | None) -> dict | None:
+    """The profile's `measured.busy` row (ptdp/profiler.py) for a node running `ranks`
+    ranks at once: the measured world nearest on a log scale. None without measurements."""
+    rows = (hw.measured or {}).get("busy") or []
+    if not rows or not ranks or ranks < 2:
+        return None
+    return min(rows, key=lambda r: (abs(math.log2(r["ranks"] / ranks)), -r["ranks"]))
+
+
+def _measured_all_reduce(row: dict, n: int) -> Link:
+    fit = min(row["all_reduce"], key=lambda r: abs(math.log2(r["group"] / n)))
+    return Link(fit["bandwidth_GBps"] * 1e9, fit["latency_us"] * 1e-6, True)
+
+
+def tensor_link(hw, t: int, gpus_per_node: int, busy: int | None = None) -> Link:
     """Tensor groups are t consecutive ranks: inside a node when t divides G (or t <= G's
-    share of the ranks in a one-node job, where gpus_per_node is the job's size)."""
+    share of the ranks in a one-node job, where gpus_per_node is the job's size). Inside a
+    node of a profile measured busy (CPU ranks), the rate its groups of t achieved while
+    `busy` ranks ran at once."""
     crossing = crossing_members(t, 1, gpus_per_node, True)
-    return intra_link(hw) if crossing is None else inter_link(hw, crossing)
+    if crossing is not None:
+        return inter_link(hw, crossing)
+    row = busy_node(hw, busy)
+    return _measured_all_reduce(row, t) if row else intra_link(hw)
 
 
-def data_link(hw, t: int, d: int, gpus_per_node: int) -> Link:
+def data_link(hw, t: int, d: int, gpus_per_node: int, busy: int | None = None) -> Link:
     """Data-parallel peers are t ranks apart; those of a node share its NICs."""
     crossing = crossing_members(t, d, gpus_per_node, False)
-    return intra_link(hw) if crossing is None else inter_link(hw, crossing)
+    if crossing is not None:
+        return inter_link(hw, crossing)
+    row = busy_node(hw, busy)
+    return _measured_all_reduce(row, d) if row else intra_link(hw)
 
 
-def pipeline_link(hw, t: int, d: int, p: int, gpus_per_node: int) -> Link:
+def pipeline_link(hw, t: int, d: int, p: int, gpus_per_node: int,
+                  busy: int | None = None) -> Link:
     """The slowest stage boundary: on the network as soon as the pipeline leaves one node,
     where every GPU of the node sends to its peer at once (one NIC share each)."""
     link = group_link(hw, t * d * p, gpus_per_node)
-    p2p = (hw.measured or {}).get("p2p")
-    if link.intra_node and p2p:  # a profile measured on this machine knows its own p2p rate
+    if not link.intra_node:
+        return link
+    # A profile measured on this machine knows its own p2p rate, busy or idle.
+    row = busy_node(hw, busy)
+    p2p = row["p2p"] if row else (hw.measured or {}).get("p2p")
+    if p2p:
         return Link(p2p["bandwidth_GBps"] * 1e9, p2p["latency_us"] * 1e-6, True)
     return link
 

@@ -50,8 +50,11 @@ Optimizer and host: clipping + Adam are memory-bound (~38 bytes of traffic per p
   the profile's measured seconds per parameter); `host_overhead_s` (measured by the profiler
   as a negligible model's step time) is added per iteration.
 
-CPU profiles: when more ranks (x threads) share a node than it has cores (`compute_units`),
-  compute, recomputation and the optimizer slow down by that oversubscription factor.
+CPU profiles: ranks that share a node's cores and memory bandwidth slow each other down;
+  compute, recomputation and the optimizer are scaled by the slowdown the profile measured
+  with that many ranks busy at once (`measured.busy`; without it, ranks x threads / cores
+  when that exceeds 1), and collectives and sends take the rates measured on such a busy
+  node, in concurrent groups of the same size.
 
 Reporting: model TFLOP/s per GPU is Eq. 4.2's F / (step * n) (BERT: formulas.bert_flops_
   per_iteration, with its LM transform, pooler and binary head), counted as the trainer does:
@@ -148,7 +151,8 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     layers = shape.layers // p
     lt = layer_times(hw, prec, shape, b, t, attention)
     act_bytes = shape.seq * b * shape.hidden * BYTES[prec]
-    tp_link = comm.tensor_link(hw, t, work.gpus_per_node)
+    busy = min(lay.gpus, work.gpus_per_node)
+    tp_link = comm.tensor_link(hw, t, work.gpus_per_node, busy)
     ar = comm.all_reduce_time(t, act_bytes, tp_link)
     fwd, bwd = layers * lt.forward, layers * lt.backward
     recompute = {"none": 0.0, "selective": layers * lt.attention_forward,
@@ -163,7 +167,7 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
             tensor_comm += ar + 3 * comm.all_reduce_time(t, shape.seq * b * 4, tp_link)
     p2p = 0.0
     if p > 1:
-        link = comm.pipeline_link(hw, t, d, p, work.gpus_per_node)
+        link = comm.pipeline_link(hw, t, d, p, work.gpus_per_node, busy)
         if lay.scatter_gather and t > 1:
             one_way = (comm.p2p_time(act_bytes / t, link)
                        + comm.all_gather_time(t, act_bytes, comm.intra_link(hw)))
@@ -175,9 +179,15 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
 
 
 def _oversubscription(hw: HardwareProfile, gpus: int, gpus_per_node: int) -> float:
-    """>1 when a node's ranks (x their threads) outnumber its cores (CPU profiles)."""
+    """>1 when a node's ranks (x their threads) outnumber its cores (CPU profiles): the
+    slowdown the profile measured with that many ranks computing at once (which also holds
+    their competition for memory bandwidth), else ranks x threads / cores."""
     if not hw.compute_units:
         return 1.0
+    busy = min(gpus, gpus_per_node)
+    row = comm.busy_node(hw, busy)
+    if row:
+        return max(1.0, row["slowdown"])
     threads = int((hw.measured or {}).get("threads", 1))
     return max(1.0, min(gpus, gpus_per_node) * threads / hw.compute_units)
 
@@ -223,13 +233,16 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     vocab_padded = padded_vocab_size(shape.vocab, t)
     params = max(stage_parameters(shape, t, p, vocab_padded, r == 0, r == p - 1) for r in {0, p - 1})
     grad_bytes = params * 4
-    dp_total = comm.all_reduce_time(d, grad_bytes, comm.data_link(hw, t, d, work.gpus_per_node))
+    busy = min(lay.gpus, work.gpus_per_node)
+    dp_total = comm.all_reduce_time(d, grad_bytes,
+                                    comm.data_link(hw, t, d, work.gpus_per_node, busy))
     hidden = slowest.backward if dp_overlap and hw.overlap_communication else 0.0
     dp_exposed = max(0.0, dp_total - hidden)
     embedding_sync = 0.0
     if p > 1:   # tied word embeddings: sum the first and last stage's table gradients
         table = vocab_padded * shape.hidden / t * 4
-        embedding_sync = comm.all_reduce_time(2, table, comm.pipeline_link(hw, t, d, p, work.gpus_per_node))
+        embedding_sync = comm.all_reduce_time(
+            2, table, comm.pipeline_link(hw, t, d, p, work.gpus_per_node, busy))
     optimizer = _optimizer_time(hw, params, work.precision) * _oversubscription(
         hw, lay.gpus, work.gpus_per_node)
     step = (pipelined + flush + dp_exposed + embedding_sync + optimizer

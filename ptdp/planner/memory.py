@@ -173,13 +173,13 @@ def in_flight_layer_stashes(schedule: str, p: int, v: int, m: int, layers_per_ra
 def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, schedule: str,
                recompute: str, precision: str, attention: str, vocab_padded: int,
                reserved_gb: float, rank: int, d: int = 1, hw=None,
-               vertical_sync: bool = False) -> MemoryBreakdown:
+               vertical_sync: bool = False, bucket_mb: float = 25.0) -> MemoryBreakdown:
     """Peak memory of pipeline rank `rank` (0 = first stage, p-1 = last).
 
     Weights, gradients and optimizer state live throughout. On top of them the peak is the
     larger of two phases: backward (activation stashes, the working set of one layer or the
-    loss, p2p buffers, and with d > 1 the data-parallel buckets: a flat copy of the
-    gradients) and the optimizer step (torch's foreach AdamW on CPU allocates one fp32
+    loss, p2p buffers, and with d > 1 one gradient bucket's copy: the gradients themselves
+    are reduced in place in their flat buffer, ptdp/optim/grads.py) and the optimizer step (torch's foreach AdamW on CPU allocates one fp32
     temporary per parameter; the fused CUDA kernel does not).
     """
     first, last = rank == 0, rank == p - 1
@@ -199,12 +199,12 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     working = 2 * sbh * e                                      # send/recv buffers
     if recompute != "none":   # a recomputed layer's activations live while its backward runs
         working += layer_activation_bytes(shape, b, t, precision, "none", attention, hw)
-    if last:                  # fp32 logits and their gradient for one micro-batch
-        working += 2 * shape.seq * b * vocab_padded / t * 4
+    if last:   # the logits, their one fp32 copy (exp, then softmax) and the gradient
+        working += shape.seq * b * vocab_padded / t * (2 * e + 4)   # (ptdp/parallel/tensor.py)
         if shape.arch == "bert":  # the LM transform's dense output, GeLU and LayerNorm inputs
             working += 3 * sbh * e
-    if d > 1:
-        working += params * g
+    if d > 1:  # one bucket: gloo's ring scratch, or the concatenated copy of gradients that
+        working += min(params * g, bucket_mb * 2**20)   # are not in one flat buffer (2BW)
     optimizer_step = params * 4 if hw is not None and hw.device == "cpu" else 0.0
     buffers = max(working, optimizer_step - activations)
     return MemoryBreakdown(weights=weights, gradients=gradients, optimizer=params * o,
