@@ -54,7 +54,8 @@ CPU profiles: ranks that share a node's cores and memory bandwidth slow each oth
   compute, recomputation and the optimizer are scaled by the slowdown the profile measured
   with that many ranks busy at once (`measured.busy`; without it, ranks x threads / cores
   when that exceeds 1), and collectives and sends take the rates measured on such a busy
-  node, in concurrent groups of the same size.
+  node, in concurrent groups of the same size. Ranks idle in a pipeline's fill and drain
+  leave their cores to the others: the bubble is paid without the time-slicing share.
 
 Reporting: model TFLOP/s per GPU is Eq. 4.2's F / (step * n) (BERT: formulas.bert_flops_
   per_iteration, with its LM transform, pooler and binary head), counted as the trainer does:
@@ -178,6 +179,22 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     return _RankTimes((fwd + bwd) * slow, recompute * slow, tensor_comm, p2p, bwd * slow)
 
 
+def _flush_rank_time(hw: HardwareProfile, ranks: list, p: int, gpus: int,
+                     gpus_per_node: int) -> float:
+    """A pipeline rank's mean time per micro-batch during fill and drain. On GPUs that is the
+    steady-state time. On CPU ranks that outnumber the cores, the ranks idle in the bubble
+    leave their cores to the others: while the pipeline fills and drains, compute runs
+    without the time-slicing share of the slowdown (the memory contention stays)."""
+    first, last = ranks[0], ranks[-1]
+    middle = ranks[1] if len(ranks) > 2 else first
+    def mean(attr):
+        return (getattr(first, attr) + getattr(last, attr) + (p - 2) * getattr(middle, attr)) / p
+    slow = _oversubscription(hw, gpus, gpus_per_node)
+    row = comm.busy_node(hw, min(gpus, gpus_per_node))
+    time_slicing = slow / max(row.get("contention", 1.0), 1.0) if row else slow
+    return (mean("compute") + mean("recompute")) / time_slicing + mean("tensor_comm") + mean("p2p")
+
+
 def _oversubscription(hw: HardwareProfile, gpus: int, gpus_per_node: int) -> float:
     """>1 when a node's ranks (x their threads) outnumber its cores (CPU profiles): the
     slowdown the profile measured with that many ranks computing at once (which also holds
@@ -227,7 +244,8 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     slowest = max(ranks, key=lambda r: r.total)
     mean = (first.total + last.total + (p - 2) * middle.total) / p if p > 1 else first.total
     pipelined = m * slowest.total
-    flush = (p - 1) / v * mean if lay.schedule != "2bw" else 0.0
+    flush = (p - 1) / v * _flush_rank_time(hw, ranks, p, lay.gpus, work.gpus_per_node) \
+        if lay.schedule != "2bw" else 0.0
     bubble = bubble_fraction(p, m, v) if lay.schedule != "2bw" else 0.0
 
     vocab_padded = padded_vocab_size(shape.vocab, t)
