@@ -337,16 +337,25 @@ def calibrate_reserve(profile: HardwareProfile, model_cfg, precision: str, threa
     import dataclasses
 
     from ptdp.local_ranks import run_on_ranks
-    from ptdp.planner.compute import ModelShape
-    from ptdp.planner.cost_model import Layout, Workload, predict
     model = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg)}
     peak = max(run_on_ranks(world, _one_layer_peak, model, precision, timeout_s=600.0,
                             threads=threads))
+    return reserve_from_peak(profile, model_cfg, precision, peak, world)
+
+
+def reserve_from_peak(profile: HardwareProfile, model_cfg, precision: str, peak: float,
+                      world: int = 2) -> dict:
+    """calibrate_reserve's arithmetic, given the one-layer run's peak GiB."""
+    import dataclasses
+
+    from ptdp.planner.compute import ModelShape
+    from ptdp.planner.cost_model import Layout, Workload, predict
     bare = dataclasses.replace(profile, memory_reserved_gb=0.0)
     shape = dataclasses.replace(ModelShape.from_config(model_cfg), layers=1)
     predicted = predict(bare, Workload(shape, world, precision, profile.gpus_per_node),
                         Layout(1, 1, world, 1, 1)).memory_gb_per_gpu
-    return {"peak_gb": peak, "model_gb": predicted, "reserve_gb": max(peak - predicted, 0.0)}
+    return {"peak_gb": peak, "model_gb": predicted, "reserve_gb": max(peak - predicted, 0.0),
+            "world": world}
 
 
 def _bench_collectives(sizes, iters: int) -> dict:

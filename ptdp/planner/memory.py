@@ -176,11 +176,11 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
                vertical_sync: bool = False, bucket_mb: float = 25.0) -> MemoryBreakdown:
     """Peak memory of pipeline rank `rank` (0 = first stage, p-1 = last).
 
-    Weights, gradients and optimizer state live throughout. On top of them the peak is the
-    larger of two phases: backward (activation stashes, the working set of one layer or the
-    loss, p2p buffers, and with d > 1 one gradient bucket's copy: the gradients themselves
-    are reduced in place in their flat buffer, ptdp/optim/grads.py) and the optimizer step (torch's foreach AdamW on CPU allocates one fp32
-    temporary per parameter; the fused CUDA kernel does not).
+    Weights, gradients and optimizer state live throughout. On top of them: activation
+    stashes, the working set of one layer or the loss, p2p buffers and, with d > 1, one
+    gradient bucket's copy (the gradients are reduced in place in their flat buffer,
+    ptdp/optim/grads.py); on CPU also the optimizer step's temporaries (torch's foreach
+    AdamW allocates one fp32 temporary per parameter; the fused CUDA kernel does not).
     """
     first, last = rank == 0, rank == p - 1
     e = BYTES[precision]
@@ -205,7 +205,12 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
             working += 3 * sbh * e
     if d > 1:  # one bucket: gloo's ring scratch, or the concatenated copy of gradients that
         working += min(params * g, bucket_mb * 2**20)   # are not in one flat buffer (2BW)
-    optimizer_step = params * 4 if hw is not None and hw.device == "cpu" else 0.0
-    buffers = max(working, optimizer_step - activations)
+    if hw is not None and hw.device == "cpu":
+        # The foreach AdamW step's fp32 temporary per parameter is larger than glibc's mmap
+        # threshold, so it is mapped fresh rather than carved from the heap the freed
+        # activations left: the resident peak is the backward's plus the optimizer's.
+        buffers = working + params * 4
+    else:     # the caching allocator reuses the activations' blocks for the (fused) step
+        buffers = working
     return MemoryBreakdown(weights=weights, gradients=gradients, optimizer=params * o,
                            activations=activations, buffers=buffers + reserved_gb * GB)
