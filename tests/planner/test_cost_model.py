@@ -193,3 +193,25 @@ def test_a_straddling_tensor_group_slows_the_prediction(a100):
                  for t in (4, 6)}
     comm_share = {t: p.time["tensor_comm"] / p.step_time_s for t, p in preds.items()}
     assert comm_share[6] > 3 * comm_share[4]
+
+
+@pytest.mark.parametrize("p,d,t,gpus_per_node", [(2, 2, 6, 8), (1, 4, 6, 8), (4, 2, 4, 8),
+                                                 (2, 3, 2, 4), (3, 2, 8, 8), (2, 8, 1, 8)])
+def test_node_crossing_agrees_with_the_trainers_rank_grid(p, d, t, gpus_per_node):
+    # The planner's placement against ptdp.parallel.grid's [p, d, t] rank array: a tensor
+    # group is a row along t, a data-parallel group a row along d.
+    from ptdp.parallel.grid import rank_layout
+    grid = rank_layout(p, d, t)
+
+    def fewest_on_a_node(groups):
+        fewest = None
+        for ranks in groups:
+            nodes = [r // gpus_per_node for r in ranks]
+            if len(set(nodes)) > 1:
+                fewest = min(min(nodes.count(n) for n in set(nodes)), fewest or gpus_per_node)
+        return fewest
+
+    tensor_groups = grid.reshape(-1, t).tolist()
+    data_groups = grid.permute(0, 2, 1).reshape(-1, d).tolist()
+    assert comm.crossing_members(t, 1, gpus_per_node, True) == fewest_on_a_node(tensor_groups)
+    assert comm.crossing_members(t, d, gpus_per_node, False) == fewest_on_a_node(data_groups)
