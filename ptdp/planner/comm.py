@@ -50,7 +50,8 @@ def crossing_members(t: int, d: int, gpus_per_node: int, tensor: bool) -> int | 
     """None when every tensor (tensor=True) or data-parallel group of a (p, d, t) grid lies
     inside one node; else the fewest members a node-crossing group has on one node (its share
     of that node's NICs). The placement repeats every lcm(t*d, G) ranks, so one period shows
-    every case."""
+    every case (a job of more than G ranks always holds the group that straddles the first
+    node boundary)."""
     g = gpus_per_node
     period = math.lcm(t * d, g)
     if tensor:
@@ -83,10 +84,9 @@ def _measured_all_reduce(row: dict, n: int) -> Link:
 
 
 def tensor_link(hw, t: int, gpus_per_node: int, busy: int | None = None) -> Link:
-    """Tensor groups are t consecutive ranks: inside a node when t divides G (or t <= G's
-    share of the ranks in a one-node job, where gpus_per_node is the job's size). Inside a
-    node of a profile measured busy (CPU ranks), the rate its groups of t achieved while
-    `busy` ranks ran at once."""
+    """Tensor groups are t consecutive ranks: inside a node when t divides G (a one-node job
+    passes its own size as G). Inside a node, a profile measured busy (CPU ranks) gives the
+    rate its groups of t achieved while `busy` ranks ran at once."""
     crossing = crossing_members(t, 1, gpus_per_node, True)
     if crossing is not None:
         return inter_link(hw, crossing)
