@@ -193,6 +193,9 @@ def plot(rows: list[dict], path: Path) -> None:
         band = TOLERANCE if key == "step" else MEMORY_UNDER
         ax.plot([lo, hi], [lo * (1 + band), hi * (1 + band)], "k:", lw=0.6)
         ax.plot([lo, hi], [lo * (1 - band), hi * (1 - band)], "k:", lw=0.6)
+        if key == "step":   # layouts span an order of magnitude
+            ax.set_xscale("log")
+            ax.set_yscale("log")
         ax.set_xlabel(f"measured ({unit})")
         ax.set_ylabel(f"predicted ({unit})")
         ax.set_title({"step": "step time", "mem": "peak memory per rank"}[key])
