@@ -196,11 +196,10 @@ def check_tokenizer(cfg: Config, headers: list, found: Findings) -> None:
 def check_hardware(cfg: Config, found: Findings) -> None:
     if not cfg.log.hardware:
         return
-    from ptdp.planner.errors import PlanError
-    from ptdp.planner.hardware import load_hardware
+    from ptdp.hardware import HardwareError, load_hardware
     try:
         found.hardware = load_hardware(cfg.log.hardware)
-    except PlanError as err:
+    except HardwareError as err:
         found.error(f"log.hardware: {err}")
 
 

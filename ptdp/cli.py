@@ -15,7 +15,8 @@ import sys
 COMMAND_MODULES = [
     "ptdp.commands.train",      # ptdp train
     "ptdp.commands.check",      # ptdp check
-    "ptdp.planner.cli",         # ptdp plan, ptdp profile
+    "ptdp.planner.cli",         # ptdp plan
+    "ptdp.commands.profile",    # ptdp profile
     "ptdp.data.cli",            # ptdp tokenizer, ptdp preprocess
     "ptdp.commands.timeline",   # ptdp timeline
 ]

@@ -15,7 +15,8 @@ import torch
 import yaml
 
 from ptdp.config import Config
-from ptdp.planner.formulas import model_flops_per_iteration, parameter_count
+from ptdp.hardware import available_hardware, load_hardware
+from ptdp.planner.formulas import model_flops, parameter_count
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -32,8 +33,9 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def peak_tflops(cfg: Config, device: torch.device) -> float | None:
-    """The hardware's peak for the training precision: from log.hardware, or the GPU's name."""
-    from ptdp.planner.hardware import available_hardware, load_hardware
+    """The hardware's peak for the training precision: from log.hardware, or the GPU's name.
+    The same number `ptdp plan` divides by for its MFU column (the profile's datasheet peak;
+    a measured profile keeps it and records its GEMM rate as an efficiency)."""
     name = cfg.log.hardware
     if name is None and device.type == "cuda":
         gpu = torch.cuda.get_device_name(device).lower()
@@ -49,11 +51,11 @@ def peak_tflops(cfg: Config, device: torch.device) -> float | None:
 
 
 def iteration_tflops(cfg: Config, seconds: float, world_size: int) -> float:
-    """Model TFLOP/s per GPU by Eq. 4.2; the recomputed forward counts only when it runs."""
+    """Model TFLOP/s per GPU: Eq. 4.2 for GPT, BERT's own formula (its LM transform, pooler
+    and binary head) for BERT; the recomputed forward counts only when it runs."""
     m, tr = cfg.model, cfg.train
-    flops = model_flops_per_iteration(tr.global_batch_size, m.seq_length, m.num_layers,
-                                      m.hidden_size, cfg.padded_vocab_size,
-                                      recompute_forward=tr.recompute == "full")
+    flops = model_flops(m.arch, tr.global_batch_size, m.seq_length, m.num_layers, m.hidden_size,
+                        cfg.padded_vocab_size, recompute_forward=tr.recompute == "full")
     return flops / seconds / world_size / 1e12
 
 

@@ -148,7 +148,7 @@ def link_worker(out: str, iters: int) -> None:
 
 def measure_link(tmp: Path, iters: int) -> dict:
     """Per-pair latency and bandwidth of the inter-node link with 4 pairs sharing it."""
-    from ptdp.planner.profiler import fit_latency_bandwidth
+    from ptdp.profiler import fit_latency_bandwidth
     out = tmp / "link.json"
     cmd = ["sh", "-c", f'exec "{sys.executable}" -m torch.distributed.run --nnodes {NODES} '
            f'--node-rank "$NODE_RANK" --nproc-per-node {PER_NODE} --master-addr "$MASTER_ADDR" '
@@ -177,7 +177,7 @@ def model_yaml(tmp: Path) -> Path:
 
 def cluster_profile(tmp: Path, link: dict, iters: int):
     """`ptdp profile` inside node 0 (4 local ranks), plus the measured inter-node link."""
-    from ptdp.planner.hardware import load_hardware
+    from ptdp.hardware import load_hardware
     out = tmp / "cluster.yaml"
     subprocess.run([str(SIMCLUSTER), "run", "0", sys.executable, "-m", "ptdp", "profile",
                     str(model_yaml(tmp)), "--out", str(out), "--micro-batches", str(MICRO_BATCH),

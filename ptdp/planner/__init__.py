@@ -1,8 +1,10 @@
-"""The closed-form planner: cost model, hardware catalogue, search, profiler, partitioner.
+"""The closed-form planner: cost model, search, partitioner, `ptdp plan`.
 
-Nothing in this package imports torch.distributed, and only `profiler` imports torch (lazily),
-so `ptdp plan` stays fast. Entry points: `formulas` (Eq. 4.2-4.4, for the trainer's metrics),
-`cost_model.predict`, `search.search`, `partitioner.partition`, and the CLI in `cli`.
+Nothing in this package imports torch (tests/planner/test_purity.py checks), so `ptdp plan`
+stays fast. It reads hardware profiles from `ptdp.hardware`; `ptdp profile`
+(ptdp/profiler.py) measures them and depends on this package, never the other way round.
+Entry points: `formulas` (Eq. 4.2-4.4 and BERT's counterparts, also for the trainer's
+metrics), `cost_model.predict`, `search.search`, `partitioner.partition`, the CLI in `cli`.
 """
 
 from ptdp.planner.formulas import model_flops_per_iteration, parameter_count, training_days

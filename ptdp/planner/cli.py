@@ -1,4 +1,4 @@
-"""`ptdp plan` and `ptdp profile`. No torch import here: planning must stay fast.
+"""`ptdp plan`. No torch import here (nor anywhere in ptdp.planner): planning must stay fast.
 
 Bad input (unknown hardware, impossible --fix, GPU counts that do not divide) prints one
 line naming the problem and exits with code 2.
@@ -15,9 +15,9 @@ import yaml
 from ptdp.config import ConfigError, config_from_dict, read_yaml, validate_model
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.cost_model import SCHEDULES, Workload
+from ptdp.hardware import HardwareError, foreign_profile, load_hardware
 from ptdp.planner.errors import PlanError
-from ptdp.planner.formulas import parameter_count
-from ptdp.planner.hardware import load_hardware
+from ptdp.planner.formulas import model_parameters
 from ptdp.planner.report import format_result, result_dict, trainer_config
 from ptdp.planner.search import STRICT_SCHEDULES, parse_fix, search
 
@@ -55,28 +55,6 @@ def register(subparsers) -> None:
     plan.add_argument("--write-config", metavar="OUT.yaml", default=None,
                       help="write the best layout as a config `ptdp train` runs unchanged")
     plan.set_defaults(func=run_plan)
-
-    prof = subparsers.add_parser(
-        "profile", help="measure layer times and bandwidths here; write a hardware profile",
-        description="Measure per-layer forward/backward time, activation and weight bytes at "
-                    "several micro-batch sizes on this device, and collective/p2p bandwidth "
-                    "between local ranks; write a hardware profile for `ptdp plan`.")
-    prof.add_argument("model", help="YAML with a model: section (the shape to measure)")
-    prof.add_argument("--out", required=True, help="profile YAML to write")
-    prof.add_argument("--name", default=None, help="profile name (default: the file's stem)")
-    prof.add_argument("--micro-batches", default="1,2,4", help="comma-separated b values")
-    prof.add_argument("--tensor", default="1,2", help="comma-separated t values to shard for")
-    prof.add_argument("--ranks", type=int, default=2, help="local ranks for bandwidth tests")
-    prof.add_argument("--ranks-per-node", type=int, default=8,
-                      help="ranks one node of this kind hosts (the profile's gpus_per_node)")
-    prof.add_argument("--base", default=None,
-                      help="GPU only: datasheet profile for what one device cannot measure")
-    prof.add_argument("--threads", type=int, default=1,
-                      help="torch threads per process (match the trainer's ranks)")
-    prof.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
-    prof.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    prof.add_argument("--iters", type=int, default=5, help="timed repetitions per point")
-    prof.set_defaults(func=run_profile)
 
 
 def _fail(command: str, err: Exception) -> int:
@@ -123,7 +101,7 @@ def _global_batch(args, raw: dict, cfg) -> int:
 def run_plan(args) -> int:
     try:
         return _plan(args)
-    except (PlanError, ConfigError) as err:
+    except (PlanError, HardwareError, ConfigError) as err:
         return _fail("plan", err)
     except BrokenPipeError:        # `ptdp plan ... | head`
         sys.stderr.close()
@@ -133,6 +111,10 @@ def run_plan(args) -> int:
 def _plan(args) -> int:
     raw, cfg = load_model_yaml(args.model)
     hw = load_hardware(args.hardware)
+    foreign = foreign_profile(hw)
+    if foreign:   # fine when planning for that hardware from elsewhere; say so either way
+        print(f"warning: {foreign}; its measured times describe that machine (run `ptdp "
+              f"profile` here if this machine is the one to plan for)", file=sys.stderr)
     gpus, per_node = _cluster(args, hw)
     batch = _global_batch(args, raw, cfg)
     precision = args.precision or hw.default_precision
@@ -151,7 +133,8 @@ def _plan(args) -> int:
         raise PlanError(f"no layout of {gpus} GPUs fits"
                         f"{' with --fix ' + args.fix if args.fix else ''}: {reasons}")
     m = cfg.model
-    params = parameter_count(m.num_layers, m.hidden_size, m.vocab_size, m.seq_length)
+    params = model_parameters(m.arch, m.num_layers, m.hidden_size, m.vocab_size, m.seq_length,
+                              m.num_tokentypes)
     if args.json:
         header = {"model": {"arch": m.arch, "parameters": params, "num_layers": m.num_layers,
                             "hidden_size": m.hidden_size, "num_heads": m.num_heads,
@@ -190,11 +173,3 @@ def _check_trainer_accepts(out: dict, gpus: int) -> None:
     except ValueError as err:
         print(f"warning: this checkout's trainer cannot run schedule '{name}' yet: {err}",
               file=sys.stderr)
-
-
-def run_profile(args) -> int:
-    try:
-        from ptdp.planner import profiler  # torch is imported only here
-        return profiler.main(args)
-    except (PlanError, ConfigError) as err:
-        return _fail("profile", err)

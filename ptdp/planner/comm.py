@@ -2,14 +2,20 @@
 
 Rank placement follows ptdp.parallel.grid: the rank array is reshaped to (p, d, t), so
 tensor-parallel groups are t consecutive ranks, data-parallel peers are t apart and pipeline
-neighbours are t*d apart. With G GPUs per node a group stays on one node when its span fits.
+neighbours are t*d apart. Nodes hold G consecutive ranks. A group is on NVLink only when it
+lies inside one node: a span that fits is not enough (with t = 6 on 8-GPU nodes the second
+tensor group is ranks 6-11, two on node 0 and four on node 1), so the groups are placed
+explicitly and one that crosses a node boundary makes the collective run at network speed
+(every group waits for the slowest in the next pipeline step).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import lru_cache
 
-from ptdp.planner.hardware import HardwareProfile
+from ptdp.hardware import HardwareProfile
 
 
 @dataclass(frozen=True)
@@ -35,25 +41,79 @@ def inter_link(hw: HardwareProfile, members_per_node: int = 1) -> Link:
 
 
 def group_link(hw: HardwareProfile, span: int, gpus_per_node: int, members_per_node: int = 1) -> Link:
-    """A group whose ranks lie within `span` consecutive ranks."""
+    """A group whose ranks lie within `span` consecutive ranks starting at a node boundary."""
     return intra_link(hw) if span <= gpus_per_node else inter_link(hw, members_per_node)
 
 
-def tensor_link(hw, t: int, gpus_per_node: int) -> Link:
-    return group_link(hw, t, gpus_per_node, min(t, gpus_per_node))
+@lru_cache(maxsize=4096)
+def crossing_members(t: int, d: int, gpus_per_node: int, tensor: bool) -> int | None:
+    """None when every tensor (tensor=True) or data-parallel group of a (p, d, t) grid lies
+    inside one node; else the fewest members a node-crossing group has on one node (its share
+    of that node's NICs). The placement repeats every lcm(t*d, G) ranks, so one period shows
+    every case (a job of more than G ranks always holds the group that straddles the first
+    node boundary)."""
+    g = gpus_per_node
+    period = math.lcm(t * d, g)
+    if tensor:
+        groups = [range(start, start + t) for start in range(0, period, t)]
+    else:
+        groups = [range(stage + tt, stage + t * d, t)
+                  for stage in range(0, period, t * d) for tt in range(t)]
+    fewest = None
+    for ranks in groups:
+        per_node: dict[int, int] = {}
+        for rank in ranks:
+            per_node[rank // g] = per_node.get(rank // g, 0) + 1
+        if len(per_node) > 1:
+            fewest = min(min(per_node.values()), fewest or g)
+    return fewest
 
 
-def data_link(hw, t: int, d: int, gpus_per_node: int) -> Link:
-    """Data-parallel peers are t ranks apart: max(1, G/t) of them share a node."""
-    return group_link(hw, t * d, gpus_per_node, max(1, min(d, gpus_per_node // t)))
+def busy_node(hw: HardwareProfile, ranks: int | None) -> dict | None:
+    """The profile's `measured.busy` row (ptdp/profiler.py) for a node running `ranks`
+    ranks at once: the measured world nearest on a log scale. None without measurements."""
+    rows = (hw.measured or {}).get("busy") or []
+    if not rows or not ranks or ranks < 2:
+        return None
+    return min(rows, key=lambda r: (abs(math.log2(r["ranks"] / ranks)), -r["ranks"]))
 
 
-def pipeline_link(hw, t: int, d: int, p: int, gpus_per_node: int) -> Link:
+def _measured_all_reduce(row: dict, n: int) -> Link:
+    fit = min(row["all_reduce"], key=lambda r: abs(math.log2(r["group"] / n)))
+    return Link(fit["bandwidth_GBps"] * 1e9, fit["latency_us"] * 1e-6, True)
+
+
+def tensor_link(hw, t: int, gpus_per_node: int, busy: int | None = None) -> Link:
+    """Tensor groups are t consecutive ranks: inside a node when t divides G (a one-node job
+    passes its own size as G). Inside a node, a profile measured busy (CPU ranks) gives the
+    rate its groups of t achieved while `busy` ranks ran at once."""
+    crossing = crossing_members(t, 1, gpus_per_node, True)
+    if crossing is not None:
+        return inter_link(hw, crossing)
+    row = busy_node(hw, busy)
+    return _measured_all_reduce(row, t) if row else intra_link(hw)
+
+
+def data_link(hw, t: int, d: int, gpus_per_node: int, busy: int | None = None) -> Link:
+    """Data-parallel peers are t ranks apart; those of a node share its NICs."""
+    crossing = crossing_members(t, d, gpus_per_node, False)
+    if crossing is not None:
+        return inter_link(hw, crossing)
+    row = busy_node(hw, busy)
+    return _measured_all_reduce(row, d) if row else intra_link(hw)
+
+
+def pipeline_link(hw, t: int, d: int, p: int, gpus_per_node: int,
+                  busy: int | None = None) -> Link:
     """The slowest stage boundary: on the network as soon as the pipeline leaves one node,
     where every GPU of the node sends to its peer at once (one NIC share each)."""
     link = group_link(hw, t * d * p, gpus_per_node)
-    p2p = (hw.measured or {}).get("p2p")
-    if link.intra_node and p2p:  # a profile measured on this machine knows its own p2p rate
+    if not link.intra_node:
+        return link
+    # A profile measured on this machine knows its own p2p rate, busy or idle.
+    row = busy_node(hw, busy)
+    p2p = row["p2p"] if row else (hw.measured or {}).get("p2p")
+    if p2p:
         return Link(p2p["bandwidth_GBps"] * 1e9, p2p["latency_us"] * 1e-6, True)
     return link
 

@@ -50,10 +50,15 @@ Optimizer and host: clipping + Adam are memory-bound (~38 bytes of traffic per p
   the profile's measured seconds per parameter); `host_overhead_s` (measured by the profiler
   as a negligible model's step time) is added per iteration.
 
-CPU profiles: when more ranks (x threads) share a node than it has cores (`compute_units`),
-  compute, recomputation and the optimizer slow down by that oversubscription factor.
+CPU profiles: ranks that share a node's cores and memory bandwidth slow each other down;
+  compute, recomputation and the optimizer are scaled by the slowdown the profile measured
+  with that many ranks busy at once (`measured.busy`; without it, ranks x threads / cores
+  when that exceeds 1), and collectives and sends take the rates measured on such a busy
+  node, in concurrent groups of the same size. Ranks idle in a pipeline's fill and drain
+  leave their cores to the others: the bubble is paid without the time-slicing share.
 
-Reporting: model TFLOP/s per GPU is Eq. 4.2's F / (step * n), counted as the trainer does:
+Reporting: model TFLOP/s per GPU is Eq. 4.2's F / (step * n) (BERT: formulas.bert_flops_
+  per_iteration, with its LM transform, pooler and binary head), counted as the trainer does:
   with the padded vocabulary, and with the extra forward pass (4 passes per layer, as in the
   paper's runs) only when recompute=full, 3 passes otherwise. MFU = that / the precision's
   peak, the paper's "% of peak". Memory is in GiB (2^30 bytes), as the trainer's mem_gb.
@@ -66,8 +71,8 @@ from dataclasses import dataclass, field
 from ptdp.config import padded_vocab_size
 from ptdp.planner import comm
 from ptdp.planner.compute import BYTES, ModelShape, head_times, layer_times
-from ptdp.planner.formulas import bubble_fraction, model_flops_per_iteration
-from ptdp.planner.hardware import HardwareProfile
+from ptdp.hardware import HardwareProfile
+from ptdp.planner.formulas import bubble_fraction, model_flops
 from ptdp.planner.memory import GB, MemoryBreakdown, gpu_memory, stage_parameters
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
@@ -149,7 +154,8 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     layers = shape.layers // p
     lt = layer_times(hw, prec, shape, b, t, attention)
     act_bytes = shape.seq * b * shape.hidden * BYTES[prec]
-    tp_link = comm.tensor_link(hw, t, work.gpus_per_node)
+    busy = min(lay.gpus, work.gpus_per_node)
+    tp_link = comm.tensor_link(hw, t, work.gpus_per_node, busy)
     ar = comm.all_reduce_time(t, act_bytes, tp_link)
     fwd, bwd = layers * lt.forward, layers * lt.backward
     recompute = {"none": 0.0, "selective": layers * lt.attention_forward,
@@ -164,7 +170,7 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
             tensor_comm += ar + 3 * comm.all_reduce_time(t, shape.seq * b * 4, tp_link)
     p2p = 0.0
     if p > 1:
-        link = comm.pipeline_link(hw, t, d, p, work.gpus_per_node)
+        link = comm.pipeline_link(hw, t, d, p, work.gpus_per_node, busy)
         if lay.scatter_gather and t > 1:
             one_way = (comm.p2p_time(act_bytes / t, link)
                        + comm.all_gather_time(t, act_bytes, comm.intra_link(hw)))
@@ -175,10 +181,32 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     return _RankTimes((fwd + bwd) * slow, recompute * slow, tensor_comm, p2p, bwd * slow)
 
 
+def _flush_rank_time(hw: HardwareProfile, ranks: list, p: int, gpus: int,
+                     gpus_per_node: int) -> float:
+    """A pipeline rank's mean time per micro-batch during fill and drain. On GPUs that is the
+    steady-state time. On CPU ranks that outnumber the cores, the ranks idle in the bubble
+    leave their cores to the others: while the pipeline fills and drains, compute runs
+    without the time-slicing share of the slowdown (the memory contention stays)."""
+    first, last = ranks[0], ranks[-1]
+    middle = ranks[1] if len(ranks) > 2 else first
+    def mean(attr):
+        return (getattr(first, attr) + getattr(last, attr) + (p - 2) * getattr(middle, attr)) / p
+    slow = _oversubscription(hw, gpus, gpus_per_node)
+    row = comm.busy_node(hw, min(gpus, gpus_per_node))
+    time_slicing = slow / max(row.get("contention", 1.0), 1.0) if row else slow
+    return (mean("compute") + mean("recompute")) / time_slicing + mean("tensor_comm") + mean("p2p")
+
+
 def _oversubscription(hw: HardwareProfile, gpus: int, gpus_per_node: int) -> float:
-    """>1 when a node's ranks (x their threads) outnumber its cores (CPU profiles)."""
+    """>1 when a node's ranks (x their threads) outnumber its cores (CPU profiles): the
+    slowdown the profile measured with that many ranks computing at once (which also holds
+    their competition for memory bandwidth), else ranks x threads / cores."""
     if not hw.compute_units:
         return 1.0
+    busy = min(gpus, gpus_per_node)
+    row = comm.busy_node(hw, busy)
+    if row:
+        return max(1.0, row["slowdown"])
     threads = int((hw.measured or {}).get("threads", 1))
     return max(1.0, min(gpus, gpus_per_node) * threads / hw.compute_units)
 
@@ -194,14 +222,15 @@ def _optimizer_time(hw: HardwareProfile, params: float, precision: str) -> float
     return params * traffic / (hw.memory_bandwidth_GBps * 1e9 * hw.efficiency.memory)
 
 
-def _distributed_optimizer_comm(hw, work: Workload, lay: Layout, params: float) -> tuple[float, float]:
+def _distributed_optimizer_comm(hw, work: Workload, lay: Layout, params: float,
+                                busy: int | None = None) -> tuple[float, float]:
     """(reduce-scatter, all-gather) seconds of the distributed optimizer, which splits the
     data-parallel all-reduce in its two halves: the fp32 gradients are reduce-scattered during
     backward (overlapped like the all-reduce; the tied embedding's bucket stays all-reduced),
     the updated weights all-gathered in the model's precision after the step (exposed: the
     trainer waits for them)."""
     d, t, p = lay.data, lay.tensor, lay.pipeline
-    link = comm.data_link(hw, t, d, work.gpus_per_node)
+    link = comm.data_link(hw, t, d, work.gpus_per_node, busy)
     table = padded_vocab_size(work.shape.vocab, t) * work.shape.hidden / t if p > 1 else 0.0
     reduce = (comm.all_gather_time(d, (params - table) * 4, link)
               + comm.all_reduce_time(d, table * 4, link))
@@ -233,30 +262,34 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     slowest = max(ranks, key=lambda r: r.total)
     mean = (first.total + last.total + (p - 2) * middle.total) / p if p > 1 else first.total
     pipelined = m * slowest.total
-    flush = (p - 1) / v * mean if lay.schedule != "2bw" else 0.0
+    flush = (p - 1) / v * _flush_rank_time(hw, ranks, p, lay.gpus, work.gpus_per_node) \
+        if lay.schedule != "2bw" else 0.0
     bubble = bubble_fraction(p, m, v) if lay.schedule != "2bw" else 0.0
 
     vocab_padded = padded_vocab_size(shape.vocab, t)
     params = max(stage_parameters(shape, t, p, vocab_padded, r == 0, r == p - 1) for r in {0, p - 1})
     grad_bytes = params * 4
-    dp_total = comm.all_reduce_time(d, grad_bytes, comm.data_link(hw, t, d, work.gpus_per_node))
+    busy = min(lay.gpus, work.gpus_per_node)
+    dp_total = comm.all_reduce_time(d, grad_bytes,
+                                    comm.data_link(hw, t, d, work.gpus_per_node, busy))
     param_gather = 0.0
     if lay.distributed_optimizer:
-        dp_total, param_gather = _distributed_optimizer_comm(hw, work, lay, params)
+        dp_total, param_gather = _distributed_optimizer_comm(hw, work, lay, params, busy)
     hidden = slowest.backward if dp_overlap and hw.overlap_communication else 0.0
     dp_exposed = max(0.0, dp_total - hidden) + param_gather
     dp_total += param_gather
     embedding_sync = 0.0
     if p > 1:   # tied word embeddings: sum the first and last stage's table gradients
         table = vocab_padded * shape.hidden / t * 4
-        embedding_sync = comm.all_reduce_time(2, table, comm.pipeline_link(hw, t, d, p, work.gpus_per_node))
+        embedding_sync = comm.all_reduce_time(
+            2, table, comm.pipeline_link(hw, t, d, p, work.gpus_per_node, busy))
     optimizer = _optimizer_time(hw, params, work.precision) * _oversubscription(
         hw, lay.gpus, work.gpus_per_node) / (d if lay.distributed_optimizer else 1)
     step = (pipelined + flush + dp_exposed + embedding_sync + optimizer
             + hw.efficiency.host_overhead_s)
 
-    flops = model_flops_per_iteration(work.global_batch, shape.seq, shape.layers, shape.hidden,
-                                      vocab_padded, recompute_forward=lay.recompute == "full")
+    flops = model_flops(shape.arch, work.global_batch, shape.seq, shape.layers, shape.hidden,
+                        vocab_padded, recompute_forward=lay.recompute == "full")
     tflops = flops / (step * lay.gpus) / 1e12
     mem = _worst_memory(hw, work, lay, attention)
     time = {"compute": m * slowest.compute, "recompute": m * slowest.recompute,

@@ -9,6 +9,11 @@ principle 7), so the conventions here are the paper's, not a hardware FLOP count
   Pass `recompute_forward=False` for the 3-pass "model FLOPs" of a run without it.
 * Eq. 4.3 (L4205-4210) counts parameters of a GPT with a tied output embedding.
 * Eq. 4.4 (L4296-4318) estimates training time as 8*T*P / (n*X).
+
+BERT is not a GPT: its loss runs a dense + GeLU + LayerNorm transform before the tied logits
+(with a vocabulary bias), a pooler and a binary head, and it embeds token types
+(models/bert.py). `bert_flops_per_iteration` and `bert_parameter_count` count those;
+`model_flops` and `model_parameters` pick the formula by architecture.
 """
 
 from __future__ import annotations
@@ -38,6 +43,49 @@ def parameter_count(layers: int, hidden: int, vocab: int, seq: int) -> float:
     """
     l, h, v, s = float(layers), float(hidden), float(vocab), float(seq)
     return 12.0 * l * h * h * (1.0 + 13.0 / (12.0 * h) + (v + s) / (12.0 * l * h))
+
+
+def bert_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int,
+                             recompute_forward: bool = True) -> float:
+    """Eq. 4.2's encoder layers (bidirectional attention computes the same full s x s scores)
+    plus BERT's heads, forward and backward (3 passes, never recomputed):
+
+    * masked-LM head on every position (models/bert.py computes all logits and masks the
+      loss): the dense h x h transform and the tied logits, 2Bs(h^2 + hV) forward;
+    * pooler (h x h) and binary head (h x 2) on the [CLS] position, 2B(h^2 + 2h) forward.
+    """
+    b, s, h, v = float(batch), float(seq), float(hidden), float(vocab)
+    encoder = model_flops_per_iteration(batch, seq, layers, hidden, vocab,
+                                        recompute_forward) - 6.0 * b * s * h * v
+    return encoder + 6.0 * b * s * (h * h + h * v) + 6.0 * b * (h * h + 2.0 * h)
+
+
+def bert_parameter_count(layers: int, hidden: int, vocab: int, seq: int,
+                         tokentypes: int = 2) -> float:
+    """Parameters of models/bert.py: per layer 12h^2 + 13h, word (V h), position (s h) and
+    token-type (tokentypes h) embeddings, the final LayerNorm (2h), the LM head's dense
+    transform (h^2 + h), LayerNorm (2h) and vocabulary bias (V; the logits reuse the word
+    table), the pooler (h^2 + h) and the binary head (2h + 2)."""
+    l, h, v, s = float(layers), float(hidden), float(vocab), float(seq)
+    encoder = l * (12.0 * h * h + 13.0 * h)
+    embeddings = (v + s + tokentypes) * h
+    heads = 2.0 * h + (h * h + h) + 2.0 * h + v + (h * h + h) + (2.0 * h + 2.0)
+    return encoder + embeddings + heads
+
+
+def model_flops(arch: str, batch: int, seq: int, layers: int, hidden: int, vocab: int,
+                recompute_forward: bool = True) -> float:
+    """Model FLOPs of one iteration for `arch` ('gpt': Eq. 4.2; 'bert': its own heads)."""
+    formula = bert_flops_per_iteration if arch == "bert" else model_flops_per_iteration
+    return formula(batch, seq, layers, hidden, vocab, recompute_forward)
+
+
+def model_parameters(arch: str, layers: int, hidden: int, vocab: int, seq: int,
+                     tokentypes: int = 2) -> float:
+    """Parameters for `arch` ('gpt': Eq. 4.3; 'bert': bert_parameter_count)."""
+    if arch == "bert":
+        return bert_parameter_count(layers, hidden, vocab, seq, tokentypes)
+    return parameter_count(layers, hidden, vocab, seq)
 
 
 def training_days(tokens: float, parameters: float, num_gpus: int,

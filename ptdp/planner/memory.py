@@ -60,6 +60,13 @@ def embedding_parameters(shape: ModelShape, t: int, vocab_padded: int) -> float:
     return vocab_padded * shape.hidden / t + shape.seq * shape.hidden + extra
 
 
+def bert_head_parameters(shape: ModelShape, t: int, vocab_padded: int) -> float:
+    """models/bert.py's heads on the last stage: the LM transform (dense h x h + LayerNorm,
+    replicated), the vocabulary bias (split by t), the pooler and the binary head."""
+    h = shape.hidden
+    return (h * h + h) + 2 * h + vocab_padded / t + (h * h + h) + (2 * h + 2)
+
+
 def stage_parameters(shape: ModelShape, t: int, p: int, vocab_padded: int, first: bool,
                      last: bool) -> float:
     params = shape.layers // p * layer_parameters(shape, t)
@@ -69,6 +76,8 @@ def stage_parameters(shape: ModelShape, t: int, p: int, vocab_padded: int, first
         params += 2 * shape.hidden                       # final LayerNorm
         if not first:
             params += vocab_padded * shape.hidden / t    # the last stage's copy of the table
+        if shape.arch == "bert":
+            params += bert_head_parameters(shape, t, vocab_padded)
     return params
 
 
@@ -174,14 +183,15 @@ def in_flight_layer_stashes(schedule: str, p: int, v: int, m: int, layers_per_ra
 def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, schedule: str,
                recompute: str, precision: str, attention: str, vocab_padded: int,
                reserved_gb: float, rank: int, d: int = 1, hw=None,
-               vertical_sync: bool = False, distributed_optimizer: bool = False) -> MemoryBreakdown:
+               vertical_sync: bool = False, distributed_optimizer: bool = False,
+               bucket_mb: float = 25.0) -> MemoryBreakdown:
     """Peak memory of pipeline rank `rank` (0 = first stage, p-1 = last).
 
-    Weights, gradients and optimizer state live throughout. On top of them the peak is the
-    larger of two phases: backward (activation stashes, the working set of one layer or the
-    loss, p2p buffers, and with d > 1 the data-parallel buckets: a flat copy of the
-    gradients) and the optimizer step (torch's foreach AdamW on CPU allocates one fp32
-    temporary per parameter; the fused CUDA kernel does not).
+    Weights, gradients and optimizer state live throughout. On top of them: activation
+    stashes, the working set of one layer or the loss, p2p buffers and, with d > 1, one
+    gradient bucket's copy (the gradients are reduced in place in their flat buffer,
+    ptdp/optim/grads.py); on CPU also the optimizer step's temporaries (torch's foreach
+    AdamW allocates one fp32 temporary per parameter; the fused CUDA kernel does not).
     """
     first, last = rank == 0, rank == p - 1
     e = BYTES[precision]
@@ -200,12 +210,19 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     working = 2 * sbh * e                                      # send/recv buffers
     if recompute != "none":   # a recomputed layer's activations live while its backward runs
         working += layer_activation_bytes(shape, b, t, precision, "none", attention, hw)
-    if last:                  # fp32 logits and their gradient for one micro-batch
-        working += 2 * shape.seq * b * vocab_padded / t * 4
-    if d > 1:
-        working += params * g
-    optimizer_step = params * 4 if hw is not None and hw.device == "cpu" else 0.0
-    buffers = max(working, optimizer_step - activations)
+    if last:   # the logits, their one fp32 copy (exp, then softmax) and the gradient
+        working += shape.seq * b * vocab_padded / t * (2 * e + 4)   # (ptdp/parallel/tensor.py)
+        if shape.arch == "bert":  # the LM transform's dense output, GeLU and LayerNorm inputs
+            working += 3 * sbh * e
+    if d > 1:  # one bucket: gloo's ring scratch, or the concatenated copy of gradients that
+        working += min(params * g, bucket_mb * 2**20)   # are not in one flat buffer (2BW)
+    if hw is not None and hw.device == "cpu":
+        # The foreach AdamW step's fp32 temporary per parameter is larger than glibc's mmap
+        # threshold, so it is mapped fresh rather than carved from the heap the freed
+        # activations left: the resident peak is the backward's plus the optimizer's.
+        buffers = working + params * 4 / (d if distributed_optimizer else 1)
+    else:     # the caching allocator reuses the activations' blocks for the (fused) step
+        buffers = working
     optimizer = optimizer_state_bytes(params, precision, d, distributed_optimizer)
     return MemoryBreakdown(weights=weights, gradients=gradients, optimizer=optimizer,
                            activations=activations, buffers=buffers + reserved_gb * GB)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ptdp.planner.cost_model import RECOMPUTE, SCHEDULES, Layout, Prediction, Workload, predict
 from ptdp.planner.errors import PlanError
-from ptdp.planner.hardware import HardwareProfile
+from ptdp.hardware import HardwareProfile
 
 FIX_KEYS = {"p": "pipeline", "pipeline": "pipeline", "t": "tensor", "tensor": "tensor",
             "d": "data", "data": "data", "v": "chunks", "chunks": "chunks",

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from ptdp.planner.hardware import load_hardware
+from ptdp.hardware import load_hardware
 
 
 @pytest.fixture(scope="session")

@@ -167,6 +167,51 @@ def test_tflops_count_the_extra_forward_only_when_it_runs(a100):
 
 def test_headroom_keeps_a_margin_below_device_memory(a100):
     assert a100.usable_memory_bytes == pytest.approx(0.95 * 80 * 2**30)
-    pred = run(a100, GPT3_175B, 1536, Layout(16, 8, 8, chunks=2, micro_batch=1,
+    pred = run(a100, GPT3_175B, 1536, Layout(12, 8, 16, chunks=2, micro_batch=1,
                                              schedule="interleaved", scatter_gather=True))
     assert 76 < pred.memory_gb_per_gpu < 80 and not pred.fits
+
+
+def test_tensor_groups_that_straddle_nodes_pay_the_network(a100):
+    # t = 6 on 8-GPU nodes: ranks 6-11 form a group with 2 ranks on node 0 and 4 on node 1,
+    # so the collectives of that group (and every group waits for it) cross the network.
+    assert comm.crossing_members(6, 1, 8, True) == 2
+    assert comm.crossing_members(4, 1, 8, True) is None and comm.crossing_members(8, 1, 8, True) is None
+    six, four = comm.tensor_link(a100, 6, 8), comm.tensor_link(a100, 4, 8)
+    assert four.intra_node and not six.intra_node
+    # Two of the node's 8 NICs' worth of bandwidth: 2/8 of the node's aggregate.
+    assert six.bandwidth == pytest.approx(8 * 25e9 * 2 / 8 * a100.efficiency.collective)
+    # Data-parallel peers t apart: with t = 6, d = 2 the pair (2, 8) crosses from node 0 to 1.
+    assert comm.crossing_members(6, 2, 8, False) == 1
+    assert not comm.data_link(a100, 6, 2, 8).intra_node
+    assert comm.data_link(a100, 4, 2, 8).intra_node
+
+
+def test_a_straddling_tensor_group_slows_the_prediction(a100):
+    shape = gpt(24, 3072, 24, seq=2048)    # 24 heads: t = 4, 6 and 8 all divide them
+    preds = {t: run(a100, shape, 96, Layout(1, t, 48 // t, micro_batch=1), gpus_per_node=8)
+                 for t in (4, 6)}
+    comm_share = {t: p.time["tensor_comm"] / p.step_time_s for t, p in preds.items()}
+    assert comm_share[6] > 3 * comm_share[4]
+
+
+@pytest.mark.parametrize("p,d,t,gpus_per_node", [(2, 2, 6, 8), (1, 4, 6, 8), (4, 2, 4, 8),
+                                                 (2, 3, 2, 4), (3, 2, 8, 8), (2, 8, 1, 8)])
+def test_node_crossing_agrees_with_the_trainers_rank_grid(p, d, t, gpus_per_node):
+    # The planner's placement against ptdp.parallel.grid's [p, d, t] rank array: a tensor
+    # group is a row along t, a data-parallel group a row along d.
+    from ptdp.parallel.grid import rank_layout
+    grid = rank_layout(p, d, t)
+
+    def fewest_on_a_node(groups):
+        fewest = None
+        for ranks in groups:
+            nodes = [r // gpus_per_node for r in ranks]
+            if len(set(nodes)) > 1:
+                fewest = min(min(nodes.count(n) for n in set(nodes)), fewest or gpus_per_node)
+        return fewest
+
+    tensor_groups = grid.reshape(-1, t).tolist()
+    data_groups = grid.permute(0, 2, 1).reshape(-1, d).tolist()
+    assert comm.crossing_members(t, 1, gpus_per_node, True) == fewest_on_a_node(tensor_groups)
+    assert comm.crossing_members(t, d, gpus_per_node, False) == fewest_on_a_node(data_groups)

@@ -3,8 +3,7 @@
 import pytest
 import yaml
 
-from ptdp.planner.errors import PlanError
-from ptdp.planner.hardware import available_hardware, load_hardware, profile_from_dict
+from ptdp.hardware import HardwareError, available_hardware, load_hardware, profile_from_dict
 
 
 def test_catalogue_has_the_datasheet_gpus():
@@ -26,7 +25,7 @@ def test_every_profile_is_complete(name):
 
 
 def test_unknown_name_suggests_the_closest():
-    with pytest.raises(PlanError, match="did you mean 'h100-80gb'"):
+    with pytest.raises(HardwareError, match="did you mean 'h100-80gb'"):
         load_hardware("h100-80")
 
 
@@ -35,7 +34,39 @@ def test_profile_from_a_path_and_bad_keys(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text(yaml.safe_dump({**raw, "name": "mine"}))
     assert load_hardware(str(path)).name == "mine"
-    with pytest.raises(PlanError, match="unknown hardware key"):
+    with pytest.raises(HardwareError, match="unknown hardware key"):
         profile_from_dict({**raw, "nvlink": 1})
-    with pytest.raises(PlanError, match="missing memory_gb"):
+    with pytest.raises(HardwareError, match="missing memory_gb"):
         profile_from_dict({k: v for k, v in raw.items() if k != "memory_gb"})
+
+
+def test_a_profile_knows_the_machine_it_was_measured_on():
+    from ptdp.hardware import foreign_profile, machine_fingerprint
+    here = machine_fingerprint()
+    assert here["cpu_cores"] >= 1 and here["cpu"]
+    datasheet = load_hardware("h100-80gb")
+    assert foreign_profile(datasheet, here) is None          # nothing measured: no claim
+    measured = load_hardware("h100-80gb")
+    measured.measured = {"layers": []}
+    assert "no fingerprint" in foreign_profile(measured, here)
+    measured.fingerprint = dict(here)
+    assert foreign_profile(measured, here) is None
+    measured.fingerprint = {**here, "gpu": "NVIDIA H100 80GB HBM3", "gpus": 1}
+    message = foreign_profile(measured, here)
+    assert "1 x NVIDIA H100 80GB HBM3" in message and "differs in gpu, gpus" in message
+
+
+def test_ptdp_plan_warns_about_a_foreign_profile(tmp_path, capsys):
+    from ptdp.cli import main
+    raw = yaml.safe_load(open(load_hardware.__globals__["HARDWARE_DIR"] / "a100-80gb.yaml"))
+    elsewhere = {"cpu": "Some Other CPU", "cpu_cores": 128, "gpu": "NVIDIA A100-SXM4-80GB",
+                 "gpus": 8, "torch": "2.0.0"}
+    hw = tmp_path / "measured.yaml"
+    hw.write_text(yaml.safe_dump({**raw, "measured": {"layers": []}, "fingerprint": elsewhere}))
+    model = tmp_path / "m.yaml"
+    model.write_text("model: {num_layers: 4, hidden_size: 256, num_heads: 8, seq_length: 128, "
+                     "vocab_size: 1000}\n")
+    assert main(["plan", str(model), "--hardware", str(hw), "--gpus", "8",
+                 "--global-batch-size", "16", "--top", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "was measured on 8 x NVIDIA A100-SXM4-80GB, Some Other CPU (128 cores)" in err

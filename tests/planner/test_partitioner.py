@@ -5,7 +5,7 @@ import random
 import pytest
 
 from ptdp.planner.compute import ModelShape
-from ptdp.planner.hardware import load_hardware
+from ptdp.hardware import load_hardware
 from ptdp.planner.partitioner import (Level, LayerProfile, brute_force_time, partition,
                                       transformer_layer_profiles)
 

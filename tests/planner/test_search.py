@@ -46,7 +46,7 @@ def test_recomputation_only_when_memory_or_throughput_calls_for_it(a100):
     fixed = {"tensor": 8, "pipeline": 16, "schedule": "1f1b"}
     roomy = _search(a100, GPT_145B, 16, 128, fixed, attention="materialized").best
     assert roomy.layout.recompute == "none"
-    from ptdp.planner.hardware import load_hardware
+    from ptdp.hardware import load_hardware
     small = _search(load_hardware("a100-40gb"), GPT_145B, 16, 128, fixed,
                     attention="materialized")
     assert small.best.layout.recompute != "none"

@@ -8,14 +8,25 @@ What is measured (PipeDream's profiler, L1152-1178, plus what the closed-form mo
 * the device: large-GEMM rate (the peak), a GEMM shape model, memory bandwidth and the
   per-kernel launch cost, so the analytic model also works for shapes not profiled;
 * all-reduce and point-to-point bandwidth/latency between `--ranks` local processes (gloo
-  on CPU, NCCL with 2+ GPUs), fitted as time = latency + bytes / bandwidth.
+  on CPU, NCCL with 2+ GPUs), fitted as time = latency + bytes / bandwidth;
+* on CPU, nodes as busy as in training (`measured.busy`): for 2, 4, ... `--ranks` ranks
+  all running at once, how much slower each one's compute gets (shared cores and memory
+  bandwidth), and all-reduce in concurrent groups of every size, and send/recv between
+  pairs, all at once: what tensor-, data- and pipeline-parallel communication sees.
 
 A tensor-parallel shard of size t is measured in one process by giving the layer a
 1-process group that claims size t: the layer has exactly a t-rank's shapes and its
 all-reduces become local copies, so the time is compute only (the cost model adds the
 communication separately from the measured bandwidths).
 
-torch is imported inside functions only: `ptdp plan` must not pay for it.
+The profile records the machine's fingerprint (ptdp.hardware.machine_fingerprint), so
+`ptdp plan` and tools/validate_planner.py can tell when a profile comes from elsewhere. On a
+GPU the datasheet peak of the --base profile stays the profile's peak (the one the trainer's
+`mfu` also divides by); the measured GEMM rate becomes `efficiency.gemm_max`, its share.
+
+This module depends on the planner (for the model YAML loader) and the trainer's model code;
+nothing in ptdp.planner imports it. torch is imported inside functions only, so `ptdp
+profile --help` stays fast.
 """
 
 from __future__ import annotations
@@ -26,8 +37,9 @@ import resource
 import time
 from pathlib import Path
 
+from ptdp.hardware import (Efficiency, HardwareProfile, load_hardware, machine_fingerprint,
+                           save_hardware)
 from ptdp.planner.errors import PlanError
-from ptdp.planner.hardware import Efficiency, HardwareProfile, load_hardware, save_hardware
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -295,6 +307,57 @@ def _framework_baseline(world: int) -> tuple[float, float]:
     return peak_rss_gb(), min(r["step_time_s"] for r in history[1:])
 
 
+def _one_layer_peak(model: dict, precision: str) -> float:
+    """Peak GiB of a rank training one layer of the profiled shape with the real trainer
+    (data-parallel over the world, b = 1): runs on every rank of a run_on_ranks world."""
+    import contextlib
+
+    import torch.distributed as dist
+    from ptdp.config import config_from_dict, validate
+    from ptdp.training import Trainer
+    world = dist.get_world_size()
+    raw = {"model": {**model, "num_layers": 1}, "parallel": {"data": world},
+           "data": {"source": "synthetic"},
+           "train": {"micro_batch_size": 1, "global_batch_size": world, "iters": 3,
+                     "device": "cpu", "precision": precision},
+           "log": {"progress": False}}
+    cfg = config_from_dict(raw)
+    validate(cfg, world)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        Trainer(cfg).train()
+    return peak_rss_gb()
+
+
+def calibrate_reserve(profile: HardwareProfile, model_cfg, precision: str, threads: int,
+                      world: int = 2) -> dict:
+    """The CPU reserve: what a real training rank holds beyond everything the memory model
+    counts (interpreter, torch, process groups, the kernels' workspaces for this shape,
+    the allocator's retained heap). Measured as the peak of a one-layer model of the
+    profiled shape minus the planner's prediction for that run with no reserve."""
+    import dataclasses
+
+    from ptdp.local_ranks import run_on_ranks
+    model = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg)}
+    peak = max(run_on_ranks(world, _one_layer_peak, model, precision, timeout_s=600.0,
+                            threads=threads))
+    return reserve_from_peak(profile, model_cfg, precision, peak, world)
+
+
+def reserve_from_peak(profile: HardwareProfile, model_cfg, precision: str, peak: float,
+                      world: int = 2) -> dict:
+    """calibrate_reserve's arithmetic, given the one-layer run's peak GiB."""
+    import dataclasses
+
+    from ptdp.planner.compute import ModelShape
+    from ptdp.planner.cost_model import Layout, Workload, predict
+    bare = dataclasses.replace(profile, memory_reserved_gb=0.0)
+    shape = dataclasses.replace(ModelShape.from_config(model_cfg), layers=1)
+    predicted = predict(bare, Workload(shape, world, precision, profile.gpus_per_node),
+                        Layout(1, 1, world, 1, 1)).memory_gb_per_gpu
+    return {"peak_gb": peak, "model_gb": predicted, "reserve_gb": max(peak - predicted, 0.0),
+            "world": world}
+
+
 def _bench_collectives(sizes, iters: int) -> dict:
     """Runs on every rank of a run_on_ranks world; rank 0's result is used."""
     import torch
@@ -322,6 +385,123 @@ def _bench_collectives(sizes, iters: int) -> dict:
         out["p2p"].append((n * 4, _best_time(ping_pong, device, iters, warmup=2,
                                              clock=time.perf_counter) / 2))
     return out
+
+
+def _typical_time(fn, iters: int, oversubscribed: bool, warmup: int = 2) -> float:
+    """Wall seconds of fn() on a busy node. With more ranks than cores, waiting for a
+    descheduled peer is part of every collective, so the median; otherwise the best run, as
+    elsewhere here (other jobs on the machine only ever add time)."""
+    import statistics
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) if oversubscribed else min(times)
+
+
+def _contention_work():
+    """A layer-like mix: a GEMM of the validation layer's size and a memory-bound copy."""
+    import torch
+    a, w = torch.randn(256, 512), torch.randn(512, 2048)
+    src = torch.randn(2**21)
+    dst = torch.empty_like(src)
+    return lambda: (torch.mm(a, w), dst.copy_(src))
+
+
+def _cpu_seconds(fn, iters: int) -> float:
+    for _ in range(2):
+        fn()
+    start = time.thread_time()
+    for _ in range(iters):
+        fn()
+    return (time.thread_time() - start) / iters
+
+
+def _bench_busy_node(sizes, iters: int, threads: int) -> dict:
+    """Every rank of this world busy at once, as in training (rank 0's view):
+    * `slowdown` of compute: ranks x threads / cores when they outnumber the cores (time
+      slicing), times `contention`, the CPU time of the same work with every rank running it
+      over its CPU time with each rank running it alone (shared memory bandwidth and caches).
+      CPU time, not wall time, so other jobs on the machine do not inflate it;
+    * all-reduce in concurrent groups of n consecutive ranks for n = 2, 4, ... world (the
+      tensor- and data-parallel groups of a grid), and send/recv between rank pairs
+      (2k, 2k+1), all pairs at once (pipeline neighbours): median wall times, since waiting
+      for descheduled peers is part of what ranks on oversubscribed cores see."""
+    import torch
+    import torch.distributed as dist
+    rank, world = dist.get_rank(), dist.get_world_size()
+    work = _contention_work()
+    alone = 0.0
+    for turn in range(world):   # one rank at a time; the others sleep in the barrier
+        if turn == rank:
+            alone = _cpu_seconds(work, iters)
+        dist.barrier()
+    together = _cpu_seconds(work, iters)
+    contention = max(together / alone, 1.0)
+    time_slicing = max(world * threads / len(os.sched_getaffinity(0)), 1.0)
+    out = {"world": world, "slowdown": time_slicing * contention, "contention": contention,
+           "all_reduce": {}, "p2p": []}
+    over = time_slicing > 1.0
+    n = 2
+    while n <= world:
+        groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
+        mine = groups[rank // n]
+        samples = []
+        for numel in sizes:
+            buf = torch.ones(numel)
+            dist.barrier()
+            reduce = lambda: dist.all_reduce(buf, group=mine)  # noqa: E731
+            samples.append((numel * 4, _typical_time(reduce, iters, over)))
+        out["all_reduce"][n] = samples
+        n *= 2
+    peer = rank ^ 1
+    for numel in sizes:
+        buf = torch.ones(numel)
+        dist.barrier()
+
+        def ping_pong():
+            if peer >= world:
+                return
+            if rank % 2 == 0:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            else:
+                dist.recv(buf, peer)
+                dist.send(buf, peer)
+
+        out["p2p"].append((numel * 4, _typical_time(ping_pong, iters, over) / 2))
+    return out
+
+
+def measure_busy_nodes(max_ranks: int, threads: int, iters: int, log=print) -> list[dict]:
+    """`measured.busy` rows, one per world of 2, 4, ... max_ranks ranks (see _bench_busy_node):
+    {ranks, slowdown, all_reduce: [{group, bandwidth_GBps, latency_us}], p2p: {...}}."""
+    from ptdp.local_ranks import run_on_ranks
+    rows = []
+    world = 2
+    while world <= max_ranks:
+        result = run_on_ranks(world, _bench_busy_node, SIZES, iters, threads, timeout_s=600.0,
+                              threads=threads)[0]
+        row = {"ranks": world, "slowdown": result["slowdown"],
+               "contention": result["contention"], "all_reduce": []}
+        for n, samples in sorted(result["all_reduce"].items()):
+            ring = [(2 * (n - 1) / n * nbytes, sec) for nbytes, sec in samples]
+            slope, intercept = fit_latency_bandwidth(ring)
+            row["all_reduce"].append({"group": n, "bandwidth_GBps": 1e-9 / slope,
+                                      "latency_us": intercept / (2 * (n - 1)) * 1e6})
+        slope, intercept = fit_latency_bandwidth(result["p2p"])
+        row["p2p"] = {"bandwidth_GBps": 1e-9 / slope, "latency_us": intercept * 1e6}
+        rows.append(row)
+        log(f"  {world} busy ranks: compute x{row['slowdown']:.2f} (contention "
+            f"x{row['contention']:.2f}), all-reduce "
+            + ", ".join(f"n={r['group']} {r['bandwidth_GBps']:.2f} GB/s {r['latency_us']:.0f} us"
+                        for r in row["all_reduce"])
+            + f"; p2p {row['p2p']['bandwidth_GBps']:.2f} GB/s")
+        world *= 2
+    return rows
 
 
 def fit_latency_bandwidth(points) -> tuple[float, float]:
@@ -404,22 +584,36 @@ def build_profile(model_cfg, *, name: str, micro_batches: list[int], tensors: li
     if comms:
         measured.update(all_reduce=comms["all_reduce"], p2p={
             k: comms["p2p"][k] for k in ("bandwidth_GBps", "latency_us", "samples")})
-    return _assemble(name, device, precision, dev, comms, measured, ranks_per_node, base)
+        measured["busy"] = measure_busy_nodes(max(ranks, 2), threads, max(iters, 5), log)
+    profile = _assemble(name, device, precision, dev, comms, measured, ranks_per_node, base)
+    if device.type == "cpu" and comms:
+        calibration = calibrate_reserve(profile, model_cfg, precision, threads)
+        measured["memory_calibration"] = calibration
+        profile.memory_reserved_gb = round(calibration["reserve_gb"], 4)
+        log(f"  one-layer run: peak {calibration['peak_gb']:.3f} GiB, modelled "
+            f"{calibration['model_gb']:.3f} GiB: reserve {calibration['reserve_gb']:.3f} GiB")
+    return profile
 
 
 def _assemble(name, device, precision, dev, comms, measured, ranks_per_node, base) -> HardwareProfile:
     """Measured numbers on top of a base profile (GPU) or on their own (CPU)."""
-    peak_tflops = {precision: dev["peak_flops"] / 1e12}
     efficiency = Efficiency(gemm_max=1.0, gemm_half_dim=float(dev["half_dim"]), attention=1.0,
                             kernel_launch_us=dev["launch_s"] * 1e6, memory=1.0, collective=1.0,
                             host_overhead_s=comms["overhead_s"] if comms else 0.0)
     if base:
         profile = load_hardware(base)
         profile.name, profile.source = name, f"measured over {base}"
-        profile.peak_tflops = {**profile.peak_tflops, **peak_tflops}
+        # One peak per device: the datasheet's stays (MFU divides by it, in the planner and
+        # the trainer alike); the measured large-GEMM rate is its achievable share.
+        datasheet = profile.peak_tflops.get(precision)
+        if datasheet:
+            efficiency.gemm_max = dev["peak_flops"] / (datasheet * 1e12)
+        else:
+            profile.peak_tflops = {**profile.peak_tflops, precision: dev["peak_flops"] / 1e12}
         profile.efficiency = efficiency
         profile.memory_bandwidth_GBps = dev["memory_Bps"] / 1e9
         profile.measured = measured
+        profile.fingerprint = machine_fingerprint()
         return profile
     if device.type == "cuda":
         raise PlanError("profiling a GPU needs --base NAME for what one GPU cannot measure "
@@ -431,12 +625,15 @@ def _assemble(name, device, precision, dev, comms, measured, ranks_per_node, bas
         source="measured", device="cpu", compute_units=len(os.sched_getaffinity(0)),
         memory_gb=round(_total_memory_gb() / ranks_per_node, 3), memory_reserved_gb=round(baseline, 3),
         memory_headroom=0.0, memory_bandwidth_GBps=dev["memory_Bps"] / 1e9,
-        peak_tflops=peak_tflops, default_precision=precision, gpus_per_node=ranks_per_node,
+        # A CPU has no datasheet peak: its measured GEMM rate is the peak (for MFU too).
+        peak_tflops={precision: dev["peak_flops"] / 1e12}, default_precision=precision,
+        gpus_per_node=ranks_per_node,
         intra_node_bandwidth_GBps=all_reduce["bandwidth_GBps"],
         intra_node_latency_us=all_reduce["latency_us"],
         inter_node_bandwidth_GBps=all_reduce["bandwidth_GBps"],
         inter_node_latency_us=all_reduce["latency_us"], nics_per_node=ranks_per_node,
-        attention="flash", overlap_communication=False, efficiency=efficiency, measured=measured)
+        attention="flash", overlap_communication=False, efficiency=efficiency, measured=measured,
+        fingerprint=machine_fingerprint())
 
 
 def main(args) -> int:

@@ -8,9 +8,9 @@ import yaml
 
 from ptdp.planner.compute import ModelShape, layer_times
 from ptdp.planner.cost_model import Layout, Workload, predict
-from ptdp.planner.hardware import load_hardware
+from ptdp.hardware import foreign_profile, load_hardware, machine_fingerprint
 from ptdp.planner.memory import layer_activation_bytes
-from ptdp.planner.profiler import fit_half_dim, fit_latency_bandwidth
+from ptdp.profiler import _assemble, fit_half_dim, fit_latency_bandwidth
 
 TINY = {"model": {"arch": "gpt", "num_layers": 2, "hidden_size": 64, "num_heads": 4,
                   "seq_length": 32, "vocab_size": 100, "ffn_hidden_size": 256}}
@@ -37,6 +37,7 @@ def test_profile_is_a_usable_hardware_profile(profile_path):
     assert {(r["tensor"], r["micro_batch"]) for r in rows} == {(1, 1), (1, 2), (2, 1), (2, 2)}
     assert all(r["forward_s"] > 0 and r["backward_s"] > 0 for r in rows)
     assert hw.measured["p2p"]["bandwidth_GBps"] > 0 and hw.intra_node_bandwidth_GBps > 0
+    assert hw.fingerprint == machine_fingerprint() and foreign_profile(hw) is None
     # The cost model uses the measured rows for this exact shape.
     shape = ModelShape("gpt", 2, 64, 4, 256, 32, 100, False)
     row = next(r for r in rows if r["tensor"] == 2 and r["micro_batch"] == 2)
@@ -67,6 +68,17 @@ def test_plan_runs_on_the_measured_profile(profile_path, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert yaml.safe_load(proc.stdout)["precision"] == "fp32"
+    assert "warning" not in proc.stderr     # measured here: not foreign
+
+
+def test_a_gpu_profile_keeps_the_datasheet_peak():
+    # One peak per device: the planner's MFU and the trainer's `mfu` divide by the same
+    # (datasheet) number; the measured GEMM rate becomes the achievable share, gemm_max.
+    dev = {"peak_flops": 700e12, "half_dim": 32, "launch_s": 5e-6, "memory_Bps": 3.0e12}
+    profile = _assemble("h100-here", None, "bf16", dev, None, {"layers": []}, 8, "h100-80gb")
+    assert profile.peak_tflops["bf16"] == load_hardware("h100-80gb").peak_tflops["bf16"] == 989
+    assert profile.efficiency.gemm_max == pytest.approx(700 / 989)
+    assert profile.fingerprint == machine_fingerprint()
 
 
 def test_fits_recover_known_parameters():

@@ -1,0 +1,57 @@
+"""tools/validate_planner.py without running ranks: it refuses a profile from elsewhere and
+measures this machine instead, its ranking candidates hold the planner's first choice, and it
+writes the JSON rows and the picture."""
+
+import dataclasses
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from ptdp.hardware import load_hardware, machine_fingerprint, save_hardware
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("validate_planner", ROOT / "tools" / "validate_planner.py")
+vp = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(vp)
+
+
+def test_a_foreign_profile_is_measured_again(tmp_path, monkeypatch):
+    path = tmp_path / "cpu.yaml"
+    foreign = dataclasses.replace(load_hardware("cpu-local"),
+                                  fingerprint={**machine_fingerprint(), "cpu": "Elsewhere 9000"})
+    save_hardware(foreign, path)
+    calls = []
+
+    def fake_profile(cmd, **kwargs):   # stands in for `ptdp profile`: writes a local profile
+        calls.append(cmd)
+        here = dataclasses.replace(foreign, name="measured-here", fingerprint=machine_fingerprint())
+        save_hardware(here, cmd[cmd.index("--out") + 1])
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(vp.subprocess, "run", fake_profile)
+    hw = vp.profile_here(path, iters=1, ranks=8)
+    assert len(calls) == 1 and "profile" in calls[0] and hw.name == "measured-here"
+    assert vp.profile_here(path, iters=1, ranks=8).name == "measured-here" and len(calls) == 1
+
+
+def test_ranking_candidates_hold_the_first_choice():
+    hw = load_hardware("cpu-local")
+    first, candidates = vp.ranking_layouts(hw, 8)
+    assert first in candidates.values()
+    assert all(lay.gpus == 8 for lay in candidates.values())
+    assert len({(lay.pipeline, lay.tensor, lay.data) for lay in candidates.values()}) == len(candidates)
+
+
+def test_results_are_written_as_json_and_png(tmp_path):
+    rows = [{"layout": name, "ranks": 2, "predicted_step": 0.1 * (i + 1), "measured_step": 0.11 * (i + 1),
+             "step_error": -0.09, "predicted_mem": 0.5, "measured_mem": 0.51, "mem_error": -0.02}
+            for i, name in enumerate(("p2", "t2"))]
+    vp.write(rows, tmp_path / "validate_planner", load_hardware("cpu-local"))
+    data = json.loads((tmp_path / "validate_planner.json").read_text())
+    assert [r["layout"] for r in data["rows"]] == ["p2", "t2"]
+    assert {"step_error", "mem_error"} <= set(data["rows"][0]) and data["fingerprint"]
+    assert (tmp_path / "validate_planner.png").read_bytes()[:4] == b"\x89PNG"
+    yaml.safe_dump(data)   # plain data
