@@ -193,11 +193,12 @@ class _Run:
         out = self.ex.chunks[action.stage](inp, self._batch(action.mb))
         if action.stage == self.ex.last_stage:
             loss, aux = out
-            self.result.losses.append(loss.detach())
-            self.result.aux.append(aux)
-            self.result.micro_batches.append(action.mb)
-            if stream is not None:
+            if stream is not None:   # a no-flush stream hands losses out per micro-batch
                 stream.losses[action.mb] = (loss.detach(), aux)
+            else:
+                self.result.losses.append(loss.detach())
+                self.result.aux.append(aux)
+                self.result.micro_batches.append(action.mb)
             out = loss * self.scale(action.mb)
         else:
             self._produced(action, out)

@@ -78,6 +78,7 @@ class P2P:
         self.scatter_gather = scatter_gather and tp_size > 1
         self.transport = transport or BatchedTransport(group)
         self.pending_sends: list = []
+        self.previous_sends: list = []   # a no-flush run's sends of its previous iteration
         self.bytes_sent = 0          # payload bytes this rank put on stage boundaries
         self.messages_sent = 0
 
@@ -135,16 +136,27 @@ class P2P:
         return torch.cat(parts).view(shape)
 
     def release_completed_sends(self) -> None:
-        """Forget sends that have completed (a no-flush run never waits for all of them until
-        it ends: each iteration's sends are received within that iteration, see comm_plan)."""
-        self.pending_sends = [(work, tensor) for work, tensor in self.pending_sends
-                              if not work.is_completed()]
+        """End of a no-flush iteration: retire the previous iteration's sends.
+
+        A no-flush run never waits for this iteration's sends (the next iteration's compute
+        overlaps them). It cannot simply drop completed ones either: gloo reports a send as
+        completed only once it was waited for, so the list (and the activations it keeps
+        alive) would grow every iteration. The previous iteration's sends are waited instead:
+        their receives belong to that iteration (comm_plan keeps every exchange inside its
+        iteration), which every rank can finish without us, so this wait never blocks on
+        progress, only on a transfer already under way.
+        """
+        for work, _ in self.previous_sends:
+            work.wait()
+        self.previous_sends = [(work, tensor) for work, tensor in self.pending_sends
+                               if not work.is_completed()]
+        self.pending_sends = []
 
     def wait_sends(self) -> None:
         """Complete every outstanding send (end of iteration), so buffers can be reused."""
-        for work, _ in self.pending_sends:
+        for work, _ in self.previous_sends + self.pending_sends:
             work.wait()
-        self.pending_sends.clear()
+        self.previous_sends, self.pending_sends = [], []
 
 
 class PendingRecv:

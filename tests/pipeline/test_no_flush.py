@@ -78,10 +78,15 @@ def train_runs(runs: list[list[str]]) -> list[dict]:
         cfg = load_config(None, TINY + overrides + [f"train.iters={iters}"],
                           world_size=dist.get_world_size())
         trainer = Trainer(cfg)
-        steps = [trainer.train_step(it) for it in range(iters)]
+        steps, outstanding = [], []
+        for it in range(iters):
+            steps.append(trainer.train_step(it))
+            p2p = trainer.executor.p2p     # sends still held after each iteration
+            outstanding.append(len(p2p.pending_sends) + len(getattr(p2p, "previous_sends", [])))
         out.append({"losses": [s.loss for s in steps], "grad_norms": [s.grad_norm for s in steps],
                     "weights": trainer.full_state(), "log": trainer.versions.log,
                     "peaks": [g.peak for g in trainer.versions.groups],
+                    "outstanding_sends": outstanding,
                     "coords": trainer.grid.coords, "m": trainer.m,
                     "stage_of": {n: trainer.grid.pp_rank for n, p in trainer.named_parameters()
                                  if not getattr(p, "duplicate", False)}})
@@ -163,6 +168,16 @@ def test_two_bw_micro_batch_k_uses_version_max_of_k_over_m_minus_1_and_0(name):
             seen.setdefault((mb, stage), []).append((kind, version))
         assert all([k for k, _ in v] == ["F", "B"] and v[0][1] == v[1][1] for v in seen.values())
         assert len(seen) == ITERS["2bw"] * m * len({s for (_, s) in seen})
+
+
+@pytest.mark.parametrize("name", ["2bw-p2", "2bw-p2-v2", "pd-p4"])
+def test_sends_held_across_iterations_do_not_accumulate(name):
+    """A no-flush run retires each iteration's sends by the end of the next one: the sends
+    (and the activations they keep alive) still held stay at one iteration's worth instead
+    of growing every iteration (gloo reports a send completed only once it was waited for)."""
+    for rank in result(name, "gpt"):
+        held = rank["outstanding_sends"]
+        assert max(held[1:]) == held[1] and held[-1] <= held[1], f"sends held per iteration: {held}"
 
 
 def test_mixed_precision_stays_close_to_the_fp32_rule():
