@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "ptdp.planner.cli",         # ptdp plan, ptdp profile
     "ptdp.data.cli",            # ptdp tokenizer, ptdp preprocess
     "ptdp.commands.timeline",   # ptdp timeline
+    "ptdp.commands.convert",    # ptdp convert
 ]
 
 
