@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "ptdp.data.cli",            # ptdp tokenizer, ptdp preprocess
     "ptdp.commands.timeline",   # ptdp timeline
     "ptdp.commands.convert",    # ptdp convert
+    "ptdp.commands.generate",   # ptdp generate
 ]
 
 

@@ -80,7 +80,8 @@ def _from_hf(args) -> int:
     try:
         final, cfg = from_hf(args.source, args.out, overrides, args.iteration)
     except (CheckpointError, ConfigError, ValueError, FileNotFoundError, KeyError) as err:
-        print(f"ptdp convert: {err}", file=sys.stderr)
+        for line in getattr(err, "errors", None) or [str(err)]:   # one line per problem
+            print(f"ptdp convert: {line}", file=sys.stderr)
         return 2
     par = cfg.parallel
     print(f"wrote {final}: {cfg.model.arch}, layout (p, t, d, v) = ({par.pipeline}, "
