@@ -62,6 +62,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -279,8 +280,15 @@ def _metadata(trainer, params: dict) -> dict:
         **_two_bw_metadata(trainer),
         "params": params,
         "files": sorted([shard_file_name(pp, tp) for pp in range(grid.p) for tp in range(grid.t)]
-                        + [rng_file_name(r) for r in range(dist.get_world_size())]),
+                        + [rng_file_name(r) for r in range(dist.get_world_size())]
+                        + _config_and_tokenizer_files(cfg)),
     }
+
+
+def _config_and_tokenizer_files(cfg) -> list[str]:
+    """What `_write_config_and_tokenizer` writes (part of a complete checkpoint)."""
+    has_tokenizer = bool(cfg.data.tokenizer) and Path(cfg.data.tokenizer).is_file()
+    return [CONFIG_FILE] + ([TOKENIZER_FILE] if has_tokenizer else [])
 
 
 def _two_bw_metadata(trainer) -> dict:
@@ -703,6 +711,11 @@ def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: in
                     continue
                 if name not in full:
                     raise CheckpointError(f"the weights to save have no '{name}'")
+                expected = _param_metadata(param, SimpleNamespace(tp=ctx.tp, cfg=cfg,
+                                                                  grid=SimpleNamespace(pp_rank=pp)))
+                if list(full[name].shape) != expected["shape"]:
+                    raise CheckpointError(f"'{name}' has shape {list(full[name].shape)}; the "
+                                          f"model needs {expected['shape']}")
                 for tr in range(par.tensor):
                     tp = TensorParallel(None, tr, par.tensor)
                     local = local_slice(param, full[name].float(), tp, cfg.padded_vocab_size)
@@ -710,10 +723,7 @@ def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: in
                         raise CheckpointError(f"'{name}': full shape {list(full[name].shape)} "
                                               f"does not fit the model's shard {list(param.shape)}")
                     shards[(pp, tr)][name] = {"value": local.contiguous().clone()}
-                params[name] = {"shape": list(full[name].shape),
-                                "tp_split_dim": getattr(param, "tp_split_dim", None),
-                                "vocab_padded": bool(getattr(param, "vocab_padded", False)),
-                                "pipeline_rank": pp}
+                params[name] = expected
             del chunk
     for (pp, tr), shard in shards.items():
         _save_durably(shard, tmp / shard_file_name(pp, tr))
@@ -724,6 +734,7 @@ def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: in
             "consumed_samples": iteration * cfg.train.global_batch_size, "layout": _layout(cfg),
             "model": dataclasses.asdict(cfg.model), "train": dataclasses.asdict(cfg.train),
             "config": cfg.to_dict(), "rng": False, "params": params,
-            "files": sorted(shard_file_name(pp, tr) for pp, tr in shards)}
+            "files": sorted([shard_file_name(pp, tr) for pp, tr in shards]
+                            + _config_and_tokenizer_files(cfg))}
     _publish(tmp, final, meta)
     return final

@@ -48,6 +48,18 @@ def build_single_stage(cfg: ModelConfig, seed: int = 0):
     return build_chunk(ctx, 0, 1)
 
 
+def _trimmed_state(chunk, vocab_size: int) -> dict[str, torch.Tensor]:
+    from models import named_global_parameters
+    return {name: (p[:vocab_size] if getattr(p, "vocab_padded", False) else p).detach().float().clone()
+            for name, p in named_global_parameters(chunk)}
+
+
+def initial_state(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """The full weights a run with train.seed=seed starts from (any layout: ptdp initialises
+    every parameter from its full tensor's own stream)."""
+    return _trimmed_state(build_single_stage(cfg, seed), cfg.vocab_size)
+
+
 class LocalModel(torch.nn.Module):
     """The whole GPT or BERT in one process; weights from a full state dict."""
 
@@ -70,6 +82,10 @@ class LocalModel(torch.nn.Module):
                                      f"the model's {list(param.shape)}")
                 param.copy_(full)
         self.eval()
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """{global name: full tensor}, vocabulary padding trimmed (what checkpoints hold)."""
+        return _trimmed_state(self.chunk, self.cfg.vocab_size)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike) -> "LocalModel":
