@@ -536,7 +536,29 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> Path:
     if rank0 and trainer.cfg.log.progress:
         print(f"loaded checkpoint {directory} (iteration {meta['iteration']}, saved with layout "
               f"{_layout_text(meta['layout'])})", flush=True)
+    warning = schedule_change_warning(meta, trainer.cfg.train)
+    if rank0 and warning:
+        print(f"warning: {warning}", flush=True)
     return directory
+
+
+def schedule_change_warning(meta: dict, train) -> str | None:
+    """Say so when a resumed job decays the learning rate over another length than the run
+    that saved the checkpoint (typically: train.iters raised to extend a finished run)."""
+    saved = meta.get("train") or {}
+    if "iters" not in saved or meta.get("rng") is False or train.lr_decay_style == "constant":
+        return None   # (converted checkpoints start a new run; a constant LR has no length)
+    before = saved.get("lr_decay_iters") or saved["iters"]
+    now = train.lr_decay_iters or train.iters
+    if before == now:
+        return None
+    how = (f"train.iters went from {saved['iters']} to {train.iters}"
+           if train.lr_decay_iters is None and saved.get("lr_decay_iters") is None
+           else f"the decay length went from {before} to {now} iterations")
+    return (f"{how}, so the learning-rate schedule is stretched: from iteration "
+            f"{meta['iteration'] + 1} on it follows a {train.lr_decay_style} decay over {now} "
+            f"iterations, not the saved run's {before}. Set train.lr_decay_iters={before} to "
+            f"keep the saved run's schedule (the LR then stays at train.min_lr after it)")
 
 
 def _read_rank_state(trainer, directory: Path, meta: dict) -> dict:

@@ -122,6 +122,7 @@ class LogConfig:
     tensorboard_dir: str | None = None
     progress: bool = True                # tqdm bar on rank 0 (only when stderr is a terminal)
     hardware: str | None = None          # profile name/path for MFU; auto-detected on known GPUs
+    verbose: bool = False                # print the full resolved config at start-up (--verbose)
 
 
 @dataclass

@@ -8,14 +8,17 @@
 #        demo/tokenizer.model       a 512-token sentencepiece BPE tokenizer
 #        demo/gpt_demo.{bin,idx}    the tokenised corpus (indexed dataset)
 #   3. trains the tiny GPT of configs/gpt_demo.yaml with (p, t, d) = (2, 2, 2) on 8 local CPU
-#      ranks (gloo), writing demo/metrics.jsonl and a checkpoint in demo/checkpoints;
+#      ranks (gloo) into a new run folder demo/runs/<date-time>/ (metrics.jsonl, config.yaml,
+#      checkpoints/);
 #   4. prints the first and last loss and fails unless the loss fell clearly
-#      (last <= DEMO_MAX_RATIO x first, default 0.8).
+#      (last <= DEMO_MAX_RATIO x first, default 0.8);
+#   5. prints a sample of text from the trained model (ptdp generate).
 #
 #   tools/demo.sh [--setup] [key=value ...]     (--setup: step 1 only; overrides go to ptdp train)
 #
-# Safe to re-run: data is reused, training starts afresh (old metrics and checkpoints are
-# replaced). Environment: PYTHON [python3], DEMO_DIR [demo], DEMO_MAX_RATIO [0.8].
+# Safe to re-run: data is reused and every run gets its own folder, so earlier runs are kept
+# (`make clean` removes demo/). Environment: PYTHON [python3], DEMO_DIR [demo],
+# DEMO_MAX_RATIO [0.8], DEMO_PROMPT ["Return the"].
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -86,10 +89,12 @@ fi
 say "data ready ($((SECONDS - start)) s)"
 
 # --- 3. train ----------------------------------------------------------------------------------
-metrics="$DEMO_DIR/metrics.jsonl"
-checkpoints="$DEMO_DIR/checkpoints"
-rm -rf "$metrics" "$checkpoints"   # the metrics file is appended to; start afresh
-say "training configs/gpt_demo.yaml on 8 CPU ranks, (p, t, d) = (2, 2, 2)"
+run_dir="$DEMO_DIR/runs/$(date +%Y%m%d-%H%M%S)"
+while [[ -e "$run_dir" ]]; do run_dir="$run_dir-x"; done   # two runs within one second
+metrics="$run_dir/metrics.jsonl"
+checkpoints="$run_dir/checkpoints"
+mkdir -p "$run_dir"
+say "training configs/gpt_demo.yaml on 8 CPU ranks, (p, t, d) = (2, 2, 2), into $run_dir"
 # Hide any GPU: the demo layout needs 8 ranks, which on this path are CPU processes.
 CUDA_VISIBLE_DEVICES="" NPROC=8 GPUS_PER_NODE="" PYTHON="$PYTHON" \
     bash tools/pretrain_gpt.sh configs/gpt_demo.yaml \
@@ -119,3 +124,10 @@ if not last["loss"] <= max_ratio * first["loss"]:
              f"{max_ratio} x first {first['loss']:.4f}")
 print(f"demo: OK, the loss fell from {first['loss']:.2f} to {last['loss']:.2f}")
 EOF
+
+# --- 5. a sample from the model ----------------------------------------------------------------
+prompt="${DEMO_PROMPT:-Return the}"
+say "a sample from the trained model: ptdp generate $checkpoints --prompt \"$prompt\" --max-new-tokens 40 --temperature 0.7 --top-k 40"
+"$PYTHON" -m ptdp generate "$checkpoints" --prompt "$prompt" --max-new-tokens 40 \
+    --temperature 0.7 --top-k 40 --device cpu
+say "done in $((SECONDS - start)) s; this run is in $run_dir (earlier runs: $DEMO_DIR/runs/)"

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "convert", help="convert a checkpoint to or from Hugging Face transformers",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="ptdp convert CHECKPOINT --to hf OUT_DIR: a checkpoint of any layout to a "
                     "transformers model directory (GPT -> GPT2LMHeadModel, BERT -> "
                     "MegatronBertForPreTraining; model.safetensors, config.json, tokenizer.json). "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -10,7 +9,6 @@ from pathlib import Path
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate", help="generate text from a GPT checkpoint of any layout",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Loads a GPT checkpoint of any (p, t, d, v) into one process and continues "
                     "each prompt. Temperature 0 is greedy decoding; otherwise top-k and top-p "
                     "cut the distribution before a seeded draw. Uses a key/value cache.")
