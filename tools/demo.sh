@@ -28,9 +28,9 @@ PYTHON="${PYTHON:-python3}"
 DEMO_DIR="${DEMO_DIR:-demo}"
 DEMO_MODEL="${DEMO_MODEL:-gpt}"
 [[ "$DEMO_MODEL" == gpt || "$DEMO_MODEL" == bert ]] || { echo "demo: error: DEMO_MODEL must be gpt or bert, got '$DEMO_MODEL'" >&2; exit 1; }
+MAX_RATIO="${DEMO_MAX_RATIO:-0.8}"
 # BERT's loss adds sentence order (ln 2 at chance, slow to fall): a looser default bar
 [[ "$DEMO_MODEL" == bert && -z "${DEMO_MAX_RATIO:-}" ]] && MAX_RATIO=0.85
-MAX_RATIO="${DEMO_MAX_RATIO:-0.8}"
 SETUP_ONLY=0
 if [[ "${1:-}" == "--setup" ]]; then SETUP_ONLY=1; shift; fi
 

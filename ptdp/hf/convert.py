@@ -24,6 +24,12 @@ from ptdp.local_model import model_config, read_full_state
 SPM_FILE = "ptdp_tokenizer.model"
 
 
+def _quiet_transformers():
+    """No per-file progress bars from save_pretrained / from_pretrained."""
+    from transformers.utils import logging
+    logging.disable_progress_bar()
+
+
 def _tokenizer_of(directory: Path, meta: dict, given: str | None) -> str | None:
     """The sentencepiece model for a checkpoint: --tokenizer, the checkpoint's copy, or the
     training config's data.tokenizer (None if none of them exists)."""
@@ -45,6 +51,7 @@ def to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     from ptdp.data.tokenizer import Tokenizer
     from ptdp.hf.tokenizer import save_hf_tokenizer
 
+    _quiet_transformers()
     directory, meta, state = read_full_state(checkpoint)
     cfg = model_config(meta)
     spm = _tokenizer_of(directory, meta, tokenizer)
@@ -78,6 +85,7 @@ def from_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overrides: list[s
     from ptdp.checkpoint import save_full_state
     from ptdp.config import load_config
 
+    _quiet_transformers()
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir} has no config.json: not a Hugging Face model directory")
