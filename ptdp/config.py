@@ -599,7 +599,7 @@ def _require_multiple_of_p(cfg: Config, out: _Problems) -> None:
 
 
 def _check_two_bw(cfg: Config, out: _Problems) -> None:
-    """PipeDream-2BW: m >= p micro-batches per batch (L2285), more when interleaved."""
+    """PipeDream-2BW: m >= p micro-batches per batch, more when interleaved."""
     from ptdp.pipeline.schedules import two_bw_min_micro_batches  # torch-free
     p, v, mb = cfg.parallel.pipeline, cfg.parallel.chunks, cfg.num_micro_batches
     if v > 1:
