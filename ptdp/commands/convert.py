@@ -17,8 +17,8 @@ def register(subparsers) -> None:
                     "(fresh optimizer state). Needs the hf extra: pip install 'ptdp[hf]'.")
     parser.add_argument("source", help="a ptdp checkpoint (dir or iter_N) or, with --from hf, "
                                        "a Hugging Face model directory")
-    parser.add_argument("--to", choices=["hf"], help="convert a ptdp checkpoint to this format")
-    parser.add_argument("out_dir", nargs="?", help="output directory (with --to hf)")
+    parser.add_argument("--to", nargs=2, metavar=("hf", "OUT_DIR"),
+                        help="convert a ptdp checkpoint to a Hugging Face model directory")
     parser.add_argument("--from", dest="from_", choices=["hf"],
                         help="convert from this format into a ptdp checkpoint")
     parser.add_argument("--out", help="checkpoint directory to write (with --from hf)")
@@ -35,7 +35,10 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     try:
-        if args.to == "hf" and not args.from_:
+        if args.to and args.to[0] != "hf":
+            print(f"ptdp convert: --to {args.to[0]}: the only format is hf", file=sys.stderr)
+            return 2
+        if args.to and not args.from_:
             return _to_hf(args)
         if args.from_ == "hf" and not args.to:
             return _from_hf(args)
@@ -51,18 +54,19 @@ def run(args) -> int:
 def _to_hf(args) -> int:
     from ptdp.checkpoint import CheckpointError
     from ptdp.hf.convert import to_hf
-    if not args.out_dir or args.overrides:
-        print("ptdp convert: --to hf takes one output directory: ptdp convert CHECKPOINT "
-              "--to hf OUT_DIR", file=sys.stderr)
+    out_dir = args.to[1]
+    if args.overrides:
+        print(f"ptdp convert: --to hf takes no overrides (got {' '.join(args.overrides)})",
+              file=sys.stderr)
         return 2
     try:
-        info = to_hf(args.source, args.out_dir, args.tokenizer)
+        info = to_hf(args.source, out_dir, args.tokenizer)
     except (CheckpointError, ValueError, FileNotFoundError) as err:
         print(f"ptdp convert: {err}", file=sys.stderr)
         return 2
     tok = (f"tokenizer from {info['tokenizer']}" if info["tokenizer"]
            else "no tokenizer (the checkpoint names none; pass --tokenizer)")
-    print(f"wrote {args.out_dir}: {info['class']}, {info['parameters']:,} parameters, from "
+    print(f"wrote {out_dir}: {info['class']}, {info['parameters']:,} parameters, from "
           f"{info['checkpoint']} (iteration {info['iteration']}); {tok}")
     return 0
 
@@ -74,9 +78,8 @@ def _from_hf(args) -> int:
     if not args.out:
         print("ptdp convert: --from hf needs --out CHECKPOINT", file=sys.stderr)
         return 2
-    overrides = list(args.overrides) + ([args.out_dir] if args.out_dir else [])
     try:
-        final, cfg = from_hf(args.source, args.out, overrides, args.iteration)
+        final, cfg = from_hf(args.source, args.out, list(args.overrides), args.iteration)
     except (CheckpointError, ConfigError, ValueError, FileNotFoundError, KeyError) as err:
         for line in getattr(err, "errors", None) or [str(err)]:   # one line per problem
             print(f"ptdp convert: {line}", file=sys.stderr)

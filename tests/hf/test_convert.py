@@ -168,3 +168,23 @@ def test_bad_layout_names_the_keys_before_writing(converted, capsys):
     assert code == 2 and "model.num_heads (4) must be divisible by parallel.tensor (3)" in err
     assert all(line.startswith("ptdp convert: ") for line in err.splitlines()), err
     assert not (root / "bad").exists() or not any((root / "bad").glob("iter_*"))
+
+
+def test_command_line_both_ways_and_an_interleaved_layout(converted, tmp_path, capsys):
+    """`ptdp convert` as a user types it; HF -> (p, t, v) = (2, 1, 2) puts layers 0, 2 on
+    pipeline rank 0 and 1, 3 on rank 1, and reads back the same weights."""
+    from ptdp.cli import main
+    root, _, _, _ = converted
+    assert main(["convert", str(root / "gpt"), "--to", "hf", str(tmp_path / "hf")]) == 0
+    assert "GPT2LMHeadModel" in capsys.readouterr().out
+    names = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "ptdp_tokenizer.model"} <= names
+    assert main(["convert", str(tmp_path / "hf"), "--from", "hf", "--out", str(tmp_path / "v2"),
+                 "parallel.pipeline=2", "parallel.chunks=2", "schedule.name=interleaved"]) == 0
+    assert "(p, t, d, v) = (2, 1, 1, 2)" in capsys.readouterr().out
+    _, meta, after = read_full_state(tmp_path / "v2")
+    ranks = {i: meta["params"][f"layers.{i}.mlp.fc1.weight"]["pipeline_rank"] for i in range(4)}
+    assert ranks == {0: 0, 1: 1, 2: 0, 3: 1}
+    _, _, before = read_full_state(root / "gpt")
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    assert (tmp_path / "v2" / "iter_0000000" / "tokenizer.model").is_file()
