@@ -39,6 +39,21 @@ def read_full_state(path: str | os.PathLike) -> tuple[Path, dict, dict[str, torc
     return directory, meta, state
 
 
+def checkpoint_tokenizer(directory: Path, meta: dict, given: str | None = None) -> str | None:
+    """The sentencepiece model of a checkpoint: `given`, else the checkpoint's own copy, else
+    its training config's data.tokenizer; None if none exists."""
+    from ptdp.checkpoint import TOKENIZER_FILE
+    if given:
+        if not Path(given).is_file():
+            raise FileNotFoundError(f"--tokenizer {given}: no such file")
+        return str(given)
+    for path in (Path(directory) / TOKENIZER_FILE,
+                 meta.get("config", {}).get("data", {}).get("tokenizer")):
+        if path and Path(path).is_file():
+            return str(path)
+    return None
+
+
 def build_single_stage(cfg: ModelConfig, seed: int = 0):
     """One chunk holding the whole model (p = t = 1), on CPU, with its initial weights."""
     from models import ModelContext, build_chunk
@@ -72,8 +87,8 @@ class LocalModel(torch.nn.Module):
         names = dict(named_global_parameters(self.chunk))
         missing = sorted(set(names) - set(state))
         if missing:
-            raise KeyError(f"the weights have no '{missing[0]}' (and {len(missing) - 1} more "
-                           f"missing)" if len(missing) > 1 else f"the weights have no '{missing[0]}'")
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise KeyError(f"the weights have no '{missing[0]}'{more}")
         with torch.no_grad():
             for name, param in names.items():
                 full = local_slice(param, state[name].to(param.dtype), TensorParallel(), padded)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest

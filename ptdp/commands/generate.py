@@ -48,14 +48,13 @@ def run(args) -> int:
     from ptdp.checkpoint import CheckpointError, find_checkpoint, read_metadata
     from ptdp.data.tokenizer import Tokenizer, TokenizerError
     from ptdp.generate import Sampling, generate
-    from ptdp.hf.convert import _tokenizer_of
-    from ptdp.local_model import LocalModel
+    from ptdp.local_model import LocalModel, checkpoint_tokenizer
     from ptdp.runtime import pick_device
 
     try:
         prompts = _prompts(args)
         directory, _ = find_checkpoint(args.checkpoint)
-        spm = _tokenizer_of(directory, read_metadata(directory), args.tokenizer)
+        spm = checkpoint_tokenizer(directory, read_metadata(directory), args.tokenizer)
         if spm is None:
             raise FileNotFoundError(f"{directory} names no tokenizer; pass --tokenizer FILE.model")
         tok = Tokenizer(spm)

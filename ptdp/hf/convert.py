@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 from ptdp.hf.mapping import from_hf_state, hf_class_name, hf_config, model_config_from_hf, to_hf_state
-from ptdp.local_model import model_config, read_full_state
+from ptdp.local_model import checkpoint_tokenizer, model_config, read_full_state
 
 SPM_FILE = "ptdp_tokenizer.model"
 
@@ -28,20 +28,6 @@ def _quiet_transformers():
     """No per-file progress bars from save_pretrained / from_pretrained."""
     from transformers.utils import logging
     logging.disable_progress_bar()
-
-
-def _tokenizer_of(directory: Path, meta: dict, given: str | None) -> str | None:
-    """The sentencepiece model for a checkpoint: --tokenizer, the checkpoint's copy, or the
-    training config's data.tokenizer (None if none of them exists)."""
-    from ptdp.checkpoint import TOKENIZER_FILE
-    candidates = [given, directory / TOKENIZER_FILE,
-                  meta.get("config", {}).get("data", {}).get("tokenizer")]
-    for path in candidates:
-        if path and Path(path).is_file():
-            return str(path)
-    if given:
-        raise FileNotFoundError(f"--tokenizer {given}: no such file")
-    return None
 
 
 def to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
@@ -54,7 +40,7 @@ def to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     _quiet_transformers()
     directory, meta, state = read_full_state(checkpoint)
     cfg = model_config(meta)
-    spm = _tokenizer_of(directory, meta, tokenizer)
+    spm = checkpoint_tokenizer(directory, meta, tokenizer)
     special = {}
     if spm:
         tok = Tokenizer(spm)
