@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install setup test demo clean
+.PHONY: install setup test demo demo-bert clean
 
 # torch first, only if it is missing, and pinned: an unpinned `pip install torch` can pull a
 # multi-GB CUDA build. Then the project with its test extras.
@@ -16,9 +16,14 @@ setup:
 test: setup
 	$(PYTHON) -m pytest -q
 
-# Corpus, tokenizer and dataset (if absent), then a tiny GPT with (p,t,d) = (2,2,2) on 8 CPU ranks.
+# Corpus, tokenizer and dataset (if absent), then a tiny GPT with (p,t,d) = (2,2,2) on 8 CPU ranks,
+# into a new demo/runs/<date-time>/ folder, and a sample of its text.
 demo:
 	PYTHON=$(PYTHON) bash tools/demo.sh
+
+# The same with the tiny BERT of configs/bert_demo.yaml (masked LM + sentence order, real text).
+demo-bert:
+	DEMO_MODEL=bert PYTHON=$(PYTHON) bash tools/demo.sh
 
 # Removes the demo's data and run; never runs/ (real jobs' checkpoints go there).
 clean:

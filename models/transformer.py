@@ -2,7 +2,7 @@
 
 Attention: Q, K, V come from one column-parallel GEMM (each tensor rank owns num_heads/t whole
 heads), the output projection is row-parallel. MLP: column-parallel h -> 4h, GeLU,
-row-parallel 4h -> h. So a layer does two all-reduces forward and two backward (SPEC item 21).
+row-parallel 4h -> h. So a layer does two all-reduces forward and two backward.
 
 The output projections hand their bias back (`skip_bias_add`) so that bias + GeLU and bias +
 dropout + residual add are one elementwise chain each (ptdp/kernels/fused.py), fused into one
@@ -144,7 +144,7 @@ class TransformerStack(nn.Module):
     """Layers [first, first + count) of the model, with optional full recomputation.
 
     With `recompute=full` the stack is cut into groups of `recompute_num_layers` layers and
-    only each group's input is kept; the group is re-run during backward (SPEC item 25).
+    only each group's input is kept; the group is re-run during backward.
     """
 
     def __init__(self, ctx: ModelContext, first: int, count: int, causal: bool):

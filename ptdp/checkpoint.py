@@ -13,6 +13,14 @@ Layout of one checkpoint (N = iterations done, zero-padded to 7 digits):
                                       2BW adds "shadow": the older of its two weight versions
     {dir}/iter_000000N/rng_rank{R:05d}.pt
                                       one per world rank: CPU/CUDA and tensor-parallel RNG
+    {dir}/iter_000000N/config.yaml    the job's full resolved config (also in metadata.json)
+    {dir}/iter_000000N/tokenizer.model
+                                      a copy of data.tokenizer, when set (generation and
+                                      `ptdp convert` need no other file)
+
+A checkpoint written by `save_full_state` (`ptdp convert --from hf`) has no RNG files and
+no optimizer state and no loss scale: a job loading it starts fresh RNG streams, fresh AdamW
+moments and the configured loss scale.
 
 Atomicity: everything is written into `iter_N.tmp/`, every rank reports success, then rank 0
 writes metadata.json, renames the directory to `iter_N` and replaces `latest` with
@@ -60,6 +68,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -73,6 +82,8 @@ METADATA = "metadata.json"
 LATEST = "latest"
 TMP_SUFFIX = ".tmp"
 RESAVE_SUFFIX = ".new"   # a re-saved iteration, published beside the copy it replaces
+CONFIG_FILE = "config.yaml"
+TOKENIZER_FILE = "tokenizer.model"
 # Directory names a checkpoint can be loaded from: iter_N, or iter_N.new mid-way in a re-save.
 CHECKPOINT_NAME = re.compile(r"iter_(\d+)(\.new)?")
 OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
@@ -149,9 +160,20 @@ def save_checkpoint(trainer, directory: str | os.PathLike) -> Path:
     params = {}
     for part in _all_gather(info):
         params.update(part)
-    _on_all_ranks(f"publishing checkpoint {final}",
-                  lambda: _publish(tmp, final, _metadata(trainer, params)) if rank0 else None)
+    def publish():
+        _write_config_and_tokenizer(trainer.cfg, tmp)
+        _publish(tmp, final, _metadata(trainer, params))
+
+    _on_all_ranks(f"publishing checkpoint {final}", lambda: publish() if rank0 else None)
     return final
+
+
+def _write_config_and_tokenizer(cfg, tmp: Path) -> None:
+    """The resolved config as YAML, and a copy of the tokenizer, beside the shards."""
+    import yaml
+    _write_text_durably(tmp / CONFIG_FILE, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    if cfg.data.tokenizer and Path(cfg.data.tokenizer).is_file():
+        shutil.copyfile(cfg.data.tokenizer, tmp / TOKENIZER_FILE)
 
 
 def _reached(stage: str) -> None:
@@ -279,12 +301,20 @@ def _metadata(trainer, params: dict) -> dict:
         "layout": _layout(cfg),
         "model": dataclasses.asdict(cfg.model),
         "train": dataclasses.asdict(cfg.train),  # for the record; LR is f(iteration, train)
+        "config": cfg.to_dict(),                 # the whole resolved config, for the record
         "loss_scaler": trainer.loss_scaler.state_dict(),
         **_two_bw_metadata(trainer),
         "params": params,
         "files": sorted([shard_file_name(pp, tp) for pp in range(grid.p) for tp in range(grid.t)]
-                        + [rng_file_name(r) for r in range(dist.get_world_size())]),
+                        + [rng_file_name(r) for r in range(dist.get_world_size())]
+                        + _config_and_tokenizer_files(cfg)),
     }
+
+
+def _config_and_tokenizer_files(cfg) -> list[str]:
+    """What `_write_config_and_tokenizer` writes (part of a complete checkpoint)."""
+    has_tokenizer = bool(cfg.data.tokenizer) and Path(cfg.data.tokenizer).is_file()
+    return [CONFIG_FILE] + ([TOKENIZER_FILE] if has_tokenizer else [])
 
 
 def _two_bw_metadata(trainer) -> dict:
@@ -532,7 +562,29 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> Path:
     if rank0 and trainer.cfg.log.progress:
         print(f"loaded checkpoint {directory} (iteration {meta['iteration']}, saved with layout "
               f"{_layout_text(meta['layout'])})", flush=True)
+    warning = schedule_change_warning(meta, trainer.cfg.train)
+    if rank0 and warning:
+        print(f"warning: {warning}", flush=True)
     return directory
+
+
+def schedule_change_warning(meta: dict, train) -> str | None:
+    """Say so when a resumed job decays the learning rate over another length than the run
+    that saved the checkpoint (typically: train.iters raised to extend a finished run)."""
+    saved = meta.get("train") or {}
+    if "iters" not in saved or meta.get("rng") is False or train.lr_decay_style == "constant":
+        return None   # (converted checkpoints start a new run; a constant LR has no length)
+    before = saved.get("lr_decay_iters") or saved["iters"]
+    now = train.lr_decay_iters or train.iters
+    if before == now:
+        return None
+    how = (f"train.iters went from {saved['iters']} to {train.iters}"
+           if train.lr_decay_iters is None and saved.get("lr_decay_iters") is None
+           else f"the decay length went from {before} to {now} iterations")
+    return (f"{how}, so the learning-rate schedule is stretched: from iteration "
+            f"{meta['iteration'] + 1} on it follows a {train.lr_decay_style} decay over {now} "
+            f"iterations, not the saved run's {before}. Set train.lr_decay_iters={before} to "
+            f"keep the saved run's schedule (the LR then stays at train.min_lr after it)")
 
 
 def _read_rank_state(trainer, directory: Path, meta: dict) -> dict:
@@ -635,8 +687,8 @@ def _to_local(param, full: torch.Tensor, trainer, name: str, key: str) -> torch.
 
 
 def _rng_to_restore(trainer, directory: Path, meta: dict) -> dict | None:
-    """The saved RNG state of this rank if the layout is unchanged, else None."""
-    if meta["layout"] != _layout(trainer.cfg):
+    """The saved RNG state of this rank if the layout is unchanged (and was saved), else None."""
+    if meta["layout"] != _layout(trainer.cfg) or not meta.get("rng", True):
         return None
     return _load_file(directory / rng_file_name(trainer.grid.rank), mmap=False)
 
@@ -653,7 +705,8 @@ def _apply(trainer, meta: dict, state: dict) -> None:
             if "model" not in state and param is not master:
                 param.copy_(master)  # low-precision model weights follow the fp32 masters
     _load_optimizer_state(trainer.optimizer, state["optimizer"])
-    trainer.loss_scaler.load_state_dict(meta["loss_scaler"])
+    if "loss_scaler" in meta:   # absent from converted checkpoints: keep the configured scale
+        trainer.loss_scaler.load_state_dict(meta["loss_scaler"])
     if hasattr(trainer.no_flush, "resume"):   # 2BW: the older version the next batch uses
         shadow = state["shadow"]
         values = [shadow[id(p)] for p in trainer.params] if len(shadow) == len(trainer.params) else None
@@ -696,3 +749,67 @@ def _restore_rng(trainer, saved: dict | None, iteration: int) -> None:
 def _layout_text(layout: dict) -> str:
     return (f"p={layout['pipeline']} t={layout['tensor']} d={layout['data']} "
             f"v={layout['chunks']}")
+
+
+# --------------------------------------------------------------------------------------------
+# Writing full weights into a checkpoint of any layout (no process group: `ptdp convert`)
+# --------------------------------------------------------------------------------------------
+
+def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: int = 0,
+                    tokenizer: str | os.PathLike | None = None) -> Path:
+    """Write full (layout-free, vocabulary-trimmed) weights as a checkpoint for cfg's layout.
+
+    The shards are what the ranks of (p, t, d, v) = cfg.parallel would save: each parameter
+    sliced with `local_slice` for every tensor rank, on the pipeline rank whose chunk holds
+    it. No optimizer state and no RNG files (`"rng": false`): a job resuming from it starts
+    AdamW and its random streams afresh. Returns the iteration directory.
+    """
+    from models import ModelContext, build_chunk, named_global_parameters
+    from ptdp.parallel.tensor import TensorParallel, TensorParallelRNG
+    from ptdp.pipeline.schedules import rank_stages
+
+    par = cfg.parallel
+    root = Path(directory)
+    final = root / iteration_dir_name(iteration)
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    _prepare(root, tmp)
+    shards = {(pp, tr): {} for pp in range(par.pipeline) for tr in range(par.tensor)}
+    params = {}
+    ctx = ModelContext(cfg.model, TensorParallel(None, 0, par.tensor), cfg.train.seed,
+                       TensorParallelRNG(cfg.train.seed, 0, torch.device("cpu")),
+                       cfg.padded_vocab_size)
+    for pp in range(par.pipeline):
+        for stage in rank_stages(pp, par.pipeline, par.chunks):
+            chunk = build_chunk(ctx, stage, par.pipeline * par.chunks)  # names and split dims
+            for name, param in named_global_parameters(chunk):
+                if getattr(param, "duplicate", False):
+                    continue
+                if name not in full:
+                    raise CheckpointError(f"the weights to save have no '{name}'")
+                expected = _param_metadata(param, SimpleNamespace(tp=ctx.tp, cfg=cfg,
+                                                                  grid=SimpleNamespace(pp_rank=pp)))
+                if list(full[name].shape) != expected["shape"]:
+                    raise CheckpointError(f"'{name}' has shape {list(full[name].shape)}; the "
+                                          f"model needs {expected['shape']}")
+                for tr in range(par.tensor):
+                    tp = TensorParallel(None, tr, par.tensor)
+                    local = local_slice(param, full[name].float(), tp, cfg.padded_vocab_size)
+                    if local.shape != param.shape:
+                        raise CheckpointError(f"'{name}': full shape {list(full[name].shape)} "
+                                              f"does not fit the model's shard {list(param.shape)}")
+                    shards[(pp, tr)][name] = {"value": local.contiguous().clone()}
+                params[name] = expected
+            del chunk
+    for (pp, tr), shard in shards.items():
+        _save_durably(shard, tmp / shard_file_name(pp, tr))
+    if tokenizer:
+        cfg.data.tokenizer = str(tokenizer)
+    _write_config_and_tokenizer(cfg, tmp)
+    meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
+            "consumed_samples": iteration * cfg.train.global_batch_size, "layout": _layout(cfg),
+            "model": dataclasses.asdict(cfg.model), "train": dataclasses.asdict(cfg.train),
+            "config": cfg.to_dict(), "rng": False, "params": params,
+            "files": sorted([shard_file_name(pp, tr) for pp, tr in shards]
+                            + _config_and_tokenizer_files(cfg))}
+    _publish(tmp, final, meta)
+    return final

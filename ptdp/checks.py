@@ -218,7 +218,7 @@ def check_packages(cfg: Config, found: Findings) -> None:
 
 def check_devices(cfg: Config, ranks_per_node: int, found: Findings) -> None:
     """One GPU per rank: rank LOCAL_RANK uses GPU LOCAL_RANK, so a node cannot start more
-    GPU ranks than it has visible GPUs (DESIGN.md, NCCL rule 4)."""
+    GPU ranks than it has visible GPUs (NCCL: one GPU per rank)."""
     if cfg.train.device == "cpu":
         return
     import torch

@@ -19,13 +19,27 @@ COMMAND_MODULES = [
     "ptdp.commands.profile",    # ptdp profile
     "ptdp.data.cli",            # ptdp tokenizer, ptdp preprocess
     "ptdp.commands.timeline",   # ptdp timeline
+    "ptdp.commands.convert",    # ptdp convert
+    "ptdp.commands.generate",   # ptdp generate
+    "ptdp.commands.plot",       # ptdp plot
 ]
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every --help shows each option's default (an option without one says nothing)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "%(default)" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from ptdp import __version__
     parser = argparse.ArgumentParser(
         prog="ptdp", description="Train GPT and BERT models with pipeline, tensor and data "
                                  "parallelism (PTD-P), and plan their layout.")
+    parser.add_argument("--version", action="version", version=f"ptdp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -35,7 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue  # command not built yet in this checkout
         module.register(sub)
+    _show_defaults(parser)
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Give every (sub-)parser the defaults-showing formatter, keeping raw descriptions raw."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_defaults(sub)
+        elif action.help is None and action.default not in (None, False, argparse.SUPPRESS):
+            action.help = "(default: %(default)s)"   # an option without help text
+    if parser.formatter_class is argparse.RawDescriptionHelpFormatter:
+        parser.formatter_class = type("RawHelpFormatter",
+                                      (argparse.RawDescriptionHelpFormatter, HelpFormatter), {})
+    elif parser.formatter_class in (argparse.HelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        parser.formatter_class = HelpFormatter
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -123,6 +123,7 @@ class LogConfig:
     tensorboard_dir: str | None = None
     progress: bool = True                # tqdm bar on rank 0 (only when stderr is a terminal)
     hardware: str | None = None          # profile name/path for MFU; auto-detected on known GPUs
+    verbose: bool = False                # print the full resolved config at start-up (--verbose)
 
 
 @dataclass
@@ -604,7 +605,7 @@ def _require_multiple_of_p(cfg: Config, out: _Problems) -> None:
 
 
 def _check_two_bw(cfg: Config, out: _Problems) -> None:
-    """PipeDream-2BW: m >= p micro-batches per batch (L2285), more when interleaved."""
+    """PipeDream-2BW: m >= p micro-batches per batch, more when interleaved."""
     from ptdp.pipeline.schedules import two_bw_min_micro_batches  # torch-free
     p, v, mb = cfg.parallel.pipeline, cfg.parallel.chunks, cfg.num_micro_batches
     if v > 1:

@@ -12,7 +12,7 @@ This module is what the trainer does at the rank actions (the executor hands the
 
 2BW (``TwoBW``), one weight version per batch, micro-batch k of batch t = k // m running with
 version ``max(t - 1, 0)``: W(t+1) = W(t) - lr * AdamW(clip(grad f(W(t-1)))), Adam's moments fed
-the delayed gradient (L2353-2390).
+the delayed gradient.
 
 * ``R(t)``, right after the rank's last backward of batch t: finish the data-parallel sums, take
   the gradients out of the parameters (batch t+1 accumulates afresh while they wait), unscale,
@@ -32,7 +32,7 @@ rank is a replica of the whole pipeline):
 
 * ``U(k)`` after ``B(k)``: data-parallel sum, then step this stage with input k's gradient. Weight
   stashing (default): F(k) ran with the newest version, so W(t+1) = W(t) - lr * grad f(W_1^(t-p+1),
-  ..., W_p^(t)) (SPEC item 8). Vertical sync (``schedule.vertical_sync``): F(k) runs with the
+  ..., W_p^(t)) (weight stashing). Vertical sync (``schedule.vertical_sync``): F(k) runs with the
   version input k was tagged with at the input stage, k - p + 1, on every stage: W(t+1) = W(t) -
   lr * grad f(W^(t-p+1)) (item 9).
 * The tied word embedding belongs to stage 0's weights: rank 0 updates it at ``U(k)`` with the
@@ -195,7 +195,7 @@ class TwoBW(_NoFlush):
         trainer.versions = StashedVersions([self.store], [self.version_of])
 
     def version_of(self, mb: int) -> int:
-        """Micro-batch mb (0-based, global) runs with version max(mb // m - 1, 0) (L2306)."""
+        """Micro-batch mb (0-based, global) runs with version max(mb // m - 1, 0)."""
         return max(mb // self.m - 1, self.oldest)
 
     def start(self, first: int) -> None:

@@ -25,7 +25,8 @@ from ptdp.batching import MicroBatches
 from ptdp.config import Config
 from ptdp.data.synthetic import synthetic_datasets
 from ptdp.kernels import should_compile
-from ptdp.metrics import MetricsLog, iteration_tflops, peak_memory_gb, peak_tflops, startup_report
+from ptdp.metrics import (MetricsLog, end_summary, format_bytes, iteration_tflops, peak_memory_gb,
+                          peak_tflops, startup_report, write_config)
 from ptdp.optim.distributed import ShardedMasterWeights
 from ptdp.optim.grads import (DataParallelGradients, clip_gradients, counts_in_norm,
                               global_grad_norm, sync_shared_embeddings)
@@ -87,6 +88,7 @@ class Trainer:
         self._build_pipeline()
         self._build_data()
         self.iteration = 0   # iterations done = the next iteration to run (the data position)
+        self.last_checkpoint = None   # path of the newest checkpoint this job saved
         if cfg.checkpoint.load:
             from ptdp.checkpoint import load_checkpoint
             load_checkpoint(self, cfg.checkpoint.load)
@@ -297,11 +299,21 @@ class Trainer:
         return values[0], {n: values[1 + i] for i, n in enumerate(names)}
 
     # The loop ----------------------------------------------------------------------------------
-    def train(self) -> list[dict]:
+    def train(self, resume_command: str | None = None) -> list[dict]:
+        """Run iterations self.iteration .. train.iters; returns their records.
+
+        `resume_command`: the command that would resume this job from its checkpoint.dir,
+        printed in the end summary (`ptdp train` builds it from its own command line).
+        """
         cfg = self.cfg
-        log = MetricsLog(cfg, is_writer=self.grid.rank == 0)
+        started = time.perf_counter()
+        rank0 = self.grid.rank == 0
+        log = MetricsLog(cfg, is_writer=rank0)
+        if rank0:
+            write_config(cfg)
         log.print(startup_report(cfg, self.grid, self.local_parameter_count(),
-                                 self.total_parameter_count()))
+                                 self.total_parameter_count(), self.device))
+        self.last_checkpoint = None
         peak = peak_tflops(cfg, self.device)
         par = cfg.parallel
         tracer = TraceRecorder(cfg.log.trace_file, self.grid.rank, self.grid.coords, self.device,
@@ -326,9 +338,11 @@ class Trainer:
                 log.log(record)
                 if self._checkpoint_due():
                     watchdog.doing("checkpoint save", watch=False)  # as long as the disk takes
-                    self.save_checkpoint()
+                    log.print(self.save_checkpoint())
             watchdog.doing("trace and shutdown", watch=False)
             tracer.write()
+            log.print(end_summary(history, cfg, time.perf_counter() - started, self.device,
+                                  self.last_checkpoint, resume_command))
         except RuntimeError as err:
             if is_communication_error(err):
                 watchdog.lost_peer(err)   # names the ranks that stopped; ends this process
@@ -365,9 +379,14 @@ class Trainer:
         interval_hit = ck.save_interval and self.iteration % ck.save_interval == 0
         return bool(interval_hit or self.iteration == self.cfg.train.iters)
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self) -> str:
+        """Save to checkpoint.dir; returns the line to log: path, size and time."""
         from ptdp.checkpoint import save_checkpoint
-        save_checkpoint(self, self.cfg.checkpoint.dir)
+        start = time.perf_counter()
+        final = save_checkpoint(self, self.cfg.checkpoint.dir)
+        self.last_checkpoint = str(final)
+        size = sum(f.stat().st_size for f in final.iterdir() if f.is_file()) if self.grid.rank == 0 else 0
+        return (f"saved checkpoint {final} ({format_bytes(size)}, {time.perf_counter() - start:.1f} s)")
 
     # Whole-model views (reports, tests, conversion) -------------------------------------------
     def named_parameters(self):

@@ -1,6 +1,6 @@
 """Train a tiny model in several layouts on local gloo ranks and compare with one process.
 
-The oracle (DESIGN principle 3): in fp32 with dropout 0, every layout must produce the
+The oracle (the project's test oracle): in fp32 with dropout 0, every layout must produce the
 single-process loss sequence, gradients and updated weights to float32 round-off.
 """
 

@@ -24,7 +24,7 @@ def test_bench_gpu_tiny_on_cpu(tmp_path, arch):
            "--arch", arch, "--steps", "2", "--warmup", "1", "--json", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
-    for heading in ("step ms", "tokens/s", "TFLOP/s eq4.2", "MFU", "peak GB"):
+    for heading in ("step ms", "tokens/s", "TFLOP/s eq4.2", "MFU", "peak GiB"):
         assert heading in run.stdout
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["compile"] is False

@@ -203,7 +203,7 @@ def test_layout_on_disk(jobs):
 def test_only_data_rank_zero_writes_model_shards(jobs):
     root, _, _ = jobs
     files = sorted(p.name for p in (root / SAVED_BY_D2 / "iter_0000004").iterdir())
-    assert files == ["metadata.json", "model_pp000_tp000.pt", "model_pp000_tp001.pt",
+    assert files == ["config.yaml", "metadata.json", "model_pp000_tp000.pt", "model_pp000_tp001.pt",
                      "rng_rank00000.pt", "rng_rank00001.pt", "rng_rank00002.pt",
                      "rng_rank00003.pt"]
 

@@ -373,7 +373,7 @@ def compare(rows: list[dict], arch: str, device) -> dict:
 
 def table(rows: list[dict]) -> str:
     head = ("model", "b", "m", "step ms", "tokens/s", "TFLOP/s", "TFLOP/s eq4.2", "MFU",
-            "peak GB", "first loss", "params")
+            "peak GiB", "first loss", "params")
     fmt = lambda v, f: "null" if v is None else format(v, f)  # noqa: E731
     body = [(r["model"], str(r["micro_batch"]), str(r["micro_batches"]), fmt(r["step_ms"], ".1f"),
              fmt(r["tokens_per_s"], ",.0f"), fmt(r["tflops"], ".3f"), fmt(r["tflops_eq42"], ".3f"),

@@ -7,22 +7,30 @@
 #        demo/corpus.jsonl          English prose from the Python stdlib's docstrings
 #        demo/tokenizer.model       a 512-token sentencepiece BPE tokenizer
 #        demo/gpt_demo.{bin,idx}    the tokenised corpus (indexed dataset)
-#   3. trains the tiny GPT of configs/gpt_demo.yaml with (p, t, d) = (2, 2, 2) on 8 local CPU
-#      ranks (gloo), writing demo/metrics.jsonl and a checkpoint in demo/checkpoints;
+#   3. trains the tiny GPT of configs/gpt_demo.yaml (DEMO_MODEL=bert: the tiny BERT of
+#      configs/bert_demo.yaml, on demo/bert_demo.{bin,idx}) with (p, t, d) = (2, 2, 2) on 8 local CPU
+#      ranks (gloo) into a new run folder demo/runs/<date-time>/ (metrics.jsonl, config.yaml,
+#      checkpoints/);
 #   4. prints the first and last loss and fails unless the loss fell clearly
-#      (last <= DEMO_MAX_RATIO x first, default 0.8).
+#      (last <= DEMO_MAX_RATIO x first, default 0.8);
+#   5. prints a sample of text from the trained model (ptdp generate; GPT only).
 #
 #   tools/demo.sh [--setup] [key=value ...]     (--setup: step 1 only; overrides go to ptdp train)
 #
-# Safe to re-run: data is reused, training starts afresh (old metrics and checkpoints are
-# replaced). Environment: PYTHON [python3], DEMO_DIR [demo], DEMO_MAX_RATIO [0.8].
+# Safe to re-run: data is reused and every run gets its own folder, so earlier runs are kept
+# (`make clean` removes demo/). Environment: PYTHON [python3], DEMO_DIR [demo],
+# DEMO_MAX_RATIO [0.8], DEMO_PROMPT ["Return the"], DEMO_MODEL [gpt] (gpt | bert).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
 DEMO_DIR="${DEMO_DIR:-demo}"
+DEMO_MODEL="${DEMO_MODEL:-gpt}"
+[[ "$DEMO_MODEL" == gpt || "$DEMO_MODEL" == bert ]] || { echo "demo: error: DEMO_MODEL must be gpt or bert, got '$DEMO_MODEL'" >&2; exit 1; }
 MAX_RATIO="${DEMO_MAX_RATIO:-0.8}"
+# BERT's loss adds sentence order (ln 2 at chance, slow to fall): a looser default bar
+[[ "$DEMO_MODEL" == bert && -z "${DEMO_MAX_RATIO:-}" ]] && MAX_RATIO=0.85
 SETUP_ONLY=0
 if [[ "${1:-}" == "--setup" ]]; then SETUP_ONLY=1; shift; fi
 
@@ -68,7 +76,8 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$DEMO_DIR"
 corpus="$DEMO_DIR/corpus.jsonl"
 tok_prefix="$DEMO_DIR/tokenizer"
-data_prefix="$DEMO_DIR/gpt_demo"
+data_prefix="$DEMO_DIR/${DEMO_MODEL}_demo"
+sentences=""; [[ "$DEMO_MODEL" == bert ]] && sentences="--split-sentences"   # BERT needs them
 
 if [[ ! -s "$corpus" ]]; then
     say "building $corpus from the standard library's docstrings"
@@ -81,18 +90,20 @@ fi
 if [[ ! -s "$data_prefix.bin" || ! -s "$data_prefix.idx" || "$tok_prefix.model" -nt "$data_prefix.idx" ]]; then
     say "tokenising $corpus into $data_prefix.{bin,idx}"
     "$PYTHON" -m ptdp preprocess --input "$corpus" --tokenizer "$tok_prefix.model" \
-        --output-prefix "$data_prefix" --quiet
+        --output-prefix "$data_prefix" --quiet $sentences
 fi
 say "data ready ($((SECONDS - start)) s)"
 
 # --- 3. train ----------------------------------------------------------------------------------
-metrics="$DEMO_DIR/metrics.jsonl"
-checkpoints="$DEMO_DIR/checkpoints"
-rm -rf "$metrics" "$checkpoints"   # the metrics file is appended to; start afresh
-say "training configs/gpt_demo.yaml on 8 CPU ranks, (p, t, d) = (2, 2, 2)"
+run_dir="$DEMO_DIR/runs/$(date +%Y%m%d-%H%M%S)"
+while [[ -e "$run_dir" ]]; do run_dir="$run_dir-x"; done   # two runs within one second
+metrics="$run_dir/metrics.jsonl"
+checkpoints="$run_dir/checkpoints"
+mkdir -p "$run_dir"
+say "training configs/${DEMO_MODEL}_demo.yaml on 8 CPU ranks, (p, t, d) = (2, 2, 2), into $run_dir"
 # Hide any GPU: the demo layout needs 8 ranks, which on this path are CPU processes.
 CUDA_VISIBLE_DEVICES="" NPROC=8 GPUS_PER_NODE="" PYTHON="$PYTHON" \
-    bash tools/pretrain_gpt.sh configs/gpt_demo.yaml \
+    bash "tools/pretrain_$DEMO_MODEL.sh" "configs/${DEMO_MODEL}_demo.yaml" \
     data.paths="[$data_prefix]" data.tokenizer="$tok_prefix.model" \
     log.metrics_file="$metrics" checkpoint.dir="$checkpoints" "$@"
 
@@ -119,3 +130,14 @@ if not last["loss"] <= max_ratio * first["loss"]:
              f"{max_ratio} x first {first['loss']:.4f}")
 print(f"demo: OK, the loss fell from {first['loss']:.2f} to {last['loss']:.2f}")
 EOF
+
+# --- 5. a sample from the model ----------------------------------------------------------------
+if [[ "$DEMO_MODEL" == bert ]]; then
+    say "done in $((SECONDS - start)) s; this run is in $run_dir (earlier runs: $DEMO_DIR/runs/)"
+    exit 0
+fi
+prompt="${DEMO_PROMPT:-Return the}"
+say "a sample from the trained model: ptdp generate $checkpoints --prompt \"$prompt\" --max-new-tokens 40 --temperature 0.7 --top-k 40"
+"$PYTHON" -m ptdp generate "$checkpoints" --prompt "$prompt" --max-new-tokens 40 \
+    --temperature 0.7 --top-k 40 --device cpu
+say "done in $((SECONDS - start)) s; this run is in $run_dir (earlier runs: $DEMO_DIR/runs/)"

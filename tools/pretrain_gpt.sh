@@ -121,6 +121,12 @@ cmd=("${launcher[@]}"
      ${extra[@]+"${extra[@]}"}
      -m ptdp train "$CONFIG" "$@")
 
+# How to launch this job again: `ptdp train` prints it, with checkpoint.load, in its end summary.
+resume_env=""
+[[ "$DEVICE" == "cpu (gloo)" ]] && resume_env="NPROC=$GPUS_PER_NODE "
+[[ "$NNODES" -gt 1 ]] && resume_env="NNODES=$NNODES NODE_RANK=<this node> MASTER_ADDR=$MASTER_ADDR $resume_env"
+export PTDP_RESUME_PREFIX="${resume_env}bash tools/$SCRIPT_NAME"
+
 echo "$SCRIPT_NAME: node $NODE_RANK of $NNODES, $GPUS_PER_NODE ranks here, device $DEVICE, master $MASTER_ADDR:$MASTER_PORT" >&2
 echo "$SCRIPT_NAME: ${cmd[*]}" >&2
 if [[ "${DRY_RUN:-0}" == 1 ]]; then

@@ -16,6 +16,9 @@ def register(subparsers) -> None:
                     "problem and every rank exits with code 2 before any process group exists.")
     parser.add_argument("config", help="YAML config file")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print the full resolved config at start-up (same as "
+                             "log.verbose=true; it is always written beside the metrics file)")
     parser.set_defaults(func=run)
 
 
@@ -29,7 +32,8 @@ def _env_int(name: str, default: int) -> int:
 def run(args) -> int:
     from ptdp.checks import check_job
 
-    found = check_job(args.config, args.overrides, _env_int("WORLD_SIZE", 1),
+    overrides = list(args.overrides) + (["log.verbose=true"] if args.verbose else [])
+    found = check_job(args.config, overrides, _env_int("WORLD_SIZE", 1),
                       ranks_per_node=_env_int("LOCAL_WORLD_SIZE", 1))
     if found.errors:
         if _env_int("RANK", 0) == 0:  # every rank found the same: one copy is enough
@@ -42,7 +46,7 @@ def run(args) -> int:
     from ptdp.runtime import shutdown
     from ptdp.training import DivergenceError, Trainer
     try:
-        Trainer(found.cfg).train()
+        Trainer(found.cfg).train(resume_command(args, found.cfg))
     except DivergenceError as err:  # every rank stops here together; rank 0 says why
         if _env_int("RANK", 0) == 0:
             print(f"ptdp train: {err}", file=sys.stderr)
@@ -50,3 +54,21 @@ def run(args) -> int:
     finally:
         shutdown()
     return 0
+
+
+def resume_command(args, cfg) -> str | None:
+    """The command that continues this job from its checkpoint.dir: the launcher (the
+    tools/ script's, exported as PTDP_RESUME_PREFIX, else torchrun with this job's sizes),
+    the same config and overrides, and checkpoint.load pointing at checkpoint.dir."""
+    import shlex
+    if not cfg.checkpoint.dir:
+        return None
+    prefix = os.environ.get("PTDP_RESUME_PREFIX")
+    if not prefix:
+        nodes = _env_int("WORLD_SIZE", 1) // max(_env_int("LOCAL_WORLD_SIZE", 1), 1)
+        prefix = (f"torchrun --nproc-per-node {_env_int('LOCAL_WORLD_SIZE', 1)}"
+                  + (f" --nnodes {nodes} --node-rank <this node>" if nodes > 1 else "")
+                  + " -m ptdp train")
+    kept = [o for o in args.overrides if not o.startswith("checkpoint.load=")]
+    words = [args.config, *kept, f"checkpoint.load={cfg.checkpoint.dir}"]
+    return prefix + " " + " ".join(shlex.quote(w) for w in words)

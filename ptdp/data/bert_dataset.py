@@ -75,10 +75,12 @@ def _truncate_pair(a: np.ndarray, b: np.ndarray, max_tokens: int, rng) -> tuple[
 
 
 class BertDataset:
-    """Map-style BERT pretraining samples over documents [doc_begin, doc_end)."""
+    """Map-style BERT pretraining samples over documents [doc_begin, doc_end), or over the
+    document ids `documents` when given (the split's share, ptdp/data/build.py)."""
 
     def __init__(self, indexed: IndexedDataset, doc_begin: int, doc_end: int,
-                 seq_length: int, seed: int, mask_prob: float = 0.15, name: str = "train"):
+                 seq_length: int, seed: int, mask_prob: float = 0.15, name: str = "train",
+                 documents=None):
         if not indexed.meta.get("sentences"):
             raise IndexedDataError(f"{indexed.idx_path}: BERT needs sentence boundaries; re-run "
                                    f"`ptdp preprocess --split-sentences`")
@@ -96,9 +98,13 @@ class BertDataset:
         self.pad_id, self.eod_id = special[PAD], special[EOD]
         self._random_ids = np.setdiff1d(np.arange(indexed.vocab_size), list(special.values()))
 
-        first, end = int(indexed.doc_idx[doc_begin]), int(indexed.doc_idx[doc_end])
-        sizes, doc_idx = indexed.sizes[first:end], indexed.doc_idx[doc_begin:doc_end + 1] - first
-        self._first_sentence = first
+        docs = np.arange(doc_begin, doc_end) if documents is None else np.asarray(documents)
+        first, end = indexed.doc_idx[docs].astype(np.int64), indexed.doc_idx[docs + 1].astype(np.int64)
+        counts = end - first
+        doc_idx = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        # the split's sentences, document after document: sample rows index into this
+        self._sentences = np.repeat(first - doc_idx[:-1], counts) + np.arange(doc_idx[-1])
+        sizes = indexed.sizes[self._sentences]
         key = cache_key(sizes=sizes, doc_idx=doc_idx, seq_length=seq_length, seed=seed, kind="bert")
         index = cached_arrays(indexed.prefix, f"{name}-bert", key,
                               lambda: build_bert_index(sizes, doc_idx, seq_length - 3, seed))
@@ -109,8 +115,9 @@ class BertDataset:
 
     def _segments(self, i: int, rng) -> tuple[np.ndarray, np.ndarray, int]:
         """Sentences of sample i split into (A, B) at a random boundary; maybe swapped."""
-        start, end = (int(x) + self._first_sentence for x in self.samples[i])
-        sentences = [np.asarray(self.indexed[s], dtype=np.int64) for s in range(start, end)]
+        start, end = (int(x) for x in self.samples[i])
+        sentences = [np.asarray(self.indexed[int(self._sentences[s])], dtype=np.int64)
+                     for s in range(start, end)]
         sentences = [s[s != self.eod_id] for s in sentences]
         cut = int(rng.integers(1, len(sentences)))
         a, b = np.concatenate(sentences[:cut]), np.concatenate(sentences[cut:])

@@ -1,7 +1,8 @@
 """`build_datasets(cfg)`: the trainer's entry point for `data.source: indexed`.
 
 Opens every prefix in `data.paths`, checks that the data, the tokenizer and the model agree
-on the vocabulary, splits each dataset's documents by `data.split`, builds GPT or BERT
+on the vocabulary, deals each dataset's documents to the splits by `data.split` after a
+seeded shuffle (so validation is drawn from the whole corpus), builds GPT or BERT
 samples per split and blends several prefixes by weight.
 """
 
@@ -23,6 +24,21 @@ def split_bounds(split: str, num_docs: int) -> list[tuple[int, int]]:
     ratios = parse_split(split)
     edges = np.round(np.cumsum([0.0] + ratios) / sum(ratios) * num_docs).astype(int)
     return [(int(edges[k]), int(edges[k + 1])) for k in range(3)]
+
+
+def split_documents(split: str, num_docs: int, seed: int) -> list[np.ndarray]:
+    """Document ids of the train, valid and test splits, in `data.split` proportion.
+
+    Documents are dealt to the splits after a seeded shuffle, so every split is drawn from the
+    whole corpus like the training split (a corpus stored in some order, e.g. by source or
+    topic, would otherwise validate on its tail only). Ids are sorted within a split; the
+    datasets shuffle their documents and samples themselves.
+    """
+    order = np.random.default_rng([seed, SPLIT_STREAM]).permutation(num_docs)
+    return [np.sort(order[a:b]) for a, b in split_bounds(split, num_docs)]
+
+
+SPLIT_STREAM = 7919  # keeps the split's shuffle apart from the datasets' (same seed)
 
 
 def check_vocab(cfg: Config, datasets: list[IndexedDataset]) -> None:
@@ -51,12 +67,13 @@ def check_vocab(cfg: Config, datasets: list[IndexedDataset]) -> None:
                           f"model.vocab_size={first.vocab_size}")
 
 
-def _split_dataset(cfg: Config, indexed: IndexedDataset, bounds: tuple[int, int], name: str):
+def _split_dataset(cfg: Config, indexed: IndexedDataset, documents: np.ndarray, name: str):
     m = cfg.model
     if m.arch == "bert":
-        return BertDataset(indexed, *bounds, seq_length=m.seq_length, seed=cfg.train.seed,
-                           mask_prob=cfg.data.mask_prob, name=name)
-    return GPTDataset(indexed, *bounds, seq_length=m.seq_length, seed=cfg.train.seed, name=name)
+        return BertDataset(indexed, 0, 0, seq_length=m.seq_length, seed=cfg.train.seed,
+                           mask_prob=cfg.data.mask_prob, name=name, documents=documents)
+    return GPTDataset(indexed, 0, 0, seq_length=m.seq_length, seed=cfg.train.seed, name=name,
+                      documents=documents)
 
 
 def _combine(parts: list, weights: list[float]):
@@ -76,8 +93,9 @@ def build_datasets(cfg: Config) -> dict:
     check_vocab(cfg, indexed)
     per_split: dict[str, list] = {name: [] for name in SPLITS}
     for ds in indexed:
-        for name, bounds in zip(SPLITS, split_bounds(cfg.data.split, ds.num_documents)):
-            per_split[name].append(_split_dataset(cfg, ds, bounds, name))
+        splits = split_documents(cfg.data.split, ds.num_documents, cfg.train.seed)
+        for name, documents in zip(SPLITS, splits):
+            per_split[name].append(_split_dataset(cfg, ds, documents, name))
     weights = [w for w, _ in pairs]
     out = {name: _combine(parts, weights) for name, parts in per_split.items()}
     if len(out["train"]) == 0:

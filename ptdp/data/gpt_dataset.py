@@ -36,15 +36,16 @@ def build_gpt_index(doc_sizes: np.ndarray, seq_length: int, seed: int) -> dict[s
 
 
 class GPTDataset:
-    """Map-style dataset over documents [doc_begin, doc_end) of an indexed dataset."""
+    """Map-style dataset over documents [doc_begin, doc_end) of an indexed dataset, or over
+    the document ids `documents` when given (the split's share, ptdp/data/build.py)."""
 
     def __init__(self, indexed: IndexedDataset, doc_begin: int, doc_end: int,
-                 seq_length: int, seed: int, name: str = "train"):
+                 seq_length: int, seed: int, name: str = "train", documents=None):
         self.indexed, self.seq_length, self.name = indexed, seq_length, name
-        self.doc_begin = doc_begin
-        bounds = indexed.document_bounds()[doc_begin:doc_end + 1]
-        self.doc_starts = bounds[:-1]
-        doc_sizes = np.diff(bounds)
+        docs = np.arange(doc_begin, doc_end) if documents is None else np.asarray(documents)
+        bounds = indexed.document_bounds()
+        self.doc_starts = bounds[docs]
+        doc_sizes = bounds[docs + 1] - bounds[docs]
         key = cache_key(doc_sizes=doc_sizes, seq_length=seq_length, seed=seed, kind="gpt")
         index = cached_arrays(indexed.prefix, f"{name}-gpt", key,
                               lambda: build_gpt_index(doc_sizes, seq_length, seed))

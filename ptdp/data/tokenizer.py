@@ -63,6 +63,10 @@ class Tokenizer:
     mask_id = property(lambda self: self._special_id(MASK))
     pad_id = property(lambda self: self._special_id(PAD))
 
+    @property
+    def unk_piece(self) -> str:
+        return self._sp.IdToPiece(self._sp.unk_id())
+
     def special_ids(self) -> dict[str, int]:
         """The special tokens this model has, by name (stored in the .idx metadata)."""
         return {tok: pid for tok, pid in self._special.items() if pid is not None}

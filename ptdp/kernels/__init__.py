@@ -1,4 +1,4 @@
-"""Fused elementwise paths and per-layer compilation (SPEC item 27; DESIGN principle 5).
+"""Fused elementwise paths and per-layer compilation (dissertation ch. 4; torch-native).
 
 * `fused.py`: bias + GeLU and bias + dropout + residual add, as plain torch functions that
   torch.compile fuses; eager PyTorch runs them with exactly the unfused numerics.

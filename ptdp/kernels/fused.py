@@ -1,4 +1,4 @@
-"""The elementwise chains that follow a transformer layer's GEMMs (SPEC item 27).
+"""The elementwise chains that follow a transformer layer's GEMMs (dissertation ch. 4).
 
 Megatron-LM fuses bias + GeLU (after the first MLP GEMM) and bias + dropout + residual add
 (after the attention projection and the second MLP GEMM) with TorchScript. Here they are plain

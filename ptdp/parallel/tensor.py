@@ -1,4 +1,4 @@
-"""Tensor (intra-layer) model parallelism, as in Megatron-LM (SPEC item 21, source L3654–3713).
+"""Tensor (intra-layer) model parallelism, as in Megatron-LM (Narayanan's dissertation, chapter 4).
 
 * `copy_to_tensor_region` is the paper's **f**: identity forward, all-reduce backward.
 * `reduce_from_tensor_region` is **g**: all-reduce forward, identity backward.

@@ -3,7 +3,7 @@
 The schedule (``ptdp.pipeline.schedules``) lists a rank's compute actions. Between two of them
 the rank posts one *exchange*: the sends and receives it issues together (one
 ``batch_isend_irecv``). This module derives those exchanges from the schedules of all ranks,
-as pure data, so that they hold under NCCL's rules (DESIGN.md, "NCCL rules"), which are
+as pure data, so that they hold under NCCL's rules (tests/pipeline/nccl_rules.py), which are
 stricter than gloo's:
 
 1. **No tags.** A receive matches the next message from that peer, in issue order. So for

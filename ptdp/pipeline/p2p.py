@@ -7,7 +7,7 @@ match by order alone, as NCCL requires, so the same code path is correct on NCCL
 Nothing waits for a send until the end of the iteration; a receive is waited for only when
 its tensor is needed (on NCCL that makes the compute stream wait, not the host).
 
-Scatter/gather (SPEC item 26, source L3988–4036): with t > 1 the tensor ranks of a stage hold
+Scatter/gather (dissertation ch. 4): with t > 1 the tensor ranks of a stage hold
 identical boundary tensors, so each sends only its 1/t slice to its peer in the next stage
 (in a cluster: one slice per InfiniBand card) and the receiving tensor group all-gathers the
 slices (over NVLink). Bytes crossing the boundary per rank drop from bsh to bsh/t.

@@ -1,7 +1,7 @@
 """Weight versions: the copies of a rank's parameters that forward and backward passes run with.
 
-PipeDream-2BW keeps two per rank (current and shadow, L2255-2312); PipeDream with weight
-stashing keeps one per in-flight input (L1389-1470). A *version* is one tensor per parameter
+PipeDream-2BW keeps two per rank (current and shadow); PipeDream with weight
+stashing keeps one per in-flight input. A *version* is one tensor per parameter
 holding what the optimizer's fp32 masters were cast into after some number of updates (its id).
 Before every forward and backward the executor points the model's parameters at the version
 that micro-batch uses (``param.data = tensor``), so a backward, and any recomputation of the

@@ -43,8 +43,12 @@ def test_gpt_splits_are_disjoint_and_in_ratio(tmp_path):
     for name, ds in out.items():
         tokens = np.concatenate([ds[i]["tokens"] for i in range(len(ds))])
         docs[name] = set(np.searchsorted(bounds, tokens, side="right").tolist())
-    assert docs["train"] <= set(range(1, 81)) and len(docs["train"]) == 80
-    assert docs["valid"] <= set(range(81, 91)) and docs["test"] <= set(range(91, 101))
+    from ptdp.data.build import split_documents
+    dealt = [set((ids + 1).tolist()) for ids in split_documents("80,10,10", 100, cfg.train.seed)]
+    assert docs["train"] == dealt[0] and len(docs["train"]) == 80
+    assert docs["valid"] <= dealt[1] and docs["test"] <= dealt[2]
+    assert not (docs["train"] & docs["valid"]) and not (docs["valid"] & docs["test"])
+    assert min(docs["valid"]) <= 80   # shuffled: not the corpus' last tenth
     assert [len(out[n]) for n in ("train", "valid", "test")] == [(1600 - 1) // 8, (200 - 1) // 8, (200 - 1) // 8]
 
 
@@ -121,3 +125,15 @@ def test_empty_train_split_fails_clearly(tmp_path):
                       f"model.vocab_size={1 << 20}")
     with pytest.raises(IndexedDataError, match=r"train split of .*tiny has no samples.*seq_length=64"):
         build_datasets(cfg)
+
+
+def test_split_documents_draws_every_split_from_the_whole_corpus():
+    from ptdp.data.build import split_documents
+    splits = split_documents("8,1,1", 1000, seed=3)
+    assert [len(s) for s in splits] == [800, 100, 100]
+    assert sorted(np.concatenate(splits).tolist()) == list(range(1000))   # a partition
+    valid = splits[1]
+    assert valid.min() < 100 and valid.max() > 900          # not the corpus' tail
+    assert (np.diff(valid) > 0).all()                       # sorted ids
+    assert all((a == b).all() for a, b in zip(splits, split_documents("8,1,1", 1000, seed=3)))
+    assert not (split_documents("8,1,1", 1000, seed=4)[1] == valid).all()

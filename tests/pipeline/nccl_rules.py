@@ -2,7 +2,7 @@
 
 gloo matches messages by tag and lets a rank's sends and receives complete in any order, so a
 pipeline exchange that would hang or mix up tensors on NCCL can pass on gloo. This transport
-takes those freedoms away (DESIGN.md, "NCCL rules"):
+takes those freedoms away (tests/pipeline/nccl_rules.py imposes them on gloo):
 
 1. **No tags.** Every boundary tensor goes out with tag 0, so it matches the receiver's next
    receive from that peer, in issue order. Each payload is preceded by a header naming the

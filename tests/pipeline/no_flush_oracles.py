@@ -1,5 +1,5 @@
 """Single-process simulations of the no-flush update rules: the oracles of the 2BW and PipeDream
-tests (DESIGN principle 3). Each runs a plain one-process trainer (schedule 1f1b, p = 1) and
+tests (the project's test oracle). Each runs a plain one-process trainer (schedule 1f1b, p = 1) and
 feeds its optimizer gradients computed at the weight version the rule names, with the same data
 order as the pipelined runs; nothing of the no-flush machinery is used.
 """
@@ -34,7 +34,7 @@ def _load(trainer, values: list[torch.Tensor]) -> None:
 
 def simulate_two_bw(overrides: list[str], iters: int) -> dict:
     """W(t+1) = W(t) - lr * AdamW(clip(grad f_t(W(max(t-1, 0))))): batch t's gradient (and loss)
-    at the version before the newest, applied to the newest (L2306, L2353-2390)."""
+    at the version before the newest, applied to the newest."""
     trainer = _trainer(overrides, iters)
     history, losses, norms = [_snapshot(trainer)], [], []
     for t in range(iters):
@@ -54,7 +54,7 @@ def simulate_two_bw(overrides: list[str], iters: int) -> dict:
 
 def pipedream_versions(j: int, p: int, stage: int, vertical_sync: bool) -> int:
     """The version (updates applied) stage ``stage`` of ``p`` runs input j with: the newest it
-    has at j's forward, j - p + 1 + stage (weight stashing, SPEC item 8), or the version j was
+    has at j's forward, j - p + 1 + stage (weight stashing), or the version j was
     tagged with at the input stage, j - p + 1, everywhere (vertical sync, item 9); at least 0."""
     return max(j - p + 1 + (0 if vertical_sync else stage), 0)
 

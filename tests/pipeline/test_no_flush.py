@@ -158,7 +158,7 @@ def test_two_bw_weights_follow_the_delay_one_rule(name, arch):
 @pytest.mark.parametrize("name", ["2bw-p1", "2bw-p2", "2bw-p2-v2", "2bw-p2-t2-d2"])
 def test_two_bw_micro_batch_k_uses_version_max_of_k_over_m_minus_1_and_0(name):
     """From the executor's log: forward and backward of micro-batch k run with version
-    max(k // m - 1, 0) (L2306), and no rank ever holds more than two versions."""
+    max(k // m - 1, 0), and no rank ever holds more than two versions."""
     for rank in result(name, "gpt"):
         m = rank["m"]
         assert rank["peaks"] == [2]

@@ -71,7 +71,7 @@ def test_two_bw_has_no_bubble_in_steady_state(p, v, m):
 @pytest.mark.parametrize("p,v,m", TWO_BW)
 def test_two_bw_keeps_the_flushing_in_flight_bound(p, v, m):
     """Activations: 1F1B's p - rank (Megatron's interleaved warm-up + 1 chunk stashes when
-    v > 1), never the m of GPipe: at most p micro-batches in flight (L2314-2337)."""
+    v > 1), never the m of GPipe: at most p micro-batches in flight."""
     for rank, actions in enumerate(build_all("2bw", p, v, m, BATCHES)):
         bound = p - rank if v == 1 else 2 * (p - rank - 1) + (v - 1) * p + 1
         assert max_in_flight(actions) == min(bound, BATCHES * m * v)

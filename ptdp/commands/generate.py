@@ -1,0 +1,82 @@
+"""`ptdp generate CHECKPOINT --prompt TEXT`: sample text from a GPT checkpoint (ptdp/generate.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="generate text from a GPT checkpoint of any layout",
+        description="Loads a GPT checkpoint of any (p, t, d, v) into one process and continues "
+                    "each prompt. Temperature 0 is greedy decoding; otherwise top-k and top-p "
+                    "cut the distribution before a seeded draw. Uses a key/value cache.")
+    parser.add_argument("checkpoint", help="checkpoint directory (follows `latest`) or an iter_N")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="the text to continue")
+    what.add_argument("--prompt-file", help="a file with one prompt per line")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to add per prompt")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0 = all)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="keep the likeliest tokens up to this total probability (1 = all)")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the sampling draws")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto = cuda if available")
+    parser.add_argument("--tokenizer", default=None,
+                        help="sentencepiece model; default: the checkpoint's copy, else its "
+                             "config's data.tokenizer")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="recompute every position at each step (slow; for checking)")
+    parser.set_defaults(func=run)
+
+
+def _prompts(args) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"--prompt-file {path}: no such file")
+    prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompt-file {path} has no non-empty line")
+    return prompts
+
+
+def run(args) -> int:
+    from ptdp.checkpoint import CheckpointError, find_checkpoint, read_metadata
+    from ptdp.data.tokenizer import Tokenizer, TokenizerError
+    from ptdp.generate import Sampling, generate
+    from ptdp.local_model import LocalModel, checkpoint_tokenizer
+    from ptdp.runtime import pick_device
+
+    try:
+        prompts = _prompts(args)
+        directory, _ = find_checkpoint(args.checkpoint)
+        spm = checkpoint_tokenizer(directory, read_metadata(directory), args.tokenizer)
+        if spm is None:
+            raise FileNotFoundError(f"{directory} names no tokenizer; pass --tokenizer FILE.model")
+        tok = Tokenizer(spm)
+        model = LocalModel.from_checkpoint(directory).to(pick_device(args.device))
+        if tok.vocab_size != model.cfg.vocab_size:
+            raise ValueError(f"tokenizer {spm} has {tok.vocab_size} tokens but the model's "
+                             f"vocabulary is {model.cfg.vocab_size}")
+        sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+        stop = tok.special_ids().get("<eod>")
+        for i, text in enumerate(prompts):
+            ids = tok.encode(text)
+            new = generate(model, ids, args.max_new_tokens, sampling, stop,
+                           use_cache=not args.no_cache)
+            if len(prompts) > 1:
+                print(f"--- prompt {i + 1}")
+            print(text + _completion(tok, ids, new), flush=True)
+    except (CheckpointError, TokenizerError, ValueError, FileNotFoundError) as err:
+        print(f"ptdp generate: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _completion(tok, prompt_ids: list[int], new: list[int]) -> str:
+    """The new tokens as text, with the space sentencepiece drops when they decode alone."""
+    return tok.decode(prompt_ids + new)[len(tok.decode(prompt_ids)):]

@@ -1,0 +1,138 @@
+"""Text generation from a GPT checkpoint of any layout, in one process (CPU or GPU).
+
+The model is `ptdp.local_model.LocalModel` (the training code's own modules, full weights).
+Decoding keeps a key/value cache: the prompt runs once, then each new token runs one
+position through every layer, attending to the cached keys and values of all earlier
+positions. `use_cache=False` recomputes the whole sequence with the model's training forward
+at every step instead (the reference the tests compare the cache against).
+
+Sampling: temperature 0 is greedy (argmax); otherwise logits / temperature, then top-k (keep
+the k largest), then top-p (keep the smallest set of tokens whose probability reaches p),
+then one draw from a `torch.Generator` seeded with `seed`, so a seed fixes the sample.
+Positions are learned, so prompt + new tokens stop at model.seq_length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ptdp.kernels import bias_dropout_add, bias_gelu
+from ptdp.local_model import LocalModel
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0   # 0 = greedy
+    top_k: int = 0             # 0 = no top-k cut
+    top_p: float = 1.0         # 1 = no nucleus cut
+    seed: int = 1234
+
+    def check(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top-k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+
+
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """One token id from a [vocab] row of logits."""
+    if sampling.temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k:
+        kth = torch.topk(logits, min(sampling.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if sampling.top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first stays)
+        drop = probs.cumsum(-1) - probs >= sampling.top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = logits.softmax(-1).cpu()
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class KVCache:
+    """Per layer, the keys and values [b, heads, s, d] of every position run so far."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+@torch.no_grad()
+def forward_cached(model: LocalModel, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Logits [b, s, vocab] of `tokens` [b, s], the positions after those in `cache`; adds their
+    keys and values to it. The same modules and arithmetic as TransformerLayer.forward."""
+    chunk, start = model.chunk, cache.length
+    s = tokens.shape[1]
+    emb = chunk.embedding
+    x = emb.word(tokens.t()) + emb.position[start:start + s].unsqueeze(1)   # [s, b, h]
+    # query i (absolute position start + i) sees keys 0 .. start + i
+    mask = None
+    if start > 0 and s > 1:
+        mask = torch.ones(s, start + s, dtype=torch.bool, device=x.device).tril(start)
+    for i, layer in enumerate(chunk.stack.layers):
+        attn = layer.attention
+        qkv = attn.qkv(layer.ln1(x)).view(s, x.shape[1], attn.local_heads, 3, -1)
+        q, k, v = (qkv[:, :, :, j].permute(1, 2, 0, 3) for j in range(3))   # [b, n, s, d]
+        k, v = cache.extend(i, k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                             is_causal=start == 0 and s > 1)
+        out = out.permute(2, 0, 1, 3).reshape(s, x.shape[1], -1)
+        x = bias_dropout_add(*attn.proj(out), x, 0.0, False)
+        x = bias_dropout_add(*layer.mlp.fc2(bias_gelu(*layer.mlp.fc1(layer.ln2(x)))), x, 0.0, False)
+    from models.embedding import logits
+    out = logits(chunk.final_ln(x), chunk.output_table(), chunk.ctx)
+    return out[..., :model.cfg.vocab_size].transpose(0, 1).float()
+
+
+@torch.no_grad()
+def generate(model: LocalModel, prompt: list[int], max_new_tokens: int, sampling: Sampling,
+             stop_id: int | None = None, use_cache: bool = True) -> list[int]:
+    """The new token ids after `prompt` (at most max_new_tokens; fewer at stop_id, which is
+    kept, or at model.seq_length)."""
+    if model.cfg.arch != "gpt":
+        raise ValueError("generation needs a GPT checkpoint (model.arch=gpt); this one is "
+                         f"{model.cfg.arch}")
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token (e.g. some text)")
+    sampling.check()
+    limit = model.cfg.seq_length
+    if len(prompt) >= limit:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; the model sees at most "
+                         f"model.seq_length={limit}, so nothing is left to generate")
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(sampling.seed)
+    tokens = list(prompt)
+    cache = KVCache(model.cfg.num_layers)
+    pending = tokens
+    new: list[int] = []
+    while len(new) < max_new_tokens and len(tokens) < limit:
+        if use_cache:
+            row = forward_cached(model, torch.tensor([pending], device=device), cache)[0, -1]
+        else:
+            row = model.logits(torch.tensor([tokens], device=device))[0, -1]
+        token = next_token(row, sampling, generator)
+        tokens.append(token)
+        new.append(token)
+        pending = [token]
+        if token == stop_id:
+            break
+    return new
