@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from models.chunk import ModelChunk
 from models.embedding import logits
 from models.transformer import ModelContext, layer_norm
-from ptdp.parallel.tensor import full_normal, shard_param, vocab_parallel_cross_entropy
+from ptdp.parallel.tensor import (full_normal, gather_from_sequence_region, shard_param,
+                                  vocab_parallel_cross_entropy)
 
 
 class Linear(nn.Module):
@@ -65,4 +66,8 @@ class BertChunk(ModelChunk):
         hidden = self.stack(hidden, batch["padding_mask"])
         if not self.is_last:
             return hidden
-        return self.heads(self.final_ln(hidden), self.output_table(), batch)
+        hidden = self.final_ln(hidden)
+        if self.ctx.tp.sequence_parallel:  # the heads (and the [CLS] pooler) see every token;
+            # they are replicated, so each rank's gradient of the gathered tensor is whole
+            hidden = gather_from_sequence_region(hidden, self.ctx.tp, reduce_grad=False)
+        return self.heads(hidden, self.output_table(), batch)

@@ -27,7 +27,8 @@ from ptdp.data.synthetic import synthetic_datasets
 from ptdp.kernels import should_compile
 from ptdp.metrics import MetricsLog, iteration_tflops, peak_memory_gb, peak_tflops, startup_report
 from ptdp.optim.grads import (DataParallelGradients, clip_gradients, counts_in_norm,
-                              global_grad_norm, sync_shared_embeddings)
+                              global_grad_norm, reduce_sequence_parallel_grads,
+                              sync_shared_embeddings)
 from ptdp.optim.loss_scale import LossScaler
 from ptdp.optim.lr import learning_rate
 from ptdp.optim.mixed_precision import PRECISIONS, MasterWeights
@@ -95,7 +96,7 @@ class Trainer:
     # Construction ---------------------------------------------------------------------------
     def _build_model(self) -> None:
         cfg, grid, par, tr = self.cfg, self.grid, self.cfg.parallel, self.cfg.train
-        self.tp = TensorParallel.from_grid(grid)
+        self.tp = TensorParallel.from_grid(grid, par.sequence_parallel)
         self.ctx = ModelContext(cfg.model, self.tp, tr.seed,
                                 TensorParallelRNG(tr.seed, grid.tp_rank, self.device),
                                 cfg.padded_vocab_size, tr.recompute, tr.recompute_num_layers,
@@ -135,7 +136,9 @@ class Trainer:
         self.p2p = P2P(grid.pipeline_ranks, group=grid.pipeline_group,
                        tensor_group=grid.tensor_group, tp_rank=grid.tp_rank, tp_size=grid.t,
                        scatter_gather=par.scatter_gather)
-        activation_shape = (cfg.model.seq_length, tr.micro_batch_size, cfg.model.hidden_size)
+        # with sequence parallelism each tensor rank holds (and sends) its 1/t of the sequence
+        seq = cfg.model.seq_length // (grid.t if self.tp.sequence_parallel else 1)
+        activation_shape = (seq, tr.micro_batch_size, cfg.model.hidden_size)
         self.executor = PipelineExecutor(
             self.chunks, par.pipeline * par.chunks, self.p2p, activation_shape=activation_shape,
             activation_dtype=self.dtype, device=self.device, versions=self.versions)
@@ -190,6 +193,9 @@ class Trainer:
         with spans("embedding reduce + norm", "reduce"):
             sync_shared_embeddings(self.master_params, self.grid.embedding_group,
                                    len(self.grid.embedding_ranks))
+            if self.tp.sequence_parallel:
+                reduce_sequence_parallel_grads(self.master_params, self.grid.tensor_group,
+                                               self.grid.t)
             grads = [m.grad for m in self.master_params if m.grad is not None]
             if self.loss_scaler.scale != 1.0 and grads:
                 torch._foreach_div_(grads, self.loss_scaler.scale)
