@@ -178,7 +178,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def _split_first_dim(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    return x.chunk(size, dim=0)[rank].contiguous()
+    return x.chunk(size, dim=0)[rank].clone()  # a row slice is contiguous: copy to free the rest
 
 
 class _GatherFromSequenceRegion(torch.autograd.Function):
@@ -263,7 +263,7 @@ def sequence_parallel_dropout(x: torch.Tensor, p: float, tp: TensorParallel) -> 
     """
     full = (x.shape[0] * tp.size, *x.shape[1:])
     noise = torch.empty(full, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
-    noise = sequence_shard(noise, tp).contiguous().div_(1 - p)
+    noise = sequence_shard(noise, tp).clone().div_(1 - p)  # a copy: the full mask is freed
     return x * noise
 
 
