@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from models.transformer import ModelContext
 from models.transformer import _sequence_parallel_dropout
+from ptdp.parallel import weight_grad
 from ptdp.parallel.tensor import (VocabParallelEmbedding, full_normal, mark_sequence_parallel,
                                   parallel_logits, sequence_shard, shard_param)
 
@@ -19,7 +20,8 @@ def word_embedding(ctx: ModelContext) -> VocabParallelEmbedding:
     key, so input and output embeddings start identical and stay tied by gradient all-reduce."""
     cfg = ctx.model
     return VocabParallelEmbedding(cfg.vocab_size, ctx.padded_vocab_size, cfg.hidden_size, ctx.tp,
-                                  seed=ctx.seed, key=WORD_EMBEDDING_KEY, std=cfg.init_std)
+                                  seed=ctx.seed, key=WORD_EMBEDDING_KEY, std=cfg.init_std,
+                                  defer_weight_grad=ctx.split_backward)
 
 
 class Embedding(nn.Module):
@@ -40,13 +42,14 @@ class Embedding(nn.Module):
                           if num_tokentypes else None)
         self.dropout = cfg.dropout
         self.tp = ctx.tp
+        self.lookup = weight_grad.embedding if ctx.split_backward else F.embedding
 
     def forward(self, tokens: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
         tokens = tokens.t()  # [b, s] -> [s, b]
         mine = lambda x: sequence_shard(x, self.tp)  # noqa: E731 - my tokens' rows (SP)
         x = self.word(tokens) + mine(self.position[: tokens.shape[0]]).unsqueeze(1)
         if self.tokentype is not None:
-            x = x + F.embedding(mine(types.t()), self.tokentype)
+            x = x + self.lookup(mine(types.t()), self.tokentype)
         if self.dropout == 0 or not self.training:
             return x
         if self.tp.sequence_parallel:
@@ -75,4 +78,4 @@ def mark_shared(weight: torch.Tensor) -> None:
 
 def logits(hidden: torch.Tensor, table: torch.Tensor, ctx: ModelContext, bias=None,
            sequence_sharded: bool = False) -> torch.Tensor:
-    return parallel_logits(hidden, table, ctx.tp, bias, sequence_sharded)
+    return parallel_logits(hidden, table, ctx.tp, bias, sequence_sharded, ctx.split_backward)

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ptdp.config import ModelConfig
 from ptdp.kernels import bias_dropout_add, bias_gelu
+from ptdp.parallel.weight_grad import LayerNorm
 from ptdp.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallel,
                                   TensorParallelRNG, full_normal, mark_sequence_parallel,
                                   scaled_std, sequence_parallel_dropout)
@@ -43,15 +44,18 @@ class ModelContext:
     recompute: str = "none"          # none | full | selective
     recompute_num_layers: int = 1
     compile: bool = False            # torch.compile each TransformerLayer (train.compile)
+    split_backward: bool = False     # weight gradients deferrable to a W pass (zb-h1)
 
 
-def layer_norm(hidden: int, eps: float, tp: TensorParallel | None = None) -> nn.LayerNorm:
+def layer_norm(hidden: int, eps: float, tp: TensorParallel | None = None,
+               split_backward: bool = False) -> nn.LayerNorm:
     """LayerNorm weights are replicated across tensor ranks (ones and zeros: layout-free).
 
     `tp`: the norm runs on the hidden state between tensor regions, which with sequence
     parallelism is 1/t of the tokens, so its weights are marked for the tensor-group sum.
+    `split_backward`: its weight gradient may wait for the W pass (zb-h1).
     """
-    norm = nn.LayerNorm(hidden, eps=eps)
+    norm = (LayerNorm if split_backward else nn.LayerNorm)(hidden, eps=eps)
     if tp is not None:
         mark_sequence_parallel(norm.weight, tp)
         mark_sequence_parallel(norm.bias, tp)
@@ -90,10 +94,12 @@ class ParallelAttention(nn.Module):
         self.local_heads = tp.shard(cfg.num_heads)
         self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, tp, seed=ctx.seed,
                                         key=f"{key}.qkv", std=cfg.init_std,
-                                        full_weight=qkv_weight(cfg, ctx.seed, f"{key}.qkv"))
+                                        full_weight=qkv_weight(cfg, ctx.seed, f"{key}.qkv"),
+                                        defer_weight_grad=ctx.split_backward)
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
                                       key=f"{key}.proj", skip_bias_add=True,
-                                      std=scaled_std(cfg.init_std, cfg.num_layers))
+                                      std=scaled_std(cfg.init_std, cfg.num_layers),
+                                      defer_weight_grad=ctx.split_backward)
 
     def core_attention(self, q, k, v, padding_mask):
         """[b, heads, s, d] -> [b, heads, s, d]; dropout here is inside the tensor region."""
@@ -135,10 +141,11 @@ class ParallelMLP(nn.Module):
         cfg, tp = ctx.model, ctx.tp
         key = f"layers.{layer}.mlp"
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp, seed=ctx.seed,
-                                        key=f"{key}.fc1", std=cfg.init_std, skip_bias_add=True)
+                                        key=f"{key}.fc1", std=cfg.init_std, skip_bias_add=True,
+                                        defer_weight_grad=ctx.split_backward)
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
                                      key=f"{key}.fc2", std=scaled_std(cfg.init_std, cfg.num_layers),
-                                     skip_bias_add=True)
+                                     skip_bias_add=True, defer_weight_grad=ctx.split_backward)
 
     def forward(self, x):
         """-> (output without fc2's bias, that bias)."""
@@ -152,9 +159,9 @@ class TransformerLayer(nn.Module):
         super().__init__()
         cfg = ctx.model
         self.tp = ctx.tp
-        self.ln1 = layer_norm(cfg.hidden_size, cfg.layernorm_eps, ctx.tp)
+        self.ln1 = layer_norm(cfg.hidden_size, cfg.layernorm_eps, ctx.tp, ctx.split_backward)
         self.attention = ParallelAttention(ctx, layer, causal)
-        self.ln2 = layer_norm(cfg.hidden_size, cfg.layernorm_eps, ctx.tp)
+        self.ln2 = layer_norm(cfg.hidden_size, cfg.layernorm_eps, ctx.tp, ctx.split_backward)
         self.mlp = ParallelMLP(ctx, layer)
         self.dropout = cfg.dropout
 

@@ -31,8 +31,8 @@ class ConfigError(ValueError):
 
 
 VOCAB_PAD_MULTIPLE = 128  # vocab is padded to a multiple of 128 * t (GEMM-friendly shards)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw", "pipedream")
-FLUSHING_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "2bw", "pipedream")
+FLUSHING_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 # What `ptdp train` runs (all of them; the one place a schedule would be refused).
 TRAINER_SCHEDULES = SCHEDULES
 
@@ -72,7 +72,7 @@ class ParallelConfig:
 
 @dataclass
 class ScheduleConfig:
-    name: str = "1f1b"                   # gpipe | 1f1b | interleaved | 2bw | pipedream
+    name: str = "1f1b"                   # gpipe | 1f1b | interleaved | zb-h1 | 2bw | pipedream
     vertical_sync: bool = False          # pipedream: every stage uses the input stage's version
 
 
@@ -577,7 +577,7 @@ def _check_sequence_parallel(cfg: Config, out: _Problems) -> None:
                 "boundary tensors are already 1/t of the sequence); set it false")
     out.require(cfg.schedule.name not in ("2bw", "pipedream"),
                 f"parallel.sequence_parallel=true is not supported with schedule.name="
-                f"{cfg.schedule.name}; use a flushing schedule (gpipe, 1f1b, interleaved)")
+                f"{cfg.schedule.name}; use a flushing schedule (gpipe, 1f1b, interleaved, zb-h1)")
 
 
 def _check_schedule(cfg: Config, out: _Problems) -> None:

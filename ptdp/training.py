@@ -38,7 +38,8 @@ from ptdp.parallel.tensor import TensorParallel, TensorParallelRNG, seed_everyth
 from ptdp.pipeline.comm_plan import check_plans, plan_exchanges
 from ptdp.pipeline.executor import PipelineExecutor
 from ptdp.pipeline.p2p import P2P
-from ptdp.pipeline.schedules import FORWARD, NO_FLUSH, build_all, rank_stages
+from ptdp.parallel.weight_grad import STORE as WEIGHT_GRADS
+from ptdp.pipeline.schedules import FORWARD, NO_FLUSH, SPLIT_BACKWARD, build_all, rank_stages
 from ptdp.pipeline.weights import aliasing_masters
 from ptdp.runtime import init_distributed
 from ptdp.trace import NO_SPANS, TraceRecorder
@@ -100,7 +101,9 @@ class Trainer:
         self.ctx = ModelContext(cfg.model, self.tp, tr.seed,
                                 TensorParallelRNG(tr.seed, grid.tp_rank, self.device),
                                 cfg.padded_vocab_size, tr.recompute, tr.recompute_num_layers,
-                                compile=should_compile(tr.compile, self.device))
+                                compile=should_compile(tr.compile, self.device),
+                                split_backward=cfg.schedule.name in SPLIT_BACKWARD)
+        WEIGHT_GRADS.clear()   # nothing deferred survives a previous trainer in this process
         self.dtype = PRECISIONS[tr.precision]
         self.stages = rank_stages(grid.pp_rank, par.pipeline, par.chunks)
         num_stages = par.pipeline * par.chunks

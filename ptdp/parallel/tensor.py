@@ -32,6 +32,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ptdp.parallel import weight_grad
+
 
 # --------------------------------------------------------------------------------------------
 # The tensor-parallel group
@@ -307,10 +309,12 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel, *, seed: int,
                  key: str, std: float, bias: bool = True, gather_output: bool = False,
-                 full_weight: torch.Tensor | None = None, skip_bias_add: bool = False):
+                 full_weight: torch.Tensor | None = None, skip_bias_add: bool = False,
+                 defer_weight_grad: bool = False):
         super().__init__()
         assert not (gather_output and skip_bias_add), "a gathered output needs its bias added"
         self.tp, self.gather_output, self.skip_bias_add = tp, gather_output, skip_bias_add
+        self.linear = weight_grad.linear if defer_weight_grad else F.linear
         full = full_weight if full_weight is not None else full_normal(
             (out_features, in_features), std, seed, f"{key}.weight")
         self.weight = shard_param(full, 0, tp)
@@ -318,7 +322,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(enter_tensor_region(x, self.tp), self.weight, bias)
+        y = self.linear(enter_tensor_region(x, self.tp), self.weight, bias)
         if self.skip_bias_add:
             return y, self.bias
         return gather_from_tensor_region(y, self.tp) if self.gather_output else y
@@ -334,9 +338,10 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel, *, seed: int,
                  key: str, std: float, bias: bool = True, input_is_parallel: bool = True,
-                 skip_bias_add: bool = False):
+                 skip_bias_add: bool = False, defer_weight_grad: bool = False):
         super().__init__()
         self.tp, self.input_is_parallel, self.skip_bias_add = tp, input_is_parallel, skip_bias_add
+        self.linear = weight_grad.linear if defer_weight_grad else F.linear
         full = full_normal((out_features, in_features), std, seed, f"{key}.weight")
         self.weight = shard_param(full, 1, tp)
         self.bias = (mark_sequence_parallel(shard_param(torch.zeros(out_features), None, tp), tp)
@@ -345,7 +350,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tensor_region(x, self.tp)
-        y = leave_tensor_region(F.linear(x, self.weight), self.tp)
+        y = leave_tensor_region(self.linear(x, self.weight), self.tp)
         if self.skip_bias_add:
             return y, self.bias
         return y + self.bias if self.bias is not None else y
@@ -359,9 +364,10 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, vocab_size: int, padded_vocab_size: int, hidden: int, tp: TensorParallel,
-                 *, seed: int, key: str, std: float):
+                 *, seed: int, key: str, std: float, defer_weight_grad: bool = False):
         super().__init__()
         self.tp, self.vocab_size = tp, vocab_size
+        self.embedding = weight_grad.embedding if defer_weight_grad else F.embedding
         full = torch.zeros(padded_vocab_size, hidden)
         full[:vocab_size] = full_normal((vocab_size, hidden), std, seed, f"{key}.weight")
         self.weight = shard_param(full, 0, tp)
@@ -371,24 +377,26 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self.embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return leave_tensor_region(out, self.tp)  # [s/t, b, h] with sequence parallelism
 
 
 def parallel_logits(hidden: torch.Tensor, embedding_weight: torch.Tensor, tp: TensorParallel,
-                    bias: torch.Tensor | None = None, sequence_sharded: bool = False) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, sequence_sharded: bool = False,
+                    defer_weight_grad: bool = False) -> torch.Tensor:
     """[s, b, h] x [V/t, h]^T -> this rank's [s, b, V/t] slice of the logits.
 
     `sequence_sharded`: `hidden` is my [s/t, b, h] slice; it is all-gathered (reduce-scatter
     backward) instead of going through f.
     """
+    linear = weight_grad.linear if defer_weight_grad else F.linear
     if sequence_sharded:
-        return F.linear(gather_from_sequence_region(hidden, tp), embedding_weight, bias)
-    return F.linear(copy_to_tensor_region(hidden, tp), embedding_weight, bias)
+        return linear(gather_from_sequence_region(hidden, tp), embedding_weight, bias)
+    return linear(copy_to_tensor_region(hidden, tp), embedding_weight, bias)
 
 
 # --------------------------------------------------------------------------------------------

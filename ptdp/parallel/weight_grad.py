@@ -59,16 +59,7 @@ class WeightGradStore:
         """The W pass of `key`: compute its weight gradients and accumulate them."""
         if key not in self._pending:
             raise RuntimeError(f"W pass of {key} without its B pass")
-        totals: dict[int, list] = {}
-        for params, compute in self._pending.pop(key):
-            for param, grad in zip(params, compute()):
-                if param is None or grad is None:
-                    continue
-                entry = totals.setdefault(id(param), [param, None])
-                entry[1] = grad if entry[1] is None else entry[1] + grad
-        if totals:
-            params, grads = zip(*totals.values())
-            torch.autograd.backward(list(params), list(grads))
+        _accumulate([(params, compute()) for params, compute in self._pending.pop(key)])
 
     def pending(self) -> list:
         return sorted(self._pending, key=str)
@@ -80,57 +71,82 @@ class WeightGradStore:
 STORE = WeightGradStore()
 
 
-def _weight_grads(params: list, compute: Callable[[], list]) -> list:
-    """Either defer `compute` (inside a B pass) and return Nones, or compute now."""
+def _accumulate(results: list[tuple[list, list]]) -> None:
+    """Sum the gradients per weight (a tied table is used twice), then accumulate each once
+    through autograd, so every weight sees one accumulation (and one hook call) per pass."""
+    totals: dict[int, list] = {}
+    for params, grads in results:
+        for param, grad in zip(params, grads):
+            if param is None or grad is None:
+                continue
+            entry = totals.setdefault(id(param), [param, None])
+            entry[1] = grad if entry[1] is None else entry[1] + grad
+    if totals:
+        params, grads = zip(*totals.values())
+        torch.autograd.backward(list(params), list(grads))
+
+
+def _weight_grads(params: list, compute: Callable[[], list]) -> None:
+    """Defer `compute` (inside a B pass), or compute and accumulate now."""
     if STORE.deferring:
         STORE.add(params, compute)
-        return [None] * len(params)
-    return compute()
+    else:
+        _accumulate([(params, compute())])
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear whose weight (and bias) gradients may be deferred to the W pass."""
-    return _LinearWithBias.apply(x, weight, bias) if bias is not None else _LinearNoBias.apply(x, weight)
+# The weights enter these Functions detached (the parameters themselves ride along in a tuple,
+# which autograd does not treat as an input), so autograd holds no edge to them: a B pass
+# neither accumulates into them nor fires their accumulation hooks (it would, with a None
+# gradient, if they were inputs). Their gradients reach them only through `_accumulate`.
+# An empty tensor that requires grad goes in as well, so that autograd calls the backward
+# even when no other input needs a gradient (an embedding lookup of integer ids).
+_TRIGGERS: dict = {}
 
 
-class _LinearNoBias(torch.autograd.Function):
+def _trigger(device) -> torch.Tensor:
+    if device not in _TRIGGERS:
+        _TRIGGERS[device] = torch.empty(0, device=device, requires_grad=True)
+    return _TRIGGERS[device]
+
+class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, bias, params, trigger):
         ctx.save_for_backward(x, weight)
-        return F.linear(x, weight)
+        ctx.params, ctx.has_bias = params, bias is not None
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        (grad_w,) = _weight_grads([weight], lambda: [_flat(grad).t().matmul(_flat(x))])
-        return grad_x, grad_w
+
+        def compute():
+            g = _flat(grad)
+            return [g.t().matmul(_flat(x)), g.sum(0) if ctx.has_bias else None]
+
+        _weight_grads(list(ctx.params), compute)
+        return grad_x, None, None, None, None
 
 
-class _LinearWithBias(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight, bias)
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, bias = ctx.saved_tensors
-        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_w, grad_b = _weight_grads(
-            [weight, bias], lambda: [_flat(grad).t().matmul(_flat(x)), _flat(grad).sum(0)])
-        return grad_x, grad_w, grad_b
+# Eager (a graph break in a compiled layer): a compiled backward would fix the B-or-not branch
+# at trace time.
+@torch.compiler.disable
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear whose weight (and bias) gradients may be deferred to the W pass."""
+    return _Linear.apply(x, weight.detach(), None if bias is None else bias.detach(), (weight, bias),
+                         _trigger(x.device))
 
 
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps: float):
+    def forward(ctx, x, weight, bias, eps: float, params, trigger):
         out, mean, rstd = torch.native_layer_norm(x, weight.shape, weight, bias, eps)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.params = params
         return out
 
     @staticmethod
@@ -141,35 +157,37 @@ class _LayerNorm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = backward(grad, x, weight.shape, mean, rstd, weight, bias,
                               [True, False, False])[0]
-        grad_w, grad_b = _weight_grads([weight, bias], lambda: list(backward(
+        _weight_grads(list(ctx.params), lambda: list(backward(
             grad, x, weight.shape, mean, rstd, weight, bias, [False, True, True])[1:]))
-        return grad_x, grad_w, grad_b, None
+        return grad_x, None, None, None, None, None
 
 
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm (same parameters and state dict) with a deferrable weight gradient."""
 
+    @torch.compiler.disable
     def forward(self, x):
-        return _LayerNorm.apply(x, self.weight, self.bias, self.eps)
+        return _LayerNorm.apply(x, self.weight.detach(), self.bias.detach(), self.eps,
+                                (self.weight, self.bias), _trigger(x.device))
 
 
 class _Embedding(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, weight):
+    def forward(ctx, ids, weight, params, trigger):
         ctx.save_for_backward(ids)
-        ctx.num_weights = weight.shape[0]
-        ctx.weight = weight
+        ctx.num_weights, ctx.params = weight.shape[0], params
         return F.embedding(ids, weight)
 
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
-        weight, n = ctx.weight, ctx.num_weights
-        (grad_w,) = _weight_grads([weight], lambda: [torch.ops.aten.embedding_dense_backward(
+        n = ctx.num_weights
+        _weight_grads(list(ctx.params), lambda: [torch.ops.aten.embedding_dense_backward(
             grad, ids, n, -1, False)])
-        return None, grad_w
+        return None, None, None, None
 
 
+@torch.compiler.disable
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.embedding whose weight gradient may be deferred to the W pass."""
-    return _Embedding.apply(ids, weight)
+    return _Embedding.apply(ids, weight.detach(), (weight,), _trigger(ids.device))

@@ -70,7 +70,7 @@ from ptdp.planner.formulas import bubble_fraction, model_flops_per_iteration
 from ptdp.planner.hardware import HardwareProfile
 from ptdp.planner.memory import GB, MemoryBreakdown, gpu_memory, stage_parameters
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "2bw")
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -84,6 +84,7 @@ class Layout:
     schedule: str = "1f1b"
     recompute: str = "none"
     scatter_gather: bool = False
+    sequence_parallel: bool = False
 
     @property
     def gpus(self) -> int:
@@ -93,7 +94,7 @@ class Layout:
         return global_batch // (self.micro_batch * self.data)
 
     def describe(self) -> str:
-        sg = " sg" if self.scatter_gather else ""
+        sg = (" sg" if self.scatter_gather else "") + (" sp" if self.sequence_parallel else "")
         v = f" v={self.chunks}" if self.chunks > 1 else ""
         return (f"p={self.pipeline} t={self.tensor} d={self.data}{v} b={self.micro_batch} "
                 f"{self.schedule} rc={self.recompute}{sg}")
@@ -163,7 +164,9 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     p2p = 0.0
     if p > 1:
         link = comm.pipeline_link(hw, t, d, p, work.gpus_per_node)
-        if lay.scatter_gather and t > 1:
+        if lay.sequence_parallel:   # each tensor rank sends its own 1/t of the sequence
+            one_way = comm.p2p_time(act_bytes / t, link)
+        elif lay.scatter_gather and t > 1:
             one_way = (comm.p2p_time(act_bytes / t, link)
                        + comm.all_gather_time(t, act_bytes, comm.intra_link(hw)))
         else:
@@ -171,6 +174,16 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
         p2p = 2 * v * one_way
     slow = _oversubscription(hw, lay.gpus, work.gpus_per_node)
     return _RankTimes((fwd + bwd) * slow, recompute * slow, tensor_comm, p2p, bwd * slow)
+
+
+def _zero_bubble_flush(ranks: list[_RankTimes], p: int, m: int) -> tuple[float, float]:
+    """ZB-H1 (v = 1) idles (p-1)(t_F + t_B - t_W) instead of 1F1B's (p-1)(t_F + t_B + t_W):
+    with the backward split evenly into input (t_B) and weight (t_W) gradients, what is left
+    is a rank's time without its backward. -> (seconds, bubble fraction)."""
+    weights = [1, *([p - 2] if p > 2 else []), 1] if p > 1 else [1]
+    mean = sum(w * r.total for w, r in zip(weights, ranks)) / sum(weights)
+    mean_left = sum(w * (r.total - r.backward) for w, r in zip(weights, ranks)) / sum(weights)
+    return (p - 1) * mean_left, bubble_fraction(p, m, 1) * mean_left / mean
 
 
 def _oversubscription(hw: HardwareProfile, gpus: int, gpus_per_node: int) -> float:
@@ -198,7 +211,8 @@ def _worst_memory(hw, work: Workload, lay: Layout, attention: str) -> MemoryBrea
                   schedule=lay.schedule, recompute=lay.recompute, precision=work.precision,
                   attention=attention,
                   vocab_padded=padded_vocab_size(work.shape.vocab, lay.tensor),
-                  reserved_gb=hw.memory_reserved_gb, hw=hw)
+                  reserved_gb=hw.memory_reserved_gb, hw=hw,
+                  sequence_parallel=lay.sequence_parallel)
     ranks = {0, lay.pipeline - 1}
     return max((gpu_memory(work.shape, rank=r, **kwargs) for r in ranks), key=lambda mb: mb.total)
 
@@ -218,6 +232,8 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     pipelined = m * slowest.total
     flush = (p - 1) / v * mean if lay.schedule != "2bw" else 0.0
     bubble = bubble_fraction(p, m, v) if lay.schedule != "2bw" else 0.0
+    if lay.schedule == "zb-h1":
+        flush, bubble = _zero_bubble_flush(ranks, p, m)
 
     vocab_padded = padded_vocab_size(shape.vocab, t)
     params = max(stage_parameters(shape, t, p, vocab_padded, r == 0, r == p - 1) for r in {0, p - 1})

@@ -56,7 +56,8 @@ def test_json_and_written_config_run_unchanged(model_file, tmp_path, capsys):
         assert key in result
     for key in ("step_time_s", "tflops_per_gpu", "mfu", "memory_gb_per_gpu", "bubble_fraction"):
         assert key in result["predicted"]
-    assert set(result["parallel"]) == {"tensor", "pipeline", "data", "chunks", "scatter_gather"}
+    assert set(result["parallel"]) == {"tensor", "pipeline", "data", "chunks", "scatter_gather",
+                                       "sequence_parallel"}
     cfg = load_config(out_yaml, world_size=1024)
     par = result["parallel"]
     assert (cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.data, cfg.parallel.chunks) == (
