@@ -5,6 +5,7 @@ Layouts (p, t, d) = (2, 2, 1), (1, 2, 2), (2, 2, 2), GPT and BERT, fp32, under t
 (NCCL-rules) transport; checkpoints resume exactly.
 """
 
+import functools
 from fractions import Fraction
 
 import pytest
@@ -124,10 +125,16 @@ def test_a_zero_bubble_checkpoint_continues_under_1f1b(resumed):
         assert relative_error(resumed["zb0 -> 1f1b weights"][key], value) <= RTOL, key
 
 
+@functools.lru_cache(maxsize=None)
+def _recomputed() -> dict:
+    from tests.equivalence import run_layouts
+    modes = ("full", "selective")
+    runs = [["parallel.pipeline=2", *ZB, f"train.recompute={mode}"] for mode in modes]
+    return dict(zip(modes, run_layouts(2, runs, timeout_s=300)))   # one spawned job
+
+
 @pytest.mark.parametrize("recompute", ["full", "selective"])
 def test_zero_bubble_with_recomputation_matches_single_process(recompute):
     """The re-run forward happens inside B; its weight gradients still wait for Wg."""
-    from tests.equivalence import run_layouts
-    runs = [["parallel.pipeline=2", *ZB, f"train.recompute={recompute}"]]
-    for rank in run_layouts(2, runs, timeout_s=240)[0]:
+    for rank in _recomputed()[recompute]:
         assert_equivalent(rank, reference("gpt"), f"zb-h1 recompute={recompute}")
