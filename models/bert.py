@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from models.chunk import ModelChunk
 from models.embedding import logits
 from models.transformer import ModelContext, layer_norm
-from ptdp.parallel.tensor import full_normal, shard_param, vocab_parallel_cross_entropy
+from ptdp.parallel import weight_grad
+from ptdp.parallel.tensor import (full_normal, gather_from_sequence_region, shard_param,
+                                  vocab_parallel_cross_entropy)
 
 
 class Linear(nn.Module):
@@ -21,9 +23,10 @@ class Linear(nn.Module):
         self.weight = shard_param(full_normal((n_out, n_in), ctx.model.init_std, ctx.seed,
                                               f"{key}.weight"), None, ctx.tp)
         self.bias = nn.Parameter(torch.zeros(n_out))
+        self.linear = weight_grad.linear if ctx.split_backward else F.linear
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.weight, self.bias)
 
 
 class BertHeads(nn.Module):
@@ -34,7 +37,7 @@ class BertHeads(nn.Module):
         h = ctx.model.hidden_size
         self.ctx = ctx
         self.lm_dense = Linear(ctx, h, h, "heads.lm_dense")
-        self.lm_ln = layer_norm(h, ctx.model.layernorm_eps)
+        self.lm_ln = layer_norm(h, ctx.model.layernorm_eps, split_backward=ctx.split_backward)
         self.lm_bias = shard_param(torch.zeros(ctx.padded_vocab_size), 0, ctx.tp)
         self.lm_bias.vocab_padded = True
         self.pooler = Linear(ctx, h, h, "heads.pooler")
@@ -65,4 +68,8 @@ class BertChunk(ModelChunk):
         hidden = self.stack(hidden, batch["padding_mask"])
         if not self.is_last:
             return hidden
-        return self.heads(self.final_ln(hidden), self.output_table(), batch)
+        hidden = self.final_ln(hidden)
+        if self.ctx.tp.sequence_parallel:  # the heads (and the [CLS] pooler) see every token;
+            # they are replicated, so each rank's gradient of the gathered tensor is whole
+            hidden = gather_from_sequence_region(hidden, self.ctx.tp, reduce_grad=False)
+        return self.heads(hidden, self.output_table(), batch)

@@ -27,7 +27,8 @@ class ModelChunk(nn.Module):
             mark_shared(self.embedding.word.weight)
         self.stack = TransformerStack(ctx, stage * per_stage, per_stage, causal=causal)
         if self.is_last:
-            self.final_ln = layer_norm(cfg.hidden_size, cfg.layernorm_eps)
+            self.final_ln = layer_norm(cfg.hidden_size, cfg.layernorm_eps, ctx.tp,
+                                       ctx.split_backward)
             self.output = None if self.is_first else OutputEmbedding(ctx)
 
     def output_table(self) -> torch.Tensor:

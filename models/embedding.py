@@ -7,7 +7,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from models.transformer import ModelContext
-from ptdp.parallel.tensor import VocabParallelEmbedding, full_normal, parallel_logits, shard_param
+from models.transformer import _sequence_parallel_dropout
+from ptdp.parallel import weight_grad
+from ptdp.parallel.tensor import (VocabParallelEmbedding, full_normal, mark_sequence_parallel,
+                                  parallel_logits, sequence_shard, shard_param)
 
 WORD_EMBEDDING_KEY = "embedding.word"
 
@@ -17,29 +20,41 @@ def word_embedding(ctx: ModelContext) -> VocabParallelEmbedding:
     key, so input and output embeddings start identical and stay tied by gradient all-reduce."""
     cfg = ctx.model
     return VocabParallelEmbedding(cfg.vocab_size, ctx.padded_vocab_size, cfg.hidden_size, ctx.tp,
-                                  seed=ctx.seed, key=WORD_EMBEDDING_KEY, std=cfg.init_std)
+                                  seed=ctx.seed, key=WORD_EMBEDDING_KEY, std=cfg.init_std,
+                                  defer_weight_grad=ctx.split_backward)
 
 
 class Embedding(nn.Module):
-    """word + learned position (+ token type for BERT) embeddings, then dropout; -> [s, b, h]."""
+    """word + learned position (+ token type for BERT) embeddings, then dropout; -> [s, b, h].
+
+    With sequence parallelism the word embedding is reduce-scattered, the other two are looked
+    up for my tokens only, and the result is my [s/t, b, h] slice.
+    """
 
     def __init__(self, ctx: ModelContext, num_tokentypes: int = 0):
         super().__init__()
         cfg = ctx.model
         self.word = word_embedding(ctx)
-        replicated = lambda shape, key: shard_param(  # noqa: E731 - small local helper
-            full_normal(shape, cfg.init_std, ctx.seed, key), None, ctx.tp)
+        replicated = lambda shape, key: mark_sequence_parallel(shard_param(  # noqa: E731
+            full_normal(shape, cfg.init_std, ctx.seed, key), None, ctx.tp), ctx.tp)
         self.position = replicated((cfg.seq_length, cfg.hidden_size), "embedding.position")
         self.tokentype = (replicated((num_tokentypes, cfg.hidden_size), "embedding.tokentype")
                           if num_tokentypes else None)
         self.dropout = cfg.dropout
+        self.tp = ctx.tp
+        self.lookup = weight_grad.embedding if ctx.split_backward else F.embedding
 
     def forward(self, tokens: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
         tokens = tokens.t()  # [b, s] -> [s, b]
-        x = self.word(tokens) + self.position[: tokens.shape[0]].unsqueeze(1)
+        mine = lambda x: sequence_shard(x, self.tp)  # noqa: E731 - my tokens' rows (SP)
+        x = self.word(tokens) + mine(self.position[: tokens.shape[0]]).unsqueeze(1)
         if self.tokentype is not None:
-            x = x + F.embedding(types.t(), self.tokentype)
-        return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+            x = x + self.lookup(mine(types.t()), self.tokentype)
+        if self.dropout == 0 or not self.training:
+            return x
+        if self.tp.sequence_parallel:
+            return _sequence_parallel_dropout(x, self.dropout, self.tp)
+        return F.dropout(x, self.dropout, self.training)
 
 
 class OutputEmbedding(nn.Module):
@@ -61,5 +76,6 @@ def mark_shared(weight: torch.Tensor) -> None:
     weight.shared_embedding = True
 
 
-def logits(hidden: torch.Tensor, table: torch.Tensor, ctx: ModelContext, bias=None) -> torch.Tensor:
-    return parallel_logits(hidden, table, ctx.tp, bias)
+def logits(hidden: torch.Tensor, table: torch.Tensor, ctx: ModelContext, bias=None,
+           sequence_sharded: bool = False) -> torch.Tensor:
+    return parallel_logits(hidden, table, ctx.tp, bias, sequence_sharded, ctx.split_backward)

@@ -26,8 +26,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ptdp.config import ModelConfig
 from ptdp.kernels import bias_dropout_add, bias_gelu
+from ptdp.parallel.weight_grad import LayerNorm
 from ptdp.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallel,
-                                  TensorParallelRNG, full_normal, scaled_std)
+                                  TensorParallelRNG, full_normal, mark_sequence_parallel,
+                                  scaled_std, sequence_parallel_dropout)
 
 
 @dataclass
@@ -42,11 +44,35 @@ class ModelContext:
     recompute: str = "none"          # none | full | selective
     recompute_num_layers: int = 1
     compile: bool = False            # torch.compile each TransformerLayer (train.compile)
+    split_backward: bool = False     # weight gradients deferrable to a W pass (zb-h1)
 
 
-def layer_norm(hidden: int, eps: float) -> nn.LayerNorm:
-    """LayerNorm weights are replicated across tensor ranks (ones and zeros: layout-free)."""
-    return nn.LayerNorm(hidden, eps=eps)
+def layer_norm(hidden: int, eps: float, tp: TensorParallel | None = None,
+               split_backward: bool = False) -> nn.LayerNorm:
+    """LayerNorm weights are replicated across tensor ranks (ones and zeros: layout-free).
+
+    `tp`: the norm runs on the hidden state between tensor regions, which with sequence
+    parallelism is 1/t of the tokens, so its weights are marked for the tensor-group sum.
+    `split_backward`: its weight gradient may wait for the W pass (zb-h1).
+    """
+    norm = (LayerNorm if split_backward else nn.LayerNorm)(hidden, eps=eps)
+    if tp is not None:
+        mark_sequence_parallel(norm.weight, tp)
+        mark_sequence_parallel(norm.bias, tp)
+    return norm
+
+
+def hidden_dropout_add(x, bias, residual, p: float, training: bool, tp: TensorParallel):
+    """residual + Dropout(x + bias) on the hidden state (the fused chain, ptdp/kernels), or
+    with sequence parallelism on my slice of it, with my rows of the full tensor's mask."""
+    if tp.sequence_parallel and training and p > 0:
+        return residual + _sequence_parallel_dropout(x if bias is None else x + bias, p, tp)
+    return bias_dropout_add(x, bias, residual, p, training)
+
+
+@torch.compiler.disable  # eager: the mask must be the default generator's, not inductor's
+def _sequence_parallel_dropout(x, p: float, tp: TensorParallel):
+    return sequence_parallel_dropout(x, p, tp)
 
 
 def qkv_weight(cfg: ModelConfig, seed: int, key: str) -> torch.Tensor:
@@ -68,10 +94,12 @@ class ParallelAttention(nn.Module):
         self.local_heads = tp.shard(cfg.num_heads)
         self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, tp, seed=ctx.seed,
                                         key=f"{key}.qkv", std=cfg.init_std,
-                                        full_weight=qkv_weight(cfg, ctx.seed, f"{key}.qkv"))
+                                        full_weight=qkv_weight(cfg, ctx.seed, f"{key}.qkv"),
+                                        defer_weight_grad=ctx.split_backward)
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
                                       key=f"{key}.proj", skip_bias_add=True,
-                                      std=scaled_std(cfg.init_std, cfg.num_layers))
+                                      std=scaled_std(cfg.init_std, cfg.num_layers),
+                                      defer_weight_grad=ctx.split_backward)
 
     def core_attention(self, q, k, v, padding_mask):
         """[b, heads, s, d] -> [b, heads, s, d]; dropout here is inside the tensor region."""
@@ -86,8 +114,9 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x, padding_mask=None):
         """-> (output without the projection's bias, that bias)."""
-        s, b, _ = x.shape
-        qkv = self.qkv(x).view(s, b, self.local_heads, 3, -1)
+        qkv = self.qkv(x)  # the whole sequence (all-gathered first with sequence parallelism)
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.local_heads, 3, -1)
         q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # [b, n, s, d]
         if self.ctx.recompute == "selective":
             out = recompute(self.ctx.rng, self.core_attention, q, k, v, padding_mask)
@@ -112,10 +141,11 @@ class ParallelMLP(nn.Module):
         cfg, tp = ctx.model, ctx.tp
         key = f"layers.{layer}.mlp"
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp, seed=ctx.seed,
-                                        key=f"{key}.fc1", std=cfg.init_std, skip_bias_add=True)
+                                        key=f"{key}.fc1", std=cfg.init_std, skip_bias_add=True,
+                                        defer_weight_grad=ctx.split_backward)
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
                                      key=f"{key}.fc2", std=scaled_std(cfg.init_std, cfg.num_layers),
-                                     skip_bias_add=True)
+                                     skip_bias_add=True, defer_weight_grad=ctx.split_backward)
 
     def forward(self, x):
         """-> (output without fc2's bias, that bias)."""
@@ -128,16 +158,18 @@ class TransformerLayer(nn.Module):
     def __init__(self, ctx: ModelContext, layer: int, causal: bool):
         super().__init__()
         cfg = ctx.model
-        self.ln1 = layer_norm(cfg.hidden_size, cfg.layernorm_eps)
+        self.tp = ctx.tp
+        self.ln1 = layer_norm(cfg.hidden_size, cfg.layernorm_eps, ctx.tp, ctx.split_backward)
         self.attention = ParallelAttention(ctx, layer, causal)
-        self.ln2 = layer_norm(cfg.hidden_size, cfg.layernorm_eps)
+        self.ln2 = layer_norm(cfg.hidden_size, cfg.layernorm_eps, ctx.tp, ctx.split_backward)
         self.mlp = ParallelMLP(ctx, layer)
         self.dropout = cfg.dropout
 
     def forward(self, x, padding_mask=None):
-        x = bias_dropout_add(*self.attention(self.ln1(x), padding_mask), x, self.dropout,
-                             self.training)
-        return bias_dropout_add(*self.mlp(self.ln2(x)), x, self.dropout, self.training)
+        """x: [s, b, h], or [s/t, b, h] with sequence parallelism."""
+        x = hidden_dropout_add(*self.attention(self.ln1(x), padding_mask), x, self.dropout,
+                               self.training, self.tp)
+        return hidden_dropout_add(*self.mlp(self.ln2(x)), x, self.dropout, self.training, self.tp)
 
 
 class TransformerStack(nn.Module):

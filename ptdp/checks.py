@@ -336,7 +336,8 @@ def memory_per_stage(cfg: Config, hardware=None) -> list:
                   vocab_padded=cfg.padded_vocab_size,
                   reserved_gb=hardware.memory_reserved_gb if hardware else 0.0, hw=hardware,
                   vertical_sync=cfg.schedule.vertical_sync,
-                  distributed_optimizer=tr.distributed_optimizer)
+                  distributed_optimizer=tr.distributed_optimizer,
+                  sequence_parallel=par.sequence_parallel)
     shape = ModelShape.from_config(cfg.model)
     return [gpu_memory(shape, rank=r, **kwargs) for r in range(par.pipeline)]
 
@@ -359,6 +360,8 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
         f"(global batch {tr.global_batch_size}); " + (
             "bubble 0 (no flush: the pipeline fills once per job)"
             if cfg.schedule.name in ("2bw", "pipedream") else
+            f"bubble (p-1)/(3m) = {bubble_fraction(par.pipeline, mb, 1) / 3:.3f} (zero bubble: "
+            f"t_F = t_B = t_W)" if cfg.schedule.name == "zb-h1" else
             f"bubble (p-1)/(v*m) = {bubble_fraction(par.pipeline, mb, par.chunks):.3f}"),
     ]
     stages = memory_per_stage(cfg, hardware)

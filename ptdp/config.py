@@ -31,8 +31,8 @@ class ConfigError(ValueError):
 
 
 VOCAB_PAD_MULTIPLE = 128  # vocab is padded to a multiple of 128 * t (GEMM-friendly shards)
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw", "pipedream")
-FLUSHING_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "2bw", "pipedream")
+FLUSHING_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 # What `ptdp train` runs (all of them; the one place a schedule would be refused).
 TRAINER_SCHEDULES = SCHEDULES
 
@@ -67,11 +67,12 @@ class ParallelConfig:
     data: int | None = None              # d; None = world_size / (p * t)
     chunks: int = 1                      # v, model chunks per pipeline rank (interleaving)
     scatter_gather: bool = False         # send 1/t of each boundary tensor, all-gather after
+    sequence_parallel: bool = False      # LayerNorm/dropout regions split along the sequence
 
 
 @dataclass
 class ScheduleConfig:
-    name: str = "1f1b"                   # gpipe | 1f1b | interleaved | 2bw | pipedream
+    name: str = "1f1b"                   # gpipe | 1f1b | interleaved | zb-h1 | 2bw | pipedream
     vertical_sync: bool = False          # pipedream: every stage uses the input stage's version
 
 
@@ -555,6 +556,8 @@ def _check_layout(cfg: Config, world_size: int, out: _Problems) -> None:
                 f"parallel.chunks = {p} * {v} = {p * v}")
     if par.scatter_gather:
         out.require(p > 1, "parallel.scatter_gather=true only applies with parallel.pipeline > 1")
+    if par.sequence_parallel:
+        _check_sequence_parallel(cfg, out)
     if out.require(tr.global_batch_size % (tr.micro_batch_size * d) == 0,
                    f"train.global_batch_size ({tr.global_batch_size}) must be divisible by "
                    f"train.micro_batch_size * parallel.data = {tr.micro_batch_size} * {d} = "
@@ -562,6 +565,21 @@ def _check_layout(cfg: Config, world_size: int, out: _Problems) -> None:
         _check_schedule(cfg, out)
     else:
         out.choice(cfg.schedule.name, SCHEDULES, "schedule.name")
+
+
+def _check_sequence_parallel(cfg: Config, out: _Problems) -> None:
+    par, s = cfg.parallel, cfg.model.seq_length
+    if not out.require(par.tensor > 1, "parallel.sequence_parallel=true needs parallel.tensor > 1 "
+                                       "(it splits the sequence across the tensor group)"):
+        return
+    out.require(s % par.tensor == 0, f"parallel.sequence_parallel=true needs model.seq_length "
+                                     f"({s}) divisible by parallel.tensor ({par.tensor})")
+    out.require(not par.scatter_gather,
+                "parallel.scatter_gather=true is implied by parallel.sequence_parallel=true (stage "
+                "boundary tensors are already 1/t of the sequence); set it false")
+    out.require(cfg.schedule.name not in ("2bw", "pipedream"),
+                f"parallel.sequence_parallel=true is not supported with schedule.name="
+                f"{cfg.schedule.name}; use a flushing schedule (gpipe, 1f1b, interleaved, zb-h1)")
 
 
 def _check_schedule(cfg: Config, out: _Problems) -> None:

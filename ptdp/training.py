@@ -29,7 +29,8 @@ from ptdp.metrics import (MetricsLog, end_summary, format_bytes, iteration_tflop
                           peak_tflops, startup_report, write_config)
 from ptdp.optim.distributed import ShardedMasterWeights
 from ptdp.optim.grads import (DataParallelGradients, clip_gradients, counts_in_norm,
-                              global_grad_norm, sync_shared_embeddings)
+                              global_grad_norm, reduce_sequence_parallel_grads,
+                              sync_shared_embeddings)
 from ptdp.optim.loss_scale import LossScaler
 from ptdp.optim.lr import learning_rate
 from ptdp.optim.mixed_precision import PRECISIONS, MasterWeights
@@ -39,7 +40,8 @@ from ptdp.parallel.tensor import TensorParallel, TensorParallelRNG, seed_everyth
 from ptdp.pipeline.comm_plan import check_plans, plan_exchanges
 from ptdp.pipeline.executor import PipelineExecutor
 from ptdp.pipeline.p2p import P2P
-from ptdp.pipeline.schedules import FORWARD, NO_FLUSH, build_all, rank_stages
+from ptdp.parallel.weight_grad import STORE as WEIGHT_GRADS
+from ptdp.pipeline.schedules import FORWARD, NO_FLUSH, SPLIT_BACKWARD, build_all, rank_stages
 from ptdp.pipeline.weights import aliasing_masters
 from ptdp.runtime import init_distributed
 from ptdp.trace import NO_SPANS, TraceRecorder
@@ -98,11 +100,13 @@ class Trainer:
     # Construction ---------------------------------------------------------------------------
     def _build_model(self) -> None:
         cfg, grid, par, tr = self.cfg, self.grid, self.cfg.parallel, self.cfg.train
-        self.tp = TensorParallel.from_grid(grid)
+        self.tp = TensorParallel.from_grid(grid, par.sequence_parallel)
         self.ctx = ModelContext(cfg.model, self.tp, tr.seed,
                                 TensorParallelRNG(tr.seed, grid.tp_rank, self.device),
                                 cfg.padded_vocab_size, tr.recompute, tr.recompute_num_layers,
-                                compile=should_compile(tr.compile, self.device))
+                                compile=should_compile(tr.compile, self.device),
+                                split_backward=cfg.schedule.name in SPLIT_BACKWARD)
+        WEIGHT_GRADS.clear()   # nothing deferred survives a previous trainer in this process
         self.dtype = PRECISIONS[tr.precision]
         self.stages = rank_stages(grid.pp_rank, par.pipeline, par.chunks)
         num_stages = par.pipeline * par.chunks
@@ -144,7 +148,9 @@ class Trainer:
         self.p2p = P2P(grid.pipeline_ranks, group=grid.pipeline_group,
                        tensor_group=grid.tensor_group, tp_rank=grid.tp_rank, tp_size=grid.t,
                        scatter_gather=par.scatter_gather)
-        activation_shape = (cfg.model.seq_length, tr.micro_batch_size, cfg.model.hidden_size)
+        # with sequence parallelism each tensor rank holds (and sends) its 1/t of the sequence
+        seq = cfg.model.seq_length // (grid.t if self.tp.sequence_parallel else 1)
+        activation_shape = (seq, tr.micro_batch_size, cfg.model.hidden_size)
         self.executor = PipelineExecutor(
             self.chunks, par.pipeline * par.chunks, self.p2p, activation_shape=activation_shape,
             activation_dtype=self.dtype, device=self.device, versions=self.versions)
@@ -203,6 +209,8 @@ class Trainer:
             else:
                 sync_shared_embeddings(self.master_params, grid.embedding_group,
                                        len(grid.embedding_ranks))
+            if self.tp.sequence_parallel:
+                reduce_sequence_parallel_grads(self.master_params, grid.tensor_group, grid.t)
             grads = [m.grad for m in self.master_params if m.grad is not None]
             if self.loss_scaler.scale != 1.0 and grads:
                 torch._foreach_div_(grads, self.loss_scaler.scale)

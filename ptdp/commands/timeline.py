@@ -21,7 +21,7 @@ def register(subparsers) -> None:
     parser.add_argument("--chrome", metavar="JSON", default=None,
                         help="also write the drawn iteration as Chrome-trace JSON (Perfetto)")
     sim = parser.add_argument_group("simulated schedule (no TRACE)")
-    sim.add_argument("--schedule", help="gpipe, 1f1b, interleaved, 2bw or pipedream (the "
+    sim.add_argument("--schedule", help="gpipe, 1f1b, interleaved, zb-h1, 2bw or pipedream (the "
                                         "no-flush ones over 3 consecutive batches)")
     sim.add_argument("--p", type=int, default=4, help="pipeline ranks (default 4)")
     sim.add_argument("--v", type=int, default=1, help="chunks per rank (default 1)")
@@ -80,16 +80,6 @@ def _simulated(args):
 def _summary(lanes, unit: str) -> list[str]:
     """Per lane: compute (forward + backward, minus the waits inside them), waits, and the
     bubble: the idle share of the span from the first forward to the last backward."""
-    work = [b for lane in lanes for b in lane.boxes if b.category in ("forward", "backward")]
-    if not work:
-        return []
-    start, end = min(b.start for b in work), max(b.end for b in work)
-    lines = []
-    for lane in lanes:
-        busy = sum(b.end - b.start for b in lane.boxes if b.category in ("forward", "backward"))
-        wait = sum(b.end - b.start for b in lane.boxes if b.category == "wait")
-        compute = busy - wait
-        bubble = (end - start - compute) / compute if compute > 0 else float("nan")
-        lines.append(f"  {lane.label}: compute {compute:.4g} {unit}, waiting {wait:.4g} {unit}, "
-                     f"bubble {bubble:.3f}")
-    return lines
+    from ptdp.pipeline.gantt import lane_bubbles
+    return [f"  {lane.label}: compute {compute:.4g} {unit}, waiting {wait:.4g} {unit}, "
+            f"bubble {bubble:.3f}" for lane, (compute, wait, bubble) in zip(lanes, lane_bubbles(lanes))]

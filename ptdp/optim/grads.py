@@ -136,6 +136,19 @@ def sync_shared_embeddings(params: list[nn.Parameter], group, size: int) -> None
             dist.all_reduce(p.grad, group=group)
 
 
+def reduce_sequence_parallel_grads(params: list[nn.Parameter], group, size: int) -> None:
+    """Sum, over the tensor group, the gradients of replicated weights that sequence
+    parallelism applies to 1/t of the tokens on each rank (LayerNorms, the row-parallel
+    biases, position and token-type embeddings): one all-reduce of their concatenation."""
+    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if size <= 1 or not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    torch._foreach_copy_(grads, [part.view_as(g) for part, g in
+                                 zip(flat.split([g.numel() for g in grads]), grads)])
+
+
 def counts_in_norm(param: nn.Parameter, tp_rank: int) -> bool:
     """Count every weight exactly once in the global norm.
 

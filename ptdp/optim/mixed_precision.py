@@ -25,7 +25,8 @@ from ptdp.optim.optimizer import optimizer_moment_bytes
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Attributes that tell reductions, norms and checkpoints how a weight is laid out.
-LAYOUT_ATTRIBUTES = ("tp_split_dim", "vocab_padded", "duplicate", "shared_embedding")
+LAYOUT_ATTRIBUTES = ("tp_split_dim", "vocab_padded", "duplicate", "shared_embedding",
+                     "sequence_parallel")
 
 
 def grad_of(param: nn.Parameter) -> torch.Tensor | None:

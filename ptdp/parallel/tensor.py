@@ -7,6 +7,13 @@
   two backward per transformer layer.
 * `VocabParallelEmbedding` and `vocab_parallel_cross_entropy` split the vocabulary, so the
   full [s, b, V] logits never exist on one rank.
+* Sequence parallelism (`TensorParallel.sequence_parallel`, Korthikanti et al. 2022): between
+  the tensor-parallel regions (LayerNorm, dropout, residual adds) each rank holds 1/t of the
+  sequence, [s/t, b, h]. f becomes an all-gather along the sequence (reduce-scatter backward)
+  and g a reduce-scatter (all-gather backward): the same bytes as the all-reduces they replace,
+  and the activations of those regions drop by t. Weights used there are replicated but see
+  only the local tokens, so they carry `sequence_parallel` and their gradients are summed over
+  the tensor group (ptdp/optim/grads.py).
 
 Every parameter is initialised from the *full* tensor's RNG stream (seeded by the run seed
 and the parameter's global name) and then sliced, so any tensor/pipeline layout starts from
@@ -25,6 +32,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ptdp.parallel import weight_grad
+
 
 # --------------------------------------------------------------------------------------------
 # The tensor-parallel group
@@ -37,10 +46,11 @@ class TensorParallel:
     group: object = None
     rank: int = 0
     size: int = 1
+    sequence_parallel: bool = False   # activations outside the regions are [s/t, b, h]
 
     @classmethod
-    def from_grid(cls, grid) -> "TensorParallel":
-        return cls(grid.tensor_group, grid.tp_rank, grid.t)
+    def from_grid(cls, grid, sequence_parallel: bool = False) -> "TensorParallel":
+        return cls(grid.tensor_group, grid.tp_rank, grid.t, sequence_parallel and grid.t > 1)
 
     def shard(self, n: int) -> int:
         assert n % self.size == 0, f"{n} is not divisible by tensor parallel size {self.size}"
@@ -149,6 +159,117 @@ def scatter_to_tensor_region(x, tp: TensorParallel):
 
 
 # --------------------------------------------------------------------------------------------
+# Sequence parallelism: the same pairs along the first (sequence) dimension
+# --------------------------------------------------------------------------------------------
+
+def _gather_first_dim(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def _reduce_scatter_first_dim(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    assert x.shape[0] % size == 0, f"sequence {x.shape[0]} does not split {size} ways"
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    _reduce_scatter_single(out, x.contiguous(), group=group)
+    return out
+
+
+# torch renamed reduce_scatter_tensor (deprecated since 2.10); keep older releases working
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _split_first_dim(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    return x.chunk(size, dim=0)[rank].clone()  # a row slice is contiguous: copy to free the rest
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    """All-gather the sequence forward. Backward: reduce-scatter when the consumer is split
+    across the tensor group (a column-parallel GEMM: each rank holds a partial gradient of the
+    whole sequence), else keep my slice (a replicated consumer: every rank has the full one)."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TensorParallel, reduce_grad: bool):
+        ctx.tp, ctx.reduce_grad = tp, reduce_grad
+        return _gather_first_dim(x, tp.group, tp.size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        tp = ctx.tp
+        if ctx.reduce_grad:
+            return _reduce_scatter_first_dim(grad, tp.group, tp.size), None, None
+        return _split_first_dim(grad, tp.rank, tp.size), None, None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    """Sum the partial outputs and keep my slice of the sequence forward; all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TensorParallel):
+        ctx.tp = tp
+        return _reduce_scatter_first_dim(x, tp.group, tp.size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_first_dim(grad, ctx.tp.group, ctx.tp.size), None
+
+
+@torch.compiler.disable
+def gather_from_sequence_region(x, tp: TensorParallel, reduce_grad: bool = True):
+    """[s/t, b, h] -> [s, b, h] (see `_GatherFromSequenceRegion` for the backward)."""
+    return _GatherFromSequenceRegion.apply(x, tp, reduce_grad) if tp.size > 1 else x
+
+
+@torch.compiler.disable
+def reduce_scatter_to_sequence_region(x, tp: TensorParallel):
+    """[s, b, h] partial sums -> my [s/t, b, h] slice of their total."""
+    return _ReduceScatterToSequenceRegion.apply(x, tp) if tp.size > 1 else x
+
+
+def enter_tensor_region(x, tp: TensorParallel):
+    """What a column-parallel GEMM's input goes through: f, or the sequence all-gather."""
+    if tp.sequence_parallel:
+        return gather_from_sequence_region(x, tp)
+    return copy_to_tensor_region(x, tp)
+
+
+def leave_tensor_region(x, tp: TensorParallel):
+    """What a row-parallel GEMM's partial output goes through: g, or the reduce-scatter."""
+    if tp.sequence_parallel:
+        return reduce_scatter_to_sequence_region(x, tp)
+    return reduce_from_tensor_region(x, tp)
+
+
+def sequence_shard(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """My rows of a tensor laid out along the full sequence (identity without SP)."""
+    if not tp.sequence_parallel:
+        return x
+    return x.chunk(tp.size, dim=0)[tp.rank]
+
+
+def mark_sequence_parallel(param: nn.Parameter, tp: TensorParallel) -> nn.Parameter:
+    """A replicated weight applied to the local tokens only: its gradient is partial."""
+    if tp.sequence_parallel:
+        param.sequence_parallel = True
+    return param
+
+
+def sequence_parallel_dropout(x: torch.Tensor, p: float, tp: TensorParallel) -> torch.Tensor:
+    """Dropout of my [s/t, b, h] slice with my rows of the mask the whole tensor would get.
+
+    The mask is drawn for the full [s, b, h] shape from the default generator (identical on
+    every tensor rank) and sliced, exactly as F.dropout draws it on CPU (bernoulli, then
+    divide by 1-p), so a sequence-parallel run drops the same elements as one without it:
+    the layouts stay interchangeable. Only the slice is kept for backward; drawing the full
+    mask costs t times the random numbers, not memory that outlives this call.
+    """
+    full = (x.shape[0] * tp.size, *x.shape[1:])
+    noise = torch.empty(full, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+    noise = sequence_shard(noise, tp).clone().div_(1 - p)  # a copy: the full mask is freed
+    return x * noise
+
+
+# --------------------------------------------------------------------------------------------
 # Layout-independent initialisation
 # --------------------------------------------------------------------------------------------
 
@@ -188,10 +309,12 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel, *, seed: int,
                  key: str, std: float, bias: bool = True, gather_output: bool = False,
-                 full_weight: torch.Tensor | None = None, skip_bias_add: bool = False):
+                 full_weight: torch.Tensor | None = None, skip_bias_add: bool = False,
+                 defer_weight_grad: bool = False):
         super().__init__()
         assert not (gather_output and skip_bias_add), "a gathered output needs its bias added"
         self.tp, self.gather_output, self.skip_bias_add = tp, gather_output, skip_bias_add
+        self.linear = weight_grad.linear if defer_weight_grad else F.linear
         full = full_weight if full_weight is not None else full_normal(
             (out_features, in_features), std, seed, f"{key}.weight")
         self.weight = shard_param(full, 0, tp)
@@ -199,7 +322,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         bias = None if self.skip_bias_add else self.bias
-        y = F.linear(copy_to_tensor_region(x, self.tp), self.weight, bias)
+        y = self.linear(enter_tensor_region(x, self.tp), self.weight, bias)
         if self.skip_bias_add:
             return y, self.bias
         return gather_from_tensor_region(y, self.tp) if self.gather_output else y
@@ -215,17 +338,19 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel, *, seed: int,
                  key: str, std: float, bias: bool = True, input_is_parallel: bool = True,
-                 skip_bias_add: bool = False):
+                 skip_bias_add: bool = False, defer_weight_grad: bool = False):
         super().__init__()
         self.tp, self.input_is_parallel, self.skip_bias_add = tp, input_is_parallel, skip_bias_add
+        self.linear = weight_grad.linear if defer_weight_grad else F.linear
         full = full_normal((out_features, in_features), std, seed, f"{key}.weight")
         self.weight = shard_param(full, 1, tp)
-        self.bias = shard_param(torch.zeros(out_features), None, tp) if bias else None
+        self.bias = (mark_sequence_parallel(shard_param(torch.zeros(out_features), None, tp), tp)
+                     if bias else None)
 
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tensor_region(x, self.tp)
-        y = reduce_from_tensor_region(F.linear(x, self.weight), self.tp)
+        y = leave_tensor_region(self.linear(x, self.weight), self.tp)
         if self.skip_bias_add:
             return y, self.bias
         return y + self.bias if self.bias is not None else y
@@ -239,9 +364,10 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, vocab_size: int, padded_vocab_size: int, hidden: int, tp: TensorParallel,
-                 *, seed: int, key: str, std: float):
+                 *, seed: int, key: str, std: float, defer_weight_grad: bool = False):
         super().__init__()
         self.tp, self.vocab_size = tp, vocab_size
+        self.embedding = weight_grad.embedding if defer_weight_grad else F.embedding
         full = torch.zeros(padded_vocab_size, hidden)
         full[:vocab_size] = full_normal((vocab_size, hidden), std, seed, f"{key}.weight")
         self.weight = shard_param(full, 0, tp)
@@ -251,18 +377,26 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self.embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_region(out, self.tp)
+        return leave_tensor_region(out, self.tp)  # [s/t, b, h] with sequence parallelism
 
 
 def parallel_logits(hidden: torch.Tensor, embedding_weight: torch.Tensor, tp: TensorParallel,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[s, b, h] x [V/t, h]^T -> this rank's [s, b, V/t] slice of the logits."""
-    return F.linear(copy_to_tensor_region(hidden, tp), embedding_weight, bias)
+                    bias: torch.Tensor | None = None, sequence_sharded: bool = False,
+                    defer_weight_grad: bool = False) -> torch.Tensor:
+    """[s, b, h] x [V/t, h]^T -> this rank's [s, b, V/t] slice of the logits.
+
+    `sequence_sharded`: `hidden` is my [s/t, b, h] slice; it is all-gathered (reduce-scatter
+    backward) instead of going through f.
+    """
+    linear = weight_grad.linear if defer_weight_grad else F.linear
+    if sequence_sharded:
+        return linear(gather_from_sequence_region(hidden, tp), embedding_weight, bias)
+    return linear(copy_to_tensor_region(hidden, tp), embedding_weight, bias)
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,6 +14,9 @@ versions (`ptdp.pipeline.weights.StashedVersions`) every forward activates the v
 micro-batch uses and stashes its id; the backward activates the same one. Rank actions (R, W,
 U, T, E) are handed to the trainer's `rank_actions(action, stream)`: the optimizer and the
 reductions are the trainer's business.
+
+Split backwards (zb-h1): when the steps hold weight-gradient actions (`Wg`), a `B` runs with
+the weight gradients deferred (`ptdp.parallel.weight_grad`) and its `Wg` computes them later.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch.nn as nn
 
 from ptdp.pipeline.comm_plan import Step, needed_message, produced_message
 from ptdp.pipeline.p2p import P2P
-from ptdp.pipeline.schedules import BACKWARD, FORWARD, REDUCE, END
+from ptdp.parallel.weight_grad import STORE as WEIGHT_GRADS
+from ptdp.pipeline.schedules import BACKWARD, END, FORWARD, REDUCE, WEIGHT_GRAD
 from ptdp.trace import NO_SPANS
 
 @dataclass
@@ -112,11 +116,13 @@ class _Run:
         self.stash: dict = {}      # (mb, stage) -> (input, output, version ids) for the backward
         self.batches: dict = {}    # mb -> (batch, forwards of it still to run on this rank)
         self.posted: set = set()   # receives posted ahead of their step and not yet used
+        self.split = False         # the steps hold Wg actions: B defers weight gradients
         self.result = IterationResult()
         self.spans = NO_SPANS
 
     def run(self, steps: list[Step], spans, stream: Stream | None = None) -> None:
         ex, self.spans = self.ex, spans
+        self.split = any(s.action is not None and s.action.kind == WEIGHT_GRAD for s in steps)
         for k, step in enumerate(steps):
             self.inbox.update(ex.p2p.exchange(self._to_post(steps, k), self.outbox,
                                               ex.activation_shape, ex.dtype, ex.device))
@@ -129,6 +135,8 @@ class _Run:
                     self._forward(action, stream)
                 elif action.kind == BACKWARD:
                     self._backward(action)
+                elif action.kind == WEIGHT_GRAD:
+                    WEIGHT_GRADS.run((action.mb, action.stage))
                 elif self.rank_actions is not None:
                     self.rank_actions(action, stream)
                 else:
@@ -137,7 +145,9 @@ class _Run:
     def check_drained(self) -> None:
         leftovers = [f"unused receives {sorted(map(str, self.inbox))}" if self.inbox else "",
                      f"unsent outputs {sorted(map(str, self.outbox))}" if self.outbox else "",
-                     f"forwards without backwards {sorted(self.stash)}" if self.stash else ""]
+                     f"forwards without backwards {sorted(self.stash)}" if self.stash else "",
+                     f"backwards without weight-gradient passes {WEIGHT_GRADS.pending()}"
+                     if WEIGHT_GRADS.pending() else ""]
         if any(leftovers):
             raise RuntimeError("pipeline steps are inconsistent: " + "; ".join(filter(None, leftovers)))
 
@@ -210,10 +220,9 @@ class _Run:
         inp, out, ids = self.stash.pop((action.mb, action.stage))
         if ids is not None:
             self.versions.backward(ids)
-        if action.stage == self.ex.last_stage:
-            out.backward()
-        else:
-            torch.autograd.backward(out, self._received(action))
+        grad = None if action.stage == self.ex.last_stage else self._received(action)
+        with WEIGHT_GRADS.defer((action.mb, action.stage)) if self.split else contextlib.nullcontext():
+            torch.autograd.backward(out, grad)
         if action.stage > 0:
             self._produced(action, inp.grad)
         if ids is not None:
@@ -225,4 +234,5 @@ class _Run:
             self.versions.log.append((action.kind, action.mb, action.stage, ids))
 
 
-_CATEGORY = {FORWARD: "forward", BACKWARD: "backward", REDUCE: "reduce", END: "reduce"}
+_CATEGORY = {FORWARD: "forward", BACKWARD: "backward", WEIGHT_GRAD: "backward", REDUCE: "reduce",
+             END: "reduce"}

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ptdp.pipeline.schedules import BACKWARD, FORWARD
+from ptdp.pipeline.schedules import BACKWARD, FORWARD, WEIGHT_GRAD
 
 
 @dataclass
@@ -84,7 +84,7 @@ def compute_order(lane: Lane) -> list[str]:
 
 def lanes_from_simulation(timeline) -> list[Lane]:
     """Lanes of a simulated `ptdp.pipeline.timeline.Timeline` (time in its own units)."""
-    kinds = {FORWARD: "forward", BACKWARD: "backward"}
+    kinds = {FORWARD: "forward", BACKWARD: "backward", WEIGHT_GRAD: "backward"}
     return [Lane(f"rank {rank}", [Box(str(s.action), kinds[s.action.kind], float(s.start),
                                       float(s.end), s.action.mb, s.action.stage // timeline.p)
                                   for s in row if s.action.kind in kinds])   # not rank actions
@@ -125,7 +125,7 @@ def _draw_box(ax, box: Box, y: float, colours, chunks: int) -> None:
         light = box.category == "forward"
         ax.barh(y, width, left=box.start, height=0.8, color=colour, alpha=0.45 if light else 1.0,
                 edgecolor="black", linewidth=0.4)
-        label = f"{'F' if light else 'B'}{box.mb}"
+        label = box.name.split("@")[0] if box.name else f"{'F' if light else 'B'}{box.mb}"
         if chunks > 1 and box.chunk is not None:
             label += f".{box.chunk}"
         ax.text(box.start + width / 2, y, label, ha="center", va="center", fontsize=7,
@@ -137,6 +137,23 @@ def _draw_box(ax, box: Box, y: float, colours, chunks: int) -> None:
         ax.barh(y, width, left=box.start, height=0.8,
                 color="dimgrey" if box.category == "optimizer" else "silver", edgecolor="black",
                 linewidth=0.4)
+
+
+def lane_bubbles(lanes: list[Lane]) -> list[tuple[float, float, float]]:
+    """Per lane: (compute, waiting, bubble). Compute is the forwards and backwards (weight-
+    gradient passes included) minus the waits for received tensors inside them; the bubble
+    is the idle share of the span from the first forward to the last backward, over compute."""
+    work = [b for lane in lanes for b in lane.boxes if b.category in ("forward", "backward")]
+    if not work:
+        return []
+    start, end = min(b.start for b in work), max(b.end for b in work)
+    out = []
+    for lane in lanes:
+        busy = sum(b.end - b.start for b in lane.boxes if b.category in ("forward", "backward"))
+        wait = sum(b.end - b.start for b in lane.boxes if b.category == "wait")
+        compute = busy - wait
+        out.append((compute, wait, (end - start - compute) / compute if compute > 0 else float("nan")))
+    return out
 
 
 def _slots(lanes: list[Lane]) -> int:

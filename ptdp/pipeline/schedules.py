@@ -39,6 +39,17 @@ Bubble (``timeline.simulate``, no communication cost, any t_b/t_f): exactly (p-1
 1f1b, and (p-1)/(v*m) for interleaved; gpipe with v>1 (the "all-forward, all-backward" version
 of interleaving, §4.2.2) also reaches (p-1)/(v*m) once m >= p.
 
+Zero bubble (``zb-h1``, Qi et al. 2023, "Zero Bubble Pipeline Parallelism", schedule ZB-H1).
+The backward is split in two: ``B`` computes only the input gradient, which the previous stage
+waits for, and ``Wg`` the weight gradients, which nothing waits for until the optimizer step
+(``ptdp/parallel/weight_grad.py``). The order of ``F`` and ``B`` is 1F1B's; rank ``r`` runs
+``Wg(mb - r)`` right after ``B(mb)``, i.e. it keeps ``r`` weight gradients pending through
+the steady state, and runs those ``r`` at the end, where 1F1B would wait for the last
+backwards to come back from the later stages. The activations of a micro-batch live from its
+``F`` to its ``Wg``: at most ``p - r`` (1F1B's) plus ``r`` pending, so every rank holds at most
+``p`` micro-batches, 1F1B's peak (rank 0's). With ``t_F = t_B = t_W`` the bubble shrinks from
+1F1B's ``(p-1)(t_F + t_B + t_W)`` to ``(p-1)(t_F + t_B - t_W)``, a third of it.
+
 Backwards always run in ascending micro-batch order (GPipe too, as in Fig. 4.3); for several
 chunks they visit the chunks in reverse, since gradients flow from the last stage back.
 
@@ -84,22 +95,24 @@ from functools import lru_cache
 from typing import Callable
 
 FORWARD = "F"
-BACKWARD = "B"
+BACKWARD = "B"    # the whole backward, or with zb-h1 only the input gradient
+WEIGHT_GRAD = "Wg"  # zb-h1: the weight gradients of a micro-batch's B on the same stage
 REDUCE = "R"      # rank actions of the no-flush schedules (module docstring)
 WEIGHTS = "W"
 UPDATE = "U"
 TIED = "T"
 END = "E"
-COMPUTE = (FORWARD, BACKWARD)
+COMPUTE = (FORWARD, BACKWARD, WEIGHT_GRAD)
 RANK_ACTIONS = (REDUCE, WEIGHTS, UPDATE, TIED, END)
 NO_FLUSH = ("2bw", "pipedream")
+SPLIT_BACKWARD = ("zb-h1",)   # schedules with weight-gradient passes (Wg)
 
 
 @dataclass(frozen=True)
 class Action:
     """One unit of work on one rank: ``kind`` for micro-batch ``mb`` on global virtual ``stage``."""
 
-    kind: str  # "F" (forward), "B" (backward) or a rank action (R, W, U, T, E)
+    kind: str  # "F" (forward), "B" (backward), "Wg" (weight gradients) or a rank action
     mb: int  # micro-batch index (0..m-1, or across the window for the no-flush schedules)
     stage: int  # GLOBAL virtual stage index 0..p*v-1 (a rank action: the rank)
 
@@ -145,6 +158,8 @@ def dependencies(action: Action, p: int, v: int) -> list[Action]:
         if action.stage < p * v - 1:  # the last stage starts backward from the loss
             deps.append(Action(BACKWARD, action.mb, action.stage + 1))
         return deps
+    if action.kind == WEIGHT_GRAD:  # the B of the same micro-batch and stage left it pending
+        return [Action(BACKWARD, action.mb, action.stage)]
     if action.kind in (WEIGHTS, END):  # the iteration's reduction spans every rank
         return [Action(REDUCE, action.mb, rank) for rank in range(p)]
     if action.kind == TIED:  # the other copy's gradient comes from rank 0's update
@@ -216,6 +231,18 @@ def _interleaved(p: int, v: int, m: int, rank: int) -> list[Action]:
     # went through all (v-1) earlier chunks of every rank, plus the round trip to the last rank.
     warmup = 2 * (p - rank - 1) + (v - 1) * p
     return _one_f_one_b(forwards, backwards, warmup)
+
+
+def _zb_h1(p: int, v: int, m: int, rank: int) -> list[Action]:
+    """1F1B's F and B order; ``Wg(mb - rank)`` after ``B(mb)``, the last ``rank`` at the end."""
+    if v != 1:
+        raise ValueError(f"schedule 'zb-h1' needs v=1 (got v={v})")
+    out = []
+    for a in _flush_1f1b(p, 1, m, rank):
+        out.append(a)
+        if a.kind == BACKWARD and a.mb >= rank:
+            out.append(Action(WEIGHT_GRAD, a.mb - rank, rank))
+    return out + [Action(WEIGHT_GRAD, mb, rank) for mb in range(max(m - rank, 0), m)]
 
 
 def noam(workers: int, input_replicas: int) -> int:
@@ -320,6 +347,7 @@ _BUILDERS: dict[str, Callable[[int, int, int, int, int], list[Action]]] = {
     "gpipe": _repeat(_gpipe),
     "1f1b": _repeat(_flush_1f1b),
     "interleaved": _repeat(_interleaved),
+    "zb-h1": _repeat(_zb_h1),
     "2bw": _two_bw_skeleton,
     "pipedream": _pipedream_skeleton,
 }
@@ -380,14 +408,16 @@ def weight_updates_before_forwards(actions: list[Action]) -> dict[int, int]:
 
 
 def max_in_flight(actions: list[Action]) -> int:
-    """Most (mb, stage) pairs whose forward ran and backward has not yet, over the list."""
+    """Most (mb, stage) pairs whose forward ran and backward has not yet, over the list (with
+    split backwards: whose weight-gradient pass has not, since it needs the activations)."""
+    release = WEIGHT_GRAD if any(a.kind == WEIGHT_GRAD for a in actions) else BACKWARD
     live: set[tuple[int, int]] = set()
     peak = 0
     for a in actions:
         if a.kind == FORWARD:
             live.add((a.mb, a.stage))
             peak = max(peak, len(live))
-        elif a.kind == BACKWARD:
+        elif a.kind == release:
             live.discard((a.mb, a.stage))
     return peak
 

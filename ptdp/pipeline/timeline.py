@@ -12,7 +12,9 @@ event queue would; when no rank can take its next step the schedule would deadlo
 WHOLE share of layers, so one chunk takes ``t_f / v`` and ``t_b / v`` (§4.2.2). The ideal
 iteration time is ``m * (t_f + t_b)`` and the bubble fraction is measured against it, which is
 the quantity the dissertation's (p-1)/m and (p-1)/(v*m) describe. Times may be ``Fraction``s
-for exact arithmetic.
+for exact arithmetic. With split backwards (``zb-h1``) ``t_b`` is still the whole backward:
+``B`` takes ``t_b - t_w`` and ``Wg`` takes ``t_w`` (by default ``t_b / 2``, the paper's
+``t_B = t_W``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ptdp.pipeline.schedules import (
     RANK_ACTIONS,
     TIED,
     UPDATE,
+    WEIGHT_GRAD,
     WEIGHTS,
     Action,
     build_all,
@@ -73,11 +76,11 @@ class Timeline:
 
 
 def simulate(name: str, p: int, v: int, m: int, t_f=1.0, t_b=2.0, t_comm=0.0,
-             batches: int = 1) -> Timeline:
+             batches: int = 1, t_w=None) -> Timeline:
     """Simulate schedule ``name`` on ``p`` ranks with ``v`` chunks each and ``m`` micro-batches
     per batch, over ``batches`` consecutive batches (the timeline's ``m`` is all of them)."""
     return simulate_lists(build_all(name, p, v, m, batches), p, v, m * batches, t_f, t_b, t_comm,
-                          name=name)
+                          name=name, t_w=t_w)
 
 
 def simulate_lists(
@@ -90,6 +93,7 @@ def simulate_lists(
     t_comm=0.0,
     name: str = "custom",
     t_update=0,
+    t_w=None,
 ) -> Timeline:
     """Simulate explicit per-rank action lists (e.g. a hand-written or broken schedule).
 
@@ -101,6 +105,9 @@ def simulate_lists(
     # (p-1)/m accounting, and W/E still wait for every rank's R through their dependencies.
     duration = {FORWARD: t_f / v, BACKWARD: t_b / v, **{kind: 0 * t_f for kind in RANK_ACTIONS},
                 **{kind: t_update for kind in (WEIGHTS, UPDATE, TIED)}}
+    if any(a.kind == WEIGHT_GRAD for row in schedule for a in row):  # split backwards
+        t_w = t_b / 2 if t_w is None else t_w
+        duration.update({BACKWARD: (t_b - t_w) / v, WEIGHT_GRAD: t_w / v})
     finished: dict[Action, float] = {}  # action -> end time
     rows: list[list[Slot]] = [[] for _ in range(p)]
 

@@ -75,7 +75,7 @@ from ptdp.hardware import HardwareProfile
 from ptdp.planner.formulas import bubble_fraction, model_flops
 from ptdp.planner.memory import GB, MemoryBreakdown, gpu_memory, stage_parameters
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "2bw")
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -90,6 +90,7 @@ class Layout:
     recompute: str = "none"
     scatter_gather: bool = False
     distributed_optimizer: bool = False
+    sequence_parallel: bool = False
 
     @property
     def gpus(self) -> int:
@@ -99,7 +100,7 @@ class Layout:
         return global_batch // (self.micro_batch * self.data)
 
     def describe(self) -> str:
-        sg = " sg" if self.scatter_gather else ""
+        sg = (" sg" if self.scatter_gather else "") + (" sp" if self.sequence_parallel else "")
         v = f" v={self.chunks}" if self.chunks > 1 else ""
         zero = " distopt" if self.distributed_optimizer else ""
         return (f"p={self.pipeline} t={self.tensor} d={self.data}{v} b={self.micro_batch} "
@@ -171,7 +172,9 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     p2p = 0.0
     if p > 1:
         link = comm.pipeline_link(hw, t, d, p, work.gpus_per_node, busy)
-        if lay.scatter_gather and t > 1:
+        if lay.sequence_parallel:   # each tensor rank sends its own 1/t of the sequence
+            one_way = comm.p2p_time(act_bytes / t, link)
+        elif lay.scatter_gather and t > 1:
             one_way = (comm.p2p_time(act_bytes / t, link)
                        + comm.all_gather_time(t, act_bytes, comm.intra_link(hw)))
         else:
@@ -195,6 +198,16 @@ def _flush_rank_time(hw: HardwareProfile, ranks: list, p: int, gpus: int,
     row = comm.busy_node(hw, min(gpus, gpus_per_node))
     time_slicing = slow / max(row.get("contention", 1.0), 1.0) if row else slow
     return (mean("compute") + mean("recompute")) / time_slicing + mean("tensor_comm") + mean("p2p")
+
+
+def _zero_bubble_flush(ranks: list[_RankTimes], p: int, m: int) -> tuple[float, float]:
+    """ZB-H1 (v = 1) idles (p-1)(t_F + t_B - t_W) instead of 1F1B's (p-1)(t_F + t_B + t_W):
+    with the backward split evenly into input (t_B) and weight (t_W) gradients, what is left
+    is a rank's time without its backward. -> (seconds, bubble fraction)."""
+    weights = [1, *([p - 2] if p > 2 else []), 1] if p > 1 else [1]
+    mean = sum(w * r.total for w, r in zip(weights, ranks)) / sum(weights)
+    mean_left = sum(w * (r.total - r.backward) for w, r in zip(weights, ranks)) / sum(weights)
+    return (p - 1) * mean_left, bubble_fraction(p, m, 1) * mean_left / mean
 
 
 def _oversubscription(hw: HardwareProfile, gpus: int, gpus_per_node: int) -> float:
@@ -244,7 +257,8 @@ def _worst_memory(hw, work: Workload, lay: Layout, attention: str) -> MemoryBrea
                   attention=attention,
                   vocab_padded=padded_vocab_size(work.shape.vocab, lay.tensor),
                   reserved_gb=hw.memory_reserved_gb, hw=hw,
-                  distributed_optimizer=lay.distributed_optimizer)
+                  distributed_optimizer=lay.distributed_optimizer,
+                  sequence_parallel=lay.sequence_parallel)
     ranks = {0, lay.pipeline - 1}
     return max((gpu_memory(work.shape, rank=r, **kwargs) for r in ranks), key=lambda mb: mb.total)
 
@@ -265,6 +279,8 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     flush = (p - 1) / v * _flush_rank_time(hw, ranks, p, lay.gpus, work.gpus_per_node) \
         if lay.schedule != "2bw" else 0.0
     bubble = bubble_fraction(p, m, v) if lay.schedule != "2bw" else 0.0
+    if lay.schedule == "zb-h1":
+        flush, bubble = _zero_bubble_flush(ranks, p, m)
 
     vocab_padded = padded_vocab_size(shape.vocab, t)
     params = max(stage_parameters(shape, t, p, vocab_padded, r == 0, r == p - 1) for r in {0, p - 1})

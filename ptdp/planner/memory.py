@@ -12,6 +12,9 @@ any ffn size, precision and attention kernel. Elements of e bytes each:
   2*a*s^2*b/t elements plus the 1-byte mask.
 
 With f = 4h, e = 2 and dropout this is the paper's sbh(34 + 5as/h) at t = 1.
+With sequence parallelism the LayerNorm inputs and the dropout masks are split by t as well
+(`sequence_parallel_replicated`); the QKV and fc1 inputs are kept all-gathered by the trainer
+(Megatron-LM re-gathers them in backward instead), so they stay whole.
 Recompute "selective" keeps everything but the attention core's internals; "full" keeps only
 each layer's input (sbh elements; checkpoints every layer, §4.3.5 "every 1 or 2 layers").
 """
@@ -122,10 +125,18 @@ def measured_activation_bytes(hw, shape: ModelShape, b: int, t: int, precision: 
     return per_sample * b
 
 
+def sequence_parallel_replicated(sbh: float, e: int, dropout: bool, t: int,
+                                 sequence_parallel: bool) -> float:
+    """The activations outside the tensor-parallel regions: LayerNorm inputs 2sbh and the two
+    1-byte dropout masks, split by t with sequence parallelism; the QKV and fc1 inputs 2sbh."""
+    regions = 2 * sbh * e + (2 * sbh if dropout else 0)
+    return regions / (t if sequence_parallel else 1) + 2 * sbh * e
+
+
 def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, recompute: str,
-                           attention: str, hw=None) -> float:
+                           attention: str, hw=None, sequence_parallel: bool = False) -> float:
     """Bytes one layer keeps for backward per micro-batch on one tensor rank."""
-    if hw is not None:
+    if hw is not None and not sequence_parallel:   # the profile measures layers without it
         measured = measured_activation_bytes(hw, shape, b, t, precision, recompute)
         if measured is not None:
             return measured
@@ -133,9 +144,8 @@ def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, re
     e = BYTES[precision]
     sbh = s * b * h
     if recompute == "full":
-        return sbh * e
-    masks = 2 * sbh if shape.dropout else 0
-    replicated = 4 * sbh * e + masks
+        return sbh * e / (t if sequence_parallel else 1)
+    replicated = sequence_parallel_replicated(sbh, e, shape.dropout, t, sequence_parallel)
     split = (4 * sbh + 2 * s * b * f) / t * e
     if attention == "flash":
         core = sbh / t * e + a * s * b / t * 4           # saved output + fp32 logsumexp
@@ -161,13 +171,16 @@ def in_flight_layer_stashes(schedule: str, p: int, v: int, m: int, layers_per_ra
                             rank: int) -> float:
     """How many (micro-batch, layer) activation stashes `rank` holds at its peak.
 
-    Matches ptdp.pipeline.schedules.max_in_flight: GPipe keeps all m micro-batches, 1F1B,
+    Matches ptdp.pipeline.schedules.max_in_flight: GPipe keeps all m micro-batches, ZB-H1
+    min(p, m) on every rank, 1F1B,
     2BW and PipeDream min(p - rank, m) (PipeDream-Flush's "at most p", L2409), interleaved
     min(2(p-rank-1) + (v-1)p, m*v) + 1 chunk stashes of layers_per_rank/v layers each (2BW
     with v > 1 the same without the cap: it never drains).
     """
     if schedule == "gpipe":
         return m * layers_per_rank
+    if schedule == "zb-h1":   # F to Wg: 1F1B's p - rank plus rank pending weight gradients
+        return min(p, m) * layers_per_rank
     if schedule == "2bw" and v > 1:
         return (2 * (p - rank - 1) + (v - 1) * p + 1) * layers_per_rank / v
     if schedule == "interleaved":
@@ -184,7 +197,7 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
                recompute: str, precision: str, attention: str, vocab_padded: int,
                reserved_gb: float, rank: int, d: int = 1, hw=None,
                vertical_sync: bool = False, distributed_optimizer: bool = False,
-               bucket_mb: float = 25.0) -> MemoryBreakdown:
+               bucket_mb: float = 25.0, sequence_parallel: bool = False) -> MemoryBreakdown:
     """Peak memory of pipeline rank `rank` (0 = first stage, p-1 = last).
 
     Weights, gradients and optimizer state live throughout. On top of them: activation
@@ -203,13 +216,16 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     gradients = params * g * (2 if schedule == "2bw" and rank > 0 else 1)
     layers_per_rank = shape.layers // p
     stashes = in_flight_layer_stashes(schedule, p, v, m, layers_per_rank, rank)
-    activations = stashes * layer_activation_bytes(shape, b, t, precision, recompute, attention, hw)
+    activations = stashes * layer_activation_bytes(shape, b, t, precision, recompute, attention,
+                                                   hw, sequence_parallel)
     sbh = shape.seq * b * shape.hidden
+    local_sbh = sbh / (t if sequence_parallel else 1)          # boundary and embedding tensors
     if first and shape.dropout:
-        activations += sbh * min(m, p - rank if schedule != "gpipe" else m)  # embedding mask
-    working = 2 * sbh * e                                      # send/recv buffers
+        activations += local_sbh * min(m, p - rank if schedule != "gpipe" else m)  # embedding mask
+    working = 2 * local_sbh * e                                # send/recv buffers
     if recompute != "none":   # a recomputed layer's activations live while its backward runs
-        working += layer_activation_bytes(shape, b, t, precision, "none", attention, hw)
+        working += layer_activation_bytes(shape, b, t, precision, "none", attention, hw,
+                                          sequence_parallel)
     if last:   # the logits, their one fp32 copy (exp, then softmax) and the gradient
         working += shape.seq * b * vocab_padded / t * (2 * e + 4)   # (ptdp/parallel/tensor.py)
         if shape.arch == "bert":  # the LM transform's dense output, GeLU and LayerNorm inputs

@@ -17,7 +17,8 @@ def plan_dict(pred: Prediction, precision: str) -> dict:
     lay = pred.layout
     return {
         "parallel": {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data,
-                     "chunks": lay.chunks, "scatter_gather": lay.scatter_gather},
+                     "chunks": lay.chunks, "scatter_gather": lay.scatter_gather,
+                     "sequence_parallel": lay.sequence_parallel},
         "distributed_optimizer": lay.distributed_optimizer,
         "micro_batch_size": lay.micro_batch,
         "schedule": lay.schedule,
@@ -47,7 +48,8 @@ def trainer_config(raw: dict, pred: Prediction, global_batch: int, precision: st
     lay = pred.layout
     cfg["parallel"] = {**(cfg.get("parallel") or {}), "tensor": lay.tensor,
                        "pipeline": lay.pipeline, "data": lay.data, "chunks": lay.chunks,
-                       "scatter_gather": lay.scatter_gather}
+                       "scatter_gather": lay.scatter_gather,
+                       "sequence_parallel": lay.sequence_parallel}
     cfg["schedule"] = {**(cfg.get("schedule") or {}), "name": lay.schedule}
     cfg["train"] = {**(cfg.get("train") or {}), "micro_batch_size": lay.micro_batch,
                     "global_batch_size": global_batch, "recompute": lay.recompute,
@@ -59,7 +61,8 @@ def _row(rank, pred: Prediction, best: Prediction) -> list[str]:
     lay = pred.layout
     return [str(rank), str(lay.pipeline), str(lay.tensor), str(lay.data), str(lay.chunks),
             str(lay.micro_batch), lay.schedule, lay.recompute,
-            "yes" if lay.scatter_gather else "no", "yes" if lay.distributed_optimizer else "no",
+            "yes" if lay.scatter_gather else "no", "yes" if lay.sequence_parallel else "no",
+            "yes" if lay.distributed_optimizer else "no",
             f"{pred.step_time_s:.3f}",
             f"{pred.tflops_per_gpu:.1f}", f"{pred.mfu:.0%}", f"{pred.memory_gb_per_gpu:.1f}",
             f"{pred.bubble_fraction:.1%}", why_slower(pred, best)]
@@ -73,7 +76,7 @@ def format_table(rows: list[list[str]], header: list[str]) -> str:
 
 def format_result(result: SearchResult, title: str, top: int) -> str:
     best = result.best
-    header = ["#", "p", "t", "d", "v", "b", "schedule", "recompute", "sg", "distopt", "step_s",
+    header = ["#", "p", "t", "d", "v", "b", "schedule", "recompute", "sg", "sp", "distopt", "step_s",
               "TFLOP/s", "MFU", "mem_GB", "bubble", "vs best"]
     rows = [_row(i + 1, p, best) for i, p in enumerate(result.ranked[:top])]
     rej = result.rejected

@@ -21,9 +21,10 @@ FIX_KEYS = {"p": "pipeline", "pipeline": "pipeline", "t": "tensor", "tensor": "t
             "b": "micro_batch", "micro_batch": "micro_batch", "micro_batch_size": "micro_batch",
             "schedule": "schedule", "recompute": "recompute", "sg": "scatter_gather",
             "scatter_gather": "scatter_gather", "distopt": "distributed_optimizer",
-            "distributed_optimizer": "distributed_optimizer"}
+            "distributed_optimizer": "distributed_optimizer", "sp": "sequence_parallel",
+            "sequence_parallel": "sequence_parallel"}
 INT_KEYS = ("pipeline", "tensor", "data", "chunks", "micro_batch")
-STRICT_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+STRICT_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 
 # Rejection categories, in the order the CLI lists them.
 INDIVISIBLE = "indivisible"
@@ -65,7 +66,7 @@ def parse_fix(text: str | None) -> dict:
         key, value = (s.strip() for s in item.split("=", 1))
         if key not in FIX_KEYS:
             raise PlanError(f"--fix: unknown key '{key}'; use p, t, d, v, b, schedule, "
-                            f"recompute, sg or distopt")
+                            f"recompute, sg, sp or distopt")
         name = FIX_KEYS[key]
         if name in INT_KEYS:
             if not value.isdigit() or int(value) < 1:
@@ -138,7 +139,7 @@ def _schedule_options(work: Workload, p: int, m: int, fixed: dict, rej: Rejectio
             if m < p:
                 rej.add(SCHEDULE_RULE, f"{where}: 2bw needs m={m} >= p={p} micro-batches")
                 continue
-        if name == "gpipe" and p == 1 and "schedule" not in fixed:
+        if name in ("gpipe", "zb-h1") and p == 1 and "schedule" not in fixed:
             continue  # identical to 1f1b without a pipeline
         out.append((name, 1))
     return out
@@ -193,7 +194,7 @@ def search(hw: HardwareProfile, work: Workload, gpus: int, fixed: dict | None = 
                 evaluated += _try_micro_batch(hw, work, t, p, d, b, fixed, attention, rej, ranked,
                                               schedules)
     ranked.sort(key=lambda pr: (pr.step_time_s, pr.memory_gb_per_gpu, pr.layout.chunks,
-                                pr.layout.scatter_gather))
+                                pr.layout.scatter_gather, not pr.layout.sequence_parallel))
     return SearchResult(ranked, rej, evaluated, time.perf_counter() - start)
 
 
@@ -208,16 +209,12 @@ def _try_micro_batch(hw, work, t, p, d, b, fixed, attention, rej, ranked, schedu
                 if sg and not (p > 1 and t > 1):
                     rej.add(SCHEDULE_RULE, f"{where}: scatter/gather needs p > 1 and t > 1")
                     continue
-                for zero in _distributed_optimizer_options(d, schedule, fixed, rej, where):
-                    lay = Layout(p, t, d, v, b, schedule, recompute, sg, zero)
-                    pred = predict(hw, work, lay, attention=attention)
-                    evaluated += 1
-                    if pred.fits:
-                        ranked.append(pred)
-                    else:
-                        usable = hw.usable_memory_bytes / 2**30
-                        rej.add(OUT_OF_MEMORY, f"{lay.describe()} needs {pred.memory_gb_per_gpu:.1f} "
-                                               f"GB > {usable:.1f} GB usable of {hw.memory_gb:g}")
+                for sp in _sequence_parallel_options(t, sg, schedule, fixed, rej, where):
+                    for zero in _distributed_optimizer_options(d, schedule, fixed, rej, where):
+                        lay = Layout(p, t, d, v, b, schedule, recompute, sg,
+                                     distributed_optimizer=zero, sequence_parallel=sp)
+                        evaluated += 1
+                        _rank_or_reject(hw, work, lay, attention, rej, ranked)
     return evaluated
 
 
@@ -232,6 +229,28 @@ def _distributed_optimizer_options(d: int, schedule: str, fixed: dict, rej: Reje
                                f"a flushing schedule")
         return []
     return [False]
+
+
+def _sequence_parallel_options(t: int, sg: bool, schedule: str, fixed: dict, rej: Rejections,
+                               where: str) -> list[bool]:
+    """Sequence parallelism needs t > 1, implies scatter/gather and runs flushing schedules."""
+    allowed = t > 1 and not sg and schedule not in ("2bw", "pipedream")
+    options = _choices("sequence_parallel", [False, True] if allowed else [False], fixed)
+    if True in options and not allowed:
+        rej.add(SCHEDULE_RULE, f"{where}: sequence parallelism needs t > 1, no scatter/gather "
+                               f"and a flushing schedule")
+        return [o for o in options if not o]
+    return options
+
+
+def _rank_or_reject(hw, work, lay: Layout, attention, rej: Rejections, ranked: list) -> None:
+    pred = predict(hw, work, lay, attention=attention)
+    if pred.fits:
+        ranked.append(pred)
+    else:
+        usable = hw.usable_memory_bytes / 2**30
+        rej.add(OUT_OF_MEMORY, f"{lay.describe()} needs {pred.memory_gb_per_gpu:.1f} GB "
+                               f"> {usable:.1f} GB usable of {hw.memory_gb:g}")
 
 
 def why_slower(pred: Prediction, best: Prediction) -> str:

@@ -25,7 +25,7 @@ def _wire_shapes(t: int, scatter_gather: bool):
 def _cases():
     for name in FLUSHING:
         for p in range(2, 9):
-            for v in ([1] if name == "1f1b" else range(1, 5)):
+            for v in ([1] if name in ("1f1b", "zb-h1") else range(1, 5)):
                 for m in range(p, 4 * p + 1):
                     if name == "interleaved" and v > 1 and m % p:
                         continue

@@ -31,7 +31,7 @@ CASES = [
     (name, p, v, m)
     for name in FLUSHING
     for p in range(1, 9)
-    for v in ([1] if name == "1f1b" else range(1, 5))
+    for v in ([1] if name in ("1f1b", "zb-h1") else range(1, 5))
     for m in _micro_batch_counts(name, p, v)
 ]
 
@@ -46,13 +46,15 @@ def test_every_forward_and_backward_once_forward_first(case):
     name, p, v, m = case
     for rank, actions in enumerate(build_all(name, p, v, m)):
         expected = {(mb, s) for mb in range(m) for s in rank_stages(rank, p, v)}
-        for kind in "FB":
+        kinds = ("F", "B", "Wg") if name == "zb-h1" else ("F", "B")
+        for kind in kinds:
             pairs = Counter((a.mb, a.stage) for a in actions if a.kind == kind)
             assert set(pairs) == expected and set(pairs.values()) == {1}, (rank, kind)
         position = {a: i for i, a in enumerate(actions)}
         for mb, s in expected:
-            assert position[Action("F", mb, s)] < position[Action("B", mb, s)], (rank, mb, s)
-        assert len(actions) == 2 * m * v
+            order = [position[Action(kind, mb, s)] for kind in kinds]
+            assert order == sorted(order), (rank, mb, s)
+        assert len(actions) == len(kinds) * m * v
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -67,6 +69,8 @@ def _in_flight_bound(name, p, v, m, rank):
     """The documented activation-stash bound, counted in (mb, stage) pairs."""
     if name == "gpipe":
         return m * v  # everything is stashed before the first backward
+    if name == "zb-h1":  # 1F1B's p - rank until B, plus rank weight gradients pending
+        return min(p, m)
     if v == 1:  # 1f1b, and interleaved with one chunk (which is 1f1b)
         return min(p - rank, m)
     warmup = 2 * (p - rank - 1) + (v - 1) * p  # Megatron's interleaved warm-up

@@ -56,13 +56,15 @@ def test_json_and_written_config_run_unchanged(model_file, tmp_path, capsys):
         assert key in result
     for key in ("step_time_s", "tflops_per_gpu", "mfu", "memory_gb_per_gpu", "bubble_fraction"):
         assert key in result["predicted"]
-    assert set(result["parallel"]) == {"tensor", "pipeline", "data", "chunks", "scatter_gather"}
+    assert set(result["parallel"]) == {"tensor", "pipeline", "data", "chunks", "scatter_gather",
+                                       "sequence_parallel"}
     cfg = load_config(out_yaml, world_size=1024)
     par = result["parallel"]
     assert (cfg.parallel.tensor, cfg.parallel.pipeline, cfg.parallel.data, cfg.parallel.chunks) == (
         par["tensor"], par["pipeline"], par["data"], par["chunks"])
     assert cfg.train.micro_batch_size == result["micro_batch_size"]
     assert cfg.schedule.name == result["schedule"] and cfg.train.recompute == result["recompute"]
+    assert cfg.parallel.sequence_parallel == par["sequence_parallel"]
     assert cfg.model.ffn_hidden_size == 4 * 12288     # the shape that was planned
 
 
@@ -156,3 +158,29 @@ def test_allow_2bw_writes_a_layout_ptdp_train_runs_unchanged(tmp_path, capsys):
 def _free_port() -> int:
     from ptdp.local_ranks import free_port
     return free_port()
+
+
+def test_plan_writes_sequence_parallel_and_zero_bubble_that_train_runs(tmp_path, capsys):
+    """With p = t = 2 fixed on four CPU ranks, the plan picks zb-h1 (a third of 1F1B's bubble)
+    and sequence parallelism (no extra time, less memory); `ptdp train` runs the written YAML."""
+    model = tmp_path / "small.yaml"
+    model.write_text(yaml.safe_dump({
+        "model": {"arch": "gpt", "num_layers": 4, "hidden_size": 64, "num_heads": 4,
+                  "seq_length": 32, "vocab_size": 256},
+        "train": {"global_batch_size": 16, "iters": 2, "device": "cpu", "timeout_s": 60},
+        "data": {"source": "synthetic"}, "log": {"progress": False}}))
+    out_yaml, metrics = tmp_path / "plan.yaml", tmp_path / "metrics.jsonl"
+    hardware = str(Path(__file__).resolve().parents[2] / "configs" / "hardware" / "cpu-local.yaml")
+    assert plan([str(model), "--hardware", hardware, "--gpus", "4", "--fix", "p=2,t=2",
+                 "--write-config", str(out_yaml)]) == 0
+    capsys.readouterr()
+    written = yaml.safe_load(out_yaml.read_text())
+    assert written["schedule"]["name"] == "zb-h1" and written["parallel"]["sequence_parallel"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+                           "--master-port", str(_free_port()), "-m", "ptdp", "train",
+                           str(out_yaml), f"log.metrics_file={metrics}"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["iter"] for r in records] == [1, 2]

@@ -15,9 +15,19 @@ def _search(hw, shape, batch, gpus, fixed=None, **kw):
     return search(hw, Workload(shape, batch, "bf16", hw.gpus_per_node), gpus, fixed, **kw)
 
 
+# The source's takeaways are about the source's techniques: without sequence parallelism and
+# the zero-bubble schedule (which make deeper pipelines and smaller t pay; tested below).
+SOURCE_ONLY = {"schedules": ("gpipe", "1f1b", "interleaved")}
+
+
+def _source_search(hw, shape, batch, gpus, fixed=None, **kw):
+    return _search(hw, shape, batch, gpus, {"sequence_parallel": False, **(fixed or {})},
+                   **SOURCE_ONLY, **kw)
+
+
 @pytest.fixture(scope="module")
 def gpt3_plan(a100):
-    return _search(a100, GPT3_175B, 1536, 1024)
+    return _source_search(a100, GPT3_175B, 1536, 1024)
 
 
 def test_ranking_is_sorted_feasible_and_complete(gpt3_plan, a100):
@@ -134,7 +144,7 @@ def test_why_slower_names_the_cause(a100):
 
 def test_search_over_3072_gpus_takes_seconds(a100):
     start = time.perf_counter()
-    result = _search(a100, GPT_1T, 3072, 3072)
+    result = _source_search(a100, GPT_1T, 3072, 3072)
     elapsed = time.perf_counter() - start
     assert elapsed < 10, f"search took {elapsed:.1f} s"
     best = result.best.layout
@@ -150,3 +160,20 @@ def test_recomputation_chosen_when_it_buys_throughput(a100):
     assert best.layout.recompute in ("selective", "full")
     no_recompute = [p for p in result.ranked if p.layout.recompute == "none"]
     assert no_recompute and no_recompute[0].step_time_s > best.step_time_s
+
+
+def test_sequence_parallelism_and_zero_bubble_are_chosen_when_they_pay(a100):
+    """With t > 1 sequence parallelism costs no time and saves activations (and boundary
+    bytes); with p > 1 ZB-H1 idles a third of 1F1B's bubble at 1F1B's peak memory."""
+    best = _search(a100, GPT3_175B, 1536, 1024).best
+    assert best.layout.sequence_parallel and best.layout.schedule == "zb-h1"
+    fixed = {"tensor": 8, "pipeline": 16, "micro_batch": 1, "recompute": "none"}
+    one = _search(a100, GPT3_175B, 1536, 1024, {**fixed, "schedule": "1f1b",
+                                                "sequence_parallel": False}).best
+    zb = _search(a100, GPT3_175B, 1536, 1024, {**fixed, "schedule": "zb-h1",
+                                               "sequence_parallel": False}).best
+    sp = _search(a100, GPT3_175B, 1536, 1024, {**fixed, "schedule": "1f1b",
+                                               "sequence_parallel": True}).best
+    assert zb.time["bubble"] < one.time["bubble"] / 2 and zb.step_time_s < one.step_time_s
+    assert sp.memory["activations"] < one.memory["activations"]
+    assert sp.time["pipeline_p2p"] < one.time["pipeline_p2p"]
