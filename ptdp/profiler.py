@@ -1,6 +1,6 @@
 """`ptdp profile`: measure this machine and write a hardware profile the planner can use.
 
-What is measured (PipeDream's profiler, L1152-1178, plus what the closed-form model needs):
+What is measured (PipeDream's profiler, plus what the closed-form model needs):
 * per transformer-layer shard (the real `models.transformer` code, for each t and b):
   forward and backward seconds, the attention core's forward, bytes saved for backward
   (saved-tensor hooks, de-duplicated by storage) and weight bytes;

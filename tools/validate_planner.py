@@ -65,6 +65,9 @@ LAYOUTS = {
     "p2t2-2bw":    Layout(2, 2, 1, 1, 2, "2bw", "none", False),
     "d2-distopt":  Layout(1, 1, 2, 1, 2, "1f1b", "none", False, True),
     "d2t2-distopt": Layout(1, 2, 2, 1, 2, "1f1b", "none", False, True),
+    "p2t2-sp":     Layout(2, 2, 1, 1, 2, "1f1b", "none", sequence_parallel=True),
+    "p2-zb":       Layout(2, 1, 1, 1, 1, "zb-h1", "none", False),
+    "p2t2-zb-sp":  Layout(2, 2, 1, 1, 2, "zb-h1", "none", sequence_parallel=True),
 }
 TOLERANCE = 0.15          # step time, either side
 MEMORY_UNDER = 0.03       # memory may be over-predicted, but under by at most this
@@ -74,7 +77,8 @@ def config_dict(layout: Layout, iters: int) -> dict:
     return {
         "model": dict(MODEL),
         "parallel": {"tensor": layout.tensor, "pipeline": layout.pipeline, "data": layout.data,
-                     "chunks": layout.chunks, "scatter_gather": layout.scatter_gather},
+                     "chunks": layout.chunks, "scatter_gather": layout.scatter_gather,
+                     "sequence_parallel": layout.sequence_parallel},
         "schedule": {"name": layout.schedule},
         "train": {"micro_batch_size": layout.micro_batch, "global_batch_size": GLOBAL_BATCH,
                   "iters": iters, "recompute": layout.recompute, "precision": "fp32",

@@ -13,18 +13,18 @@ Compute (compute.py)
     efficiently), attention kernels at a further `attention` factor, elementwise kernels at
     `memory` x HBM bandwidth, plus a launch cost per kernel.
   * Backward = data-gradient + weight-gradient GEMMs (2x forward FLOPs). Recomputation
-    re-runs the forward of every layer ("full", the paper's 4/3 c_extra, L2740) or only the
+    re-runs the forward of every layer ("full", the paper's 4/3 c_extra) or only the
     attention core ("selective").
 
 Communication (comm.py)
   * Ranks are laid out (p, d, t) with t fastest: a group is on NVLink when its span of
     consecutive ranks fits in a node, else on the network at the node's per-GPU share of
     its NICs. Collectives are rings: all-reduce moves 2(n-1)/n of the buffer, i.e. the
-    8bsh(t-1)/t per layer of L3800 for tensor parallelism (2 all-reduces forward, 2
+    8bsh(t-1)/t per layer of the PTD-P paper for tensor parallelism (2 all-reduces forward, 2
     backward, 2 more in a full recompute). Tensor-parallel communication never overlaps.
   * Pipeline: per micro-batch and per chunk each rank sends b*s*h activations forward and
-    receives as many gradients (both on the critical path, x v for interleaving, L3640); with
-    scatter/gather it sends b*s*h/t over the link and all-gathers over NVLink (L4034).
+    receives as many gradients (both on the critical path, x v for interleaving); with
+    scatter/gather it sends b*s*h/t over the link and all-gathers over NVLink.
   * Data parallelism: one ring all-reduce of the rank's fp32 gradients per iteration. It
     overlaps with the last micro-batch's backward pass (buckets are reduced as they fill),
     for 2BW too: its trainer waits for the sums right after a batch's last backward, since
@@ -34,7 +34,7 @@ Communication (comm.py)
 
 Pipeline (formulas.bubble_fraction)
   * Flushing schedules (gpipe, 1f1b, interleaved): m * T_slowest + (p-1)/v * T_mean, which
-    is (p-1)/(v*m) bubble for balanced stages (L3548, L3633). 2BW never flushes: m *
+    is (p-1)/(v*m) bubble for balanced stages. 2BW never flushes: m *
     T_slowest per iteration in steady state (the fill and drain are paid once per job, not
     counted). GPipe costs the same time as 1F1B but keeps m micro-batches in flight.
 

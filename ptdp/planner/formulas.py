@@ -1,14 +1,14 @@
 """The dissertation's closed-form formulas, torch-free so anything can import them cheaply.
 
-Line numbers refer to `shared/seeds/001_b2108678eada8159.txt` (Narayanan's dissertation).
-The trainer imports `model_flops_per_iteration` to report model TFLOP/s per GPU (DESIGN
-principle 7), so the conventions here are the paper's, not a hardware FLOP count:
+Equation numbers are those of Narayanan's dissertation (chapter 4 is the PTD-P paper). The
+trainer reports model TFLOP/s per rank from these formulas (`ptdp/metrics.py`), so the
+conventions here are the paper's, not a hardware FLOP count:
 
-* Eq. 4.2 (L4180-4200) counts 4 passes per transformer layer (forward, backward = 2x,
+* Eq. 4.2 counts 4 passes per transformer layer (forward, backward = 2x,
   and the extra forward of activation recomputation) whether or not recomputation is on.
   Pass `recompute_forward=False` for the 3-pass "model FLOPs" of a run without it.
-* Eq. 4.3 (L4205-4210) counts parameters of a GPT with a tied output embedding.
-* Eq. 4.4 (L4296-4318) estimates training time as 8*T*P / (n*X).
+* Eq. 4.3 counts parameters of a GPT with a tied output embedding.
+* Eq. 4.4 estimates training time as 8*T*P / (n*X).
 
 BERT is not a GPT: its loss runs a dense + GeLU + LayerNorm transform before the tied logits
 (with a vocabulary bias), a pooler and a binary head, and it embeds token types
@@ -25,7 +25,7 @@ def model_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vo
                               recompute_forward: bool = True) -> float:
     """Eq. 4.2: F = 96*B*s*l*h^2 * (1 + s/(6h) + V/(16*l*h)) floating-point operations.
 
-    Derivation (L4150-4195): a layer's forward pass costs 24Bsh^2 + 4Bs^2h; backward twice
+    Derivation: a layer's forward pass costs 24Bsh^2 + 4Bs^2h; backward twice
     that; recomputation one more forward -> 4x. The logit layer costs 6BshV (fwd + bwd) and
     is never recomputed. With `recompute_forward=False` the layer factor is 3 instead of 4.
     """
@@ -93,7 +93,7 @@ def training_days(tokens: float, parameters: float, num_gpus: int,
     """Eq. 4.4: end-to-end training time ~ 8*T*P / (n*X), in days.
 
     `tflops_per_gpu` is X in teraFLOP/s per GPU as measured with Eq. 4.2. Example from the
-    source (L4310-4318): 175e9 parameters, 300e9 tokens, 1024 GPUs at 140 TFLOP/s -> ~34 days.
+    source: 175e9 parameters, 300e9 tokens, 1024 GPUs at 140 TFLOP/s -> ~34 days.
     """
     if num_gpus <= 0 or tflops_per_gpu <= 0:
         raise ValueError("num_gpus and tflops_per_gpu must be positive")
@@ -102,14 +102,14 @@ def training_days(tokens: float, parameters: float, num_gpus: int,
 
 
 def iterations_for_tokens(tokens: float, global_batch: int, seq: int) -> float:
-    """I = T / (B*s) (L4297)."""
+    """I = T / (B*s)."""
     return tokens / (global_batch * seq)
 
 
 def bubble_fraction(pipeline: int, micro_batches: int, chunks: int = 1) -> float:
     """Pipeline bubble of flushing schedules as a fraction of ideal time: (p-1)/(v*m).
 
-    GPipe and 1F1B (L3548): (p-1)/m; interleaved 1F1B with v chunks per device (L3633):
+    GPipe and 1F1B: (p-1)/m; interleaved 1F1B with v chunks per device:
     (1/v)*(p-1)/m. PipeDream-2BW and async PipeDream have no flush, hence no bubble.
     """
     if micro_batches <= 0 or chunks <= 0:
@@ -118,7 +118,7 @@ def bubble_fraction(pipeline: int, micro_batches: int, chunks: int = 1) -> float
 
 
 def tensor_parallel_elements_per_layer(batch: int, seq: int, hidden: int, tensor: int) -> float:
-    """Elements each device moves per layer per micro-batch: 8*b*s*h*(t-1)/t (L3800).
+    """Elements each device moves per layer per micro-batch: 8*b*s*h*(t-1)/t.
 
     Two all-reduces of b*s*h forward and two backward, each a ring moving 2(t-1)/t of it.
     """
@@ -128,17 +128,17 @@ def tensor_parallel_elements_per_layer(batch: int, seq: int, hidden: int, tensor
 def pipeline_elements_per_boundary(batch: int, seq: int, hidden: int, tensor: int = 1,
                                    scatter_gather: bool = False) -> float:
     """Elements sent between consecutive stages per micro-batch, one direction: b*s*h,
-    or b*s*h/t with the scatter/gather optimization (L3787, L4034)."""
+    or b*s*h/t with the scatter/gather optimization."""
     elements = float(batch * seq * hidden)
     return elements / tensor if scatter_gather else elements
 
 
 def eq41_batch_time(global_per_replica: int, micro_batch: int, pipeline: int,
                     t_forward: float, t_backward: float) -> float:
-    """Eq. 4.1 (L3920): (b'/b + p - 1) * (t_f(b) + t_b(b)) with b' = B/d; ignores comm."""
+    """Eq. 4.1: (b'/b + p - 1) * (t_f(b) + t_b(b)) with b' = B/d; ignores comm."""
     return (global_per_replica / micro_batch + pipeline - 1) * (t_forward + t_backward)
 
 
 def optimal_checkpoints(layers: int, a_intermediate: float, a_input: float) -> float:
-    """c = sqrt(l * A_intermediate / A_input) minimises c*A_input + (l/c)*A_intermediate (L3950)."""
+    """c = sqrt(l * A_intermediate / A_input) minimises c*A_input + (l/c)*A_intermediate."""
     return (layers * a_intermediate / a_input) ** 0.5

@@ -157,9 +157,9 @@ def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, re
 
 
 def weight_versions(schedule: str, p: int, rank: int, vertical_sync: bool = False) -> int:
-    """Copies of the rank's weights: 2 for 2BW (L2314); PipeDream's weight stashing keeps one
+    """Copies of the rank's weights: 2 for 2BW; PipeDream's weight stashing keeps one
     per in-flight input, max(p - rank, 2) with the one being made, p with vertical sync
-    (L1499); 1 for the flushing schedules. In fp32 the newest version is the master copy."""
+   ; 1 for the flushing schedules. In fp32 the newest version is the master copy."""
     if schedule == "2bw":
         return 2
     if schedule == "pipedream":
@@ -173,7 +173,7 @@ def in_flight_layer_stashes(schedule: str, p: int, v: int, m: int, layers_per_ra
 
     Matches ptdp.pipeline.schedules.max_in_flight: GPipe keeps all m micro-batches, ZB-H1
     min(p, m) on every rank, 1F1B,
-    2BW and PipeDream min(p - rank, m) (PipeDream-Flush's "at most p", L2409), interleaved
+    2BW and PipeDream min(p - rank, m) (PipeDream-Flush's "at most p"), interleaved
     min(2(p-rank-1) + (v-1)p, m*v) + 1 chunk stashes of layers_per_rank/v layers each (2BW
     with v > 1 the same without the cap: it never drains).
     """

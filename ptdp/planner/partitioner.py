@@ -1,4 +1,4 @@
-"""PipeDream's partitioner (§2.4.1, L1182-1320): hierarchical dynamic program with stage
+"""PipeDream's partitioner (§2.4.1): hierarchical dynamic program with stage
 replication, for models whose layers do not all cost the same.
 
 Level k of the machine has m_k components of level k-1 joined by links of bandwidth B_k

@@ -13,7 +13,7 @@ TIME_LABELS = {"compute": "compute", "recompute": "recompute", "tensor_comm": "t
 
 
 def plan_dict(pred: Prediction, precision: str) -> dict:
-    """The JSON shape of one layout (keys documented in the issue and DESIGN.md)."""
+    """The JSON shape of one layout (what `ptdp plan --json` prints)."""
     lay = pred.layout
     return {
         "parallel": {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data,

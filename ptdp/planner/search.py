@@ -1,6 +1,6 @@
 """Exhaustive search over layouts (p, t, d, v, b, schedule, recompute, scatter/gather).
 
-Like Algorithm 1 (L2561-2587) but over every dimension at once: enumerate every valid
+Like Algorithm 1 but over every dimension at once: enumerate every valid
 combination, predict it with the cost model, drop those that do not fit in memory, rank the
 rest by step time. Choices that can never work are pruned as early as possible and counted
 by reason, so the CLI can say why the others lost. Micro-batch sizes are tried in increasing
@@ -161,7 +161,7 @@ def search(hw: HardwareProfile, work: Workload, gpus: int, fixed: dict | None = 
     """Every valid layout for `gpus` GPUs, feasible ones ranked by predicted step time.
 
     `schedules` defaults to the flushing ones, which keep the optimizer's semantics exact;
-    2BW (W(t+1) = W(t) - lr * grad f(W(t-1)), L2306) changes the update rule, so callers
+    2BW (W(t+1) = W(t) - lr * grad f(W(t-1))) changes the update rule, so callers
     opt in (the CLI's --allow-2bw, or --fix schedule=2bw).
     `distributed_optimizer`: also try each layout with d > 1 with the optimizer state sharded
     over d (the CLI's --allow-distributed-optimizer, or --fix distopt=true). Off by default:
