@@ -11,8 +11,12 @@ What is measured (PipeDream's profiler, plus what the closed-form model needs):
   on CPU, NCCL with 2+ GPUs), fitted as time = latency + bytes / bandwidth;
 * on CPU, nodes as busy as in training (`measured.busy`): for 2, 4, ... `--ranks` ranks
   all running at once, how much slower each one's compute gets (shared cores and memory
-  bandwidth), and all-reduce in concurrent groups of every size, and send/recv between
-  pairs, all at once: what tensor-, data- and pipeline-parallel communication sees.
+  bandwidth), all-reduce, reduce-scatter and all-gather in concurrent groups of every size,
+  and send/recv between pairs, all at once: what tensor-, data- and pipeline-parallel
+  communication sees; and what a tensor group's communication adds to a layer on such a
+  node (`measured.tensor_layers`, ptdp/profile_tensor.py);
+* the backward split as zb-h1 runs it (input gradients now, weight gradients later), for
+  layers, embedding and head.
 
 A tensor-parallel shard of size t is measured in one process by giving the layer a
 1-process group that claims size t: the layer has exactly a t-rank's shapes and its
@@ -31,6 +35,7 @@ profile --help` stays fast.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import resource
@@ -40,6 +45,7 @@ from pathlib import Path
 from ptdp.hardware import (Efficiency, HardwareProfile, load_hardware, machine_fingerprint,
                            save_hardware)
 from ptdp.planner.errors import PlanError
+from ptdp.profile_tensor import measure_tensor_layers
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -158,7 +164,34 @@ def measure_layer(model_cfg, t: int, b: int, precision: str, device, iters: int)
     fwd_bwd = _best_time(lambda: (forward(), backward()), device, iters)
     row["backward_s"] = max(fwd_bwd - row["forward_s"], 1e-9)
     row["attention_forward_s"] = _attention_time(layer.layers[0].attention, x, device, iters)
+    split = TransformerStack(dataclasses.replace(_context(m, t, device), split_backward=True),
+                             0, 2, causal).to(device, dtype)   # per layer: 2 layers, halved
+    row["backward_split_s"] = _split_backward_time(
+        lambda: split(x), lambda out: out.backward(grad), device, iters) / 2
     return row
+
+
+def _split_backward_time(forward, backward, device, iters: int, deferred: int = 4) -> float:
+    """Seconds of one micro-batch's backward split in two, B now and W later (zb-h1):
+    `forward()` returns what `backward(out)` back-propagates; the `deferred` micro-batches'
+    B passes all run before their W passes, as when a rank holds W back for a bubble. The W
+    pass then finds its inputs gone from the caches, which costs more than the split itself
+    (on a CPU core: ~10-25 % over a plain backward)."""
+    from ptdp.parallel.weight_grad import STORE
+    forwards = _best_time(lambda: [forward() for _ in range(deferred)], device, iters)
+
+    def split_passes():
+        for key, out in enumerate([forward() for _ in range(deferred)]):
+            with STORE.defer(("profile", key)):
+                backward(out)
+        for key in range(deferred):
+            STORE.run(("profile", key))
+
+    try:
+        total = _best_time(split_passes, device, iters)
+    finally:
+        STORE.clear()
+    return max(total - forwards, 1e-9) / deferred
 
 
 def _attention_time(attention, x, device, iters: int) -> float:
@@ -202,6 +235,15 @@ def measure_head(model_cfg, t: int, b: int, precision: str, device, iters: int) 
     row["head_forward_s"] = _best_time(head, device, iters)
     both = _best_time(lambda: (head(), state["h"].backward()), device, iters)
     row["head_backward_s"] = max(both - row["head_forward_s"], 1e-9)
+    split_ctx = dataclasses.replace(ctx, split_backward=True)
+    split_embedding = Embedding(split_ctx).to(device, dtype)
+    row["embed_backward_split_s"] = _split_backward_time(
+        lambda: split_embedding(tokens), lambda out: out.backward(grad), device, iters)
+    row["head_backward_split_s"] = _split_backward_time(
+        lambda: vocab_parallel_cross_entropy(
+            logits(final_ln(hidden), split_embedding.word.weight, split_ctx), tokens.t(),
+            m.vocab_size, ctx.tp).mean(),
+        lambda loss: loss.backward(), device, iters)
     return row
 
 
@@ -420,6 +462,24 @@ def _cpu_seconds(fn, iters: int) -> float:
     return (time.thread_time() - start) / iters
 
 
+# The collectives the trainer calls, each measured on its own: on gloo a reduce-scatter costs
+# more than an all-reduce of the same buffer and an all-gather less than half of one, so the
+# NCCL identity all-reduce = reduce-scatter + all-gather does not hold on CPU ranks.
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def _collective(kind: str, buf, group, n: int):
+    """fn() running one `kind` collective of the n-rank `group` over the whole `buf` (an
+    all-gather's result, a reduce-scatter's input), with the calls the trainer makes."""
+    import torch.distributed as dist
+    shard = buf[: buf.numel() // n].clone()
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(buf, group=group)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_single(shard, buf, group=group)
+    return lambda: dist.all_gather_single(buf, shard, group=group)
+
+
 def _bench_busy_node(sizes, iters: int, threads: int) -> dict:
     """Every rank of this world busy at once, as in training (rank 0's view):
     * `slowdown` of compute: ranks x threads / cores when they outnumber the cores (time
@@ -443,19 +503,19 @@ def _bench_busy_node(sizes, iters: int, threads: int) -> dict:
     contention = max(together / alone, 1.0)
     time_slicing = max(world * threads / len(os.sched_getaffinity(0)), 1.0)
     out = {"world": world, "slowdown": time_slicing * contention, "contention": contention,
-           "all_reduce": {}, "p2p": []}
+           "all_reduce": {}, "reduce_scatter": {}, "all_gather": {}, "p2p": []}
     over = time_slicing > 1.0
     n = 2
     while n <= world:
         groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
         mine = groups[rank // n]
-        samples = []
-        for numel in sizes:
-            buf = torch.ones(numel)
-            dist.barrier()
-            reduce = lambda: dist.all_reduce(buf, group=mine)  # noqa: E731
-            samples.append((numel * 4, _typical_time(reduce, iters, over)))
-        out["all_reduce"][n] = samples
+        for kind in COLLECTIVES:
+            samples = []
+            for numel in sizes:
+                run = _collective(kind, torch.ones(numel - numel % n), mine, n)
+                dist.barrier()
+                samples.append((numel * 4, _typical_time(run, iters, over)))
+            out[kind][n] = samples
         n *= 2
     peer = rank ^ 1
     for numel in sizes:
@@ -476,6 +536,14 @@ def _bench_busy_node(sizes, iters: int, threads: int) -> dict:
     return out
 
 
+def _ring_fit(kind: str, n: int, samples) -> dict:
+    """Bus bandwidth and per-step latency of a ring collective from (buffer bytes, seconds):
+    an all-reduce moves 2(n-1)/n of the buffer in 2(n-1) steps, the halves (n-1)/n in n-1."""
+    steps = (2 if kind == "all_reduce" else 1) * (n - 1)
+    slope, intercept = fit_latency_bandwidth([(steps / n * nbytes, sec) for nbytes, sec in samples])
+    return {"group": n, "bandwidth_GBps": 1e-9 / slope, "latency_us": intercept / steps * 1e6}
+
+
 def measure_busy_nodes(max_ranks: int, threads: int, iters: int, log=print) -> list[dict]:
     """`measured.busy` rows, one per world of 2, 4, ... max_ranks ranks (see _bench_busy_node):
     {ranks, slowdown, all_reduce: [{group, bandwidth_GBps, latency_us}], p2p: {...}}."""
@@ -486,12 +554,10 @@ def measure_busy_nodes(max_ranks: int, threads: int, iters: int, log=print) -> l
         result = run_on_ranks(world, _bench_busy_node, SIZES, iters, threads, timeout_s=600.0,
                               threads=threads)[0]
         row = {"ranks": world, "slowdown": result["slowdown"],
-               "contention": result["contention"], "all_reduce": []}
-        for n, samples in sorted(result["all_reduce"].items()):
-            ring = [(2 * (n - 1) / n * nbytes, sec) for nbytes, sec in samples]
-            slope, intercept = fit_latency_bandwidth(ring)
-            row["all_reduce"].append({"group": n, "bandwidth_GBps": 1e-9 / slope,
-                                      "latency_us": intercept / (2 * (n - 1)) * 1e6})
+               "contention": result["contention"]}
+        for kind in COLLECTIVES:
+            row[kind] = [_ring_fit(kind, n, samples)
+                         for n, samples in sorted(result[kind].items())]
         slope, intercept = fit_latency_bandwidth(result["p2p"])
         row["p2p"] = {"bandwidth_GBps": 1e-9 / slope, "latency_us": intercept * 1e6}
         rows.append(row)
@@ -585,6 +651,9 @@ def build_profile(model_cfg, *, name: str, micro_batches: list[int], tensors: li
         measured.update(all_reduce=comms["all_reduce"], p2p={
             k: comms["p2p"][k] for k in ("bandwidth_GBps", "latency_us", "samples")})
         measured["busy"] = measure_busy_nodes(max(ranks, 2), threads, max(iters, 5), log)
+        measured["tensor_layers"] = measure_tensor_layers(
+            model_cfg, tensors, micro_batches, precision, [row["ranks"] for row in measured["busy"]],
+            threads, max(iters, 9), log)
     profile = _assemble(name, device, precision, dev, comms, measured, ranks_per_node, base)
     if device.type == "cpu" and comms:
         calibration = calibrate_reserve(profile, model_cfg, precision, threads)

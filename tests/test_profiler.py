@@ -47,6 +47,24 @@ def test_profile_is_a_usable_hardware_profile(profile_path):
 
 
 @pytest.mark.timeout(300)
+def test_profile_measures_what_cpu_ranks_pay_beyond_compute(profile_path):
+    hw = load_hardware(str(profile_path))
+    # zb-h1's split backward, for layers, embedding and head.
+    assert all(r["backward_split_s"] > 0 for r in hw.measured["layers"])
+    assert all(r["head_backward_split_s"] > 0 and r["embed_backward_split_s"] > 0
+               for r in hw.measured["heads"])
+    # Each collective the trainer calls, fitted on its own, on every busy world.
+    for row in hw.measured["busy"]:
+        for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+            assert [fit["group"] for fit in row[kind]] == [2] and row[kind][0]["bandwidth_GBps"] > 0
+    # A t = 2 layer on 2 busy ranks, with and without sequence parallelism, for each b.
+    rows = hw.measured["tensor_layers"]
+    assert {(r["tensor"], r["world"], r["micro_batch"], r["sequence_parallel"]) for r in rows} == {
+        (2, 2, b, sp) for b in (1, 2) for sp in (False, True)}
+    assert all(r["layer_s"] > 0 and r["comm_s"] >= 0 for r in rows)
+
+
+@pytest.mark.timeout(300)
 def test_measured_activations_match_the_memory_formula(profile_path):
     # Saved-tensor bytes of the real layer vs memory.py's breakdown (flash attention on CPU,
     # no dropout): the formula should be within 15% of what autograd actually keeps.

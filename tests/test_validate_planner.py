@@ -55,3 +55,20 @@ def test_results_are_written_as_json_and_png(tmp_path):
     assert {"step_error", "mem_error"} <= set(data["rows"][0]) and data["fingerprint"]
     assert (tmp_path / "validate_planner.png").read_bytes()[:4] == b"\x89PNG"
     yaml.safe_dump(data)   # plain data
+
+
+def test_drift_scales_compute_not_communication():
+    hw = load_hardware("cpu-local")
+    measured = {"threads": 1, "optimizer_s_per_param": 1e-9,
+                "layers": [{"tensor": 1, "micro_batch": 2, "forward_s": 0.01, "backward_s": 0.02,
+                            "hidden": 64}],
+                "heads": [{"micro_batch": 2, "head_forward_s": 0.004}],
+                "busy": [{"ranks": 2, "slowdown": 1.0, "p2p": {"bandwidth_GBps": 3.0}}]}
+    hw = dataclasses.replace(hw, measured=measured)
+    slow = vp.at_speed(hw, 1.25)
+    assert vp.profile_reference(hw) == 0.03 and vp.profile_reference(slow) == 0.03 * 1.25
+    assert slow.measured["heads"][0]["head_forward_s"] == 0.004 * 1.25
+    assert slow.measured["optimizer_s_per_param"] == 1.25e-9
+    assert slow.peak_tflops["fp32"] == hw.peak_tflops["fp32"] / 1.25
+    assert slow.measured["busy"] == measured["busy"] and slow.measured["layers"][0]["hidden"] == 64
+    assert hw.measured["layers"][0]["forward_s"] == 0.01   # the original is untouched

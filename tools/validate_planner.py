@@ -15,6 +15,14 @@ median of its iterations after the first, the layout's the median over rounds; t
 between rounds and the load average are written with the results. Memory is each rank's VmHWM
 (peak resident set), the largest over ranks and rounds.
 
+Drift: a shared virtual machine's speed drifts by up to ~20 % within minutes (measured here:
+one layer's forward+backward took 36 ms during a profile and 43-44 ms ten minutes later, steady
+for minutes after). A profile taken at one speed and runs at another would show that drift as
+prediction error. So before each round and after the last, the tool times the profile's
+reference layer again (the same `measure_layer` call) and scales the profile's compute times by
+the median ratio before predicting; communication stays as measured. The factor is printed and
+written with the rows; `--no-drift` turns the correction off.
+
 The profile must come from this machine: one measured elsewhere (its fingerprint differs, or
 it has none) is not used; the tool measures a fresh one (`ptdp profile`, 1 thread per rank)
 into --out and says so. Results: OUT/validate_planner.json (rows with `layout`, `step_error`
@@ -120,6 +128,45 @@ def measure_once(layout: Layout, iters: int, timeout_s: float) -> tuple[float, f
     return statistics.median(steps), max(r["peak_gb"] for r in results)
 
 
+def probe_worker(model: dict) -> float:
+    """One layer's forward + backward at b = 2, t = 1, timed as `ptdp profile` times it."""
+    import torch
+    from ptdp.profiler import _ensure_process_group, measure_layer
+    cfg = config_from_dict({"model": model}).model
+    _ensure_process_group()
+    row = measure_layer(cfg, 1, 2, "fp32", torch.device("cpu"), 5)
+    return row["forward_s"] + row["backward_s"]
+
+
+def speed_probe() -> float:
+    from ptdp.local_ranks import run_on_ranks
+    return run_on_ranks(1, probe_worker, MODEL, timeout_s=300.0, threads=1)[0]
+
+
+def profile_reference(hw) -> float:
+    """The probe's layer as the profile measured it."""
+    row = next(r for r in hw.measured["layers"] if r["tensor"] == 1 and r["micro_batch"] == 2)
+    return row["forward_s"] + row["backward_s"]
+
+
+def at_speed(hw, factor: float):
+    """The profile with every compute time scaled by `factor` (communication as measured)."""
+    import copy
+    import dataclasses
+    measured = copy.deepcopy(hw.measured)
+    for table in ("layers", "heads"):
+        for row in measured.get(table) or []:
+            for key in [k for k in row if k.endswith("_s")]:
+                row[key] *= factor
+    measured["optimizer_s_per_param"] *= factor
+    efficiency = dataclasses.replace(
+        hw.efficiency, host_overhead_s=hw.efficiency.host_overhead_s * factor)
+    return dataclasses.replace(
+        hw, measured=measured, efficiency=efficiency,
+        peak_tflops={k: v / factor for k, v in hw.peak_tflops.items()},
+        memory_bandwidth_GBps=hw.memory_bandwidth_GBps / factor)
+
+
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
@@ -129,7 +176,9 @@ def measure_interleaved(layouts: dict, iters: int, rounds: int, timeout_s: float
     every layout once, in an order rotated by r."""
     names = list(layouts)
     out = {n: {"steps": [], "mem": 0.0, "load": []} for n in names}
+    out["probes"] = []
     for r in range(rounds):
+        out["probes"].append(speed_probe())
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             step, mem = measure_once(layouts[name], iters, timeout_s)
@@ -138,6 +187,7 @@ def measure_interleaved(layouts: dict, iters: int, rounds: int, timeout_s: float
             out[name]["load"].append(load_average()[0])
             print(f"  round {r + 1}/{rounds} {name}: {step * 1e3:.1f} ms, {mem:.3f} GiB "
                   f"(load {out[name]['load'][-1]})", flush=True)
+    out["probes"].append(speed_probe())
     return out
 
 
@@ -227,6 +277,9 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=5, help="training iterations per run")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved runs per layout")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    parser.add_argument("--no-drift", dest="drift", action="store_false",
+                        help="do not scale the profile's compute times to the machine's speed "
+                             "during the runs (see 'Drift' above)")
     parser.add_argument("--check", action="store_true",
                         help=(f"exit 1 if a step error exceeds {TOLERANCE:.0%} or memory is "
                               f"under-predicted by more than {MEMORY_UNDER:.0%}").replace("%", "%%"))
@@ -257,6 +310,13 @@ def compare(hw, layouts: dict, args) -> list[dict]:
     print(f"profile {hw.name} ({hw.description}); model {MODEL}, B={GLOBAL_BATCH}; "
           f"load average {load_average()}", flush=True)
     measured = measure_interleaved(layouts, args.iters, args.rounds, args.timeout)
+    drift = statistics.median(measured["probes"]) / profile_reference(hw)
+    print(f"speed probe (one layer fwd+bwd, b=2): profile {profile_reference(hw) * 1e3:.1f} ms, "
+          f"during the runs {', '.join(f'{p * 1e3:.1f}' for p in measured['probes'])} ms: "
+          + (f"compute times scaled by {drift:.3f}" if args.drift else
+             f"x{drift:.3f}, not corrected (--no-drift)"), flush=True)
+    if args.drift:
+        hw = at_speed(hw, drift)
     rows = []
     print(f"{'layout':<10} {'ranks':>5} {'pred_ms':>8} {'meas_ms':>8} {'spread':>7} {'err':>7} "
           f"{'pred_GiB':>8} {'meas_GiB':>8} {'err':>7}")
@@ -268,7 +328,8 @@ def compare(hw, layouts: dict, args) -> list[dict]:
         row = {"layout": name, "ranks": layout.gpus, "predicted_step": pred.step_time_s,
                "measured_step": step, "step_runs": steps, "step_error": pred.step_time_s / step - 1,
                "predicted_mem": pred.memory_gb_per_gpu, "measured_mem": mem,
-               "mem_error": pred.memory_gb_per_gpu / mem - 1, "load": measured[name]["load"]}
+               "mem_error": pred.memory_gb_per_gpu / mem - 1, "load": measured[name]["load"],
+               "speed_drift": drift if args.drift else 1.0}
         rows.append(row)
         print(f"{name:<10} {layout.gpus:>5} {pred.step_time_s * 1e3:>8.1f} {step * 1e3:>8.1f} "
               f"{spread:>7.0%} {row['step_error']:>+7.1%} {pred.memory_gb_per_gpu:>8.3f} "

@@ -78,29 +78,34 @@ def busy_node(hw: HardwareProfile, ranks: int | None) -> dict | None:
     return min(rows, key=lambda r: (abs(math.log2(r["ranks"] / ranks)), -r["ranks"]))
 
 
-def _measured_all_reduce(row: dict, n: int) -> Link:
-    fit = min(row["all_reduce"], key=lambda r: abs(math.log2(r["group"] / n)))
+def _measured(row: dict, n: int, kind: str) -> Link:
+    """The busy row's fit for a `kind` collective in groups of n (profiles written before
+    reduce-scatter and all-gather were measured on their own have all-reduce only)."""
+    fits = row.get(kind) or row["all_reduce"]
+    fit = min(fits, key=lambda r: abs(math.log2(r["group"] / n)))
     return Link(fit["bandwidth_GBps"] * 1e9, fit["latency_us"] * 1e-6, True)
 
 
-def tensor_link(hw, t: int, gpus_per_node: int, busy: int | None = None) -> Link:
+def tensor_link(hw, t: int, gpus_per_node: int, busy: int | None = None,
+                kind: str = "all_reduce") -> Link:
     """Tensor groups are t consecutive ranks: inside a node when t divides G (a one-node job
     passes its own size as G). Inside a node, a profile measured busy (CPU ranks) gives the
-    rate its groups of t achieved while `busy` ranks ran at once."""
+    rate its groups of t achieved for a `kind` collective while `busy` ranks ran at once."""
     crossing = crossing_members(t, 1, gpus_per_node, True)
     if crossing is not None:
         return inter_link(hw, crossing)
     row = busy_node(hw, busy)
-    return _measured_all_reduce(row, t) if row else intra_link(hw)
+    return _measured(row, t, kind) if row else intra_link(hw)
 
 
-def data_link(hw, t: int, d: int, gpus_per_node: int, busy: int | None = None) -> Link:
+def data_link(hw, t: int, d: int, gpus_per_node: int, busy: int | None = None,
+              kind: str = "all_reduce") -> Link:
     """Data-parallel peers are t ranks apart; those of a node share its NICs."""
     crossing = crossing_members(t, d, gpus_per_node, False)
     if crossing is not None:
         return inter_link(hw, crossing)
     row = busy_node(hw, busy)
-    return _measured_all_reduce(row, d) if row else intra_link(hw)
+    return _measured(row, d, kind) if row else intra_link(hw)
 
 
 def pipeline_link(hw, t: int, d: int, p: int, gpus_per_node: int,
@@ -130,6 +135,11 @@ def all_gather_time(n: int, nbytes_total: float, link: Link) -> float:
     if n <= 1:
         return 0.0
     return (n - 1) / n * nbytes_total / link.bandwidth + (n - 1) * link.latency
+
+
+def reduce_scatter_time(n: int, nbytes_total: float, link: Link) -> float:
+    """Ring reduce-scatter of a buffer of `nbytes_total` (each rank keeps 1/n of the sum)."""
+    return all_gather_time(n, nbytes_total, link)
 
 
 def p2p_time(nbytes: float, link: Link) -> float:

@@ -10,6 +10,7 @@ Two sources, in order of preference:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -44,6 +45,7 @@ class LayerTimes:
     forward: float
     backward: float
     attention_forward: float   # the core attention part of `forward` (selective recompute)
+    backward_split: float      # backward as zb-h1 runs it: B now, W held back for a bubble
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class HeadTimes:
     embed_backward: float
     head_forward: float
     head_backward: float
+    embed_backward_split: float   # as zb-h1 runs them (B, then W later)
+    head_backward_split: float
 
 
 def _sat(x: float, half: float) -> float:
@@ -111,9 +115,9 @@ def _analytic_layer(hw, precision, shape: ModelShape, b: int, t: int, attention:
     elems = tokens * (10 * h + 2 * f / t + 8 * h / t)
     fwd_elem = elementwise_time(hw, elems * e, 10)
     bwd_elem = elementwise_time(hw, 2 * elems * e, 20)
-    return LayerTimes(forward=fwd_gemm + attn_fwd + fwd_elem,
-                      backward=bwd_gemm + attn_bwd + bwd_elem,
-                      attention_forward=attn_fwd)
+    backward = bwd_gemm + attn_bwd + bwd_elem
+    return LayerTimes(forward=fwd_gemm + attn_fwd + fwd_elem, backward=backward,
+                      attention_forward=attn_fwd, backward_split=backward)
 
 
 def _analytic_head(hw, precision, shape: ModelShape, b: int, t: int, vocab_padded: int) -> HeadTimes:
@@ -133,7 +137,7 @@ def _analytic_head(hw, precision, shape: ModelShape, b: int, t: int, vocab_padde
         dense = gemm_time(hw, precision, tokens, h, h)
         head_fwd += dense + elementwise_time(hw, 4 * tokens * h * e, 2)
         head_bwd += 2 * dense + elementwise_time(hw, 8 * tokens * h * e, 4)
-    return HeadTimes(embed_fwd, embed_bwd, head_fwd, head_bwd)
+    return HeadTimes(embed_fwd, embed_bwd, head_fwd, head_bwd, embed_bwd, head_bwd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,7 +172,9 @@ def _measured_layer(hw, precision, shape: ModelShape, b: int, t: int) -> LayerTi
     fwd = _interpolate([(r["micro_batch"], r["forward_s"]) for r in rows], b)
     bwd = _interpolate([(r["micro_batch"], r["backward_s"]) for r in rows], b)
     share = [(r["micro_batch"], r.get("attention_forward_s", 0.0)) for r in rows]
-    return LayerTimes(fwd, bwd, _interpolate(share, b) if any(y for _, y in share) else 0.2 * fwd)
+    split = [(r["micro_batch"], r["backward_split_s"]) for r in rows if "backward_split_s" in r]
+    return LayerTimes(fwd, bwd, _interpolate(share, b) if any(y for _, y in share) else 0.2 * fwd,
+                      _interpolate(split, b) if len(split) == len(rows) else bwd)
 
 
 def _measured_head(hw, precision, shape: ModelShape, b: int, t: int, vocab_padded: int):
@@ -176,9 +182,40 @@ def _measured_head(hw, precision, shape: ModelShape, b: int, t: int, vocab_padde
                                             vocab=vocab_padded, precision=precision))
     if not rows:
         return None
-    pick = lambda key: _interpolate([(r["micro_batch"], r[key]) for r in rows], b)  # noqa: E731
+    def pick(key, fallback=None):
+        if fallback and not all(key in r for r in rows):
+            return pick(fallback)
+        return _interpolate([(r["micro_batch"], r[key]) for r in rows], b)
     return HeadTimes(pick("embed_forward_s"), pick("embed_backward_s"),
-                     pick("head_forward_s"), pick("head_backward_s"))
+                     pick("head_forward_s"), pick("head_backward_s"),
+                     pick("embed_backward_split_s", "embed_backward_s"),
+                     pick("head_backward_split_s", "head_backward_s"))
+
+
+def measured_tensor_comm(hw: HardwareProfile, precision: str, shape: ModelShape, b: int, t: int,
+                         sequence_parallel: bool, busy: int) -> float | None:
+    """Seconds the tensor group's communication adds to one layer's forward + backward, as
+    measured with `busy` ranks at once (ptdp/profile_tensor.py; CPU profiles), or None."""
+    rows = _measured_rows(hw, "tensor_layers", dict(
+        hidden=shape.hidden, heads=shape.heads, ffn=shape.ffn, seq=shape.seq, tensor=t,
+        precision=precision, sequence_parallel=sequence_parallel))
+    if not rows:
+        return None
+    world = min({r["world"] for r in rows}, key=lambda w: (abs(math.log2(w / max(busy, 1))), -w))
+    return _line([(r["micro_batch"], r["comm_s"]) for r in rows if r["world"] == world], b)
+
+
+def _line(points: list[tuple[int, float]], b: int) -> float:
+    """The least-squares line through (b, seconds) at b, never negative: waits on a busy node
+    are noisy point by point, the trend in b is not (latency plus bytes)."""
+    if len({x for x, _ in points}) < 2:
+        return _interpolate(points, b)
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
+             / sum((x - mean_x) ** 2 for x, _ in points))
+    return max(mean_y + slope * (b - mean_x), 0.0)
 
 
 @lru_cache(maxsize=65536)

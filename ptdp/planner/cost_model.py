@@ -70,7 +70,8 @@ from dataclasses import dataclass, field
 
 from ptdp.config import padded_vocab_size
 from ptdp.planner import comm
-from ptdp.planner.compute import BYTES, ModelShape, head_times, layer_times
+from ptdp.planner.compute import (BYTES, ModelShape, head_times, layer_times,
+                                  measured_tensor_comm)
 from ptdp.hardware import HardwareProfile
 from ptdp.planner.formulas import bubble_fraction, model_flops
 from ptdp.planner.memory import GB, MemoryBreakdown, gpu_memory, stage_parameters
@@ -152,22 +153,25 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
                 first: bool, last: bool) -> _RankTimes:
     shape, prec = work.shape, work.precision
     p, t, d, v, b = lay.pipeline, lay.tensor, lay.data, lay.chunks, lay.micro_batch
+    split = lay.schedule == "zb-h1"   # backward as B now and W later
     layers = shape.layers // p
     lt = layer_times(hw, prec, shape, b, t, attention)
     act_bytes = shape.seq * b * shape.hidden * BYTES[prec]
     busy = min(lay.gpus, work.gpus_per_node)
     tp_link = comm.tensor_link(hw, t, work.gpus_per_node, busy)
     ar = comm.all_reduce_time(t, act_bytes, tp_link)
-    fwd, bwd = layers * lt.forward, layers * lt.backward
+    fwd, bwd = layers * lt.forward, layers * (lt.backward_split if split else lt.backward)
     recompute = {"none": 0.0, "selective": layers * lt.attention_forward,
                  "full": layers * lt.forward}[lay.recompute]
-    tensor_comm = layers * (6 if lay.recompute == "full" else 4) * ar
+    tensor_comm = layers * _layer_tensor_comm(hw, work, lay, act_bytes, ar, busy)
     if first or last:
         ht = head_times(hw, prec, shape, b, t, padded_vocab_size(shape.vocab, t))
         if first:   # embedding lookup + its all-reduce over the vocab shards
-            fwd, bwd, tensor_comm = fwd + ht.embed_forward, bwd + ht.embed_backward, tensor_comm + ar
+            fwd, tensor_comm = fwd + ht.embed_forward, tensor_comm + ar
+            bwd += ht.embed_backward_split if split else ht.embed_backward
         if last:    # logits input's backward all-reduce + 3 small cross-entropy reductions
-            fwd, bwd = fwd + ht.head_forward, bwd + ht.head_backward
+            fwd = fwd + ht.head_forward
+            bwd += ht.head_backward_split if split else ht.head_backward
             tensor_comm += ar + 3 * comm.all_reduce_time(t, shape.seq * b * 4, tp_link)
     p2p = 0.0
     if p > 1:
@@ -182,6 +186,29 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
         p2p = 2 * v * one_way
     slow = _oversubscription(hw, lay.gpus, work.gpus_per_node)
     return _RankTimes((fwd + bwd) * slow, recompute * slow, tensor_comm, p2p, bwd * slow)
+
+
+def _layer_tensor_comm(hw: HardwareProfile, work: Workload, lay: Layout, act_bytes: float,
+                       all_reduce: float, busy: int) -> float:
+    """Seconds of one layer's tensor-parallel communication per micro-batch: measured inside
+    a layer on this many busy ranks when the profile has it (CPU ranks, where it is several
+    times the collectives' own cost), else 2 all-reduces forward and 2 backward (2 more to
+    recompute), or with sequence parallelism an all-gather + reduce-scatter for each."""
+    t, full = lay.tensor, lay.recompute == "full"
+    if t == 1:
+        return 0.0
+    measured = measured_tensor_comm(hw, work.precision, work.shape, lay.micro_batch, t,
+                                    lay.sequence_parallel, busy)
+    if measured is not None:   # forward and backward each half of it
+        return measured * (1.5 if full else 1.0)
+    collectives = 6 if full else 4
+    if not lay.sequence_parallel:
+        return collectives * all_reduce
+    gather = comm.all_gather_time(t, act_bytes, comm.tensor_link(
+        hw, t, work.gpus_per_node, busy, "all_gather"))
+    scatter = comm.reduce_scatter_time(t, act_bytes, comm.tensor_link(
+        hw, t, work.gpus_per_node, busy, "reduce_scatter"))
+    return collectives * (gather + scatter)
 
 
 def _flush_rank_time(hw: HardwareProfile, ranks: list, p: int, gpus: int,
@@ -243,11 +270,11 @@ def _distributed_optimizer_comm(hw, work: Workload, lay: Layout, params: float,
     the updated weights all-gathered in the model's precision after the step (exposed: the
     trainer waits for them)."""
     d, t, p = lay.data, lay.tensor, lay.pipeline
-    link = comm.data_link(hw, t, d, work.gpus_per_node, busy)
+    link = lambda kind: comm.data_link(hw, t, d, work.gpus_per_node, busy, kind)  # noqa: E731
     table = padded_vocab_size(work.shape.vocab, t) * work.shape.hidden / t if p > 1 else 0.0
-    reduce = (comm.all_gather_time(d, (params - table) * 4, link)
-              + comm.all_reduce_time(d, table * 4, link))
-    return reduce, comm.all_gather_time(d, params * BYTES[work.precision], link)
+    reduce = (comm.reduce_scatter_time(d, (params - table) * 4, link("reduce_scatter"))
+              + comm.all_reduce_time(d, table * 4, link("all_reduce")))
+    return reduce, comm.all_gather_time(d, params * BYTES[work.precision], link("all_gather"))
 
 
 def _worst_memory(hw, work: Workload, lay: Layout, attention: str) -> MemoryBreakdown:

@@ -59,3 +59,66 @@ def test_the_bubble_is_paid_without_time_slicing(cpu):
 
     # contention = slowdown: no time slicing to remove, the bubble keeps the full slowdown.
     assert bubble(4.4) / bubble(1.1) == pytest.approx(4.0, rel=1e-3)
+
+
+def _tensor_rows(comm_s_by_b: dict, world: int, sequence_parallel: bool = False) -> list[dict]:
+    return [dict(hidden=SHAPE.hidden, heads=SHAPE.heads, ffn=SHAPE.ffn, seq=SHAPE.seq,
+                 precision="fp32", tensor=2, micro_batch=b, world=world,
+                 sequence_parallel=sequence_parallel, layer_s=1.0, comm_s=c)
+            for b, c in comm_s_by_b.items()]
+
+
+def test_tensor_comm_is_what_a_layer_measured_on_as_many_busy_ranks(cpu):
+    rows = (_tensor_rows({1: 0.010, 2: 0.012, 4: 0.016}, world=2)
+            + _tensor_rows({1: 0.030, 2: 0.034}, world=8)
+            + _tensor_rows({1: 0.050, 2: 0.050}, world=2, sequence_parallel=True))
+    hw = dataclasses.replace(cpu, measured={"threads": 1, "busy": BUSY, "tensor_layers": rows})
+    silent = dataclasses.replace(cpu, measured={"threads": 1, "busy": BUSY, "tensor_layers": [
+        {**row, "comm_s": 0.0} for row in rows]})
+    work = Workload(SHAPE, 8, "fp32", 8)
+
+    def per_layer(lay):   # beyond the embedding's and head's all-reduces, which stay formulas
+        extra = predict(hw, work, lay).time["tensor_comm"] - predict(silent, work, lay).time[
+            "tensor_comm"]
+        return extra / (SHAPE.layers // lay.pipeline * lay.micro_batches(8))
+
+    # 2 ranks busy: world 2's line through b = 1, 2, 4 (exact here), per layer and micro-batch.
+    assert per_layer(Layout(1, 2, 1, micro_batch=2)) == pytest.approx(0.012)
+    # 8 ranks busy: world 8's rows; recomputing a layer repeats its forward half.
+    assert per_layer(Layout(1, 2, 4, micro_batch=1)) == pytest.approx(0.030)
+    assert per_layer(Layout(1, 2, 4, micro_batch=1, recompute="full")) == pytest.approx(0.045)
+    # Sequence parallelism has its own rows; t = 4 has none and falls back to ring formulas.
+    assert per_layer(Layout(2, 2, 1, micro_batch=1, sequence_parallel=True)) == pytest.approx(0.050)
+    lay = Layout(1, 4, 1, micro_batch=1)
+    ring = 4 * comm.all_reduce_time(4, SHAPE.seq * SHAPE.hidden * 4, comm.tensor_link(hw, 4, 8, 4))
+    assert per_layer(lay) == 0.0 and predict(hw, work, lay).time["tensor_comm"] > SHAPE.layers * 8 * ring
+
+
+def test_the_distributed_optimizer_pays_the_measured_reduce_scatter_and_all_gather(cpu):
+    def with_rates(reduce_scatter_GBps, all_gather_GBps):
+        rows = [{**row, "reduce_scatter": [{"group": 2, "bandwidth_GBps": reduce_scatter_GBps,
+                                            "latency_us": 0.0}],
+                 "all_gather": [{"group": 2, "bandwidth_GBps": all_gather_GBps, "latency_us": 0.0}]}
+                for row in BUSY]
+        hw = dataclasses.replace(cpu, measured={"threads": 1, "busy": rows})
+        return predict(hw, Workload(SHAPE, 8, "fp32", 8),
+                       Layout(1, 1, 2, micro_batch=1, distributed_optimizer=True)).time["dp_allreduce"]
+
+    # On gloo a reduce-scatter runs slower than an all-reduce of the same bytes: the time
+    # follows the reduce-scatter's own rate (half the bytes of an all-reduce at a quarter of
+    # the rate: twice the time), not the all-reduce's.
+    assert with_rates(0.5, 2.0) - with_rates(2.0, 2.0) == pytest.approx(
+        3 * (with_rates(2.0, 1e9) - with_rates(1e9, 1e9)), rel=1e-6)
+
+
+def test_zero_bubble_charges_the_measured_split_backward(cpu):
+    layers = [dict(hidden=SHAPE.hidden, heads=SHAPE.heads, ffn=SHAPE.ffn, seq=SHAPE.seq, tensor=1,
+                   precision="fp32", micro_batch=1, forward_s=0.01, backward_s=0.02,
+                   attention_forward_s=0.001, backward_split_s=split)
+              for split in (0.025,)]
+    work = Workload(SHAPE, 8, "fp32", 8)
+    hw = dataclasses.replace(cpu, measured={"threads": 1, "busy": BUSY, "layers": layers})
+    zb = predict(hw, work, Layout(2, 1, 1, micro_batch=1, schedule="zb-h1")).time["compute"]
+    plain = predict(hw, work, Layout(2, 1, 1, micro_batch=1)).time["compute"]
+    # 2 layers per stage, 8 micro-batches, 5 ms more per layer backward (compute x1.1 busy).
+    assert zb - plain == pytest.approx(8 * 2 * 0.005 * 1.1)
