@@ -8,6 +8,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from ptdp.hardware import load_hardware, machine_fingerprint, save_hardware
@@ -66,9 +67,9 @@ def test_drift_scales_compute_not_communication():
                 "busy": [{"ranks": 2, "slowdown": 1.0, "p2p": {"bandwidth_GBps": 3.0}}]}
     hw = dataclasses.replace(hw, measured=measured)
     slow = vp.at_speed(hw, 1.25)
-    assert vp.profile_reference(hw) == 0.03 and vp.profile_reference(slow) == 0.03 * 1.25
-    assert slow.measured["heads"][0]["head_forward_s"] == 0.004 * 1.25
-    assert slow.measured["optimizer_s_per_param"] == 1.25e-9
-    assert slow.peak_tflops["fp32"] == hw.peak_tflops["fp32"] / 1.25
+    assert vp.profile_reference(hw) == 0.03 and vp.profile_reference(slow) == pytest.approx(0.0375)
+    assert slow.measured["heads"][0]["head_forward_s"] == pytest.approx(0.005)
+    assert slow.measured["optimizer_s_per_param"] == pytest.approx(1.25e-9)
+    assert slow.peak_tflops["fp32"] == pytest.approx(hw.peak_tflops["fp32"] / 1.25)
     assert slow.measured["busy"] == measured["busy"] and slow.measured["layers"][0]["hidden"] == 64
     assert hw.measured["layers"][0]["forward_s"] == 0.01   # the original is untouched
