@@ -71,6 +71,10 @@ class HardwareProfile:
     device: str = "gpu"
     compute_units: int | None = None  # CPU cores shared by a node's ranks (None for GPUs)
     overlap_communication: bool = True  # False on CPUs: gloo's copies and sums use the cores
+    # Pipeline transfers overlap other micro-batches' compute (ptdp's asynchronous exchange).
+    # Off for datasheet GPU profiles: their efficiencies are calibrated on the source's runs,
+    # whose exchange blocked (every transfer on the critical path); `ptdp profile` turns it on.
+    overlap_pipeline: bool = False
     source: str = "datasheet"
     description: str = ""
     efficiency: Efficiency = field(default_factory=Efficiency)

@@ -701,7 +701,8 @@ def _assemble(name, device, precision, dev, comms, measured, ranks_per_node, bas
         intra_node_latency_us=all_reduce["latency_us"],
         inter_node_bandwidth_GBps=all_reduce["bandwidth_GBps"],
         inter_node_latency_us=all_reduce["latency_us"], nics_per_node=ranks_per_node,
-        attention="flash", overlap_communication=False, efficiency=efficiency, measured=measured,
+        attention="flash", overlap_communication=False, overlap_pipeline=True,
+        efficiency=efficiency, measured=measured,
         fingerprint=machine_fingerprint())
 
 

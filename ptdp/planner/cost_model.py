@@ -23,8 +23,12 @@ Communication (comm.py)
     8bsh(t-1)/t per layer of the PTD-P paper for tensor parallelism (2 all-reduces forward, 2
     backward, 2 more in a full recompute). Tensor-parallel communication never overlaps.
   * Pipeline: per micro-batch and per chunk each rank sends b*s*h activations forward and
-    receives as many gradients (both on the critical path, x v for interleaving); with
-    scatter/gather it sends b*s*h/t over the link and all-gathers over NVLink.
+    receives as many gradients; with scatter/gather it sends b*s*h/t over the link and
+    all-gathers over NVLink. Both are on the critical path (x v for interleaving), as in the
+    source's blocking exchange, unless the profile says `overlap_pipeline` (measured profiles):
+    ptdp's transfers are asynchronous (ptdp/pipeline/p2p.py) and overlap compute, and 1F1B
+    then waits for 2(p-1)/p of them per micro-batch, GPipe only in fill and drain
+    (see _exposed_p2p).
   * Data parallelism: one ring all-reduce of the rank's fp32 gradients per iteration. It
     overlaps with the last micro-batch's backward pass (buckets are reduced as they fill),
     for 2BW too: its trainer waits for the sums right after a batch's last backward, since
@@ -141,8 +145,9 @@ class _RankTimes:
     compute: float
     recompute: float
     tensor_comm: float
-    p2p: float
+    p2p: float             # transfer time on the critical path in the steady state
     backward: float        # the part of `compute` that is backward (DP overlap window)
+    p2p_fill: float = 0.0  # per micro-batch step of the fill and drain: every transfer waited
 
     @property
     def total(self) -> float:
@@ -173,7 +178,7 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
             fwd = fwd + ht.head_forward
             bwd += ht.head_backward_split if split else ht.head_backward
             tensor_comm += ar + 3 * comm.all_reduce_time(t, shape.seq * b * 4, tp_link)
-    p2p = 0.0
+    p2p = p2p_fill = 0.0
     if p > 1:
         link = comm.pipeline_link(hw, t, d, p, work.gpus_per_node, busy)
         if lay.sequence_parallel:   # each tensor rank sends its own 1/t of the sequence
@@ -183,9 +188,31 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
                        + comm.all_gather_time(t, act_bytes, comm.intra_link(hw)))
         else:
             one_way = comm.p2p_time(act_bytes, link)
-        p2p = 2 * v * one_way
+        p2p, p2p_fill = (_exposed_p2p(lay.schedule, p, v, one_way) if hw.overlap_pipeline
+                         else (2 * v * one_way, 2 * v * one_way))
     slow = _oversubscription(hw, lay.gpus, work.gpus_per_node)
-    return _RankTimes((fwd + bwd) * slow, recompute * slow, tensor_comm, p2p, bwd * slow)
+    return _RankTimes((fwd + bwd) * slow, recompute * slow, tensor_comm, p2p, bwd * slow,
+                      p2p_fill)
+
+
+def _exposed_p2p(schedule: str, p: int, v: int, one_way: float) -> tuple[float, float]:
+    """(steady, fill) seconds of pipeline transfers on the critical path: per micro-batch once
+    the pipeline is full, and per micro-batch step of the flush ((p-1)/v steps).
+
+    Sends are asynchronous and a receive is waited for only when its tensor is needed
+    (ptdp/pipeline/p2p.py), so transfers overlap other micro-batches' compute. In 1F1B the
+    p micro-batches in flight share a round trip through the pipeline (F0 -> send -> F1 ...
+    B1 -> send -> B0: 2(p-1) transfers), 2(p-1)/p each, and the fill and drain add 2(p-2)
+    transfers in all; GPipe streams its forwards and backwards and waits only in the fill and
+    drain, 2(p-1) transfers. Both equal the schedules played out with a transfer time, for
+    transfers up to a micro-batch's forward (tests/planner/test_cost_model.py). Interleaving
+    is charged as 1F1B: off by up to ~13 % of the pipeline time for transfers up to a chunk's
+    compute, under-predicted beyond (each chunk then waits for its own transfer)."""
+    if p == 1:
+        return 0.0, 0.0
+    if schedule == "gpipe":
+        return 0.0, 2 * v * one_way
+    return 2 * (p - 1) / p * one_way, 2 * v * (p - 2) / (p - 1) * one_way
 
 
 def _layer_tensor_comm(hw: HardwareProfile, work: Workload, lay: Layout, act_bytes: float,
@@ -224,7 +251,8 @@ def _flush_rank_time(hw: HardwareProfile, ranks: list, p: int, gpus: int,
     slow = _oversubscription(hw, gpus, gpus_per_node)
     row = comm.busy_node(hw, min(gpus, gpus_per_node))
     time_slicing = slow / max(row.get("contention", 1.0), 1.0) if row else slow
-    return (mean("compute") + mean("recompute")) / time_slicing + mean("tensor_comm") + mean("p2p")
+    return ((mean("compute") + mean("recompute")) / time_slicing + mean("tensor_comm")
+            + mean("p2p_fill"))
 
 
 def _zero_bubble_flush(ranks: list[_RankTimes], p: int, m: int) -> tuple[float, float]:
