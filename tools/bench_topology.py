@@ -7,8 +7,8 @@ below by launching tools/pretrain_gpt.sh on both nodes exactly as on a cluster, 
 the measured step time with the planner's prediction (ptdp.planner.cost_model.predict) for
 a hardware profile of this cluster:
 
-* intra-node: `ptdp profile` run inside node 0 (layer times for every t, all-reduce and p2p
-  between 4 local ranks);
+* intra-node: `ptdp profile` run inside node 0 (layer times for every t; collectives, p2p
+  and tensor-parallel layers with all 8 ranks busy, since the two nodes share the cores);
 * inter-node: measured here over the namespace link by a torchrun job across both nodes
   (`--link-worker`): the 4 cross-node rank pairs exchange at once, as the pipeline and the
   data-parallel all-reduce do, fitted as latency + bytes / bandwidth like `ptdp profile`.
@@ -176,15 +176,26 @@ def model_yaml(tmp: Path) -> Path:
 
 
 def cluster_profile(tmp: Path, link: dict, iters: int):
-    """`ptdp profile` inside node 0 (4 local ranks), plus the measured inter-node link."""
+    """`ptdp profile` inside node 0, plus the measured inter-node link.
+
+    The simulated nodes share this machine's cores: while a job runs, a node's 4 ranks
+    compute and communicate next to the other node's 4. So the profile measures busy worlds
+    of up to all 8 ranks, and what it saw with 8 busy is what a node of this cluster sees
+    (its rows for 8 ranks stand for a busy node of 4)."""
     from ptdp.hardware import load_hardware
     out = tmp / "cluster.yaml"
+    ranks = NODES * PER_NODE
     subprocess.run([str(SIMCLUSTER), "run", "0", sys.executable, "-m", "ptdp", "profile",
                     str(model_yaml(tmp)), "--out", str(out), "--micro-batches", str(MICRO_BATCH),
-                    "--tensor", "1,2,4,8", "--ranks", str(PER_NODE), "--ranks-per-node",
+                    "--tensor", "1,2,4,8", "--ranks", str(ranks), "--ranks-per-node",
                     str(PER_NODE), "--threads", "1", "--iters", str(iters)],
                    check=True, cwd=ROOT, env=node_env(0, 0), timeout=1800)
     hw = load_hardware(str(out))
+    measured = hw.measured
+    whole = next(row for row in measured["busy"] if row["ranks"] == ranks)
+    measured["busy"] = [{**whole, "ranks": PER_NODE}]
+    measured["tensor_layers"] = [{**row, "world": PER_NODE} for row in measured["tensor_layers"]
+                                 if row["world"] == ranks and row["tensor"] <= PER_NODE]
     hw.name = f"simcluster-{NODES}x{PER_NODE}"
     hw.inter_node_bandwidth_GBps = link["pair_bandwidth_GBps"] * PER_NODE
     hw.inter_node_latency_us = link["pair_latency_us"]
@@ -269,7 +280,7 @@ def main(argv=None) -> int:
                   f"cross-node pair with {PER_NODE} pairs at once ({link['pair_bandwidth_GBps'] * PER_NODE * 8e3:.0f} "
                   f"Mbit/s per node), latency {link['pair_latency_us']:.0f} us", flush=True)
             hw = cluster_profile(tmp, link, a.profile_iters)
-            print(f"intra-node (ptdp profile, {PER_NODE} ranks): all-reduce "
+            print(f"intra-node (ptdp profile, {NODES * PER_NODE} ranks busy): all-reduce "
                   f"{hw.intra_node_bandwidth_GBps:.2f} GB/s bus, p2p "
                   f"{hw.measured['p2p']['bandwidth_GBps']:.2f} GB/s", flush=True)
             preds = predictions(hw)

@@ -224,8 +224,9 @@ def _layer_tensor_comm(hw: HardwareProfile, work: Workload, lay: Layout, act_byt
     t, full = lay.tensor, lay.recompute == "full"
     if t == 1:
         return 0.0
+    inside_node = comm.crossing_members(t, 1, work.gpus_per_node, True) is None
     measured = measured_tensor_comm(hw, work.precision, work.shape, lay.micro_batch, t,
-                                    lay.sequence_parallel, busy)
+                                    lay.sequence_parallel, busy) if inside_node else None
     if measured is not None:   # forward and backward each half of it
         return measured * (1.5 if full else 1.0)
     collectives = 6 if full else 4

@@ -89,6 +89,10 @@ def test_tensor_comm_is_what_a_layer_measured_on_as_many_busy_ranks(cpu):
     assert per_layer(Layout(1, 2, 4, micro_batch=1, recompute="full")) == pytest.approx(0.045)
     # Sequence parallelism has its own rows; t = 4 has none and falls back to ring formulas.
     assert per_layer(Layout(2, 2, 1, micro_batch=1, sequence_parallel=True)) == pytest.approx(0.050)
+    # A group across nodes runs at the network's rate, not what a layer measured inside one.
+    crossing = Workload(SHAPE, 8, "fp32", 1)
+    assert predict(hw, crossing, Layout(1, 2, 1, micro_batch=2)).time["tensor_comm"] == \
+        predict(silent, crossing, Layout(1, 2, 1, micro_batch=2)).time["tensor_comm"]
     lay = Layout(1, 4, 1, micro_batch=1)
     ring = 4 * comm.all_reduce_time(4, SHAPE.seq * SHAPE.hidden * 4, comm.tensor_link(hw, 4, 8, 4))
     assert per_layer(lay) == 0.0 and predict(hw, work, lay).time["tensor_comm"] > SHAPE.layers * 8 * ring
