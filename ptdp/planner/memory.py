@@ -113,17 +113,20 @@ def optimizer_state_bytes(params: float, precision: str, d: int = 1,
     return params * per_parameter / (d if distributed_optimizer else 1)
 
 
-def gloo_sharding_staging_bytes(params: float, precision: str, d: int) -> float:
+def gloo_sharding_staging_bytes(params: float, precision: str, d: int,
+                                all_reduced: float = 0.0) -> float:
     """What gloo keeps resident for the distributed optimizer's collectives on CPU ranks.
 
     Gloo has no in-place reduce-scatter or all-gather into one tensor: it stages each bucket's
     reduce-scatter through a copy of the whole fp32 bucket plus the 1/d output chunk, and
     each all-gather through a copy of the whole bucket in the model's dtype. The copies are
     made on gloo's worker threads, whose glibc arenas keep them (measured: every bucket's
-    staging stays resident from the first iterations on). NCCL works in place: no term."""
+    staging stays resident from the first iterations on). `all_reduced` parameters (the tied
+    word table's own bucket with p > 1) are all-reduced in place instead of reduce-scattered.
+    NCCL works in place: no such term on GPUs."""
     if d <= 1:
         return 0.0
-    return params * (4 * (1 + 1 / d) + BYTES[precision])
+    return (params - all_reduced) * 4 * (1 + 1 / d) + params * BYTES[precision]
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,7 +285,8 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     # well under the smallest micro-batch's activations), so it never sets the peak.
     buffers = working
     if distributed_optimizer and hw is not None and hw.device == "cpu":
-        buffers += gloo_sharding_staging_bytes(params, precision, d)
+        tied = vocab_padded * shape.hidden / t if p > 1 and (first or last) else 0.0
+        buffers += gloo_sharding_staging_bytes(params, precision, d, all_reduced=tied)
     optimizer = optimizer_state_bytes(params, precision, d, distributed_optimizer)
     return MemoryBreakdown(weights=weights, gradients=gradients, optimizer=optimizer,
                            activations=activations, buffers=buffers + reserved_gb * GB)
