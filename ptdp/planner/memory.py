@@ -17,6 +17,12 @@ With sequence parallelism the LayerNorm inputs and the dropout masks are split b
 (Megatron-LM re-gathers them in backward instead), so they stay whole.
 Recompute "selective" keeps everything but the attention core's internals; "full" keeps only
 each layer's input (sbh elements; checkpoints every layer, §4.3.5 "every 1 or 2 layers").
+
+ZB-H1's split backward (ptdp/parallel/weight_grad.py) changes what a micro-batch holds after
+its B pass: the graph is freed, but each deferred weight gradient keeps its operation's input
+and output gradient until the W pass (`pending_weight_grad_bytes`), and the W pass computes
+all of a stage's weight gradients of that micro-batch before accumulating them (one more
+copy of the stage's gradients in the parameters' dtype).
 """
 
 from __future__ import annotations
@@ -107,6 +113,22 @@ def optimizer_state_bytes(params: float, precision: str, d: int = 1,
     return params * per_parameter / (d if distributed_optimizer else 1)
 
 
+def gloo_sharding_staging_bytes(params: float, precision: str, d: int,
+                                all_reduced: float = 0.0) -> float:
+    """What gloo keeps resident for the distributed optimizer's collectives on CPU ranks.
+
+    Gloo has no in-place reduce-scatter or all-gather into one tensor: it stages each bucket's
+    reduce-scatter through a copy of the whole fp32 bucket plus the 1/d output chunk, and
+    each all-gather through a copy of the whole bucket in the model's dtype. The copies are
+    made on gloo's worker threads, whose glibc arenas keep them (measured: every bucket's
+    staging stays resident from the first iterations on). `all_reduced` parameters (the tied
+    word table's own bucket with p > 1) are all-reduced in place instead of reduce-scattered.
+    NCCL works in place: no such term on GPUs."""
+    if d <= 1:
+        return 0.0
+    return (params - all_reduced) * 4 * (1 + 1 / d) + params * BYTES[precision]
+
+
 # --------------------------------------------------------------------------------------------
 # Activations
 # --------------------------------------------------------------------------------------------
@@ -156,6 +178,26 @@ def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, re
     return replicated + split + core
 
 
+def pending_weight_grad_bytes(shape: ModelShape, b: int, t: int, precision: str,
+                              sequence_parallel: bool = False) -> float:
+    """Bytes one layer keeps between its B and W passes (ZB-H1) on one tensor rank: every
+    deferred weight gradient's closure holds its input and its output gradient
+    (ptdp/parallel/weight_grad.py), whatever the recompute setting (a recomputed layer's
+    inputs are rebuilt for B and then held the same way).
+
+    Linear layers: the QKV and fc1 inputs (whole, sbh each, all-gathered with sequence
+    parallelism), the projection and fc2 inputs (sbh/t, sbf/t); the output gradients of QKV
+    and fc1 (3sbh/t, sbf/t) and of the row-parallel projection and fc2 (whole, sbh each).
+    LayerNorms: input and output gradient, 2 x 2sbh (split by t with sequence parallelism)."""
+    s, h, f = shape.seq, shape.hidden, shape.ffn
+    e = BYTES[precision]
+    sbh = s * b * h
+    whole = 4 * sbh                                  # QKV, fc1 inputs; proj, fc2 out-grads
+    split = (4 * sbh + 2 * s * b * f) / t            # proj, fc2 inputs; QKV, fc1 out-grads
+    layer_norms = 4 * sbh / (t if sequence_parallel else 1)
+    return (whole + split + layer_norms) * e
+
+
 def weight_versions(schedule: str, p: int, rank: int, vertical_sync: bool = False) -> int:
     """Copies of the rank's weights: 2 for 2BW; PipeDream's weight stashing keeps one
     per in-flight input, max(p - rank, 2) with the one being made, p with vertical sync
@@ -180,7 +222,7 @@ def in_flight_layer_stashes(schedule: str, p: int, v: int, m: int, layers_per_ra
     if schedule == "gpipe":
         return m * layers_per_rank
     if schedule == "zb-h1":   # F to Wg: 1F1B's p - rank plus rank pending weight gradients
-        return min(p, m) * layers_per_rank
+        return min(p, m) * layers_per_rank   # (gpu_memory sizes the two kinds apart)
     if schedule == "2bw" and v > 1:
         return (2 * (p - rank - 1) + (v - 1) * p + 1) * layers_per_rank / v
     if schedule == "interleaved":
@@ -201,10 +243,12 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     """Peak memory of pipeline rank `rank` (0 = first stage, p-1 = last).
 
     Weights, gradients and optimizer state live throughout. On top of them: activation
-    stashes, the working set of one layer or the loss, p2p buffers and, with d > 1, one
-    gradient bucket's copy (the gradients are reduced in place in their flat buffer,
-    ptdp/optim/grads.py); on CPU also the optimizer step's temporaries (torch's foreach
-    AdamW allocates one fp32 temporary per parameter; the fused CUDA kernel does not).
+    stashes (with ZB-H1, the pending weight gradients' inputs and output gradients), the
+    working set of one layer, the loss or a W pass, p2p buffers and, when gradients are not
+    in one flat buffer (2BW, PipeDream) with d > 1, one bucket's concatenated copy (a flat
+    buffer is reduced in place, ptdp/optim/grads.py); on CPU ranks gloo's staging for the
+    distributed optimizer. Everything else a process holds (framework, process groups, on
+    CPU the heap glibc keeps after frees) is the profile's `reserved_gb`.
     """
     first, last = rank == 0, rank == p - 1
     e = BYTES[precision]
@@ -214,31 +258,53 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     # 2BW: batch t's gradients wait for every rank to finish it while batch t+1 accumulates;
     # the first rank finishes last and updates at once (ptdp/no_flush.py)
     gradients = params * g * (2 if schedule == "2bw" and rank > 0 else 1)
-    layers_per_rank = shape.layers // p
-    stashes = in_flight_layer_stashes(schedule, p, v, m, layers_per_rank, rank)
-    activations = stashes * layer_activation_bytes(shape, b, t, precision, recompute, attention,
-                                                   hw, sequence_parallel)
+    activations = _activation_stashes(shape, p=p, v=v, m=m, b=b, t=t, schedule=schedule,
+                                      recompute=recompute, precision=precision,
+                                      attention=attention, rank=rank, hw=hw,
+                                      sequence_parallel=sequence_parallel)
     sbh = shape.seq * b * shape.hidden
     local_sbh = sbh / (t if sequence_parallel else 1)          # boundary and embedding tensors
     if first and shape.dropout:
         activations += local_sbh * min(m, p - rank if schedule != "gpipe" else m)  # embedding mask
     working = 2 * local_sbh * e                                # send/recv buffers
+    transient = 0.0           # the forward/backward's own working set
     if recompute != "none":   # a recomputed layer's activations live while its backward runs
-        working += layer_activation_bytes(shape, b, t, precision, "none", attention, hw,
-                                          sequence_parallel)
+        transient += layer_activation_bytes(shape, b, t, precision, "none", attention, hw,
+                                            sequence_parallel)
     if last:   # the logits, their one fp32 copy (exp, then softmax) and the gradient
-        working += shape.seq * b * vocab_padded / t * (2 * e + 4)   # (ptdp/parallel/tensor.py)
+        transient += shape.seq * b * vocab_padded / t * (2 * e + 4)   # (ptdp/parallel/tensor.py)
         if shape.arch == "bert":  # the LM transform's dense output, GeLU and LayerNorm inputs
-            working += 3 * sbh * e
-    if d > 1:  # one bucket: gloo's ring scratch, or the concatenated copy of gradients that
-        working += min(params * g, bucket_mb * 2**20)   # are not in one flat buffer (2BW)
-    if hw is not None and hw.device == "cpu":
-        # The foreach AdamW step's fp32 temporary per parameter is larger than glibc's mmap
-        # threshold, so it is mapped fresh rather than carved from the heap the freed
-        # activations left: the resident peak is the backward's plus the optimizer's.
-        buffers = working + params * 4 / (d if distributed_optimizer else 1)
-    else:     # the caching allocator reuses the activations' blocks for the (fused) step
-        buffers = working
+            transient += 3 * sbh * e
+    if schedule == "zb-h1":   # a W pass computes all the stage's weight gradients of one
+        transient = max(transient, params * e)   # micro-batch before accumulating them
+    working += transient
+    if d > 1 and schedule in ("2bw", "pipedream"):   # gradients of their own: torch.cat copy
+        working += min(params * g, bucket_mb * 2**20)
+    # The optimizer step runs after the activations are freed and needs less than they held:
+    # the fused CUDA AdamW no temporaries; on CPU the foreach AdamW's rose 12 MiB above the
+    # steady state for 13 M parameters, where the forward/backward rose 40 MiB (resident
+    # set with glibc's mmap threshold fixed, so that it follows the live tensors).
+    buffers = working
+    if distributed_optimizer and hw is not None and hw.device == "cpu":
+        tied = vocab_padded * shape.hidden / t if p > 1 and (first or last) else 0.0
+        buffers += gloo_sharding_staging_bytes(params, precision, d, all_reduced=tied)
     optimizer = optimizer_state_bytes(params, precision, d, distributed_optimizer)
     return MemoryBreakdown(weights=weights, gradients=gradients, optimizer=optimizer,
                            activations=activations, buffers=buffers + reserved_gb * GB)
+
+
+def _activation_stashes(shape: ModelShape, *, p: int, v: int, m: int, b: int, t: int,
+                        schedule: str, recompute: str, precision: str, attention: str,
+                        rank: int, hw, sequence_parallel: bool) -> float:
+    """Bytes of the (micro-batch, layer) stashes `rank` holds at its peak. With ZB-H1,
+    1F1B's min(p - rank, m) micro-batches hold forward stashes and up to `rank` more wait
+    for their W pass, holding `pending_weight_grad_bytes` per layer instead."""
+    layers_per_rank = shape.layers // p
+    stash = layer_activation_bytes(shape, b, t, precision, recompute, attention, hw,
+                                   sequence_parallel)
+    if schedule != "zb-h1":
+        return in_flight_layer_stashes(schedule, p, v, m, layers_per_rank, rank) * stash
+    forward = min(p - rank, m)
+    pending = min(p, m) - forward
+    return layers_per_rank * (forward * stash + pending * pending_weight_grad_bytes(
+        shape, b, t, precision, sequence_parallel))

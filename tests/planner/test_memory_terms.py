@@ -1,0 +1,138 @@
+"""The memory model's terms against what the trainer's code really allocates, at tiny shapes:
+ZB-H1's pending weight-gradient closures and W-pass copy (ptdp/parallel/weight_grad.py), the
+distributed optimizer's buffers and gloo staging (ptdp/optim/distributed.py), and which
+layouts copy a gradient bucket for the data-parallel reduction (ptdp/optim/grads.py)."""
+
+import pytest
+import torch
+
+from models import build_chunk
+from models.transformer import ModelContext, TransformerLayer
+from ptdp.config import ModelConfig, padded_vocab_size
+from ptdp.optim.distributed import ShardedMasterWeights
+from ptdp.parallel.tensor import TensorParallel, TensorParallelRNG
+from ptdp.parallel.weight_grad import STORE
+from ptdp.planner.compute import ModelShape
+from ptdp.planner.memory import (gloo_sharding_staging_bytes, gpu_memory, layer_parameters,
+                                 optimizer_state_bytes, pending_weight_grad_bytes,
+                                 stage_parameters)
+
+CFG = ModelConfig(arch="gpt", num_layers=2, hidden_size=64, num_heads=4, seq_length=16,
+                  vocab_size=100, dropout=0.0)
+SHAPE = ModelShape.from_config(CFG)
+B = 2
+
+
+def _context(split_backward: bool = False) -> ModelContext:
+    return ModelContext(CFG, TensorParallel(), 1234, TensorParallelRNG(1234, 0, torch.device("cpu")),
+                        padded_vocab_size(CFG.vocab_size, 1), split_backward=split_backward)
+
+
+def _tensors_in(obj, seen: set, depth: int = 0):
+    """Tensors a closure keeps alive: its cells, the cells of closures in them, ctx objects."""
+    if depth > 4 or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if torch.is_tensor(obj):
+        yield obj
+    elif callable(obj) and getattr(obj, "__closure__", None):
+        for cell in obj.__closure__:
+            yield from _tensors_in(cell.cell_contents, seen, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors_in(item, seen, depth + 1)
+
+
+@pytest.fixture
+def pending_layer():
+    """One layer after its B pass: (layer, the pending closures of its micro-batch)."""
+    STORE.clear()
+    torch.manual_seed(0)
+    layer = TransformerLayer(_context(split_backward=True), 0, causal=True)
+    x = torch.randn(CFG.seq_length, B, CFG.hidden_size, requires_grad=True)
+    grad = torch.randn_like(x)
+    with STORE.defer("mb"):
+        layer(x).backward(grad)
+    pending = STORE._pending["mb"]
+    yield layer, pending
+    STORE.clear()
+
+
+def test_pending_weight_gradients_hold_what_the_model_counts(pending_layer):
+    """Between B and W a layer keeps every deferred weight gradient's input and output
+    gradient (the autograd graph itself is freed): 12sbh + 2sbf elements at t = 1."""
+    layer, pending = pending_layer
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    storages, seen = {}, set()
+    for _, compute in pending:
+        for t in _tensors_in(compute, seen):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                storages[ptr] = t.untyped_storage().nbytes()
+    s, h, f = CFG.seq_length, CFG.hidden_size, SHAPE.ffn
+    layer_norm_stats = 2 * 2 * s * B * 4          # mean and rstd of each LayerNorm, fp32
+    assert sum(storages.values()) == pending_weight_grad_bytes(SHAPE, B, 1, "fp32") + layer_norm_stats
+    assert pending_weight_grad_bytes(SHAPE, B, 1, "fp32") == (12 * s * B * h + 2 * s * B * f) * 4
+
+
+def test_w_pass_materializes_the_layers_weight_gradients_at_once(pending_layer):
+    """STORE.run computes every closure of the micro-batch before accumulating: one copy of
+    the layer's weight gradients (all but the biases of fc1, the projection and fc2, added in
+    the fused bias-GeLU and bias-dropout-add chains, which B computes), the term gpu_memory
+    adds for zb-h1."""
+    layer, pending = pending_layer
+    materialized = sum(g.numel() * g.element_size()
+                       for _, compute in pending for g in compute() if g is not None)
+    assert materialized == (layer_parameters(SHAPE, 1) - 2 * CFG.hidden_size - SHAPE.ffn) * 4
+    kwargs = dict(p=2, t=1, v=1, m=8, b=B, recompute="none", precision="fp32", attention="flash",
+                  vocab_padded=128, reserved_gb=0.0, rank=0)
+    zb, flush = (gpu_memory(SHAPE, schedule=s, **kwargs) for s in ("zb-h1", "1f1b"))
+    stage = stage_parameters(SHAPE, 1, 2, 128, True, False)
+    assert zb.buffers - flush.buffers == pytest.approx(stage * 4)   # no logits on rank 0
+
+
+def test_zb_h1_ranks_hold_forward_stashes_and_pending_weight_gradients():
+    """Rank r: 1F1B's p - r forward stashes plus r pending W sets (at m >= p)."""
+    kwargs = dict(p=4, t=1, v=1, m=8, b=B, recompute="none", precision="fp32", attention="flash",
+                  vocab_padded=128, reserved_gb=0.0)
+    shape = ModelShape.from_config(ModelConfig(**{**CFG.__dict__, "num_layers": 4}))
+    for rank in range(4):
+        zb = gpu_memory(shape, schedule="zb-h1", rank=rank, **kwargs)
+        flush = gpu_memory(shape, schedule="1f1b", rank=rank, **kwargs)
+        assert zb.activations - flush.activations == pytest.approx(
+            rank * pending_weight_grad_bytes(shape, B, 1, "fp32"))
+
+
+def test_distributed_optimizer_terms_match_its_buffers():
+    """Weights, gradients, Adam moments and gloo's staging per rank, from the buffers
+    ShardedMasterWeights really allocates for a whole tiny GPT (p = 1, d = 2)."""
+    chunk = build_chunk(_context(), 0, 1)
+    params = list(chunk.parameters())
+    d = 2
+    sharded = ShardedMasterWeights(params, "fp32", group=None, rank=0, size=d, bucket_mb=0.02)
+    vocab = padded_vocab_size(CFG.vocab_size, 1)
+    planned = stage_parameters(SHAPE, 1, 1, vocab, True, True)
+    assert planned == sum(p.numel() for p in params)
+    assert len(sharded.buckets) > 2 and not any(b.all_reduce for b in sharded.buckets)
+    padded = sharded.layout.numel          # buckets padded to ALIGN * d: within 2 %
+    assert sharded.model_buffer.numel() * 4 == pytest.approx(planned * 4, rel=0.02)
+    assert sharded.flat_grads.buffer.numel() * 4 == pytest.approx(planned * 4, rel=0.02)
+    moments = 2 * sharded.shard_numel * 4
+    assert moments == pytest.approx(optimizer_state_bytes(planned, "fp32", d, True), rel=0.02)
+    # gloo: per bucket, the reduce-scatter's whole fp32 input copy and 1/d output chunk, and
+    # the all-gather's whole copy in the model's dtype
+    spans = [end - start for start, end in (b.span for b in sharded.buckets)]
+    staged = sum(n * 4 * (1 + 1 / d) + n * 4 for n in spans)
+    assert sum(spans) == padded
+    assert staged == pytest.approx(gloo_sharding_staging_bytes(planned, "fp32", d), rel=0.02)
+
+
+def test_only_unflattened_gradients_copy_a_bucket():
+    """Flat gradient buffers are all-reduced in place; 2BW's per-tensor gradients are
+    concatenated into one copy per bucket first (ptdp/optim/grads.py)."""
+    kwargs = dict(p=2, t=1, v=1, m=8, b=B, recompute="none", precision="fp32", attention="flash",
+                  vocab_padded=128, reserved_gb=0.0, rank=1)
+    for schedule, copies in (("1f1b", False), ("zb-h1", False), ("2bw", True)):
+        one, two = (gpu_memory(SHAPE, schedule=schedule, d=d, **kwargs) for d in (1, 2))
+        stage = stage_parameters(SHAPE, 1, 2, 128, False, True)
+        assert two.buffers - one.buffers == pytest.approx(stage * 4 if copies else 0.0)
