@@ -50,6 +50,10 @@ Memory (memory.py): weights, fp32 gradients and Adam state (18 B/param mixed pre
   A layout fits when that is at most (1 - memory_headroom) of the device memory: the
   headroom (5% on GPUs) absorbs allocator fragmentation.
 
+Trainer overhead (measured profiles): what the real trainer spends per layer and micro-batch
+  beyond the layer's kernels (hooks, autograd bookkeeping), calibrated by `ptdp profile` on one
+  rank; half charged to forward, half to backward.
+
 Optimizer and host: clipping + Adam are memory-bound (~38 bytes of traffic per parameter, or
   the profile's measured seconds per parameter); `host_overhead_s` (measured by the profiler
   as a negligible model's step time) is added per iteration.
@@ -166,6 +170,9 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     tp_link = comm.tensor_link(hw, t, work.gpus_per_node, busy)
     ar = comm.all_reduce_time(t, act_bytes, tp_link)
     fwd, bwd = layers * lt.forward, layers * (lt.backward_split if split else lt.backward)
+    # The trainer's own cost per layer and micro-batch beyond the kernels (measured profiles).
+    overhead = layers * (hw.measured or {}).get("layer_overhead_s", 0.0)
+    fwd, bwd = fwd + overhead / 2, bwd + overhead / 2
     recompute = {"none": 0.0, "selective": layers * lt.attention_forward,
                  "full": layers * lt.forward}[lay.recompute]
     tensor_comm = layers * _layer_tensor_comm(hw, work, lay, act_bytes, ar, busy)
