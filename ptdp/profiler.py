@@ -351,11 +351,13 @@ def _framework_baseline(world: int) -> tuple[float, float]:
     return peak_rss_gb(), min(r["step_time_s"] for r in history[1:])
 
 
-# The reserve is calibrated on the largest of these small runs of the profiled shape (their
-# own layers, layout, micro-batches): the allocator keeps more freed memory under the
-# pipelined schedules, most under zb-h1 (its weight passes free late), than under plain data
-# parallelism (measured: 22-45 MiB per rank at h = 512).
-RESERVE_RUNS = {"d2": (1, {"data": 2}, "1f1b", 2), "p2-zb": (2, {"pipeline": 2}, "zb-h1", 4)}
+# The reserve is calibrated on the largest of these short runs of the profiled model (layers,
+# None: all of them; layout; global batch at b = 1): the allocator keeps more freed memory
+# under the pipelined schedules, interleaved and zb-h1 most, than under plain data
+# parallelism (measured: 22-45 MiB per rank at h = 512), and more with more layers.
+RESERVE_RUNS = {"d2": (None, {"data": 2}, "1f1b", 4),
+                "p2-zb": (None, {"pipeline": 2}, "zb-h1", 4),
+                "p2v2": (None, {"pipeline": 2, "chunks": 2}, "interleaved", 4)}
 
 
 def _calibration_peak(model: dict, precision: str, layers: int, parallel: dict, schedule: str,
@@ -367,7 +369,7 @@ def _calibration_peak(model: dict, precision: str, layers: int, parallel: dict, 
     import torch.distributed as dist
     from ptdp.config import config_from_dict, validate
     from ptdp.training import Trainer
-    raw = {"model": {**model, "num_layers": layers}, "parallel": parallel,
+    raw = {"model": {**model, "num_layers": layers or model["num_layers"]}, "parallel": parallel,
            "schedule": {"name": schedule}, "data": {"source": "synthetic"},
            "train": {"micro_batch_size": 1, "global_batch_size": batch, "iters": 3,
                      "device": "cpu", "precision": precision},
@@ -383,21 +385,20 @@ OVERHEAD_MICRO_BATCHES = 4
 
 
 def _trainer_step(model: dict, precision: str, micro_batches: int) -> float:
-    """Median step seconds of the real trainer on one rank: the profiled model, b = 1."""
+    """Best step seconds of the real trainer on one rank: the profiled model, b = 1."""
     import contextlib
-    import statistics
 
     from ptdp.config import config_from_dict, validate
     from ptdp.training import Trainer
     raw = {"model": model, "data": {"source": "synthetic"},
-           "train": {"micro_batch_size": 1, "global_batch_size": micro_batches, "iters": 5,
+           "train": {"micro_batch_size": 1, "global_batch_size": micro_batches, "iters": 8,
                      "device": "cpu", "precision": precision, "lr_warmup_iters": 0},
            "log": {"progress": False, "interval": 1000}}
     cfg = config_from_dict(raw)
     validate(cfg, 1)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         history = Trainer(cfg).train()
-    return statistics.median(r["step_time_s"] for r in history[1:])
+    return min(r["step_time_s"] for r in history[1:])   # best, as the kernels are timed
 
 
 def calibrate_layer_overhead(profile: HardwareProfile, model_cfg, precision: str,
@@ -437,7 +438,10 @@ def calibrate_reserve(profile: HardwareProfile, model_cfg, precision: str,
     model = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg)}
     runs = {}
     for name, (layers, parallel, schedule, batch) in RESERVE_RUNS.items():
-        world = max(parallel.values())
+        stages = parallel.get("pipeline", 1) * parallel.get("chunks", 1)
+        if (layers or model_cfg.num_layers) % stages:
+            continue   # the profiled model cannot be split that way
+        world = parallel.get("pipeline", 1) * parallel.get("data", 1)
         peak = max(run_on_ranks(world, _calibration_peak, model, precision, layers, parallel,
                                 schedule, batch, timeout_s=600.0, threads=threads))
         runs[name] = reserve_from_peak(profile, model_cfg, precision, peak, name)
@@ -454,8 +458,10 @@ def reserve_from_peak(profile: HardwareProfile, model_cfg, precision: str, peak:
     from ptdp.planner.cost_model import Layout, Workload, predict
     layers, parallel, schedule, batch = RESERVE_RUNS[run]
     bare = dataclasses.replace(profile, memory_reserved_gb=0.0)
-    shape = dataclasses.replace(ModelShape.from_config(model_cfg), layers=layers)
-    layout = Layout(parallel.get("pipeline", 1), 1, parallel.get("data", 1), 1, 1, schedule)
+    shape = dataclasses.replace(ModelShape.from_config(model_cfg),
+                                layers=layers or model_cfg.num_layers)
+    layout = Layout(parallel.get("pipeline", 1), 1, parallel.get("data", 1),
+                    parallel.get("chunks", 1), 1, schedule)
     predicted = predict(bare, Workload(shape, batch, precision, profile.gpus_per_node),
                         layout).memory_gb_per_gpu
     return {"peak_gb": peak, "model_gb": predicted, "reserve_gb": max(peak - predicted, 0.0),
