@@ -384,13 +384,13 @@ def _calibration_peak(model: dict, precision: str, layers: int, parallel: dict, 
 OVERHEAD_MICRO_BATCHES = 4
 
 
-def _trainer_step(model: dict, precision: str, micro_batches: int) -> float:
+def _trainer_step(model: dict, precision: str, micro_batches: int, schedule: str = "1f1b") -> float:
     """Best step seconds of the real trainer on one rank: the profiled model, b = 1."""
     import contextlib
 
     from ptdp.config import config_from_dict, validate
     from ptdp.training import Trainer
-    raw = {"model": model, "data": {"source": "synthetic"},
+    raw = {"model": model, "data": {"source": "synthetic"}, "schedule": {"name": schedule},
            "train": {"micro_batch_size": 1, "global_batch_size": micro_batches, "iters": 8,
                      "device": "cpu", "precision": precision, "lr_warmup_iters": 0},
            "log": {"progress": False, "interval": 1000}}
@@ -423,7 +423,14 @@ def calibrate_layer_overhead(profile: HardwareProfile, model_cfg, precision: str
     predicted = predict(bare, Workload(shape, m, precision, profile.gpus_per_node),
                         Layout(micro_batch=1)).step_time_s
     per_layer = max(step - predicted, 0.0) / (m * shape.layers)
-    return {"step_s": step, "model_s": predicted, "layer_overhead_s": per_layer}
+    # zb-h1's split backward as the trainer runs it (closures, a second autograd pass per
+    # micro-batch): measured 4-5 ms per layer at h = 512, b = 1, twice what the split layer
+    # alone costs (backward_split_s), so the cost model takes the larger.
+    split = run_on_ranks(1, _trainer_step, model, precision, m, "zb-h1", timeout_s=600.0,
+                         threads=threads)[0]
+    return {"step_s": step, "model_s": predicted, "layer_overhead_s": per_layer,
+            "split_step_s": split,
+            "split_backward_overhead_s": max(split - step, 0.0) / (m * shape.layers)}
 
 
 def calibrate_reserve(profile: HardwareProfile, model_cfg, precision: str,
@@ -726,9 +733,12 @@ def build_profile(model_cfg, *, name: str, micro_batches: list[int], tensors: li
     if device.type == "cpu" and comms:
         overhead = calibrate_layer_overhead(profile, model_cfg, precision, threads)
         measured["layer_overhead_s"] = overhead["layer_overhead_s"]
+        measured["split_backward_overhead_s"] = overhead["split_backward_overhead_s"]
         log(f"  trainer on one rank, b=1: {overhead['step_s'] * 1e3:.1f} ms per step against "
             f"{overhead['model_s'] * 1e3:.1f} ms from the kernels: "
-            f"{overhead['layer_overhead_s'] * 1e3:.2f} ms per layer and micro-batch on top")
+            f"{overhead['layer_overhead_s'] * 1e3:.2f} ms per layer and micro-batch on top; "
+            f"zb-h1's split backward {overhead['split_step_s'] * 1e3:.1f} ms: "
+            f"{overhead['split_backward_overhead_s'] * 1e3:.2f} ms per layer and micro-batch more")
         calibration = calibrate_reserve(profile, model_cfg, precision, threads)
         measured["memory_calibration"] = calibration
         profile.memory_reserved_gb = round(calibration["reserve_gb"], 4)

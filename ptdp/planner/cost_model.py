@@ -169,9 +169,14 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     busy = min(lay.gpus, work.gpus_per_node)
     tp_link = comm.tensor_link(hw, t, work.gpus_per_node, busy)
     ar = comm.all_reduce_time(t, act_bytes, tp_link)
-    fwd, bwd = layers * lt.forward, layers * (lt.backward_split if split else lt.backward)
+    measured = hw.measured or {}
+    backward = lt.backward
+    if split:   # the split layer's own cost, or the trainer's, measured on one rank: the larger
+        backward += max(lt.backward_split - lt.backward,
+                        measured.get("split_backward_overhead_s", 0.0))
+    fwd, bwd = layers * lt.forward, layers * backward
     # The trainer's own cost per layer and micro-batch beyond the kernels (measured profiles).
-    overhead = layers * (hw.measured or {}).get("layer_overhead_s", 0.0)
+    overhead = layers * measured.get("layer_overhead_s", 0.0)
     fwd, bwd = fwd + overhead / 2, bwd + overhead / 2
     recompute = {"none": 0.0, "selective": layers * lt.attention_forward,
                  "full": layers * lt.forward}[lay.recompute]

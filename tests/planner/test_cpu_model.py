@@ -126,3 +126,7 @@ def test_zero_bubble_charges_the_measured_split_backward(cpu):
     plain = predict(hw, work, Layout(2, 1, 1, micro_batch=1)).time["compute"]
     # 2 layers per stage, 8 micro-batches, 5 ms more per layer backward (compute x1.1 busy).
     assert zb - plain == pytest.approx(8 * 2 * 0.005 * 1.1)
+    # The trainer's split measured on one rank costs more than the layer's: that is charged.
+    hw = dataclasses.replace(hw, measured={**hw.measured, "split_backward_overhead_s": 0.008})
+    zb = predict(hw, work, Layout(2, 1, 1, micro_batch=1, schedule="zb-h1")).time["compute"]
+    assert zb - plain == pytest.approx(8 * 2 * 0.008 * 1.1)
