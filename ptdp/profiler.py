@@ -384,8 +384,10 @@ def _calibration_peak(model: dict, precision: str, layers: int, parallel: dict, 
 OVERHEAD_MICRO_BATCHES = 4
 
 
-def _trainer_step(model: dict, precision: str, micro_batches: int, schedule: str = "1f1b") -> float:
-    """Best step seconds of the real trainer on one rank: the profiled model, b = 1."""
+def _trainer_step(model: dict, precision: str, micro_batches: int, schedule: str,
+                  reference_b: int) -> tuple[float, float]:
+    """(best step seconds of the real trainer on one rank for the profiled model at b = 1,
+    seconds of one layer's forward + backward at `reference_b` timed right after)."""
     import contextlib
 
     from ptdp.config import config_from_dict, validate
@@ -398,7 +400,13 @@ def _trainer_step(model: dict, precision: str, micro_batches: int, schedule: str
     validate(cfg, 1)
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         history = Trainer(cfg).train()
-    return min(r["step_time_s"] for r in history[1:])   # best, as the kernels are timed
+    step = min(r["step_time_s"] for r in history[1:])   # best, as the kernels are timed
+    # The machine's speed drifts (a shared VM: by up to ~20 % within minutes): time one
+    # layer again now, so the step is compared with kernels timed at the same speed.
+    import torch
+    _ensure_process_group()
+    row = measure_layer(cfg.model, 1, reference_b, precision, torch.device("cpu"), 5)
+    return step, row["forward_s"] + row["backward_s"]
 
 
 def calibrate_layer_overhead(profile: HardwareProfile, model_cfg, precision: str,
@@ -416,18 +424,24 @@ def calibrate_layer_overhead(profile: HardwareProfile, model_cfg, precision: str
     from ptdp.planner.cost_model import Layout, Workload, predict
     model = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg)}
     m = OVERHEAD_MICRO_BATCHES
-    step = run_on_ranks(1, _trainer_step, model, precision, m, timeout_s=600.0, threads=threads)[0]
     measured = dict(profile.measured or {}, layer_overhead_s=0.0)
+    reference = min((r for r in measured["layers"] if r["tensor"] == 1),
+                    key=lambda r: r["micro_batch"])
+    layer_then = reference["forward_s"] + reference["backward_s"]
+    step, layer_now = run_on_ranks(1, _trainer_step, model, precision, m, "1f1b",
+                                   reference["micro_batch"], timeout_s=600.0, threads=threads)[0]
     bare = dataclasses.replace(profile, measured=measured)
     shape = ModelShape.from_config(model_cfg)
     predicted = predict(bare, Workload(shape, m, precision, profile.gpus_per_node),
-                        Layout(micro_batch=1)).step_time_s
+                        Layout(micro_batch=1)).step_time_s * layer_now / layer_then
     per_layer = max(step - predicted, 0.0) / (m * shape.layers)
     # zb-h1's split backward as the trainer runs it (closures, a second autograd pass per
     # micro-batch): measured 4-5 ms per layer at h = 512, b = 1, twice what the split layer
     # alone costs (backward_split_s), so the cost model takes the larger.
-    split = run_on_ranks(1, _trainer_step, model, precision, m, "zb-h1", timeout_s=600.0,
-                         threads=threads)[0]
+    split, split_layer = run_on_ranks(1, _trainer_step, model, precision, m, "zb-h1",
+                                      reference["micro_batch"], timeout_s=600.0,
+                                      threads=threads)[0]
+    split *= layer_now / split_layer   # at the speed of the 1F1B run
     return {"step_s": step, "model_s": predicted, "layer_overhead_s": per_layer,
             "split_step_s": split,
             "split_backward_overhead_s": max(split - step, 0.0) / (m * shape.layers)}
