@@ -12,6 +12,8 @@ Compute (compute.py)
     sat(x) = x / (x + gemm_half_dim) (small GEMMs, e.g. from large t or small b, run less
     efficiently), attention kernels at a further `attention` factor, elementwise kernels at
     `memory` x HBM bandwidth, plus a launch cost per kernel.
+  * zb-h1 splits the backward (B now, W later): the profile's split timing with W held
+    back, or the trainer's own split cost measured on one rank, whichever is larger.
   * Backward = data-gradient + weight-gradient GEMMs (2x forward FLOPs). Recomputation
     re-runs the forward of every layer ("full", the paper's 4/3 c_extra) or only the
     attention core ("selective").
@@ -21,7 +23,11 @@ Communication (comm.py)
     consecutive ranks fits in a node, else on the network at the node's per-GPU share of
     its NICs. Collectives are rings: all-reduce moves 2(n-1)/n of the buffer, i.e. the
     8bsh(t-1)/t per layer of the PTD-P paper for tensor parallelism (2 all-reduces forward, 2
-    backward, 2 more in a full recompute). Tensor-parallel communication never overlaps.
+    backward, 2 more in a full recompute). Tensor-parallel communication never overlaps. A
+    measured CPU profile replaces that by what the communication added to a layer on as many
+    busy ranks (`measured.tensor_layers`, ptdp/profile_tensor.py), for groups inside a node;
+    and it prices reduce-scatter and all-gather (sequence parallelism, the distributed
+    optimizer) at their own measured rates, which on gloo are not halves of an all-reduce.
   * Pipeline: per micro-batch and per chunk each rank sends b*s*h activations forward and
     receives as many gradients; with scatter/gather it sends b*s*h/t over the link and
     all-gathers over NVLink. Both are on the critical path (x v for interleaving), as in the
