@@ -41,31 +41,30 @@ def _paired_extra(real, alone, iters: int, warmup: int = 2) -> tuple[float, floa
             statistics.median(max(r - a, 0.0) for r, a in pairs))
 
 
-def _stack_passes(model_cfg, tp, b: int, precision: str):
-    """(forward, forward+backward) closures over a LAYERS-deep stack with tensor group `tp`."""
+def _stack_pass(model_cfg, tp, b: int, precision: str):
+    """A closure running forward + backward through a LAYERS-deep stack with group `tp`."""
+    import dataclasses
+
     import torch
-    from models.transformer import ModelContext, TransformerStack
-    from ptdp.config import padded_vocab_size
-    from ptdp.parallel.tensor import TensorParallelRNG
-    from ptdp.profiler import DTYPES
+    from models.transformer import TransformerStack
+    from ptdp.profiler import DTYPES, _context
     dtype = getattr(torch, DTYPES[precision])
     m, cpu = model_cfg, torch.device("cpu")
-    ctx = ModelContext(m, tp, 1234, TensorParallelRNG(1234, 0, cpu),
-                       padded_vocab_size(m.vocab_size, tp.size), "none", 1)
+    ctx = dataclasses.replace(_context(m, tp.size, cpu), tp=tp)
     stack = TransformerStack(ctx, 0, LAYERS, m.arch == "gpt").to(cpu, dtype)
     stack.train()
     seq = m.seq_length // tp.size if tp.sequence_parallel else m.seq_length
     x = torch.randn(seq, b, m.hidden_size, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
-    return (lambda: stack(x)), (lambda: stack(x).backward(grad))
+    return lambda: stack(x).backward(grad)
 
 
 def _layer_comm(model_cfg, real_tp, alone_tp, b: int, precision: str, iters: int) -> dict:
     """One layer's forward+backward wall seconds with `real_tp`, and what that exceeds the
     same layer without communication (`alone_tp`) by. Only the sum: split into forward and
     backward, the difference drowns in the noise of a busy node."""
-    _, real = _stack_passes(model_cfg, real_tp, b, precision)
-    _, alone = _stack_passes(model_cfg, alone_tp, b, precision)
+    real = _stack_pass(model_cfg, real_tp, b, precision)
+    alone = _stack_pass(model_cfg, alone_tp, b, precision)
     both, extra = _paired_extra(real, alone, iters)
     return dict(layer_s=both / LAYERS, comm_s=extra / LAYERS)
 

@@ -129,58 +129,52 @@ def test_python_dash_m_ptdp_plan(tmp_path):
     assert json.loads(proc.stdout)["parallel"]["tensor"] >= 1
 
 
-def test_allow_2bw_writes_a_layout_ptdp_train_runs_unchanged(tmp_path, capsys):
-    """On two CPU ranks the measured profile makes 2BW (no flush) the best layout; the written
-    config trains under torchrun as it is, one metrics record per iteration."""
+def _small_model(tmp_path, iters: int) -> Path:
     model = tmp_path / "small.yaml"
     model.write_text(yaml.safe_dump({
         "model": {"arch": "gpt", "num_layers": 4, "hidden_size": 64, "num_heads": 4,
                   "seq_length": 32, "vocab_size": 256},
-        "train": {"global_batch_size": 16, "iters": 3, "device": "cpu", "timeout_s": 60},
+        "train": {"global_batch_size": 16, "iters": iters, "device": "cpu", "timeout_s": 60},
         "data": {"source": "synthetic"}, "log": {"progress": False}}))
-    out_yaml, metrics = tmp_path / "plan.yaml", tmp_path / "metrics.jsonl"
-    hardware = str(Path(__file__).resolve().parents[2] / "configs" / "hardware" / "cpu-local.yaml")
-    assert plan([str(model), "--hardware", hardware, "--gpus", "2", "--allow-2bw",
-                 "--write-config", str(out_yaml)]) == 0
+    return model
+
+
+CPU_LOCAL = str(Path(__file__).resolve().parents[2] / "configs" / "hardware" / "cpu-local.yaml")
+
+
+def _train_written(config: Path, ranks: int, tmp_path) -> list[int]:
+    """`ptdp train CONFIG` under torchrun as a user would run a written plan: the iterations
+    it logged."""
+    from ptdp.local_ranks import free_port
+    metrics = tmp_path / "metrics.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           str(ranks), "--master-port", str(free_port()), "-m", "ptdp", "train",
+                           str(config), f"log.metrics_file={metrics}"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return [json.loads(line)["iter"] for line in metrics.read_text().splitlines()]
+
+
+def test_allow_2bw_writes_a_layout_ptdp_train_runs_unchanged(tmp_path, capsys):
+    """On two CPU ranks the measured profile makes 2BW (no flush) the best layout; the written
+    config trains under torchrun as it is, one metrics record per iteration."""
+    out_yaml = tmp_path / "plan.yaml"
+    assert plan([str(_small_model(tmp_path, 3)), "--hardware", CPU_LOCAL, "--gpus", "2",
+                 "--allow-2bw", "--write-config", str(out_yaml)]) == 0
     assert "2bw" in capsys.readouterr().out
     written = yaml.safe_load(out_yaml.read_text())
     assert written["schedule"]["name"] == "2bw" and written["parallel"]["pipeline"] == 2
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(_free_port()), "-m", "ptdp", "train",
-                           str(out_yaml), f"log.metrics_file={metrics}"],
-                          capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["iter"] for r in records] == [1, 2, 3]
-
-
-def _free_port() -> int:
-    from ptdp.local_ranks import free_port
-    return free_port()
+    assert _train_written(out_yaml, 2, tmp_path) == [1, 2, 3]
 
 
 def test_plan_writes_sequence_parallel_and_zero_bubble_that_train_runs(tmp_path, capsys):
     """With p = t = 2 fixed on four CPU ranks, the plan picks zb-h1 (a third of 1F1B's bubble)
     and sequence parallelism (no extra time, less memory); `ptdp train` runs the written YAML."""
-    model = tmp_path / "small.yaml"
-    model.write_text(yaml.safe_dump({
-        "model": {"arch": "gpt", "num_layers": 4, "hidden_size": 64, "num_heads": 4,
-                  "seq_length": 32, "vocab_size": 256},
-        "train": {"global_batch_size": 16, "iters": 2, "device": "cpu", "timeout_s": 60},
-        "data": {"source": "synthetic"}, "log": {"progress": False}}))
-    out_yaml, metrics = tmp_path / "plan.yaml", tmp_path / "metrics.jsonl"
-    hardware = str(Path(__file__).resolve().parents[2] / "configs" / "hardware" / "cpu-local.yaml")
-    assert plan([str(model), "--hardware", hardware, "--gpus", "4", "--fix", "p=2,t=2",
-                 "--write-config", str(out_yaml)]) == 0
+    out_yaml = tmp_path / "plan.yaml"
+    assert plan([str(_small_model(tmp_path, 2)), "--hardware", CPU_LOCAL, "--gpus", "4",
+                 "--fix", "p=2,t=2", "--write-config", str(out_yaml)]) == 0
     capsys.readouterr()
     written = yaml.safe_load(out_yaml.read_text())
     assert written["schedule"]["name"] == "zb-h1" and written["parallel"]["sequence_parallel"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-                           "--master-port", str(_free_port()), "-m", "ptdp", "train",
-                           str(out_yaml), f"log.metrics_file={metrics}"],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["iter"] for r in records] == [1, 2]
+    assert _train_written(out_yaml, 4, tmp_path) == [1, 2]
