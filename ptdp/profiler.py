@@ -351,19 +351,25 @@ def _framework_baseline(world: int) -> tuple[float, float]:
     return peak_rss_gb(), min(r["step_time_s"] for r in history[1:])
 
 
-# The reserve is calibrated on the largest of these short runs of the profiled model (layers,
-# None: all of them; layout; global batch at b = 1): the allocator keeps more freed memory
-# under the pipelined schedules, interleaved and zb-h1 most, than under plain data
-# parallelism (measured: 22-45 MiB per rank at h = 512), and more with more layers.
-RESERVE_RUNS = {"d2": (None, {"data": 2}, "1f1b", 4),
-                "p2-zb": (None, {"pipeline": 2}, "zb-h1", 4),
-                "p2v2": (None, {"pipeline": 2, "chunks": 2}, "interleaved", 4)}
+# The reserve is calibrated on short runs of the profiled model, as
+# name -> (layers, None: all of them; layout; schedule; micro-batch; global batch).
+# The allocator keeps more freed memory under the pipelined schedules, interleaved and zb-h1
+# most, than under plain data parallelism (measured: 22-45 MiB per rank at h = 512), more with
+# more layers, and more with larger micro-batches: the 2BW pair at b = 1 and b = 4 measures
+# that growth (`measured.heap_retention`, per byte of activations a micro-batch allocates),
+# the rest the fixed part.
+RESERVE_RUNS = {"d2": (None, {"data": 2}, "1f1b", 1, 4),
+                "p2-zb": (None, {"pipeline": 2}, "zb-h1", 1, 8),
+                "p2v2": (None, {"pipeline": 2, "chunks": 2}, "interleaved", 1, 8),
+                "p2-2bw": (None, {"pipeline": 2}, "2bw", 1, 8),
+                "p2-2bw-b4": (None, {"pipeline": 2}, "2bw", 4, 8)}
+RETENTION_PAIR = ("p2-2bw", "p2-2bw-b4")
 
 
 def _calibration_peak(model: dict, precision: str, layers: int, parallel: dict, schedule: str,
-                      batch: int) -> float:
+                      micro_batch: int, batch: int) -> float:
     """Peak GiB of a rank training `layers` layers of the profiled shape with the real
-    trainer (b = 1): runs on every rank of a run_on_ranks world."""
+    trainer: runs on every rank of a run_on_ranks world."""
     import contextlib
 
     import torch.distributed as dist
@@ -371,7 +377,7 @@ def _calibration_peak(model: dict, precision: str, layers: int, parallel: dict, 
     from ptdp.training import Trainer
     raw = {"model": {**model, "num_layers": layers or model["num_layers"]}, "parallel": parallel,
            "schedule": {"name": schedule}, "data": {"source": "synthetic"},
-           "train": {"micro_batch_size": 1, "global_batch_size": batch, "iters": 3,
+           "train": {"micro_batch_size": micro_batch, "global_batch_size": batch, "iters": 3,
                      "device": "cpu", "precision": precision},
            "log": {"progress": False}}
     cfg = config_from_dict(raw)
@@ -451,42 +457,64 @@ def calibrate_reserve(profile: HardwareProfile, model_cfg, precision: str,
                       threads: int) -> dict:
     """The CPU reserve: what a real training rank holds beyond everything the memory model
     counts (interpreter, torch, process groups, the kernels' workspaces for this shape, the
-    allocator's retained heap). Measured as the peak of small runs of the profiled shape
-    (RESERVE_RUNS) minus the planner's prediction for each with no reserve; the largest."""
+    allocator's retained heap). Each of RESERVE_RUNS gives its peak minus the planner's
+    prediction with no reserve; the RETENTION_PAIR's growth per byte of activations a
+    micro-batch allocates is `heap_retention`, and the reserve the largest of what is left."""
     import dataclasses
 
     from ptdp.local_ranks import run_on_ranks
     model = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg)}
     runs = {}
-    for name, (layers, parallel, schedule, batch) in RESERVE_RUNS.items():
+    for name, (layers, parallel, schedule, micro_batch, batch) in RESERVE_RUNS.items():
         stages = parallel.get("pipeline", 1) * parallel.get("chunks", 1)
         if (layers or model_cfg.num_layers) % stages:
             continue   # the profiled model cannot be split that way
         world = parallel.get("pipeline", 1) * parallel.get("data", 1)
         peak = max(run_on_ranks(world, _calibration_peak, model, precision, layers, parallel,
-                                schedule, batch, timeout_s=600.0, threads=threads))
+                                schedule, micro_batch, batch, timeout_s=600.0, threads=threads))
         runs[name] = reserve_from_peak(profile, model_cfg, precision, peak, name)
-    worst = max(runs.values(), key=lambda r: r["reserve_gb"])
-    return {**worst, "runs": runs}
+    return {**reserve_and_retention(runs), "runs": runs}
+
+
+def reserve_and_retention(runs: dict) -> dict:
+    """{reserve_gb, heap_retention} from calibrate_reserve's runs (each with its `excess_gb`
+    over the model and `activations_gb`, what one micro-batch allocates on the fullest rank):
+    the retention is the excess's growth with the activations between the RETENTION_PAIR,
+    never negative; the reserve the largest excess left once the retention is taken out."""
+    low, high = (runs.get(name) for name in RETENTION_PAIR)
+    retention = 0.0
+    if low and high and high["activations_gb"] > low["activations_gb"]:
+        retention = max((high["excess_gb"] - low["excess_gb"])
+                        / (high["activations_gb"] - low["activations_gb"]), 0.0)
+    reserve = max(max(r["excess_gb"] - retention * r["activations_gb"] for r in runs.values()),
+                  0.0)
+    return {"reserve_gb": reserve, "heap_retention": retention}
 
 
 def reserve_from_peak(profile: HardwareProfile, model_cfg, precision: str, peak: float,
                       run: str = "d2") -> dict:
-    """calibrate_reserve's arithmetic for one of RESERVE_RUNS, given its peak GiB."""
+    """calibrate_reserve's arithmetic for one of RESERVE_RUNS, given its peak GiB: the
+    excess over the planner's prediction without reserve and retention, and the activations
+    one micro-batch allocates on a rank (ptdp/planner/memory.py, heap_retention_bytes)."""
     import dataclasses
 
     from ptdp.planner.compute import ModelShape
     from ptdp.planner.cost_model import Layout, Workload, predict
-    layers, parallel, schedule, batch = RESERVE_RUNS[run]
-    bare = dataclasses.replace(profile, memory_reserved_gb=0.0)
+    from ptdp.planner.memory import layer_activation_bytes
+    layers, parallel, schedule, micro_batch, batch = RESERVE_RUNS[run]
+    measured = {**(profile.measured or {}), "heap_retention": 0.0}
+    bare = dataclasses.replace(profile, memory_reserved_gb=0.0, measured=measured)
     shape = dataclasses.replace(ModelShape.from_config(model_cfg),
                                 layers=layers or model_cfg.num_layers)
-    layout = Layout(parallel.get("pipeline", 1), 1, parallel.get("data", 1),
-                    parallel.get("chunks", 1), 1, schedule)
+    p = parallel.get("pipeline", 1)
+    layout = Layout(p, 1, parallel.get("data", 1), parallel.get("chunks", 1), micro_batch,
+                    schedule)
     predicted = predict(bare, Workload(shape, batch, precision, profile.gpus_per_node),
                         layout).memory_gb_per_gpu
-    return {"peak_gb": peak, "model_gb": predicted, "reserve_gb": max(peak - predicted, 0.0),
-            "run": run}
+    activations = shape.layers // p * layer_activation_bytes(
+        shape, micro_batch, 1, precision, "none", profile.attention, bare) / 2**30
+    return {"peak_gb": peak, "model_gb": predicted, "excess_gb": peak - predicted,
+            "activations_gb": activations, "run": run}
 
 
 def _bench_collectives(sizes, iters: int) -> dict:
@@ -755,11 +783,13 @@ def build_profile(model_cfg, *, name: str, micro_batches: list[int], tensors: li
             f"{overhead['split_backward_overhead_s'] * 1e3:.2f} ms per layer and micro-batch more")
         calibration = calibrate_reserve(profile, model_cfg, precision, threads)
         measured["memory_calibration"] = calibration
+        measured["heap_retention"] = round(calibration["heap_retention"], 4)
         profile.memory_reserved_gb = round(calibration["reserve_gb"], 4)
         log("  reserve: " + ", ".join(
             f"{name} run peak {run['peak_gb']:.3f} GiB, modelled {run['model_gb']:.3f} GiB"
             for name, run in calibration["runs"].items())
-            + f": reserve {calibration['reserve_gb']:.3f} GiB")
+            + f": reserve {calibration['reserve_gb']:.3f} GiB, and "
+            f"{calibration['heap_retention']:.2f} x a micro-batch's activations")
     return profile
 
 

@@ -10,7 +10,7 @@ from ptdp.planner.compute import ModelShape, layer_times
 from ptdp.planner.cost_model import Layout, Workload, predict
 from ptdp.hardware import foreign_profile, load_hardware, machine_fingerprint
 from ptdp.planner.memory import layer_activation_bytes
-from ptdp.profiler import _assemble, fit_half_dim, fit_latency_bandwidth
+from ptdp.profiler import RESERVE_RUNS, _assemble, fit_half_dim, fit_latency_bandwidth
 
 TINY = {"model": {"arch": "gpt", "num_layers": 2, "hidden_size": 64, "num_heads": 4,
                   "seq_length": 32, "vocab_size": 100, "ffn_hidden_size": 256}}
@@ -64,6 +64,15 @@ def test_profile_measures_what_cpu_ranks_pay_beyond_compute(profile_path):
     assert {(r["tensor"], r["world"], r["micro_batch"], r["sequence_parallel"]) for r in rows} == {
         (2, 2, b, sp) for b in (1, 2) for sp in (False, True)}
     assert all(r["layer_s"] > 0 and r["comm_s"] >= 0 for r in rows)
+    # The reserve and the heap's growth with a micro-batch's activations, from real runs
+    # (the 2-layer model cannot be split into p2v2's 4 chunks).
+    calibration = hw.measured["memory_calibration"]
+    assert set(calibration["runs"]) == set(RESERVE_RUNS) - {"p2v2"}
+    assert hw.memory_reserved_gb == pytest.approx(calibration["reserve_gb"], abs=1e-4)
+    assert hw.memory_reserved_gb > 0
+    assert hw.measured["heap_retention"] == pytest.approx(calibration["heap_retention"], abs=1e-4)
+    assert calibration["runs"]["p2-2bw-b4"]["activations_gb"] == pytest.approx(
+        4 * calibration["runs"]["p2-2bw"]["activations_gb"])
 
 
 @pytest.mark.timeout(300)

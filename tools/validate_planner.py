@@ -206,7 +206,7 @@ def profile_here(path: Path, iters: int, ranks: int):
     try:
         subprocess.run([sys.executable, "-m", "ptdp", "profile", model_file.name, "--out",
                         str(path), "--micro-batches", ",".join(map(str, micro_batches)),
-                        "--tensor", "1,2", "--ranks", str(ranks), "--ranks-per-node", "8",
+                        "--tensor", "1,2,4,8", "--ranks", str(ranks), "--ranks-per-node", "8",
                         "--threads", "1", "--iters", str(iters)], check=True, cwd=ROOT)
     finally:
         os.unlink(model_file.name)

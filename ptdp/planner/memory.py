@@ -247,8 +247,9 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     working set of one layer, the loss or a W pass, p2p buffers and, when gradients are not
     in one flat buffer (2BW, PipeDream) with d > 1, one bucket's concatenated copy (a flat
     buffer is reduced in place, ptdp/optim/grads.py); on CPU ranks gloo's staging for the
-    distributed optimizer. Everything else a process holds (framework, process groups, on
-    CPU the heap glibc keeps after frees) is the profile's `reserved_gb`.
+    distributed optimizer and the heap glibc keeps in proportion to a micro-batch's
+    activations (heap_retention_bytes). Everything else a process holds (framework, process
+    groups, on CPU the rest of the heap glibc keeps) is the profile's `reserved_gb`.
     """
     first, last = rank == 0, rank == p - 1
     e = BYTES[precision]
@@ -284,13 +285,29 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     # the fused CUDA AdamW no temporaries; on CPU the foreach AdamW's rose 12 MiB above the
     # steady state for 13 M parameters, where the forward/backward rose 40 MiB (resident
     # set with glibc's mmap threshold fixed, so that it follows the live tensors).
-    buffers = working
+    # what a micro-batch allocates on this rank, whatever is kept: every layer's activations
+    # without recomputation, SP's gathered inputs whole
+    buffers = working + heap_retention_bytes(hw, shape.layers // p * layer_activation_bytes(
+        shape, b, t, precision, "none", attention, hw))
     if distributed_optimizer and hw is not None and hw.device == "cpu":
         tied = vocab_padded * shape.hidden / t if p > 1 and (first or last) else 0.0
         buffers += gloo_sharding_staging_bytes(params, precision, d, all_reduced=tied)
     optimizer = optimizer_state_bytes(params, precision, d, distributed_optimizer)
     return MemoryBreakdown(weights=weights, gradients=gradients, optimizer=optimizer,
                            activations=activations, buffers=buffers + reserved_gb * GB)
+
+
+def heap_retention_bytes(hw, micro_batch_activations: float) -> float:
+    """CPU ranks: the freed heap glibc keeps beyond the profile's fixed reserve, which grows
+    with the size of the tensors a rank frees and allocates again every micro-batch (after a
+    large free glibc raises its mmap threshold, so later activations come from a heap that
+    fragments and is rarely returned). Modelled as the profile's `measured.heap_retention`
+    (ptdp/profiler.py, calibrate_reserve: runs of the profiled model at b = 1 and b = 4)
+    times the activations one micro-batch allocates on the rank. No term on GPUs, whose
+    caching allocator the datasheet profiles' reserve covers."""
+    if hw is None or hw.device != "cpu":
+        return 0.0
+    return float((hw.measured or {}).get("heap_retention", 0.0)) * micro_batch_activations
 
 
 def _activation_stashes(shape: ModelShape, *, p: int, v: int, m: int, b: int, t: int,

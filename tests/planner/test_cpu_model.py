@@ -9,6 +9,8 @@ from ptdp.hardware import load_hardware
 from ptdp.planner import comm
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.cost_model import Layout, Workload, predict
+from ptdp.planner.memory import GB, layer_activation_bytes
+from ptdp.profiler import reserve_and_retention
 
 BUSY = [{"ranks": 2, "slowdown": 1.1, "contention": 1.1,
          "all_reduce": [{"group": 2, "bandwidth_GBps": 2.0, "latency_us": 50.0}],
@@ -130,3 +132,38 @@ def test_zero_bubble_charges_the_measured_split_backward(cpu):
     hw = dataclasses.replace(hw, measured={**hw.measured, "split_backward_overhead_s": 0.008})
     zb = predict(hw, work, Layout(2, 1, 1, micro_batch=1, schedule="zb-h1")).time["compute"]
     assert zb - plain == pytest.approx(8 * 2 * 0.008 * 1.1)
+
+
+def test_heap_retention_grows_with_what_a_micro_batch_allocates(cpu):
+    work = Workload(SHAPE, 8, "fp32", 8)
+    retained = dataclasses.replace(cpu, measured={**cpu.measured, "heap_retention": 1.5})
+
+    def extra(lay):
+        return (predict(retained, work, lay).memory_gb_per_gpu
+                - predict(cpu, work, lay).memory_gb_per_gpu) * GB
+
+    # 1.5 x one micro-batch's activations of the rank's layers, with or without recompute.
+    for b, recompute in ((1, "none"), (4, "none"), (2, "full")):
+        lay = Layout(2, 1, 1, micro_batch=b, recompute=recompute)
+        per_layer = layer_activation_bytes(SHAPE, b, 1, "fp32", "none", cpu.attention, retained)
+        assert extra(lay) == pytest.approx(1.5 * 2 * per_layer)
+    # GPUs: their caching allocator is the datasheet reserve's, no term.
+    gpu = dataclasses.replace(retained, device="cuda")
+    assert predict(gpu, work, Layout(2, 1, 1, micro_batch=4)).memory_gb_per_gpu == pytest.approx(
+        predict(dataclasses.replace(gpu, measured=cpu.measured), work,
+                Layout(2, 1, 1, micro_batch=4)).memory_gb_per_gpu)
+
+
+def test_reserve_and_retention_from_the_calibration_runs():
+    runs = {"d2": {"excess_gb": 0.36, "activations_gb": 0.016},
+            "p2v2": {"excess_gb": 0.37, "activations_gb": 0.008},
+            "p2-2bw": {"excess_gb": 0.362, "activations_gb": 0.008},
+            "p2-2bw-b4": {"excess_gb": 0.386, "activations_gb": 0.032}}
+    fit = reserve_and_retention(runs)
+    # 24 MB more excess for 24 MB more activations; the reserve is what p2v2 leaves.
+    assert fit["heap_retention"] == pytest.approx(1.0)
+    assert fit["reserve_gb"] == pytest.approx(0.362)
+    # A pair that shrinks gives no negative retention; without the pair, none.
+    shrinking = {**runs, "p2-2bw-b4": {"excess_gb": 0.35, "activations_gb": 0.032}}
+    assert reserve_and_retention(shrinking)["heap_retention"] == 0.0
+    assert reserve_and_retention({"d2": runs["d2"]}) == {"reserve_gb": 0.36, "heap_retention": 0.0}
