@@ -478,7 +478,7 @@ def calibrate_reserve(profile: HardwareProfile, model_cfg, precision: str,
 
 def reserve_and_retention(runs: dict) -> dict:
     """{reserve_gb, heap_retention} from calibrate_reserve's runs (each with its `excess_gb`
-    over the model and `activations_gb`, what one micro-batch allocates on the fullest rank):
+    over the model and `activations_gb`, what one micro-batch allocates on a rank):
     the retention is the excess's growth with the activations between the RETENTION_PAIR,
     never negative; the reserve the largest excess left once the retention is taken out."""
     low, high = (runs.get(name) for name in RETENTION_PAIR)
@@ -495,7 +495,8 @@ def reserve_from_peak(profile: HardwareProfile, model_cfg, precision: str, peak:
                       run: str = "d2") -> dict:
     """calibrate_reserve's arithmetic for one of RESERVE_RUNS, given its peak GiB: the
     excess over the planner's prediction without reserve and retention, and the activations
-    one micro-batch allocates on a rank (ptdp/planner/memory.py, heap_retention_bytes)."""
+    one micro-batch allocates on a pipeline rank that the heap retains in proportion to (none
+    without a pipeline: ptdp/planner/memory.py, heap_retention_bytes)."""
     import dataclasses
 
     from ptdp.planner.compute import ModelShape
@@ -511,7 +512,7 @@ def reserve_from_peak(profile: HardwareProfile, model_cfg, precision: str, peak:
                     schedule)
     predicted = predict(bare, Workload(shape, batch, precision, profile.gpus_per_node),
                         layout).memory_gb_per_gpu
-    activations = shape.layers // p * layer_activation_bytes(
+    activations = 0.0 if p == 1 else shape.layers // p * layer_activation_bytes(
         shape, micro_batch, 1, precision, "none", profile.attention, bare) / 2**30
     return {"peak_gb": peak, "model_gb": predicted, "excess_gb": peak - predicted,
             "activations_gb": activations, "run": run}

@@ -67,9 +67,17 @@ def test_drift_scales_compute_not_communication():
                 "busy": [{"ranks": 2, "slowdown": 1.0, "p2p": {"bandwidth_GBps": 3.0}}]}
     hw = dataclasses.replace(hw, measured=measured)
     slow = vp.at_speed(hw, 1.25)
-    assert vp.profile_reference(hw) == 0.03 and vp.profile_reference(slow) == pytest.approx(0.0375)
+    assert vp.profile_reference(hw) == {2: 0.03}
+    assert vp.profile_reference(slow) == {2: pytest.approx(0.0375)}
     assert slow.measured["heads"][0]["head_forward_s"] == pytest.approx(0.005)
     assert slow.measured["optimizer_s_per_param"] == pytest.approx(1.25e-9)
     assert slow.peak_tflops["fp32"] == pytest.approx(hw.peak_tflops["fp32"] / 1.25)
     assert slow.measured["busy"] == measured["busy"] and slow.measured["layers"][0]["hidden"] == 64
     assert hw.measured["layers"][0]["forward_s"] == 0.01   # the original is untouched
+
+
+def test_speed_is_the_median_over_micro_batches():
+    reference = {1: 0.02, 2: 0.05, 4: 0.08}   # b = 2 profiled at a slow moment
+    probe = {1: 0.022, 2: 0.044, 4: 0.088}    # the machine 10 % slower now
+    assert vp.speed_ratio(probe, reference) == pytest.approx(1.1)
+    assert vp.speed_ratio({2: 0.055}, reference) == pytest.approx(1.1)   # only what both have

@@ -19,9 +19,10 @@ Drift: a shared virtual machine's speed drifts by up to ~20 % within minutes (me
 one layer's forward+backward took 36 ms during a profile and 43-44 ms ten minutes later, steady
 for minutes after). A profile taken at one speed and runs at another would show that drift as
 prediction error. So before each round and after the last, the tool times the profile's
-reference layer again (the same `measure_layer` call) and scales the profile's compute times by
-the median ratio before predicting; communication stays as measured. The factor is printed and
-written with the rows; `--no-drift` turns the correction off.
+reference layer again at b = 1, 2, 4 (the same `measure_layer` call) and scales the profile's
+compute times by the median ratio (over b, then over probes) before predicting; communication
+stays as measured. The factor is printed and written with the rows; `--no-drift` turns the
+correction off.
 
 The profile must come from this machine: one measured elsewhere (its fingerprint differs, or
 it has none) is not used; the tool measures a fresh one (`ptdp profile`, 1 thread per rank)
@@ -128,25 +129,35 @@ def measure_once(layout: Layout, iters: int, timeout_s: float) -> tuple[float, f
     return statistics.median(steps), max(r["peak_gb"] for r in results)
 
 
-def probe_worker(model: dict) -> float:
-    """One layer's forward + backward at b = 2, t = 1, timed as `ptdp profile` times it."""
+# The probe times the layer at several b: one profile row measured at a slow moment (seen:
+# b = 2's forward 25 % over the line through b = 1 and 4) would otherwise skew every layout.
+PROBE_BATCHES = (1, 2, 4)
+
+
+def probe_worker(model: dict) -> dict:
+    """b -> one layer's forward + backward at t = 1, timed as `ptdp profile` times it."""
     import torch
     from ptdp.profiler import _ensure_process_group, measure_layer
     cfg = config_from_dict({"model": model}).model
     _ensure_process_group()
-    row = measure_layer(cfg, 1, 2, "fp32", torch.device("cpu"), 5)
-    return row["forward_s"] + row["backward_s"]
+    rows = (measure_layer(cfg, 1, b, "fp32", torch.device("cpu"), 5) for b in PROBE_BATCHES)
+    return {row["micro_batch"]: row["forward_s"] + row["backward_s"] for row in rows}
 
 
-def speed_probe() -> float:
+def speed_probe() -> dict:
     from ptdp.local_ranks import run_on_ranks
     return run_on_ranks(1, probe_worker, MODEL, timeout_s=300.0, threads=1)[0]
 
 
-def profile_reference(hw) -> float:
-    """The probe's layer as the profile measured it."""
-    row = next(r for r in hw.measured["layers"] if r["tensor"] == 1 and r["micro_batch"] == 2)
-    return row["forward_s"] + row["backward_s"]
+def profile_reference(hw) -> dict:
+    """The probe's layers as the profile measured them: b -> seconds."""
+    return {r["micro_batch"]: r["forward_s"] + r["backward_s"] for r in hw.measured["layers"]
+            if r["tensor"] == 1 and r["micro_batch"] in PROBE_BATCHES}
+
+
+def speed_ratio(probe: dict, reference: dict) -> float:
+    """How much slower the machine is now than in the profile: the median over b."""
+    return statistics.median(probe[b] / reference[b] for b in reference if b in probe)
 
 
 def at_speed(hw, factor: float):
@@ -310,9 +321,14 @@ def compare(hw, layouts: dict, args) -> list[dict]:
     print(f"profile {hw.name} ({hw.description}); model {MODEL}, B={GLOBAL_BATCH}; "
           f"load average {load_average()}", flush=True)
     measured = measure_interleaved(layouts, args.iters, args.rounds, args.timeout)
-    drift = statistics.median(measured["probes"]) / profile_reference(hw)
-    print(f"speed probe (one layer fwd+bwd, b=2): profile {profile_reference(hw) * 1e3:.1f} ms, "
-          f"during the runs {', '.join(f'{p * 1e3:.1f}' for p in measured['probes'])} ms: "
+    reference = profile_reference(hw)
+    ratios = [speed_ratio(probe, reference) for probe in measured["probes"]]
+    drift = statistics.median(ratios)
+    print(f"speed probe (one layer fwd+bwd, b={'/'.join(map(str, reference))}): profile "
+          + "/".join(f"{s * 1e3:.1f}" for s in reference.values()) + " ms, during the runs "
+          + ", ".join("/".join(f"{probe[b] * 1e3:.1f}" for b in reference)
+                      for probe in measured["probes"])
+          + f" ms (x{', x'.join(f'{r:.3f}' for r in ratios)}): "
           + (f"compute times scaled by {drift:.3f}" if args.drift else
              f"x{drift:.3f}, not corrected (--no-drift)"), flush=True)
     if args.drift:

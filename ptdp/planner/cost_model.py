@@ -257,21 +257,32 @@ def _layer_tensor_comm(hw: HardwareProfile, work: Workload, lay: Layout, act_byt
     return collectives * (gather + scatter)
 
 
-def _flush_rank_time(hw: HardwareProfile, ranks: list, p: int, gpus: int,
+def _flush_rank_time(hw: HardwareProfile, ranks: list, p: int, m: int, gpus: int,
                      gpus_per_node: int) -> float:
-    """A pipeline rank's mean time per micro-batch during fill and drain. On GPUs that is the
-    steady-state time. On CPU ranks that outnumber the cores, the ranks idle in the bubble
-    leave their cores to the others: while the pipeline fills and drains, compute runs
-    without the time-slicing share of the slowdown (the memory contention stays)."""
+    """A pipeline rank's mean time per micro-batch step of the fill and drain, beyond the
+    steady state's m steps. On GPUs that is the steady-state time. On CPU ranks that outnumber
+    the cores, a stage's ranks share the cores only with the other stages working: in a wave
+    (the forwards, then the backwards) with a of p stages active the time slicing is
+    max(1, TS·a/p) (TS at full occupancy; the contention stays). Summed over a wave's
+    m + p - 1 steps, beyond m steps at TS: for m >= p, p - 1 steps at 2·mean(a < p) - TS,
+    which is nothing once one stage's ranks alone fill the cores (the work is the same; only
+    who waits changes)."""
     first, last = ranks[0], ranks[-1]
     middle = ranks[1] if len(ranks) > 2 else first
     def mean(attr):
         return (getattr(first, attr) + getattr(last, attr) + (p - 2) * getattr(middle, attr)) / p
     slow = _oversubscription(hw, gpus, gpus_per_node)
     row = comm.busy_node(hw, min(gpus, gpus_per_node))
-    time_slicing = slow / max(row.get("contention", 1.0), 1.0) if row else slow
-    return ((mean("compute") + mean("recompute")) / time_slicing + mean("tensor_comm")
-            + mean("p2p_fill"))
+    slicing = slow / max(row.get("contention", 1.0), 1.0) if row else slow
+    return ((mean("compute") + mean("recompute")) / slicing * _fill_and_drain_share(slicing, p, m)
+            + mean("tensor_comm") + mean("p2p_fill"))
+
+
+def _fill_and_drain_share(slicing: float, p: int, m: int) -> float:
+    """Per flush step, the time slicing a wave's fill and drain add to its m steady steps,
+    in units of a step without slicing (see _flush_rank_time); 1 without oversubscription."""
+    wave = sum(max(1.0, slicing * min(k, p, m, m + p - k) / p) for k in range(1, m + p))
+    return max(wave - m * slicing, 0.0) / max(p - 1, 1)
 
 
 def _zero_bubble_flush(ranks: list[_RankTimes], p: int, m: int) -> tuple[float, float]:
@@ -350,7 +361,7 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     slowest = max(ranks, key=lambda r: r.total)
     mean = (first.total + last.total + (p - 2) * middle.total) / p if p > 1 else first.total
     pipelined = m * slowest.total
-    flush = (p - 1) / v * _flush_rank_time(hw, ranks, p, lay.gpus, work.gpus_per_node) \
+    flush = (p - 1) / v * _flush_rank_time(hw, ranks, p, m, lay.gpus, work.gpus_per_node) \
         if lay.schedule != "2bw" else 0.0
     bubble = bubble_fraction(p, m, v) if lay.schedule != "2bw" else 0.0
     if lay.schedule == "zb-h1":

@@ -169,11 +169,12 @@ def test_allow_2bw_writes_a_layout_ptdp_train_runs_unchanged(tmp_path, capsys):
 
 
 def test_plan_writes_sequence_parallel_and_zero_bubble_that_train_runs(tmp_path, capsys):
-    """With p = t = 2 fixed on four CPU ranks, the plan picks zb-h1 (a third of 1F1B's bubble)
-    and sequence parallelism (no extra time, less memory); `ptdp train` runs the written YAML."""
+    """With p = t = 2 and zb-h1 fixed on four CPU ranks (on two cores the bubble costs no
+    time, so the planner alone would not split the backward), the plan adds sequence
+    parallelism (no extra time, less memory); `ptdp train` runs the written YAML."""
     out_yaml = tmp_path / "plan.yaml"
     assert plan([str(_small_model(tmp_path, 2)), "--hardware", CPU_LOCAL, "--gpus", "4",
-                 "--fix", "p=2,t=2", "--write-config", str(out_yaml)]) == 0
+                 "--fix", "p=2,t=2,schedule=zb-h1", "--write-config", str(out_yaml)]) == 0
     capsys.readouterr()
     written = yaml.safe_load(out_yaml.read_text())
     assert written["schedule"]["name"] == "zb-h1" and written["parallel"]["sequence_parallel"]

@@ -47,20 +47,30 @@ def test_compute_slows_down_by_the_measured_factor(cpu):
     assert eight.time["compute"] == pytest.approx(one.time["compute"] / 8 * 4.4)
 
 
-def test_the_bubble_is_paid_without_time_slicing(cpu):
-    # Ranks idle in fill and drain leave their cores to the others: the flush runs at the
-    # contention slowdown (1.1), not at 4.4 = 4 (8 ranks on 2 cores) x 1.1.
+def test_the_fill_and_drain_share_the_cores_with_the_stages_at_work(cpu):
+    # 8 ranks as p = 4 stages of 2. With a of 4 stages at work their ranks are time-sliced
+    # max(1, TS * a / 4) (TS at full occupancy); the contention stays. The fill and drain cost
+    # what a wave of m + p - 1 steps (a = 1, 2, 3, 4, 3, 2, 1 for m = 4) adds to m steps at TS.
     work, lay = Workload(SHAPE, 8, "fp32", 8), Layout(4, 1, 2, micro_batch=1)
     fast_p2p = [{**row, "p2p": {"bandwidth_GBps": 1e9, "latency_us": 0.0}} for row in BUSY]
 
-    def bubble(contention):
-        rows = [{**row, "contention": contention if row["ranks"] == 8 else row["contention"]}
-                for row in fast_p2p]
+    def bubble(slowdown, contention):
+        rows = [{**row, "slowdown": slowdown, "contention": contention} if row["ranks"] == 8
+                else row for row in fast_p2p]
         hw = dataclasses.replace(cpu, measured={"threads": 1, "busy": rows})
         return predict(hw, work, lay).time["bubble"]
 
-    # contention = slowdown: no time slicing to remove, the bubble keeps the full slowdown.
-    assert bubble(4.4) / bubble(1.1) == pytest.approx(4.0, rel=1e-3)
+    def wave(ts, m=4, p=4):
+        return sum(max(1.0, ts * min(k, p, m, m + p - k) / p) for k in range(1, m + p)) - m * ts
+
+    # No time slicing (contention = slowdown): 3 steps at the full slowdown, as on GPUs.
+    assert wave(1.0) == 3.0
+    # TS = 2: the steps with one or two stages at work run unsliced: a third of a step is left.
+    assert wave(2.0) == pytest.approx(1.0)
+    assert bubble(2.2, 2.2) / bubble(2.2, 1.1) == pytest.approx(3 * 2.2 / (1.0 * 1.1), rel=1e-6)
+    # TS = 4: one stage's ranks alone fill the 2 cores; the cores never idle, nor does the bubble
+    # cost compute time.
+    assert wave(4.0) == 0.0 and bubble(4.4, 1.1) < 1e-6 * bubble(4.4, 4.4)
 
 
 def _tensor_rows(comm_s_by_b: dict, world: int, sequence_parallel: bool = False) -> list[dict]:
@@ -134,7 +144,7 @@ def test_zero_bubble_charges_the_measured_split_backward(cpu):
     assert zb - plain == pytest.approx(8 * 2 * 0.008 * 1.1)
 
 
-def test_heap_retention_grows_with_what_a_micro_batch_allocates(cpu):
+def test_heap_retention_grows_with_what_a_pipeline_micro_batch_allocates(cpu):
     work = Workload(SHAPE, 8, "fp32", 8)
     retained = dataclasses.replace(cpu, measured={**cpu.measured, "heap_retention": 1.5})
 
@@ -147,6 +157,8 @@ def test_heap_retention_grows_with_what_a_micro_batch_allocates(cpu):
         lay = Layout(2, 1, 1, micro_batch=b, recompute=recompute)
         per_layer = layer_activation_bytes(SHAPE, b, 1, "fp32", "none", cpu.attention, retained)
         assert extra(lay) == pytest.approx(1.5 * 2 * per_layer)
+    # Without a pipeline each micro-batch's blocks are reused: no term.
+    assert extra(Layout(1, 1, 1, micro_batch=4)) == 0.0
     # GPUs: their caching allocator is the datasheet reserve's, no term.
     gpu = dataclasses.replace(retained, device="cuda")
     assert predict(gpu, work, Layout(2, 1, 1, micro_batch=4)).memory_gb_per_gpu == pytest.approx(
@@ -155,7 +167,7 @@ def test_heap_retention_grows_with_what_a_micro_batch_allocates(cpu):
 
 
 def test_reserve_and_retention_from_the_calibration_runs():
-    runs = {"d2": {"excess_gb": 0.36, "activations_gb": 0.016},
+    runs = {"d2": {"excess_gb": 0.36, "activations_gb": 0.0},
             "p2v2": {"excess_gb": 0.37, "activations_gb": 0.008},
             "p2-2bw": {"excess_gb": 0.362, "activations_gb": 0.008},
             "p2-2bw-b4": {"excess_gb": 0.386, "activations_gb": 0.032}}
