@@ -388,31 +388,38 @@ def _calibration_peak(model: dict, precision: str, layers: int, parallel: dict, 
 
 
 OVERHEAD_MICRO_BATCHES = 4
+# The 1F1B and zb-h1 runs are repeated in turns and the medians taken: one pair of runs on a
+# shared VM gave zb-h1's split overhead anywhere from 1.8 to 8.3 ms per layer and micro-batch.
+OVERHEAD_REPEATS = 3
 
 
-def _trainer_step(model: dict, precision: str, micro_batches: int, schedule: str,
-                  reference_b: int) -> tuple[float, float]:
-    """(best step seconds of the real trainer on one rank for the profiled model at b = 1,
-    seconds of one layer's forward + backward at `reference_b` timed right after)."""
+def _trainer_steps(model: dict, precision: str, micro_batches: int, schedules: list,
+                   reference_b: int) -> list:
+    """For each schedule in turn, (best step seconds of the real trainer on one rank for the
+    profiled model at b = 1, seconds of one layer's forward + backward at `reference_b`
+    timed right after)."""
     import contextlib
 
+    import torch
     from ptdp.config import config_from_dict, validate
     from ptdp.training import Trainer
-    raw = {"model": model, "data": {"source": "synthetic"}, "schedule": {"name": schedule},
-           "train": {"micro_batch_size": 1, "global_batch_size": micro_batches, "iters": 8,
-                     "device": "cpu", "precision": precision, "lr_warmup_iters": 0},
-           "log": {"progress": False, "interval": 1000}}
-    cfg = config_from_dict(raw)
-    validate(cfg, 1)
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        history = Trainer(cfg).train()
-    step = min(r["step_time_s"] for r in history[1:])   # best, as the kernels are timed
-    # The machine's speed drifts (a shared VM: by up to ~20 % within minutes): time one
-    # layer again now, so the step is compared with kernels timed at the same speed.
-    import torch
-    _ensure_process_group()
-    row = measure_layer(cfg.model, 1, reference_b, precision, torch.device("cpu"), 5)
-    return step, row["forward_s"] + row["backward_s"]
+    out = []
+    for schedule in schedules:
+        raw = {"model": model, "data": {"source": "synthetic"}, "schedule": {"name": schedule},
+               "train": {"micro_batch_size": 1, "global_batch_size": micro_batches, "iters": 8,
+                         "device": "cpu", "precision": precision, "lr_warmup_iters": 0},
+               "log": {"progress": False, "interval": 1000}}
+        cfg = config_from_dict(raw)
+        validate(cfg, 1)
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            history = Trainer(cfg).train()
+        step = min(r["step_time_s"] for r in history[1:])   # best, as the kernels are timed
+        # The machine's speed drifts (a shared VM: by up to ~20 % within minutes): time one
+        # layer again now, so the step is compared with kernels timed at the same speed.
+        _ensure_process_group()
+        row = measure_layer(cfg.model, 1, reference_b, precision, torch.device("cpu"), 5)
+        out.append((step, row["forward_s"] + row["backward_s"]))
+    return out
 
 
 def calibrate_layer_overhead(profile: HardwareProfile, model_cfg, precision: str,
@@ -421,9 +428,15 @@ def calibrate_layer_overhead(profile: HardwareProfile, model_cfg, precision: str
     (gradient-accumulation hooks into the flat fp32 buffers, autograd bookkeeping across
     layers, the data path): the real trainer's step on one rank for the profiled model at
     b = 1, minus the planner's prediction for that run without it, per layer and micro-batch.
-    On CPU ranks it is measured at 3-5 ms per layer of a h = 512 GPT, about a fifth of the
-    layer at b = 1: layouts with small micro-batches pay it most."""
+    On CPU ranks it is measured at 0-3 ms per layer of a h = 512 GPT, up to a tenth of the
+    layer at b = 1: layouts with small micro-batches pay it most.
+
+    zb-h1's split backward as the trainer runs it (closures, a second autograd pass per
+    micro-batch) is measured the same way against the 1F1B run: 2-8 ms per layer at h = 512,
+    b = 1, more than the split layer alone costs (backward_split_s), so the cost model takes
+    the larger. Both are medians over OVERHEAD_REPEATS pairs of runs taken in turns."""
     import dataclasses
+    import statistics
 
     from ptdp.local_ranks import run_on_ranks
     from ptdp.planner.compute import ModelShape
@@ -434,23 +447,24 @@ def calibrate_layer_overhead(profile: HardwareProfile, model_cfg, precision: str
     reference = min((r for r in measured["layers"] if r["tensor"] == 1),
                     key=lambda r: r["micro_batch"])
     layer_then = reference["forward_s"] + reference["backward_s"]
-    step, layer_now = run_on_ranks(1, _trainer_step, model, precision, m, "1f1b",
-                                   reference["micro_batch"], timeout_s=600.0, threads=threads)[0]
-    bare = dataclasses.replace(profile, measured=measured)
+    runs = run_on_ranks(1, _trainer_steps, model, precision, m,
+                        ["1f1b", "zb-h1"] * OVERHEAD_REPEATS, reference["micro_batch"],
+                        timeout_s=900.0, threads=threads)[0]
     shape = ModelShape.from_config(model_cfg)
-    predicted = predict(bare, Workload(shape, m, precision, profile.gpus_per_node),
-                        Layout(micro_batch=1)).step_time_s * layer_now / layer_then
-    per_layer = max(step - predicted, 0.0) / (m * shape.layers)
-    # zb-h1's split backward as the trainer runs it (closures, a second autograd pass per
-    # micro-batch): measured 4-5 ms per layer at h = 512, b = 1, twice what the split layer
-    # alone costs (backward_split_s), so the cost model takes the larger.
-    split, split_layer = run_on_ranks(1, _trainer_step, model, precision, m, "zb-h1",
-                                      reference["micro_batch"], timeout_s=600.0,
-                                      threads=threads)[0]
-    split *= layer_now / split_layer   # at the speed of the 1F1B run
+    kernels = predict(dataclasses.replace(profile, measured=measured),
+                      Workload(shape, m, precision, profile.gpus_per_node),
+                      Layout(micro_batch=1)).step_time_s
+    pairs = [(step, layer_now, split * layer_now / split_layer)   # zb-h1 at the 1F1B's speed
+             for (step, layer_now), (split, split_layer) in zip(runs[::2], runs[1::2])]
+    step = statistics.median(step for step, _, _ in pairs)
+    predicted = statistics.median(kernels * layer_now / layer_then for _, layer_now, _ in pairs)
+    split = statistics.median(split for _, _, split in pairs)
+    per_layer = statistics.median(max(step - kernels * now / layer_then, 0.0)
+                                  for step, now, _ in pairs) / (m * shape.layers)
+    split_extra = statistics.median(max(split - step, 0.0)
+                                     for step, _, split in pairs) / (m * shape.layers)
     return {"step_s": step, "model_s": predicted, "layer_overhead_s": per_layer,
-            "split_step_s": split,
-            "split_backward_overhead_s": max(split - step, 0.0) / (m * shape.layers)}
+            "split_step_s": split, "split_backward_overhead_s": split_extra}
 
 
 def calibrate_reserve(profile: HardwareProfile, model_cfg, precision: str,
