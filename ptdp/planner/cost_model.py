@@ -69,7 +69,10 @@ CPU profiles: ranks that share a node's cores and memory bandwidth slow each oth
   with that many ranks busy at once (`measured.busy`; without it, ranks x threads / cores
   when that exceeds 1), and collectives and sends take the rates measured on such a busy
   node, in concurrent groups of the same size. Ranks idle in a pipeline's fill and drain
-  leave their cores to the others: the bubble is paid without the time-slicing share.
+  leave their cores to the stages at work, which are time-sliced only as much as their own
+  ranks outnumber the cores: once one stage's ranks fill the cores the bubble costs no
+  compute time (_flush_rank_time). So on 8 ranks of 2 cores deep pipelines with one
+  micro-batch win, and were measured to.
 
 Reporting: model TFLOP/s per GPU is Eq. 4.2's F / (step * n) (BERT: formulas.bert_flops_
   per_iteration, with its LM transform, pooler and binary head), counted as the trainer does:

@@ -287,7 +287,7 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     # set with glibc's mmap threshold fixed, so that it follows the live tensors).
     # what a micro-batch allocates on this rank, whatever is kept: every layer's activations
     # without recomputation, SP's gathered inputs whole
-    buffers = working + heap_retention_bytes(hw, p, shape.layers // p * layer_activation_bytes(
+    buffers = working + heap_retention_bytes(hw, shape.layers // p * layer_activation_bytes(
         shape, b, t, precision, "none", attention, hw))
     if distributed_optimizer and hw is not None and hw.device == "cpu":
         tied = vocab_padded * shape.hidden / t if p > 1 and (first or last) else 0.0
@@ -297,18 +297,18 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
                            activations=activations, buffers=buffers + reserved_gb * GB)
 
 
-def heap_retention_bytes(hw, p: int, micro_batch_activations: float) -> float:
-    """CPU ranks in a pipeline: the freed heap glibc keeps beyond the profile's fixed reserve.
-    A pipeline rank allocates a micro-batch's activations while others are still stashed and
-    frees them out of order, so the freed blocks fragment (after a large free glibc also
-    raises its mmap threshold, so later activations come from that heap, rarely returned).
+def heap_retention_bytes(hw, micro_batch_activations: float) -> float:
+    """CPU ranks: the freed heap glibc keeps beyond the profile's fixed reserve, which grows
+    with the size of the tensors a rank frees and allocates again every micro-batch (after a
+    large free glibc raises its mmap threshold, so later activations come from a heap that
+    fragments and is rarely returned; under a pipeline they are also freed out of order).
     Modelled as the profile's `measured.heap_retention` (ptdp/profiler.py, calibrate_reserve:
     2BW runs of the profiled model at b = 1 and b = 4) times the activations one micro-batch
-    allocates on the rank. Without a pipeline each micro-batch is freed, in reverse order,
-    before the next reuses its blocks: measured flat in b (single and d2 at b = 2 came out
-    7-10 % over with the term). No term on GPUs, whose caching allocator the datasheet
-    profiles' reserve covers."""
-    if hw is None or hw.device != "cpu" or p == 1:
+    allocates on the rank. It errs on the safe side: without a pipeline, measured peaks at
+    b = 2 grew less (up to ~5 % over with the term), at b = 4-8 and m = 1 as much (4-9 % under
+    without it). No term on GPUs, whose caching allocator the datasheet profiles' reserve
+    covers."""
+    if hw is None or hw.device != "cpu":
         return 0.0
     return float((hw.measured or {}).get("heap_retention", 0.0)) * micro_batch_activations
 
