@@ -71,7 +71,7 @@ CPU profiles: ranks that share a node's cores and memory bandwidth slow each oth
   node, in concurrent groups of the same size. Ranks idle in a pipeline's fill and drain
   leave their cores to the stages at work, which are time-sliced only as much as their own
   ranks outnumber the cores: once one stage's ranks fill the cores the bubble costs no
-  compute time (_flush_rank_time). So on 8 ranks of 2 cores deep pipelines with one
+  compute time (_flush_compute_factor). So on 8 ranks of 2 cores deep pipelines with one
   micro-batch win, and were measured to.
 
 Reporting: model TFLOP/s per GPU is Eq. 4.2's F / (step * n) (BERT: formulas.bert_flops_
@@ -260,41 +260,50 @@ def _layer_tensor_comm(hw: HardwareProfile, work: Workload, lay: Layout, act_byt
     return collectives * (gather + scatter)
 
 
-def _flush_rank_time(hw: HardwareProfile, ranks: list, p: int, m: int, gpus: int,
-                     gpus_per_node: int) -> float:
+def _flush_rank_time(ranks: list, p: int, compute_factor: float) -> float:
     """A pipeline rank's mean time per micro-batch step of the fill and drain, beyond the
-    steady state's m steps. On GPUs that is the steady-state time. On CPU ranks that outnumber
-    the cores, a stage's ranks share the cores only with the other stages working: in a wave
-    (the forwards, then the backwards) with a of p stages active the time slicing is
-    max(1, TS·a/p) (TS at full occupancy; the contention stays). Summed over a wave's
-    m + p - 1 steps, beyond m steps at TS: for m >= p, p - 1 steps at 2·mean(a < p) - TS,
-    which is nothing once one stage's ranks alone fill the cores (the work is the same; only
-    who waits changes)."""
+    steady state's m steps: the steady-state time, its compute scaled by `compute_factor`
+    (1 on GPUs; _flush_compute_factor)."""
     first, last = ranks[0], ranks[-1]
     middle = ranks[1] if len(ranks) > 2 else first
     def mean(attr):
         return (getattr(first, attr) + getattr(last, attr) + (p - 2) * getattr(middle, attr)) / p
-    slow = _oversubscription(hw, gpus, gpus_per_node)
-    row = comm.busy_node(hw, min(gpus, gpus_per_node))
-    slicing = slow / max(row.get("contention", 1.0), 1.0) if row else slow
-    return ((mean("compute") + mean("recompute")) / slicing * _fill_and_drain_share(slicing, p, m)
+    return ((mean("compute") + mean("recompute")) * compute_factor
             + mean("tensor_comm") + mean("p2p_fill"))
 
 
-def _fill_and_drain_share(slicing: float, p: int, m: int) -> float:
-    """Per flush step, the time slicing a wave's fill and drain add to its m steady steps,
-    in units of a step without slicing (see _flush_rank_time); 1 without oversubscription."""
+def _flush_compute_factor(hw: HardwareProfile, p: int, m: int, gpus: int,
+                          gpus_per_node: int) -> float:
+    """What a flush step's compute costs relative to a steady step's. On GPUs 1. On CPU ranks
+    that outnumber the cores, a stage's ranks share the cores only with the other stages
+    working: in a wave (the forwards, then the backwards) with a of p stages active the time
+    slicing is max(1, TS·a/p) (TS at full occupancy; the contention stays). Summed over a
+    wave's m + p - 1 steps, beyond m steps at TS: for m >= p, p - 1 steps at
+    2·mean(a < p) - TS, which is nothing once one stage's ranks alone fill the cores (the
+    work is the same; only who waits changes)."""
+    slow = _oversubscription(hw, gpus, gpus_per_node)
+    row = comm.busy_node(hw, min(gpus, gpus_per_node))
+    slicing = slow / max(row.get("contention", 1.0), 1.0) if row else slow
+    if slicing <= 1.0:   # GPUs: no sum over a wave of up to thousands of steps
+        return 1.0
     wave = sum(max(1.0, slicing * min(k, p, m, m + p - k) / p) for k in range(1, m + p))
-    return max(wave - m * slicing, 0.0) / max(p - 1, 1)
+    return max(wave - m * slicing, 0.0) / max(p - 1, 1) / slicing
 
 
-def _zero_bubble_flush(ranks: list[_RankTimes], p: int, m: int) -> tuple[float, float]:
+def _zero_bubble_flush(ranks: list[_RankTimes], p: int, m: int,
+                       compute_factor: float) -> tuple[float, float]:
     """ZB-H1 (v = 1) idles (p-1)(t_F + t_B - t_W) instead of 1F1B's (p-1)(t_F + t_B + t_W):
     with the backward split evenly into input (t_B) and weight (t_W) gradients, what is left
-    is a rank's time without its backward. -> (seconds, bubble fraction)."""
+    is a rank's time without its backward, its compute scaled by `compute_factor` as in
+    _flush_rank_time. -> (seconds, bubble fraction)."""
     weights = [1, *([p - 2] if p > 2 else []), 1] if p > 1 else [1]
+
+    def left(r):
+        return ((r.compute + r.recompute - r.backward) * compute_factor
+                + r.tensor_comm + r.p2p)
+
     mean = sum(w * r.total for w, r in zip(weights, ranks)) / sum(weights)
-    mean_left = sum(w * (r.total - r.backward) for w, r in zip(weights, ranks)) / sum(weights)
+    mean_left = sum(w * left(r) for w, r in zip(weights, ranks)) / sum(weights)
     return (p - 1) * mean_left, bubble_fraction(p, m, 1) * mean_left / mean
 
 
@@ -364,11 +373,12 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     slowest = max(ranks, key=lambda r: r.total)
     mean = (first.total + last.total + (p - 2) * middle.total) / p if p > 1 else first.total
     pipelined = m * slowest.total
-    flush = (p - 1) / v * _flush_rank_time(hw, ranks, p, m, lay.gpus, work.gpus_per_node) \
+    flush_compute = _flush_compute_factor(hw, p, m, lay.gpus, work.gpus_per_node)
+    flush = (p - 1) / v * _flush_rank_time(ranks, p, flush_compute) \
         if lay.schedule != "2bw" else 0.0
     bubble = bubble_fraction(p, m, v) if lay.schedule != "2bw" else 0.0
     if lay.schedule == "zb-h1":
-        flush, bubble = _zero_bubble_flush(ranks, p, m)
+        flush, bubble = _zero_bubble_flush(ranks, p, m, flush_compute)
 
     vocab_padded = padded_vocab_size(shape.vocab, t)
     params = max(stage_parameters(shape, t, p, vocab_padded, r == 0, r == p - 1) for r in {0, p - 1})

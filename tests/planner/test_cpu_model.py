@@ -54,11 +54,11 @@ def test_the_fill_and_drain_share_the_cores_with_the_stages_at_work(cpu):
     work, lay = Workload(SHAPE, 8, "fp32", 8), Layout(4, 1, 2, micro_batch=1)
     fast_p2p = [{**row, "p2p": {"bandwidth_GBps": 1e9, "latency_us": 0.0}} for row in BUSY]
 
-    def bubble(slowdown, contention):
+    def bubble(slowdown, contention, schedule="1f1b"):
         rows = [{**row, "slowdown": slowdown, "contention": contention} if row["ranks"] == 8
                 else row for row in fast_p2p]
         hw = dataclasses.replace(cpu, measured={"threads": 1, "busy": rows})
-        return predict(hw, work, lay).time["bubble"]
+        return predict(hw, work, dataclasses.replace(lay, schedule=schedule)).time["bubble"]
 
     def wave(ts, m=4, p=4):
         return sum(max(1.0, ts * min(k, p, m, m + p - k) / p) for k in range(1, m + p)) - m * ts
@@ -71,6 +71,9 @@ def test_the_fill_and_drain_share_the_cores_with_the_stages_at_work(cpu):
     # TS = 4: one stage's ranks alone fill the 2 cores; the cores never idle, nor does the bubble
     # cost compute time.
     assert wave(4.0) == 0.0 and bubble(4.4, 1.1) < 1e-6 * bubble(4.4, 4.4)
+    # zb-h1's smaller bubble (its forward and input-gradient passes) shares the cores alike.
+    assert bubble(2.2, 2.2, "zb-h1") / bubble(2.2, 1.1, "zb-h1") == pytest.approx(6.0, rel=1e-6)
+    assert bubble(4.4, 1.1, "zb-h1") < 1e-6 * bubble(4.4, 4.4, "zb-h1")
 
 
 def _tensor_rows(comm_s_by_b: dict, world: int, sequence_parallel: bool = False) -> list[dict]:
