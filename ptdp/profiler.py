@@ -18,7 +18,8 @@ What is measured (PipeDream's profiler, plus what the closed-form model needs):
 * the backward split as zb-h1 runs it (input gradients now, weight gradients later), for
   layers, embedding and head;
 * on CPU, what the real trainer spends per layer and micro-batch beyond the kernels
-  (`calibrate_layer_overhead`), and the memory reserve (`calibrate_reserve`).
+  (`calibrate_layer_overhead`), and the memory reserve with the heap glibc keeps in
+  proportion to a micro-batch's activations (`calibrate_reserve`).
 
 A tensor-parallel shard of size t is measured in one process by giving the layer a
 1-process group that claims size t: the layer has exactly a t-rank's shapes and its
