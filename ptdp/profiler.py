@@ -328,42 +328,45 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def _train_quietly(model: dict, train: dict, world: int, **sections) -> list:
+    """The real trainer's history for `model` on synthetic data on CPU (`train` and the other
+    config sections on top), its output silenced: the calibration runs below."""
+    import contextlib
+
+    from ptdp.config import config_from_dict, validate
+    from ptdp.training import Trainer
+    cfg = config_from_dict({"model": model, "data": {"source": "synthetic"},
+                            "train": {"device": "cpu", **train},
+                            "log": {"progress": False, "interval": 1000}, **sections})
+    validate(cfg, world)
+    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+        return Trainer(cfg).train()
+
+
 def _framework_baseline(world: int) -> tuple[float, float]:
     """(peak GiB, seconds per iteration) of a rank that trains a negligible model with the real
     trainer: interpreter, torch, process groups, data and allocator memory (on CPU the
     counterpart of a GPU's CUDA context reserve) and the per-iteration host overhead, which
     the planner adds to every layout."""
-    import contextlib
-    try:
-        from ptdp.config import config_from_dict, validate
-        from ptdp.training import Trainer
-    except ImportError:  # no trainer in this checkout: the bare process
-        return peak_rss_gb(), 0.0
-    raw = {"model": {"arch": "gpt", "num_layers": 1, "hidden_size": 8, "num_heads": 2,
-                     "seq_length": 8, "vocab_size": 64},
-           "parallel": {"data": world}, "data": {"source": "synthetic"},
-           "train": {"micro_batch_size": 1, "global_batch_size": world, "iters": 4,
-                     "device": "cpu"},
-           "log": {"progress": False}}
-    cfg = config_from_dict(raw)
-    validate(cfg, world)
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        history = Trainer(cfg).train()
+    tiny = {"arch": "gpt", "num_layers": 1, "hidden_size": 8, "num_heads": 2, "seq_length": 8,
+            "vocab_size": 64}
+    history = _train_quietly(tiny, {"micro_batch_size": 1, "global_batch_size": world,
+                                    "iters": 4}, world, parallel={"data": world})
     return peak_rss_gb(), min(r["step_time_s"] for r in history[1:])
 
 
 # The reserve is calibrated on short runs of the profiled model, as
-# name -> (layers, None: all of them; layout; schedule; micro-batch; global batch).
+# name -> (layout, schedule, micro-batch, global batch).
 # The allocator keeps more freed memory under the pipelined schedules, interleaved and zb-h1
 # most, than under plain data parallelism (measured: 22-45 MiB per rank at h = 512), more with
 # more layers, and more with larger micro-batches: the 2BW pair at b = 1 and b = 4 measures
 # that growth (`measured.heap_retention`, per byte of activations a micro-batch allocates),
 # the rest the fixed part.
-RESERVE_RUNS = {"d2": (None, {"data": 2}, "1f1b", 1, 4),
-                "p2-zb": (None, {"pipeline": 2}, "zb-h1", 1, 8),
-                "p2v2": (None, {"pipeline": 2, "chunks": 2}, "interleaved", 1, 8),
-                "p2-2bw": (None, {"pipeline": 2}, "2bw", 1, 8),
-                "p2-2bw-b4": (None, {"pipeline": 2}, "2bw", 4, 8)}
+RESERVE_RUNS = {"d2": ({"data": 2}, "1f1b", 1, 4),
+                "p2-zb": ({"pipeline": 2}, "zb-h1", 1, 8),
+                "p2v2": ({"pipeline": 2, "chunks": 2}, "interleaved", 1, 8),
+                "p2-2bw": ({"pipeline": 2}, "2bw", 1, 8),
+                "p2-2bw-b4": ({"pipeline": 2}, "2bw", 4, 8)}
 RETENTION_PAIR = ("p2-2bw", "p2-2bw-b4")
 # Each run is repeated and its largest peak kept: the same run's peak varies by up to ~17 MiB
 # (3 %) from one time to the next (gloo's threads and the schedule's timing decide which
@@ -371,24 +374,14 @@ RETENTION_PAIR = ("p2-2bw", "p2-2bw-b4")
 RESERVE_REPEATS = 2
 
 
-def _calibration_peak(model: dict, precision: str, layers: int, parallel: dict, schedule: str,
+def _calibration_peak(model: dict, precision: str, parallel: dict, schedule: str,
                       micro_batch: int, batch: int) -> float:
-    """Peak GiB of a rank training `layers` layers of the profiled shape with the real
-    trainer: runs on every rank of a run_on_ranks world."""
-    import contextlib
-
+    """Peak GiB of a rank training the profiled model with the real trainer: runs on every
+    rank of a run_on_ranks world."""
     import torch.distributed as dist
-    from ptdp.config import config_from_dict, validate
-    from ptdp.training import Trainer
-    raw = {"model": {**model, "num_layers": layers or model["num_layers"]}, "parallel": parallel,
-           "schedule": {"name": schedule}, "data": {"source": "synthetic"},
-           "train": {"micro_batch_size": micro_batch, "global_batch_size": batch, "iters": 3,
-                     "device": "cpu", "precision": precision},
-           "log": {"progress": False}}
-    cfg = config_from_dict(raw)
-    validate(cfg, dist.get_world_size())
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        Trainer(cfg).train()
+    _train_quietly(model, {"micro_batch_size": micro_batch, "global_batch_size": batch,
+                           "iters": 3, "precision": precision},
+                   dist.get_world_size(), parallel=parallel, schedule={"name": schedule})
     return peak_rss_gb()
 
 
@@ -403,26 +396,20 @@ def _trainer_steps(model: dict, precision: str, micro_batches: int, schedules: l
     """For each schedule in turn, (best step seconds of the real trainer on one rank for the
     profiled model at b = 1, seconds of one layer's forward + backward at `reference_b`
     timed right after)."""
-    import contextlib
-
     import torch
-    from ptdp.config import config_from_dict, validate
-    from ptdp.training import Trainer
+    from ptdp.config import ModelConfig
     out = []
     for schedule in schedules:
-        raw = {"model": model, "data": {"source": "synthetic"}, "schedule": {"name": schedule},
-               "train": {"micro_batch_size": 1, "global_batch_size": micro_batches, "iters": 8,
-                         "device": "cpu", "precision": precision, "lr_warmup_iters": 0},
-               "log": {"progress": False, "interval": 1000}}
-        cfg = config_from_dict(raw)
-        validate(cfg, 1)
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            history = Trainer(cfg).train()
+        history = _train_quietly(model, {"micro_batch_size": 1, "iters": 8,
+                                         "global_batch_size": micro_batches,
+                                         "precision": precision, "lr_warmup_iters": 0},
+                                 1, schedule={"name": schedule})
         step = min(r["step_time_s"] for r in history[1:])   # best, as the kernels are timed
         # The machine's speed drifts (a shared VM: by up to ~20 % within minutes): time one
         # layer again now, so the step is compared with kernels timed at the same speed.
         _ensure_process_group()
-        row = measure_layer(cfg.model, 1, reference_b, precision, torch.device("cpu"), 5)
+        row = measure_layer(ModelConfig(**model), 1, reference_b, precision,
+                            torch.device("cpu"), 5)
         out.append((step, row["forward_s"] + row["backward_s"]))
     return out
 
@@ -485,13 +472,13 @@ def calibrate_reserve(profile: HardwareProfile, model_cfg, precision: str,
     from ptdp.local_ranks import run_on_ranks
     model = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg)}
     runs = {}
-    for name, (layers, parallel, schedule, micro_batch, batch) in RESERVE_RUNS.items():
+    for name, (parallel, schedule, micro_batch, batch) in RESERVE_RUNS.items():
         stages = parallel.get("pipeline", 1) * parallel.get("chunks", 1)
-        if (layers or model_cfg.num_layers) % stages:
+        if model_cfg.num_layers % stages:
             continue   # the profiled model cannot be split that way
         world = parallel.get("pipeline", 1) * parallel.get("data", 1)
-        peak = max(max(run_on_ranks(world, _calibration_peak, model, precision, layers,
-                                    parallel, schedule, micro_batch, batch, timeout_s=600.0,
+        peak = max(max(run_on_ranks(world, _calibration_peak, model, precision, parallel,
+                                    schedule, micro_batch, batch, timeout_s=600.0,
                                     threads=threads))
                    for _ in range(RESERVE_REPEATS))
         runs[name] = reserve_from_peak(profile, model_cfg, precision, peak, name)
@@ -514,7 +501,7 @@ def reserve_and_retention(runs: dict) -> dict:
 
 
 def reserve_from_peak(profile: HardwareProfile, model_cfg, precision: str, peak: float,
-                      run: str = "d2") -> dict:
+                      run: str) -> dict:
     """calibrate_reserve's arithmetic for one of RESERVE_RUNS, given its peak GiB: the
     excess over the planner's prediction without reserve and retention, and the activations
     one micro-batch allocates on a rank, which the heap retains in proportion to
@@ -524,11 +511,10 @@ def reserve_from_peak(profile: HardwareProfile, model_cfg, precision: str, peak:
     from ptdp.planner.compute import ModelShape
     from ptdp.planner.cost_model import Layout, Workload, predict
     from ptdp.planner.memory import layer_activation_bytes
-    layers, parallel, schedule, micro_batch, batch = RESERVE_RUNS[run]
+    parallel, schedule, micro_batch, batch = RESERVE_RUNS[run]
     measured = {**(profile.measured or {}), "heap_retention": 0.0}
     bare = dataclasses.replace(profile, memory_reserved_gb=0.0, measured=measured)
-    shape = dataclasses.replace(ModelShape.from_config(model_cfg),
-                                layers=layers or model_cfg.num_layers)
+    shape = ModelShape.from_config(model_cfg)
     p = parallel.get("pipeline", 1)
     layout = Layout(p, 1, parallel.get("data", 1), parallel.get("chunks", 1), micro_batch,
                     schedule)

@@ -305,9 +305,9 @@ def heap_retention_bytes(hw, micro_batch_activations: float) -> float:
     Modelled as the profile's `measured.heap_retention` (ptdp/profiler.py, calibrate_reserve:
     2BW runs of the profiled model at b = 1 and b = 4) times the activations one micro-batch
     allocates on the rank. It errs on the safe side: without a pipeline, measured peaks at
-    b = 2 grew less (up to ~5 % over with the term), at b = 4-8 and m = 1 as much (4-9 % under
-    without it). No term on GPUs, whose caching allocator the datasheet profiles' reserve
-    covers."""
+    b = 2 grew less (6-11 % over with the term), at b = 4-8 and m = 1 as much (5-9 % under
+    without it; tools/validate_planner.py). No term on GPUs, whose caching allocator the
+    datasheet profiles' reserve covers."""
     if hw is None or hw.device != "cpu":
         return 0.0
     return float((hw.measured or {}).get("heap_retention", 0.0)) * micro_batch_activations
