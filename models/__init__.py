@@ -1,8 +1,8 @@
 """GPT and BERT built only from ptdp.parallel layers."""
 
-from models.bert import BertChunk
-from models.gpt import GPTChunk
-from models.transformer import ModelContext
+from ptdp.models.bert import BertChunk
+from ptdp.models.gpt import GPTChunk
+from ptdp.models.transformer import ModelContext
 
 __all__ = ["BertChunk", "GPTChunk", "ModelContext", "build_chunk", "global_parameter_name",
            "named_global_parameters"]

@@ -7,12 +7,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from models.chunk import ModelChunk
-from models.embedding import logits
-from models.transformer import ModelContext, layer_norm
+from ptdp.models.chunk import ModelChunk
+from ptdp.models.embedding import logits
+from ptdp.models.transformer import ModelContext, layer_norm
 from ptdp.parallel import weight_grad
-from ptdp.parallel.tensor import (full_normal, gather_from_sequence_region, shard_param,
-                                  vocab_parallel_cross_entropy)
+from ptdp.parallel.layers import full_normal, shard_param
+from ptdp.parallel.sequence import gather_from_sequence_region
+from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 
 class Linear(nn.Module):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from models.embedding import Embedding, OutputEmbedding, mark_shared
-from models.transformer import ModelContext, TransformerStack, layer_norm
+from ptdp.models.embedding import Embedding, OutputEmbedding, mark_shared
+from ptdp.models.transformer import ModelContext, TransformerStack, layer_norm
 
 
 class ModelChunk(nn.Module):

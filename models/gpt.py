@@ -7,10 +7,10 @@ the tied output head and the vocab-parallel loss.
 
 from __future__ import annotations
 
-from models.chunk import ModelChunk
-from models.embedding import logits
-from models.transformer import ModelContext
-from ptdp.parallel.tensor import vocab_parallel_cross_entropy
+from ptdp.models.chunk import ModelChunk
+from ptdp.models.embedding import logits
+from ptdp.models.transformer import ModelContext
+from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 
 class GPTChunk(ModelChunk):

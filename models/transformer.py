@@ -27,9 +27,10 @@ from torch.utils.checkpoint import checkpoint
 from ptdp.config import ModelConfig
 from ptdp.kernels import bias_dropout_add, bias_gelu
 from ptdp.parallel.weight_grad import LayerNorm
-from ptdp.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallel,
-                                  TensorParallelRNG, full_normal, mark_sequence_parallel,
-                                  scaled_std, sequence_parallel_dropout)
+from ptdp.parallel.layers import ColumnParallelLinear, RowParallelLinear, full_normal, scaled_std
+from ptdp.parallel.mappings import TensorParallel
+from ptdp.parallel.rng import TensorParallelRNG
+from ptdp.parallel.sequence import mark_sequence_parallel, sequence_parallel_dropout
 
 
 @dataclass

@@ -256,8 +256,8 @@ def check_checkpoint_load(cfg: Config, found: Findings) -> None:
     """The checkpoint exists, is complete and readable, and holds this model (any layout)."""
     if not cfg.checkpoint.load:
         return
-    from ptdp.checkpoint import (CheckpointError, check_files_readable, check_model_config,
-                                 find_checkpoint, read_metadata)
+    from ptdp.checkpoint.layout import (CheckpointError, check_files_readable, check_model_config,
+                                        find_checkpoint, read_metadata)
     try:
         directory, fallback = find_checkpoint(cfg.checkpoint.load)
         meta = read_metadata(directory)
@@ -344,7 +344,8 @@ def memory_per_stage(cfg: Config, hardware=None) -> list:
 
 def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
     """Lines describing the resolved job: layout, micro-batches, bubble, memory per rank."""
-    from ptdp.planner.formulas import bubble_fraction, parameter_count
+    from ptdp.config.catalogue import schedule_spec
+    from ptdp.planner.formulas import parameter_count
     from ptdp.planner.memory import GB
 
     m, par, tr = cfg.model, cfg.parallel, cfg.train
@@ -357,12 +358,8 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
         f"layout: (p, t, d) = ({par.pipeline}, {par.tensor}, {par.data}), v = {par.chunks}, "
         f"schedule {cfg.schedule.name}, world size {world_size}",
         f"micro-batches: m = {mb} of {tr.micro_batch_size} per pipeline per iteration "
-        f"(global batch {tr.global_batch_size}); " + (
-            "bubble 0 (no flush: the pipeline fills once per job)"
-            if cfg.schedule.name in ("2bw", "pipedream") else
-            f"bubble (p-1)/(3m) = {bubble_fraction(par.pipeline, mb, 1) / 3:.3f} (zero bubble: "
-            f"t_F = t_B = t_W)" if cfg.schedule.name == "zb-h1" else
-            f"bubble (p-1)/(v*m) = {bubble_fraction(par.pipeline, mb, par.chunks):.3f}"),
+        f"(global batch {tr.global_batch_size}); "
+        + schedule_spec(cfg.schedule.name).bubble_line(par.pipeline, par.chunks, mb),
     ]
     stages = memory_per_stage(cfg, hardware)
     where = f"log.hardware {hardware.name}" if hardware else "analytic, flash attention"

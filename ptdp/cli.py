@@ -1,8 +1,9 @@
-"""`ptdp` command line: one sub-command per module.
+"""`ptdp` command line: one sub-command per module of ptdp/commands/.
 
 Each command module exposes `register(subparsers)`, which adds its parser(s) and sets
 `func=callable(args) -> int`. Modules import torch lazily so `ptdp --help` and `ptdp plan`
-stay fast and torch-free.
+stay fast and torch-free. A command module that fails to import is an error, never a command
+silently missing from `ptdp --help`.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import sys
 COMMAND_MODULES = [
     "ptdp.commands.train",      # ptdp train
     "ptdp.commands.check",      # ptdp check
-    "ptdp.planner.cli",         # ptdp plan
+    "ptdp.commands.plan",       # ptdp plan
     "ptdp.commands.profile",    # ptdp profile
-    "ptdp.data.cli",            # ptdp tokenizer, ptdp preprocess
+    "ptdp.commands.data",       # ptdp tokenizer, ptdp preprocess
     "ptdp.commands.timeline",   # ptdp timeline
     "ptdp.commands.convert",    # ptdp convert
     "ptdp.commands.generate",   # ptdp generate
@@ -42,13 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ptdp {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name != name:  # a real missing dependency inside the module
-                raise
-            continue  # command not built yet in this checkout
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     _show_defaults(parser)
     return parser
 

@@ -78,7 +78,7 @@ class HardwareProfile:
     source: str = "datasheet"
     description: str = ""
     efficiency: Efficiency = field(default_factory=Efficiency)
-    measured: dict | None = None      # written by the profiler; see ptdp/profiler.py
+    measured: dict | None = None      # written by the profiler; see ptdp/profiler/
     fingerprint: dict | None = None   # the machine `measured` comes from (machine_fingerprint)
 
     def peak_flops(self, precision: str) -> float:

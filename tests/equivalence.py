@@ -11,7 +11,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ptdp.local_ranks import run_on_ranks
+from ptdp.runtime.local_ranks import run_on_ranks
 
 RTOL = 1e-5
 

@@ -11,7 +11,7 @@ tensors stay 1/t. The distributed optimizer needs d > 1, hence the layouts (1, 2
 import pytest
 import torch
 
-from ptdp.local_ranks import run_on_ranks
+from ptdp.runtime.local_ranks import run_on_ranks
 from tests.equivalence import RTOL, assert_equivalent, reference, relative_error
 from tests.features import LAYOUTS, SP, ZB, feature_layout, resume_job
 

@@ -15,7 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -68,7 +68,7 @@ def save_job(config: str, directory: str) -> None:
 def assets(tmp_path_factory) -> dict:
     from ptdp.data.preprocess import preprocess
     from ptdp.data.tokenizer import train_tokenizer
-    from ptdp.local_ranks import run_on_ranks
+    from ptdp.runtime.local_ranks import run_on_ranks
 
     root = tmp_path_factory.mktemp("check-assets")
     _make_corpus(root / "corpus.jsonl", 120)

@@ -15,10 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ptdp.checkpoint import (CheckpointError, check_model_config, read_metadata,
-                             resolve_checkpoint, ShardReader)
+from ptdp.checkpoint.layout import (CheckpointError, check_model_config, read_metadata,
+                                    resolve_checkpoint)
+from ptdp.checkpoint.reshard import ShardReader
 from ptdp.config import ModelConfig
-from ptdp.local_ranks import run_on_ranks
+from ptdp.runtime.local_ranks import run_on_ranks
 from tests.equivalence import RTOL, TINY, relative_error
 
 P2_T2 = ["parallel.pipeline=2", "parallel.tensor=2"]
@@ -54,7 +55,7 @@ def _ckpt(directory: Path, load: Path | None = None) -> list[str]:
 
 def _load_error(overrides: list[str]) -> str | None:
     """The CheckpointError a Trainer raises while loading, as text (None if none)."""
-    from ptdp.checkpoint import CheckpointError
+    from ptdp.checkpoint.layout import CheckpointError
     try:
         _trainer(overrides)
     except CheckpointError as err:

@@ -2,7 +2,7 @@
 from, the resumed job continues exactly (same losses and weights as an uninterrupted run),
 its metrics file holds every iteration once, and the next save sweeps the leftovers.
 
-A crash is simulated by raising from `ptdp.checkpoint._reached`, which a save calls after
+A crash is simulated by raising from `ptdp.checkpoint.save._reached`, which a save calls after
 each of its steps: nothing after that point runs, as if the process had been killed there.
 All runs share one spawned 2-rank job (process start-up dominates on 2 cores).
 """
@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ptdp import checkpoint
-from ptdp.checkpoint import (CheckpointError, find_checkpoint, iteration_dir_name,
-                             resolve_checkpoint)
-from ptdp.local_ranks import run_on_ranks
-from ptdp.metrics import drop_records_after, read_metrics
+from ptdp.checkpoint import save as checkpoint_save
+from ptdp.checkpoint.layout import (CheckpointError, find_checkpoint, iteration_dir_name,
+                                    resolve_checkpoint)
+from ptdp.runtime.local_ranks import run_on_ranks
+from ptdp.metrics.log import drop_records_after, read_metrics
 from tests.equivalence import TINY
 
 ITERS = 6                      # saves at 2, 4 and 6
@@ -79,14 +79,14 @@ def _crash_then_resume(kind: str, stage: str, root: Path, ref: Path, ref_metrics
     directory, metrics = root / f"{kind}-{stage}", root / f"{kind}-{stage}.jsonl"
     _set_up(kind, ref, ref_metrics, directory, metrics)
     crashing = _trainer(directory, metrics, load=directory / iteration_dir_name(2))
-    original, checkpoint._reached = checkpoint._reached, _crash_after(stage)
+    original, checkpoint_save._reached = checkpoint_save._reached, _crash_after(stage)
     try:
         crashing.train()
         error = None
     except CheckpointError as err:
         error = str(err)
     finally:
-        checkpoint._reached = original
+        checkpoint_save._reached = original
     on_disk = sorted(p.name for p in directory.iterdir())
     note = find_checkpoint(directory)[1]
     resumed = _trainer(directory, metrics, load=directory)
@@ -172,7 +172,7 @@ def _fake_checkpoint(directory: Path) -> None:
     directory.mkdir()
     (directory / "model.pt").write_bytes(b"x")
     (directory / "metadata.json").write_text(
-        '{"format_version": %d, "files": ["model.pt"]}' % checkpoint.FORMAT_VERSION)
+        '{"format_version": %d, "files": ["model.pt"]}' % checkpoint_save.FORMAT_VERSION)
 
 
 def test_prepare_removes_stale_temporaries_but_keeps_what_latest_names(tmp_path):
@@ -182,7 +182,7 @@ def test_prepare_removes_stale_temporaries_but_keeps_what_latest_names(tmp_path)
     (tmp_path / "latest.tmp").write_text("iter_0000002\n")
     _fake_checkpoint(tmp_path / "iter_0000001.new")        # a re-save latest never named
     (tmp_path / "latest").write_text("iter_0000002\n")
-    checkpoint._prepare(tmp_path, tmp_path / "iter_0000006.tmp")
+    checkpoint_save._prepare(tmp_path, tmp_path / "iter_0000006.tmp")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000006.tmp",
                                                           "latest"]
 
@@ -192,7 +192,7 @@ def test_prepare_finishes_a_resave_that_latest_names(tmp_path):
     _fake_checkpoint(tmp_path / "iter_0000004.new")
     (tmp_path / "iter_0000004.new" / "model.pt").write_bytes(b"new")
     (tmp_path / "latest").write_text("iter_0000004.new\n")
-    checkpoint._prepare(tmp_path, tmp_path / "iter_0000006.tmp")
+    checkpoint_save._prepare(tmp_path, tmp_path / "iter_0000006.tmp")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000004", "iter_0000006.tmp",
                                                           "latest"]
     assert (tmp_path / "iter_0000004" / "model.pt").read_bytes() == b"new"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from ptdp.local_ranks import run_on_ranks
+from ptdp.runtime.local_ranks import run_on_ranks
 from tests.equivalence import TINY
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ptdp.config import ModelConfig, load_config
-from ptdp.generate import KVCache, Sampling, forward_cached, generate, next_token
-from ptdp.local_model import LocalModel, initial_state
+from ptdp.inference.generate import KVCache, Sampling, forward_cached, generate, next_token
+from ptdp.inference.local_model import LocalModel, initial_state
 
 CFG = ModelConfig(arch="gpt", num_layers=3, hidden_size=32, num_heads=4, seq_length=24,
                   vocab_size=600, init_std=0.3)
@@ -70,7 +70,7 @@ def test_stops_at_the_stop_token_and_the_context_length(model):
 def test_generate_command_reads_a_two_by_two_checkpoint(model, tmp_path, capsys):
     """A (p, t) = (2, 2) checkpoint (written by save_full_state) with a tokenizer: the command
     prints each prompt and the greedy continuation the in-process model gives."""
-    from ptdp.checkpoint import save_full_state
+    from ptdp.checkpoint.save import save_full_state
     from ptdp.cli import main
     from ptdp.data.tokenizer import Tokenizer, train_tokenizer
     from tests.data.conftest import load_make_corpus

@@ -6,12 +6,13 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from models import build_chunk
-from models.transformer import ModelContext
+from ptdp.models import build_chunk
+from ptdp.models.transformer import ModelContext
 from ptdp.config import ModelConfig, config_from_dict
 from ptdp.data.synthetic import synthetic_datasets
-from ptdp.metrics import iteration_tflops
-from ptdp.parallel.tensor import TensorParallel, TensorParallelRNG
+from ptdp.metrics.throughput import iteration_tflops
+from ptdp.parallel.mappings import TensorParallel
+from ptdp.parallel.rng import TensorParallelRNG
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.formulas import bert_parameter_count, model_flops
 from ptdp.planner.memory import stage_parameters

@@ -10,7 +10,10 @@ from ptdp.planner.compute import ModelShape, layer_times
 from ptdp.planner.cost_model import Layout, Workload, predict
 from ptdp.hardware import foreign_profile, load_hardware, machine_fingerprint
 from ptdp.planner.memory import layer_activation_bytes
-from ptdp.profiler import RESERVE_RUNS, _assemble, fit_half_dim, fit_latency_bandwidth
+from ptdp.profiler.calibration import RESERVE_RUNS
+from ptdp.profiler.build import _assemble
+from ptdp.profiler.kernels import fit_half_dim
+from ptdp.profiler.collectives import fit_latency_bandwidth
 
 TINY = {"model": {"arch": "gpt", "num_layers": 2, "hidden_size": 64, "num_heads": 4,
                   "seq_length": 32, "vocab_size": 100, "ffn_hidden_size": 256}}

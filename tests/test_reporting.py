@@ -10,10 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from ptdp.checkpoint import schedule_change_warning
+from ptdp.checkpoint.load import schedule_change_warning
 from ptdp.config import load_config
-from ptdp.local_ranks import run_on_ranks
-from ptdp.metrics import end_summary, format_bytes, format_tflops, startup_report
+from ptdp.runtime.local_ranks import run_on_ranks
+from ptdp.metrics.report import end_summary, format_bytes, startup_report
+from ptdp.metrics.log import format_tflops
 
 TINY = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4", "model.seq_length=16",
         "model.vocab_size=100", "train.micro_batch_size=2", "train.global_batch_size=8",

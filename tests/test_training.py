@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 import torch.distributed as dist
 
-from ptdp.local_ranks import run_on_ranks
+from ptdp.runtime.local_ranks import run_on_ranks
 from tests.equivalence import TINY, reference
 
 REQUIRED_METRICS = {"iter", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
@@ -86,7 +86,7 @@ def test_fp16_overflow_skips_steps_and_halves_the_scale(jobs):
 
 
 def test_metrics_file_has_one_record_per_iteration(jobs, metrics_dir):
-    from ptdp.metrics import read_metrics
+    from ptdp.metrics.log import read_metrics
     history = read_metrics(metrics_dir / "metrics.jsonl")
     assert history == json.loads(json.dumps(jobs["history"]))  # written once, by rank 0 only
     assert [r["iter"] for r in history] == [1, 2, 3, 4]

@@ -4,7 +4,6 @@ The unit tests drive the watchdog with an in-memory store; the last test stops o
 real ranks with SIGSTOP under torchrun and checks that the job ends, non-zero, naming it.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -15,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.trace import NO_SPANS
-from ptdp.watchdog import Watchdog, is_communication_error
+from ptdp.runtime.trace import NO_SPANS
+from ptdp.runtime.watchdog import Watchdog, is_communication_error
 
 ROOT = Path(__file__).resolve().parents[1]
 

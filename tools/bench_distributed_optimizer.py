@@ -93,7 +93,7 @@ def model_overrides(a) -> list[str]:
 
 
 def run(a) -> list[dict]:
-    from ptdp.local_ranks import run_on_ranks
+    from ptdp.runtime.local_ranks import run_on_ranks
     rows = []
     for precision in a.precisions.split(","):
         for d in map(int, a.data.split(",")):

@@ -286,7 +286,7 @@ class PtdpRunner:
 # ------------------------------------------------------------------------ timing
 def init_process_group(device) -> None:
     """A 1-rank world on a free port (the Trainer would default to 29500, maybe taken)."""
-    from ptdp.local_ranks import free_port
+    from ptdp.runtime.local_ranks import free_port
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
     import torch.distributed as dist
@@ -309,7 +309,7 @@ def reset_peak_memory(device) -> None:
 def peak_memory_gb(device) -> float | None:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    from ptdp.metrics import peak_memory_gb as process_peak
+    from ptdp.metrics.throughput import peak_memory_gb as process_peak
     return process_peak(device)
 
 
@@ -446,7 +446,7 @@ def main(argv=None) -> int:
     init_process_group(device)
     s = args.shape
     from ptdp.config import padded_vocab_size
-    from ptdp.metrics import peak_tflops
+    from ptdp.metrics.throughput import peak_tflops
     peak = peak_tflops(peak_config(args), device)
     rows = [run_one(PtdpRunner, args, s, device, padded_vocab_size(s["vocab"], 1), peak),
             run_one(PlainRunner, args, s, device, s["vocab"], peak)]

@@ -122,7 +122,7 @@ class _OutputTable(nn.Module):
 
 
 class PlainGPTStage(nn.Module):
-    """Virtual stage ``stage`` of ``num_stages`` of the same GPT as models.gpt, in plain torch.
+    """Virtual stage ``stage`` of ``num_stages`` of the same GPT as ptdp.models.gpt, in plain torch.
 
     Parameter names equal GPTChunk's, so ``load_state_dict(chunk.state_dict())`` copies ours
     (and checks every shape). The last stage returns logits [s, b, V]; the loss is outside.
@@ -150,7 +150,7 @@ class PlainGPTStage(nn.Module):
 
 
 def _lm_loss(logits, target):
-    """Mean token cross-entropy; logits [s, b, V], target [b, s] (as models.gpt, all-ones mask)."""
+    """Mean token cross-entropy; logits [s, b, V], target [b, s] (as ptdp.models.gpt, all-ones mask)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.t().reshape(-1))
 
 
@@ -253,7 +253,6 @@ def bench_rank(s: dict) -> list[dict]:
     import torch.distributed as dist
 
     from ptdp.config import load_config
-    from ptdp.trace import Spans
     from ptdp.training import Trainer
 
     torch.set_num_threads(1)
@@ -296,7 +295,7 @@ def _bench_alternating(trainer, theirs, error, s: dict, row: dict):
     """Flushing schedules: each timed step starts from a barrier, ours then theirs."""
     import torch.distributed as dist
 
-    from ptdp.trace import Spans
+    from ptdp.runtime.trace import Spans
     total = s["warmup"] + s["iters"]
     for it in range(total):
         timed = it >= s["warmup"]
@@ -331,7 +330,7 @@ def _bench_back_to_back(trainer, s: dict, row: dict) -> None:
     """2BW: iterations one after the other (no barrier), each rank noting when each ends."""
     import torch.distributed as dist
 
-    from ptdp.trace import Spans
+    from ptdp.runtime.trace import Spans
     row["ends"] = []
     dist.barrier()
     for it in range(s["warmup"] + s["iters"] + 1):     # + the drain, not timed
@@ -535,7 +534,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from ptdp.local_ranks import run_on_ranks
+    from ptdp.runtime.local_ranks import run_on_ranks
 
     a = parse_args(argv)
     schedules = [x for x in a.schedules.split(",") if x]

@@ -3,7 +3,7 @@
 Trains `configs/gpt_demo.yaml` (4 layers, h=64, s=64, B=32, b=4) on the demo corpus for
 --iters iterations under each schedule, on p local CPU ranks (t = d = 1), with the same seed
 and the same data order (iteration t reads the same global batch under every schedule:
-ptdp/batching.py), and reports per schedule the final loss (mean of the last 10 iterations), its
+ptdp/data/batching.py), and reports per schedule the final loss (mean of the last 10 iterations), its
 gap to 1f1b's, and the median step time (`step_time_s` of the metrics, the first iterations
 excluded). It writes the loss curves as JSON and as a PNG (matplotlib, `pip install
 'ptdp[plot]'`; without it only the JSON).
@@ -138,7 +138,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    from ptdp.local_ranks import run_on_ranks
+    from ptdp.runtime.local_ranks import run_on_ranks
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=300)
     ap.add_argument("--p", type=int, default=2, help="pipeline ranks (t = d = 1)")

@@ -48,9 +48,10 @@ def measure(args: dict, sequence_parallel: bool) -> dict:
     """On every rank of a t-rank world: bytes saved by one layer's forward, by region."""
     import torch
     import torch.distributed as dist
-    from models.transformer import ModelContext, TransformerLayer
+    from ptdp.models.transformer import ModelContext, TransformerLayer
     from ptdp.config import ModelConfig, padded_vocab_size
-    from ptdp.parallel.tensor import TensorParallel, TensorParallelRNG
+    from ptdp.parallel.mappings import TensorParallel
+    from ptdp.parallel.rng import TensorParallelRNG
 
     t, rank = dist.get_world_size(), dist.get_rank()
     cfg = ModelConfig(num_layers=1, hidden_size=args["hidden"], num_heads=args["heads"],
@@ -94,7 +95,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--out", default="bench/sequence_parallel")
     a = parser.parse_args()
-    from ptdp.local_ranks import run_on_ranks
+    from ptdp.runtime.local_ranks import run_on_ranks
     shape = {"hidden": a.hidden, "heads": a.heads, "seq": a.seq, "batch": a.batch}
     rows = []
     for t in a.tensor:

@@ -148,7 +148,7 @@ def link_worker(out: str, iters: int) -> None:
 
 def measure_link(tmp: Path, iters: int) -> dict:
     """Per-pair latency and bandwidth of the inter-node link with 4 pairs sharing it."""
-    from ptdp.profiler import fit_latency_bandwidth
+    from ptdp.profiler.collectives import fit_latency_bandwidth
     out = tmp / "link.json"
     cmd = ["sh", "-c", f'exec "{sys.executable}" -m torch.distributed.run --nnodes {NODES} '
            f'--node-rank "$NODE_RANK" --nproc-per-node {PER_NODE} --master-addr "$MASTER_ADDR" '

@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="bench/zero_bubble")
     a = ap.parse_args()
-    from ptdp.local_ranks import run_on_ranks
+    from ptdp.runtime.local_ranks import run_on_ranks
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     common = [f"parallel.pipeline={a.p}", "parallel.tensor=1", "parallel.data=1",

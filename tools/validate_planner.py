@@ -103,7 +103,7 @@ def train_worker(raw: dict) -> dict:
     import contextlib
 
     import torch.distributed as dist
-    from ptdp.profiler import peak_rss_gb
+    from ptdp.profiler.timing import peak_rss_gb
     from ptdp.training import Trainer
     cfg = config_from_dict(raw)
     validate(cfg, dist.get_world_size())
@@ -116,7 +116,7 @@ def measure_once(layout: Layout, iters: int, timeout_s: float) -> tuple[float, f
     """(median step seconds after the first iteration, peak GiB over ranks) of one run.
     Memory is each rank's VmHWM: the trainer's mem_gb on CPU can inherit the launcher's
     peak across fork+exec."""
-    from ptdp.local_ranks import RankFailure, run_on_ranks
+    from ptdp.runtime.local_ranks import RankFailure, run_on_ranks
     for attempt in range(3):
         try:
             results = run_on_ranks(layout.gpus, train_worker, config_dict(layout, iters),
@@ -137,7 +137,8 @@ PROBE_BATCHES = (1, 2, 4)
 def probe_worker(model: dict) -> dict:
     """b -> one layer's forward + backward at t = 1, timed as `ptdp profile` times it."""
     import torch
-    from ptdp.profiler import _ensure_process_group, measure_layer
+    from ptdp.profiler.timing import _ensure_process_group
+    from ptdp.profiler.kernels import measure_layer
     cfg = config_from_dict({"model": model}).model
     _ensure_process_group()
     rows = (measure_layer(cfg, 1, b, "fp32", torch.device("cpu"), 5) for b in PROBE_BATCHES)
@@ -145,7 +146,7 @@ def probe_worker(model: dict) -> dict:
 
 
 def speed_probe() -> dict:
-    from ptdp.local_ranks import run_on_ranks
+    from ptdp.runtime.local_ranks import run_on_ranks
     return run_on_ranks(1, probe_worker, MODEL, timeout_s=300.0, threads=1)[0]
 
 

@@ -52,7 +52,7 @@ def run(args) -> int:
 
 
 def _to_hf(args) -> int:
-    from ptdp.checkpoint import CheckpointError
+    from ptdp.checkpoint.layout import CheckpointError
     from ptdp.hf.convert import to_hf
     out_dir = args.to[1]
     if args.overrides:
@@ -72,7 +72,7 @@ def _to_hf(args) -> int:
 
 
 def _from_hf(args) -> int:
-    from ptdp.checkpoint import CheckpointError
+    from ptdp.checkpoint.layout import CheckpointError
     from ptdp.config import ConfigError
     from ptdp.hf.convert import from_hf
     if not args.out:

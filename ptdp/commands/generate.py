@@ -1,4 +1,4 @@
-"""`ptdp generate CHECKPOINT --prompt TEXT`: sample text from a GPT checkpoint (ptdp/generate.py)."""
+"""`ptdp generate CHECKPOINT --prompt TEXT`: sample text from a GPT checkpoint (ptdp/inference/generate.py)."""
 
 from __future__ import annotations
 
@@ -45,11 +45,11 @@ def _prompts(args) -> list[str]:
 
 
 def run(args) -> int:
-    from ptdp.checkpoint import CheckpointError, find_checkpoint, read_metadata
+    from ptdp.checkpoint.layout import CheckpointError, find_checkpoint, read_metadata
     from ptdp.data.tokenizer import Tokenizer, TokenizerError
-    from ptdp.generate import Sampling, generate
-    from ptdp.local_model import LocalModel, checkpoint_tokenizer
-    from ptdp.runtime import pick_device
+    from ptdp.inference.generate import Sampling, generate
+    from ptdp.inference.local_model import LocalModel, checkpoint_tokenizer
+    from ptdp.runtime.startup import pick_device
 
     try:
         prompts = _prompts(args)

@@ -1,4 +1,4 @@
-"""`ptdp plot METRICS.jsonl [...] --out curves.png` (ptdp/plot.py)."""
+"""`ptdp plot METRICS.jsonl [...] --out curves.png` (ptdp/metrics/plot.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def run(args) -> int:
         print(f"ptdp plot: no such metrics file: {missing[0]}", file=sys.stderr)
         return 2
     try:
-        from ptdp.plot import plot_metrics
+        from ptdp.metrics.plot import plot_metrics
         out = plot_metrics(args.metrics, args.out, args.title)
     except ImportError:
         print("ptdp plot: matplotlib is not installed: pip install 'ptdp[plot]'", file=sys.stderr)

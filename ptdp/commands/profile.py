@@ -1,6 +1,6 @@
 """`ptdp profile MODEL.yaml --out PROFILE.yaml`: measure this machine for the planner.
 
-The measuring is in ptdp/profiler.py (it imports torch and the model code); this module only
+The measuring is in ptdp/profiler/ (it imports torch and the model code); this module only
 parses arguments, so `ptdp --help` stays fast.
 """
 
@@ -40,8 +40,8 @@ def run(args) -> int:
     from ptdp.hardware import HardwareError
     from ptdp.planner.errors import PlanError
     try:
-        from ptdp import profiler  # torch is imported only here
-        return profiler.main(args)
+        from ptdp.profiler.build import main  # torch is imported only here
+        return main(args)
     except (PlanError, HardwareError, ConfigError) as err:
         print(f"ptdp profile: error: {err}", file=sys.stderr)
         return 2

@@ -66,10 +66,12 @@ def _recorded(args):
 
 def _simulated(args):
     from ptdp.pipeline import gantt
+    from ptdp.config.catalogue import schedule_spec
     from ptdp.pipeline.timeline import simulate
     if not args.schedule:
         raise ValueError("give a TRACE file, or --schedule NAME to draw a simulated schedule")
-    batches = 3 if args.schedule in ("2bw", "pipedream") else 1   # no flush: show the stream
+    spec = schedule_spec(args.schedule)   # ValueError naming the schedules for a wrong one
+    batches = 1 if spec.flushing else 3   # no flush: show the stream
     timeline = simulate(args.schedule, args.p, args.v, args.m, batches=batches)
     title = (f"{args.schedule} (simulated, backward = 2 x forward): p={args.p} v={args.v} "
              f"m={args.m}" + (f" x {batches} batches" if batches > 1 else "")

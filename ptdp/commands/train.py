@@ -43,7 +43,7 @@ def run(args) -> int:
     if _env_int("RANK", 0) == 0:
         for line in found.warnings:   # e.g. tensor groups that straddle nodes
             print(f"ptdp train: warning: {line}", file=sys.stderr)
-    from ptdp.runtime import shutdown
+    from ptdp.runtime.startup import shutdown
     from ptdp.training import DivergenceError, Trainer
     try:
         Trainer(found.cfg).train(resume_command(args, found.cfg))

@@ -1,13 +1,13 @@
 """`ptdp convert`: a ptdp checkpoint of any layout <-> a Hugging Face model directory.
 
-ptdp -> HF: the full weights (ptdp/local_model.py reads any (p, t, d, v), 2BW included),
+ptdp -> HF: the full weights (ptdp/inference/local_model.py reads any (p, t, d, v), 2BW included),
 mapped by ptdp/hf/mapping.py into `GPT2LMHeadModel` or `MegatronBertForPreTraining`, saved
 with `save_pretrained` (model.safetensors + config.json), plus the tokenizer as tokenizer.json
 (ptdp/hf/tokenizer.py) and the original sentencepiece file as `ptdp_tokenizer.model`, which
 the way back copies into the checkpoint.
 
 HF -> ptdp: the model directory's weights mapped back and written as a checkpoint of the
-layout the overrides ask for (ptdp/checkpoint.py `save_full_state`); `ptdp train ...
+layout the overrides ask for (ptdp/checkpoint/save.py `save_full_state`); `ptdp train ...
 checkpoint.load=OUT` continues from it (with fresh optimizer state).
 """
 
@@ -19,7 +19,7 @@ import shutil
 from pathlib import Path
 
 from ptdp.hf.mapping import from_hf_state, hf_class_name, hf_config, model_config_from_hf, to_hf_state
-from ptdp.local_model import checkpoint_tokenizer, model_config, read_full_state
+from ptdp.inference.local_model import checkpoint_tokenizer, model_config, read_full_state
 
 SPM_FILE = "ptdp_tokenizer.model"
 
@@ -68,7 +68,7 @@ def from_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overrides: list[s
 
     Returns (iteration directory, resolved Config)."""
     import transformers
-    from ptdp.checkpoint import save_full_state
+    from ptdp.checkpoint.save import save_full_state
     from ptdp.config import load_config
 
     _quiet_transformers()

@@ -2,7 +2,7 @@
 
 Compiling per layer keeps everything around the layers eager and unchanged: pipeline chunks
 and the executor, activation recomputation (torch.utils.checkpoint around compiled layers),
-the tensor-parallel collectives (graph breaks, see ptdp/parallel/tensor.py) and the
+the tensor-parallel collectives (graph breaks, see ptdp/parallel/mappings.py) and the
 vocab-parallel loss. Every layer runs the same code on same-shaped inputs, so one compiled
 graph serves all layers (plus one more for evaluation, which runs without autograd).
 

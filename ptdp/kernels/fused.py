@@ -3,7 +3,7 @@
 Megatron-LM fuses bias + GeLU (after the first MLP GEMM) and bias + dropout + residual add
 (after the attention projection and the second MLP GEMM) with TorchScript. Here they are plain
 torch functions, and the parallel linears hand their bias over instead of adding it
-(`skip_bias_add` in ptdp/parallel/tensor.py), so the whole chain is visible in one place:
+(`skip_bias_add` in ptdp/parallel/layers.py), so the whole chain is visible in one place:
 
 * eager PyTorch runs each op as its own kernel, with the same numerics and the same dropout
   draws (default generator, same shape, same order) as the unfused layer;

@@ -57,9 +57,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable
 
-from ptdp.pipeline.schedules import (BACKWARD, END, FORWARD, RANK_ACTIONS, Action, dependencies,
-                                     stage_rank)
-from ptdp.pipeline.timeline import simulate_lists
+from ptdp.pipeline.actions import (BACKWARD, END, FORWARD, RANK_ACTIONS, Action, dependencies,
+                                   stage_rank)
+from ptdp.pipeline.simulation import simulate_lists
 
 ACTIVATION, GRADIENT = "act", "grad"
 

@@ -31,8 +31,8 @@ import torch.nn as nn
 from ptdp.pipeline.comm_plan import Step, needed_message, produced_message
 from ptdp.pipeline.p2p import P2P
 from ptdp.parallel.weight_grad import STORE as WEIGHT_GRADS
-from ptdp.pipeline.schedules import BACKWARD, END, FORWARD, REDUCE, WEIGHT_GRAD
-from ptdp.trace import NO_SPANS
+from ptdp.pipeline.actions import BACKWARD, END, FORWARD, REDUCE, WEIGHT_GRAD
+from ptdp.runtime.trace import NO_SPANS
 
 @dataclass
 class IterationResult:

@@ -1,7 +1,7 @@
 """Per-rank Gantt charts of pipeline iterations, from a recorded trace or a simulated schedule.
 
 A *recorded* trace is the Chrome-trace JSON that training writes with `log.trace_file`
-(`ptdp/trace.py`): one process per rank, complete events ("X") with a category (forward,
+(`ptdp/runtime/trace.py`): one process per rank, complete events ("X") with a category (forward,
 backward, wait, reduce, optimizer) and the iteration in their args. A *simulated* one comes
 from `ptdp.pipeline.timeline.simulate`. Both become `Lane`s, one per rank, which `draw` turns
 into a picture in the style of the dissertation's Figure 4.4: one colour per micro-batch,
@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ptdp.pipeline.schedules import BACKWARD, FORWARD, WEIGHT_GRAD
+from ptdp.pipeline.actions import BACKWARD, FORWARD, WEIGHT_GRAD
 
 
 @dataclass

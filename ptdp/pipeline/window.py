@@ -21,7 +21,9 @@ from dataclasses import replace
 from typing import Callable
 
 from ptdp.pipeline.comm_plan import Message, Step, check_plans, plan_exchanges
-from ptdp.pipeline.schedules import END, NO_FLUSH, build_all
+from ptdp.pipeline.actions import END
+from ptdp.config.catalogue import schedule_spec
+from ptdp.pipeline.schedules import build_all
 
 WINDOW = 6   # batches planned explicitly: start-up, 4 steady iterations, drain
 
@@ -60,7 +62,7 @@ class NoFlushPlan:
 
     def __init__(self, name: str, p: int, v: int, m: int, *, first: int, iterations: int,
                  shape_of: Callable[[Message], tuple] = lambda message: ()):
-        if name not in NO_FLUSH:
+        if schedule_spec(name).flushing:
             raise ValueError(f"{name!r} flushes: plan it per iteration (comm_plan.plan_exchanges)")
         if iterations < 1:
             raise ValueError(f"a no-flush plan needs at least one iteration (got {iterations})")

@@ -70,7 +70,7 @@ def crossing_members(t: int, d: int, gpus_per_node: int, tensor: bool) -> int | 
 
 
 def busy_node(hw: HardwareProfile, ranks: int | None) -> dict | None:
-    """The profile's `measured.busy` row (ptdp/profiler.py) for a node running `ranks`
+    """The profile's `measured.busy` row (ptdp/profiler/collectives.py) for a node running `ranks`
     ranks at once: the measured world nearest on a log scale. None without measurements."""
     rows = (hw.measured or {}).get("busy") or []
     if not rows or not ranks or ranks < 2:

@@ -195,7 +195,7 @@ def _measured_head(hw, precision, shape: ModelShape, b: int, t: int, vocab_padde
 def measured_tensor_comm(hw: HardwareProfile, precision: str, shape: ModelShape, b: int, t: int,
                          sequence_parallel: bool, busy: int) -> float | None:
     """Seconds the tensor group's communication adds to one layer's forward + backward, as
-    measured with `busy` ranks at once (ptdp/profile_tensor.py; CPU profiles), or None."""
+    measured with `busy` ranks at once (ptdp/profiler/tensor_layers.py; CPU profiles), or None."""
     rows = _measured_rows(hw, "tensor_layers", dict(
         hidden=shape.hidden, heads=shape.heads, ffn=shape.ffn, seq=shape.seq, tensor=t,
         precision=precision, sequence_parallel=sequence_parallel))

@@ -25,7 +25,7 @@ Communication (comm.py)
     8bsh(t-1)/t per layer of the PTD-P paper for tensor parallelism (2 all-reduces forward, 2
     backward, 2 more in a full recompute). Tensor-parallel communication never overlaps. A
     measured CPU profile replaces that by what the communication added to a layer on as many
-    busy ranks (`measured.tensor_layers`, ptdp/profile_tensor.py), for groups inside a node;
+    busy ranks (`measured.tensor_layers`, ptdp/profiler/tensor_layers.py), for groups inside a node;
     and it prices reduce-scatter and all-gather (sequence parallelism, the distributed
     optimizer) at their own measured rates, which on gloo are not halves of an all-reduce.
   * Pipeline: per micro-batch and per chunk each rank sends b*s*h activations forward and
@@ -38,7 +38,7 @@ Communication (comm.py)
   * Data parallelism: one ring all-reduce of the rank's fp32 gradients per iteration. It
     overlaps with the last micro-batch's backward pass (buckets are reduced as they fill),
     for 2BW too: its trainer waits for the sums right after a batch's last backward, since
-    the global norm needs them (ptdp/no_flush.py). Tied word embeddings add an all-reduce
+    the global norm needs them (ptdp/training/no_flush.py). Tied word embeddings add an all-reduce
     between the first and last stage. On CPUs nothing overlaps (`overlap_communication:
     false`): gloo's copies and reductions run on the same cores.
 
@@ -86,6 +86,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ptdp.config import padded_vocab_size
+from ptdp.config.catalogue import DEFAULT, Planner, names_where, schedule_spec
 from ptdp.planner import comm
 from ptdp.planner.compute import (BYTES, ModelShape, head_times, layer_times,
                                   measured_tensor_comm)
@@ -93,7 +94,8 @@ from ptdp.hardware import HardwareProfile
 from ptdp.planner.formulas import bubble_fraction, model_flops
 from ptdp.planner.memory import GB, MemoryBreakdown, gpu_memory, stage_parameters
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "2bw")
+# What the cost model has formulas for (ptdp/config/catalogue.py: all but PipeDream async).
+SCHEDULES = names_where(lambda spec: spec.planner is not Planner.NOT_MODELLED)
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -104,7 +106,7 @@ class Layout:
     data: int = 1
     chunks: int = 1
     micro_batch: int = 1
-    schedule: str = "1f1b"
+    schedule: str = DEFAULT.name
     recompute: str = "none"
     scatter_gather: bool = False
     distributed_optimizer: bool = False
@@ -171,7 +173,7 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
                 first: bool, last: bool) -> _RankTimes:
     shape, prec = work.shape, work.precision
     p, t, d, v, b = lay.pipeline, lay.tensor, lay.data, lay.chunks, lay.micro_batch
-    split = lay.schedule == "zb-h1"   # backward as B now and W later
+    split = schedule_spec(lay.schedule).split_backward   # backward as B now and W later
     layers = shape.layers // p
     lt = layer_times(hw, prec, shape, b, t, attention)
     act_bytes = shape.seq * b * shape.hidden * BYTES[prec]
@@ -231,7 +233,7 @@ def _exposed_p2p(schedule: str, p: int, v: int, one_way: float) -> tuple[float, 
     compute, under-predicted beyond (each chunk then waits for its own transfer)."""
     if p == 1:
         return 0.0, 0.0
-    if schedule == "gpipe":
+    if schedule_spec(schedule).all_forwards_first:
         return 0.0, 2 * v * one_way
     return 2 * (p - 1) / p * one_way, 2 * v * (p - 2) / (p - 1) * one_way
 
@@ -371,13 +373,12 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     middle = _rank_times(hw, work, lay, attention, False, False) if p > 2 else first
     ranks = [first, middle, last] if p > 2 else [first, last]
     slowest = max(ranks, key=lambda r: r.total)
-    mean = (first.total + last.total + (p - 2) * middle.total) / p if p > 1 else first.total
     pipelined = m * slowest.total
     flush_compute = _flush_compute_factor(hw, p, m, lay.gpus, work.gpus_per_node)
-    flush = (p - 1) / v * _flush_rank_time(ranks, p, flush_compute) \
-        if lay.schedule != "2bw" else 0.0
-    bubble = bubble_fraction(p, m, v) if lay.schedule != "2bw" else 0.0
-    if lay.schedule == "zb-h1":
+    spec = schedule_spec(lay.schedule)
+    flush = (p - 1) / v * _flush_rank_time(ranks, p, flush_compute) if spec.flushing else 0.0
+    bubble = bubble_fraction(p, m, v) if spec.flushing else 0.0
+    if spec.split_backward:
         flush, bubble = _zero_bubble_flush(ranks, p, m, flush_compute)
 
     vocab_padded = padded_vocab_size(shape.vocab, t)

@@ -1,7 +1,7 @@
 """The dissertation's closed-form formulas, torch-free so anything can import them cheaply.
 
 Equation numbers are those of Narayanan's dissertation (chapter 4 is the PTD-P paper). The
-trainer reports model TFLOP/s per rank from these formulas (`ptdp/metrics.py`), so the
+trainer reports model TFLOP/s per rank from these formulas (`ptdp/metrics/throughput.py`), so the
 conventions here are the paper's, not a hardware FLOP count:
 
 * Eq. 4.2 counts 4 passes per transformer layer (forward, backward = 2x,

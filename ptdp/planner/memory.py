@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ptdp.config.catalogue import schedule_spec
 from ptdp.planner.compute import BYTES, ModelShape
 
 GB = 2**30   # GiB, as torch.cuda memory stats and the trainer's mem_gb report
@@ -199,36 +200,17 @@ def pending_weight_grad_bytes(shape: ModelShape, b: int, t: int, precision: str,
 
 
 def weight_versions(schedule: str, p: int, rank: int, vertical_sync: bool = False) -> int:
-    """Copies of the rank's weights: 2 for 2BW; PipeDream's weight stashing keeps one
-    per in-flight input, max(p - rank, 2) with the one being made, p with vertical sync
-   ; 1 for the flushing schedules. In fp32 the newest version is the master copy."""
-    if schedule == "2bw":
-        return 2
-    if schedule == "pipedream":
-        return p if vertical_sync else max(p - rank, 2)
-    return 1
+    """Copies of the rank's weights (ScheduleSpec.weight_copies). In fp32 the newest version
+    is the master copy."""
+    return schedule_spec(schedule).weight_copies(p, rank, vertical_sync)
 
 
 def in_flight_layer_stashes(schedule: str, p: int, v: int, m: int, layers_per_rank: int,
                             rank: int) -> float:
-    """How many (micro-batch, layer) activation stashes `rank` holds at its peak.
-
-    Matches ptdp.pipeline.schedules.max_in_flight: GPipe keeps all m micro-batches, ZB-H1
-    min(p, m) on every rank, 1F1B,
-    2BW and PipeDream min(p - rank, m) (PipeDream-Flush's "at most p"), interleaved
-    min(2(p-rank-1) + (v-1)p, m*v) + 1 chunk stashes of layers_per_rank/v layers each (2BW
-    with v > 1 the same without the cap: it never drains).
-    """
-    if schedule == "gpipe":
-        return m * layers_per_rank
-    if schedule == "zb-h1":   # F to Wg: 1F1B's p - rank plus rank pending weight gradients
-        return min(p, m) * layers_per_rank   # (gpu_memory sizes the two kinds apart)
-    if schedule == "2bw" and v > 1:
-        return (2 * (p - rank - 1) + (v - 1) * p + 1) * layers_per_rank / v
-    if schedule == "interleaved":
-        chunks = min(2 * (p - rank - 1) + (v - 1) * p, m * v) + 1
-        return chunks * layers_per_rank / v
-    return min(p - rank, m) * layers_per_rank
+    """How many (micro-batch, layer) activation stashes `rank` holds at its peak
+    (ScheduleSpec.in_flight, which ptdp.pipeline.schedules.max_in_flight counts from the
+    action lists)."""
+    return schedule_spec(schedule).in_flight(p, v, m, rank) * layers_per_rank
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,10 +237,11 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     e = BYTES[precision]
     w, g, o = state_bytes_per_parameter(precision)
     params = stage_parameters(shape, t, p, vocab_padded, first, last)
-    weights = params * w * weight_versions(schedule, p, rank, vertical_sync)
+    spec = schedule_spec(schedule)
+    weights = params * w * spec.weight_copies(p, rank, vertical_sync)
     # 2BW: batch t's gradients wait for every rank to finish it while batch t+1 accumulates;
-    # the first rank finishes last and updates at once (ptdp/no_flush.py)
-    gradients = params * g * (2 if schedule == "2bw" and rank > 0 else 1)
+    # the first rank finishes last and updates at once (ptdp/training/no_flush.py)
+    gradients = params * g * spec.gradient_copies(rank)
     activations = _activation_stashes(shape, p=p, v=v, m=m, b=b, t=t, schedule=schedule,
                                       recompute=recompute, precision=precision,
                                       attention=attention, rank=rank, hw=hw,
@@ -266,20 +249,20 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     sbh = shape.seq * b * shape.hidden
     local_sbh = sbh / (t if sequence_parallel else 1)          # boundary and embedding tensors
     if first and shape.dropout:
-        activations += local_sbh * min(m, p - rank if schedule != "gpipe" else m)  # embedding mask
+        activations += local_sbh * min(m, m if spec.all_forwards_first else p - rank)  # embedding mask
     working = 2 * local_sbh * e                                # send/recv buffers
     transient = 0.0           # the forward/backward's own working set
     if recompute != "none":   # a recomputed layer's activations live while its backward runs
         transient += layer_activation_bytes(shape, b, t, precision, "none", attention, hw,
                                             sequence_parallel)
     if last:   # the logits, their one fp32 copy (exp, then softmax) and the gradient
-        transient += shape.seq * b * vocab_padded / t * (2 * e + 4)   # (ptdp/parallel/tensor.py)
+        transient += shape.seq * b * vocab_padded / t * (2 * e + 4)   # (ptdp/parallel/cross_entropy.py)
         if shape.arch == "bert":  # the LM transform's dense output, GeLU and LayerNorm inputs
             transient += 3 * sbh * e
-    if schedule == "zb-h1":   # a W pass computes all the stage's weight gradients of one
+    if spec.split_backward:   # a W pass computes all the stage's weight gradients of one
         transient = max(transient, params * e)   # micro-batch before accumulating them
     working += transient
-    if d > 1 and schedule in ("2bw", "pipedream"):   # gradients of their own: torch.cat copy
+    if d > 1 and spec.weight_versions:   # gradients of their own: torch.cat copy
         working += min(params * g, bucket_mb * 2**20)
     # The optimizer step runs after the activations are freed and needs less than they held:
     # the fused CUDA AdamW no temporaries; on CPU the foreach AdamW's rose 12 MiB above the
@@ -302,7 +285,7 @@ def heap_retention_bytes(hw, micro_batch_activations: float) -> float:
     with the size of the tensors a rank frees and allocates again every micro-batch (after a
     large free glibc raises its mmap threshold, so later activations come from a heap that
     fragments and is rarely returned; under a pipeline they are also freed out of order).
-    Modelled as the profile's `measured.heap_retention` (ptdp/profiler.py, calibrate_reserve:
+    Modelled as the profile's `measured.heap_retention` (ptdp/profiler/calibration.py, calibrate_reserve:
     2BW runs of the profiled model at b = 1 and b = 4) times the activations one micro-batch
     allocates on the rank. It errs on the safe side: without a pipeline, measured peaks at
     b = 2 grew less (6-11 % over with the term), at b = 4-8 and m = 1 as much (5-9 % under
@@ -322,7 +305,7 @@ def _activation_stashes(shape: ModelShape, *, p: int, v: int, m: int, b: int, t:
     layers_per_rank = shape.layers // p
     stash = layer_activation_bytes(shape, b, t, precision, recompute, attention, hw,
                                    sequence_parallel)
-    if schedule != "zb-h1":
+    if not schedule_spec(schedule).split_backward:
         return in_flight_layer_stashes(schedule, p, v, m, layers_per_rank, rank) * stash
     forward = min(p - rank, m)
     pending = min(p, m) - forward

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ptdp.config.catalogue import DEFAULT, Chunks, Planner, names_where, schedule_spec
 from ptdp.planner.cost_model import RECOMPUTE, SCHEDULES, Layout, Prediction, Workload, predict
 from ptdp.planner.errors import PlanError
 from ptdp.hardware import HardwareProfile
@@ -24,7 +25,8 @@ FIX_KEYS = {"p": "pipeline", "pipeline": "pipeline", "t": "tensor", "tensor": "t
             "distributed_optimizer": "distributed_optimizer", "sp": "sequence_parallel",
             "sequence_parallel": "sequence_parallel"}
 INT_KEYS = ("pipeline", "tensor", "data", "chunks", "micro_batch")
-STRICT_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+# Searched unless the user opts in to more (ptdp/config/catalogue.py: 2BW changes the update rule).
+STRICT_SCHEDULES = names_where(lambda spec: spec.planner is Planner.SEARCHED)
 
 # Rejection categories, in the order the CLI lists them.
 INDIVISIBLE = "indivisible"
@@ -117,11 +119,12 @@ def _schedule_options(work: Workload, p: int, m: int, fixed: dict, rej: Rejectio
     layers = work.shape.layers
     out = []
     for name in _choices("schedule", schedules, fixed):
-        if name == "interleaved":
+        spec = schedule_spec(name)
+        if spec.chunks is Chunks.REQUIRED:
             if p == 1:
                 continue
             if m % p:
-                rej.add(SCHEDULE_RULE, f"{where}: interleaved needs m={m} micro-batches to be "
+                rej.add(SCHEDULE_RULE, f"{where}: {name} needs m={m} micro-batches to be "
                                        f"a multiple of p={p}")
                 continue
             vs = _choices("chunks", [v for v in divisors(layers // p) if v > 1], fixed)
@@ -133,15 +136,15 @@ def _schedule_options(work: Workload, p: int, m: int, fixed: dict, rej: Rejectio
             continue
         if fixed.get("chunks", 1) != 1:
             continue  # v > 1 only exists with the interleaved schedule
-        if name == "2bw":
+        if not spec.flushing:   # 2BW: searched with v = 1 only
             if p == 1:
                 continue
-            if m < p:
-                rej.add(SCHEDULE_RULE, f"{where}: 2bw needs m={m} >= p={p} micro-batches")
+            least = spec.min_micro_batches(p, 1)
+            if m < least:
+                rej.add(SCHEDULE_RULE, f"{where}: {name} needs m={m} >= p={p} micro-batches")
                 continue
-        if name in ("gpipe", "zb-h1") and p == 1 and "schedule" not in fixed:
+        if name != DEFAULT.name and spec.flushing and p == 1 and "schedule" not in fixed:
             continue  # identical to 1f1b without a pipeline
-        out.append((name, 1))
     return out
 
 
@@ -222,7 +225,7 @@ def _distributed_optimizer_options(d: int, schedule: str, fixed: dict, rej: Reje
                                    where: str) -> list[bool]:
     """The distributed optimizer shards over d > 1 data ranks of a flushing schedule (the
     trainer refuses it with 2bw)."""
-    if d > 1 and schedule != "2bw":
+    if d > 1 and schedule_spec(schedule).allows_distributed_optimizer:
         return _choices("distributed_optimizer", [False, True], fixed)
     if fixed.get("distributed_optimizer"):
         rej.add(SCHEDULE_RULE, f"{where} {schedule}: the distributed optimizer needs d > 1 and "
@@ -234,7 +237,7 @@ def _distributed_optimizer_options(d: int, schedule: str, fixed: dict, rej: Reje
 def _sequence_parallel_options(t: int, sg: bool, schedule: str, fixed: dict, rej: Rejections,
                                where: str) -> list[bool]:
     """Sequence parallelism needs t > 1, implies scatter/gather and runs flushing schedules."""
-    allowed = t > 1 and not sg and schedule not in ("2bw", "pipedream")
+    allowed = t > 1 and not sg and schedule_spec(schedule).allows_sequence_parallel
     options = _choices("sequence_parallel", [False, True] if allowed else [False], fixed)
     if True in options and not allowed:
         rej.add(SCHEDULE_RULE, f"{where}: sequence parallelism needs t > 1, no scatter/gather "

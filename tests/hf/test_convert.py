@@ -19,8 +19,8 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 pytest.importorskip("google.protobuf")
 
-from ptdp.local_model import LocalModel, read_full_state  # noqa: E402
-from ptdp.local_ranks import run_on_ranks  # noqa: E402
+from ptdp.inference.local_model import LocalModel, read_full_state  # noqa: E402
+from ptdp.runtime.local_ranks import run_on_ranks  # noqa: E402
 from tests.data.conftest import load_make_corpus  # noqa: E402
 
 VOCAB = 600

@@ -8,12 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models import build_chunk
-from models.transformer import ModelContext
+from ptdp.models import build_chunk
+from ptdp.models.transformer import ModelContext
 from ptdp.config import ModelConfig
 from ptdp.kernels import should_compile
-from ptdp.local_ranks import run_on_ranks
-from ptdp.parallel.tensor import TensorParallel, TensorParallelRNG
+from ptdp.runtime.local_ranks import run_on_ranks
+from ptdp.parallel.mappings import TensorParallel
+from ptdp.parallel.rng import TensorParallelRNG
 from tests.equivalence import TINY, relative_error
 
 RTOL = 1e-5

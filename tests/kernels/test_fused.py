@@ -5,12 +5,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import build_chunk
-from models.transformer import ModelContext, TransformerLayer
+from ptdp.models import build_chunk
+from ptdp.models.transformer import ModelContext, TransformerLayer
 from ptdp.config import ModelConfig
 from ptdp.kernels import bias_dropout_add, bias_gelu
-from ptdp.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallel,
-                                  TensorParallelRNG)
+from ptdp.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from ptdp.parallel.mappings import TensorParallel
+from ptdp.parallel.rng import TensorParallelRNG
 
 TP = TensorParallel()  # t = 1: no process group needed
 

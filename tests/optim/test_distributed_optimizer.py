@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ptdp.local_ranks import run_on_ranks
+from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.optim.buffers import ALIGN, FlatLayout
 from tests.equivalence import ARCHS, RTOL, TINY, assert_equivalent, layout_result, reference
 

@@ -6,13 +6,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from models import build_chunk
-from models.transformer import ModelContext
+from ptdp.models import build_chunk
+from ptdp.models.transformer import ModelContext
 from ptdp.config import ModelConfig
-from ptdp.local_ranks import run_on_ranks
+from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.optim.buffers import ALIGN, FlatLayout
 from ptdp.optim.mixed_precision import MasterWeights
-from ptdp.parallel.tensor import TensorParallel, TensorParallelRNG
+from ptdp.parallel.mappings import TensorParallel
+from ptdp.parallel.rng import TensorParallelRNG
 from tests.equivalence import TINY
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ptdp.local_ranks import run_on_ranks
+from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.parallel.grid import Coordinates, RankGrid, coordinates_of
 
 

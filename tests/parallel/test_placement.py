@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.checks import check_job
-from ptdp.local_ranks import free_port
+from ptdp.runtime.local_ranks import free_port
 from ptdp.parallel.grid import group_rows
 from ptdp.parallel.placement import groups_across_nodes, nodes_of, placement_warnings
 

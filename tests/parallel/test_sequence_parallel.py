@@ -9,7 +9,7 @@ into layouts with and without it.
 import pytest
 import torch.distributed as dist
 
-from ptdp.local_ranks import run_on_ranks
+from ptdp.runtime.local_ranks import run_on_ranks
 from tests.equivalence import RTOL, assert_equivalent, reference, relative_error
 from tests.features import LAYOUTS, SP, _trainer, feature_layout, resume_job
 from tests.pipeline.test_pipeline_equivalence import boundary_sends

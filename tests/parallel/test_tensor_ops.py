@@ -10,11 +10,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ptdp.local_ranks import run_on_ranks
-from ptdp.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TensorParallel,
-                                  TensorParallelRNG, VocabParallelEmbedding, copy_to_tensor_region,
-                                  full_normal, reduce_from_tensor_region,
-                                  vocab_parallel_cross_entropy)
+from ptdp.runtime.local_ranks import run_on_ranks
+from ptdp.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                  full_normal)
+from ptdp.parallel.mappings import TensorParallel, copy_to_tensor_region, reduce_from_tensor_region
+from ptdp.parallel.rng import TensorParallelRNG
+from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 T = 2
 

@@ -65,7 +65,7 @@ def simulate_pipedream(overrides: list[str], iters: int, p: int, d: int, stage_o
     input j is the j-th micro-batch of every data rank (their gradients averaged: 1F1B-RR keeps
     data rank i's inputs on data rank i) and each parameter of stage s (``stage_of``: global
     name -> stage; the tied embedding is stage 0's) is taken at ``pipedream_versions``."""
-    from ptdp.batching import MicroBatches
+    from ptdp.data.batching import MicroBatches
     from ptdp.training import build_datasets
     trainer = _trainer(overrides, iters)
     cfg, (chunk,) = trainer.cfg, trainer.chunks.values()

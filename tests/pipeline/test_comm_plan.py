@@ -12,7 +12,11 @@ import pytest
 from ptdp.pipeline.comm_plan import (ACTIVATION, GRADIENT, Message, PlanError, Step, Transfer,
                                      check_plans, needed_message, plan_exchanges,
                                      produced_message)
-from ptdp.pipeline.schedules import FLUSHING, build_all, stage_rank
+from ptdp.config.catalogue import names_where
+from ptdp.pipeline.schedules import build_all
+from ptdp.pipeline.actions import stage_rank
+
+FLUSHING = names_where(lambda spec: spec.flushing)
 
 ACT_SHAPE = (16, 2, 32)
 

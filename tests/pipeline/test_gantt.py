@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from ptdp.cli import main
-from ptdp.local_ranks import run_on_ranks
+from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.pipeline import gantt
 from ptdp.pipeline.schedules import build_schedule
 from tests.equivalence import TINY

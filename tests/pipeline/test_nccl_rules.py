@@ -13,9 +13,10 @@ teeth.
 import pytest
 import torch
 
-from ptdp.local_ranks import RankFailure, run_on_ranks
+from ptdp.runtime.local_ranks import RankFailure, run_on_ranks
 from ptdp.pipeline.comm_plan import PlanError, Step, Transfer, check_plans, needed_message, produced_message
-from ptdp.pipeline.schedules import build_all, stage_rank
+from ptdp.pipeline.schedules import build_all
+from ptdp.pipeline.actions import stage_rank
 from tests.equivalence import LAYOUTS, TINY, assert_equivalent, reference, run_layouts
 
 # every layout of the equivalence tests with p > 1; GPT in all, BERT in the richest one

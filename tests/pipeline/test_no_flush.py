@@ -16,10 +16,9 @@ import functools
 import os
 
 import pytest
-import torch
 import torch.distributed as dist
 
-from ptdp.local_ranks import run_on_ranks
+from ptdp.runtime.local_ranks import run_on_ranks
 from tests.equivalence import TINY, relative_error
 from tests.pipeline.no_flush_oracles import (pipedream_versions, simulate_pipedream,
                                              simulate_two_bw)

@@ -7,10 +7,11 @@ from fractions import Fraction
 import pytest
 
 from ptdp.pipeline.comm_plan import PlanError, check_plans, plan_exchanges
-from ptdp.pipeline.schedules import (BACKWARD, END, FORWARD, REDUCE, TIED, UPDATE, WEIGHTS,
-                                     Action, build_all, build_schedule, format_schedule,
-                                     max_in_flight, noam, rank_stages, two_bw_min_micro_batches,
-                                     weight_updates_before_forwards)
+from ptdp.pipeline.actions import (BACKWARD, END, FORWARD, REDUCE, TIED, UPDATE, WEIGHTS, Action,
+                                   rank_stages)
+from ptdp.pipeline.schedules import build_all, build_schedule, format_schedule, max_in_flight
+from ptdp.pipeline.no_flush import noam, weight_updates_before_forwards
+from ptdp.config.catalogue import two_bw_min_micro_batches
 from ptdp.pipeline.timeline import simulate
 from ptdp.pipeline.window import NoFlushPlan, shift_steps, split_iterations
 

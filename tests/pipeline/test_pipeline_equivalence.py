@@ -3,7 +3,7 @@ single-process run, and scatter/gather sends 1/t of the boundary bytes."""
 
 import pytest
 
-from ptdp.pipeline.schedules import rank_stages
+from ptdp.pipeline.actions import rank_stages
 from tests.equivalence import ARCHS, assert_equivalent, layout_result, reference
 
 PIPELINE_LAYOUTS = ["p2-gpipe", "p2-1f1b", "p4-v2-interleaved", "p2-t2-v2-sg", "p2-t2-v2",

@@ -4,20 +4,13 @@ from collections import Counter
 
 import pytest
 
-from ptdp.pipeline.schedules import (
-    FLUSHING,
-    Action,
-    build_all,
-    build_schedule,
-    dependencies,
-    format_schedule,
-    local_chunk,
-    max_in_flight,
-    rank_stages,
-    stage_layers,
-    stage_rank,
-)
+from ptdp.config.catalogue import names_where
+from ptdp.pipeline.actions import (Action, dependencies, local_chunk, rank_stages, stage_layers,
+                                   stage_rank)
+from ptdp.pipeline.schedules import build_all, build_schedule, format_schedule, max_in_flight
 from ptdp.pipeline.timeline import simulate
+
+FLUSHING = names_where(lambda spec: spec.flushing)
 
 
 def _micro_batch_counts(name: str, p: int, v: int) -> list[int]:
@@ -167,6 +160,8 @@ def test_interleaved_requires_m_multiple_of_p():
 def test_bad_arguments_raise_clear_errors(args, message):
     with pytest.raises(ValueError, match=message):
         build_schedule(*args)
+
+FLUSHING = names_where(lambda spec: spec.flushing)
 
 
 def test_format_schedule_aligns_columns():

@@ -4,8 +4,9 @@ from fractions import Fraction
 
 import pytest
 
-from ptdp.pipeline.schedules import Action
-from ptdp.pipeline.timeline import DeadlockError, render_ascii, simulate, simulate_lists
+from ptdp.pipeline.actions import Action
+from ptdp.pipeline.simulation import DeadlockError, simulate_lists
+from ptdp.pipeline.timeline import render_ascii, simulate
 
 ONE = Fraction(1)
 

@@ -10,9 +10,8 @@ from fractions import Fraction
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from ptdp.local_ranks import run_on_ranks
+from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.pipeline.schedules import build_all, format_schedule, max_in_flight
 from ptdp.pipeline.timeline import simulate
 from tests.equivalence import RTOL, assert_equivalent, reference, relative_error

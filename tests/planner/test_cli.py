@@ -145,7 +145,7 @@ CPU_LOCAL = str(Path(__file__).resolve().parents[2] / "configs" / "hardware" / "
 def _train_written(config: Path, ranks: int, tmp_path) -> list[int]:
     """`ptdp train CONFIG` under torchrun as a user would run a written plan: the iterations
     it logged."""
-    from ptdp.local_ranks import free_port
+    from ptdp.runtime.local_ranks import free_port
     metrics = tmp_path / "metrics.jsonl"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                            str(ranks), "--master-port", str(free_port()), "-m", "ptdp", "train",

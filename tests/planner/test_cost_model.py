@@ -62,7 +62,8 @@ def _simulated_makespan(schedule: str, p: int, m: int, forward: float, backward:
     """A schedule of ptdp/pipeline/schedules.py played out: each rank runs its actions in order, an
     action starts when its rank is free and its inputs have arrived (`transfer` seconds after
     they were produced on another rank)."""
-    from ptdp.pipeline.schedules import build_all, dependencies
+    from ptdp.pipeline.schedules import build_all
+    from ptdp.pipeline.actions import dependencies
     schedule, end, free, nxt = build_all(schedule, p, 1, m), {}, [0.0] * p, [0] * p
     while any(nxt[r] < len(schedule[r]) for r in range(p)):
         for r in range(p):

@@ -10,7 +10,7 @@ from ptdp.planner import comm
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.cost_model import Layout, Workload, predict
 from ptdp.planner.memory import GB, layer_activation_bytes
-from ptdp.profiler import reserve_and_retention
+from ptdp.profiler.calibration import reserve_and_retention
 
 BUSY = [{"ranks": 2, "slowdown": 1.1, "contention": 1.1,
          "all_reduce": [{"group": 2, "bandwidth_GBps": 2.0, "latency_us": 50.0}],

@@ -6,11 +6,12 @@ layouts copy a gradient bucket for the data-parallel reduction (ptdp/optim/grads
 import pytest
 import torch
 
-from models import build_chunk
-from models.transformer import ModelContext, TransformerLayer
+from ptdp.models import build_chunk
+from ptdp.models.transformer import ModelContext, TransformerLayer
 from ptdp.config import ModelConfig, padded_vocab_size
 from ptdp.optim.distributed import ShardedMasterWeights
-from ptdp.parallel.tensor import TensorParallel, TensorParallelRNG
+from ptdp.parallel.mappings import TensorParallel
+from ptdp.parallel.rng import TensorParallelRNG
 from ptdp.parallel.weight_grad import STORE
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.memory import (gloo_sharding_staging_bytes, gpu_memory, layer_parameters,

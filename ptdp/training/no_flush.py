@@ -48,9 +48,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ptdp.config.catalogue import schedule_spec
 from ptdp.optim.grads import clip_gradients, counts_in_norm
 from ptdp.optim.lr import learning_rate
-from ptdp.pipeline.schedules import END, REDUCE, TIED, UPDATE, WEIGHTS
+from ptdp.pipeline.actions import END, REDUCE, TIED, UPDATE, WEIGHTS
 from ptdp.pipeline.weights import StashedVersions, WeightVersions, take_gradients
 from ptdp.pipeline.window import NoFlushPlan
 
@@ -344,4 +345,4 @@ class PipeDream(_NoFlush):
 
 def build(trainer):
     """The no-flush training of ``trainer``'s schedule (2bw or pipedream)."""
-    return {"2bw": TwoBW, "pipedream": PipeDream}[trainer.cfg.schedule.name](trainer)
+    return PipeDream(trainer) if schedule_spec(trainer.cfg.schedule.name).update_per_input else TwoBW(trainer)

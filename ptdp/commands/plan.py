@@ -12,7 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from ptdp.config import ConfigError, config_from_dict, read_yaml, validate_model
+from ptdp.config import ConfigError, config_from_dict, load_model_yaml, validate
+from ptdp.config.catalogue import Planner, names_where, schedule_spec
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.cost_model import SCHEDULES, Workload
 from ptdp.hardware import HardwareError, foreign_profile, load_hardware
@@ -60,16 +61,6 @@ def register(subparsers) -> None:
 def _fail(command: str, err: Exception) -> int:
     print(f"ptdp {command}: error: {err}", file=sys.stderr)
     return 2
-
-
-def load_model_yaml(path: str) -> tuple[dict, object]:
-    """(raw YAML dict, Config) for a file that may hold only a model: section."""
-    raw = read_yaml(path)
-    cfg = config_from_dict(raw, str(path))
-    validate_model(cfg.model)
-    # Written configs state the derived default (4h) so they read the same everywhere.
-    raw = {**raw, "model": {**(raw.get("model") or {}), "ffn_hidden_size": cfg.model.ffn_hidden_size}}
-    return raw, cfg
 
 
 def _cluster(args, hw) -> tuple[int, int]:
@@ -122,7 +113,9 @@ def _plan(args) -> int:
     if args.top < 1:
         raise PlanError("--top must be at least 1")
     fixed = parse_fix(args.fix)
-    schedules = SCHEDULES if args.allow_2bw or fixed.get("schedule") == "2bw" else STRICT_SCHEDULES
+    opt_in = args.allow_2bw or ("schedule" in fixed
+                                and schedule_spec(fixed["schedule"]).planner is Planner.OPT_IN)
+    schedules = SCHEDULES if opt_in else STRICT_SCHEDULES
     shape = ModelShape.from_config(cfg.model)
     work = Workload(shape, batch, precision, per_node)
     result = search(hw, work, gpus, fixed, attention=args.attention, schedules=schedules,
@@ -149,7 +142,9 @@ def _plan(args) -> int:
                  f"B={batch}, {precision}")
         print(format_result(result, title, args.top))
         if schedules == STRICT_SCHEDULES:
-            print("(2bw not considered: it changes the weight-update rule; --allow-2bw to include)")
+            skipped = " and ".join(names_where(lambda s: s.planner is Planner.OPT_IN))
+            print(f"({skipped} not considered: it changes the weight-update rule; --allow-2bw to "
+                  f"include)")
     if args.write_config:
         out = trainer_config(raw, result.best, batch, precision)
         _check_trainer_accepts(out, gpus)
@@ -160,16 +155,5 @@ def _plan(args) -> int:
 
 
 def _check_trainer_accepts(out: dict, gpus: int) -> None:
-    """Validate the written config as `ptdp train` will, and warn when this checkout's
-    pipeline module cannot build the schedule yet (e.g. 2bw before it lands)."""
-    from ptdp.config import validate
+    """Validate the written config as `ptdp train` will (ConfigError naming the key)."""
     validate(config_from_dict(out, "planned config"), gpus)
-    name, par = out["schedule"]["name"], out["parallel"]
-    try:
-        from ptdp.pipeline.schedules import build_schedule  # torch-free
-        build_schedule(name, par["pipeline"], par["chunks"], par["pipeline"], 0)
-    except ImportError:
-        return
-    except ValueError as err:
-        print(f"warning: this checkout's trainer cannot run schedule '{name}' yet: {err}",
-              file=sys.stderr)

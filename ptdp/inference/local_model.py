@@ -18,10 +18,12 @@ from pathlib import Path
 
 import torch
 
-from ptdp.checkpoint import ShardReader, find_checkpoint, read_metadata
+from ptdp.checkpoint.reshard import ShardReader
+from ptdp.checkpoint.layout import find_checkpoint, read_metadata
 from ptdp.config import ModelConfig, padded_vocab_size
-from ptdp.parallel.tensor import TensorParallel, TensorParallelRNG
-from ptdp.sharding import local_slice
+from ptdp.parallel.mappings import TensorParallel
+from ptdp.parallel.rng import TensorParallelRNG
+from ptdp.parallel.sharding import local_slice
 
 
 def model_config(meta: dict) -> ModelConfig:
@@ -42,7 +44,7 @@ def read_full_state(path: str | os.PathLike) -> tuple[Path, dict, dict[str, torc
 def checkpoint_tokenizer(directory: Path, meta: dict, given: str | None = None) -> str | None:
     """The sentencepiece model of a checkpoint: `given`, else the checkpoint's own copy, else
     its training config's data.tokenizer; None if none exists."""
-    from ptdp.checkpoint import TOKENIZER_FILE
+    from ptdp.checkpoint.layout import TOKENIZER_FILE
     if given:
         if not Path(given).is_file():
             raise FileNotFoundError(f"--tokenizer {given}: no such file")
@@ -56,7 +58,7 @@ def checkpoint_tokenizer(directory: Path, meta: dict, given: str | None = None) 
 
 def build_single_stage(cfg: ModelConfig, seed: int = 0):
     """One chunk holding the whole model (p = t = 1), on CPU, with its initial weights."""
-    from models import ModelContext, build_chunk
+    from ptdp.models import ModelContext, build_chunk
     tp = TensorParallel()
     ctx = ModelContext(cfg, tp, seed, TensorParallelRNG(seed, 0, torch.device("cpu")),
                        padded_vocab_size(cfg.vocab_size, 1))
@@ -64,7 +66,7 @@ def build_single_stage(cfg: ModelConfig, seed: int = 0):
 
 
 def _trimmed_state(chunk, vocab_size: int) -> dict[str, torch.Tensor]:
-    from models import named_global_parameters
+    from ptdp.models import named_global_parameters
     return {name: (p[:vocab_size] if getattr(p, "vocab_padded", False) else p).detach().float().clone()
             for name, p in named_global_parameters(chunk)}
 
@@ -80,7 +82,7 @@ class LocalModel(torch.nn.Module):
 
     def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor]):
         super().__init__()
-        from models import named_global_parameters
+        from ptdp.models import named_global_parameters
         self.cfg = cfg
         self.chunk = build_single_stage(cfg)
         padded = padded_vocab_size(cfg.vocab_size, 1)
@@ -114,7 +116,7 @@ class LocalModel(torch.nn.Module):
 
     def logits(self, tokens: torch.Tensor, types=None, padding_mask=None) -> torch.Tensor:
         """[b, s] -> [b, s, vocab_size] (GPT: next-token; BERT: masked-LM) logits, fp32."""
-        from models.embedding import logits
+        from ptdp.models.embedding import logits
         chunk, v = self.chunk, self.cfg.vocab_size
         h = self.hidden(tokens, types, padding_mask)
         if self.cfg.arch == "bert":

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from models import ModelContext, build_chunk, named_global_parameters
-from ptdp.batching import MicroBatches
+from ptdp.models import ModelContext, build_chunk, named_global_parameters
+from ptdp.data.batching import MicroBatches
 from ptdp.config import Config
 from ptdp.data.synthetic import synthetic_datasets
 from ptdp.kernels import should_compile
-from ptdp.metrics import (MetricsLog, end_summary, format_bytes, iteration_tflops, peak_memory_gb,
-                          peak_tflops, startup_report, write_config)
+from ptdp.metrics.log import MetricsLog, write_config
+from ptdp.metrics.report import end_summary, format_bytes, startup_report
+from ptdp.metrics.throughput import iteration_tflops, peak_memory_gb, peak_tflops
 from ptdp.optim.distributed import ShardedMasterWeights
 from ptdp.optim.grads import (DataParallelGradients, clip_gradients, counts_in_norm,
                               global_grad_norm, reduce_sequence_parallel_grads,
@@ -36,17 +37,20 @@ from ptdp.optim.lr import learning_rate
 from ptdp.optim.mixed_precision import PRECISIONS, MasterWeights
 from ptdp.optim.optimizer import build_optimizer
 from ptdp.parallel.grid import coordinates_of
-from ptdp.parallel.tensor import TensorParallel, TensorParallelRNG, seed_everything
+from ptdp.parallel.mappings import TensorParallel
+from ptdp.parallel.rng import TensorParallelRNG, seed_everything
 from ptdp.pipeline.comm_plan import check_plans, plan_exchanges
 from ptdp.pipeline.executor import PipelineExecutor
 from ptdp.pipeline.p2p import P2P
 from ptdp.parallel.weight_grad import STORE as WEIGHT_GRADS
-from ptdp.pipeline.schedules import FORWARD, NO_FLUSH, SPLIT_BACKWARD, build_all, rank_stages
+from ptdp.pipeline.actions import FORWARD, rank_stages
+from ptdp.config.catalogue import FORWARD_ONLY, schedule_spec
+from ptdp.pipeline.schedules import build_all
 from ptdp.pipeline.weights import aliasing_masters
-from ptdp.runtime import init_distributed
-from ptdp.trace import NO_SPANS, TraceRecorder
-from ptdp.watchdog import Watchdog, is_communication_error
-from ptdp.sharding import gather_full_state
+from ptdp.runtime.startup import init_distributed
+from ptdp.runtime.trace import NO_SPANS, TraceRecorder
+from ptdp.runtime.watchdog import Watchdog, is_communication_error
+from ptdp.parallel.sharding import gather_full_state
 
 
 @dataclass
@@ -92,7 +96,7 @@ class Trainer:
         self.iteration = 0   # iterations done = the next iteration to run (the data position)
         self.last_checkpoint = None   # path of the newest checkpoint this job saved
         if cfg.checkpoint.load:
-            from ptdp.checkpoint import load_checkpoint
+            from ptdp.checkpoint.load import load_checkpoint
             load_checkpoint(self, cfg.checkpoint.load)
         if self.no_flush is not None:
             self.no_flush.start(self.iteration)
@@ -105,7 +109,7 @@ class Trainer:
                                 TensorParallelRNG(tr.seed, grid.tp_rank, self.device),
                                 cfg.padded_vocab_size, tr.recompute, tr.recompute_num_layers,
                                 compile=should_compile(tr.compile, self.device),
-                                split_backward=cfg.schedule.name in SPLIT_BACKWARD)
+                                split_backward=schedule_spec(cfg.schedule.name).split_backward)
         WEIGHT_GRADS.clear()   # nothing deferred survives a previous trainer in this process
         self.dtype = PRECISIONS[tr.precision]
         self.stages = rank_stages(grid.pp_rank, par.pipeline, par.chunks)
@@ -117,7 +121,7 @@ class Trainer:
     def _build_optimizer(self) -> None:
         tr, grid = self.cfg.train, self.grid
         self.m = self.cfg.num_micro_batches
-        no_flush = self.cfg.schedule.name in NO_FLUSH
+        no_flush = not schedule_spec(self.cfg.schedule.name).flushing
         # Master weights first: their fp32-accumulation hook must run before the data-parallel
         # one. Weight versions point parameters at tensors of their own, and 2BW holds one
         # batch's gradients while the next accumulates: one storage per tensor, not flat buffers.
@@ -133,14 +137,14 @@ class Trainer:
         self.optimizer = build_optimizer(self.master_params, tr)
         self.loss_scaler = LossScaler(dynamic=tr.precision == "fp16", initial=tr.initial_loss_scale)
         # pipedream updates after every input: each parameter accumulates once per reduction
-        accumulations = 1 if self.cfg.schedule.name == "pipedream" else self.m
+        accumulations = 1 if schedule_spec(self.cfg.schedule.name).update_per_input else self.m
         self.dp_grads = DataParallelGradients(
             self.params, grid.data_group, grid.d, accumulations, tr.grad_bucket_mb,
             flat=self.weights.flat_grads, sharded=self.weights if self.weights.sharded else None)
         self.versions = None     # weight versions (set by the no-flush schedules)
         self.no_flush = None
         if no_flush:
-            from ptdp import no_flush as no_flush_training
+            from ptdp.training import no_flush as no_flush_training
             self.no_flush = no_flush_training.build(self)
 
     def _build_pipeline(self) -> None:
@@ -156,7 +160,7 @@ class Trainer:
             activation_dtype=self.dtype, device=self.device, versions=self.versions)
         self.wire_shape = self.p2p.wire_shape(activation_shape)
         forwards = [[a for a in row if a.kind == FORWARD]
-                    for row in build_all("gpipe", par.pipeline, par.chunks, self.m)]
+                    for row in build_all(FORWARD_ONLY.name, par.pipeline, par.chunks, self.m)]
         self.eval_steps = self._plan(forwards)
         self.steps = None  # the no-flush schedules plan a stream of iterations (ptdp.no_flush)
         if self.no_flush is None:
@@ -389,7 +393,7 @@ class Trainer:
 
     def save_checkpoint(self) -> str:
         """Save to checkpoint.dir; returns the line to log: path, size and time."""
-        from ptdp.checkpoint import save_checkpoint
+        from ptdp.checkpoint.save import save_checkpoint
         start = time.perf_counter()
         final = save_checkpoint(self, self.cfg.checkpoint.dir)
         self.last_checkpoint = str(final)

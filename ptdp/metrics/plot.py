@@ -1,5 +1,5 @@
 """`ptdp plot`: training curves from metrics files (one JSON record per iteration, written by
-ptdp/metrics.py), several runs overlaid: loss (train solid, validation dashed with markers),
+ptdp/metrics/log.py), several runs overlaid: loss (train solid, validation dashed with markers),
 learning rate, throughput (tokens/s) and the fp16 loss scale against the iteration."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def plot_metrics(paths: list[str | Path], out: str | Path, title: str | None = N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ptdp.metrics import read_metrics
+    from ptdp.metrics.log import read_metrics
 
     paths = [Path(p) for p in paths]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)

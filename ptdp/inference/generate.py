@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ptdp.kernels import bias_dropout_add, bias_gelu
-from ptdp.local_model import LocalModel
+from ptdp.inference.local_model import LocalModel
 
 
 @dataclass
@@ -98,7 +98,7 @@ def forward_cached(model: LocalModel, tokens: torch.Tensor, cache: KVCache) -> t
         out = out.permute(2, 0, 1, 3).reshape(s, x.shape[1], -1)
         x = bias_dropout_add(*attn.proj(out), x, 0.0, False)
         x = bias_dropout_add(*layer.mlp.fc2(bias_gelu(*layer.mlp.fc1(layer.ln2(x)))), x, 0.0, False)
-    from models.embedding import logits
+    from ptdp.models.embedding import logits
     out = logits(chunk.final_ln(x), chunk.output_table(), chunk.ctx)
     return out[..., :model.cfg.vocab_size].transpose(0, 1).float()
 

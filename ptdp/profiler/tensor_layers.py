@@ -1,6 +1,6 @@
 """Tensor-parallel layers on busy CPU ranks: what communication really adds to a layer.
 
-`ptdp profile` (ptdp/profiler.py) times a layer shard's compute in one process and the
+`ptdp profile` (ptdp/profiler/kernels.py) times a layer shard's compute in one process and the
 collectives on their own. On CPU ranks a layer's collectives cost far more than those two
 predict together: every all-reduce waits for the slowest member of its group, and gloo's
 transport threads compete with the computing ranks for the same cores. Measured here (2 cores,
@@ -46,11 +46,11 @@ def _stack_pass(model_cfg, tp, b: int, precision: str):
     import dataclasses
 
     import torch
-    from models.transformer import TransformerStack
-    from ptdp.profiler import DTYPES, _context
+    from ptdp.models.transformer import TransformerStack
+    from ptdp.profiler.timing import DTYPES, layer_context
     dtype = getattr(torch, DTYPES[precision])
     m, cpu = model_cfg, torch.device("cpu")
-    ctx = dataclasses.replace(_context(m, tp.size, cpu), tp=tp)
+    ctx = dataclasses.replace(layer_context(m, tp.size, cpu), tp=tp)
     stack = TransformerStack(ctx, 0, LAYERS, m.arch == "gpt").to(cpu, dtype)
     stack.train()
     seq = m.seq_length // tp.size if tp.sequence_parallel else m.seq_length
@@ -74,7 +74,7 @@ def bench_tensor_layers(model: dict, tensors: list[int], micro_batches: list[int
     """Runs on every rank of a run_on_ranks world; rank 0's rows are the result."""
     import torch.distributed as dist
     from ptdp.config import ModelConfig
-    from ptdp.parallel.tensor import TensorParallel
+    from ptdp.parallel.mappings import TensorParallel
     rank, world = dist.get_rank(), dist.get_world_size()
     model_cfg = ModelConfig(**model)
     alone_groups = [dist.new_group([r]) for r in range(world)]   # every rank makes every group
@@ -99,7 +99,7 @@ def measure_tensor_layers(model_cfg, tensors: list[int], micro_batches: list[int
     """`measured.tensor_layers`: bench_tensor_layers on each world of busy ranks."""
     import dataclasses
 
-    from ptdp.local_ranks import run_on_ranks
+    from ptdp.runtime.local_ranks import run_on_ranks
     model = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg)}
     rows = []
     for world in worlds:

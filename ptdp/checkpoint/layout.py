@@ -1,0 +1,212 @@
+"""What a checkpoint is on disk, and how to find, read and check one (no process group).
+
+Layout of one checkpoint (N = iterations done, zero-padded to 7 digits):
+
+    {dir}/latest                      "iter_000000N": the newest complete checkpoint
+    {dir}/iter_000000N/metadata.json  iteration, layout, model and train config, loss scaler,
+                                      and per global parameter name: full shape,
+                                      tp_split_dim, vocab_padded and the pipeline rank holding it
+    {dir}/iter_000000N/model_pp{P:03d}_tp{T:03d}.pt
+                                      one per model-parallel rank, written by data rank 0:
+                                      {name: {"value", "exp_avg", "exp_avg_sq", "step"}} with the
+                                      shards of the master (fp32) weights and their AdamW state;
+                                      2BW adds "shadow": the older of its two weight versions
+    {dir}/iter_000000N/rng_rank{R:05d}.pt
+                                      one per world rank: CPU/CUDA and tensor-parallel RNG
+    {dir}/iter_000000N/config.yaml    the job's full resolved config (also in metadata.json)
+    {dir}/iter_000000N/tokenizer.model
+                                      a copy of data.tokenizer, when set (generation and
+                                      `ptdp convert` need no other file)
+
+A checkpoint written by `save_full_state` (`ptdp convert --from hf`) has no RNG files and
+no optimizer state and no loss scale: a job loading it starts fresh RNG streams, fresh AdamW
+moments and the configured loss scale.
+
+A directory is a complete checkpoint when its metadata.json reads and every file it lists is
+there. When `latest` is missing or names an incomplete directory, the newest complete
+checkpoint in the folder is found instead, with a one-line note (ptdp/checkpoint/save.py says
+when that can happen).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+FORMAT_VERSION = 1
+METADATA = "metadata.json"
+LATEST = "latest"
+TMP_SUFFIX = ".tmp"
+RESAVE_SUFFIX = ".new"   # a re-saved iteration, published beside the copy it replaces
+CONFIG_FILE = "config.yaml"
+TOKENIZER_FILE = "tokenizer.model"
+# Directory names a checkpoint can be loaded from: iter_N, or iter_N.new mid-way in a re-save.
+CHECKPOINT_NAME = re.compile(r"iter_(\d+)(\.new)?")
+OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
+# Model keys that do not change what the saved weights mean; a resumed job may change them.
+NON_STRUCTURAL_MODEL_KEYS = ("dropout", "init_std")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or read; the message names the path or parameter."""
+
+
+def iteration_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def shard_file_name(pp_rank: int, tp_rank: int) -> str:
+    return f"model_pp{pp_rank:03d}_tp{tp_rank:03d}.pt"
+
+
+def rng_file_name(rank: int) -> str:
+    return f"rng_rank{rank:05d}.pt"
+
+
+def latest_name(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text().strip() or None
+    except OSError:
+        return None
+
+
+def layout_of(cfg) -> dict:
+    par = cfg.parallel
+    return {"pipeline": par.pipeline, "tensor": par.tensor, "data": par.data, "chunks": par.chunks}
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint root (follow `latest`) or one iteration directory -> a complete iteration dir."""
+    return find_checkpoint(path)[0]
+
+
+def find_checkpoint(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """(complete iteration dir, note). The note says why `latest` was not followed and which
+    checkpoint was taken instead (None when `latest` or the given directory was used)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist; check checkpoint.load")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path {path} is a file, not a checkpoint directory; "
+                              f"point checkpoint.load at a checkpoint.dir or an iter_N directory")
+    if path.name.endswith(TMP_SUFFIX):
+        raise CheckpointError(f"{path} is an incomplete checkpoint (a save that did not finish)")
+    if (path / METADATA).is_file():
+        return path, None
+    if CHECKPOINT_NAME.fullmatch(path.name):
+        raise CheckpointError(f"{path} is an incomplete checkpoint: it has no {METADATA}")
+    problem = _latest_problem(path)
+    if problem is None:
+        return path / latest_name(path), None
+    fallback = newest_complete_checkpoint(path)
+    if fallback is None:
+        raise CheckpointError(f"{path} holds no checkpoint: {problem}, and no complete iter_N "
+                              f"directory to fall back to")
+    return fallback, f"{problem}; loading the newest complete checkpoint, {fallback}"
+
+
+def _latest_problem(root: Path) -> str | None:
+    """Why `root/latest` cannot be followed, or None if it names a complete checkpoint."""
+    latest = root / LATEST
+    if not latest.is_file():
+        return f"no '{LATEST}' file"
+    name = latest_name(root)
+    target = root / (name or "")
+    if not name or not CHECKPOINT_NAME.fullmatch(name) or incomplete(target):
+        return f"{latest} names '{name}', but {target} is missing or incomplete"
+    return None
+
+
+def incomplete(directory: Path) -> str | None:
+    """Why `directory` is not a complete checkpoint, or None if it is."""
+    try:
+        read_metadata(directory)
+    except CheckpointError as err:
+        return str(err)
+    return None
+
+
+def newest_complete_checkpoint(root: Path) -> Path | None:
+    """The complete iteration directory with the highest iteration (a re-save's `.new` copy
+    wins a tie: it is the later save), or None."""
+    candidates = []
+    for entry in root.iterdir():
+        match = CHECKPOINT_NAME.fullmatch(entry.name)
+        if match and entry.is_dir():
+            candidates.append((int(match.group(1)), bool(match.group(2)), entry))
+    for _, _, entry in sorted(candidates, reverse=True):
+        if not incomplete(entry):
+            return entry
+    return None
+
+
+def read_metadata(directory: Path) -> dict:
+    """metadata.json of a complete checkpoint, after checking that its files are all there."""
+    try:
+        meta = json.loads((directory / METADATA).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"cannot read {directory / METADATA}: {err}") from err
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), list):
+        raise CheckpointError(f"{directory / METADATA} is not checkpoint metadata")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{directory}: format version {meta.get('format_version')} is not "
+                              f"{FORMAT_VERSION}")
+    missing = [f for f in meta["files"] if not (directory / f).is_file()]
+    if missing:
+        raise CheckpointError(f"{directory} is an incomplete checkpoint: missing {', '.join(missing)}")
+    return meta
+
+
+def check_model_config(meta: dict, model, directory: Path) -> None:
+    """The model must be the checkpoint's (the layout may differ); name every differing key."""
+    current = json.loads(json.dumps(dataclasses.asdict(model)))  # same types as the saved JSON
+    saved = meta["model"]
+    differ = [k for k in sorted(set(saved) | set(current))
+              if k not in NON_STRUCTURAL_MODEL_KEYS and saved.get(k) != current.get(k)]
+    if differ:
+        details = ", ".join(f"model.{k}={saved.get(k)!r} in the checkpoint but {current.get(k)!r} "
+                            f"in the config" for k in differ)
+        raise CheckpointError(f"{directory} was saved for a different model: {details}")
+
+
+def check_files_readable(directory: Path, meta: dict) -> None:
+    """Open every file of a checkpoint without reading its tensors (memory-mapped) and check
+    that each shard holds the parameters the metadata places on its pipeline rank.
+
+    What `ptdp check` uses: a truncated or garbage file fails here, before any rank starts.
+    """
+    by_stage: dict[int, list[str]] = {}
+    for name, info in meta["params"].items():
+        by_stage.setdefault(info["pipeline_rank"], []).append(name)
+    layout = meta["layout"]
+    for pp in range(layout["pipeline"]):
+        for tp in range(layout["tensor"]):
+            path = directory / shard_file_name(pp, tp)
+            shard = load_file(path, mmap=True)
+            missing = [n for n in by_stage.get(pp, [])
+                       if not isinstance(shard, dict) or "value" not in (shard.get(n) or {})]
+            if missing:
+                more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+                raise CheckpointError(f"{path} has no entry for parameter '{missing[0]}'{more} "
+                                      f"(the metadata says it is there)")
+    for name in meta["files"]:
+        if name.startswith("rng_rank"):
+            load_file(directory / name, mmap=False)
+
+
+def load_file(path: Path, mmap: bool):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as err:  # torch raises many types for a bad file; the text says which
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"cannot read {path}: {first_line}") from err
+
+
+def layout_text(layout: dict) -> str:
+    return (f"p={layout['pipeline']} t={layout['tensor']} d={layout['data']} "
+            f"v={layout['chunks']}")

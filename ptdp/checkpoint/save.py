@@ -1,0 +1,301 @@
+"""Saving a training job's state: every rank writes its files, then rank 0 publishes atomically.
+
+Atomicity: everything is written into `iter_N.tmp/`, every rank reports success, then rank 0
+writes metadata.json, renames the directory to `iter_N` and replaces `latest` with
+os.replace. A crash at any point leaves either a `.tmp` directory (never loaded) or a complete
+checkpoint, and `latest` names a complete one. Re-saving an iteration that exists never
+removes the old copy before the new one is in place: the new one is published as
+`iter_N.new`, `latest` is switched to it, the old copy is moved to `iter_N.old.tmp` and
+deleted, then `iter_N.new` becomes `iter_N` and `latest` follows. The one moment where
+`latest` names nothing (between the last rename and the last switch) is covered by the
+loader's fallback (ptdp/checkpoint/layout.py). Each save starts by removing leftovers of
+crashed saves (`*.tmp`, and `*.new` that `latest` does not name).
+
+PipeDream-2BW: after N iterations the masters are W(N) and batch N still runs with W(N-1), the
+shadow version; it is saved beside each value (and the fp16 loss scales fixed for batches N and
+N+1, in the metadata), so a resumed 2BW run recomputes batch N with W(N-1) and continues the
+loss sequence of the uninterrupted run exactly.
+
+Distributed optimizer (ptdp/optim/distributed.py): each data rank holds the masters and Adam
+moments of its shard of every bucket only. At a save the data ranks all-gather them into whole
+tensors and data rank 0 writes the same entries as without it, so the files do not depend on
+whether it was on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from ptdp.checkpoint.layout import (CheckpointError, CONFIG_FILE, LATEST, METADATA, OPTIMIZER_KEYS, RESAVE_SUFFIX,
+                                    TMP_SUFFIX, TOKENIZER_FILE, FORMAT_VERSION, iteration_dir_name,
+                                    latest_name, incomplete, layout_of, rng_file_name,
+                                    shard_file_name)
+from ptdp.checkpoint.reshard import master_of, param_metadata
+from ptdp.parallel.sharding import local_slice
+from ptdp.checkpoint.safety import (all_gather, fsync_dir, on_all_ranks, remove, save_durably,
+                                    write_text_durably)
+
+
+def save_checkpoint(trainer, directory: str | os.PathLike) -> Path:
+    """Write the trainer's state after `trainer.iteration` iterations; returns the final dir.
+
+    Collective: every rank of the job must call it.
+    """
+    root = Path(directory)
+    final = root / iteration_dir_name(trainer.iteration)
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    rank0 = dist.get_rank() == 0
+    on_all_ranks(f"preparing checkpoint {tmp}", lambda: _prepare(root, tmp) if rank0 else None)
+    # The distributed optimizer's state is sharded over the data group: every data rank takes
+    # part in assembling the whole tensors that data rank 0 writes, in the usual format.
+    gathered = (trainer.weights.gather_optimizer_state(trainer.optimizer)
+                if trainer.weights.sharded else None)
+    info = on_all_ranks(f"writing checkpoint {tmp}",
+                         lambda: _write_rank_files(trainer, tmp, gathered))
+    params = {}
+    for part in all_gather(info):
+        params.update(part)
+    def publish():
+        _write_config_and_tokenizer(trainer.cfg, tmp)
+        _publish(tmp, final, _metadata(trainer, params))
+
+    on_all_ranks(f"publishing checkpoint {final}", lambda: publish() if rank0 else None)
+    return final
+
+
+def _write_config_and_tokenizer(cfg, tmp: Path) -> None:
+    """The resolved config as YAML, and a copy of the tokenizer, beside the shards."""
+    import yaml
+    write_text_durably(tmp / CONFIG_FILE, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    if cfg.data.tokenizer and Path(cfg.data.tokenizer).is_file():
+        shutil.copyfile(cfg.data.tokenizer, tmp / TOKENIZER_FILE)
+
+
+def _reached(stage: str) -> None:
+    """Called after each step of a save; does nothing. Tests replace it to crash a save there."""
+
+
+def _prepare(root: Path, tmp: Path) -> None:
+    """Finish or discard what crashed saves left, then make an empty `tmp` directory."""
+    root.mkdir(parents=True, exist_ok=True)
+    named = latest_name(root)
+    if named and named.endswith(RESAVE_SUFFIX) and not incomplete(root / named):
+        _finish_resave(root / named, root / named[: -len(RESAVE_SUFFIX)])
+        named = latest_name(root)
+    for entry in root.iterdir():
+        stale = entry.name.endswith(TMP_SUFFIX) or (
+            entry.name.endswith(RESAVE_SUFFIX) and entry.name != named)
+        if stale:
+            remove(entry)
+    tmp.mkdir()
+    _reached("tmp_dir")
+
+
+def _write_rank_files(trainer, tmp: Path, gathered: tuple | None) -> dict:
+    """This rank's files; returns metadata of the parameters it saved ({} if none)."""
+    grid = trainer.grid
+    save_durably(_rng_state(trainer), tmp / rng_file_name(grid.rank))
+    if grid.dp_rank != 0:  # data-parallel replicas hold identical model and optimizer state
+        _reached("rank_files")
+        return {}
+    shards, info = _model_shards(trainer) if gathered is None else _gathered_shards(trainer, *gathered)
+    save_durably(shards, tmp / shard_file_name(grid.pp_rank, grid.tp_rank))
+    _reached("rank_files")
+    return info
+
+
+def _model_shards(trainer) -> tuple[dict, dict]:
+    """({name: saved tensors}, {name: metadata}) for this rank's unique parameters."""
+    masters = master_of(trainer)
+    shadow = _shadow_of(trainer)
+    shards, info = {}, {}
+    for name, param in trainer.named_parameters():
+        if getattr(param, "duplicate", False):  # the tied head's copy; the original is saved
+            continue
+        master = masters[id(param)]
+        entry = {"value": master.detach().cpu().clone()}
+        if shadow is not None:
+            entry["shadow"] = shadow[id(param)].detach().float().cpu().clone()
+        state = trainer.optimizer.state.get(master, {})
+        for key in OPTIMIZER_KEYS + ("step",):
+            if key in state:
+                entry[key] = torch.as_tensor(state[key]).detach().cpu().clone()
+        shards[name] = entry
+        info[name] = param_metadata(param, trainer)
+    return shards, info
+
+
+def _gathered_shards(trainer, whole: dict, step) -> tuple[dict, dict]:
+    """`_model_shards` for the distributed optimizer, from the state its data ranks gathered
+    (ShardedMasterWeights.gather_optimizer_state): the same entries, so any layout loads it."""
+    shards, info = {}, {}
+    for i, (name, param) in enumerate(trainer.named_parameters()):
+        if getattr(param, "duplicate", False):
+            continue
+        entry = {key: tensors[i].detach().cpu().clone() for key, tensors in whole.items()}
+        if step is not None:
+            entry["step"] = step.clone()
+        shards[name] = entry
+        info[name] = param_metadata(param, trainer)
+    return shards, info
+
+
+def _shadow_of(trainer) -> dict | None:
+    """id(model param) -> its value in 2BW's older live version, or None."""
+    shadow = getattr(trainer.no_flush, "shadow", lambda: None)()
+    if shadow is None:
+        return None
+    return {id(p): value for p, value in zip(trainer.params, shadow[1])}
+
+
+def _rng_state(trainer) -> dict:
+    state = {"cpu": torch.get_rng_state(), "tensor_parallel": trainer.ctx.rng.get_state()}
+    if trainer.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(trainer.device)
+    return state
+
+
+def _metadata(trainer, params: dict) -> dict:
+    cfg, grid = trainer.cfg, trainer.grid
+    return {
+        "format_version": FORMAT_VERSION,
+        "iteration": trainer.iteration,
+        "consumed_samples": trainer.iteration * cfg.train.global_batch_size,
+        "layout": layout_of(cfg),
+        "model": dataclasses.asdict(cfg.model),
+        "train": dataclasses.asdict(cfg.train),  # for the record; LR is f(iteration, train)
+        "config": cfg.to_dict(),                 # the whole resolved config, for the record
+        "loss_scaler": trainer.loss_scaler.state_dict(),
+        **_two_bw_metadata(trainer),
+        "params": params,
+        "files": sorted([shard_file_name(pp, tp) for pp in range(grid.p) for tp in range(grid.t)]
+                        + [rng_file_name(r) for r in range(dist.get_world_size())]
+                        + _config_and_tokenizer_files(cfg)),
+    }
+
+
+def _config_and_tokenizer_files(cfg) -> list[str]:
+    """What `_write_config_and_tokenizer` writes (part of a complete checkpoint)."""
+    has_tokenizer = bool(cfg.data.tokenizer) and Path(cfg.data.tokenizer).is_file()
+    return [CONFIG_FILE] + ([TOKENIZER_FILE] if has_tokenizer else [])
+
+
+def _two_bw_metadata(trainer) -> dict:
+    shadow = getattr(trainer.no_flush, "shadow", lambda: None)()
+    if shadow is None:
+        return {}
+    scales = {str(b): s for b, s in trainer.no_flush.scales.items() if b >= trainer.iteration}
+    return {"two_bw": {"shadow_version": shadow[0], "loss_scales": scales}}
+
+
+def _publish(tmp: Path, final: Path, metadata: dict) -> None:
+    """metadata.json last, then the directory rename, then `latest`: each step atomic."""
+    write_text_durably(tmp / METADATA, json.dumps(metadata, indent=1))
+    _reached("metadata")
+    if not final.exists():
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+        _reached("renamed")
+        _point_latest(final)
+        return
+    # Re-saving an iteration: never remove the old copy before the new one is in place and
+    # `latest` names it, so a crash at any step leaves a complete checkpoint to resume from.
+    side = final.with_name(final.name + RESAVE_SUFFIX)
+    os.rename(tmp, side)
+    fsync_dir(final.parent)
+    _reached("side_renamed")
+    _point_latest(side)
+    _reached("latest_to_side")
+    _finish_resave(side, final)
+
+
+def _finish_resave(side: Path, final: Path) -> None:
+    """`latest` names `side`: drop the old `final`, give `side` the usual name, point at it."""
+    if final.exists():
+        trash = final.with_name(final.name + ".old" + TMP_SUFFIX)  # never loaded; swept later
+        remove(trash)
+        os.rename(final, trash)
+        _reached("old_moved")
+        shutil.rmtree(trash)
+        _reached("old_removed")
+    os.rename(side, final)
+    fsync_dir(final.parent)
+    _reached("renamed_back")  # `latest` names nothing until the next line: the loader falls back
+    _point_latest(final)
+
+
+def _point_latest(target: Path) -> None:
+    latest_tmp = target.parent / (LATEST + TMP_SUFFIX)
+    write_text_durably(latest_tmp, target.name + "\n")
+    os.replace(latest_tmp, target.parent / LATEST)
+    fsync_dir(target.parent)
+    _reached("latest")
+
+
+def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: int = 0,
+                    tokenizer: str | os.PathLike | None = None) -> Path:
+    """Write full (layout-free, vocabulary-trimmed) weights as a checkpoint for cfg's layout.
+
+    The shards are what the ranks of (p, t, d, v) = cfg.parallel would save: each parameter
+    sliced with `local_slice` for every tensor rank, on the pipeline rank whose chunk holds
+    it. No optimizer state and no RNG files (`"rng": false`): a job resuming from it starts
+    AdamW and its random streams afresh. Returns the iteration directory.
+    """
+    from ptdp.models import ModelContext, build_chunk, named_global_parameters
+    from ptdp.parallel.mappings import TensorParallel
+    from ptdp.parallel.rng import TensorParallelRNG
+    from ptdp.pipeline.actions import rank_stages
+
+    par = cfg.parallel
+    root = Path(directory)
+    final = root / iteration_dir_name(iteration)
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    _prepare(root, tmp)
+    shards = {(pp, tr): {} for pp in range(par.pipeline) for tr in range(par.tensor)}
+    params = {}
+    ctx = ModelContext(cfg.model, TensorParallel(None, 0, par.tensor), cfg.train.seed,
+                       TensorParallelRNG(cfg.train.seed, 0, torch.device("cpu")),
+                       cfg.padded_vocab_size)
+    for pp in range(par.pipeline):
+        for stage in rank_stages(pp, par.pipeline, par.chunks):
+            chunk = build_chunk(ctx, stage, par.pipeline * par.chunks)  # names and split dims
+            for name, param in named_global_parameters(chunk):
+                if getattr(param, "duplicate", False):
+                    continue
+                if name not in full:
+                    raise CheckpointError(f"the weights to save have no '{name}'")
+                expected = param_metadata(param, SimpleNamespace(tp=ctx.tp, cfg=cfg,
+                                                                  grid=SimpleNamespace(pp_rank=pp)))
+                if list(full[name].shape) != expected["shape"]:
+                    raise CheckpointError(f"'{name}' has shape {list(full[name].shape)}; the "
+                                          f"model needs {expected['shape']}")
+                for tr in range(par.tensor):
+                    tp = TensorParallel(None, tr, par.tensor)
+                    local = local_slice(param, full[name].float(), tp, cfg.padded_vocab_size)
+                    if local.shape != param.shape:
+                        raise CheckpointError(f"'{name}': full shape {list(full[name].shape)} "
+                                              f"does not fit the model's shard {list(param.shape)}")
+                    shards[(pp, tr)][name] = {"value": local.contiguous().clone()}
+                params[name] = expected
+            del chunk
+    for (pp, tr), shard in shards.items():
+        save_durably(shard, tmp / shard_file_name(pp, tr))
+    if tokenizer:
+        cfg.data.tokenizer = str(tokenizer)
+    _write_config_and_tokenizer(cfg, tmp)
+    meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
+            "consumed_samples": iteration * cfg.train.global_batch_size, "layout": layout_of(cfg),
+            "model": dataclasses.asdict(cfg.model), "train": dataclasses.asdict(cfg.train),
+            "config": cfg.to_dict(), "rng": False, "params": params,
+            "files": sorted([shard_file_name(pp, tr) for pp, tr in shards]
+                            + _config_and_tokenizer_files(cfg))}
+    _publish(tmp, final, meta)
+    return final

@@ -1,0 +1,161 @@
+"""The configuration's shape: one dataclass per YAML section, with every key's default, and
+the one error type every configuration problem raises.
+
+Everything under ptdp/config is plain Python (no torch), so the planner and the CLI use it
+cheaply and validation runs before any process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from dataclasses import dataclass, field
+
+from ptdp.config.catalogue import DEFAULT
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems; each names the key and says how to fix it.
+
+    `errors` holds one line per problem; str() joins them with newlines.
+    """
+
+    def __init__(self, errors: str | list[str]):
+        self.errors = [errors] if isinstance(errors, str) else list(errors)
+        super().__init__("\n".join(self.errors))
+
+
+VOCAB_PAD_MULTIPLE = 128  # vocab is padded to a multiple of 128 * t (GEMM-friendly shards)
+
+
+def suggest(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+@dataclass
+class ModelConfig:
+    arch: str = "gpt"                    # gpt | bert
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 4
+    ffn_hidden_size: int | None = None   # default 4 * hidden_size
+    seq_length: int = 32
+    vocab_size: int = 256                # the tokenizer's real size; padded internally
+    dropout: float = 0.0                 # hidden and attention dropout
+    layernorm_eps: float = 1e-5
+    init_std: float = 0.02
+    num_tokentypes: int = 2              # BERT segment embeddings
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1                      # t
+    pipeline: int = 1                    # p
+    data: int | None = None              # d; None = world_size / (p * t)
+    chunks: int = 1                      # v, model chunks per pipeline rank (interleaving)
+    scatter_gather: bool = False         # send 1/t of each boundary tensor, all-gather after
+    sequence_parallel: bool = False      # LayerNorm/dropout regions split along the sequence
+
+
+@dataclass
+class ScheduleConfig:
+    name: str = DEFAULT.name             # gpipe | 1f1b | interleaved | zb-h1 | 2bw | pipedream
+                                         # (ptdp/config/catalogue.py)
+    vertical_sync: bool = False          # pipedream: every stage uses the input stage's version
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 2            # b
+    global_batch_size: int = 8           # B
+    iters: int = 10
+    seed: int = 1234
+    precision: str = "fp32"              # fp32 | bf16 | fp16
+    recompute: str = "none"              # none | full | selective
+    recompute_num_layers: int = 1        # layers per checkpointed group with recompute=full
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "cosine"       # cosine | linear | constant
+    lr_decay_iters: int | None = None    # default: iters
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0               # 0 disables clipping
+    grad_bucket_mb: float = 25.0         # data-parallel all-reduce bucket size
+    distributed_optimizer: bool = False  # shard fp32 masters + Adam state over the data group
+    initial_loss_scale: float = 2.0 ** 16
+    fp16_max_skips: int = 10             # stop after this many overflows in a row at scale 1
+    eval_interval: int = 0               # 0 disables validation
+    eval_iters: int = 2
+    device: str = "auto"                 # auto | cpu | cuda
+    compile: bool | None = None          # torch.compile each layer; null = on for CUDA only
+    timeout_s: float = 180.0             # every collective gives up after this long
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"            # synthetic | indexed
+    paths: list = field(default_factory=list)  # [path] or [weight, path, weight, path, ...]
+    tokenizer: str | None = None         # sentencepiece .model file
+    split: str = "98,1,1"                # train,valid,test ratios
+    num_workers: int = 0
+    mask_prob: float = 0.15              # BERT masking
+
+
+@dataclass
+class LogConfig:
+    interval: int = 1
+    metrics_file: str | None = None
+    trace_file: str | None = None
+    tensorboard_dir: str | None = None
+    progress: bool = True                # tqdm bar on rank 0 (only when stderr is a terminal)
+    hardware: str | None = None          # profile name/path for MFU; auto-detected on known GPUs
+    verbose: bool = False                # print the full resolved config at start-up (--verbose)
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    save_interval: int = 0               # 0 = only at the end when dir is set
+    load: str | None = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    # Derived quantities used everywhere -------------------------------------------------
+    @property
+    def num_micro_batches(self) -> int:
+        """m: micro-batches per data-parallel rank per iteration."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.data)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(self.model.vocab_size, self.parallel.tensor)
+
+
+def padded_vocab_size(vocab_size: int, tensor: int) -> int:
+    multiple = VOCAB_PAD_MULTIPLE * tensor
+    return int(math.ceil(vocab_size / multiple) * multiple)

@@ -1,0 +1,330 @@
+"""Validation: pure range and consistency checks that collect every problem, one line each,
+naming the key and how to fix it. Runs before any process group exists."""
+
+from __future__ import annotations
+
+import math
+
+from ptdp.config.catalogue import DEFAULT, NAMES, SCHEDULES, Chunks, ScheduleSpec, names_where
+from ptdp.config.schema import (Config, ConfigError, DataConfig, ModelConfig, ParallelConfig,
+                                TrainConfig, suggest)
+
+
+def parse_split(split: str) -> list[float]:
+    """'98,1,1' -> [98.0, 1.0, 1.0] (train, valid, test; missing ratios are 0)."""
+    try:
+        ratios = [float(x) for x in str(split).replace("/", ",").split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"data.split must be comma-separated numbers like 98,1,1, "
+                          f"got {split!r}") from None
+    if not 1 <= len(ratios) <= 3 or min(ratios) < 0 or sum(ratios) <= 0 \
+            or not all(math.isfinite(r) for r in ratios):
+        raise ConfigError(f"data.split must be up to three non-negative ratios (train,valid,test) "
+                          f"with a positive sum, like 98,1,1; got {split!r}")
+    return ratios + [0.0] * (3 - len(ratios))
+
+
+def parse_paths(paths: list) -> list[tuple[float, str]]:
+    """`[prefix]` or `[weight, prefix, weight, prefix, ...]` -> [(weight, prefix), ...]."""
+    if len(paths) == 1:
+        return [(1.0, str(paths[0]))]
+    if len(paths) == 0 or len(paths) % 2:
+        raise ConfigError(f"data.paths must be [prefix] or [weight, prefix, weight, prefix, ...], "
+                          f"got {paths}")
+    pairs = []
+    for weight, prefix in zip(paths[::2], paths[1::2]):
+        try:
+            w = float(weight)
+        except (TypeError, ValueError):
+            raise ConfigError(f"data.paths: expected a weight before '{prefix}', got {weight!r}") from None
+        if w < 0:
+            raise ConfigError(f"data.paths: weight of '{prefix}' is negative ({w})")
+        pairs.append((w, str(prefix)))
+    if sum(w for w, _ in pairs) <= 0:
+        raise ConfigError(f"data.paths: the weights must not all be zero, got {paths}")
+    return pairs
+
+
+class _Problems:
+    """Collects one line per problem, so a user sees every mistake in one go."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def require(self, cond: bool, message: str) -> bool:
+        if not cond:
+            self.lines.append(message)
+        return bool(cond)
+
+    def choice(self, value: str, options: tuple, key: str) -> bool:
+        return self.require(value in options, f"{key}: '{value}' is not one of {', '.join(options)}"
+                                              f"{suggest(str(value), list(options))}")
+
+    def positive(self, value, key: str, strict: bool = True, hint: str = "") -> bool:
+        ok = value > 0 if strict else value >= 0
+        bound = "positive" if strict else ">= 0"
+        return self.require(ok, f"{key} must be {bound}, got {value}{hint}")
+
+    def parse(self, fn, *args):
+        """fn(*args), recording its ConfigError; None when it failed."""
+        try:
+            return fn(*args)
+        except ConfigError as err:
+            self.lines.extend(err.errors)
+            return None
+
+
+def validate_model(m: ModelConfig) -> None:
+    problems = _Problems()
+    _check_model(m, problems)
+    if problems.lines:
+        raise ConfigError(problems.lines)
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Check the whole config against the world size; fills parallel.data when it is None.
+
+    Raises one ConfigError listing every problem found (`err.errors`, one line each).
+    """
+    problems = _Problems()
+    model_ok = _check_model(cfg.model, problems)
+    train_ok = _check_train(cfg.train, problems)
+    _check_data(cfg.data, problems)
+    _check_log_and_checkpoint(cfg, problems)
+    # The layout divides model and batch sizes: only meaningful once those are sane.
+    if _check_parallel_sizes(cfg.parallel, problems) and model_ok and train_ok:
+        _check_layout(cfg, world_size, problems)
+    if problems.lines:
+        raise ConfigError(problems.lines)
+
+
+def _check_model(m: ModelConfig, out: _Problems) -> bool:
+    before = len(out.lines)
+    out.choice(m.arch, ("gpt", "bert"), "model.arch")
+    sizes_ok = all([out.positive(getattr(m, key), f"model.{key}") for key in
+                    ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size",
+                     "ffn_hidden_size")])
+    if sizes_ok:
+        out.require(m.hidden_size % m.num_heads == 0,
+                    f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads "
+                    f"({m.num_heads})")
+    out.require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
+    out.positive(m.layernorm_eps, "model.layernorm_eps")
+    out.positive(m.init_std, "model.init_std")
+    out.positive(m.num_tokentypes, "model.num_tokentypes")
+    if m.arch == "bert":
+        out.require(m.seq_length >= 5, f"model.seq_length={m.seq_length} is too short for BERT "
+                                       f"([CLS] A [SEP] B [SEP] needs at least 5)")
+    return len(out.lines) == before
+
+
+def _check_train(tr: TrainConfig, out: _Problems) -> bool:
+    """Ranges of the training keys; False if the batch sizes cannot be used in the layout."""
+    batches_ok = all([out.require(tr.micro_batch_size >= 1, f"train.micro_batch_size must be "
+                                                            f">= 1, got {tr.micro_batch_size}"),
+                      out.require(tr.global_batch_size >= 1, f"train.global_batch_size must be "
+                                                             f">= 1, got {tr.global_batch_size}")])
+    out.require(tr.iters >= 0, f"train.iters must be >= 0, got {tr.iters}")
+    out.require(tr.seed >= 0, f"train.seed must be >= 0, got {tr.seed}")
+    out.choice(tr.precision, ("fp32", "bf16", "fp16"), "train.precision")
+    out.choice(tr.recompute, ("none", "full", "selective"), "train.recompute")
+    out.require(tr.recompute_num_layers >= 1,
+                f"train.recompute_num_layers must be >= 1, got {tr.recompute_num_layers}")
+    _check_learning_rate(tr, out)
+    _check_optimizer(tr, out)
+    out.positive(tr.grad_bucket_mb, "train.grad_bucket_mb")
+    out.positive(tr.initial_loss_scale, "train.initial_loss_scale",
+                 hint=" (the fp16 loss scale starts here; 65536 is usual)")
+    out.positive(tr.eval_interval, "train.eval_interval", strict=False, hint=" (0 disables validation)")
+    if tr.eval_interval > 0:
+        out.require(tr.eval_iters >= 1,
+                    f"train.eval_iters must be >= 1 when train.eval_interval > 0, got "
+                    f"{tr.eval_iters}; set train.eval_iters or train.eval_interval=0")
+    out.choice(tr.device, ("auto", "cpu", "cuda"), "train.device")
+    out.positive(tr.timeout_s, "train.timeout_s")
+    out.require(tr.fp16_max_skips >= 1, f"train.fp16_max_skips must be >= 1, got {tr.fp16_max_skips}")
+    return batches_ok
+
+
+def _check_learning_rate(tr: TrainConfig, out: _Problems) -> None:
+    out.positive(tr.lr, "train.lr", strict=False)
+    out.positive(tr.min_lr, "train.min_lr", strict=False)
+    if tr.lr >= 0 and tr.min_lr >= 0:
+        out.require(tr.min_lr <= tr.lr,
+                    f"train.min_lr ({tr.min_lr}) must not exceed train.lr ({tr.lr})")
+    out.positive(tr.lr_warmup_iters, "train.lr_warmup_iters", strict=False)
+    out.choice(tr.lr_decay_style, ("cosine", "linear", "constant"), "train.lr_decay_style")
+    if tr.lr_decay_iters is not None:
+        out.positive(tr.lr_decay_iters, "train.lr_decay_iters",
+                     hint=" (null means train.iters)")
+
+
+def _check_optimizer(tr: TrainConfig, out: _Problems) -> None:
+    out.positive(tr.weight_decay, "train.weight_decay", strict=False, hint=" (0 disables it)")
+    for key in ("adam_beta1", "adam_beta2"):
+        value = getattr(tr, key)
+        out.require(0.0 <= value < 1.0, f"train.{key} must be in [0, 1), got {value}")
+    out.positive(tr.adam_eps, "train.adam_eps")
+    out.positive(tr.clip_grad, "train.clip_grad", strict=False, hint=" (0 disables clipping)")
+
+
+def _check_data(data: DataConfig, out: _Problems) -> None:
+    out.choice(data.source, ("synthetic", "indexed"), "data.source")
+    ratios = out.parse(parse_split, data.split)
+    if data.source == "indexed":
+        if out.require(len(data.paths) > 0,
+                       "data.source=indexed needs data.paths (a list of dataset prefixes)"):
+            out.parse(parse_paths, data.paths)
+        if ratios is not None:
+            out.require(ratios[0] > 0, f"data.split={data.split!r} leaves nothing to train on: "
+                                       f"the first (train) ratio must be positive")
+    out.positive(data.num_workers, "data.num_workers", strict=False)
+    out.require(0.0 < data.mask_prob < 1.0, f"data.mask_prob must be in (0, 1), got {data.mask_prob}")
+
+
+def _check_log_and_checkpoint(cfg: Config, out: _Problems) -> None:
+    out.require(cfg.log.interval >= 1, f"log.interval must be >= 1, got {cfg.log.interval}")
+    out.positive(cfg.checkpoint.save_interval, "checkpoint.save_interval", strict=False,
+                 hint=" (0 saves only at the end)")
+
+
+def _check_parallel_sizes(par: ParallelConfig, out: _Problems) -> bool:
+    ok = all([out.require(getattr(par, key) >= 1, f"parallel.{key} must be >= 1, got "
+                                                  f"{getattr(par, key)}")
+              for key in ("tensor", "pipeline", "chunks")])
+    if par.data is not None:
+        ok = out.require(par.data >= 1, f"parallel.data must be >= 1, got {par.data}") and ok
+    return ok
+
+
+def _check_layout(cfg: Config, world_size: int, out: _Problems) -> None:
+    """(p, t, d, v) against the world size, the model's sizes, the schedule and the batch."""
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
+    t, p, v = par.tensor, par.pipeline, par.chunks
+    if par.data is None:
+        if not out.require(world_size % (p * t) == 0,
+                           f"world size {world_size} is not divisible by parallel.pipeline * "
+                           f"parallel.tensor = {p} * {t}; launch a multiple of {p * t} ranks"):
+            return
+        par.data = world_size // (p * t)
+    d = par.data
+    suggestion = world_size // (p * t) if world_size % (p * t) == 0 else "?"
+    out.require(p * t * d == world_size,
+                f"parallel.pipeline * parallel.tensor * parallel.data = {p} * {t} * {d} = "
+                f"{p * t * d} but the world size is {world_size}; set parallel.data={suggestion} "
+                f"or launch {p * t * d} ranks")
+    for key in ("num_heads", "hidden_size", "ffn_hidden_size"):
+        out.require(getattr(m, key) % t == 0, f"model.{key} ({getattr(m, key)}) must be "
+                                              f"divisible by parallel.tensor ({t})")
+    out.require(m.num_layers % (p * v) == 0,
+                f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline * "
+                f"parallel.chunks = {p} * {v} = {p * v}")
+    if par.scatter_gather:
+        out.require(p > 1, "parallel.scatter_gather=true only applies with parallel.pipeline > 1")
+    if par.sequence_parallel:
+        _check_sequence_parallel(cfg, out)
+    if out.require(tr.global_batch_size % (tr.micro_batch_size * d) == 0,
+                   f"train.global_batch_size ({tr.global_batch_size}) must be divisible by "
+                   f"train.micro_batch_size * parallel.data = {tr.micro_batch_size} * {d} = "
+                   f"{tr.micro_batch_size * d}"):
+        _check_schedule(cfg, out)
+    else:
+        out.choice(cfg.schedule.name, NAMES, "schedule.name")
+
+
+def _check_sequence_parallel(cfg: Config, out: _Problems) -> None:
+    par, s = cfg.parallel, cfg.model.seq_length
+    if not out.require(par.tensor > 1, "parallel.sequence_parallel=true needs parallel.tensor > 1 "
+                                       "(it splits the sequence across the tensor group)"):
+        return
+    out.require(s % par.tensor == 0, f"parallel.sequence_parallel=true needs model.seq_length "
+                                     f"({s}) divisible by parallel.tensor ({par.tensor})")
+    out.require(not par.scatter_gather,
+                "parallel.scatter_gather=true is implied by parallel.sequence_parallel=true (stage "
+                "boundary tensors are already 1/t of the sequence); set it false")
+    spec = SCHEDULES.get(cfg.schedule.name)
+    out.require(spec is None or spec.allows_sequence_parallel,
+                f"parallel.sequence_parallel=true is not supported with schedule.name="
+                f"{cfg.schedule.name}; use a flushing schedule "
+                f"({', '.join(names_where(lambda s: s.allows_sequence_parallel))})")
+
+
+def _check_schedule(cfg: Config, out: _Problems) -> None:
+    name, p, v = cfg.schedule.name, cfg.parallel.pipeline, cfg.parallel.chunks
+    if not out.choice(name, NAMES, "schedule.name"):
+        return
+    spec = SCHEDULES[name]
+    out.require(not cfg.schedule.vertical_sync or spec.allows_vertical_sync,
+                f"schedule.vertical_sync=true only applies to schedule.name="
+                f"{' or '.join(names_where(lambda s: s.allows_vertical_sync))} (got {name})")
+    out.require(not cfg.train.distributed_optimizer or spec.allows_distributed_optimizer,
+                f"train.distributed_optimizer=true does not work with schedule.name={name}: its "
+                f"weight versions keep one storage per tensor, not the flat buffers the "
+                f"distributed optimizer shards; use "
+                f"{_either(names_where(lambda s: s.allows_distributed_optimizer))}, or "
+                f"train.distributed_optimizer=false")
+    _check_update_rule(cfg, spec, out)
+    _check_chunks(cfg, spec, out)
+    least = spec.min_micro_batches(p, v)
+    if least > 1:
+        _check_min_micro_batches(cfg, least, out)
+
+
+def _either(names: tuple) -> str:
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+
+
+def _check_chunks(cfg: Config, spec: ScheduleSpec, out: _Problems) -> None:
+    """v model chunks per rank: only schedules that interleave take v > 1."""
+    name, p, v = spec.name, cfg.parallel.pipeline, cfg.parallel.chunks
+    if spec.chunks is Chunks.ONE:
+        out.require(v == 1, f"parallel.chunks={v} needs schedule.name="
+                            f"{' or '.join(names_where(lambda s: s.chunks is not Chunks.ONE))} "
+                            f"(got {name})")
+        return
+    if spec.chunks is Chunks.REQUIRED:
+        out.require(p > 1, f"schedule.name={name} needs parallel.pipeline > 1; use "
+                           f"schedule.name={DEFAULT.name} for a single stage")
+        out.require(v > 1, f"schedule.name={name} needs parallel.chunks > 1 (v model chunks per "
+                           f"pipeline rank); set parallel.chunks=2 or more, or use "
+                           f"schedule.name={DEFAULT.name}")
+    elif v > 1:
+        out.require(p > 1, f"schedule.name={name} with parallel.chunks > 1 needs "
+                           f"parallel.pipeline > 1")
+    if spec.interleaves(v):   # micro-batches go through the chunks in groups of p
+        _require_multiple_of_p(cfg, out)
+
+
+def _require_multiple_of_p(cfg: Config, out: _Problems) -> None:
+    mb, p, name = cfg.num_micro_batches, cfg.parallel.pipeline, cfg.schedule.name
+    out.require(mb % p == 0,
+                f"schedule.name={name} needs the number of micro-batches per pipeline "
+                f"(train.global_batch_size / (train.micro_batch_size * parallel.data) = {mb}) "
+                f"to be a multiple of parallel.pipeline ({p})")
+
+
+def _check_min_micro_batches(cfg: Config, least: int, out: _Problems) -> None:
+    """PipeDream-2BW: m >= p micro-batches per batch, more when interleaved."""
+    name, p, v, mb = cfg.schedule.name, cfg.parallel.pipeline, cfg.parallel.chunks, \
+        cfg.num_micro_batches
+    why = "m >= p" if v == 1 else "m >= p and m*v >= rank 0's interleaved warm-up 2(p-1)+(v-1)p"
+    out.require(mb >= least,
+                f"schedule.name={name} needs at least {least} micro-batches per pipeline with "
+                f"parallel.pipeline={p}, parallel.chunks={v} ({why}: the weights made from batch "
+                f"t are first used by batch t+2), got train.global_batch_size / "
+                f"(train.micro_batch_size * parallel.data) = {mb}")
+
+
+def _check_update_rule(cfg: Config, spec: ScheduleSpec, out: _Problems) -> None:
+    """PipeDream async updates each stage after every input: no global norm, no common skip."""
+    tr = cfg.train
+    if not spec.allows_clipping:
+        out.require(tr.clip_grad == 0,
+                    f"schedule.name={spec.name} needs train.clip_grad=0 (got {tr.clip_grad}): each "
+                    f"stage updates as soon as its backward of an input ends, so there is no "
+                    f"gradient norm of the whole model to clip by")
+    if not spec.allows_fp16:
+        out.require(tr.precision != "fp16",
+                    f"schedule.name={spec.name} does not support train.precision=fp16: a dynamic "
+                    f"loss scale would need every stage to agree on skipping each input's "
+                    f"update; use bf16")

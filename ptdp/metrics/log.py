@@ -1,0 +1,138 @@
+"""Per-iteration metrics: one JSON object per iteration (one file for the whole job), TensorBoard
+scalars, console lines and the progress bar, written by rank 0; and the resolved config beside
+the metrics file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from ptdp.config import Config
+
+
+def config_path(cfg: Config) -> Path | None:
+    """Where the resolved config is written: beside the metrics file (metrics.config.yaml for
+    metrics.jsonl), else None."""
+    if not cfg.log.metrics_file:
+        return None
+    metrics = Path(cfg.log.metrics_file)
+    return metrics.with_name(metrics.stem + ".config.yaml")
+
+
+def write_config(cfg: Config) -> Path | None:
+    path = config_path(cfg)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return path
+
+
+def format_tflops(value: float) -> str:
+    """Three significant digits, never '0.000': CPU ranks do ~1e-3 TFLOP/s."""
+    return f"{value:.3g}"
+
+
+class MetricsLog:
+    """Writes one JSON object per iteration, TensorBoard scalars and console lines (rank 0).
+
+    Iterations that ran validation carry `valid_loss` in the same record.
+    """
+
+    def __init__(self, cfg: Config, is_writer: bool):
+        self.cfg, self.active = cfg, is_writer
+        self.file = self.tensorboard = self.progress = None
+        if not is_writer:
+            return
+        if cfg.log.metrics_file:  # its folder may not exist yet (runs/<name>/metrics.jsonl)
+            Path(cfg.log.metrics_file).parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(cfg.log.metrics_file, "a")
+        if cfg.log.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:
+                raise RuntimeError("log.tensorboard_dir is set but tensorboard is not installed: "
+                                   "pip install 'ptdp[tensorboard]'") from err
+            self.tensorboard = SummaryWriter(cfg.log.tensorboard_dir)
+        if cfg.log.progress and sys.stderr.isatty():
+            from tqdm import tqdm
+            self.progress = tqdm(total=cfg.train.iters, desc="train", unit="it")
+
+    def log(self, record: dict) -> None:
+        if not self.active:
+            return
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.tensorboard:
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "iter":
+                    self.tensorboard.add_scalar(f"train/{key}", value, record["iter"])
+        if self.progress:
+            self.progress.update(1)
+            self.progress.set_postfix(loss=f"{record['loss']:.4f}")
+        if record["iter"] % self.cfg.log.interval == 0 or "valid_loss" in record:
+            self.print(self._line(record))
+
+    def _line(self, r: dict) -> str:
+        mfu = f" | mfu {r['mfu']:.1%}" if r["mfu"] is not None else ""
+        skipped = " | skipped (overflow)" if r["skipped"] else ""
+        valid = f" | valid loss {r['valid_loss']:.4f}" if "valid_loss" in r else ""
+        # tflops_per_gpu and mem_gb keep their record names; the values are per rank, and
+        # mem_gb is in GiB (2**30 bytes)
+        return (f"iter {r['iter']:>6}/{self.cfg.train.iters} | loss {r['loss']:.4f} | "
+                f"lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f} | "
+                f"{r['step_time_s'] * 1e3:.0f} ms | {r['tokens_per_s']:.0f} tok/s | "
+                f"{format_tflops(r['tflops_per_gpu'])} TFLOP/s per rank{mfu} | "
+                f"{r['mem_gb']:.2f} GiB{valid}{skipped}")
+
+    def print(self, text: str) -> None:
+        if not self.active:
+            return
+        if self.progress:
+            self.progress.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        for handle in (self.file, self.tensorboard, self.progress):
+            if handle:
+                handle.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics file (one JSON object per line), in order."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def drop_records_after(path: str | Path, iteration: int) -> int:
+    """Keep only the records with iter <= `iteration`; returns how many were dropped.
+
+    A job resumed from iteration N logs N+1, N+2, ... again, so the records a crashed run wrote
+    after its checkpoint go. A torn last line (the run died mid-write) goes too. The file is
+    replaced atomically, so a crash here leaves the old file, never a half-written one.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            keep = json.loads(line)["iter"] <= iteration
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped

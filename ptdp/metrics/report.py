@@ -1,0 +1,129 @@
+"""Console lines of a training job: the start-up summary (each rank's role) and the end
+summary. Only rank 0 prints them; every rank computes the same numbers."""
+
+from __future__ import annotations
+
+import torch
+import yaml
+
+from ptdp.config import Config
+from ptdp.metrics.log import config_path, format_tflops
+from ptdp.planner.formulas import parameter_count
+
+
+def startup_report(cfg: Config, grid, local_params: int, total_params: int,
+                   device: torch.device | None = None) -> str:
+    """A few lines: model size, layout with each rank's role, batch, precision, outputs.
+
+    The full resolved config goes to a file (`config_path`) and, with log.verbose, here too.
+    """
+    m, par, tr = cfg.model, cfg.parallel, cfg.train
+    eq43 = parameter_count(m.num_layers, m.hidden_size, cfg.padded_vocab_size, m.seq_length)
+    world = grid.p * grid.t * grid.d
+    lines = []
+    if cfg.log.verbose:
+        lines += ["ptdp: resolved config", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip()]
+    lines += [
+        f"ptdp: {m.arch.upper()} with {total_params / 1e6:.3g} M parameters ({m.num_layers} "
+        f"layers, hidden {m.hidden_size}, {m.num_heads} heads, sequence {m.seq_length}, "
+        f"vocabulary {m.vocab_size} padded to {cfg.padded_vocab_size}; Eq. 4.3: "
+        f"{eq43 / 1e6:.3g} M); {local_params:,} on rank 0",
+        f"layout: (p, t, d) = ({par.pipeline}, {par.tensor}, {par.data}), v = {par.chunks}, "
+        f"schedule {cfg.schedule.name}, {world} rank(s):",
+        *rank_roles(cfg, grid),
+        f"batch: {tr.global_batch_size} sequences x {m.seq_length} tokens per iteration = "
+        f"{cfg.num_micro_batches} micro-batches of {tr.micro_batch_size} per pipeline x "
+        f"{par.data} data replica(s); {tr.iters} iterations",
+        f"precision: {tr.precision} on {device.type if device is not None else tr.device}"
+        + (" (gloo)" if device is not None and device.type == "cpu" else ""),
+        "output: " + outputs_text(cfg),
+    ]
+    return "\n".join(lines)
+
+
+MAX_ROLE_LINES = 16
+
+
+def rank_roles(cfg: Config, grid) -> list[str]:
+    """One line per rank (the first MAX_ROLE_LINES): its pipeline stage(s) with their layers,
+    its tensor shard and its data replica."""
+    from ptdp.parallel.grid import coordinates_of
+    from ptdp.pipeline.actions import rank_stages, stage_layers
+    par, world = cfg.parallel, grid.p * grid.t * grid.d
+    lines = []
+    for rank in range(min(world, MAX_ROLE_LINES)):
+        c = coordinates_of(rank, grid.p, grid.d, grid.t)
+        stages = rank_stages(c.pipeline, par.pipeline, par.chunks)
+        last = par.pipeline * par.chunks - 1
+        parts = []
+        for s in stages:
+            layers = stage_layers(s, par.pipeline, par.chunks, cfg.model.num_layers)
+            extra = (" + embedding" if s == 0 else "") + (" + head and loss" if s == last else "")
+            parts.append(f"layers {layers.start}-{layers.stop - 1}{extra}")
+        lines.append(f"  rank {rank}: pipeline stage {c.pipeline} ({'; '.join(parts)}), "
+                     f"tensor shard {c.tensor + 1}/{grid.t}, data replica {c.data + 1}/{grid.d}")
+    if world > MAX_ROLE_LINES:
+        lines.append(f"  ... {world - MAX_ROLE_LINES} more: rank = (pipeline stage x {grid.d} + "
+                     f"data replica) x {grid.t} + tensor shard")
+    return lines
+
+
+def outputs_text(cfg: Config) -> str:
+    ck, log = cfg.checkpoint, cfg.log
+    out = []
+    if log.metrics_file:
+        out.append(f"metrics {log.metrics_file} (config {config_path(cfg)})")
+    else:
+        out.append("no metrics file (set log.metrics_file)")
+    if log.tensorboard_dir:
+        out.append(f"TensorBoard {log.tensorboard_dir}")
+    if ck.dir:
+        when = f"every {ck.save_interval} iterations and at the end" if ck.save_interval else "at the end"
+        out.append(f"checkpoints {ck.dir} ({when})")
+    else:
+        out.append("no checkpoints (set checkpoint.dir)")
+    if ck.load:
+        out.append(f"resuming from {ck.load}")
+    return "; ".join(out)
+
+
+def format_bytes(n: float) -> str:
+    """Binary units: 1023 B, 4.0 KiB, 1.50 MiB, 2.00 GiB."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def end_summary(history: list[dict], cfg: Config, seconds: float, device: torch.device,
+                checkpoint: str | None, resume_command: str | None) -> str:
+    """What a finished run did, in a few lines (rank 0 prints it)."""
+    if not history:
+        return f"ptdp: nothing to do: the run was already at train.iters={cfg.train.iters}"
+    tr, m = cfg.train, cfg.model
+    first, last = history[0]["iter"], history[-1]["iter"]
+    tokens = len(history) * tr.global_batch_size * m.seq_length
+    step_time = sum(r["step_time_s"] for r in history)
+    mean_tflops = sum(r["tflops_per_gpu"] * r["step_time_s"] for r in history) / step_time
+    valid = [(r["valid_loss"], r["iter"]) for r in history if "valid_loss" in r]
+    lines = [f"ptdp: done: iterations {first}-{last} ({len(history)}) in {seconds:.1f} s, "
+             f"{tokens:,} tokens",
+             f"  loss: final train {history[-1]['loss']:.4f}"]
+    if valid:
+        best = min(valid)
+        lines[-1] += (f", final validation {valid[-1][0]:.4f} (iteration {valid[-1][1]}), best "
+                      f"validation {best[0]:.4f} (iteration {best[1]})")
+    else:
+        lines[-1] += " (no validation: set train.eval_interval)"
+    lines.append(f"  throughput: {tokens / step_time:,.0f} tokens/s, "
+                 f"{format_tflops(mean_tflops)} TFLOP/s per rank (model FLOPs), mean step "
+                 f"{step_time / len(history) * 1e3:.0f} ms")
+    lines.append(f"  peak memory: {max(r['mem_gb'] for r in history):.2f} GiB on rank 0 "
+                 f"({'allocated on the GPU' if device.type == 'cuda' else 'resident, CPU'})")
+    if checkpoint:
+        lines.append(f"  last checkpoint: {checkpoint}")
+        if resume_command:
+            lines.append(f"  resume (raise train.iters to go further): {resume_command}")
+    else:
+        lines.append("  no checkpoint written (set checkpoint.dir)")
+    return "\n".join(lines)

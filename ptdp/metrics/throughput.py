@@ -1,0 +1,53 @@
+"""Throughput and memory of a training job: model TFLOP/s per rank (Eq. 4.2), the hardware's
+peak for MFU, and a process's peak memory."""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+from ptdp.config import Config
+from ptdp.hardware import available_hardware, load_hardware
+from ptdp.planner.formulas import model_flops
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process in GiB (2**30 bytes): allocated on a GPU, resident on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # VmHWM is this process's own peak; ru_maxrss can carry the launcher's peak across fork.
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def peak_tflops(cfg: Config, device: torch.device) -> float | None:
+    """The hardware's peak for the training precision: from log.hardware, or the GPU's name.
+    The same number `ptdp plan` divides by for its MFU column (the profile's datasheet peak;
+    a measured profile keeps it and records its GEMM rate as an efficiency)."""
+    name = cfg.log.hardware
+    if name is None and device.type == "cuda":
+        gpu = torch.cuda.get_device_name(device).lower()
+        gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        for candidate in available_hardware():
+            family, _, size = candidate.partition("-")
+            if family in gpu and size.endswith("gb") and abs(float(size[:-2]) - gib) < 8:
+                name = candidate
+    if name is None:
+        return None
+    peaks = load_hardware(name).peak_tflops
+    return peaks.get(cfg.train.precision) or peaks.get("fp32")
+
+
+def iteration_tflops(cfg: Config, seconds: float, world_size: int) -> float:
+    """Model TFLOP/s per GPU: Eq. 4.2 for GPT, BERT's own formula (its LM transform, pooler
+    and binary head) for BERT; the recomputed forward counts only when it runs."""
+    m, tr = cfg.model, cfg.train
+    flops = model_flops(m.arch, tr.global_batch_size, m.seq_length, m.num_layers, m.hidden_size,
+                        cfg.padded_vocab_size, recompute_forward=tr.recompute == "full")
+    return flops / seconds / world_size / 1e12

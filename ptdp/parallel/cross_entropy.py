@@ -1,0 +1,76 @@
+"""Vocabulary-parallel cross-entropy: the loss over logits split along the vocabulary across
+the tensor group, computed without ever gathering them."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ptdp.parallel.mappings import TensorParallel
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy over logits split along the vocabulary, never gathering them.
+
+    Three reductions over the tensor group: max (for stability), then the target logit and
+    the sum of exponentials together in one all-reduce.
+
+    Memory: the logits are [s, b, V/t], the largest activation of the model (GPT 1.3B at
+    micro-batch 8: 0.8 G elements, 1.7 GB in bf16). Exactly one fp32 tensor of that shape is
+    made: `logits - max` (fp32 by type promotion, which also upcasts bf16 exactly), turned in
+    place into exp, then the softmax that backward keeps, then in backward into the gradient.
+    The max is taken on the input dtype (a max needs no rounding) over the real columns only,
+    so neither an fp32 copy nor a masked clone of the padded logits is needed.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_size: int, tp: TensorParallel):
+        ctx.logits_dtype = logits.dtype
+        compute = torch.promote_types(logits.dtype, torch.float32)  # fp32; fp64 stays fp64
+        per_rank = logits.shape[-1]
+        start = tp.rank * per_rank
+        real_here = max(0, min(per_rank, vocab_size - start))
+        if real_here > 0:
+            logits_max = logits[..., :real_here].amax(dim=-1).to(compute)
+        else:  # this rank holds only padding columns
+            logits_max = torch.full(logits.shape[:-1], float("-inf"), dtype=compute,
+                                    device=logits.device)
+        if tp.size > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp.group)
+        shifted = torch.sub(logits, logits_max.unsqueeze(-1))  # the one fp32 copy
+        if real_here < per_rank:  # padded columns never win and get no gradient
+            shifted[..., real_here:] = float("-inf")
+
+        local_target = target - start
+        outside = (local_target < 0) | (local_target >= per_rank)
+        local_target = local_target.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = target_logit.masked_fill(outside, 0.0)
+        exp = shifted.exp_()
+        sums = torch.stack([target_logit, exp.sum(dim=-1)])
+        if tp.size > 1:
+            dist.all_reduce(sums, group=tp.group)
+        target_logit, sum_exp = sums[0], sums[1]
+
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, outside)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax  # in place: backward runs once, and the softmax is not needed after it
+        hit = (~outside).to(grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad.to(ctx.logits_dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
+                                 tp: TensorParallel) -> torch.Tensor:
+    """Per-token loss ([s, b], fp32) from this rank's [s, b, V_padded/t] logits slice.
+
+    `vocab_size` is the real vocabulary; columns past it are padding and are masked out.
+    t = 1 takes the same path (with no communication): F.cross_entropy on the unpadded
+    columns would make two fp32 copies of the logits (the upcast and the log-softmax).
+    """
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, tp)

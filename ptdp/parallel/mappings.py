@@ -1,0 +1,135 @@
+"""Tensor (intra-layer) model parallelism's communication, as in Megatron-LM (Narayanan's
+dissertation, chapter 4): each pattern is a pair of small autograd Functions.
+
+* `copy_to_tensor_region` is the paper's **f**: identity forward, all-reduce backward.
+* `reduce_from_tensor_region` is **g**: all-reduce forward, identity backward.
+* `gather_from_tensor_region` / `scatter_to_tensor_region`: all-gather / split along the last
+  dimension (a gathered column-parallel output, a row-parallel layer fed replicated input).
+
+A column-parallel GEMM followed by a row-parallel one needs one f and one g: two all-reduces
+forward and two backward per transformer block (ptdp/parallel/layers.py). With sequence
+parallelism f and g become the sequence all-gather and reduce-scatter
+(ptdp/parallel/sequence.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class TensorParallel:
+    """The tensor group a layer communicates over, and this rank's place in it."""
+
+    group: object = None
+    rank: int = 0
+    size: int = 1
+    sequence_parallel: bool = False   # activations outside the regions are [s/t, b, h]
+
+    @classmethod
+    def from_grid(cls, grid, sequence_parallel: bool = False) -> "TensorParallel":
+        return cls(grid.tensor_group, grid.tp_rank, grid.t, sequence_parallel and grid.t > 1)
+
+    def shard(self, n: int) -> int:
+        assert n % self.size == 0, f"{n} is not divisible by tensor parallel size {self.size}"
+        return n // self.size
+
+
+def _all_reduce(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    if size == 1:
+        return x
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _gather_last_dim(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    if size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _split_last_dim(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    if size == 1:
+        return x
+    return x.chunk(size, dim=-1)[rank].contiguous()
+
+
+class _CopyToTensorRegion(torch.autograd.Function):
+    """f: identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TensorParallel):
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.tp.group, ctx.tp.size), None
+
+
+class _ReduceFromTensorRegion(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TensorParallel):
+        return _all_reduce(x, tp.group, tp.size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromTensorRegion(torch.autograd.Function):
+    """All-gather along the last dim forward, keep my slice backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TensorParallel):
+        ctx.tp = tp
+        return _gather_last_dim(x, tp.group, tp.size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_last_dim(grad, ctx.tp.rank, ctx.tp.size), None
+
+
+class _ScatterToTensorRegion(torch.autograd.Function):
+    """Keep my slice of the last dim forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp: TensorParallel):
+        ctx.tp = tp
+        return _split_last_dim(x, tp.rank, tp.size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last_dim(grad, ctx.tp.group, ctx.tp.size), None
+
+
+@torch.compiler.disable
+def _communicate(mapping, x, tp: TensorParallel):
+    """Run a mapping eagerly: a compiled layer (train.compile) breaks its graph here rather
+    than tracing our in-place process-group calls. With t = 1 the mappings are the identity
+    and are never called, so the layer compiles to one graph."""
+    return mapping.apply(x, tp)
+
+
+def copy_to_tensor_region(x, tp: TensorParallel):
+    return _communicate(_CopyToTensorRegion, x, tp) if tp.size > 1 else x
+
+
+def reduce_from_tensor_region(x, tp: TensorParallel):
+    return _communicate(_ReduceFromTensorRegion, x, tp) if tp.size > 1 else x
+
+
+def gather_from_tensor_region(x, tp: TensorParallel):
+    return _communicate(_GatherFromTensorRegion, x, tp) if tp.size > 1 else x
+
+
+def scatter_to_tensor_region(x, tp: TensorParallel):
+    return _communicate(_ScatterToTensorRegion, x, tp) if tp.size > 1 else x

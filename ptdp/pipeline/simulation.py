@@ -1,0 +1,156 @@
+"""Timeline simulator for pipeline schedules (pure Python, no torch).
+
+``simulate_lists`` plays every rank's action list against the dependency rule
+(``ptdp.pipeline.actions.dependencies``): a rank runs its list strictly in order; an action
+starts once the rank is free and the actions it depends on have finished, plus ``t_comm`` when
+the input comes from another rank. Sends never block. Because each start time depends only on
+the end times of earlier actions, scheduling them in any order that respects those dependencies
+gives the same timeline as an event queue would; when no rank can take its next step the
+schedule would deadlock, and ``DeadlockError`` says which rank waits for what.
+
+``t_f`` and ``t_b`` are the forward and backward times of one micro-batch through a rank's
+WHOLE share of layers, so one chunk takes ``t_f / v`` and ``t_b / v`` (§4.2.2). The ideal
+iteration time is ``m * (t_f + t_b)`` and the bubble fraction is measured against it, which is
+the quantity the dissertation's (p-1)/m and (p-1)/(v*m) describe. Times may be ``Fraction``s
+for exact arithmetic. With split backwards (``zb-h1``) ``t_b`` is still the whole backward:
+``B`` takes ``t_b - t_w`` and ``Wg`` takes ``t_w`` (by default ``t_b / 2``, the paper's
+``t_B = t_W``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ptdp.pipeline.actions import (BACKWARD, FORWARD, RANK_ACTIONS, TIED, UPDATE, WEIGHT_GRAD,
+                                   WEIGHTS, Action, dependencies, stage_rank)
+
+
+class DeadlockError(RuntimeError):
+    """No rank can start its next action: the schedule would hang."""
+
+
+class Slot(NamedTuple):
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    name: str
+    p: int
+    v: int
+    m: int
+    t_f: float
+    t_b: float
+    t_comm: float
+    ranks: list[list[Slot]]  # per rank, its slots in execution order
+
+    @property
+    def makespan(self) -> float:
+        return max((row[-1].end for row in self.ranks if row), default=0)
+
+    @property
+    def ideal(self) -> float:
+        return self.m * (self.t_f + self.t_b)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return (self.makespan - self.ideal) / self.ideal
+
+
+def simulate_lists(
+    schedule: list[list[Action]],
+    p: int,
+    v: int,
+    m: int,
+    t_f=1.0,
+    t_b=2.0,
+    t_comm=0.0,
+    name: str = "custom",
+    t_update=0,
+    t_w=None,
+) -> Timeline:
+    """Simulate explicit per-rank action lists (e.g. a hand-written or broken schedule).
+
+    ``t_update``: how long a rank's optimizer step (W, U, T) takes; other rank actions take no
+    time."""
+    if len(schedule) != p:
+        raise ValueError(f"expected one action list per rank (p={p}), got {len(schedule)}")
+    # Rank actions take no simulated time: the optimizer and reductions are outside the
+    # (p-1)/m accounting, and W/E still wait for every rank's R through their dependencies.
+    duration = {FORWARD: t_f / v, BACKWARD: t_b / v, **{kind: 0 * t_f for kind in RANK_ACTIONS},
+                **{kind: t_update for kind in (WEIGHTS, UPDATE, TIED)}}
+    if any(a.kind == WEIGHT_GRAD for row in schedule for a in row):  # split backwards
+        t_w = t_b / 2 if t_w is None else t_w
+        duration.update({BACKWARD: (t_b - t_w) / v, WEIGHT_GRAD: t_w / v})
+    finished: dict[Action, float] = {}  # action -> end time
+    rows: list[list[Slot]] = [[] for _ in range(p)]
+
+    def ready_time(action: Action, rank: int):
+        """When ``action``'s inputs are available on ``rank``, or None if some are not done."""
+        ready = 0
+        for dep in dependencies(action, p, v):
+            if dep not in finished:
+                return None
+            # `and t_comm` keeps exact (Fraction) arithmetic when the default 0.0 is used
+            latency = t_comm if stage_rank(dep.stage, p) != rank and t_comm else 0
+            ready = max(ready, finished[dep] + latency)
+        return ready
+
+    def advance(rank: int) -> bool:
+        """Run ``rank``'s next action if its inputs are done; report whether it ran."""
+        row = rows[rank]
+        if len(row) == len(schedule[rank]):
+            return False
+        action = schedule[rank][len(row)]
+        _check_action(action, rank, p, duration, finished)
+        ready = ready_time(action, rank)
+        if ready is None:
+            return False
+        start = max(ready, row[-1].end if row else 0)
+        end = start + duration[action.kind]
+        row.append(Slot(action, start, end))
+        finished[action] = end
+        return True
+
+    while any(len(rows[r]) < len(schedule[r]) for r in range(p)):
+        progressed = False
+        for rank in range(p):
+            while advance(rank):
+                progressed = True
+        if not progressed:
+            raise DeadlockError(_deadlock_report(schedule, rows, finished, p, v))
+    return Timeline(name, p, v, m, t_f, t_b, t_comm, rows)
+
+
+def _check_action(action: Action, rank: int, p: int, duration: dict, finished: dict) -> None:
+    if action.kind not in duration:
+        raise ValueError(f"rank {rank}: cannot simulate action kind {action.kind!r} ({action})")
+    if stage_rank(action.stage, p) != rank:
+        raise ValueError(f"rank {rank}: {action} belongs to rank {stage_rank(action.stage, p)}")
+    if action in finished:
+        raise ValueError(f"rank {rank}: {action} is scheduled twice")
+
+
+def _deadlock_report(schedule, rows, finished, p: int, v: int) -> str:
+    """One line per blocked rank: its next action and the inputs it is still waiting for."""
+    position = {a: (r, i) for r, actions in enumerate(schedule) for i, a in enumerate(actions)}
+    lines = ["pipeline schedule deadlocks; no rank can start its next action:"]
+    for rank in range(p):
+        if len(rows[rank]) == len(schedule[rank]):
+            continue
+        action = schedule[rank][len(rows[rank])]
+        waits = []
+        for dep in dependencies(action, p, v):
+            if dep in finished:
+                continue
+            if dep not in position:
+                waits.append(f"{dep} (scheduled on no rank)")
+            else:
+                dep_rank, index = position[dep]
+                waits.append(f"{dep} (rank {dep_rank}, position {index} in its list)")
+        lines.append(f"  rank {rank} blocked at {action} (position {len(rows[rank])}), "
+                     f"waiting for {', '.join(waits)}")
+    return "\n".join(lines)

@@ -1,0 +1,93 @@
+"""Timing and memory helpers of the profiler, and the one-process context its layers run in."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def sync(device) -> None:
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def clock(device):
+    """CPU time for single-threaded CPU work (immune to other processes sharing the cores),
+    wall time otherwise (GPUs, several threads, anything that waits)."""
+    import torch
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.thread_time
+    return time.perf_counter
+
+
+def best_time(fn, device, iters: int, warmup: int = 1, clock=None) -> float:
+    """Best of `iters` timed runs: other processes only ever add time, so the minimum is the
+    least noisy estimate of the work itself (as timeit recommends)."""
+    clock = clock or clock(device)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync(device)
+        start = clock()
+        fn()
+        sync(device)
+        times.append(clock() - start)
+    return min(times)
+
+
+def saved_bytes(fn, exclude: set) -> tuple[object, int]:
+    """Run fn() and count the bytes autograd saves for backward (unique storages, minus
+    `exclude`, e.g. parameters)."""
+    import torch
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in exclude:
+            seen[ptr] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def ensure_process_group() -> None:
+    """A 1-process gloo world so layers that believe t > 1 can call their collectives."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    from ptdp.runtime.local_ranks import free_port
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def layer_context(model_cfg, t: int, device, recompute: str = "none"):
+    from ptdp.models.transformer import ModelContext
+    from ptdp.config import padded_vocab_size
+    from ptdp.parallel.mappings import TensorParallel
+    from ptdp.parallel.rng import TensorParallelRNG
+    tp = TensorParallel(group=None, rank=0, size=t)
+    return ModelContext(model_cfg, tp, 1234, TensorParallelRNG(1234, 0, device),
+                        padded_vocab_size(model_cfg.vocab_size, t), recompute, 1)
+
+
+def param_storages(module) -> set:
+    return {p.untyped_storage().data_ptr() for p in module.parameters()}
+
+
+def peak_rss_gb() -> float:
+    """This process's resident-memory high-water mark (VmHWM). Unlike getrusage's ru_maxrss
+    it is not inherited across fork+exec, so a large launcher does not inflate it."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20   # kB -> GiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
