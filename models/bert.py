@@ -14,6 +14,7 @@ from ptdp.parallel import weight_grad
 from ptdp.parallel.layers import full_normal, shard_param
 from ptdp.parallel.sequence import gather_from_sequence_region
 from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
+from ptdp.parallel.roles import declare_role
 
 
 class Linear(nn.Module):
@@ -40,7 +41,7 @@ class BertHeads(nn.Module):
         self.lm_dense = Linear(ctx, h, h, "heads.lm_dense")
         self.lm_ln = layer_norm(h, ctx.model.layernorm_eps, split_backward=ctx.split_backward)
         self.lm_bias = shard_param(torch.zeros(ctx.padded_vocab_size), 0, ctx.tp)
-        self.lm_bias.vocab_padded = True
+        declare_role(self.lm_bias, vocab_padded=True)
         self.pooler = Linear(ctx, h, h, "heads.pooler")
         self.binary = Linear(ctx, h, 2, "heads.binary")
 

@@ -11,6 +11,7 @@ from ptdp.models.transformer import _sequence_parallel_dropout
 from ptdp.parallel import weight_grad
 from ptdp.parallel.layers import VocabParallelEmbedding, full_normal, parallel_logits, shard_param
 from ptdp.parallel.sequence import mark_sequence_parallel, sequence_shard
+from ptdp.parallel.roles import declare_role
 
 WORD_EMBEDDING_KEY = "embedding.word"
 
@@ -60,20 +61,19 @@ class Embedding(nn.Module):
 class OutputEmbedding(nn.Module):
     """The last stage's copy of the word table, used only to compute logits (p > 1).
 
-    Marked `shared_embedding` so its gradient is summed with the first stage's, and
-    `duplicate` so norms and checkpoints count the weight once.
+    Its role (ptdp/parallel/roles.py): `shared_embedding`, so its gradient is summed with the
+    first stage's, and `duplicate`, so norms and checkpoints count the weight once.
     """
 
     def __init__(self, ctx: ModelContext):
         super().__init__()
         self.weight = word_embedding(ctx).weight
-        self.weight.shared_embedding = True
-        self.weight.duplicate = True
+        declare_role(self.weight, shared_embedding=True, duplicate=True)
 
 
 def mark_shared(weight: torch.Tensor) -> None:
     """The first stage's word table when the head lives on another stage (p > 1)."""
-    weight.shared_embedding = True
+    declare_role(weight, shared_embedding=True)
 
 
 def logits(hidden: torch.Tensor, table: torch.Tensor, ctx: ModelContext, bias=None,

@@ -46,7 +46,7 @@ def train_and_collect(runs: list[list[str]], iters: int = 3,
         cfg = load_config(None, TINY + overrides, world_size=dist.get_world_size())
         trainer = Trainer(cfg)
         if nccl_rules:
-            trainer.p2p.transport = InOrderTransport(trainer.grid.pipeline_group)
+            trainer.pipeline.p2p.transport = InOrderTransport(trainer.state.grid.pipeline_group)
         first = trainer.forward_backward(0)
         norm = trainer.reduce_gradients()
         grads = trainer.full_state(grads=True)
@@ -56,10 +56,10 @@ def train_and_collect(runs: list[list[str]], iters: int = 3,
         losses = [first.loss] + [trainer.train_step(it).loss for it in range(1, iters)]
         weights = trainer.full_state()
         collected.append({"losses": losses, "grad_norm": norm, "grads": grads, "weights": weights,
-                          "aux": first.aux, "bytes_sent": trainer.p2p.bytes_sent,
+                          "aux": first.aux, "bytes_sent": trainer.pipeline.p2p.bytes_sent,
                           "shards": {n: tuple(p.shape) for n, p in trainer.named_parameters()},
-                          "coords": trainer.grid.coords,
-                          "batches": getattr(trainer.p2p.transport, "batches", None)})
+                          "coords": trainer.state.grid.coords,
+                          "batches": getattr(trainer.pipeline.p2p.transport, "batches", None)})
     return collected
 
 

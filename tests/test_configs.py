@@ -1,9 +1,10 @@
-"""The shipped configs, the launch scripts that run them, and the README's config table.
+"""The shipped configs, the launch scripts that run them, and the README and docs/ pages.
 
 Configs: each one validates for the number of GPUs its header comment names, with the
 (p, t, d) the comment states. Launch scripts: run with DRY_RUN=1 (and a fake `scontrol` and
 `srun` for SLURM), so the tests check the torchrun command line they build without starting
-any rank.
+any rank. README and docs/: the configuration table equals the dataclasses, the paths and
+links they mention exist.
 """
 
 from __future__ import annotations
@@ -203,8 +204,12 @@ def test_slurm_script_outside_slurm():
 
 
 # --------------------------------------------------------------------------------------------
-# README
+# README.md and docs/
 # --------------------------------------------------------------------------------------------
+
+DOCS = ROOT / "docs"
+MARKDOWN = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
 
 def config_keys() -> dict[str, object]:
     """'section.key' -> default, for every key of every section of Config."""
@@ -225,22 +230,61 @@ def yaml_text(value) -> str:
     return str(value)
 
 
-def test_readme_documents_every_config_key():
-    readme = (ROOT / "README.md").read_text()
+def test_configuration_doc_documents_every_config_key():
+    doc = (DOCS / "configuration.md").read_text()
     rows = {m.group(1): m.group(2) for m in
-            re.finditer(r"^\| `([a-z_]+\.[a-z_0-9]+)` \| `([^`]*)` \|", readme, re.M)}
+            re.finditer(r"^\| `([a-z_]+\.[a-z_0-9]+)` \| `([^`]*)` \|", doc, re.M)}
     keys = config_keys()
     missing = sorted(set(keys) - set(rows))
-    assert not missing, f"README.md's config table lacks {missing}"
+    assert not missing, f"docs/configuration.md's config table lacks {missing}"
     stale = sorted(set(rows) - set(keys))
-    assert not stale, f"README.md's config table lists keys ptdp/config.py does not have: {stale}"
+    assert not stale, (f"docs/configuration.md's config table lists keys ptdp/config/schema.py "
+                       f"does not have: {stale}")
     wrong = {k: (rows[k], yaml_text(v)) for k, v in keys.items() if rows[k] != yaml_text(v)}
-    assert not wrong, f"README.md's defaults differ from ptdp/config.py (README, code): {wrong}"
+    assert not wrong, (f"docs/configuration.md's defaults differ from ptdp/config/schema.py "
+                       f"(docs, code): {wrong}")
 
 
 def test_readme_commands_exist():
     readme = (ROOT / "README.md").read_text()
-    for path in re.findall(r"\b((?:tools|configs)/[\w./-]+\.(?:sh|yaml|py))\b", readme):
-        assert (ROOT / path).exists(), f"README.md mentions {path}, which does not exist"
+    assert len(MARKDOWN) > 1, "docs/*.md is missing"
+    for page in MARKDOWN:
+        name = page.relative_to(ROOT)
+        text = page.read_text()
+        for path in re.findall(r"\b((?:tools|configs)/[\w./-]+\.(?:sh|yaml|py))\b", text):
+            assert (ROOT / path).exists(), f"{name} mentions {path}, which does not exist"
     assert "python -m pytest -q" in readme
     assert shutil.which("bash")
+
+
+FENCE = re.compile(r"^```.*?^```", re.M | re.S)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives the headings of a page: lowercased, punctuation dropped,
+    spaces as hyphens; a repeated heading gets -1, -2, ..."""
+    slugs, counts = set(), {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *#* *$", FENCE.sub("", markdown), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        n = counts[slug] = counts.get(slug, -1) + 1
+        slugs.add(f"{slug}-{n}" if n else slug)
+    return slugs
+
+
+def test_markdown_links_resolve():
+    """Every relative link of README.md and docs/*.md, `[text](path)` or `[text](path#anchor)`,
+    names a file that exists and, for a markdown page, one of its headings."""
+    broken = []
+    for page in MARKDOWN:
+        for target in LINK.findall(FENCE.sub("", page.read_text())):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):   # http:, https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            where = f"{page.relative_to(ROOT)}: ({target})"
+            if not file.exists():
+                broken.append(f"{where}: no file {os.path.relpath(file, ROOT)}")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text()):
+                broken.append(f"{where}: no heading #{anchor} in {os.path.relpath(file, ROOT)}")
+    assert not broken, "broken links:\n" + "\n".join(broken)

@@ -30,7 +30,7 @@ def _train_until_it_stops(overrides):
         trainer.train()
     except DivergenceError as err:
         return {"error": str(err), "iteration": trainer.iteration,
-                "skips": trainer.loss_scaler.skips_at_min_scale}
+                "skips": trainer.state.loss_scaler.skips_at_min_scale}
     return {"error": None, "iteration": trainer.iteration}
 
 

@@ -23,14 +23,14 @@ def run_jobs(metrics_dir: str) -> dict:
     out = {}
     bf16 = trainer("parallel.pipeline=2", "parallel.tensor=2", "train.precision=bf16")
     out["bf16"] = [bf16.train_step(it).loss for it in range(3)]
-    out["bf16_param_dtype"] = str(bf16.params[0].dtype)
-    out["bf16_master_dtype"] = str(bf16.master_params[0].dtype)
+    out["bf16_param_dtype"] = str(bf16.state.params[0].dtype)
+    out["bf16_master_dtype"] = str(bf16.state.master_params[0].dtype)
 
     overflow = trainer("parallel.tensor=4", "train.precision=fp16", "train.initial_loss_scale=1e12")
     before = overflow.full_state()["layers.0.mlp.fc1.weight"]
     steps = [overflow.train_step(it) for it in range(3)]
     out["overflow_skipped"] = [s.skipped for s in steps]
-    out["overflow_scales"] = overflow.loss_scaler.scale
+    out["overflow_scales"] = overflow.state.loss_scaler.scale
     out["overflow_unchanged"] = bool((overflow.full_state()["layers.0.mlp.fc1.weight"] == before).all())
 
     fp16 = trainer("parallel.pipeline=2", "parallel.data=2", "train.precision=fp16",
@@ -39,8 +39,8 @@ def run_jobs(metrics_dir: str) -> dict:
 
     buckets = trainer("parallel.pipeline=2", "parallel.data=2", "train.grad_bucket_mb=0.02")
     buckets.forward_backward(0)
-    out["buckets"] = len(buckets.dp_grads.buckets)
-    out["buckets_launched_in_backward"] = buckets.dp_grads.launched_during_backward
+    out["buckets"] = len(buckets.state.dp_grads.buckets)
+    out["buckets_launched_in_backward"] = buckets.state.dp_grads.launched_during_backward
 
     for mode in ("none", "full", "selective"):  # dropout on: recomputation must replay both streams
         run = trainer("parallel.tensor=2", "parallel.data=2", "model.dropout=0.1",

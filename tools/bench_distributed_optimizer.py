@@ -63,7 +63,7 @@ def measure(overrides: list[str], iters: int) -> dict:
     for it in range(iters):
         start = time.perf_counter()
         if it == 0:   # the first step allocates Adam's moments: watch the resident set
-            trainer.weights.zero_grads()
+            trainer.state.weights.zero_grads()
             step = trainer.forward_backward(0)
             norm = trainer.reduce_gradients()
             before = _rss_bytes()
@@ -74,11 +74,11 @@ def measure(overrides: list[str], iters: int) -> dict:
         else:
             trainer.train_step(it)
         times.append(time.perf_counter() - start)
-    params = sum(p.numel() for p in trainer.params)
-    return {"rank": trainer.grid.rank, "params": params,
-            "state_bytes": trainer.weights.state_bytes(trainer.optimizer),
+    params = sum(p.numel() for p in trainer.state.params)
+    return {"rank": trainer.state.grid.rank, "params": params,
+            "state_bytes": trainer.state.weights.state_bytes(trainer.state.optimizer),
             "rss_step_bytes": rss_step, "peak_rss_bytes": _status_bytes("VmHWM"),
-            "predicted_bytes": optimizer_state_bytes(params, cfg.train.precision, trainer.grid.d,
+            "predicted_bytes": optimizer_state_bytes(params, cfg.train.precision, trainer.state.grid.d,
                                                      cfg.train.distributed_optimizer),
             "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0]}
 

@@ -22,7 +22,7 @@ forward for recomputation), MFU = 3-pass TFLOP/s / the hardware's peak for the p
 (CUDA: max allocated; CPU: the process's peak resident set since the model was built), the
 first loss and the parameter count.
 
-ptdp's fast paths on one GPU (README, "Speed on one GPU"):
+ptdp's fast paths on one GPU (docs/performance.md, "Speed on one GPU"):
 * `train.compile` (default on for CUDA): each transformer layer is torch.compile'd, fusing
   LayerNorm, bias + GeLU and bias + dropout + residual add (ptdp/kernels/fused.py);
 * attention is F.scaled_dot_product_attention: flash for GPT (causal, no mask), the
@@ -277,7 +277,7 @@ class PtdpRunner:
             overrides.append(f"log.hardware={args.hardware}")
         self.cfg = load_config(None, overrides, world_size=1)
         self.trainer = Trainer(self.cfg)
-        self.parameters = self.trainer.total_parameter_count()
+        self.parameters = self.trainer.state.total_parameter_count()
 
     def step(self, iteration: int) -> float:
         return self.trainer.train_step(iteration).loss
@@ -388,7 +388,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Time ptdp (Trainer, (p,t,d) = (1,1,1)) against plain PyTorch of the same "
                     "shape on one device. Fast paths, defaults and targets: see this file's "
-                    "docstring and README.md, 'Speed on one GPU'.")
+                    "docstring and docs/performance.md, 'Speed on one GPU'.")
     parser.add_argument("--device", choices=("cpu", "cuda"),
                         default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--arch", choices=("gpt", "bert"), default="gpt")

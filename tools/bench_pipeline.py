@@ -190,10 +190,10 @@ class _TorchSide:
         p, v = s["p"], trainer.cfg.parallel.chunks
         self.rank, self.num_stages = dist.get_rank(), p * v
         self.modules, stages = {}, []
-        for stage in trainer.stages:
+        for stage in list(trainer.state.chunks):
             mod = PlainGPTStage(trainer.cfg.model, trainer.cfg.padded_vocab_size, stage,
                                 self.num_stages)
-            mod.load_state_dict(trainer.chunks[stage].state_dict())
+            mod.load_state_dict(trainer.state.chunks[stage].state_dict())
             mod.train()
             self.modules[stage] = mod
             stages.append(PipelineStage(mod, stage, self.num_stages, torch.device("cpu")))
@@ -221,7 +221,7 @@ class _TorchSide:
         import torch.distributed as dist
 
         from ptdp.optim.grads import clip_gradients
-        from ptdp.optim.lr import learning_rate
+        from ptdp.training.updates import set_learning_rate
         for q in self.params:
             q.grad = None
         args = (batch["tokens"],) if self.holds_first else ()
@@ -240,8 +240,7 @@ class _TorchSide:
         dist.all_reduce(total)
         norm = math.sqrt(total.item())
         clip_gradients(self.params, self.cfg.train.clip_grad, norm)
-        for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate(iteration, self.cfg.train)
+        set_learning_rate(self.optimizer, iteration, self.cfg.train)
         self.optimizer.step()
         if losses:
             return float(torch.stack([x.detach() for x in losses]).mean())
@@ -272,8 +271,8 @@ def bench_rank(s: dict) -> list[dict]:
             except Exception as exc:  # report exactly what failed, keep benchmarking ours
                 error = f"{type(exc).__name__}: {exc}"
         row = {"schedule": name, "v": v, "ours": [], "theirs": [], "ours_loss": [],
-               "theirs_loss": [], "torch_error": error, "pp_rank": trainer.grid.pp_rank,
-               "tp_rank": trainer.grid.tp_rank}
+               "theirs_loss": [], "torch_error": error, "pp_rank": trainer.state.grid.pp_rank,
+               "tp_rank": trainer.state.grid.tp_rank}
         if name == "2bw":
             _bench_back_to_back(trainer, s, row)
             for it in range(s["warmup"] + s["iters"]):
@@ -299,7 +298,7 @@ def _bench_alternating(trainer, theirs, error, s: dict, row: dict):
     total = s["warmup"] + s["iters"]
     for it in range(total):
         timed = it >= s["warmup"]
-        bytes0, msgs0 = trainer.p2p.bytes_sent, trainer.p2p.messages_sent
+        bytes0, msgs0 = trainer.pipeline.p2p.bytes_sent, trainer.pipeline.p2p.messages_sent
         spans = Spans(torch.device("cpu"))
         dist.barrier()
         c0, t0 = time.process_time(), time.perf_counter()
@@ -322,8 +321,8 @@ def _our_timing(trainer, spans, times, cpu: float, bytes0: int, msgs0: int) -> d
     CPU seconds, the trace with its receive waits and the p2p traffic since (bytes0, msgs0)."""
     trace, waits = _trace_and_waits(spans)
     return {**dict(zip(("t0", "t_fb", "t_reduce", "t_end"), times)), "cpu": cpu,
-            "trace": trace, "waits": waits, "bytes": trainer.p2p.bytes_sent - bytes0,
-            "messages": trainer.p2p.messages_sent - msgs0}
+            "trace": trace, "waits": waits, "bytes": trainer.pipeline.p2p.bytes_sent - bytes0,
+            "messages": trainer.pipeline.p2p.messages_sent - msgs0}
 
 
 def _bench_back_to_back(trainer, s: dict, row: dict) -> None:
@@ -335,7 +334,7 @@ def _bench_back_to_back(trainer, s: dict, row: dict) -> None:
     dist.barrier()
     for it in range(s["warmup"] + s["iters"] + 1):     # + the drain, not timed
         timed = s["warmup"] <= it < s["warmup"] + s["iters"]
-        bytes0, msgs0 = trainer.p2p.bytes_sent, trainer.p2p.messages_sent
+        bytes0, msgs0 = trainer.pipeline.p2p.bytes_sent, trainer.pipeline.p2p.messages_sent
         spans = Spans(torch.device("cpu"))
         c0, t0 = time.process_time(), time.perf_counter()
         step = trainer.train_step(it, spans)
@@ -389,11 +388,11 @@ def _model_only(trainer, theirs, s: dict, reps: int = 5) -> dict:
 
     best = {"ours": math.inf, "torch": math.inf}
     for _ in range(reps):
-        best["ours"] = min(best["ours"], sum(once(trainer.chunks[st], st, True)
-                                             for st in trainer.stages))
+        best["ours"] = min(best["ours"], sum(once(trainer.state.chunks[st], st, True)
+                                             for st in list(trainer.state.chunks)))
         best["torch"] = min(best["torch"], sum(once(theirs.modules[st], st, False)
-                                               for st in trainer.stages))
-    for q in list(trainer.params) + theirs.params:
+                                               for st in list(trainer.state.chunks)))
+    for q in list(trainer.state.params) + theirs.params:
         q.grad = None
     return best
 

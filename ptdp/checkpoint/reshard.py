@@ -15,20 +15,21 @@ import torch
 
 from ptdp.checkpoint.layout import (CheckpointError,
                                     load_file, shard_file_name)
+from ptdp.parallel.roles import role_of
 from ptdp.parallel.sharding import local_slice
 
 
-def param_metadata(param, trainer) -> dict:
-    """Full (layout-free) shape and how this layout split it."""
-    dim = getattr(param, "tp_split_dim", None)
-    vocab_padded = bool(getattr(param, "vocab_padded", False))
+def param_metadata(param, tensor_size: int, vocab_size: int, pipeline_rank: int) -> dict:
+    """Full (layout-free) shape of `param` and how a layout with `tensor_size` tensor ranks
+    split it, as a checkpoint's metadata records it."""
+    role = role_of(param)
     shape = list(param.shape)
-    if dim is not None:
-        shape[dim] *= trainer.tp.size
-    if vocab_padded:
-        shape[0] = trainer.cfg.model.vocab_size
-    return {"shape": shape, "tp_split_dim": dim, "vocab_padded": vocab_padded,
-            "pipeline_rank": trainer.grid.pp_rank}
+    if role.tp_split_dim is not None:
+        shape[role.tp_split_dim] *= tensor_size
+    if role.vocab_padded:
+        shape[0] = vocab_size
+    return {"shape": shape, "tp_split_dim": role.tp_split_dim, "vocab_padded": role.vocab_padded,
+            "pipeline_rank": pipeline_rank}
 
 
 class ShardReader:
@@ -77,15 +78,11 @@ class ShardReader:
         return self._files[key]
 
 
-def to_local(param, full: torch.Tensor, trainer, name: str, key: str) -> torch.Tensor:
+def to_local(param, full: torch.Tensor, tp, padded_vocab: int, name: str,
+             key: str) -> torch.Tensor:
     """This rank's shard of `full` for the current layout, checked against the parameter."""
-    local = local_slice(param, full, trainer.tp, trainer.cfg.padded_vocab_size)
+    local = local_slice(param, full, tp, padded_vocab)
     if local.shape != param.shape:
         raise CheckpointError(f"parameter '{name}' ({key}): the checkpoint gives a shard of shape "
                               f"{list(local.shape)} but the model's is {list(param.shape)}")
     return local.clone()  # own the memory: the source may be a memory-mapped file
-
-
-def master_of(trainer) -> dict:
-    """id(model param) -> the master param the optimizer updates (same order, maybe same object)."""
-    return {id(p): m for p, m in zip(trainer.params, trainer.master_params)}

@@ -29,46 +29,52 @@ import json
 import os
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from ptdp.checkpoint.layout import (CheckpointError, CONFIG_FILE, LATEST, METADATA, OPTIMIZER_KEYS, RESAVE_SUFFIX,
-                                    TMP_SUFFIX, TOKENIZER_FILE, FORMAT_VERSION, iteration_dir_name,
-                                    latest_name, incomplete, layout_of, rng_file_name,
+from ptdp.checkpoint.layout import (CONFIG_FILE, FORMAT_VERSION, LATEST, METADATA, RESAVE_SUFFIX,
+                                    TMP_SUFFIX, TOKENIZER_FILE, CheckpointError, incomplete,
+                                    iteration_dir_name, latest_name, layout_of, rng_file_name,
                                     shard_file_name)
-from ptdp.checkpoint.reshard import master_of, param_metadata
-from ptdp.parallel.sharding import local_slice
+from ptdp.checkpoint.reshard import param_metadata
 from ptdp.checkpoint.safety import (all_gather, fsync_dir, on_all_ranks, remove, save_durably,
                                     write_text_durably)
+from ptdp.parallel.roles import role_of
+from ptdp.parallel.sharding import local_slice
 
 
-def save_checkpoint(trainer, directory: str | os.PathLike) -> Path:
-    """Write the trainer's state after `trainer.iteration` iterations; returns the final dir.
-
-    Collective: every rank of the job must call it.
-    """
+def save_checkpoint(state, directory: str | os.PathLike) -> Path:
+    """Write the training state (ptdp/training/state.py) after `state.progress.iteration`
+    iterations; returns the final directory. Collective: every rank of the job calls it."""
     root = Path(directory)
-    final = root / iteration_dir_name(trainer.iteration)
+    final = root / iteration_dir_name(state.progress.iteration)
     tmp = final.with_name(final.name + TMP_SUFFIX)
     rank0 = dist.get_rank() == 0
     on_all_ranks(f"preparing checkpoint {tmp}", lambda: _prepare(root, tmp) if rank0 else None)
-    # The distributed optimizer's state is sharded over the data group: every data rank takes
-    # part in assembling the whole tensors that data rank 0 writes, in the usual format.
-    gathered = (trainer.weights.gather_optimizer_state(trainer.optimizer)
-                if trainer.weights.sharded else None)
-    info = on_all_ranks(f"writing checkpoint {tmp}",
-                         lambda: _write_rank_files(trainer, tmp, gathered))
+    parts = _parameter_parts(state)
+    info = on_all_ranks(f"writing checkpoint {tmp}", lambda: _write_rank_files(state, tmp, parts))
     params = {}
     for part in all_gather(info):
         params.update(part)
+
     def publish():
-        _write_config_and_tokenizer(trainer.cfg, tmp)
-        _publish(tmp, final, _metadata(trainer, params))
+        _write_config_and_tokenizer(state.cfg, tmp)
+        _publish(tmp, final, _metadata(state, params, parts["versions"]))
 
     on_all_ranks(f"publishing checkpoint {final}", lambda: publish() if rank0 else None)
     return final
+
+
+def _parameter_parts(state) -> dict:
+    """What the state's parts save per parameter (and the versions' own state). With the
+    distributed optimizer every data rank takes part in assembling the whole tensors (a
+    collective); otherwise only data rank 0 asks, since replicas hold the same."""
+    versions = state.versions.state_dict() if state.versions is not None else {}
+    if state.grid.dp_rank != 0 and not state.weights.sharded:
+        return {"versions": versions}
+    return {"values": state.weight_state().state_dict(),
+            "optimizer": state.optimizer_state().state_dict(), "versions": versions}
 
 
 def _write_config_and_tokenizer(cfg, tmp: Path) -> None:
@@ -99,101 +105,62 @@ def _prepare(root: Path, tmp: Path) -> None:
     _reached("tmp_dir")
 
 
-def _write_rank_files(trainer, tmp: Path, gathered: tuple | None) -> dict:
+def _write_rank_files(state, tmp: Path, parts: dict) -> dict:
     """This rank's files; returns metadata of the parameters it saved ({} if none)."""
-    grid = trainer.grid
-    save_durably(_rng_state(trainer), tmp / rng_file_name(grid.rank))
+    grid = state.grid
+    save_durably(state.rng.state_dict(), tmp / rng_file_name(grid.rank))
     if grid.dp_rank != 0:  # data-parallel replicas hold identical model and optimizer state
         _reached("rank_files")
         return {}
-    shards, info = _model_shards(trainer) if gathered is None else _gathered_shards(trainer, *gathered)
+    shards, info = _model_shards(state, parts)
     save_durably(shards, tmp / shard_file_name(grid.pp_rank, grid.tp_rank))
     _reached("rank_files")
     return info
 
 
-def _model_shards(trainer) -> tuple[dict, dict]:
-    """({name: saved tensors}, {name: metadata}) for this rank's unique parameters."""
-    masters = master_of(trainer)
-    shadow = _shadow_of(trainer)
+def _model_shards(state, parts: dict) -> tuple[dict, dict]:
+    """({name: saved tensors}, {name: metadata}) for this rank's unique parameters: the
+    master's "value", AdamW's moments and "step", 2BW's "shadow" (CPU copies)."""
+    shadow = parts["versions"].get("shadow")
     shards, info = {}, {}
-    for name, param in trainer.named_parameters():
-        if getattr(param, "duplicate", False):  # the tied head's copy; the original is saved
+    for i, (name, param) in enumerate(state.named_parameters()):
+        if role_of(param).duplicate:  # the tied head's copy; the original is saved
             continue
-        master = masters[id(param)]
-        entry = {"value": master.detach().cpu().clone()}
+        entry = {"value": parts["values"][i], **parts["optimizer"][i]}
         if shadow is not None:
-            entry["shadow"] = shadow[id(param)].detach().float().cpu().clone()
-        state = trainer.optimizer.state.get(master, {})
-        for key in OPTIMIZER_KEYS + ("step",):
-            if key in state:
-                entry[key] = torch.as_tensor(state[key]).detach().cpu().clone()
-        shards[name] = entry
-        info[name] = param_metadata(param, trainer)
+            entry["shadow"] = shadow[i].float()
+        shards[name] = {key: value.detach().cpu().clone() for key, value in entry.items()}
+        info[name] = param_metadata(param, state.tp.size, state.cfg.model.vocab_size,
+                                    state.grid.pp_rank)
     return shards, info
 
 
-def _gathered_shards(trainer, whole: dict, step) -> tuple[dict, dict]:
-    """`_model_shards` for the distributed optimizer, from the state its data ranks gathered
-    (ShardedMasterWeights.gather_optimizer_state): the same entries, so any layout loads it."""
-    shards, info = {}, {}
-    for i, (name, param) in enumerate(trainer.named_parameters()):
-        if getattr(param, "duplicate", False):
-            continue
-        entry = {key: tensors[i].detach().cpu().clone() for key, tensors in whole.items()}
-        if step is not None:
-            entry["step"] = step.clone()
-        shards[name] = entry
-        info[name] = param_metadata(param, trainer)
-    return shards, info
-
-
-def _shadow_of(trainer) -> dict | None:
-    """id(model param) -> its value in 2BW's older live version, or None."""
-    shadow = getattr(trainer.no_flush, "shadow", lambda: None)()
-    if shadow is None:
-        return None
-    return {id(p): value for p, value in zip(trainer.params, shadow[1])}
-
-
-def _rng_state(trainer) -> dict:
-    state = {"cpu": torch.get_rng_state(), "tensor_parallel": trainer.ctx.rng.get_state()}
-    if trainer.device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(trainer.device)
-    return state
-
-
-def _metadata(trainer, params: dict) -> dict:
-    cfg, grid = trainer.cfg, trainer.grid
-    return {
+def _metadata(state, params: dict, versions: dict) -> dict:
+    cfg, grid, iteration = state.cfg, state.grid, state.progress.iteration
+    meta = {
         "format_version": FORMAT_VERSION,
-        "iteration": trainer.iteration,
-        "consumed_samples": trainer.iteration * cfg.train.global_batch_size,
+        "iteration": iteration,
+        "consumed_samples": iteration * cfg.train.global_batch_size,
         "layout": layout_of(cfg),
         "model": dataclasses.asdict(cfg.model),
         "train": dataclasses.asdict(cfg.train),  # for the record; LR is f(iteration, train)
         "config": cfg.to_dict(),                 # the whole resolved config, for the record
-        "loss_scaler": trainer.loss_scaler.state_dict(),
-        **_two_bw_metadata(trainer),
-        "params": params,
-        "files": sorted([shard_file_name(pp, tp) for pp in range(grid.p) for tp in range(grid.t)]
-                        + [rng_file_name(r) for r in range(dist.get_world_size())]
-                        + _config_and_tokenizer_files(cfg)),
+        "loss_scaler": state.loss_scaler.state_dict(),
     }
+    if versions.get("shadow") is not None:   # 2BW (ptdp/training/two_bw.py)
+        meta["two_bw"] = {"shadow_version": versions["shadow_version"],
+                          "loss_scales": {str(b): s for b, s in versions["loss_scales"].items()}}
+    meta["params"] = params
+    meta["files"] = sorted([shard_file_name(pp, tp) for pp in range(grid.p) for tp in range(grid.t)]
+                           + [rng_file_name(r) for r in range(dist.get_world_size())]
+                           + _config_and_tokenizer_files(cfg))
+    return meta
 
 
 def _config_and_tokenizer_files(cfg) -> list[str]:
     """What `_write_config_and_tokenizer` writes (part of a complete checkpoint)."""
     has_tokenizer = bool(cfg.data.tokenizer) and Path(cfg.data.tokenizer).is_file()
     return [CONFIG_FILE] + ([TOKENIZER_FILE] if has_tokenizer else [])
-
-
-def _two_bw_metadata(trainer) -> dict:
-    shadow = getattr(trainer.no_flush, "shadow", lambda: None)()
-    if shadow is None:
-        return {}
-    scales = {str(b): s for b, s in trainer.no_flush.scales.items() if b >= trainer.iteration}
-    return {"two_bw": {"shadow_version": shadow[0], "loss_scales": scales}}
 
 
 def _publish(tmp: Path, final: Path, metadata: dict) -> None:
@@ -268,12 +235,11 @@ def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: in
         for stage in rank_stages(pp, par.pipeline, par.chunks):
             chunk = build_chunk(ctx, stage, par.pipeline * par.chunks)  # names and split dims
             for name, param in named_global_parameters(chunk):
-                if getattr(param, "duplicate", False):
+                if role_of(param).duplicate:
                     continue
                 if name not in full:
                     raise CheckpointError(f"the weights to save have no '{name}'")
-                expected = param_metadata(param, SimpleNamespace(tp=ctx.tp, cfg=cfg,
-                                                                  grid=SimpleNamespace(pp_rank=pp)))
+                expected = param_metadata(param, par.tensor, cfg.model.vocab_size, pp)
                 if list(full[name].shape) != expected["shape"]:
                     raise CheckpointError(f"'{name}' has shape {list(full[name].shape)}; the "
                                           f"model needs {expected['shape']}")

@@ -24,6 +24,7 @@ from ptdp.config import ModelConfig, padded_vocab_size
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import TensorParallelRNG
 from ptdp.parallel.sharding import local_slice
+from ptdp.parallel.roles import role_of
 
 
 def model_config(meta: dict) -> ModelConfig:
@@ -67,7 +68,7 @@ def build_single_stage(cfg: ModelConfig, seed: int = 0):
 
 def _trimmed_state(chunk, vocab_size: int) -> dict[str, torch.Tensor]:
     from ptdp.models import named_global_parameters
-    return {name: (p[:vocab_size] if getattr(p, "vocab_padded", False) else p).detach().float().clone()
+    return {name: (p[:vocab_size] if role_of(p).vocab_padded else p).detach().float().clone()
             for name, p in named_global_parameters(chunk)}
 
 

@@ -33,6 +33,7 @@ import torch.nn as nn
 from ptdp.optim.buffers import FlatGrads, FlatLayout, bucket_indices
 from ptdp.optim.mixed_precision import _add_to_main_grad, _master_copy
 from ptdp.optim.optimizer import optimizer_moment_bytes
+from ptdp.parallel.roles import role_of
 
 
 @dataclass
@@ -58,7 +59,7 @@ class ShardedMasterWeights:
         self.half = precision != "fp32"
         device, dtype = params[0].device, params[0].dtype
         groups = bucket_indices([p.numel() * p.element_size() for p in params], bucket_mb * 2**20,
-                                alone=[getattr(p, "shared_embedding", False) for p in params])
+                                alone=[role_of(p).shared_embedding for p in params])
         self.layout = layout = FlatLayout([p.shape for p in params], buckets=groups,
                                           bucket_shards=size)
         self.model_buffer = layout.allocate(dtype, device)
@@ -90,7 +91,7 @@ class ShardedMasterWeights:
             params = [self.params[i] for i in group]
             buckets.append(ShardedBucket(
                 params, (start, end), own, offset,
-                all_reduce=any(getattr(p, "shared_embedding", False) for p in params),
+                all_reduce=any(role_of(p).shared_embedding for p in params),
                 grads=grads[start:end], own_grads=grads[own[0]:own[1]]))
             offset += share
         return buckets
@@ -130,7 +131,7 @@ class ShardedMasterWeights:
         if size <= 1:
             return
         for i, p in enumerate(self.params):
-            if getattr(p, "shared_embedding", False):
+            if role_of(p).shared_embedding:
                 dist.all_reduce(self.layout.view(self.flat_grads.buffer, i), group=group)
 
     @torch.no_grad()
@@ -170,27 +171,25 @@ class ShardedMasterWeights:
                     full[i] = self.layout.view(self.flat_grads.buffer, i).clone()
         return full
 
-    def gather_optimizer_state(self, optimizer) -> tuple[dict, torch.Tensor | None]:
-        """({key: per-parameter whole tensors} for "value", "exp_avg", "exp_avg_sq", and the
-        optimizer's step), as one process would hold them. The moments are absent before the
-        first step. Collective over the data group."""
+    def piece_values(self, value_of) -> torch.Tensor:
+        """A tensor shaped like this rank's master shard (its bucket shards in order) holding
+        `value_of(piece)` at every piece, for `gather`."""
+        shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.model_buffer.device)
+        for piece in self.masters:
+            shard[piece.shard_offset: piece.shard_offset + piece.numel()].copy_(value_of(piece))
+        return shard
+
+    def optimizer_step_count(self, optimizer) -> torch.Tensor | None:
+        """The optimizer's step as a CPU float tensor, None before the first step. Collective
+        over the data group: a rank may own no piece at all in a tiny model."""
         step = torch.zeros((), dtype=torch.float64, device=self.model_buffer.device)
         for piece in self.masters:
             if "step" in optimizer.state.get(piece, {}):
                 step.fill_(float(optimizer.state[piece]["step"]))
                 break
-        if self.size > 1:   # a rank may own no piece at all in a tiny model
+        if self.size > 1:
             dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.group)
-        keys = ["value"] + (["exp_avg", "exp_avg_sq"] if step.item() > 0 else [])
-        gathered = {}
-        for key in keys:
-            shard = torch.zeros(self.shard_numel, dtype=torch.float32,
-                                device=self.model_buffer.device)
-            for piece in self.masters:
-                source = piece.detach() if key == "value" else optimizer.state[piece][key]
-                shard[piece.shard_offset: piece.shard_offset + piece.numel()].copy_(source)
-            gathered[key] = self.gather(shard)
-        return gathered, (step.float().cpu() if step.item() > 0 else None)
+        return step.float().cpu() if step.item() > 0 else None
 
     def _shard_of(self, shard: torch.Tensor, bucket: ShardedBucket) -> torch.Tensor:
         return shard[bucket.shard_offset: bucket.shard_offset + bucket.own[1] - bucket.own[0]]

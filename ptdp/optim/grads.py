@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ptdp.optim.buffers import FlatGrads, bucket_indices
 from ptdp.optim.mixed_precision import grad_of, set_grad
+from ptdp.parallel.roles import role_of
 
 
 class _Bucket:
@@ -130,7 +131,7 @@ def sync_shared_embeddings(params: list[nn.Parameter], group, size: int) -> None
     if size <= 1:
         return
     for p in params:
-        if getattr(p, "shared_embedding", False):
+        if role_of(p).shared_embedding:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)
@@ -140,7 +141,7 @@ def reduce_sequence_parallel_grads(params: list[nn.Parameter], group, size: int)
     """Sum, over the tensor group, the gradients of replicated weights that sequence
     parallelism applies to 1/t of the tokens on each rank (LayerNorms, the row-parallel
     biases, position and token-type embeddings): one all-reduce of their concatenation."""
-    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [p.grad for p in params if role_of(p).sequence_parallel and p.grad is not None]
     if size <= 1 or not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -155,9 +156,10 @@ def counts_in_norm(param: nn.Parameter, tp_rank: int) -> bool:
     Split weights contribute their shard on every tensor rank; replicated weights only on
     tensor rank 0; the last stage's copy of the tied embedding not at all.
     """
-    if getattr(param, "duplicate", False):
+    role = role_of(param)
+    if role.duplicate:
         return False
-    return getattr(param, "tp_split_dim", None) is not None or tp_rank == 0
+    return role.tp_split_dim is not None or tp_rank == 0
 
 
 def global_grad_norm(params: list[nn.Parameter], model_group, tp_rank: int,

@@ -21,12 +21,10 @@ import torch.nn as nn
 
 from ptdp.optim.buffers import FlatGrads, FlatLayout
 from ptdp.optim.optimizer import optimizer_moment_bytes
+from ptdp.parallel.roles import copy_role
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# Attributes that tell reductions, norms and checkpoints how a weight is laid out.
-LAYOUT_ATTRIBUTES = ("tp_split_dim", "vocab_padded", "duplicate", "shared_embedding",
-                     "sequence_parallel")
 
 
 def grad_of(param: nn.Parameter) -> torch.Tensor | None:
@@ -42,12 +40,8 @@ def set_grad(param: nn.Parameter, value: torch.Tensor) -> None:
 
 
 def _master_copy(param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
-    """An fp32 Parameter over `data` (aliased, not copied) with the model weight's layout tags."""
-    master = nn.Parameter(data)
-    for attr in LAYOUT_ATTRIBUTES:
-        if hasattr(param, attr):
-            setattr(master, attr, getattr(param, attr))
-    return master
+    """An fp32 Parameter over `data` (aliased, not copied) with the model weight's role."""
+    return copy_role(param, nn.Parameter(data))
 
 
 class MasterWeights:

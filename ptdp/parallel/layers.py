@@ -8,7 +8,8 @@ and logits, and the layout-independent initialisation they share.
 
 Every parameter is initialised from the *full* tensor's RNG stream (seeded by the run seed and
 the parameter's global name) and then sliced, so any tensor/pipeline layout starts from exactly
-the weights a single process would have. Split parameters carry `tp_split_dim`.
+the weights a single process would have. Split parameters declare `tp_split_dim` in their
+role (ptdp/parallel/roles.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ptdp.parallel.mappings import (TensorParallel, copy_to_tensor_region,
                                     gather_from_tensor_region, scatter_to_tensor_region)
 from ptdp.parallel.sequence import (enter_tensor_region, gather_from_sequence_region,
                                     leave_tensor_region, mark_sequence_parallel)
+from ptdp.parallel.roles import declare_role
 
 
 def stable_seed(seed: int, key: str) -> int:
@@ -45,7 +47,7 @@ def shard_param(full: torch.Tensor, split_dim: int | None, tp: TensorParallel) -
     else:
         data = full.chunk(tp.size, dim=split_dim)[tp.rank].clone()
     param = nn.Parameter(data)
-    param.tp_split_dim = split_dim if tp.size > 1 else None
+    declare_role(param, tp_split_dim=split_dim if tp.size > 1 else None)
     return param
 
 
@@ -121,7 +123,7 @@ class VocabParallelEmbedding(nn.Module):
         full = torch.zeros(padded_vocab_size, hidden)
         full[:vocab_size] = full_normal((vocab_size, hidden), std, seed, f"{key}.weight")
         self.weight = shard_param(full, 0, tp)
-        self.weight.vocab_padded = True
+        declare_role(self.weight, vocab_padded=True)
         self.per_rank = padded_vocab_size // tp.size
         self.vocab_start = tp.rank * self.per_rank
 

@@ -64,3 +64,31 @@ def seed_everything(seed: int, pp_rank: int) -> None:
     torch.manual_seed(seed + 100 * pp_rank)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed + 100 * pp_rank)
+
+
+class RandomStreams:
+    """A rank's random streams, as a checkpoint saves them: the default generator (CPU, and
+    CUDA on a GPU), seeded per pipeline stage, and the tensor-parallel stream."""
+
+    def __init__(self, seed: int, pp_rank: int, tp_rank: int, device: torch.device):
+        self.pp_rank, self.tp_rank, self.device = pp_rank, tp_rank, torch.device(device)
+        seed_everything(seed, pp_rank)
+        self.tensor_parallel = TensorParallelRNG(seed, tp_rank, device)
+
+    def state_dict(self) -> dict:
+        state = {"cpu": torch.get_rng_state(), "tensor_parallel": self.tensor_parallel.get_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state["cpu"])
+        self.tensor_parallel.set_state(state["tensor_parallel"])
+        if "cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+    def reseed(self, seed: int) -> None:
+        """Fresh streams from `seed`, as the start of a run with that seed would have them."""
+        seed_everything(seed, self.pp_rank)
+        fresh = TensorParallelRNG(seed, self.tp_rank, self.device)
+        self.tensor_parallel.set_state(fresh.get_state())

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ptdp.parallel.mappings import TensorParallel, copy_to_tensor_region, reduce_from_tensor_region
+from ptdp.parallel.roles import declare_role
 
 
 def _gather_first_dim(x: torch.Tensor, group, size: int) -> torch.Tensor:
@@ -106,7 +107,7 @@ def sequence_shard(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 def mark_sequence_parallel(param: nn.Parameter, tp: TensorParallel) -> nn.Parameter:
     """A replicated weight applied to the local tokens only: its gradient is partial."""
     if tp.sequence_parallel:
-        param.sequence_parallel = True
+        declare_role(param, sequence_parallel=True)
     return param
 
 

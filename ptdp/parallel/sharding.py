@@ -1,7 +1,7 @@
 """Whole-model views of sharded parameters: gather shards into full tensors, slice them back.
 
-A parameter split over the tensor group carries `tp_split_dim`; vocabulary-sized ones carry
-`vocab_padded` (their padding rows depend on t, so full tensors are trimmed to the real
+A parameter split over the tensor group has `tp_split_dim` in its role
+(ptdp/parallel/roles.py); vocabulary-sized ones are `vocab_padded` (their padding rows depend on t, so full tensors are trimmed to the real
 vocabulary). With these two facts any layout's shards convert to and from the layout-free
 single-process tensors, which is what the equivalence tests compare and what resharding uses.
 """
@@ -10,26 +10,27 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from ptdp.parallel.roles import role_of
 
 
 def full_tensor(param: torch.Tensor, value: torch.Tensor, tp, vocab_size: int) -> torch.Tensor:
     """All-gather `value` (the param or its grad) over the tensor group; trim vocab padding."""
-    dim = getattr(param, "tp_split_dim", None)
+    dim = role_of(param).tp_split_dim
     if dim is not None and tp.size > 1:
         parts = [torch.empty_like(value) for _ in range(tp.size)]
         dist.all_gather(parts, value.contiguous(), group=tp.group)
         value = torch.cat(parts, dim=dim)
-    if getattr(param, "vocab_padded", False):
+    if role_of(param).vocab_padded:
         value = value[:vocab_size]
     return value.detach().clone()
 
 
 def local_slice(param: torch.Tensor, full: torch.Tensor, tp, padded_vocab: int) -> torch.Tensor:
     """The inverse of `full_tensor`: pad the vocabulary, then take this rank's shard."""
-    if getattr(param, "vocab_padded", False) and full.shape[0] < padded_vocab:
+    if role_of(param).vocab_padded and full.shape[0] < padded_vocab:
         pad = torch.zeros((padded_vocab - full.shape[0],) + tuple(full.shape[1:]), dtype=full.dtype)
         full = torch.cat([full, pad])
-    dim = getattr(param, "tp_split_dim", None)
+    dim = role_of(param).tp_split_dim
     if dim is not None and tp.size > 1:
         full = full.chunk(tp.size, dim=dim)[tp.rank]
     return full
@@ -45,7 +46,7 @@ def gather_full_state(named_params, tp, vocab_size: int, grads: bool = False,
     """
     mine = {}
     for name, param in named_params:
-        if getattr(param, "duplicate", False):
+        if role_of(param).duplicate:
             continue
         value = value_of(param) if value_of else param.grad if grads else param
         if value is None:

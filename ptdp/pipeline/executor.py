@@ -47,17 +47,14 @@ class PipelineExecutor:
     `loss_scale` multiplies each micro-batch's loss before backward: 1/(m*d) averages over the
     micro-batches of the whole data-parallel batch (times the fp16 loss scale, if any).
     It may also be a function of the micro-batch (2BW's fp16 scale is fixed per batch).
-    `activation_shape` is the [s, b, h] shape of every boundary tensor. `versions`: the weight
-    versions of the no-flush schedules (None: the parameters as they are).
+    `activation_shape` is the [s, b, h] shape of every boundary tensor.
     """
 
     def __init__(self, chunks: dict[int, nn.Module], num_stages: int, p2p: P2P, *,
-                 activation_shape: tuple, activation_dtype: torch.dtype, device: torch.device,
-                 versions=None):
+                 activation_shape: tuple, activation_dtype: torch.dtype, device: torch.device):
         self.chunks, self.num_stages, self.p2p = chunks, num_stages, p2p
         self.activation_shape, self.dtype, self.device = activation_shape, activation_dtype, device
         self.last_stage = num_stages - 1
-        self.versions = versions
 
     def run(self, steps: list[Step], get_batch: Callable[[int], dict], loss_scale,
             spans=NO_SPANS, forward_only: bool = False) -> IterationResult:
@@ -72,11 +69,13 @@ class PipelineExecutor:
             run.check_drained()
             return run.take_result()
 
-    def stream(self, get_batch: Callable[[int], dict], loss_scale,
-               rank_actions: Callable) -> "Stream":
-        """A no-flush run: iterations' steps, one `Stream.run` each, on one shared state."""
+    def stream(self, get_batch: Callable[[int], dict], loss_scale, rank_actions: Callable,
+               versions=None) -> "Stream":
+        """A no-flush run: iterations' steps, one `Stream.run` each, on one shared state.
+        `versions`: the weight versions every forward and backward activates
+        (ptdp.pipeline.weights.StashedVersions; None: the parameters as they are)."""
         return Stream(_Run(self, get_batch, loss_scale, forward_only=False,
-                           rank_actions=rank_actions))
+                           rank_actions=rank_actions, versions=versions))
 
 
 class Stream:
@@ -106,11 +105,11 @@ class _Run:
     """The state of a run: received and to-be-sent tensors, stashes, results."""
 
     def __init__(self, executor: PipelineExecutor, get_batch, loss_scale, *, forward_only: bool,
-                 rank_actions: Callable | None = None):
+                 rank_actions: Callable | None = None, versions=None):
         self.ex, self.get_batch, self.forward_only = executor, get_batch, forward_only
         self.scale = loss_scale if callable(loss_scale) else (lambda mb: loss_scale)
         self.rank_actions = rank_actions
-        self.versions = None if forward_only else executor.versions
+        self.versions = versions
         self.inbox: dict = {}      # message -> PendingRecv, posted and not yet used
         self.outbox: dict = {}     # message -> tensor produced, not yet sent
         self.stash: dict = {}      # (mb, stage) -> (input, output, version ids) for the backward

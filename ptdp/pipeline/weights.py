@@ -31,7 +31,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ptdp.optim.mixed_precision import LAYOUT_ATTRIBUTES, grad_of
+from ptdp.optim.mixed_precision import grad_of
+from ptdp.parallel.roles import copy_role
 
 
 def aliasing_masters(params: list[nn.Parameter], masters: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -44,10 +45,7 @@ def aliasing_masters(params: list[nn.Parameter], masters: list[nn.Parameter]) ->
     out = []
     for param, master in zip(params, masters):
         if master is param:
-            master = nn.Parameter(param.data, requires_grad=param.requires_grad)
-            for attr in LAYOUT_ATTRIBUTES:
-                if hasattr(param, attr):
-                    setattr(master, attr, getattr(param, attr))
+            master = copy_role(param, nn.Parameter(param.data, requires_grad=param.requires_grad))
         out.append(master)
     return out
 

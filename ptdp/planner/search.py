@@ -145,6 +145,7 @@ def _schedule_options(work: Workload, p: int, m: int, fixed: dict, rej: Rejectio
                 continue
         if name != DEFAULT.name and spec.flushing and p == 1 and "schedule" not in fixed:
             continue  # identical to 1f1b without a pipeline
+        out.append((name, 1))
     return out
 
 

@@ -15,7 +15,7 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def clock(device):
+def clock_for(device):
     """CPU time for single-threaded CPU work (immune to other processes sharing the cores),
     wall time otherwise (GPUs, several threads, anything that waits)."""
     import torch
@@ -27,7 +27,7 @@ def clock(device):
 def best_time(fn, device, iters: int, warmup: int = 1, clock=None) -> float:
     """Best of `iters` timed runs: other processes only ever add time, so the minimum is the
     least noisy estimate of the work itself (as timeit recommends)."""
-    clock = clock or clock(device)
+    clock = clock or clock_for(device)
     for _ in range(warmup):
         fn()
     times = []

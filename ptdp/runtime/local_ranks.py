@@ -1,8 +1,12 @@
 """Run a function on N local ranks (one process each, gloo), for tests, tools and benchmarks.
 
-Processes are started with the `spawn` method: forking after torch has run a threaded op can
-deadlock in OpenMP. Every run has a hard timeout: a rank that hangs or dies ends the whole
-run with an error naming it, never a hung caller.
+Processes are forked from a server process that has imported torch and nothing else
+(multiprocessing's `forkserver`, torch preloaded): forking the caller after torch has run a
+threaded op can deadlock in OpenMP, and `spawn` makes every rank import torch again (seconds
+of CPU per rank on a small machine). The server starts once per calling process. Each rank
+gets the caller's environment as it is at the call, as with `spawn`. Every run has a hard
+timeout: a rank that hangs or dies ends the whole run with an error naming it, never a hung
+caller.
 """
 
 from __future__ import annotations
@@ -29,9 +33,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank, world_size, port, fn, args, results, timeout_s, threads):
+# What the fork server imports before it forks any rank (never runs a torch op).
+PRELOAD = ["torch", "torch.distributed"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)   # no effect once the server runs
+    return ctx
+
+
+def _rank_main(rank, world_size, port, fn, args, results, timeout_s, threads, environ):
     import torch
     import torch.distributed as dist
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -57,11 +73,13 @@ def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, threads: 
     `fn` must be importable (a module-level function). Raises RankFailure naming the rank
     that failed, or the ranks that had not finished within `timeout_s`.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
+    environ = dict(os.environ)
     procs = [ctx.Process(target=_rank_main, daemon=True,
-                         args=(r, world_size, port, fn, args, results, timeout_s, threads))
+                         args=(r, world_size, port, fn, args, results, timeout_s, threads,
+                               environ))
              for r in range(world_size)]
     for p in procs:
         p.start()

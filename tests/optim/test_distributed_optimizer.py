@@ -68,27 +68,27 @@ def precision_job() -> dict:
         trainer = _trainer(["parallel.data=2", "train.precision=bf16", "train.iters=1"]
                            + (DISTOPT if sharded else []))
         trainer.train()
-        out[("state_bytes", sharded)] = trainer.weights.state_bytes(trainer.optimizer)
+        out[("state_bytes", sharded)] = trainer.state.weights.state_bytes(trainer.state.optimizer)
         out[("moment_elements", sharded)] = sum(s["exp_avg"].numel()
-                                                for s in trainer.optimizer.state.values())
+                                                for s in trainer.state.optimizer.state.values())
         if sharded:
-            out["owned"] = sorted((m.param_index, *m.param_range) for m in trainer.master_params)
-            out["padded"] = trainer.weights.layout.numel
+            out["owned"] = sorted((m.param_index, *m.param_range) for m in trainer.state.master_params)
+            out["padded"] = trainer.state.weights.layout.numel
     # An overflow (inf) in a gradient only data rank 1's shard holds: both ranks skip.
     trainer = _trainer(["parallel.data=2", "train.precision=fp16"] + DISTOPT)
     trainer.forward_backward(0)
     out["finite_before"] = bool(torch.isfinite(trainer.reduce_gradients()))
-    before = trainer.weights.master_shard.clone()
-    if trainer.grid.dp_rank == 1:
-        trainer.master_params[0].grad[0] = float("inf")
-    out["own_shard_finite"] = all(torch.isfinite(m.grad).all() for m in trainer.master_params)
+    before = trainer.state.weights.master_shard.clone()
+    if trainer.state.grid.dp_rank == 1:
+        trainer.state.master_params[0].grad[0] = float("inf")
+    out["own_shard_finite"] = all(torch.isfinite(m.grad).all() for m in trainer.state.master_params)
     from ptdp.optim.grads import global_grad_norm
-    norm = global_grad_norm(trainer.master_params, trainer.grid.model_group, trainer.grid.tp_rank,
-                            data_group=trainer.grid.data_group)
-    scale = trainer.loss_scaler.scale
+    norm = global_grad_norm(trainer.state.master_params, trainer.state.grid.model_group, trainer.state.grid.tp_rank,
+                            data_group=trainer.state.grid.data_group)
+    scale = trainer.state.loss_scaler.scale
     out["skipped"] = trainer.optimizer_step(0, norm)
-    out["scale_halved"] = trainer.loss_scaler.scale == scale / 2
-    out["masters_unchanged"] = torch.equal(before, trainer.weights.master_shard)
+    out["scale_halved"] = trainer.state.loss_scaler.scale == scale / 2
+    out["masters_unchanged"] = torch.equal(before, trainer.state.weights.master_shard)
     return out
 
 

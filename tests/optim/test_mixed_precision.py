@@ -93,8 +93,8 @@ def compare_storage(iters: int = 3) -> dict:
             MasterWeights.contiguous_default = contiguous
             trainer = Trainer(load_config(None, TINY + overrides, world_size=dist.get_world_size()))
             losses = [trainer.train_step(it).loss for it in range(iters)]
-            results.append((losses, [m.detach().clone() for m in trainer.master_params],
-                            [b.in_place is not None for b in trainer.dp_grads.buckets]))
+            results.append((losses, [m.detach().clone() for m in trainer.state.master_params],
+                            [b.in_place is not None for b in trainer.state.dp_grads.buckets]))
         (flat_losses, flat, in_place), (ref_losses, ref, ref_in_place) = results
         out[name] = {"losses": flat_losses == ref_losses,
                      "masters": len(flat) == len(ref) and all(map(torch.equal, flat, ref)),

@@ -15,7 +15,7 @@ takes those freedoms away (tests/pipeline/nccl_rules.py imposes them on gloo):
    `ptdp.pipeline.comm_plan.check_plans` proves a plan deadlock-free; the host blocks where
    NCCL would block the communication stream, which only removes freedom.
 
-Use: `trainer.p2p.transport = InOrderTransport(trainer.grid.pipeline_group)`.
+Use: `trainer.pipeline.p2p.transport = InOrderTransport(trainer.state.grid.pipeline_group)`.
 """
 
 from __future__ import annotations

@@ -23,12 +23,12 @@ def _trainer(overrides: list[str], iters: int):
 
 
 def _snapshot(trainer) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in trainer.params]
+    return [p.detach().clone() for p in trainer.state.params]
 
 
 @torch.no_grad()
 def _load(trainer, values: list[torch.Tensor]) -> None:
-    for p, value in zip(trainer.params, values):
+    for p, value in zip(trainer.state.params, values):
         p.copy_(value)
 
 
@@ -68,7 +68,7 @@ def simulate_pipedream(overrides: list[str], iters: int, p: int, d: int, stage_o
     from ptdp.data.batching import MicroBatches
     from ptdp.training import build_datasets
     trainer = _trainer(overrides, iters)
-    cfg, (chunk,) = trainer.cfg, trainer.chunks.values()
+    cfg, (chunk,) = trainer.cfg, trainer.state.chunks.values()
     tr = cfg.train
     per_rank = [MicroBatches(build_datasets(cfg)["train"], global_batch=tr.global_batch_size,
                              micro_batch_size=tr.micro_batch_size, data_rank=i, data_size=d,
@@ -83,7 +83,7 @@ def simulate_pipedream(overrides: list[str], iters: int, p: int, d: int, stage_o
             current = _snapshot(trainer)
             _load(trainer, [history[pipedream_versions(j, p, s, vertical_sync)][i]
                             for i, s in enumerate(stages)])
-            trainer.weights.zero_grads()
+            trainer.state.weights.zero_grads()
             for batches in per_rank:
                 loss, _ = chunk(None, batches.get(t, c))
                 (loss / d).backward()

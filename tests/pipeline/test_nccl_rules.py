@@ -79,11 +79,11 @@ def _no_flush_both_ways(directory: str) -> list:
                               world_size=dist.get_world_size())
             trainer = Trainer(cfg)
             if strict:
-                trainer.p2p.transport = InOrderTransport(trainer.grid.pipeline_group)
+                trainer.pipeline.p2p.transport = InOrderTransport(trainer.state.grid.pipeline_group)
             with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
                 history = trainer.train()
             runs.append(([r["loss"] for r in history], trainer.full_state(),
-                         getattr(trainer.p2p.transport, "batches", None)))
+                         getattr(trainer.pipeline.p2p.transport, "batches", None)))
         out.append(runs)
     return out
 
@@ -124,8 +124,8 @@ def _train_with_naive_plan(overrides):
 
     cfg = load_config(None, TINY + overrides, world_size=dist.get_world_size())
     trainer = Trainer(cfg)
-    trainer.p2p.transport = InOrderTransport(trainer.grid.pipeline_group, timeout_s=3)
-    trainer.steps = naive_plans("interleaved", 2, 2, cfg.num_micro_batches)[trainer.grid.pp_rank]
+    trainer.pipeline.p2p.transport = InOrderTransport(trainer.state.grid.pipeline_group, timeout_s=3)
+    trainer.step.steps = naive_plans("interleaved", 2, 2, cfg.num_micro_batches)[trainer.state.grid.pp_rank]
     return trainer.train_step(0).loss
 
 

@@ -69,6 +69,7 @@ def _overrides(name: str, arch: str) -> list[str]:
 def train_runs(runs: list[list[str]]) -> list[dict]:
     """Runs on every rank: each override list for its schedule's ITERS, what the tests need."""
     from ptdp.config import load_config
+    from ptdp.parallel.roles import role_of
     from ptdp.training import Trainer
     out = []
     for overrides in runs:
@@ -80,15 +81,15 @@ def train_runs(runs: list[list[str]]) -> list[dict]:
         steps, outstanding = [], []
         for it in range(iters):
             steps.append(trainer.train_step(it))
-            p2p = trainer.executor.p2p     # sends still held after each iteration
+            p2p = trainer.pipeline.executor.p2p     # sends still held after each iteration
             outstanding.append(len(p2p.pending_sends) + len(getattr(p2p, "previous_sends", [])))
         out.append({"losses": [s.loss for s in steps], "grad_norms": [s.grad_norm for s in steps],
-                    "weights": trainer.full_state(), "log": trainer.versions.log,
-                    "peaks": [g.peak for g in trainer.versions.groups],
+                    "weights": trainer.full_state(), "log": trainer.step.versions.log,
+                    "peaks": [g.peak for g in trainer.step.versions.groups],
                     "outstanding_sends": outstanding,
-                    "coords": trainer.grid.coords, "m": trainer.m,
-                    "stage_of": {n: trainer.grid.pp_rank for n, p in trainer.named_parameters()
-                                 if not getattr(p, "duplicate", False)}})
+                    "coords": trainer.state.grid.coords, "m": trainer.state.m,
+                    "stage_of": {n: trainer.state.grid.pp_rank
+                                 for n, p in trainer.named_parameters() if not role_of(p).duplicate}})
     return out
 
 
@@ -251,7 +252,7 @@ def _resume_job(directory: str, overrides: list[str]):
         resumed = Trainer(load_config(None, base + [f"checkpoint.load={directory}/iter_0000003",
                                                     f"checkpoint.dir={directory}/again"],
                                       world_size=world))
-        shadow = sorted(resumed.versions.groups[0].buffers)
+        shadow = sorted(resumed.step.versions.groups[0].buffers)
         again = resumed.train()
     return [r["loss"] for r in whole], [r["loss"] for r in again], shadow
 

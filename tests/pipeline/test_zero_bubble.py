@@ -74,15 +74,15 @@ def _where_weights_get_gradients() -> dict:
         param.register_post_accumulate_grad_hook(
             lambda p, n=name: seen.setdefault(n, set()).add("Wg" if inside[0] else "B"))
     launches = []
-    bucket_launch = type(trainer.dp_grads.buckets[0]).launch
-    for bucket in trainer.dp_grads.buckets:
+    bucket_launch = type(trainer.state.dp_grads.buckets[0]).launch
+    for bucket in trainer.state.dp_grads.buckets:
         bucket.launch = lambda group, b=bucket: (launches.append(inside[0]),
                                                  bucket_launch(b, group))
     try:
         trainer.train_step(0)
     finally:
         weight_grad.STORE.run = run
-    return {"seen": seen, "launches": launches, "rank": trainer.grid.coords.pipeline}
+    return {"seen": seen, "launches": launches, "rank": trainer.state.grid.coords.pipeline}
 
 
 def test_weight_gradients_wait_for_the_wg_pass():

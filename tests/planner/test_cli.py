@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from ptdp.config import load_config
-from ptdp.planner import cli
+from ptdp.commands import plan as cli
 
 GPT3 = {"model": {"arch": "gpt", "num_layers": 96, "hidden_size": 12288, "num_heads": 96,
                   "seq_length": 2048, "vocab_size": 51200}}
@@ -109,7 +109,7 @@ def test_plan_imports_no_torch(tmp_path):
     path = tmp_path / "m.yaml"
     path.write_text(yaml.safe_dump(GPT3))
     code = ("import sys, argparse\n"
-            "from ptdp.planner import cli\n"
+            "from ptdp.commands import plan as cli\n"
             "p = argparse.ArgumentParser(); cli.register(p.add_subparsers())\n"
             f"a = p.parse_args(['plan', {str(path)!r}, '--hardware', 'a100-80gb', '--nodes', '16',"
             " '--global-batch-size', '512', '--json'])\n"

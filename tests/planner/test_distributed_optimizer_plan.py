@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from ptdp.config import ModelConfig, load_config
-from ptdp.planner import cli
+from ptdp.commands import plan as cli
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.cost_model import Layout, Workload, predict
 from ptdp.planner.memory import gpu_memory, optimizer_state_bytes

@@ -1,0 +1,60 @@
+"""This rank's part of the pipeline as the trainer runs it: the point-to-point transport, the
+executor over the rank's chunks, and the plans (a schedule's actions with their exchanges,
+checked under NCCL's rules for every rank before anything runs)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ptdp.config.catalogue import FORWARD_ONLY
+from ptdp.pipeline.actions import FORWARD
+from ptdp.pipeline.comm_plan import check_plans, plan_exchanges
+from ptdp.pipeline.executor import PipelineExecutor
+from ptdp.pipeline.p2p import P2P
+from ptdp.pipeline.schedules import build_all
+from ptdp.pipeline.window import NoFlushPlan
+from ptdp.training.results import average_losses
+from ptdp.training.state import TrainingState
+
+
+class Pipeline:
+    def __init__(self, state: TrainingState):
+        cfg, grid, par = state.cfg, state.grid, state.cfg.parallel
+        self.state, self.p, self.v = state, par.pipeline, par.chunks
+        self.p2p = P2P(grid.pipeline_ranks, group=grid.pipeline_group,
+                       tensor_group=grid.tensor_group, tp_rank=grid.tp_rank, tp_size=grid.t,
+                       scatter_gather=par.scatter_gather)
+        # with sequence parallelism each tensor rank holds (and sends) its 1/t of the sequence
+        seq = cfg.model.seq_length // (grid.t if state.tp.sequence_parallel else 1)
+        activation_shape = (seq, cfg.train.micro_batch_size, cfg.model.hidden_size)
+        self.executor = PipelineExecutor(state.chunks, self.p * self.v, self.p2p,
+                                         activation_shape=activation_shape,
+                                         activation_dtype=state.dtype, device=state.device)
+        self.wire_shape = self.p2p.wire_shape(activation_shape)
+        # Validation runs the forwards of a forward-only schedule, nothing to backward.
+        forwards = [[a for a in row if a.kind == FORWARD]
+                    for row in build_all(FORWARD_ONLY.name, self.p, self.v, state.m)]
+        self.eval_steps = self.plan(forwards)
+        if grid.p > 1:  # NCCL: a group's first operation must involve all of its ranks, which
+            # a batch of point-to-point operations does not (see dist.batch_isend_irecv)
+            dist.all_reduce(torch.zeros(1, device=state.device), group=grid.pipeline_group)
+
+    def plan(self, schedule: list) -> list:
+        """This rank's steps of `schedule` (every rank's action lists), after checking every
+        rank's exchanges under NCCL's rules."""
+        wire = self.wire_shape
+        plans = plan_exchanges(schedule, self.p, self.v, lambda message: wire)
+        check_plans(plans)
+        return plans[self.state.grid.pp_rank]
+
+    def no_flush_plan(self, name: str, first: int, iterations: int) -> NoFlushPlan:
+        """Every rank's steps for iterations first .. first+iterations-1 of a no-flush run."""
+        wire = self.wire_shape
+        return NoFlushPlan(name, self.p, self.v, self.state.m, first=first,
+                           iterations=iterations, shape_of=lambda message: wire)
+
+    def average_losses(self, losses: list, aux: list) -> tuple[torch.Tensor, dict]:
+        state = self.state
+        return average_losses(losses, aux, arch=state.cfg.model.arch, grid=state.grid,
+                              m=state.m, device=state.device)

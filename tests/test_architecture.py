@@ -1,0 +1,199 @@
+"""The house rules of docs/architecture.md, read from the code's own imports (no code is run):
+no import cycle, packages import only downwards, the pure packages stay pure, no module over
+500 lines, the package list of pyproject.toml equals the folders, and no schedule name or
+parameter-role attribute is spelled out outside the one place that defines it."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The packages from the ground up (docs/architecture.md, "Floors"): a package imports itself and
+# packages of lower floors only.
+FLOORS = [
+    ["__init__", "config", "hardware", "kernels"],
+    ["parallel"],
+    ["models", "optim", "data", "runtime", "planner"],
+    ["pipeline"],
+    ["metrics"],
+    ["checkpoint"],
+    ["training", "inference", "checks"],
+    ["hf", "profiler"],
+    ["commands"],
+    ["cli"],
+    ["__main__"],
+]
+FLOOR_OF = {package: i for i, floor in enumerate(FLOORS) for package in floor}
+
+
+def _modules() -> dict[str, Path]:
+    """Module name -> file, for ptdp/ and models/ (installed as ptdp.models)."""
+    out = {}
+    for path in sorted((ROOT / "ptdp").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for path in sorted((ROOT / "models").glob("*.py")):
+        stem = path.stem
+        out["ptdp.models" if stem == "__init__" else f"ptdp.models.{stem}"] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path) -> set[str]:
+    """Every project module `path` imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+GRAPH = {module: _imports(path) - {module} for module, path in MODULES.items()}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "__init__"
+    return parts[1].removesuffix(".py")
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    return out
+
+
+def test_the_module_graph_has_no_cycle():
+    assert _cycles(GRAPH) == []
+
+
+def test_every_package_has_a_floor():
+    packages = {_package(m) for m in MODULES}
+    assert packages == set(FLOOR_OF), (packages ^ set(FLOOR_OF))
+
+
+def test_packages_import_only_downwards():
+    upward = [f"{a} -> {b}" for a, targets in GRAPH.items() for b in targets
+              if _package(a) != _package(b) and FLOOR_OF[_package(b)] >= FLOOR_OF[_package(a)]]
+    assert upward == []
+
+
+@pytest.mark.parametrize("package, allowed", [
+    ("config", set()),                                   # torch-free ground
+    ("hardware", set()),
+    ("planner", {"config", "hardware"}),                 # torch-free: `ptdp plan` runs anywhere
+    ("models", {"parallel", "config", "kernels"}),       # one model, any layout
+    ("pipeline", {"config", "parallel", "optim", "runtime"}),   # knows nothing about GPT
+])
+def test_pure_packages_import_only_what_they_may(package, allowed):
+    wrong = sorted(f"{a} -> {b}" for a, targets in GRAPH.items() if _package(a) == package
+                   for b in targets if _package(b) not in allowed | {package})
+    assert wrong == []
+
+
+def test_no_module_is_over_500_lines():
+    long = {str(path.relative_to(ROOT)): n for path in MODULES.values()
+            if (n := len(path.read_text().splitlines())) > 500}
+    assert long == {}
+
+
+def test_pyproject_installs_every_package_and_no_top_level_models():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    on_disk = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    assert listed == on_disk
+    assert config["package-dir"] == {"ptdp.models": "models"}
+    assert not any(name == "models" or name.startswith("models.") for name in listed)
+
+
+def test_architecture_doc_names_every_package():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    missing = sorted(p for p in FLOOR_OF if p not in ("__init__", "__main__", "cli")
+                     and f"ptdp/{p}" not in text and f"`{p}`" not in text
+                     and not (p == "models" and "models/" in text))
+    assert missing == []
+
+
+def test_schedule_names_and_role_attributes_are_spelled_in_one_place():
+    """Code asks the catalogue and `role_of`; names appear only as user-facing text."""
+    from ptdp.config.catalogue import NAMES
+    roles = ("tp_split_dim", "vocab_padded", "shared_embedding", "duplicate", "sequence_parallel")
+    found = []
+    for module, path in MODULES.items():
+        if module == "ptdp.config.catalogue":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in NAMES:
+                found.append(f"{module}:{node.lineno} {node.value!r}")
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr", "hasattr")
+                    and len(node.args) > 1 and getattr(node.args[1], "value", None) in roles):
+                found.append(f"{module}:{node.lineno} getattr(..., {node.args[1].value!r})")
+    assert found == []
+
+
+def test_a_command_that_fails_to_import_is_an_error(monkeypatch):
+    from ptdp import cli
+    monkeypatch.setattr(cli, "COMMAND_MODULES", [*cli.COMMAND_MODULES, "ptdp.commands.nonexistent"])
+    with pytest.raises(ModuleNotFoundError, match="ptdp.commands.nonexistent"):
+        cli.build_parser()
+
+
+def test_every_command_module_registers_a_command():
+    from ptdp import cli
+    listed = {m.rpartition(".")[2] for m in cli.COMMAND_MODULES}
+    on_disk = {p.stem for p in (ROOT / "ptdp" / "commands").glob("*.py") if p.stem != "__init__"}
+    assert listed == on_disk
+
+
+def test_ptdp_help_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "ptdp", "--help"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for command in ("train", "check", "plan", "profile", "tokenizer", "preprocess", "timeline",
+                    "convert", "generate", "plot"):
+        assert re.search(rf"^\s+{command}\b", out.stdout, re.M), command
