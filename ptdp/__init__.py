@@ -1,3 +1,27 @@
 """ptdp: pipeline, tensor and data parallel training of GPT and BERT models."""
 
+import importlib.abc
+import importlib.util
+import sys
+from pathlib import Path
+
 __version__ = "0.1.0"
+
+# models/ stays at the repository root and is the package ptdp.models. Installs map it there
+# themselves (pyproject.toml, package-dir); this finder serves a source checkout that is run
+# without installing (PYTHONPATH=the repository), and only when no other finder knows it.
+_CHECKOUT_MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+class _CheckoutModels(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "ptdp.models":
+            return None
+        return importlib.util.spec_from_file_location(
+            name, _CHECKOUT_MODELS / "__init__.py",
+            submodule_search_locations=[str(_CHECKOUT_MODELS)])
+
+
+if (_CHECKOUT_MODELS / "__init__.py").is_file() and not any(
+        isinstance(f, _CheckoutModels) for f in sys.meta_path):
+    sys.meta_path.append(_CheckoutModels())

@@ -197,3 +197,16 @@ def test_ptdp_help_lists_every_command():
     for command in ("train", "check", "plan", "profile", "tokenizer", "preprocess", "timeline",
                     "convert", "generate", "plot"):
         assert re.search(rf"^\s+{command}\b", out.stdout, re.M), command
+
+
+def test_a_source_checkout_imports_ptdp_models_without_an_install(tmp_path):
+    """PYTHONPATH=the repository, no install: ptdp.models is still models/ (ptdp/__init__.py)."""
+    code = ("import sys\n"   # drop the editable install's finder, as if nothing were installed
+            "sys.meta_path = [f for f in sys.meta_path if 'editable' not in str(f)]\n"
+            f"sys.path.insert(0, {str(ROOT)!r})\n"
+            "import ptdp.models.gpt, ptdp.training\n"
+            "print(ptdp.models.gpt.__file__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(ROOT / "models" / "gpt.py")

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -133,6 +134,19 @@ def _pid_of_rank(rank: int, marker: str) -> int | None:
     return None
 
 
+def _continue_when_named(job, stopped: int, lines: list) -> None:
+    """Collect the job's output; once it names the stopped rank, let that rank run again, so
+    that it takes torchrun's SIGTERM at once instead of torchrun waiting out its 30 s grace
+    for a frozen process (the job has already ended by then, and said why)."""
+    for line in job.stdout:
+        lines.append(line.rstrip("\n"))
+        if line.startswith("ptdp train: rank(s) stopped making progress"):
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
 def test_sigstop_on_one_of_8_ranks_ends_the_job_naming_it(tmp_path):
     marker, metrics = uuid.uuid4().hex, tmp_path / "metrics.jsonl"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -143,7 +157,7 @@ def test_sigstop_on_one_of_8_ranks_ends_the_job_naming_it(tmp_path):
            f"log.metrics_file={metrics}", "log.progress=false"]
     job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
-    stopped = None
+    stopped, lines, reader = None, [], None
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and job.poll() is None:
@@ -152,10 +166,14 @@ def test_sigstop_on_one_of_8_ranks_ends_the_job_naming_it(tmp_path):
             time.sleep(0.5)
         stopped = _pid_of_rank(5, marker)
         assert stopped, "rank 5 not found"
+        reader = threading.Thread(target=_continue_when_named, args=(job, stopped, lines),
+                                  daemon=True)
+        reader.start()
         os.kill(stopped, signal.SIGSTOP)
         start = time.monotonic()
-        out, _ = job.communicate(timeout=150)
+        job.wait(timeout=150)
         elapsed = time.monotonic() - start
+        reader.join(timeout=10)
     finally:
         if stopped:
             for sig in (signal.SIGCONT, signal.SIGKILL):
@@ -165,9 +183,10 @@ def test_sigstop_on_one_of_8_ranks_ends_the_job_naming_it(tmp_path):
                     pass
         if job.poll() is None:
             job.kill()
-    ours = [line for line in out.splitlines() if line.startswith("ptdp train: ")]
+    out = "\n".join(lines)
+    ours = [line for line in lines if line.startswith("ptdp train: ")]
     assert job.returncode != 0
     assert len(ours) == 1, out
     assert ours[0].startswith("ptdp train: rank(s) stopped making progress: rank 5 (p=1, d=0, t=1)")
     assert "no heartbeat for" in ours[0] and "last in iteration" in ours[0]
-    assert elapsed < 20 + 45, elapsed   # the stall check, then torchrun's SIGTERM grace
+    assert elapsed < 20 + 45, elapsed   # the stall check, then torchrun's shutdown

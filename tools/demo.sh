@@ -119,7 +119,7 @@ first, last = rows[0], rows[-1]
 print(f"demo: {len(rows)} iterations in {seconds} s in all")
 print(f"demo: first loss {first['loss']:.4f} (iter {first['iter']}), "
       f"last loss {last['loss']:.4f} (iter {last['iter']}), ratio {last['loss'] / first['loss']:.2f}")
-latest = checkpoints / "latest"   # names the newest complete checkpoint (ptdp/checkpoint.py)
+latest = checkpoints / "latest"   # names the newest complete checkpoint (ptdp/checkpoint/layout.py)
 saved = checkpoints / latest.read_text().strip() if latest.is_file() else None
 if saved is None or not (saved / "metadata.json").is_file():
     sys.exit(f"demo: error: no complete checkpoint was written under {checkpoints}")

@@ -54,12 +54,11 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Callable
 
 from ptdp.pipeline.actions import (BACKWARD, END, FORWARD, RANK_ACTIONS, Action, dependencies,
                                    stage_rank)
-from ptdp.pipeline.simulation import simulate_lists
+from ptdp.pipeline.simulation import exact_times, simulate_lists
 
 ACTIVATION, GRADIENT = "act", "grad"
 
@@ -130,7 +129,7 @@ def plan_exchanges(schedule: list[list[Action]], p: int, v: int,
     """
     num_stages = p * v
     micro_batches = len({a.mb for row in schedule for a in row}) or 1
-    timeline = simulate_lists(schedule, p, v, micro_batches, t_f=Fraction(1), t_b=Fraction(2))
+    timeline = simulate_lists(schedule, p, v, micro_batches, **exact_times(v))
     produced_at = {}   # message -> (simulated time, iteration of the producing action)
     for row in timeline.ranks:
         for slot, segment in zip(row, _iterations(row)):

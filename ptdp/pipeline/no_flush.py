@@ -38,13 +38,11 @@ t+2, which needs the new version. ``dependencies()`` holds the rules that tie ra
 
 from __future__ import annotations
 
-from fractions import Fraction
-
 from ptdp.config.catalogue import two_bw_min_micro_batches
 from ptdp.pipeline.actions import (BACKWARD, END, FORWARD, REDUCE, TIED, UPDATE, WEIGHTS,
                                    Action)
 from ptdp.pipeline.flushing import _flush_1f1b, _interleaved, _one_f_one_b
-from ptdp.pipeline.simulation import Slot, simulate_lists
+from ptdp.pipeline.simulation import exact_times, Slot, simulate_lists
 
 
 def noam(workers: int, input_replicas: int) -> int:
@@ -149,7 +147,7 @@ def place_iteration_ends(rows: list[list[Action]], p: int, v: int, m: int, *,
     reduction already launched everywhere and never waits. A ``W`` is moved earlier if needed
     so that it precedes the rank's first forward of batch t+2, which uses its version.
     """
-    timeline = simulate_lists(rows, p, v, m, t_f=Fraction(1), t_b=Fraction(2))
+    timeline = simulate_lists(rows, p, v, m, **exact_times(v))
     done = {}  # batch -> when its last R ends
     for row in timeline.ranks:
         for slot in row:

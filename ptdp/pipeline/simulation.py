@@ -26,6 +26,14 @@ from ptdp.pipeline.actions import (BACKWARD, FORWARD, RANK_ACTIONS, TIED, UPDATE
                                    WEIGHTS, Action, dependencies, stage_rank)
 
 
+def exact_times(v: int) -> dict:
+    """Durations for deciding the order of events (plans, iteration ends): a forward of t_f = 1
+    and a backward of t_b = 2, scaled by 2v so that every action lasts a whole number (a chunk's
+    forward 2, backward 4, zb-h1's two halves 2 each). Float arithmetic on whole numbers is
+    exact, so the order is that of exact fractions, at a fraction of their cost."""
+    return {"t_f": 2 * v, "t_b": 4 * v}
+
+
 class DeadlockError(RuntimeError):
     """No rank can start its next action: the schedule would hang."""
 
