@@ -101,7 +101,8 @@ def run(a) -> list[dict]:
                 overrides = model_overrides(a) + [
                     f"parallel.data={d}", f"train.precision={precision}",
                     f"train.distributed_optimizer={str(sharded).lower()}"]
-                ranks = run_on_ranks(d, measure, overrides, a.iters, timeout_s=a.timeout)
+                ranks = run_on_ranks(d, measure, overrides, a.iters, timeout_s=a.timeout,
+                                     fresh_interpreters=True)
                 rows.append({"precision": precision, "d": d, "distributed_optimizer": sharded,
                              "ranks": ranks})
                 print(f"measured {precision} d={d} distributed_optimizer={sharded}", flush=True)

@@ -120,7 +120,7 @@ def measure_once(layout: Layout, iters: int, timeout_s: float) -> tuple[float, f
     for attempt in range(3):
         try:
             results = run_on_ranks(layout.gpus, train_worker, config_dict(layout, iters),
-                                   timeout_s=timeout_s, threads=1)
+                                   timeout_s=timeout_s, threads=1, fresh_interpreters=True)
             break
         except RankFailure as err:  # another job on the machine took the port first
             if "EADDRINUSE" not in str(err) or attempt == 2:
@@ -147,7 +147,8 @@ def probe_worker(model: dict) -> dict:
 
 def speed_probe() -> dict:
     from ptdp.runtime.local_ranks import run_on_ranks
-    return run_on_ranks(1, probe_worker, MODEL, timeout_s=300.0, threads=1)[0]
+    return run_on_ranks(1, probe_worker, MODEL, timeout_s=300.0, threads=1,
+                        fresh_interpreters=True)[0]
 
 
 def profile_reference(hw) -> dict:

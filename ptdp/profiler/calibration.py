@@ -128,9 +128,10 @@ def calibrate_layer_overhead(profile: HardwareProfile, model_cfg, precision: str
     reference = min((r for r in measured["layers"] if r["tensor"] == 1),
                     key=lambda r: r["micro_batch"])
     layer_then = reference["forward_s"] + reference["backward_s"]
-    runs = run_on_ranks(1, _trainer_steps, model, precision, m,
-                        [ONE_F_ONE_B.name, ZERO_BUBBLE_H1.name] * OVERHEAD_REPEATS, reference["micro_batch"],
-                        timeout_s=900.0, threads=threads)[0]
+    schedules = [ONE_F_ONE_B.name, ZERO_BUBBLE_H1.name] * OVERHEAD_REPEATS
+    runs = run_on_ranks(1, _trainer_steps, model, precision, m, schedules,
+                        reference["micro_batch"], timeout_s=900.0, threads=threads,
+                        fresh_interpreters=True)[0]
     shape = ModelShape.from_config(model_cfg)
     kernels = predict(dataclasses.replace(profile, measured=measured),
                       Workload(shape, m, precision, profile.gpus_per_node),
@@ -168,7 +169,7 @@ def calibrate_reserve(profile: HardwareProfile, model_cfg, precision: str,
         world = parallel.get("pipeline", 1) * parallel.get("data", 1)
         peak = max(max(run_on_ranks(world, _calibration_peak, model, precision, parallel,
                                     schedule, micro_batch, batch, timeout_s=600.0,
-                                    threads=threads))
+                                    threads=threads, fresh_interpreters=True))
                    for _ in range(RESERVE_REPEATS))
         runs[name] = reserve_from_peak(profile, model_cfg, precision, peak, name)
     return {**reserve_and_retention(runs), "runs": runs}

@@ -165,7 +165,7 @@ def measure_busy_nodes(max_ranks: int, threads: int, iters: int, log=print) -> l
     world = 2
     while world <= max_ranks:
         result = run_on_ranks(world, _bench_busy_node, SIZES, iters, threads, timeout_s=600.0,
-                              threads=threads)[0]
+                              threads=threads, fresh_interpreters=True)[0]
         row = {"ranks": world, "slowdown": result["slowdown"],
                "contention": result["contention"]}
         for kind in COLLECTIVES:
@@ -197,7 +197,7 @@ def fit_latency_bandwidth(points) -> tuple[float, float]:
 def measure_collectives(ranks: int, threads: int, iters: int) -> dict:
     from ptdp.runtime.local_ranks import run_on_ranks
     result = run_on_ranks(ranks, _bench_collectives, SIZES, iters, timeout_s=300.0,
-                          threads=threads)[0]
+                          threads=threads, fresh_interpreters=True)[0]
     n = result["world"]
     ring = [(2 * (n - 1) / n * nbytes, sec) for nbytes, sec in result["all_reduce"]]
     ar_slope, ar_intercept = fit_latency_bandwidth(ring)

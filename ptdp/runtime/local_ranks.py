@@ -4,9 +4,11 @@ Processes are forked from a server process that has imported torch and nothing e
 (multiprocessing's `forkserver`, torch preloaded): forking the caller after torch has run a
 threaded op can deadlock in OpenMP, and `spawn` makes every rank import torch again (seconds
 of CPU per rank on a small machine). The server starts once per calling process. Each rank
-gets the caller's environment as it is at the call, as with `spawn`. Every run has a hard
-timeout: a rank that hangs or dies ends the whole run with an error naming it, never a hung
-caller.
+gets the caller's environment as it is at the call, as with `spawn`. A forked rank shares the
+server's pages, which its resident set does not count until it touches them: measurements of a
+rank's own memory (the profiler, tools/validate_planner.py) ask for `fresh_interpreters`, ranks
+started as new interpreters like torchrun's. Every run has a hard timeout: a rank that hangs or
+dies ends the whole run with an error naming it, never a hung caller.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ def free_port() -> int:
 PRELOAD = ["torch", "torch.distributed"]
 
 
-def _context():
+def _context(fresh_interpreters: bool):
+    if fresh_interpreters:
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)   # no effect once the server runs
     return ctx
@@ -67,13 +71,15 @@ def _rank_main(rank, world_size, port, fn, args, results, timeout_s, threads, en
             dist.destroy_process_group()
 
 
-def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, threads: int = 1) -> list:
+def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, threads: int = 1,
+                 fresh_interpreters: bool = False) -> list:
     """fn(*args) on every rank of a fresh gloo world; returns the per-rank results in order.
 
     `fn` must be importable (a module-level function). Raises RankFailure naming the rank
-    that failed, or the ranks that had not finished within `timeout_s`.
+    that failed, or the ranks that had not finished within `timeout_s`. `fresh_interpreters`:
+    start each rank as a new interpreter (module docstring: for memory measurements).
     """
-    ctx = _context()
+    ctx = _context(fresh_interpreters)
     results = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from ptdp.data.batching import MicroBatches
-from ptdp.optim.grads import global_grad_norm, reduce_sequence_parallel_grads, sync_shared_embeddings
+from ptdp.optim.grads import (global_grad_norm, reduce_sequence_parallel_grads,
+                              sync_shared_embeddings)
 from ptdp.pipeline.schedules import build_all
 from ptdp.runtime.trace import NO_SPANS
 from ptdp.training.pipeline import Pipeline
@@ -61,7 +62,8 @@ class FlushingStep:
             state.weights.grads_to_masters()
         with spans("embedding reduce + norm", "reduce"):
             if sharded:
-                state.weights.sync_shared_embeddings(grid.embedding_group, len(grid.embedding_ranks))
+                state.weights.sync_shared_embeddings(grid.embedding_group,
+                                                     len(grid.embedding_ranks))
             else:
                 sync_shared_embeddings(state.master_params, grid.embedding_group,
                                        len(grid.embedding_ranks))
