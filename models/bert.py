@@ -11,10 +11,10 @@ from ptdp.models.chunk import ModelChunk
 from ptdp.models.embedding import logits
 from ptdp.models.transformer import ModelContext, layer_norm
 from ptdp.parallel import weight_grad
-from ptdp.parallel.layers import full_normal, shard_param
-from ptdp.parallel.sequence import gather_from_sequence_region
 from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
+from ptdp.parallel.layers import full_normal, shard_param
 from ptdp.parallel.roles import declare_role
+from ptdp.parallel.sequence import gather_from_sequence_region
 
 
 class Linear(nn.Module):

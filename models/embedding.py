@@ -6,12 +6,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ptdp.models.transformer import ModelContext
-from ptdp.models.transformer import _sequence_parallel_dropout
+from ptdp.models.transformer import ModelContext, _sequence_parallel_dropout
 from ptdp.parallel import weight_grad
 from ptdp.parallel.layers import VocabParallelEmbedding, full_normal, parallel_logits, shard_param
-from ptdp.parallel.sequence import mark_sequence_parallel, sequence_shard
 from ptdp.parallel.roles import declare_role
+from ptdp.parallel.sequence import mark_sequence_parallel, sequence_shard
 
 WORD_EMBEDDING_KEY = "embedding.word"
 

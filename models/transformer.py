@@ -26,11 +26,12 @@ from torch.utils.checkpoint import checkpoint
 
 from ptdp.config import ModelConfig
 from ptdp.kernels import bias_dropout_add, bias_gelu
-from ptdp.parallel.weight_grad import LayerNorm
+from ptdp.kernels.compile import compile_in_place, eager
 from ptdp.parallel.layers import ColumnParallelLinear, RowParallelLinear, full_normal, scaled_std
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import TensorParallelRNG
 from ptdp.parallel.sequence import mark_sequence_parallel, sequence_parallel_dropout
+from ptdp.parallel.weight_grad import LayerNorm
 
 
 @dataclass
@@ -71,7 +72,7 @@ def hidden_dropout_add(x, bias, residual, p: float, training: bool, tp: TensorPa
     return bias_dropout_add(x, bias, residual, p, training)
 
 
-@torch.compiler.disable  # eager: the mask must be the default generator's, not inductor's
+@eager  # eager: the mask must be the default generator's, not inductor's
 def _sequence_parallel_dropout(x, p: float, tp: TensorParallel):
     return sequence_parallel_dropout(x, p, tp)
 
@@ -127,7 +128,7 @@ class ParallelAttention(nn.Module):
         return self.proj(out)
 
 
-@torch.compiler.disable
+@eager
 def _attention_with_dropout(rng: TensorParallelRNG, q, k, v, mask, dropout: float, causal: bool):
     """Attention dropout draws from the tensor-parallel stream; swapping generator states is
     Python-side work a compiled layer must not trace, so this runs eagerly (a graph break)."""
@@ -186,7 +187,7 @@ class TransformerStack(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(ctx, first + i, causal) for i in range(count))
         if ctx.compile:  # in place: parameter names and state_dict keys stay the same
             for layer in self.layers:
-                layer.compile()
+                compile_in_place(layer)
 
     def _run(self, start: int, end: int, x, padding_mask):
         for layer in self.layers[start:end]:
@@ -202,7 +203,7 @@ class TransformerStack(nn.Module):
         return x
 
 
-@torch.compiler.disable  # selective recomputation runs inside a compiled layer: keep it eager
+@eager  # selective recomputation runs inside a compiled layer: keep it eager
 def recompute(rng: TensorParallelRNG, fn, *args):
     """torch.utils.checkpoint that also replays the tensor-parallel dropout stream.
 

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ptdp.checkpoint.layout import (OPTIMIZER_KEYS, check_model_config, find_checkpoint,
-                                    layout_of, layout_text, load_file, read_metadata,
-                                    rng_file_name)
+from ptdp.checkpoint.layout import (OPTIMIZER_KEYS, check_model_config, find_checkpoint, layout_of,
+                                    layout_text, load_file, read_metadata, rng_file_name)
 from ptdp.checkpoint.reshard import ShardReader, to_local
 from ptdp.checkpoint.safety import on_all_ranks
 from ptdp.metrics.log import drop_records_after

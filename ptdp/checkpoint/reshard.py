@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ptdp.checkpoint.layout import (CheckpointError,
-                                    load_file, shard_file_name)
+from ptdp.checkpoint.layout import CheckpointError, load_file, shard_file_name
 from ptdp.parallel.roles import role_of
 from ptdp.parallel.sharding import local_slice
 

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ptdp.checkpoint.layout import (CONFIG_FILE, FORMAT_VERSION, LATEST, METADATA, RESAVE_SUFFIX,
-                                    TMP_SUFFIX, TOKENIZER_FILE, CheckpointError, incomplete,
+from ptdp.checkpoint.layout import (CONFIG_FILE, CheckpointError, FORMAT_VERSION, LATEST, METADATA,
+                                    RESAVE_SUFFIX, TMP_SUFFIX, TOKENIZER_FILE, incomplete,
                                     iteration_dir_name, latest_name, layout_of, rng_file_name,
                                     shard_file_name)
 from ptdp.checkpoint.reshard import param_metadata

@@ -14,9 +14,9 @@ import yaml
 
 from ptdp.config import ConfigError, config_from_dict, load_model_yaml, validate
 from ptdp.config.catalogue import Planner, names_where, schedule_spec
+from ptdp.hardware import HardwareError, foreign_profile, load_hardware
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.cost_model import SCHEDULES, Workload
-from ptdp.hardware import HardwareError, foreign_profile, load_hardware
 from ptdp.planner.errors import PlanError
 from ptdp.planner.formulas import model_parameters
 from ptdp.planner.report import format_result, result_dict, trainer_config

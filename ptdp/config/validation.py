@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ptdp.config.catalogue import DEFAULT, NAMES, SCHEDULES, Chunks, ScheduleSpec, names_where
+from ptdp.config.catalogue import Chunks, DEFAULT, NAMES, SCHEDULES, ScheduleSpec, names_where
 from ptdp.config.schema import (Config, ConfigError, DataConfig, ModelConfig, ParallelConfig,
                                 TrainConfig, suggest)
 

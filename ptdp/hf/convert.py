@@ -18,7 +18,8 @@ import os
 import shutil
 from pathlib import Path
 
-from ptdp.hf.mapping import from_hf_state, hf_class_name, hf_config, model_config_from_hf, to_hf_state
+from ptdp.hf.mapping import (from_hf_state, hf_class_name, hf_config, model_config_from_hf,
+                             to_hf_state)
 from ptdp.inference.local_model import checkpoint_tokenizer, model_config, read_full_state
 
 SPM_FILE = "ptdp_tokenizer.model"

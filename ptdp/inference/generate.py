@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ptdp.kernels import bias_dropout_add, bias_gelu
 from ptdp.inference.local_model import LocalModel
+from ptdp.kernels import bias_dropout_add, bias_gelu
 
 
 @dataclass

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from ptdp.checkpoint.reshard import ShardReader
 from ptdp.checkpoint.layout import find_checkpoint, read_metadata
+from ptdp.checkpoint.reshard import ShardReader
 from ptdp.config import ModelConfig, padded_vocab_size
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import TensorParallelRNG
-from ptdp.parallel.sharding import local_slice
 from ptdp.parallel.roles import role_of
+from ptdp.parallel.sharding import local_slice
 
 
 def model_config(meta: dict) -> ModelConfig:

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from ptdp.parallel import weight_grad
 from ptdp.parallel.mappings import (TensorParallel, copy_to_tensor_region,
                                     gather_from_tensor_region, scatter_to_tensor_region)
+from ptdp.parallel.roles import declare_role
 from ptdp.parallel.sequence import (enter_tensor_region, gather_from_sequence_region,
                                     leave_tensor_region, mark_sequence_parallel)
-from ptdp.parallel.roles import declare_role
 
 
 def stable_seed(seed: int, key: str) -> int:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ptdp.kernels.compile import eager
+
 
 @dataclass
 class TensorParallel:
@@ -111,7 +113,7 @@ class _ScatterToTensorRegion(torch.autograd.Function):
         return _gather_last_dim(grad, ctx.tp.group, ctx.tp.size), None
 
 
-@torch.compiler.disable
+@eager
 def _communicate(mapping, x, tp: TensorParallel):
     """Run a mapping eagerly: a compiled layer (train.compile) breaks its graph here rather
     than tracing our in-place process-group calls. With t = 1 the mappings are the identity

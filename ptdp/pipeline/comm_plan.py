@@ -56,7 +56,7 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Callable
 
-from ptdp.pipeline.actions import (BACKWARD, END, FORWARD, RANK_ACTIONS, Action, dependencies,
+from ptdp.pipeline.actions import (Action, BACKWARD, END, FORWARD, RANK_ACTIONS, dependencies,
                                    stage_rank)
 from ptdp.pipeline.simulation import exact_times, simulate_lists
 

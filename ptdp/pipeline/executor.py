@@ -28,10 +28,10 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from ptdp.pipeline.comm_plan import Step, needed_message, produced_message
-from ptdp.pipeline.p2p import P2P
 from ptdp.parallel.weight_grad import STORE as WEIGHT_GRADS
 from ptdp.pipeline.actions import BACKWARD, END, FORWARD, REDUCE, WEIGHT_GRAD
+from ptdp.pipeline.comm_plan import Step, needed_message, produced_message
+from ptdp.pipeline.p2p import P2P
 from ptdp.runtime.trace import NO_SPANS
 
 @dataclass

@@ -40,7 +40,7 @@ chunks they visit the chunks in reverse, since gradients flow from the last stag
 
 from __future__ import annotations
 
-from ptdp.pipeline.actions import BACKWARD, FORWARD, WEIGHT_GRAD, Action, rank_stages
+from ptdp.pipeline.actions import Action, BACKWARD, FORWARD, WEIGHT_GRAD, rank_stages
 
 
 def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:

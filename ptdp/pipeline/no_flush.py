@@ -39,10 +39,9 @@ t+2, which needs the new version. ``dependencies()`` holds the rules that tie ra
 from __future__ import annotations
 
 from ptdp.config.catalogue import two_bw_min_micro_batches
-from ptdp.pipeline.actions import (BACKWARD, END, FORWARD, REDUCE, TIED, UPDATE, WEIGHTS,
-                                   Action)
+from ptdp.pipeline.actions import Action, BACKWARD, END, FORWARD, REDUCE, TIED, UPDATE, WEIGHTS
 from ptdp.pipeline.flushing import _flush_1f1b, _interleaved, _one_f_one_b
-from ptdp.pipeline.simulation import exact_times, Slot, simulate_lists
+from ptdp.pipeline.simulation import Slot, exact_times, simulate_lists
 
 
 def noam(workers: int, input_replicas: int) -> int:

@@ -20,7 +20,7 @@ from typing import Callable
 
 from ptdp.config.catalogue import (GPIPE, INTERLEAVED, NAMES, ONE_F_ONE_B, PIPEDREAM, TWO_BW,
                                    ZERO_BUBBLE_H1, schedule_spec)
-from ptdp.pipeline.actions import (BACKWARD, FORWARD, RANK_ACTIONS, WEIGHT_GRAD, Action)
+from ptdp.pipeline.actions import Action, BACKWARD, FORWARD, RANK_ACTIONS, WEIGHT_GRAD
 from ptdp.pipeline.flushing import _flush_1f1b, _gpipe, _interleaved, _zb_h1
 from ptdp.pipeline.no_flush import _pipedream_skeleton, _two_bw_skeleton, place_iteration_ends
 

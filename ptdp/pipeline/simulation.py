@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ptdp.pipeline.actions import (BACKWARD, FORWARD, RANK_ACTIONS, TIED, UPDATE, WEIGHT_GRAD,
-                                   WEIGHTS, Action, dependencies, stage_rank)
+from ptdp.pipeline.actions import (Action, BACKWARD, FORWARD, RANK_ACTIONS, TIED, UPDATE, WEIGHTS,
+                                   WEIGHT_GRAD, dependencies, stage_rank)
 
 
 def exact_times(v: int) -> dict:

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable
 
-from ptdp.pipeline.comm_plan import Message, Step, check_plans, plan_exchanges
-from ptdp.pipeline.actions import END
 from ptdp.config.catalogue import schedule_spec
+from ptdp.pipeline.actions import END
+from ptdp.pipeline.comm_plan import Message, Step, check_plans, plan_exchanges
 from ptdp.pipeline.schedules import build_all
 
 WINDOW = 6   # batches planned explicitly: start-up, 4 steady iterations, drain

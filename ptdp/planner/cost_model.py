@@ -87,10 +87,9 @@ from dataclasses import dataclass, field
 
 from ptdp.config import padded_vocab_size
 from ptdp.config.catalogue import DEFAULT, Planner, names_where, schedule_spec
-from ptdp.planner import comm
-from ptdp.planner.compute import (BYTES, ModelShape, head_times, layer_times,
-                                  measured_tensor_comm)
 from ptdp.hardware import HardwareProfile
+from ptdp.planner import comm
+from ptdp.planner.compute import BYTES, ModelShape, head_times, layer_times, measured_tensor_comm
 from ptdp.planner.formulas import bubble_fraction, model_flops
 from ptdp.planner.memory import GB, MemoryBreakdown, gpu_memory, stage_parameters
 

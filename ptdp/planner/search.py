@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ptdp.config.catalogue import DEFAULT, Chunks, Planner, names_where, schedule_spec
-from ptdp.planner.cost_model import RECOMPUTE, SCHEDULES, Layout, Prediction, Workload, predict
-from ptdp.planner.errors import PlanError
+from ptdp.config.catalogue import Chunks, DEFAULT, Planner, names_where, schedule_spec
 from ptdp.hardware import HardwareProfile
+from ptdp.planner.cost_model import Layout, Prediction, RECOMPUTE, SCHEDULES, Workload, predict
+from ptdp.planner.errors import PlanError
 
 FIX_KEYS = {"p": "pipeline", "pipeline": "pipeline", "t": "tensor", "tensor": "tensor",
             "d": "data", "data": "data", "v": "chunks", "chunks": "chunks",

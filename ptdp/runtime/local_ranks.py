@@ -36,7 +36,7 @@ def free_port() -> int:
 
 
 # What the fork server imports before it forks any rank (never runs a torch op).
-PRELOAD = ["torch", "torch.distributed"]
+PRELOAD = ["torch", "torch.distributed", "ptdp.training"]
 
 
 def _context(fresh_interpreters: bool):

@@ -40,7 +40,7 @@ from ptdp.models import ModelContext, build_chunk, named_global_parameters
 from ptdp.optim.distributed import ShardedMasterWeights
 from ptdp.optim.grads import DataParallelGradients, counts_in_norm
 from ptdp.optim.loss_scale import LossScaler
-from ptdp.optim.mixed_precision import PRECISIONS, MasterWeights
+from ptdp.optim.mixed_precision import MasterWeights, PRECISIONS
 from ptdp.optim.optimizer import build_optimizer
 from ptdp.parallel.grid import RankGrid
 from ptdp.parallel.mappings import TensorParallel
