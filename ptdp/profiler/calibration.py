@@ -130,8 +130,7 @@ def calibrate_layer_overhead(profile: HardwareProfile, model_cfg, precision: str
     layer_then = reference["forward_s"] + reference["backward_s"]
     schedules = [ONE_F_ONE_B.name, ZERO_BUBBLE_H1.name] * OVERHEAD_REPEATS
     runs = run_on_ranks(1, _trainer_steps, model, precision, m, schedules,
-                        reference["micro_batch"], timeout_s=900.0, threads=threads,
-                        fresh_interpreters=True)[0]
+                        reference["micro_batch"], timeout_s=900.0, threads=threads)[0]
     shape = ModelShape.from_config(model_cfg)
     kernels = predict(dataclasses.replace(profile, measured=measured),
                       Workload(shape, m, precision, profile.gpus_per_node),

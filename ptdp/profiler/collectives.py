@@ -165,7 +165,7 @@ def measure_busy_nodes(max_ranks: int, threads: int, iters: int, log=print) -> l
     world = 2
     while world <= max_ranks:
         result = run_on_ranks(world, _bench_busy_node, SIZES, iters, threads, timeout_s=600.0,
-                              threads=threads, fresh_interpreters=True)[0]
+                              threads=threads)[0]
         row = {"ranks": world, "slowdown": result["slowdown"],
                "contention": result["contention"]}
         for kind in COLLECTIVES:

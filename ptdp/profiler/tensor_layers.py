@@ -106,8 +106,7 @@ def measure_tensor_layers(model_cfg, tensors: list[int], micro_batches: list[int
         if not any(t > 1 and world % t == 0 for t in tensors):
             continue
         found = run_on_ranks(world, bench_tensor_layers, model, tensors, micro_batches,
-                             precision, iters, timeout_s=900.0, threads=threads,
-                             fresh_interpreters=True)[0]
+                             precision, iters, timeout_s=900.0, threads=threads)[0]
         rows += found
         for row in found:
             log(f"  {world} busy ranks, t={row['tensor']} b={row['micro_batch']}"
