@@ -118,6 +118,31 @@ def test_stall_check_fires_only_from_the_second_iteration_and_not_in_checkpoint_
     assert len(fired) == 1
 
 
+def test_a_rank_that_does_not_report_gives_the_reporter_time_to_speak():
+    """Rank 1 sees the stall first but rank 0 reports: rank 1 ends only after a grace, so that
+    torchrun does not stop rank 0 before it has printed (the job's one line)."""
+    calls = []
+    store = MemoryStore()
+    dogs = [Watchdog(r, 2, str, timeout_s=2.0, store=store, first_iteration=1,
+                     on_hang=lambda line, r=r: calls.append((r, line, time.time())))
+            for r in range(2)]
+    assert dogs[1].reporter_grace_s == pytest.approx(1.0)   # two heartbeat intervals
+    for dog in dogs:
+        dog.start()
+    try:
+        dogs[1].doing("iteration 2", iteration=2)
+        time.sleep(0.1)                          # rank 0 blocks later than rank 1
+        dogs[0].doing("iteration 2", iteration=2)
+        deadline = time.monotonic() + 10
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        for dog in dogs:
+            dog.stop()
+    (first, line, at), (second, quiet, end) = sorted(calls, key=lambda c: c[2])
+    assert first == 0 and line.startswith("no progress for") and (second, quiet) == (1, None)
+
+
 def _pid_of_rank(rank: int, marker: str) -> int | None:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():

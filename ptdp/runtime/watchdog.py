@@ -49,6 +49,9 @@ class Watchdog:
         self.rank, self.world_size, self.describe_rank = rank, world_size, describe_rank
         self.interval_s = min(5.0, max(0.5, timeout_s / 30))
         self.stall_s = 0.8 * timeout_s       # before the backend's timeout, so we speak first
+        # A non-reporter's wait for the report: the reporter checks once an interval, and
+        # may have blocked a little later.
+        self.reporter_grace_s = max(0.1 * timeout_s, 2 * self.interval_s)
         self.watch_from = first_iteration + 1
         self.enabled = world_size > 1
         if self.enabled and store is None:
@@ -94,8 +97,13 @@ class Watchdog:
             self._publish(now)
             if self.watching and now - self.moved_at > self.stall_s:
                 beats = self.heartbeats()
-                line = self.diagnose(beats, now)
-                self.on_hang(line if self.is_reporter(beats, now) else None)
+                if self.is_reporter(beats, now):
+                    self.on_hang(self.diagnose(beats, now))
+                    return
+                # The reporter may have blocked a little later than this rank and not yet
+                # seen the stall: ending now would have torchrun stop it before it speaks.
+                self._stop.wait(self.reporter_grace_s)
+                self.on_hang(None)
                 return
 
     def _publish(self, now: float) -> None:
