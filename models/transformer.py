@@ -26,7 +26,6 @@ from torch.utils.checkpoint import checkpoint
 
 from ptdp.config import ModelConfig
 from ptdp.kernels import bias_dropout_add, bias_gelu
-from ptdp.kernels.compile import compile_in_place, eager
 from ptdp.parallel.layers import ColumnParallelLinear, RowParallelLinear, full_normal, scaled_std
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import TensorParallelRNG
@@ -72,7 +71,7 @@ def hidden_dropout_add(x, bias, residual, p: float, training: bool, tp: TensorPa
     return bias_dropout_add(x, bias, residual, p, training)
 
 
-@eager  # eager: the mask must be the default generator's, not inductor's
+@torch.compiler.disable  # eager: the mask must be the default generator's, not inductor's
 def _sequence_parallel_dropout(x, p: float, tp: TensorParallel):
     return sequence_parallel_dropout(x, p, tp)
 
@@ -128,7 +127,7 @@ class ParallelAttention(nn.Module):
         return self.proj(out)
 
 
-@eager
+@torch.compiler.disable
 def _attention_with_dropout(rng: TensorParallelRNG, q, k, v, mask, dropout: float, causal: bool):
     """Attention dropout draws from the tensor-parallel stream; swapping generator states is
     Python-side work a compiled layer must not trace, so this runs eagerly (a graph break)."""
@@ -187,7 +186,7 @@ class TransformerStack(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(ctx, first + i, causal) for i in range(count))
         if ctx.compile:  # in place: parameter names and state_dict keys stay the same
             for layer in self.layers:
-                compile_in_place(layer)
+                layer.compile()
 
     def _run(self, start: int, end: int, x, padding_mask):
         for layer in self.layers[start:end]:
@@ -203,7 +202,7 @@ class TransformerStack(nn.Module):
         return x
 
 
-@eager  # selective recomputation runs inside a compiled layer: keep it eager
+@torch.compiler.disable  # selective recomputation runs inside a compiled layer: keep it eager
 def recompute(rng: TensorParallelRNG, fn, *args):
     """torch.utils.checkpoint that also replays the tensor-parallel dropout stream.
 

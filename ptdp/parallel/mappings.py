@@ -19,8 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ptdp.kernels.compile import eager
-
 
 @dataclass
 class TensorParallel:
@@ -113,7 +111,7 @@ class _ScatterToTensorRegion(torch.autograd.Function):
         return _gather_last_dim(grad, ctx.tp.group, ctx.tp.size), None
 
 
-@eager
+@torch.compiler.disable
 def _communicate(mapping, x, tp: TensorParallel):
     """Run a mapping eagerly: a compiled layer (train.compile) breaks its graph here rather
     than tracing our in-place process-group calls. With t = 1 the mappings are the identity

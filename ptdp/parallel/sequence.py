@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ptdp.kernels.compile import eager
 from ptdp.parallel.mappings import TensorParallel, copy_to_tensor_region, reduce_from_tensor_region
 from ptdp.parallel.roles import declare_role
 
@@ -72,13 +71,13 @@ class _ReduceScatterToSequenceRegion(torch.autograd.Function):
         return _gather_first_dim(grad, ctx.tp.group, ctx.tp.size), None
 
 
-@eager
+@torch.compiler.disable
 def gather_from_sequence_region(x, tp: TensorParallel, reduce_grad: bool = True):
     """[s/t, b, h] -> [s, b, h] (see `_GatherFromSequenceRegion` for the backward)."""
     return _GatherFromSequenceRegion.apply(x, tp, reduce_grad) if tp.size > 1 else x
 
 
-@eager
+@torch.compiler.disable
 def reduce_scatter_to_sequence_region(x, tp: TensorParallel):
     """[s, b, h] partial sums -> my [s/t, b, h] slice of their total."""
     return _ReduceScatterToSequenceRegion.apply(x, tp) if tp.size > 1 else x

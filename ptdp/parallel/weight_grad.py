@@ -28,8 +28,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ptdp.kernels.compile import eager
-
 
 class WeightGradStore:
     """Deferred weight gradients by (micro-batch, stage), one store per process (rank)."""
@@ -136,7 +134,7 @@ class _Linear(torch.autograd.Function):
 
 # Eager (a graph break in a compiled layer): a compiled backward would fix the B-or-not branch
 # at trace time.
-@eager
+@torch.compiler.disable
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear whose weight (and bias) gradients may be deferred to the W pass."""
     return _Linear.apply(x, weight.detach(), None if bias is None else bias.detach(), (weight, bias),
@@ -167,7 +165,7 @@ class _LayerNorm(torch.autograd.Function):
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm (same parameters and state dict) with a deferrable weight gradient."""
 
-    @eager
+    @torch.compiler.disable
     def forward(self, x):
         return _LayerNorm.apply(x, self.weight.detach(), self.bias.detach(), self.eps,
                                 (self.weight, self.bias), _trigger(x.device))
@@ -189,7 +187,7 @@ class _Embedding(torch.autograd.Function):
         return None, None, None, None
 
 
-@eager
+@torch.compiler.disable
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.embedding whose weight gradient may be deferred to the W pass."""
     return _Embedding.apply(ids, weight.detach(), (weight,), _trigger(ids.device))
