@@ -359,7 +359,7 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
         f"schedule {cfg.schedule.name}, world size {world_size}",
         f"micro-batches: m = {mb} of {tr.micro_batch_size} per pipeline per iteration "
         f"(global batch {tr.global_batch_size}); "
-        + schedule_spec(cfg.schedule.name).bubble_line(par.pipeline, par.chunks, mb),
+        + _bubble_line(schedule_spec(cfg.schedule.name), par.pipeline, par.chunks, mb),
     ]
     stages = memory_per_stage(cfg, hardware)
     where = f"log.hardware {hardware.name}" if hardware else "analytic, flash attention"
@@ -377,3 +377,14 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
             lines.append(f"  warning: the estimate exceeds {hardware.name}'s usable "
                          f"{hardware.usable_memory_bytes / GB:.1f} GiB")
     return lines
+
+
+def _bubble_line(spec, p: int, v: int, m: int) -> str:
+    """The idle share of an iteration (Eq. 4.1 and its zero-bubble form)."""
+    from ptdp.planner.formulas import bubble_fraction
+    if not spec.flushing:
+        return "bubble 0 (no flush: the pipeline fills once per job)"
+    if spec.split_backward:
+        return (f"bubble (p-1)/(3m) = {bubble_fraction(p, m, 1) / 3:.3f} (zero bubble: "
+                f"t_F = t_B = t_W)")
+    return f"bubble (p-1)/(v*m) = {bubble_fraction(p, m, v):.3f}"

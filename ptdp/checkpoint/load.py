@@ -105,7 +105,7 @@ def _apply(state, meta: dict, parts: dict) -> None:
     state.optimizer_state().load_state_dict(parts["optimizer"])
     if "loss_scaler" in meta:   # absent from converted checkpoints: keep the configured scale
         state.loss_scaler.load_state_dict(meta["loss_scaler"])
-    state.progress.load_state_dict(meta)
+    state.progress.load_state_dict(meta)   # first: 2BW's versions are numbered from it
     if state.versions is not None:   # 2BW: the older version the next batch uses
         state.versions.load_state_dict({"shadow": parts["shadow"], "loss_scales": meta.get(
             "two_bw", {}).get("loss_scales", {})})

@@ -51,7 +51,7 @@ def register(subparsers) -> None:
                            "one all-gather of the weights per step)")
     plan.add_argument("--attention", choices=("flash", "materialized"), default=None,
                       help="attention kernel memory/time model; default: the profile's")
-    plan.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
+    plan.add_argument("--top", type=int, default=10, help="rows to print")
     plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan.add_argument("--write-config", metavar="OUT.yaml", default=None,
                       help="write the best layout as a config `ptdp train` runs unchanged")

@@ -22,7 +22,7 @@ def register(subparsers) -> None:
     prof.add_argument("--tensor", default="1,2", help="comma-separated t values to shard for")
     prof.add_argument("--ranks", type=int, default=2,
                       help="local ranks for bandwidth tests; on CPU the busy-node measurements "
-                           "run 2, 4, ... up to this many ranks at once (default 2)")
+                           "run 2, 4, ... up to this many ranks at once")
     prof.add_argument("--ranks-per-node", type=int, default=8,
                       help="ranks one node of this kind hosts (the profile's gpus_per_node)")
     prof.add_argument("--base", default=None,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from ptdp.config.catalogue import NAMES
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -21,11 +23,11 @@ def register(subparsers) -> None:
     parser.add_argument("--chrome", metavar="JSON", default=None,
                         help="also write the drawn iteration as Chrome-trace JSON (Perfetto)")
     sim = parser.add_argument_group("simulated schedule (no TRACE)")
-    sim.add_argument("--schedule", help="gpipe, 1f1b, interleaved, zb-h1, 2bw or pipedream (the "
-                                        "no-flush ones over 3 consecutive batches)")
-    sim.add_argument("--p", type=int, default=4, help="pipeline ranks (default 4)")
-    sim.add_argument("--v", type=int, default=1, help="chunks per rank (default 1)")
-    sim.add_argument("--m", type=int, default=8, help="micro-batches (default 8)")
+    sim.add_argument("--schedule", choices=NAMES,
+                     help="the schedule to simulate (the no-flush ones over 3 consecutive batches)")
+    sim.add_argument("--p", type=int, default=4, help="pipeline ranks")
+    sim.add_argument("--v", type=int, default=1, help="chunks per rank")
+    sim.add_argument("--m", type=int, default=8, help="micro-batches")
     parser.set_defaults(func=run)
 
 

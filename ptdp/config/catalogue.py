@@ -62,7 +62,6 @@ def two_bw_min_micro_batches(p: int, v: int) -> int:
 @dataclass(frozen=True)
 class ScheduleSpec:
     name: str
-    summary: str
     family: Family = Family.FLUSH
     chunks: Chunks = Chunks.ONE
     split_backward: bool = False      # B computes input gradients only, Wg the weights' later
@@ -110,7 +109,7 @@ class ScheduleSpec:
         """Runs micro-batches through several chunks per rank in Megatron's interleaved order."""
         return self.chunks is Chunks.REQUIRED or (self.chunks is Chunks.ALLOWED and v > 1)
 
-    # Memory and bubble, as the planner and `ptdp check` count them ------------------------
+    # Memory, as the planner and `ptdp check` count it --------------------------------------
     def in_flight(self, p: int, v: int, m: int, rank: int) -> float:
         """Micro-batches' worth of activation stashes `rank` holds at its peak (chunk stashes
         / v); ptdp.pipeline.schedules.max_in_flight counts the same from the action lists.
@@ -144,33 +143,21 @@ class ScheduleSpec:
         accumulates; the first rank finishes last and updates at once."""
         return 2 if self.family is Family.DOUBLE_BUFFERED and rank > 0 else 1
 
-    def bubble_line(self, p: int, v: int, m: int) -> str:
-        """The idle share of an iteration, as `ptdp check` prints it."""
-        if not self.flushing:
-            return "bubble 0 (no flush: the pipeline fills once per job)"
-        if self.split_backward:
-            return (f"bubble (p-1)/(3m) = {(p - 1) / m / 3:.3f} (zero bubble: "
-                    f"t_F = t_B = t_W)")
-        return f"bubble (p-1)/(v*m) = {(p - 1) / (v * m):.3f}"
 
 
-GPIPE = ScheduleSpec(
-    "gpipe", "all forwards, then all backwards, then a flush (GPipe)", all_forwards_first=True)
-ONE_F_ONE_B = ScheduleSpec(
-    "1f1b", "one forward, one backward in the steady state, then a flush (PipeDream-Flush)")
-INTERLEAVED = ScheduleSpec(
-    "interleaved", "1F1B over v model chunks per rank: the bubble shrinks by v",
-    chunks=Chunks.REQUIRED)
-ZERO_BUBBLE_H1 = ScheduleSpec(
-    "zb-h1", "1F1B with the backward split into input and weight gradients (zero bubble H1)",
-    split_backward=True)
-TWO_BW = ScheduleSpec(
-    "2bw", "PipeDream-2BW: no flush, two weight versions, delay-1 updates",
-    family=Family.DOUBLE_BUFFERED, chunks=Chunks.ALLOWED, planner=Planner.OPT_IN,
-    min_micro_batches=two_bw_min_micro_batches)
-PIPEDREAM = ScheduleSpec(
-    "pipedream", "PipeDream async: no flush, weight stashing, one update per input",
-    family=Family.ASYNC, planner=Planner.NOT_MODELLED)
+# GPipe: all forwards, then all backwards, then a flush.
+GPIPE = ScheduleSpec("gpipe", all_forwards_first=True)
+# PipeDream-Flush: one forward, one backward in the steady state, then a flush.
+ONE_F_ONE_B = ScheduleSpec("1f1b")
+# 1F1B over v model chunks per rank: the bubble shrinks by v.
+INTERLEAVED = ScheduleSpec("interleaved", chunks=Chunks.REQUIRED)
+# 1F1B with the backward split into input and weight gradients (zero bubble, ZB-H1).
+ZERO_BUBBLE_H1 = ScheduleSpec("zb-h1", split_backward=True)
+# PipeDream-2BW: no flush, two weight versions, delay-1 updates.
+TWO_BW = ScheduleSpec("2bw", family=Family.DOUBLE_BUFFERED, chunks=Chunks.ALLOWED,
+                      planner=Planner.OPT_IN, min_micro_batches=two_bw_min_micro_batches)
+# PipeDream async: no flush, weight stashing, one update per input.
+PIPEDREAM = ScheduleSpec("pipedream", family=Family.ASYNC, planner=Planner.NOT_MODELLED)
 
 SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
     GPIPE, ONE_F_ONE_B, INTERLEAVED, ZERO_BUBBLE_H1, TWO_BW, PIPEDREAM)}

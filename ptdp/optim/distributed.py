@@ -179,6 +179,11 @@ class ShardedMasterWeights:
             shard[piece.shard_offset: piece.shard_offset + piece.numel()].copy_(value_of(piece))
         return shard
 
+    @staticmethod
+    def range_of(piece, whole: torch.Tensor) -> torch.Tensor:
+        """`piece`'s elements of its parameter's whole tensor `whole` (a flat view)."""
+        return whole.reshape(-1)[slice(*piece.param_range)]
+
     def optimizer_step_count(self, optimizer) -> torch.Tensor | None:
         """The optimizer's step as a CPU float tensor, None before the first step. Collective
         over the data group: a rank may own no piece at all in a tiny model."""

@@ -16,7 +16,7 @@ from ptdp.optim.grads import (global_grad_norm, reduce_sequence_parallel_grads,
 from ptdp.pipeline.schedules import build_all
 from ptdp.runtime.trace import NO_SPANS
 from ptdp.training.pipeline import Pipeline
-from ptdp.training.results import StepResult
+from ptdp.training.results import StepResult, average_losses
 from ptdp.training.state import TrainingState
 from ptdp.training.updates import step_optimizer, unscale_
 
@@ -49,7 +49,7 @@ class FlushingStep:
         result = self.pipeline.executor.run(
             self.steps, lambda mb: self.batches.get(iteration, mb),
             loss_scale=state.loss_scaler.scale / (state.m * state.grid.d), spans=spans)
-        loss, aux = self.pipeline.average_losses(result.losses, result.aux)
+        loss, aux = average_losses(state, result.losses, result.aux)
         return StepResult(loss, aux)
 
     def reduce_gradients(self, spans=NO_SPANS) -> torch.Tensor:

@@ -14,7 +14,6 @@ from ptdp.pipeline.executor import PipelineExecutor
 from ptdp.pipeline.p2p import P2P
 from ptdp.pipeline.schedules import build_all
 from ptdp.pipeline.window import NoFlushPlan
-from ptdp.training.results import average_losses
 from ptdp.training.state import TrainingState
 
 
@@ -53,8 +52,3 @@ class Pipeline:
         wire = self.wire_shape
         return NoFlushPlan(name, self.p, self.v, self.state.m, first=first,
                            iterations=iterations, shape_of=lambda message: wire)
-
-    def average_losses(self, losses: list, aux: list) -> tuple[torch.Tensor, dict]:
-        state = self.state
-        return average_losses(losses, aux, arch=state.cfg.model.arch, grid=state.grid,
-                              m=state.m, device=state.device)

@@ -54,18 +54,12 @@ def mean_losses(values: torch.Tensor, names: tuple, count: int) -> tuple[torch.T
     return values[0], {n: values[1 + i] for i, n in enumerate(names)}
 
 
-def all_reduce_over(values: torch.Tensor, groups) -> None:
-    """Sum `values` over each (group, size) in turn, skipping groups of one rank."""
-    for group, size in groups:
-        if size > 1:
-            dist.all_reduce(values, group=group)
-
-
-def average_losses(losses: list, aux: list, *, arch: str, grid, m: int,
-                   device) -> tuple[torch.Tensor, dict]:
+def average_losses(state, losses: list, aux: list) -> tuple[torch.Tensor, dict]:
     """Mean loss (and aux losses) over the micro-batches of every data rank, known on every rank
     afterwards, on the device. Only the last stage holds losses; the others add zeros."""
-    names = aux_loss_names(arch)
-    values = sum_losses(losses, aux, names, device)
-    all_reduce_over(values, [(grid.pipeline_group, grid.p), (grid.data_group, grid.d)])
-    return mean_losses(values, names, m * grid.d)
+    grid, names = state.grid, aux_loss_names(state.cfg.model.arch)
+    values = sum_losses(losses, aux, names, state.device)
+    for group, size in ((grid.pipeline_group, grid.p), (grid.data_group, grid.d)):
+        if size > 1:
+            dist.all_reduce(values, group=group)
+    return mean_losses(values, names, state.m * grid.d)

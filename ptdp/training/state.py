@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ptdp.checkpoint.layout import OPTIMIZER_KEYS
 from ptdp.config import Config
 from ptdp.config.catalogue import ScheduleSpec
 from ptdp.kernels import should_compile
@@ -85,7 +86,7 @@ class WeightState:
             for param, value in zip(self.params, values):
                 param.copy_(value.view(param.shape))
             for piece in self.masters:
-                piece.copy_(values[piece.param_index].reshape(-1)[slice(*piece.param_range)])
+                piece.copy_(self.weights.range_of(piece, values[piece.param_index]))
             return
         for param, master, value in zip(self.params, self.masters, values):
             master.copy_(value)
@@ -96,7 +97,7 @@ class WeightState:
 class OptimizerState:
     """AdamW's state as a checkpoint holds it: per parameter its two moments and the step."""
 
-    MOMENTS = ("exp_avg", "exp_avg_sq")
+    MOMENTS = OPTIMIZER_KEYS
 
     def __init__(self, optimizer: torch.optim.Optimizer, masters: list, weights):
         self.optimizer, self.masters, self.weights = optimizer, masters, weights
@@ -127,7 +128,7 @@ class OptimizerState:
             saved = per_param[master.param_index if sharded else i]
             if "step" not in saved or not all(key in saved for key in self.MOMENTS):
                 continue
-            moments = {key: (saved[key].reshape(-1)[slice(*master.param_range)].clone()
+            moments = {key: (self.weights.range_of(master, saved[key]).clone()
                              if sharded else saved[key]) for key in self.MOMENTS}
             by_master[id(master)] = {"step": saved["step"].clone(), **moments}
         sd = self.optimizer.state_dict()

@@ -38,7 +38,7 @@ from ptdp.runtime.watchdog import Watchdog, is_communication_error
 from ptdp.training.flushing import FlushingStep
 from ptdp.training.pipedream import PipeDreamStep
 from ptdp.training.pipeline import Pipeline
-from ptdp.training.results import DivergenceError, StepResult
+from ptdp.training.results import DivergenceError, StepResult, average_losses
 from ptdp.training.state import build_state
 from ptdp.training.two_bw import TwoBWStep
 
@@ -139,7 +139,7 @@ class Trainer:
             result = self.pipeline.executor.run(self.pipeline.eval_steps,
                                                 lambda mb: batches.get(it, mb),
                                                 loss_scale=1.0, forward_only=True)
-            total += self.pipeline.average_losses(result.losses, result.aux)[0]
+            total += average_losses(self.state, result.losses, result.aux)[0]
         return total.item() / eval_iters
 
     # The loop ----------------------------------------------------------------------------------

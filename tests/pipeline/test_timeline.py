@@ -5,7 +5,8 @@ from fractions import Fraction
 import pytest
 
 from ptdp.pipeline.actions import Action
-from ptdp.pipeline.simulation import DeadlockError, simulate_lists
+from ptdp.pipeline.schedules import build_all
+from ptdp.pipeline.simulation import DeadlockError, exact_times, simulate_lists
 from ptdp.pipeline.timeline import render_ascii, simulate
 
 ONE = Fraction(1)
@@ -101,3 +102,18 @@ def test_render_ascii_fixed_width_has_one_row_per_rank():
     art = render_ascii(simulate("interleaved", 4, 2, 8), width=60)
     rows = art.splitlines()[1:]
     assert len(rows) == 4 and all(len(r) == len("rank 0 |") + 60 for r in rows)
+
+
+@pytest.mark.parametrize("name, v", [("gpipe", 3), ("interleaved", 3), ("zb-h1", 1),
+                                     ("2bw", 2), ("pipedream", 1)])
+def test_exact_times_order_events_as_exact_fractions(name, v):
+    """Plans and iteration ends are simulated in whole-number times (simulation.exact_times):
+    every slot starts and ends at 2v times its Fraction time with t_f = 1, t_b = 2."""
+    p, m = 4, 8
+    rows = build_all(name, p, v, m, 2)
+    exact = simulate_lists(rows, p, v, 2 * m, **exact_times(v))
+    fractions = simulate_lists(rows, p, v, 2 * m, t_f=Fraction(1), t_b=Fraction(2))
+    for a, b in zip(exact.ranks, fractions.ranks):
+        assert [(s.action, s.start, s.end) for s in a] == \
+            [(s.action, b_s.start * 2 * v, b_s.end * 2 * v) for s, b_s in zip(a, b)]
+        assert all(float(s.start).is_integer() for s in a)
