@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from ptdp.models.chunk import ModelChunk
 from ptdp.models.embedding import logits
-from ptdp.models.transformer import ModelContext, layer_norm
+from ptdp.models.norms import layer_norm
+from ptdp.models.transformer import ModelContext
 from ptdp.parallel import weight_grad
 from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
 from ptdp.parallel.layers import full_normal, shard_param

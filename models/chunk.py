@@ -1,8 +1,8 @@
 """What every model chunk (virtual pipeline stage) has, whatever the architecture.
 
 The first chunk embeds tokens, every chunk runs its share of transformer layers, and the last
-one applies the final LayerNorm and owns the output word table (its own tied copy when the
-embedding lives on another stage).
+one applies the final norm and owns the output word table: the embedding itself, its own tied
+copy when the embedding lives on another stage, or an untied output layer.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ptdp.models.embedding import Embedding, OutputEmbedding, mark_shared
-from ptdp.models.transformer import ModelContext, TransformerStack, layer_norm
+from ptdp.models.embedding import Embedding, OutputEmbedding, OutputLayer, mark_shared
+from ptdp.models.norms import norm
+from ptdp.models.transformer import ModelContext, TransformerStack
 
 
 class ModelChunk(nn.Module):
@@ -23,14 +24,18 @@ class ModelChunk(nn.Module):
         self.ctx = ctx
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.embedding = Embedding(ctx, num_tokentypes) if self.is_first else None
-        if self.is_first and not self.is_last:
+        tied = cfg.tie_embeddings
+        if self.is_first and not self.is_last and tied:
             mark_shared(self.embedding.word.weight)
         self.stack = TransformerStack(ctx, stage * per_stage, per_stage, causal=causal)
         if self.is_last:
-            self.final_ln = layer_norm(cfg.hidden_size, cfg.layernorm_eps, ctx.tp,
-                                       ctx.split_backward)
-            self.output = None if self.is_first else OutputEmbedding(ctx)
+            self.final_ln = norm(cfg, ctx.tp, ctx.split_backward)
+            self.output = None if self.is_first or not tied else OutputEmbedding(ctx)
+            self.output_layer = None if tied else OutputLayer(ctx)
 
     def output_table(self) -> torch.Tensor:
-        """The word table the logits use: the embedding itself, or this stage's tied copy."""
+        """The table the logits use: the untied output layer, the embedding itself, or this
+        stage's tied copy of it."""
+        if self.output_layer is not None:
+            return self.output_layer.weight
         return self.embedding.word.weight if self.output is None else self.output.weight

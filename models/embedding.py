@@ -1,4 +1,4 @@
-"""Input embeddings and the tied output head shared by GPT and BERT."""
+"""Input embeddings and the output layer (the tied word table, or an untied one) of every model."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ptdp.parallel.roles import declare_role
 from ptdp.parallel.sequence import mark_sequence_parallel, sequence_shard
 
 WORD_EMBEDDING_KEY = "embedding.word"
+OUTPUT_LAYER_KEY = "output_layer"
 
 
 def word_embedding(ctx: ModelContext) -> VocabParallelEmbedding:
@@ -26,6 +27,8 @@ def word_embedding(ctx: ModelContext) -> VocabParallelEmbedding:
 
 class Embedding(nn.Module):
     """word + learned position (+ token type for BERT) embeddings, then dropout; -> [s, b, h].
+    With rotary positions (model.position_embedding=rope) there is no position table: the
+    attention rotates queries and keys instead (models/rotary.py).
 
     With sequence parallelism the word embedding is reduce-scattered, the other two are looked
     up for my tokens only, and the result is my [s/t, b, h] slice.
@@ -37,7 +40,8 @@ class Embedding(nn.Module):
         self.word = word_embedding(ctx)
         replicated = lambda shape, key: mark_sequence_parallel(shard_param(  # noqa: E731
             full_normal(shape, cfg.init_std, ctx.seed, key), None, ctx.tp), ctx.tp)
-        self.position = replicated((cfg.seq_length, cfg.hidden_size), "embedding.position")
+        self.position = (replicated((cfg.seq_length, cfg.hidden_size), "embedding.position")
+                         if cfg.position_embedding == "learned" else None)
         self.tokentype = (replicated((num_tokentypes, cfg.hidden_size), "embedding.tokentype")
                           if num_tokentypes else None)
         self.dropout = cfg.dropout
@@ -47,7 +51,9 @@ class Embedding(nn.Module):
     def forward(self, tokens: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
         tokens = tokens.t()  # [b, s] -> [s, b]
         mine = lambda x: sequence_shard(x, self.tp)  # noqa: E731 - my tokens' rows (SP)
-        x = self.word(tokens) + mine(self.position[: tokens.shape[0]]).unsqueeze(1)
+        x = self.word(tokens)
+        if self.position is not None:
+            x = x + mine(self.position[: tokens.shape[0]]).unsqueeze(1)
         if self.tokentype is not None:
             x = x + self.lookup(mine(types.t()), self.tokentype)
         if self.dropout == 0 or not self.training:
@@ -68,6 +74,18 @@ class OutputEmbedding(nn.Module):
         super().__init__()
         self.weight = word_embedding(ctx).weight
         declare_role(self.weight, shared_embedding=True, duplicate=True)
+
+
+class OutputLayer(nn.Module):
+    """An untied output layer (model.tie_embeddings=false): a vocab-parallel [V, h] table of its
+    own on the last stage, initialised from its own stream, padded like the word table."""
+
+    def __init__(self, ctx: ModelContext):
+        super().__init__()
+        cfg = ctx.model
+        self.weight = VocabParallelEmbedding(cfg.vocab_size, ctx.padded_vocab_size,
+                                             cfg.hidden_size, ctx.tp, seed=ctx.seed,
+                                             key=OUTPUT_LAYER_KEY, std=cfg.init_std).weight
 
 
 def mark_shared(weight: torch.Tensor) -> None:

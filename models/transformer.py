@@ -1,8 +1,12 @@
-"""The pre-LN transformer layer shared by GPT and BERT, in the [s, b, h] layout.
+"""The pre-norm transformer layer shared by GPT, Llama-style decoders and BERT, in the [s, b, h]
+layout.
 
-Attention: Q, K, V come from one column-parallel GEMM (each tensor rank owns num_heads/t whole
-heads), the output projection is row-parallel. MLP: column-parallel h -> 4h, GeLU,
-row-parallel 4h -> h. So a layer does two all-reduces forward and two backward.
+Attention: Q, K, V come from one column-parallel GEMM (each tensor rank owns num_kv_heads/t
+whole groups of query heads with their shared key and value head), the output projection is
+row-parallel. With rotary positions (models/rotary.py) Q and K are rotated after the GEMM.
+MLP: column-parallel h -> f (GeLU) or h -> 2f (SwiGLU's gate and up projections), then
+row-parallel f -> h. So a layer does two all-reduces forward and two backward. The norms are
+LayerNorm or RMSNorm (models/norms.py).
 
 The output projections hand their bias back (`skip_bias_add`) so that bias + GeLU and bias +
 dropout + residual add are one elementwise chain each (ptdp/kernels/fused.py), fused into one
@@ -25,12 +29,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ptdp.config import ModelConfig
-from ptdp.kernels import bias_dropout_add, bias_gelu
+from ptdp.kernels import bias_dropout_add, bias_gelu, bias_swiglu
+from ptdp.models.norms import norm
+from ptdp.models.rotary import RotaryEmbedding, rotate
 from ptdp.parallel.layers import ColumnParallelLinear, RowParallelLinear, full_normal, scaled_std
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import TensorParallelRNG
-from ptdp.parallel.sequence import mark_sequence_parallel, sequence_parallel_dropout
-from ptdp.parallel.weight_grad import LayerNorm
+from ptdp.parallel.sequence import sequence_parallel_dropout
 
 
 @dataclass
@@ -48,21 +53,6 @@ class ModelContext:
     split_backward: bool = False     # weight gradients deferrable to a W pass (zb-h1)
 
 
-def layer_norm(hidden: int, eps: float, tp: TensorParallel | None = None,
-               split_backward: bool = False) -> nn.LayerNorm:
-    """LayerNorm weights are replicated across tensor ranks (ones and zeros: layout-free).
-
-    `tp`: the norm runs on the hidden state between tensor regions, which with sequence
-    parallelism is 1/t of the tokens, so its weights are marked for the tensor-group sum.
-    `split_backward`: its weight gradient may wait for the W pass (zb-h1).
-    """
-    norm = (LayerNorm if split_backward else nn.LayerNorm)(hidden, eps=eps)
-    if tp is not None:
-        mark_sequence_parallel(norm.weight, tp)
-        mark_sequence_parallel(norm.bias, tp)
-    return norm
-
-
 def hidden_dropout_add(x, bias, residual, p: float, training: bool, tp: TensorParallel):
     """residual + Dropout(x + bias) on the hidden state (the fused chain, ptdp/kernels), or
     with sequence parallelism on my slice of it, with my rows of the full tensor's mask."""
@@ -77,13 +67,15 @@ def _sequence_parallel_dropout(x, p: float, tp: TensorParallel):
 
 
 def qkv_weight(cfg: ModelConfig, seed: int, key: str) -> torch.Tensor:
-    """The full QKV weight with rows ordered [head, (q, k, v), head_dim].
+    """The full QKV weight with rows ordered [group, (q_1 .. q_r, k, v), head_dim].
 
-    Ordering rows head-major makes a contiguous row slice hold whole heads with their own
-    q, k and v, so column-parallel splitting gives each rank complete heads.
+    A group is one key/value head and the r = num_heads / num_kv_heads query heads that share
+    it (r = 1 without grouped-query attention: rows [head, (q, k, v), head_dim]). Ordering rows
+    group-major makes a contiguous row slice hold whole groups, so column-parallel splitting
+    gives each rank complete heads with their own keys and values (Megatron's layout).
     """
-    h, n, d = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-    return full_normal((n * 3 * d, h), cfg.init_std, seed, f"{key}.weight")
+    h, g, d = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
+    return full_normal(((cfg.num_heads + 2 * g) * d, h), cfg.init_std, seed, f"{key}.weight")
 
 
 class ParallelAttention(nn.Module):
@@ -92,39 +84,63 @@ class ParallelAttention(nn.Module):
         cfg, tp = ctx.model, ctx.tp
         key = f"layers.{layer}.attention"
         self.ctx, self.causal = ctx, causal
-        self.local_heads = tp.shard(cfg.num_heads)
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, tp, seed=ctx.seed,
-                                        key=f"{key}.qkv", std=cfg.init_std,
+        self.local_groups = tp.shard(cfg.num_kv_heads)
+        self.group_size = cfg.num_heads // cfg.num_kv_heads
+        self.local_heads = self.local_groups * self.group_size
+        width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, width, tp, seed=ctx.seed,
+                                        key=f"{key}.qkv", std=cfg.init_std, bias=cfg.qkv_bias,
                                         full_weight=qkv_weight(cfg, ctx.seed, f"{key}.qkv"),
                                         defer_weight_grad=ctx.split_backward)
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
-                                      key=f"{key}.proj", skip_bias_add=True,
+                                      key=f"{key}.proj", skip_bias_add=True, bias=cfg.bias,
                                       std=scaled_std(cfg.init_std, cfg.num_layers),
                                       defer_weight_grad=ctx.split_backward)
+        self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding == "rope" else None
 
     def core_attention(self, q, k, v, padding_mask):
-        """[b, heads, s, d] -> [b, heads, s, d]; dropout here is inside the tensor region."""
+        """q [b, heads, s, d], k and v [b, groups, s, d] -> [b, heads, s, d]; dropout here is
+        inside the tensor region."""
         dropout = self.ctx.model.dropout if self.training else 0.0
         mask = None
         if padding_mask is not None:  # [b, s] with 1 = real token -> [b, 1, 1, s] bool keep-mask
             mask = padding_mask.bool()[:, None, None, :]
         causal = self.causal and mask is None
         if dropout == 0.0:  # no randomness: skip swapping RNG states
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+            return attention(q, k, v, mask, causal)
         return _attention_with_dropout(self.ctx.rng, q, k, v, mask, dropout, causal)
+
+    def project(self, x, positions=None):
+        """x [s, b, h] -> q [b, heads, s, d], k and v [b, groups, s, d] of my heads, rotated
+        for `positions` [s] (default 0 .. s-1) with rotary embeddings."""
+        qkv = self.qkv(x)  # the whole sequence (all-gathered first with sequence parallelism)
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.local_groups, self.group_size + 2, -1)
+        q = qkv[:, :, :, :self.group_size].reshape(s, b, self.local_heads, -1).permute(1, 2, 0, 3)
+        k, v = (qkv[:, :, :, self.group_size + i].permute(1, 2, 0, 3) for i in range(2))
+        if self.rotary is not None:
+            if positions is None:
+                positions = torch.arange(s, device=x.device)
+            cos, sin = self.rotary(positions)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        return q, k, v
 
     def forward(self, x, padding_mask=None):
         """-> (output without the projection's bias, that bias)."""
-        qkv = self.qkv(x)  # the whole sequence (all-gathered first with sequence parallelism)
-        s, b, _ = qkv.shape
-        qkv = qkv.view(s, b, self.local_heads, 3, -1)
-        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # [b, n, s, d]
+        q, k, v = self.project(x)
         if self.ctx.recompute == "selective":
             out = recompute(self.ctx.rng, self.core_attention, q, k, v, padding_mask)
         else:
             out = self.core_attention(q, k, v, padding_mask)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
-        return self.proj(out)
+        out = out.permute(2, 0, 1, 3)  # [s, b, heads, d]
+        return self.proj(out.reshape(out.shape[0], out.shape[1], -1))
+
+
+def attention(q, k, v, mask=None, causal: bool = False, dropout: float = 0.0):
+    """F.scaled_dot_product_attention; K/V heads shared by groups of query heads when fewer."""
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                          is_causal=causal, **gqa)
 
 
 @torch.compiler.disable
@@ -132,37 +148,42 @@ def _attention_with_dropout(rng: TensorParallelRNG, q, k, v, mask, dropout: floa
     """Attention dropout draws from the tensor-parallel stream; swapping generator states is
     Python-side work a compiled layer must not trace, so this runs eagerly (a graph break)."""
     with rng.fork():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                              is_causal=causal)
+        return attention(q, k, v, mask, causal, dropout)
 
 
 class ParallelMLP(nn.Module):
+    """h -> f, GeLU, f -> h; or SwiGLU: h -> 2f whose rows alternate gate and up (so a contiguous
+    row slice holds matching pairs on every tensor rank), SiLU(gate) * up, f -> h."""
+
     def __init__(self, ctx: ModelContext, layer: int):
         super().__init__()
         cfg, tp = ctx.model, ctx.tp
         key = f"layers.{layer}.mlp"
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, tp, seed=ctx.seed,
+        width = 2 * cfg.ffn_hidden_size if cfg.gated else cfg.ffn_hidden_size
+        self.activation = bias_swiglu if cfg.gated else bias_gelu
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp, seed=ctx.seed,
                                         key=f"{key}.fc1", std=cfg.init_std, skip_bias_add=True,
-                                        defer_weight_grad=ctx.split_backward)
+                                        bias=cfg.bias, defer_weight_grad=ctx.split_backward)
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
                                      key=f"{key}.fc2", std=scaled_std(cfg.init_std, cfg.num_layers),
-                                     skip_bias_add=True, defer_weight_grad=ctx.split_backward)
+                                     skip_bias_add=True, bias=cfg.bias,
+                                     defer_weight_grad=ctx.split_backward)
 
     def forward(self, x):
         """-> (output without fc2's bias, that bias)."""
-        return self.fc2(bias_gelu(*self.fc1(x)))
+        return self.fc2(self.activation(*self.fc1(x)))
 
 
 class TransformerLayer(nn.Module):
-    """x + Dropout(Attn(LN(x))), then x + Dropout(MLP(LN(x)))."""
+    """x + Dropout(Attn(Norm(x))), then x + Dropout(MLP(Norm(x)))."""
 
     def __init__(self, ctx: ModelContext, layer: int, causal: bool):
         super().__init__()
         cfg = ctx.model
         self.tp = ctx.tp
-        self.ln1 = layer_norm(cfg.hidden_size, cfg.layernorm_eps, ctx.tp, ctx.split_backward)
+        self.ln1 = norm(cfg, ctx.tp, ctx.split_backward)
         self.attention = ParallelAttention(ctx, layer, causal)
-        self.ln2 = layer_norm(cfg.hidden_size, cfg.layernorm_eps, ctx.tp, ctx.split_backward)
+        self.ln2 = norm(cfg, ctx.tp, ctx.split_backward)
         self.mlp = ParallelMLP(ctx, layer)
         self.dropout = cfg.dropout
 

@@ -11,8 +11,12 @@ from typing import Any
 
 import yaml
 
-from ptdp.config.schema import Config, ConfigError, suggest
+from ptdp.config.schema import BLOCK_OPTIONS, Config, ConfigError, suggest
 from ptdp.config.validation import validate, validate_model
+
+
+# Model keys whose default depends on others (the preset, the hidden size, the activation).
+DERIVED_MODEL_KEYS = (*BLOCK_OPTIONS, "qkv_bias", "num_kv_heads", "ffn_hidden_size")
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:
@@ -81,7 +85,8 @@ def _apply_section(section_obj: Any, values: dict, section: str, errors: list[st
 def config_from_dict(raw: dict, source: str = "config") -> Config:
     """Build a Config from nested dicts; every unknown key and mistyped value is reported."""
     cfg = Config()
-    cfg.model.ffn_hidden_size = None  # re-derived below from the loaded hidden_size
+    for key in DERIVED_MODEL_KEYS:  # re-derived below from the loaded preset and sizes
+        setattr(cfg.model, key, None)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):

@@ -34,27 +34,74 @@ def suggest(word: str, options: list[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+# What `model.preset` fills in for every block option left unset (null). "gpt" is GPT-2's
+# block (the dissertation's); "llama" is the Llama-style decoder (Touvron et al. 2023):
+# rotary positions, RMSNorm, SwiGLU, bias-free linears, untied input and output embeddings.
+PRESETS = {
+    "gpt": dict(position_embedding="learned", normalization="layernorm", activation="gelu",
+                bias=True, tie_embeddings=True),
+    "llama": dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu",
+                  bias=False, tie_embeddings=False),
+}
+BLOCK_OPTIONS = tuple(PRESETS["gpt"])
+
+
 @dataclass
 class ModelConfig:
     arch: str = "gpt"                    # gpt | bert
     num_layers: int = 2
     hidden_size: int = 64
     num_heads: int = 4
-    ffn_hidden_size: int | None = None   # default 4 * hidden_size
+    ffn_hidden_size: int | None = None   # default 4h (gelu), 2/3 of 4h rounded up to 256 (swiglu)
     seq_length: int = 32
     vocab_size: int = 256                # the tokenizer's real size; padded internally
     dropout: float = 0.0                 # hidden and attention dropout
-    layernorm_eps: float = 1e-5
+    layernorm_eps: float = 1e-5          # epsilon of LayerNorm or RMSNorm
     init_std: float = 0.02
     num_tokentypes: int = 2              # BERT segment embeddings
+    # The block (null = the preset's choice; ptdp/config/schema.py PRESETS)
+    preset: str = "gpt"                  # gpt | llama
+    position_embedding: str | None = None  # learned | rope
+    normalization: str | None = None     # layernorm | rmsnorm
+    activation: str | None = None        # gelu | swiglu
+    bias: bool | None = None             # biases in every linear layer
+    qkv_bias: bool | None = None         # biases on Q, K, V only (Qwen2); null = model.bias
+    tie_embeddings: bool | None = None   # output layer shares the input word table
+    num_kv_heads: int | None = None      # grouped-query attention: K/V heads; null = num_heads
+    rope_theta: float = 10000.0          # rotary base (Llama 3: 500000)
+    rope_scaling_factor: float = 1.0     # Llama-3 frequency scaling; 1 = off (Llama 3.1: 8)
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_seq_length: int = 8192  # the context the scaled frequencies were trained at
 
     def __post_init__(self):
+        preset = PRESETS.get(self.preset, PRESETS["gpt"])  # an unknown preset: validation says so
+        for key in BLOCK_OPTIONS:
+            if getattr(self, key) is None:
+                setattr(self, key, preset[key])
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
+            self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.activation)
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def gated(self) -> bool:
+        """The MLP's first GEMM makes a gate and an up projection (SwiGLU)."""
+        return self.activation == "swiglu"
+
+
+def default_ffn_hidden_size(hidden: int, activation: str) -> int:
+    """4h; for SwiGLU, whose first GEMM is twice as wide, 2/3 of 4h rounded up to a multiple of
+    256 (Llama's rule), so the MLP keeps about the parameters of a 4h GeLU MLP."""
+    if activation == "swiglu":
+        return 256 * math.ceil(8 * hidden / 3 / 256)
+    return 4 * hidden
 
 
 @dataclass

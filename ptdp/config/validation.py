@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 from ptdp.config.catalogue import Chunks, DEFAULT, NAMES, SCHEDULES, ScheduleSpec, names_where
-from ptdp.config.schema import (Config, ConfigError, DataConfig, ModelConfig, ParallelConfig,
+from ptdp.config.schema import (BLOCK_OPTIONS, PRESETS, Config, ConfigError, DataConfig,
+                                ModelConfig, ParallelConfig,
                                 TrainConfig, suggest)
 
 
@@ -115,7 +116,39 @@ def _check_model(m: ModelConfig, out: _Problems) -> bool:
     if m.arch == "bert":
         out.require(m.seq_length >= 5, f"model.seq_length={m.seq_length} is too short for BERT "
                                        f"([CLS] A [SEP] B [SEP] needs at least 5)")
+    _check_block(m, out, sizes_ok)
     return len(out.lines) == before
+
+
+def _check_block(m: ModelConfig, out: _Problems, sizes_ok: bool) -> None:
+    """The block options (preset, positions, norm, activation, grouped-query attention)."""
+    out.choice(m.preset, tuple(PRESETS), "model.preset")
+    out.choice(m.position_embedding, ("learned", "rope"), "model.position_embedding")
+    out.choice(m.normalization, ("layernorm", "rmsnorm"), "model.normalization")
+    out.choice(m.activation, ("gelu", "swiglu"), "model.activation")
+    if m.arch == "bert":
+        gpt_block = {key: PRESETS["gpt"][key] for key in BLOCK_OPTIONS}
+        changed = [k for k, v in gpt_block.items() if getattr(m, k) != v]
+        out.require(not changed, f"model.arch=bert uses the GPT-2 block (Megatron-BERT); "
+                                 f"{', '.join('model.' + k for k in changed)} apply to "
+                                 f"model.arch=gpt only")
+    if m.position_embedding == "rope":
+        out.require(m.head_dim % 2 == 0 if sizes_ok else True,
+                    f"model.position_embedding=rope needs an even head size, got "
+                    f"hidden_size / num_heads = {m.head_dim if sizes_ok else '?'}")
+        out.positive(m.rope_theta, "model.rope_theta")
+        out.require(m.rope_scaling_factor >= 1.0, f"model.rope_scaling_factor must be >= 1 "
+                                                  f"(1 = off), got {m.rope_scaling_factor}")
+        if m.rope_scaling_factor > 1.0:
+            out.require(m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
+                        f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must exceed "
+                        f"model.rope_low_freq_factor ({m.rope_low_freq_factor}) > 0")
+            out.positive(m.rope_original_seq_length, "model.rope_original_seq_length")
+    if out.positive(m.num_kv_heads, "model.num_kv_heads", hint=" (null = model.num_heads)") \
+            and sizes_ok:
+        out.require(m.num_heads % m.num_kv_heads == 0,
+                    f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads "
+                    f"({m.num_kv_heads}): each K/V head serves a group of query heads")
 
 
 def _check_train(tr: TrainConfig, out: _Problems) -> bool:
@@ -213,7 +246,8 @@ def _check_layout(cfg: Config, world_size: int, out: _Problems) -> None:
                 f"parallel.pipeline * parallel.tensor * parallel.data = {p} * {t} * {d} = "
                 f"{p * t * d} but the world size is {world_size}; set parallel.data={suggestion} "
                 f"or launch {p * t * d} ranks")
-    for key in ("num_heads", "hidden_size", "ffn_hidden_size"):
+    grouped = ("num_kv_heads",) if m.num_kv_heads != m.num_heads else ()
+    for key in ("num_heads", *grouped, "hidden_size", "ffn_hidden_size"):
         out.require(getattr(m, key) % t == 0, f"model.{key} ({getattr(m, key)}) must be "
                                               f"divisible by parallel.tensor ({t})")
     out.require(m.num_layers % (p * v) == 0,

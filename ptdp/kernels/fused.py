@@ -23,6 +23,14 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.gelu(x if bias is None else x + bias)
 
 
+def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """SiLU(gate) * up of x + bias, whose last dimension alternates gate and up columns
+    (models/transformer.py ParallelMLP): [..., 2f] -> [..., f]."""
+    x = x if bias is None else x + bias
+    pairs = x.unflatten(-1, (-1, 2))
+    return F.silu(pairs[..., 0]) * pairs[..., 1]
+
+
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                      p: float, training: bool) -> torch.Tensor:
     """residual + Dropout(x + bias). The dropout mask comes from the default generator: the

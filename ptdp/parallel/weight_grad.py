@@ -5,11 +5,12 @@ waits for (the pass called B), and the gradients of its weights, which nothing w
 the optimizer step (W). ZB-H1 (ptdp/pipeline/schedules.py) runs B as soon as it can and moves
 W into what would otherwise be the pipeline's bubbles.
 
-The weighted operations below (linear, LayerNorm, embedding lookup) are autograd Functions
-whose backward returns the input gradient and, while a B pass is open (`STORE.defer(key)`),
-hands the weight gradient over as a closure instead of computing it. `STORE.run(key)` (the W
-pass) evaluates the closures of that micro-batch and stage, sums them per weight and
-accumulates them through autograd (`torch.autograd.backward` on the weights), so the hooks that
+The weighted operations below (linear, LayerNorm, embedding lookup, an RMSNorm's gain) are
+autograd Functions whose backward returns the input gradient and, while a B pass is open
+(`STORE.defer(key)`), hands the weight gradient over as a closure instead of computing it.
+`STORE.run(key)` (the W pass) evaluates the closures of that micro-batch and stage, sums them
+per weight and accumulates them through autograd (`torch.autograd.backward` on the weights),
+so the hooks that
 follow an accumulation fire as after a plain backward: fp32 gradient accumulation and the
 data-parallel buckets, which therefore launch after the last W of the iteration. Outside a
 B pass the same Functions compute both gradients at once.
@@ -191,3 +192,26 @@ class _Embedding(torch.autograd.Function):
 def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.embedding whose weight gradient may be deferred to the W pass."""
     return _Embedding.apply(ids, weight.detach(), (weight,), _trigger(ids.device))
+
+
+class _Scale(torch.autograd.Function):
+    """x * weight broadcast over the last dimension (an RMSNorm's gain)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, params, trigger):
+        ctx.save_for_backward(x, weight)
+        ctx.params = params
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad * weight if ctx.needs_input_grad[0] else None
+        _weight_grads(list(ctx.params), lambda: [(_flat(grad) * _flat(x)).sum(0)])
+        return grad_x, None, None, None
+
+
+@torch.compiler.disable
+def scale(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x * weight whose weight gradient may be deferred to the W pass."""
+    return _Scale.apply(x, weight.detach(), (weight,), _trigger(x.device))

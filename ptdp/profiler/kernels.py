@@ -84,7 +84,7 @@ def measure_head(model_cfg, t: int, b: int, precision: str, device, iters: int) 
     """One row of `measured.heads`: embedding and final LN + logits + loss at micro-batch b."""
     import torch
     from ptdp.models.embedding import Embedding, logits
-    from ptdp.models.transformer import layer_norm
+    from ptdp.models.norms import layer_norm
     from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
     m = model_cfg
     dtype = getattr(torch, DTYPES[precision])

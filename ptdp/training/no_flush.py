@@ -150,4 +150,5 @@ class NoFlushStep:
         return step
 
     def _tied_embeddings(self) -> bool:
-        return len(self.state.grid.embedding_ranks) > 1
+        """The word table has a copy on another stage (tied embeddings, p > 1)."""
+        return self.state.cfg.model.tie_embeddings and len(self.state.grid.embedding_ranks) > 1

@@ -88,6 +88,8 @@ class PipeDreamStep(NoFlushStep):
         self.own.publish(self._step(self.own_masters, own, batch), lowest_needed=lowest)
 
     def tied(self, mb: int) -> None:
+        if not self.copy_index:   # untied output layer: no copy to update
+            return
         work, grad = self.tied_pending.pop(mb)
         work.wait()
         masters = [self.state.master_params[i] for i in self.copy_index]
