@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install setup test demo demo-bert clean
+.PHONY: install setup test demo demo-bert demo-llama clean
 
 # torch first, only if it is missing, and pinned: an unpinned `pip install torch` can pull a
 # multi-GB CUDA build. Then the project with its test extras.
@@ -24,6 +24,11 @@ demo:
 # The same with the tiny BERT of configs/bert_demo.yaml (masked LM + sentence order, real text).
 demo-bert:
 	DEMO_MODEL=bert PYTHON=$(PYTHON) bash tools/demo.sh
+
+# The same with the tiny Llama-style decoder of configs/llama_demo.yaml (rotary positions,
+# RMSNorm, SwiGLU, grouped-query attention, untied output) on the GPT data.
+demo-llama:
+	DEMO_MODEL=llama PYTHON=$(PYTHON) bash tools/demo.sh
 
 # Removes the demo's data and run; never runs/ (real jobs' checkpoints go there).
 clean:

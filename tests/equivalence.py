@@ -100,15 +100,34 @@ LAYOUTS = {
     "p2-t2-d2-distopt":     (8, ["parallel.pipeline=2", "parallel.tensor=2", "parallel.data=2",
                                  "train.distributed_optimizer=true"]),
 }
-ARCHS = ("gpt", "bert")
+# The models every layout is checked with: GPT-2's block, BERT, and the Llama-style decoder
+# (rotary positions, RMSNorm, SwiGLU, grouped-query attention with 2 K/V heads for 4 query
+# heads, no biases, untied output layer).
+MODELS = {
+    "gpt": ["model.arch=gpt"],
+    "bert": ["model.arch=bert"],
+    "llama": ["model.arch=gpt", "model.preset=llama", "model.num_kv_heads=2",
+              "model.ffn_hidden_size=64"],
+}
+ARCHS = tuple(MODELS)
+
+
+def model_overrides(arch: str) -> list[str]:
+    return list(MODELS[arch])
+
+
+def archs_for(layout: str) -> tuple[str, ...]:
+    """Llama's 2 K/V heads split over at most t = 2 tensor ranks."""
+    overrides = LAYOUTS[layout][1]
+    return tuple(a for a in ARCHS if a != "llama" or "parallel.tensor=4" not in overrides)
 
 
 @functools.lru_cache(maxsize=None)
 def _world_results(world: int) -> dict:
     names = [n for n, (w, _) in LAYOUTS.items() if w == world]
-    runs = [[f"model.arch={arch}", *LAYOUTS[n][1]] for n in names for arch in ARCHS]
-    results = iter(run_layouts(world, runs))
-    return {(n, arch): next(results) for n in names for arch in ARCHS}
+    keys = [(n, arch) for n in names for arch in archs_for(n)]
+    results = iter(run_layouts(world, [[*MODELS[arch], *LAYOUTS[n][1]] for n, arch in keys]))
+    return {key: next(results) for key in keys}
 
 
 def layout_result(name: str, arch: str) -> list[dict]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from tests.equivalence import TINY, run_layouts
+from tests.equivalence import ARCHS, MODELS, TINY, run_layouts
 
 SP = ["parallel.sequence_parallel=true"]
 ZB = ["schedule.name=zb-h1"]
@@ -28,11 +28,11 @@ LAYOUTS = {
 @functools.lru_cache(maxsize=None)
 def feature_results(feature: tuple[str, ...], world: int) -> dict:
     """{(layout, arch): per-rank results} for every layout of `world` ranks with `feature`,
-    GPT and BERT, all under the in-order (NCCL-rules) transport: one spawned job."""
+    GPT, BERT and Llama-style, all under the in-order (NCCL-rules) transport: one spawned job."""
     names = [n for n in LAYOUTS if n[0] * n[1] * n[2] == world]
-    runs = [[f"model.arch={arch}", *LAYOUTS[n], *feature] for n in names for arch in ("gpt", "bert")]
+    runs = [[*MODELS[arch], *LAYOUTS[n], *feature] for n in names for arch in ARCHS]
     results = iter(run_layouts(world, runs, timeout_s=400, nccl_rules=True))
-    return {(n, arch): next(results) for n in names for arch in ("gpt", "bert")}
+    return {(n, arch): next(results) for n in names for arch in ARCHS}
 
 
 def feature_layout(feature: tuple[str, ...], layout: tuple, arch: str) -> list[dict]:

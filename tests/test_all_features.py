@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from ptdp.runtime.local_ranks import run_on_ranks
-from tests.equivalence import RTOL, assert_equivalent, reference, relative_error
+from tests.equivalence import ARCHS, RTOL, assert_equivalent, reference, relative_error
 from tests.features import LAYOUTS, SP, ZB, feature_layout, resume_job
 
 ALL = (*SP, *ZB, "train.distributed_optimizer=true")
 
 
-@pytest.mark.parametrize("arch", ["gpt", "bert"])
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("layout", [(1, 2, 2), (2, 2, 2)], ids=lambda l: "p{}-t{}-d{}".format(*l))
 def test_all_three_together_match_single_process(arch, layout):
     for rank in feature_layout(ALL, layout, arch):

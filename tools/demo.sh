@@ -8,18 +8,19 @@
 #        demo/tokenizer.model       a 512-token sentencepiece BPE tokenizer
 #        demo/gpt_demo.{bin,idx}    the tokenised corpus (indexed dataset)
 #   3. trains the tiny GPT of configs/gpt_demo.yaml (DEMO_MODEL=bert: the tiny BERT of
-#      configs/bert_demo.yaml, on demo/bert_demo.{bin,idx}) with (p, t, d) = (2, 2, 2) on 8 local CPU
+#      configs/bert_demo.yaml, on demo/bert_demo.{bin,idx}; DEMO_MODEL=llama: the tiny Llama-style
+#      decoder of configs/llama_demo.yaml, on the GPT data) with (p, t, d) = (2, 2, 2) on 8 local CPU
 #      ranks (gloo) into a new run folder demo/runs/<date-time>/ (metrics.jsonl, config.yaml,
 #      checkpoints/);
 #   4. prints the first and last loss and fails unless the loss fell clearly
 #      (last <= DEMO_MAX_RATIO x first, default 0.8);
-#   5. prints a sample of text from the trained model (ptdp generate; GPT only).
+#   5. prints a sample of text from the trained model (ptdp generate; not for BERT).
 #
 #   tools/demo.sh [--setup] [key=value ...]     (--setup: step 1 only; overrides go to ptdp train)
 #
 # Safe to re-run: data is reused and every run gets its own folder, so earlier runs are kept
 # (`make clean` removes demo/). Environment: PYTHON [python3], DEMO_DIR [demo],
-# DEMO_MAX_RATIO [0.8], DEMO_PROMPT ["Return the"], DEMO_MODEL [gpt] (gpt | bert).
+# DEMO_MAX_RATIO [0.8], DEMO_PROMPT ["Return the"], DEMO_MODEL [gpt] (gpt | bert | llama).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -27,7 +28,9 @@ cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
 DEMO_DIR="${DEMO_DIR:-demo}"
 DEMO_MODEL="${DEMO_MODEL:-gpt}"
-[[ "$DEMO_MODEL" == gpt || "$DEMO_MODEL" == bert ]] || { echo "demo: error: DEMO_MODEL must be gpt or bert, got '$DEMO_MODEL'" >&2; exit 1; }
+[[ "$DEMO_MODEL" == gpt || "$DEMO_MODEL" == bert || "$DEMO_MODEL" == llama ]] || { echo "demo: error: DEMO_MODEL must be gpt, bert or llama, got '$DEMO_MODEL'" >&2; exit 1; }
+# A Llama-style decoder is a GPT with other blocks: the same data and launch script
+DATA_MODEL="$DEMO_MODEL"; [[ "$DEMO_MODEL" == llama ]] && DATA_MODEL=gpt
 MAX_RATIO="${DEMO_MAX_RATIO:-0.8}"
 # BERT's loss adds sentence order (ln 2 at chance, slow to fall): a looser default bar
 [[ "$DEMO_MODEL" == bert && -z "${DEMO_MAX_RATIO:-}" ]] && MAX_RATIO=0.85
@@ -76,7 +79,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$DEMO_DIR"
 corpus="$DEMO_DIR/corpus.jsonl"
 tok_prefix="$DEMO_DIR/tokenizer"
-data_prefix="$DEMO_DIR/${DEMO_MODEL}_demo"
+data_prefix="$DEMO_DIR/${DATA_MODEL}_demo"
 sentences=""; [[ "$DEMO_MODEL" == bert ]] && sentences="--split-sentences"   # BERT needs them
 
 if [[ ! -s "$corpus" ]]; then
@@ -103,7 +106,7 @@ mkdir -p "$run_dir"
 say "training configs/${DEMO_MODEL}_demo.yaml on 8 CPU ranks, (p, t, d) = (2, 2, 2), into $run_dir"
 # Hide any GPU: the demo layout needs 8 ranks, which on this path are CPU processes.
 CUDA_VISIBLE_DEVICES="" NPROC=8 GPUS_PER_NODE="" PYTHON="$PYTHON" \
-    bash "tools/pretrain_$DEMO_MODEL.sh" "configs/${DEMO_MODEL}_demo.yaml" \
+    bash "tools/pretrain_$DATA_MODEL.sh" "configs/${DEMO_MODEL}_demo.yaml" \
     data.paths="[$data_prefix]" data.tokenizer="$tok_prefix.model" \
     log.metrics_file="$metrics" checkpoint.dir="$checkpoints" "$@"
 

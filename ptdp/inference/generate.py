@@ -9,7 +9,8 @@ at every step instead (the reference the tests compare the cache against).
 Sampling: temperature 0 is greedy (argmax); otherwise logits / temperature, then top-k (keep
 the k largest), then top-p (keep the smallest set of tokens whose probability reaches p),
 then one draw from a `torch.Generator` seeded with `seed`, so a seed fixes the sample.
-Positions are learned, so prompt + new tokens stop at model.seq_length.
+Prompt + new tokens stop at model.seq_length: the length learned positions cover, and the
+context a rotary model was trained at.
 """
 
 from __future__ import annotations
@@ -17,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ptdp.inference.local_model import LocalModel
-from ptdp.kernels import bias_dropout_add, bias_gelu
+from ptdp.kernels import bias_dropout_add
+from ptdp.models.transformer import attention
 
 
 @dataclass
@@ -58,7 +59,9 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 
 
 class KVCache:
-    """Per layer, the keys and values [b, heads, s, d] of every position run so far."""
+    """Per layer, the keys and values [b, kv_heads, s, d] of every position run so far (with
+    grouped-query attention, one per group of query heads: num_heads / num_kv_heads times
+    smaller than the queries')."""
 
     def __init__(self, num_layers: int):
         self.keys: list[torch.Tensor | None] = [None] * num_layers
@@ -79,25 +82,26 @@ class KVCache:
 @torch.no_grad()
 def forward_cached(model: LocalModel, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits [b, s, vocab] of `tokens` [b, s], the positions after those in `cache`; adds their
-    keys and values to it. The same modules and arithmetic as TransformerLayer.forward."""
+    keys and values to it. The layer's own modules (its norms, QKV projection and rotation,
+    MLP), so the arithmetic is TransformerLayer.forward's."""
     chunk, start = model.chunk, cache.length
-    s = tokens.shape[1]
+    b, s = tokens.shape
+    positions = torch.arange(start, start + s, device=tokens.device)
     emb = chunk.embedding
-    x = emb.word(tokens.t()) + emb.position[start:start + s].unsqueeze(1)   # [s, b, h]
+    x = emb.word(tokens.t())                                                # [s, b, h]
+    if emb.position is not None:
+        x = x + emb.position[start:start + s].unsqueeze(1)
     # query i (absolute position start + i) sees keys 0 .. start + i
     mask = None
     if start > 0 and s > 1:
         mask = torch.ones(s, start + s, dtype=torch.bool, device=x.device).tril(start)
     for i, layer in enumerate(chunk.stack.layers):
-        attn = layer.attention
-        qkv = attn.qkv(layer.ln1(x)).view(s, x.shape[1], attn.local_heads, 3, -1)
-        q, k, v = (qkv[:, :, :, j].permute(1, 2, 0, 3) for j in range(3))   # [b, n, s, d]
+        q, k, v = layer.attention.project(layer.ln1(x), positions)
         k, v = cache.extend(i, k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             is_causal=start == 0 and s > 1)
-        out = out.permute(2, 0, 1, 3).reshape(s, x.shape[1], -1)
-        x = bias_dropout_add(*attn.proj(out), x, 0.0, False)
-        x = bias_dropout_add(*layer.mlp.fc2(bias_gelu(*layer.mlp.fc1(layer.ln2(x)))), x, 0.0, False)
+        out = attention(q, k, v, mask, causal=start == 0 and s > 1)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+        x = bias_dropout_add(*layer.attention.proj(out), x, 0.0, False)
+        x = bias_dropout_add(*layer.mlp(layer.ln2(x)), x, 0.0, False)
     from ptdp.models.embedding import logits
     out = logits(chunk.final_ln(x), chunk.output_table(), chunk.ctx)
     return out[..., :model.cfg.vocab_size].transpose(0, 1).float()

@@ -1,16 +1,15 @@
-"""Tensor x data parallel layouts equal the single-process run (GPT and BERT, fp32)."""
+"""Tensor x data parallel layouts equal the single-process run (GPT, BERT, Llama-style; fp32)."""
 
 import math
 
 import pytest
 
-from tests.equivalence import ARCHS, assert_equivalent, layout_result, reference
+from tests.equivalence import archs_for, assert_equivalent, layout_result, reference
 
 TENSOR_DATA = {"t2": (2, 1), "d2": (1, 2), "t4": (4, 1), "t2-d2": (2, 2), "t4-d2": (4, 2)}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("layout", list(TENSOR_DATA))
+@pytest.mark.parametrize("layout,arch", [(lay, a) for lay in TENSOR_DATA for a in archs_for(lay)])
 def test_tensor_data_layouts_match_single_process(arch, layout):
     ranks = layout_result(layout, arch)
     assert_equivalent(ranks[0], reference(arch), f"{arch} {layout}")

@@ -10,12 +10,12 @@ import pytest
 import torch.distributed as dist
 
 from ptdp.runtime.local_ranks import run_on_ranks
-from tests.equivalence import RTOL, assert_equivalent, reference, relative_error
+from tests.equivalence import ARCHS, RTOL, assert_equivalent, reference, relative_error
 from tests.features import LAYOUTS, SP, _trainer, feature_layout, resume_job
 from tests.pipeline.test_pipeline_equivalence import boundary_sends
 
 
-@pytest.mark.parametrize("arch", ["gpt", "bert"])
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda l: "p{}-t{}-d{}".format(*l))
 def test_sequence_parallel_layouts_match_single_process(arch, layout):
     for rank in feature_layout(tuple(SP), layout, arch):

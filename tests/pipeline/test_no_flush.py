@@ -3,7 +3,7 @@
 Oracles (tests/pipeline/no_flush_oracles.py) are single-process simulations of the rules with
 the same data order. 2BW: after k batches the weights equal W(t+1) = W(t) - lr*AdamW(clip(grad
 f(W(t-1)))) within 1e-5 for (p, t, d, v) in (2,1,1,1), (2,2,1,1), (2,1,2,1), (2,1,1,2),
-(2,2,2,1) and p = 1, GPT and BERT. PipeDream: every backward uses its forward's version, by the
+(2,2,2,1) and p = 1, GPT and BERT (Llama-style too at (2,2,1,1)). PipeDream: every backward uses its forward's version, by the
 ids the executor logged, equal to the rule's (weight stashing: k-p+1+stage; vertical sync:
 k-p+1 everywhere), and the weights equal the rule's simulation. Live versions are counted by the
 executor's version store: 2 for 2BW on every rank, at most p for PipeDream.
@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from ptdp.runtime.local_ranks import run_on_ranks
-from tests.equivalence import TINY, relative_error
+from tests.equivalence import MODELS, TINY, relative_error
 from tests.pipeline.no_flush_oracles import (pipedream_versions, simulate_pipedream,
                                              simulate_two_bw)
 
@@ -33,7 +33,8 @@ RUNS = {
     "2bw-p1":          (1, TWO_BW, ("gpt", "bert")),
     "2bw-p2":          (2, TWO_BW + ["parallel.pipeline=2"], ("gpt", "bert")),
     "2bw-p2-v2":       (2, TWO_BW + ["parallel.pipeline=2", "parallel.chunks=2"], ("gpt", "bert")),
-    "2bw-p2-t2":       (4, TWO_BW + ["parallel.pipeline=2", "parallel.tensor=2"], ("gpt", "bert")),
+    "2bw-p2-t2":       (4, TWO_BW + ["parallel.pipeline=2", "parallel.tensor=2"],
+                        ("gpt", "bert", "llama")),
     "2bw-p2-d2":       (4, TWO_BW + ["parallel.pipeline=2", "parallel.data=2"], ("gpt", "bert")),
     "2bw-p2-t2-d2":    (8, TWO_BW + ["parallel.pipeline=2", "parallel.tensor=2",
                                      "parallel.data=2"], ("gpt", "bert")),
@@ -47,7 +48,7 @@ RUNS = {
                                      "train.precision=bf16"], ("gpt",)),
     "2bw-p2-fp16":     (2, TWO_BW + ["parallel.pipeline=2", "train.precision=fp16",
                                      "train.initial_loss_scale=4096"], ("gpt",)),
-    "pd-p2":           (2, PIPEDREAM + ["parallel.pipeline=2"], ("gpt", "bert")),
+    "pd-p2":           (2, PIPEDREAM + ["parallel.pipeline=2"], ("gpt", "bert", "llama")),
     "pd-p2-vs":        (2, PIPEDREAM + ["parallel.pipeline=2", "schedule.vertical_sync=true"],
                         ("gpt", "bert")),
     "pd-p2-bf16":      (2, PIPEDREAM + ["parallel.pipeline=2", "train.precision=bf16"], ("gpt",)),
@@ -63,7 +64,7 @@ EXACT_2BW = ["2bw-p1", "2bw-p2", "2bw-p2-t2", "2bw-p2-d2", "2bw-p2-v2", "2bw-p2-
 
 
 def _overrides(name: str, arch: str) -> list[str]:
-    return [f"model.arch={arch}", *RUNS[name][1]]
+    return [*MODELS[arch], *RUNS[name][1]]
 
 
 def train_runs(runs: list[list[str]]) -> list[dict]:
@@ -193,7 +194,8 @@ def test_mixed_precision_stays_close_to_the_fp32_rule():
 # ---------------------------------------------------------------------------- PipeDream
 
 
-@pytest.mark.parametrize("name,arch", [("pd-p2", "gpt"), ("pd-p2", "bert"), ("pd-p4", "gpt"),
+@pytest.mark.parametrize("name,arch", [("pd-p2", "gpt"), ("pd-p2", "bert"), ("pd-p2", "llama"),
+                                       ("pd-p4", "gpt"),
                                        ("pd-p2-vs", "gpt"), ("pd-p2-vs", "bert"),
                                        ("pd-p4-vs", "gpt"), ("pd-p2-d2-t2-vs", "gpt")])
 def test_pipedream_weights_follow_the_stashing_or_vertical_sync_rule(name, arch):

@@ -14,7 +14,7 @@ import torch
 from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.pipeline.schedules import build_all, format_schedule, max_in_flight
 from ptdp.pipeline.timeline import simulate
-from tests.equivalence import RTOL, assert_equivalent, reference, relative_error
+from tests.equivalence import ARCHS, RTOL, assert_equivalent, reference, relative_error
 from tests.features import LAYOUTS, SP, ZB, _trainer, feature_layout, resume_job
 
 
@@ -45,7 +45,7 @@ def test_peak_activations_equal_1f1b(p, m):
     assert max(zb) == max(flush) == min(p, m)
 
 
-@pytest.mark.parametrize("arch", ["gpt", "bert"])
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("feature", [ZB, ZB + SP], ids=["zb", "zb+sp"])
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda l: "p{}-t{}-d{}".format(*l))
 def test_zero_bubble_layouts_match_single_process(arch, feature, layout):
