@@ -1,8 +1,10 @@
-"""GPT: pre-LN causal decoder with learned positions and tied input/output embeddings.
+"""GPT: pre-norm causal decoder. With the default block (GPT-2's): learned positions, LayerNorm,
+GeLU, tied input/output embeddings; with `model.preset: llama` the same decoder is Llama-style
+(rotary positions, RMSNorm, SwiGLU, grouped-query attention, untied output layer).
 
 A model is built as one or more *chunks* (virtual pipeline stages); with a single stage the
-chunk is the whole model. The first chunk embeds, the last one applies the final LayerNorm,
-the tied output head and the vocab-parallel loss.
+chunk is the whole model. The first chunk embeds, the last one applies the final norm, the
+output layer and the vocab-parallel loss.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ptdp.runtime.local_ranks import run_on_ranks
-from tests.equivalence import ARCHS, RTOL, assert_equivalent, reference, relative_error
+from tests.equivalence import ARCHS, MODELS, RTOL, assert_equivalent, reference, relative_error
 from tests.features import LAYOUTS, SP, ZB, feature_layout, resume_job
 
 ALL = (*SP, *ZB, "train.distributed_optimizer=true")
@@ -25,9 +25,13 @@ def test_all_three_together_match_single_process(arch, layout):
         assert_equivalent(rank, reference(arch), f"{arch} {layout} sp+zb-h1+distopt")
 
 
+LLAMA = MODELS["llama"]
 RESUME = {"all": [*LAYOUTS[(1, 2, 2)], "model.dropout=0.1", *ALL],
           "plain": [*LAYOUTS[(1, 2, 2)], "model.dropout=0.1"],
-          "reshard": [("all", "plain")]}
+          # the Llama-style decoder resharded from (1, 2, 2) with everything to a pipeline
+          "llama all": [*LLAMA, *LAYOUTS[(1, 2, 2)], *ALL],
+          "llama pipeline": [*LLAMA, *LAYOUTS[(2, 2, 1)]],
+          "reshard": [("all", "plain"), ("llama all", "llama pipeline")]}
 
 
 @pytest.fixture(scope="module")
@@ -36,16 +40,19 @@ def resumed(tmp_path_factory):
     return run_on_ranks(4, resume_job, str(root), RESUME, timeout_s=500)[0]
 
 
-def test_all_three_resume_exactly(resumed):
-    assert resumed["all resumed"] == resumed["all straight"][2:]
-    for key, value in resumed["all straight weights"].items():
-        assert torch.equal(resumed["all resumed weights"][key], value), key
+@pytest.mark.parametrize("name", ["all", "llama all", "llama pipeline"])
+def test_all_three_resume_exactly(resumed, name):
+    assert resumed[f"{name} resumed"] == resumed[f"{name} straight"][2:]
+    for key, value in resumed[f"{name} straight weights"].items():
+        assert torch.equal(resumed[f"{name} resumed weights"][key], value), key
 
 
-def test_their_checkpoint_continues_without_them(resumed):
+@pytest.mark.parametrize("source,target", RESUME["reshard"])
+def test_their_checkpoint_continues_without_them(resumed, source, target):
     """Same masks (sequence-parallel dropout draws the full tensor's), same update: the plain
-    layout resumed from the all-features checkpoint continues the same losses."""
-    got, want = resumed["all -> plain"], resumed["all straight"][2:]
+    layout resumed from the all-features checkpoint continues the same losses; so does a
+    Llama-style decoder moved from (1, 2, 2) to (2, 2, 1) (grouped-query QKV rows resharded)."""
+    got, want = resumed[f"{source} -> {target}"], resumed[f"{source} straight"][2:]
     assert all(abs(x - y) <= RTOL * abs(y) for x, y in zip(got, want)), (got, want)
-    for key, value in resumed["all straight weights"].items():
-        assert relative_error(resumed["all -> plain weights"][key], value) <= RTOL, key
+    for key, value in resumed[f"{source} straight weights"].items():
+        assert relative_error(resumed[f"{source} -> {target} weights"][key], value) <= RTOL, key

@@ -1,7 +1,7 @@
 """The shipped configs, the launch scripts that run them, and the README and docs/ pages.
 
 Configs: each one validates for the number of GPUs its header comment names, with the
-(p, t, d) the comment states. Launch scripts: run with DRY_RUN=1 (and a fake `scontrol` and
+(p, t, d) the comment states; the Llama-3 ones have Meta's shapes and parameter counts. Launch scripts: run with DRY_RUN=1 (and a fake `scontrol` and
 `srun` for SLURM), so the tests check the torchrun command line they build without starting
 any rank. README and docs/: the configuration table equals the dataclasses, the paths and
 links they mention exist.
@@ -63,6 +63,33 @@ def test_realistic_config_layout(name):
     assert eq43_parameters(cfg) / 1e9 == pytest.approx(billions, rel=0.05)
 
 
+# name -> (GPUs it is meant for, (p, t, d), parameters by Eq. 4.3 generalised (Meta's counts),
+# (layers, hidden, heads, K/V heads, ffn))
+LLAMA3 = {
+    "llama3_8b": (8, (2, 2, 2), 8_030_261_248, (32, 4096, 32, 8, 14336)),
+    "llama3_70b": (64, (8, 8, 1), 70_553_706_496, (80, 8192, 64, 8, 28672)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA3))
+def test_llama3_configs_follow_meta(name):
+    from ptdp.planner.formulas import ModelShape, parameter_total
+    gpus, layout, params, sizes = LLAMA3[name]
+    path = CONFIGS / f"{name}.yaml"
+    assert header_layout(path) == (layout, gpus)
+    cfg = load_config(path, world_size=gpus)
+    assert (cfg.parallel.pipeline, cfg.parallel.tensor, cfg.parallel.data) == layout
+    m = cfg.model
+    assert (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.ffn_hidden_size) == sizes
+    assert (m.seq_length, m.vocab_size, m.rope_theta, m.layernorm_eps) == (8192, 128256, 5e5, 1e-5)
+    assert (m.position_embedding, m.normalization, m.activation) == ("rope", "rmsnorm", "swiglu")
+    assert not m.bias and not m.tie_embeddings
+    assert cfg.train.precision == "bf16"
+    assert parameter_total(ModelShape.from_config(m)) == params
+    if name == "llama3_8b":   # 64 GPUs keep (p, t)
+        assert load_config(path, world_size=64).parallel.data == 16
+
+
 def test_gpt_175b_follows_the_source():
     cfg = load_config(CONFIGS / "gpt_175b.yaml", world_size=96)
     m = cfg.model
@@ -87,7 +114,7 @@ def test_demo_config():
         load_config(path, world_size=6)
 
 
-@pytest.mark.parametrize("name", ["gpt_tiny", "bert_tiny"])
+@pytest.mark.parametrize("name", ["gpt_tiny", "bert_tiny", "llama_tiny"])
 def test_tiny_configs_run_on_one_to_eight_ranks(name):
     for world in (1, 2, 4, 8):
         assert load_config(CONFIGS / f"{name}.yaml", world_size=world).parallel.data == world

@@ -18,7 +18,7 @@ from ptdp.hardware import HardwareError, foreign_profile, load_hardware
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.cost_model import SCHEDULES, Workload
 from ptdp.planner.errors import PlanError
-from ptdp.planner.formulas import model_parameters
+from ptdp.planner.formulas import parameter_total
 from ptdp.planner.report import format_result, result_dict, trainer_config
 from ptdp.planner.search import STRICT_SCHEDULES, parse_fix, search
 
@@ -126,18 +126,23 @@ def _plan(args) -> int:
         raise PlanError(f"no layout of {gpus} GPUs fits"
                         f"{' with --fix ' + args.fix if args.fix else ''}: {reasons}")
     m = cfg.model
-    params = model_parameters(m.arch, m.num_layers, m.hidden_size, m.vocab_size, m.seq_length,
-                              m.num_tokentypes)
+    params = parameter_total(shape)   # Eq. 4.3, generalised for Llama-style blocks
     if args.json:
-        header = {"model": {"arch": m.arch, "parameters": params, "num_layers": m.num_layers,
-                            "hidden_size": m.hidden_size, "num_heads": m.num_heads,
-                            "seq_length": m.seq_length, "vocab_size": m.vocab_size},
+        header = {"model": {"arch": m.arch, "preset": m.preset, "parameters": params,
+                            "num_layers": m.num_layers, "hidden_size": m.hidden_size,
+                            "num_heads": m.num_heads, "num_kv_heads": m.num_kv_heads,
+                            "ffn_hidden_size": m.ffn_hidden_size, "activation": m.activation,
+                            "seq_length": m.seq_length, "vocab_size": m.vocab_size,
+                            "tie_embeddings": m.tie_embeddings},
                   "hardware": hw.name, "gpus": gpus, "gpus_per_node": per_node,
                   "global_batch_size": batch}
         print(json.dumps(result_dict(result, header, precision, args.top), indent=2))
     else:
-        title = (f"{m.arch} {params / 1e9:.1f}B parameters ({m.num_layers} layers, "
-                 f"h={m.hidden_size}, {m.num_heads} heads, s={m.seq_length}, V={m.vocab_size}) "
+        block = f" ({m.preset} block)" if m.preset != "gpt" else ""
+        kv = f" ({m.num_kv_heads} K/V)" if m.num_kv_heads != m.num_heads else ""
+        title = (f"{m.arch}{block} {params / 1e9:.1f}B parameters ({m.num_layers} layers, "
+                 f"h={m.hidden_size}, {m.num_heads} heads{kv}, f={m.ffn_hidden_size}, "
+                 f"s={m.seq_length}, V={m.vocab_size}) "
                  f"on {gpus} x {hw.name} ({gpus // per_node} node(s) x {per_node}), "
                  f"B={batch}, {precision}")
         print(format_result(result, title, args.top))

@@ -8,7 +8,7 @@ import yaml
 
 from ptdp.config import Config
 from ptdp.metrics.log import config_path, format_tflops
-from ptdp.planner.formulas import parameter_count
+from ptdp.planner.formulas import ModelShape, decoder_parameters, parameter_count
 
 
 def startup_report(cfg: Config, grid, local_params: int, total_params: int,
@@ -18,15 +18,23 @@ def startup_report(cfg: Config, grid, local_params: int, total_params: int,
     The full resolved config goes to a file (`config_path`) and, with log.verbose, here too.
     """
     m, par, tr = cfg.model, cfg.parallel, cfg.train
-    eq43 = parameter_count(m.num_layers, m.hidden_size, cfg.padded_vocab_size, m.seq_length)
+    shape = ModelShape.from_config(m)
+    if shape.arch == "bert" or shape.dissertation_block:   # the dissertation's formula
+        formula = "Eq. 4.3"
+        eq43 = parameter_count(m.num_layers, m.hidden_size, cfg.padded_vocab_size, m.seq_length)
+    else:   # Llama-style blocks: counted exactly (ptdp/planner/formulas.py)
+        formula, eq43 = "Eq. 4.3 generalised", decoder_parameters(shape, cfg.padded_vocab_size)
+    name = m.arch.upper() + (f" ({m.preset} block)" if m.preset != "gpt" else "")
+    heads = f"{m.num_heads} heads" + (f" ({m.num_kv_heads} K/V)" if m.num_kv_heads != m.num_heads
+                                      else "")
     world = grid.p * grid.t * grid.d
     lines = []
     if cfg.log.verbose:
         lines += ["ptdp: resolved config", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip()]
     lines += [
-        f"ptdp: {m.arch.upper()} with {total_params / 1e6:.3g} M parameters ({m.num_layers} "
-        f"layers, hidden {m.hidden_size}, {m.num_heads} heads, sequence {m.seq_length}, "
-        f"vocabulary {m.vocab_size} padded to {cfg.padded_vocab_size}; Eq. 4.3: "
+        f"ptdp: {name} with {total_params / 1e6:.3g} M parameters ({m.num_layers} "
+        f"layers, hidden {m.hidden_size}, {heads}, sequence {m.seq_length}, "
+        f"vocabulary {m.vocab_size} padded to {cfg.padded_vocab_size}; {formula}: "
         f"{eq43 / 1e6:.3g} M); {local_params:,} on rank 0",
         f"layout: (p, t, d) = ({par.pipeline}, {par.tensor}, {par.data}), v = {par.chunks}, "
         f"schedule {cfg.schedule.name}, {world} rank(s):",

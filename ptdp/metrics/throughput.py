@@ -1,5 +1,5 @@
-"""Throughput and memory of a training job: model TFLOP/s per rank (Eq. 4.2), the hardware's
-peak for MFU, and a process's peak memory."""
+"""Throughput and memory of a training job: model TFLOP/s per rank (Eq. 4.2, generalised to the
+model's block), the hardware's peak for MFU, and a process's peak memory."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from ptdp.config import Config
 from ptdp.hardware import available_hardware, load_hardware
-from ptdp.planner.formulas import model_flops
+from ptdp.planner.formulas import ModelShape, iteration_flops
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -45,9 +45,10 @@ def peak_tflops(cfg: Config, device: torch.device) -> float | None:
 
 
 def iteration_tflops(cfg: Config, seconds: float, world_size: int) -> float:
-    """Model TFLOP/s per GPU: Eq. 4.2 for GPT, BERT's own formula (its LM transform, pooler
+    """Model TFLOP/s per GPU: Eq. 4.2 for GPT, generalised to Llama-style blocks (grouped-query
+    attention, SwiGLU: formulas.iteration_flops), BERT's own formula (its LM transform, pooler
     and binary head) for BERT; the recomputed forward counts only when it runs."""
-    m, tr = cfg.model, cfg.train
-    flops = model_flops(m.arch, tr.global_batch_size, m.seq_length, m.num_layers, m.hidden_size,
-                        cfg.padded_vocab_size, recompute_forward=tr.recompute == "full")
+    tr = cfg.train
+    flops = iteration_flops(ModelShape.from_config(cfg.model), tr.global_batch_size,
+                            cfg.padded_vocab_size, recompute_forward=tr.recompute == "full")
     return flops / seconds / world_size / 1e12

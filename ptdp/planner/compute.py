@@ -1,8 +1,9 @@
 """Compute time of one tensor-parallel shard of a transformer layer, the embedding and the head.
 
 Two sources, in order of preference:
-1. the profile's `measured` table (from `ptdp profile`), when it holds this exact shape;
-   times are interpolated linearly in the micro-batch size;
+1. the profile's `measured` table (from `ptdp profile`), when it holds this exact shape and
+   block (rows without block keys were measured on the dissertation's GPT block); times are
+   interpolated linearly in the micro-batch size;
 2. an analytic roofline per kernel: GEMMs at an efficiency that depends on their shape
    (see `hardware.Efficiency`), attention kernels, memory-bound elementwise kernels, and a
    launch cost per kernel.
@@ -15,27 +16,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ptdp.hardware import HardwareProfile
+from ptdp.planner.formulas import ModelShape
 
 BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The model dimensions the cost model needs (hashable, so costs can be cached)."""
-
-    arch: str
-    layers: int
-    hidden: int
-    heads: int
-    ffn: int
-    seq: int
-    vocab: int          # the tokenizer's vocabulary; padded per t where GEMMs see it
-    dropout: bool
-
-    @classmethod
-    def from_config(cls, m) -> "ModelShape":
-        return cls(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.ffn_hidden_size,
-                   m.seq_length, m.vocab_size, m.dropout > 0)
 
 
 @dataclass(frozen=True)
@@ -101,20 +84,29 @@ def _attention_times(hw, precision, shape: ModelShape, b: int, t: int, attention
 
 
 def _analytic_layer(hw, precision, shape: ModelShape, b: int, t: int, attention: str) -> LayerTimes:
+    """The layer's GEMMs: QKV h -> h + 2h_kv (grouped-query attention narrows K and V), the
+    projection, fc1 h -> f or, with SwiGLU, h -> 2f (gate and up), and fc2 f -> h, each split
+    by t; attention over the rank's query heads; the elementwise kernels."""
     s, h, f = shape.seq, shape.hidden, shape.ffn
+    kv, g = shape.kv_hidden, shape.gated
     tokens = b * s
     e = BYTES[precision]
-    gemms = [(tokens, 3 * h / t, h), (tokens, h, h / t), (tokens, f / t, h), (tokens, h, f / t)]
+    gemms = [(tokens, (h + 2 * kv) / t, h), (tokens, h, h / t), (tokens, (1 + g) * f / t, h),
+             (tokens, h, f / t)]
     fwd_gemm = sum(gemm_time(hw, precision, m, n, k) for m, n, k in gemms)
     # Backward: data gradient [m,n]x[n,k] and weight gradient [k,m]x[m,n] per forward GEMM.
     bwd_gemm = sum(gemm_time(hw, precision, m, k, n) + gemm_time(hw, precision, k, n, m)
                    for m, n, k in gemms)
     attn_fwd, attn_bwd = _attention_times(hw, precision, shape, b, t, attention)
-    # Elementwise traffic (elements): 2 LayerNorms 4sbh, 2 bias+dropout+residual 6sbh,
-    # bias+GeLU 2sf/t, head split/merge copies 8sh/t per token; backward moves about twice.
-    elems = tokens * (10 * h + 2 * f / t + 8 * h / t)
-    fwd_elem = elementwise_time(hw, elems * e, 10)
-    bwd_elem = elementwise_time(hw, 2 * elems * e, 20)
+    # Elementwise traffic (elements): 2 norms (LayerNorm or RMSNorm) 4sbh, 2 bias+dropout+
+    # residual 6sbh, bias+GeLU 2sf/t (SwiGLU reads gate and up, writes their product: 3sf/t),
+    # head split/merge copies 4s(h + h_kv)/t (8sh/t without grouped-query attention), and
+    # rotary positions read and write Q and K, 2s(h + h_kv)/t; backward moves about twice.
+    rope = 2 * (h + kv) / t if shape.rope else 0
+    elems = tokens * (10 * h + (2 + g) * f / t + 4 * (h + kv) / t + rope)
+    kernels = 10 + (2 if shape.rope else 0)
+    fwd_elem = elementwise_time(hw, elems * e, kernels)
+    bwd_elem = elementwise_time(hw, 2 * elems * e, 2 * kernels)
     backward = bwd_gemm + attn_bwd + bwd_elem
     return LayerTimes(forward=fwd_gemm + attn_fwd + fwd_elem, backward=backward,
                       attention_forward=attn_fwd, backward_split=backward)
@@ -123,8 +115,10 @@ def _analytic_layer(hw, precision, shape: ModelShape, b: int, t: int, attention:
 def _analytic_head(hw, precision, shape: ModelShape, b: int, t: int, vocab_padded: int) -> HeadTimes:
     tokens, h = b * shape.seq, shape.hidden
     e = BYTES[precision]
-    embed_fwd = elementwise_time(hw, 3 * tokens * h * e, 3)         # gather + position add
-    embed_bwd = elementwise_time(hw, 3 * tokens * h * e, 3)         # scatter-add into the table
+    # gather + position add (rotary positions: the gather alone); backward scatter-adds
+    traffic, kernels = (2, 1) if shape.rope else (3, 3)
+    embed_fwd = elementwise_time(hw, traffic * tokens * h * e, kernels)
+    embed_bwd = elementwise_time(hw, traffic * tokens * h * e, kernels)
     logits = gemm_time(hw, precision, tokens, vocab_padded / t, h)
     logits_bwd = (gemm_time(hw, precision, tokens, h, vocab_padded / t)
                   + gemm_time(hw, precision, h, vocab_padded / t, tokens))
@@ -163,10 +157,24 @@ def _measured_rows(hw: HardwareProfile, table: str, match: dict) -> list[dict]:
     return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
 
 
+def same_block(row: dict, shape: ModelShape) -> bool:
+    """A measured layer row is of this shape's block: rows without the block's keys were
+    measured on the dissertation's GPT block (ModelShape's defaults, K/V heads = heads).
+    Head rows match by sizes only: the final norm and the position add are a small part of
+    the logits' time."""
+    gpt = ModelShape(shape.arch, shape.layers, shape.hidden, row.get("heads", shape.heads),
+                     shape.ffn, shape.seq, shape.vocab, shape.dropout).block_key()
+    return all(row.get(k, gpt[k]) == v for k, v in shape.block_key().items())
+
+
+def _measured_layer_rows(hw, table: str, precision, shape: ModelShape, t: int, **match):
+    rows = _measured_rows(hw, table, dict(hidden=shape.hidden, heads=shape.heads, ffn=shape.ffn,
+                                          seq=shape.seq, tensor=t, precision=precision, **match))
+    return [r for r in rows if same_block(r, shape)]
+
+
 def _measured_layer(hw, precision, shape: ModelShape, b: int, t: int) -> LayerTimes | None:
-    rows = _measured_rows(hw, "layers", dict(hidden=shape.hidden, heads=shape.heads,
-                                             ffn=shape.ffn, seq=shape.seq, tensor=t,
-                                             precision=precision))
+    rows = _measured_layer_rows(hw, "layers", precision, shape, t)
     if not rows:
         return None
     fwd = _interpolate([(r["micro_batch"], r["forward_s"]) for r in rows], b)
@@ -196,9 +204,8 @@ def measured_tensor_comm(hw: HardwareProfile, precision: str, shape: ModelShape,
                          sequence_parallel: bool, busy: int) -> float | None:
     """Seconds the tensor group's communication adds to one layer's forward + backward, as
     measured with `busy` ranks at once (ptdp/profiler/tensor_layers.py; CPU profiles), or None."""
-    rows = _measured_rows(hw, "tensor_layers", dict(
-        hidden=shape.hidden, heads=shape.heads, ffn=shape.ffn, seq=shape.seq, tensor=t,
-        precision=precision, sequence_parallel=sequence_parallel))
+    rows = _measured_layer_rows(hw, "tensor_layers", precision, shape, t,
+                                sequence_parallel=sequence_parallel)
     if not rows:
         return None
     world = min({r["world"] for r in rows}, key=lambda w: (abs(math.log2(w / max(busy, 1))), -w))

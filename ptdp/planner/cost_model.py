@@ -39,8 +39,9 @@ Communication (comm.py)
     overlaps with the last micro-batch's backward pass (buckets are reduced as they fill),
     for 2BW too: its trainer waits for the sums right after a batch's last backward, since
     the global norm needs them (ptdp/training/no_flush.py). Tied word embeddings add an all-reduce
-    between the first and last stage. On CPUs nothing overlaps (`overlap_communication:
-    false`): gloo's copies and reductions run on the same cores.
+    between the first and last stage (an untied output layer, as Llama's, none). On CPUs
+    nothing overlaps (`overlap_communication: false`): gloo's copies and reductions run on the
+    same cores.
 
 Pipeline (formulas.bubble_fraction)
   * Flushing schedules (gpipe, 1f1b, interleaved): m * T_slowest + (p-1)/v * T_mean, which
@@ -74,7 +75,8 @@ CPU profiles: ranks that share a node's cores and memory bandwidth slow each oth
   compute time (_flush_compute_factor). So on 8 ranks of 2 cores deep pipelines with one
   micro-batch win, and were measured to.
 
-Reporting: model TFLOP/s per GPU is Eq. 4.2's F / (step * n) (BERT: formulas.bert_flops_
+Reporting: model TFLOP/s per GPU is Eq. 4.2's F / (step * n), generalised to the block
+  (formulas.iteration_flops: grouped-query attention, SwiGLU; BERT: formulas.bert_flops_
   per_iteration, with its LM transform, pooler and binary head), counted as the trainer does:
   with the padded vocabulary, and with the extra forward pass (4 passes per layer, as in the
   paper's runs) only when recompute=full, 3 passes otherwise. MFU = that / the precision's
@@ -90,7 +92,7 @@ from ptdp.config.catalogue import DEFAULT, Planner, names_where, schedule_spec
 from ptdp.hardware import HardwareProfile
 from ptdp.planner import comm
 from ptdp.planner.compute import BYTES, ModelShape, head_times, layer_times, measured_tensor_comm
-from ptdp.planner.formulas import bubble_fraction, model_flops
+from ptdp.planner.formulas import bubble_fraction, iteration_flops
 from ptdp.planner.memory import GB, MemoryBreakdown, gpu_memory, stage_parameters
 
 # What the cost model has formulas for (ptdp/config/catalogue.py: all but PipeDream async).
@@ -342,7 +344,8 @@ def _distributed_optimizer_comm(hw, work: Workload, lay: Layout, params: float,
     trainer waits for them)."""
     d, t, p = lay.data, lay.tensor, lay.pipeline
     link = lambda kind: comm.data_link(hw, t, d, work.gpus_per_node, busy, kind)  # noqa: E731
-    table = padded_vocab_size(work.shape.vocab, t) * work.shape.hidden / t if p > 1 else 0.0
+    tied = p > 1 and work.shape.tie_embeddings
+    table = padded_vocab_size(work.shape.vocab, t) * work.shape.hidden / t if tied else 0.0
     reduce = (comm.reduce_scatter_time(d, (params - table) * 4, link("reduce_scatter"))
               + comm.all_reduce_time(d, table * 4, link("all_reduce")))
     return reduce, comm.all_gather_time(d, params * BYTES[work.precision], link("all_gather"))
@@ -393,7 +396,7 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     dp_exposed = max(0.0, dp_total - hidden) + param_gather
     dp_total += param_gather
     embedding_sync = 0.0
-    if p > 1:   # tied word embeddings: sum the first and last stage's table gradients
+    if p > 1 and shape.tie_embeddings:   # sum the first and last stage's table gradients
         table = vocab_padded * shape.hidden / t * 4
         embedding_sync = comm.all_reduce_time(
             2, table, comm.pipeline_link(hw, t, d, p, work.gpus_per_node, busy))
@@ -402,8 +405,8 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     step = (pipelined + flush + dp_exposed + embedding_sync + optimizer
             + hw.efficiency.host_overhead_s)
 
-    flops = model_flops(shape.arch, work.global_batch, shape.seq, shape.layers, shape.hidden,
-                        vocab_padded, recompute_forward=lay.recompute == "full")
+    flops = iteration_flops(shape, work.global_batch, vocab_padded,
+                            recompute_forward=lay.recompute == "full")
     tflops = flops / (step * lay.gpus) / 1e12
     mem = _worst_memory(hw, work, lay, attention)
     time = {"compute": m * slowest.compute, "recompute": m * slowest.recompute,

@@ -14,11 +14,92 @@ BERT is not a GPT: its loss runs a dense + GeLU + LayerNorm transform before the
 (with a vocabulary bias), a pooler and a binary head, and it embeds token types
 (models/bert.py). `bert_flops_per_iteration` and `bert_parameter_count` count those;
 `model_flops` and `model_parameters` pick the formula by architecture.
+
+Llama-style blocks (the model.* options of ptdp/config/schema.py: grouped-query attention,
+SwiGLU, bias-free linears, RMSNorm, rotary positions, an untied output layer) change both
+counts. `ModelShape` holds a model's dimensions and block; `iteration_flops` (Eq. 4.2
+generalised) and `parameter_total` (Eq. 4.3 generalised) take one, and give the dissertation's
+numbers bit for bit for its GPT block and BERT.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 SECONDS_PER_DAY = 86_400.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model's dimensions and block, as the formulas and the cost model need them (hashable,
+    so costs can be cached). The fields after `dropout` default to the dissertation's GPT block
+    (GPT-2's); `from_config` reads them from a ModelConfig.
+
+    `vocab` is the tokenizer's vocabulary; callers pass the padded one where GEMMs see it."""
+
+    arch: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    seq: int
+    vocab: int
+    dropout: bool
+    kv_heads: int | None = None          # grouped-query attention; None = heads
+    activation: str = "gelu"             # gelu | swiglu
+    normalization: str = "layernorm"     # layernorm | rmsnorm
+    position_embedding: str = "learned"  # learned | rope
+    bias: bool = True                    # biases of QKV, projection, fc1, fc2
+    qkv_bias: bool | None = None         # biases of Q, K, V only; None = bias
+    tie_embeddings: bool = True          # the logits reuse the word table
+    tokentypes: int = 2                  # BERT's segment embeddings
+
+    def __post_init__(self):
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.qkv_bias is None:
+            object.__setattr__(self, "qkv_bias", self.bias)
+
+    @classmethod
+    def from_config(cls, m) -> "ModelShape":
+        return cls(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.ffn_hidden_size,
+                   m.seq_length, m.vocab_size, m.dropout > 0, m.num_kv_heads, m.activation,
+                   m.normalization, m.position_embedding, m.bias, m.qkv_bias, m.tie_embeddings,
+                   m.num_tokentypes)
+
+    @property
+    def kv_hidden(self) -> int:
+        """Width of K (and of V): num_kv_heads * head_dim; h without grouped-query attention."""
+        return self.hidden * self.kv_heads // self.heads
+
+    @property
+    def gated(self) -> int:
+        """1 when the MLP's first GEMM makes a gate and an up projection (SwiGLU), else 0."""
+        return int(self.activation == "swiglu")
+
+    @property
+    def rope(self) -> bool:
+        return self.position_embedding == "rope"
+
+    @property
+    def norm_parameters(self) -> int:
+        """Parameters per hidden unit of one norm: LayerNorm's weight and bias, RMSNorm's gain."""
+        return 2 if self.normalization == "layernorm" else 1
+
+    @property
+    def dissertation_block(self) -> bool:
+        """The block Eq. 4.2 and 4.3 are written for: GPT-2's, with f = 4h."""
+        return (self.ffn == 4 * self.hidden and self.kv_heads == self.heads and not self.gated
+                and self.normalization == "layernorm" and not self.rope and self.bias
+                and self.qkv_bias and self.tie_embeddings)
+
+    def block_key(self) -> dict:
+        """What a measured profile row must match beyond the sizes (ptdp/planner/compute.py);
+        rows without these keys were measured on the dissertation's block."""
+        return dict(kv_heads=self.kv_heads, activation=self.activation,
+                    normalization=self.normalization,
+                    position_embedding=self.position_embedding, bias=self.bias,
+                    qkv_bias=self.qkv_bias)
 
 
 def model_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int,
@@ -75,17 +156,101 @@ def bert_parameter_count(layers: int, hidden: int, vocab: int, seq: int,
 
 def model_flops(arch: str, batch: int, seq: int, layers: int, hidden: int, vocab: int,
                 recompute_forward: bool = True) -> float:
-    """Model FLOPs of one iteration for `arch` ('gpt': Eq. 4.2; 'bert': its own heads)."""
+    """Model FLOPs of one iteration for `arch` ('gpt': Eq. 4.2; 'bert': its own heads), for
+    the dissertation's block; `iteration_flops` counts any block."""
     formula = bert_flops_per_iteration if arch == "bert" else model_flops_per_iteration
     return formula(batch, seq, layers, hidden, vocab, recompute_forward)
 
 
 def model_parameters(arch: str, layers: int, hidden: int, vocab: int, seq: int,
                      tokentypes: int = 2) -> float:
-    """Parameters for `arch` ('gpt': Eq. 4.3; 'bert': bert_parameter_count)."""
+    """Parameters for `arch` ('gpt': Eq. 4.3; 'bert': bert_parameter_count), for the
+    dissertation's block; `parameter_total` counts any block."""
     if arch == "bert":
         return bert_parameter_count(layers, hidden, vocab, seq, tokentypes)
     return parameter_count(layers, hidden, vocab, seq)
+
+
+def iteration_flops(shape: ModelShape, batch: int, vocab: int | None = None,
+                    recompute_forward: bool = True) -> float:
+    """Model FLOPs of one iteration of `shape` (vocabulary `vocab`, default shape.vocab):
+    Eq. 4.2 generalised to any block; BERT's formula for BERT.
+
+    Eq. 4.2 counts a layer's GEMMs at 2 FLOPs per multiply-add. With T = B*s tokens, query
+    width h = a*d, key/value width h_kv = a_kv*d (grouped-query attention; h without it), MLP
+    width f, and g = 1 for SwiGLU (0 for GeLU), one layer's forward pass is
+
+    * QKV: 2*T*h*(h + 2*h_kv); the output projection: 2*T*h^2;
+    * attention scores Q K^T and their product with V: 4*B*s^2*h, unchanged by grouped-query
+      attention (every query head still attends over its own s x s scores of width d);
+    * MLP: h -> (1+g)*f (SwiGLU's gate and up in one GEMM), then f -> h: 2*T*h*f*(2+g);
+
+    in all 4*T*h*(h + h_kv) + 2*T*h*f*(2+g) + 4*B*s^2*h, which for the dissertation's block
+    (h_kv = h, f = 4h, g = 0) is Eq. 4.2's 24*B*s*h^2 + 4*B*s^2*h. It is computed as Eq. 4.2's
+    layer plus what the block changes, 4*T*h*(h_kv - h) + 2*T*h*((2+g)*f - 8h), so the GPT
+    block's result is Eq. 4.2's to the bit. Passes as in Eq. 4.2 (4 with the recomputed
+    forward, else 3). The logit layer's 6*B*s*h*V is the same whether the output layer is tied
+    to the word table or not; biases, norms, the activation and rotary positions are
+    elementwise and, as in Eq. 4.2, not counted.
+    """
+    vocab = shape.vocab if vocab is None else vocab
+    if shape.arch == "bert":
+        return bert_flops_per_iteration(batch, shape.seq, shape.layers, shape.hidden, vocab,
+                                        recompute_forward)
+    b, s, l, h, v = (float(batch), float(shape.seq), float(shape.layers), float(shape.hidden),
+                     float(vocab))
+    passes = 4.0 if recompute_forward else 3.0
+    per_layer_forward = 24.0 * b * s * h * h + 4.0 * b * s * s * h
+    per_layer_forward += (4.0 * b * s * h * (shape.kv_hidden - shape.hidden)
+                          + 2.0 * b * s * h * ((2 + shape.gated) * shape.ffn - 8 * shape.hidden))
+    return passes * l * per_layer_forward + 6.0 * b * s * h * v
+
+
+def layer_parameter_split(shape: ModelShape) -> tuple[int, int]:
+    """(split, replicated) parameters of one layer: those tensor parallelism splits by t
+    (QKV weight and biases, projection weight, fc1 weight and biases, fc2 weight) and those
+    every tensor rank holds whole (projection and fc2 biases, the two norms).
+
+    QKV h*(h + 2*h_kv) (+ h + 2*h_kv biases with qkv_bias), projection h^2 (+ h), fc1
+    h*(1+g)*f (+ (1+g)*f), fc2 f*h (+ h), two norms of n*h each (n = 2 for LayerNorm's weight
+    and bias, 1 for RMSNorm's gain). The dissertation's block: 12h^2 + 13h, Eq. 4.3's layer."""
+    h, f, g = shape.hidden, shape.ffn, shape.gated
+    qkv = h + 2 * shape.kv_hidden
+    split = (h * qkv + (qkv if shape.qkv_bias else 0) + h * h
+             + (h * (1 + g) * f + ((1 + g) * f if shape.bias else 0)) + f * h)
+    replicated = (2 * h if shape.bias else 0) + 2 * shape.norm_parameters * h
+    return split, replicated
+
+
+def decoder_parameters(shape: ModelShape, vocab: int | None = None) -> float:
+    """Every parameter of a decoder of `shape` (GPT or Llama-style), vocabulary `vocab`
+    (default shape.vocab): Eq. 4.3 generalised and made exact.
+
+    l layers (layer_parameter_split), the word table V*h, a learned position table s*h (none
+    with rotary positions, which have no parameters), the final norm n*h, and an output layer
+    V*h of its own when it is not tied to the word table. For the dissertation's block that is
+    12*l*h^2 + 13*l*h + (V + s)*h + 2h: Eq. 4.3 plus the final LayerNorm, which Eq. 4.3 leaves
+    out. Llama-3 8B (32 layers, h = 4096, 32 heads, 8 K/V heads, f = 14336, V = 128256):
+    8,030,261,248, Meta's count."""
+    vocab = shape.vocab if vocab is None else vocab
+    h = shape.hidden
+    layer = sum(layer_parameter_split(shape))
+    tables = vocab * h * (1 if shape.tie_embeddings else 2)
+    positions = 0 if shape.rope else shape.seq * h
+    return float(shape.layers * layer + tables + positions + shape.norm_parameters * h)
+
+
+def parameter_total(shape: ModelShape, vocab: int | None = None) -> float:
+    """The parameter count reports print: Eq. 4.3 as the dissertation writes it for its GPT
+    block (so every GPT number stays the paper's), BERT's own count for BERT, and the exact
+    `decoder_parameters` for every other block."""
+    vocab = shape.vocab if vocab is None else vocab
+    if shape.arch == "bert":
+        return bert_parameter_count(shape.layers, shape.hidden, vocab, shape.seq,
+                                    shape.tokentypes)
+    if shape.dissertation_block:
+        return parameter_count(shape.layers, shape.hidden, vocab, shape.seq)
+    return decoder_parameters(shape, vocab)
 
 
 def training_days(tokens: float, parameters: float, num_gpus: int,

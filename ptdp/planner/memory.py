@@ -1,18 +1,37 @@
 """Memory per GPU: weights, gradients, optimizer state, activation stashes, buffers.
 
+Weights, gradients and optimizer state follow the stage's parameters: its layers'
+(formulas.layer_parameter_split: the tensor-split part / t plus the replicated biases and
+norms), the word table and learned positions on the first stage, the final norm and the
+output layer on the last (the tied word table's copy, or the untied output layer of its own,
+which the first stage then does not share even with p = 1).
+
 Activations per layer follow the breakdown of Korthikanti et al. (Megatron "Reducing
-activation recomputation") for a pre-LN layer with t-way tensor parallelism, generalised to
-any ffn size, precision and attention kernel. Elements of e bytes each:
+activation recomputation") for a pre-norm layer with t-way tensor parallelism, generalised to
+any ffn size, precision, attention kernel and block (formulas.ModelShape). Elements of e
+bytes each, with h_kv the width of K and of V (h without grouped-query attention) and f the
+MLP width:
 
-* replicated on every tensor rank: LayerNorm inputs 2sbh, QKV and fc1 inputs 2sbh, and
+* replicated on every tensor rank: the two norms' inputs 2sbh (RMSNorm keeps its input as
+  LayerNorm does; both keep s*b statistics, not counted), the QKV and fc1 inputs 2sbh, and
   1-byte dropout masks 2sbh when dropout > 0;
-* split by t: Q, K, V 3sbh/t, the projection input sbh/t, GeLU input and output 2sbf/t
-  (plus the attention output sbh/t that a flash kernel saves);
+* split by t: Q, K, V s*b*(h + 2h_kv)/t, the projection input sbh/t, and the MLP's
+  activation input and output: GeLU's 2sbf/t, SwiGLU's gate and up 2sbf/t plus their product
+  (fc2's input) sbf/t.
+  Rotary positions add the rotated Q and K, s*b*(h + h_kv)/t, which attention keeps while V,
+  a view, keeps the QKV output alive (models/rotary.py). A flash kernel also saves the
+  attention output sbh/t;
 * attention scores (materialized kernels only): softmax output and dropout output
-  2*a*s^2*b/t elements plus the 1-byte mask.
+  2*a*s^2*b/t elements plus the 1-byte mask, a the query heads.
 
-With f = 4h, e = 2 and dropout this is the paper's sbh(34 + 5as/h) at t = 1.
-With sequence parallelism the LayerNorm inputs and the dropout masks are split by t as well
+With f = 4h, h_kv = h, GeLU, learned positions, e = 2 and dropout this is the paper's
+sbh(34 + 5as/h) at t = 1: (4 + 4 + 2 + 6 + 2 + 16) sbh + 5as^2b. A Llama-style layer (SwiGLU,
+rotary, no dropout) keeps, split part per token, 2h + 2h_kv + 3f + h + h_kv elements instead
+of 4h + 2f. SwiGLU and RMSNorm are counted as fused (compiled) kernels keep them, as the
+trainer runs layers on GPUs; eager layers (CPU ranks) also keep SiLU(gate), sbf/t, and each
+RMSNorm's normalised output, sbh (models/norms.py): measured on one h = 64 layer, about 20 %
+more than this count, where the GPT block's measures 7 % less.
+With sequence parallelism the norms' inputs and the dropout masks are split by t as well
 (`sequence_parallel_replicated`); the QKV and fc1 inputs are kept all-gathered by the trainer
 (Megatron-LM re-gathers them in backward instead), so they stay whole.
 Recompute "selective" keeps everything but the attention core's internals; "full" keeps only
@@ -30,7 +49,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config.catalogue import schedule_spec
-from ptdp.planner.compute import BYTES, ModelShape
+from ptdp.planner.compute import BYTES, ModelShape, same_block
+from ptdp.planner.formulas import layer_parameter_split
 
 GB = 2**30   # GiB, as torch.cuda memory stats and the trainer's mem_gb report
 
@@ -57,17 +77,18 @@ class MemoryBreakdown:
 # --------------------------------------------------------------------------------------------
 
 def layer_parameters(shape: ModelShape, t: int) -> float:
-    """Parameters of one layer held by one tensor rank."""
-    h, f = shape.hidden, shape.ffn
-    split = (3 * h * h + 3 * h) + h * h + (h * f + f) + f * h   # QKV, proj W, fc1, fc2 W
-    replicated = h + h + 4 * h                                   # proj and fc2 biases, 2 LNs
+    """Parameters of one layer held by one tensor rank: QKV, the projection's weight, fc1 and
+    fc2's weight split by t; the projection and fc2 biases and the two norms whole."""
+    split, replicated = layer_parameter_split(shape)
     return split / t + replicated
 
 
 def embedding_parameters(shape: ModelShape, t: int, vocab_padded: int) -> float:
-    """Word table shard plus replicated positions (first stage); BERT adds token types."""
-    extra = 2 * shape.hidden if shape.arch == "bert" else 0
-    return vocab_padded * shape.hidden / t + shape.seq * shape.hidden + extra
+    """Word table shard plus replicated learned positions (none with rotary ones) on the first
+    stage; BERT adds token types."""
+    extra = shape.tokentypes * shape.hidden if shape.arch == "bert" else 0
+    positions = 0 if shape.rope else shape.seq * shape.hidden
+    return vocab_padded * shape.hidden / t + positions + extra
 
 
 def bert_head_parameters(shape: ModelShape, t: int, vocab_padded: int) -> float:
@@ -83,9 +104,9 @@ def stage_parameters(shape: ModelShape, t: int, p: int, vocab_padded: int, first
     if first:
         params += embedding_parameters(shape, t, vocab_padded)
     if last:
-        params += 2 * shape.hidden                       # final LayerNorm
-        if not first:
-            params += vocab_padded * shape.hidden / t    # the last stage's copy of the table
+        params += shape.norm_parameters * shape.hidden   # final norm
+        if not first or not shape.tie_embeddings:        # the last stage's copy of the table,
+            params += vocab_padded * shape.hidden / t    # or the untied output layer
         if shape.arch == "bert":
             params += bert_head_parameters(shape, t, vocab_padded)
     return params
@@ -141,7 +162,7 @@ def measured_activation_bytes(hw, shape: ModelShape, b: int, t: int, precision: 
     rows = [r for r in ((hw.measured or {}).get("layers") or [])
             if (r.get("hidden"), r.get("heads"), r.get("ffn"), r.get("seq"), r.get("tensor"),
                 r.get("precision")) == (shape.hidden, shape.heads, shape.ffn, shape.seq, t, precision)
-            and f"activation_bytes_{recompute}" in r]
+            and f"activation_bytes_{recompute}" in r and same_block(r, shape)]
     if not rows:
         return None
     per_sample = sum(r[f"activation_bytes_{recompute}"] / r["micro_batch"] for r in rows) / len(rows)
@@ -150,7 +171,7 @@ def measured_activation_bytes(hw, shape: ModelShape, b: int, t: int, precision: 
 
 def sequence_parallel_replicated(sbh: float, e: int, dropout: bool, t: int,
                                  sequence_parallel: bool) -> float:
-    """The activations outside the tensor-parallel regions: LayerNorm inputs 2sbh and the two
+    """The activations outside the tensor-parallel regions: the norms' inputs 2sbh and the two
     1-byte dropout masks, split by t with sequence parallelism; the QKV and fc1 inputs 2sbh."""
     regions = 2 * sbh * e + (2 * sbh if dropout else 0)
     return regions / (t if sequence_parallel else 1) + 2 * sbh * e
@@ -169,7 +190,8 @@ def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, re
     if recompute == "full":
         return sbh * e / (t if sequence_parallel else 1)
     replicated = sequence_parallel_replicated(sbh, e, shape.dropout, t, sequence_parallel)
-    split = (4 * sbh + 2 * s * b * f) / t * e
+    rotated = s * b * (h + shape.kv_hidden) if shape.rope else 0    # rotated Q and K
+    split = (_split_linear_elements(shape, b) + rotated) / t * e
     if attention == "flash":
         core = sbh / t * e + a * s * b / t * 4           # saved output + fp32 logsumexp
     else:
@@ -189,14 +211,24 @@ def pending_weight_grad_bytes(shape: ModelShape, b: int, t: int, precision: str,
     Linear layers: the QKV and fc1 inputs (whole, sbh each, all-gathered with sequence
     parallelism), the projection and fc2 inputs (sbh/t, sbf/t); the output gradients of QKV
     and fc1 (3sbh/t, sbf/t) and of the row-parallel projection and fc2 (whole, sbh each).
-    LayerNorms: input and output gradient, 2 x 2sbh (split by t with sequence parallelism)."""
-    s, h, f = shape.seq, shape.hidden, shape.ffn
+    Norms: input and output gradient, 2 x 2sbh (split by t with sequence parallelism).
+    With grouped-query attention and SwiGLU the QKV and fc1 output gradients are
+    s*b*(h + 2h_kv)/t and 2sbf/t."""
     e = BYTES[precision]
-    sbh = s * b * h
+    sbh = shape.seq * b * shape.hidden
     whole = 4 * sbh                                  # QKV, fc1 inputs; proj, fc2 out-grads
-    split = (4 * sbh + 2 * s * b * f) / t            # proj, fc2 inputs; QKV, fc1 out-grads
+    split = _split_linear_elements(shape, b) / t     # proj, fc2 inputs; QKV, fc1 out-grads
     layer_norms = 4 * sbh / (t if sequence_parallel else 1)
     return (whole + split + layer_norms) * e
+
+
+def _split_linear_elements(shape: ModelShape, b: int) -> int:
+    """Elements of a layer's tensor-split activations around its linears, before the division
+    by t: the QKV output s*b*(h + 2h_kv) and the projection input sbh; fc1's output (1+g)sbf and
+    fc2's input sbf, with g = 1 for SwiGLU (whose fused kernel keeps gate and up). 4sbh + 2sbf
+    for the dissertation's block."""
+    s, h, f = shape.seq, shape.hidden, shape.ffn
+    return s * b * (2 * h + 2 * shape.kv_hidden) + (2 + shape.gated) * s * b * f
 
 
 def weight_versions(schedule: str, p: int, rank: int, vertical_sync: bool = False) -> int:
@@ -273,7 +305,8 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     buffers = working + heap_retention_bytes(hw, shape.layers // p * layer_activation_bytes(
         shape, b, t, precision, "none", attention, hw))
     if distributed_optimizer and hw is not None and hw.device == "cpu":
-        tied = vocab_padded * shape.hidden / t if p > 1 and (first or last) else 0.0
+        tied = (vocab_padded * shape.hidden / t
+                if p > 1 and (first or last) and shape.tie_embeddings else 0.0)
         buffers += gloo_sharding_staging_bytes(params, precision, d, all_reduced=tied)
     optimizer = optimizer_state_bytes(params, precision, d, distributed_optimizer)
     return MemoryBreakdown(weights=weights, gradients=gradients, optimizer=optimizer,

@@ -151,7 +151,8 @@ def _schedule_options(work: Workload, p: int, m: int, fixed: dict, rej: Rejectio
 
 def _shape_reason(work: Workload, t: int, p: int) -> str | None:
     s = work.shape
-    for what, size in (("num_heads", s.heads), ("hidden_size", s.hidden), ("ffn_hidden_size", s.ffn)):
+    for what, size in (("num_heads", s.heads), ("num_kv_heads", s.kv_heads),
+                       ("hidden_size", s.hidden), ("ffn_hidden_size", s.ffn)):
         if size % t:
             return f"t={t}: model.{what} ({size}) not divisible by t"
     if s.layers % p:

@@ -1,5 +1,6 @@
 """The dissertation's formulas (SPEC item 28 and §4.3), checked against the source's numbers."""
 
+import dataclasses
 import math
 
 import pytest
@@ -90,3 +91,89 @@ def test_eq41_and_checkpoint_count():
     assert c == pytest.approx(math.sqrt(16 * 17))
     cost = lambda c: c * 2.0 + 16 / c * 34.0  # noqa: E731 - the source's memory function
     assert cost(c) <= min(cost(c * 0.9), cost(c * 1.1))
+
+
+# --------------------------------------------------------------------------------------------
+# Eq. 4.2 and 4.3 generalised (Llama-style blocks)
+# --------------------------------------------------------------------------------------------
+
+def llama(layers, hidden, heads, kv_heads, ffn, seq=8192, vocab=128256, **block):
+    options = dict(activation="swiglu", normalization="rmsnorm", position_embedding="rope",
+                   bias=False, tie_embeddings=False)
+    return f.ModelShape("gpt", layers, hidden, heads, ffn, seq, vocab, False, kv_heads,
+                        **{**options, **block})
+
+
+LLAMA3_8B = llama(32, 4096, 32, 8, 14336)
+LLAMA3_70B = llama(80, 8192, 64, 8, 28672)
+
+
+def test_llama3_parameter_counts_are_metas():
+    by_hand = (128256 * 4096 * 2                       # word table + untied output layer
+               + 32 * (4096 * (4096 + 2 * 1024)        # QKV: 8 K/V heads of 128
+                       + 4096 * 4096                   # output projection
+                       + 3 * 4096 * 14336              # SwiGLU gate, up, down
+                       + 2 * 4096)                     # two RMSNorm gains
+               + 4096)                                 # final RMSNorm
+    assert by_hand == 8_030_261_248                    # Meta-Llama-3-8B
+    assert f.decoder_parameters(LLAMA3_8B) == 8_030_261_248
+    assert f.parameter_total(LLAMA3_8B) == 8_030_261_248
+    assert f.decoder_parameters(LLAMA3_70B) == 70_553_706_496    # Meta-Llama-3-70B
+
+
+def test_each_block_option_changes_the_count_by_its_own_parameters():
+    l, h, a, s, V, ff = 3, 256, 8, 128, 1000, 704
+    base = llama(l, h, a, a, ff, s, V)
+    count = f.decoder_parameters
+    change = lambda **kw: count(dataclasses.replace(base, **kw)) - count(base)  # noqa: E731
+    assert change(tie_embeddings=True) == -V * h                   # no output layer of its own
+    assert change(position_embedding="learned") == s * h           # a position table
+    assert change(normalization="layernorm") == (2 * l + 1) * h    # a bias per norm
+    assert change(kv_heads=2) == -l * 2 * h * (h - h // 4)         # K, V narrowed to h/4
+    assert change(activation="gelu") == -l * h * ff                # no gate projection
+    assert change(bias=True, qkv_bias=True) == l * (3 * h + h + 2 * ff + h)  # + gate+up, down
+    assert change(bias=True) == l * (h + 2 * ff + h)               # base.qkv_bias stays False
+    assert change(qkv_bias=True) == l * 3 * h                      # Qwen2: Q, K, V only
+
+
+def test_general_flops_equal_a_gemm_by_gemm_count():
+    # GQA (8 query heads, 2 K/V heads) + SwiGLU: count every GEMM of a layer as 2*m*n*k.
+    B, s, l, h, a, kv, ff, V = 3, 128, 5, 256, 8, 2, 704, 1000
+    shape = llama(l, h, a, kv, ff, s, V)
+    T, d = B * s, h // a
+    gemms = [(T, h + 2 * kv * d, h),            # QKV
+             (T, h, h),                         # output projection
+             (T, 2 * ff, h),                    # gate and up
+             (T, h, ff)]                        # down
+    layer = sum(2 * m * n * k for m, n, k in gemms)
+    layer += a * B * (2 * s * s * d + 2 * s * d * s)   # Q K^T and (scores) V per query head
+    logits = 2 * T * h * V
+    for passes, recompute in ((3, False), (4, True)):
+        expected = passes * l * layer + 3 * logits
+        assert f.iteration_flops(shape, B, recompute_forward=recompute) == expected
+    # Fewer K/V heads and a narrower MLP do fewer FLOPs; the output layer's tying does not
+    # change them.
+    mha = dataclasses.replace(shape, kv_heads=a)
+    qkv_saving = 2 * T * h * 2 * (h - kv * d)           # the QKV GEMM's narrower K and V
+    assert f.iteration_flops(mha, B) - f.iteration_flops(shape, B) == 4 * l * qkv_saving
+    tied = dataclasses.replace(shape, tie_embeddings=True)
+    assert f.iteration_flops(tied, B) == f.iteration_flops(shape, B)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("B,s,l,h,a,V", [(1536, 2048, 96, 12288, 96, 51200),
+                                         (8, 2048, 24, 2304, 24, 51200),
+                                         (3, 16, 2, 32, 4, 128)])
+def test_general_forms_are_the_dissertations_for_its_block(B, s, l, h, a, V, recompute):
+    # Bit for bit: every GPT and BERT number the trainer and planner printed before stays.
+    gpt = f.ModelShape("gpt", l, h, a, 4 * h, s, V, True)
+    assert gpt.dissertation_block
+    assert f.iteration_flops(gpt, B, recompute_forward=recompute) == \
+        f.model_flops_per_iteration(B, s, l, h, V, recompute)
+    assert f.parameter_total(gpt) == f.parameter_count(l, h, V, s)
+    # Counted exactly, the GPT block has the final LayerNorm Eq. 4.3 leaves out.
+    assert f.decoder_parameters(gpt) == 12 * l * h * h + 13 * l * h + (V + s) * h + 2 * h
+    bert = f.ModelShape("bert", l, h, a, 4 * h, s, V, True)
+    assert f.iteration_flops(bert, B, recompute_forward=recompute) == \
+        f.model_flops("bert", B, s, l, h, V, recompute)
+    assert f.parameter_total(bert) == f.model_parameters("bert", l, h, V, s)
