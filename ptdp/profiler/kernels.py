@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ptdp.planner.formulas import ModelShape
 from ptdp.profiler.timing import DTYPES, best_time, layer_context, param_storages, saved_bytes
 
 
@@ -16,7 +17,8 @@ def measure_layer(model_cfg, t: int, b: int, precision: str, device, iters: int)
     causal = model_cfg.arch == "gpt"
     m = model_cfg
     row = dict(hidden=m.hidden_size, heads=m.num_heads, ffn=m.ffn_hidden_size, seq=m.seq_length,
-               tensor=t, precision=precision, micro_batch=b)
+               tensor=t, precision=precision, micro_batch=b,
+               **ModelShape.from_config(m).block_key())   # which block the times are of
     x = torch.randn(m.seq_length, b, m.hidden_size, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
     for recompute in ("none", "selective", "full"):

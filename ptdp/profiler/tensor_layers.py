@@ -20,6 +20,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from ptdp.planner.formulas import ModelShape
+
 LAYERS = 2   # a stack, so the comm between layers is the trainer's
 
 
@@ -89,6 +91,7 @@ def bench_tensor_layers(model: dict, tensors: list[int], micro_batches: list[int
                                  ffn=model_cfg.ffn_hidden_size, seq=model_cfg.seq_length,
                                  precision=precision, tensor=t, micro_batch=b, world=world,
                                  sequence_parallel=sequence_parallel,
+                                 **ModelShape.from_config(model_cfg).block_key(),
                                  **_layer_comm(model_cfg, real, alone, b, precision, iters)))
     return rows
 
