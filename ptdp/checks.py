@@ -167,11 +167,11 @@ def check_tokenizer(cfg: Config, headers: list, found: Findings) -> None:
     path = cfg.data.tokenizer
     if not path:
         return
-    if not package_installed("sentencepiece"):
+    if not package_installed(_tokenizer_package(path)):
         return  # reported by check_packages
-    from ptdp.data.tokenizer import Tokenizer, TokenizerError
+    from ptdp.data.tokenizer import TokenizerError, load_tokenizer
     try:
-        tok = Tokenizer(path)
+        tok = load_tokenizer(path)
     except (TokenizerError, ImportError, OSError) as err:
         found.error(f"data.tokenizer: {err}")
         return
@@ -212,8 +212,15 @@ def check_packages(cfg: Config, found: Findings) -> None:
     if cfg.log.tensorboard_dir and not package_installed("tensorboard"):
         found.error("log.tensorboard_dir is set but the tensorboard package is not installed: "
                     "pip install 'ptdp[tensorboard]', or unset log.tensorboard_dir")
-    if cfg.data.tokenizer and not package_installed("sentencepiece"):
-        found.error("data.tokenizer needs the sentencepiece package: pip install sentencepiece")
+    needed = _tokenizer_package(cfg.data.tokenizer) if cfg.data.tokenizer else None
+    if needed and not package_installed(needed):
+        found.error(f"data.tokenizer needs the {needed} package: pip install {needed}")
+
+
+def _tokenizer_package(path: str) -> str:
+    """What reads data.tokenizer: `tokenizers` for a tokenizer.json (or a directory holding
+    one; ptdp/data/tokenizer.py `is_hf_tokenizer`), else sentencepiece."""
+    return "tokenizers" if Path(path).suffix == ".json" or Path(path).is_dir() else "sentencepiece"
 
 
 def check_devices(cfg: Config, ranks_per_node: int, found: Findings) -> None:

@@ -124,3 +124,39 @@ def test_a_yaml_list_is_not_a_config(tmp_path):
     with pytest.raises(ConfigError, match="top level must be a mapping of sections") as err:
         load_config(path, world_size=1)
     assert len(err.value.errors) == 1
+
+
+# ------------------------------------------------------------------ Llama-style block options
+
+def test_llama_preset_fills_only_the_options_left_unset(tmp_path):
+    cfg = load("model.preset=llama", "model.hidden_size=4096", "model.num_heads=32")
+    m = cfg.model
+    assert (m.position_embedding, m.normalization, m.activation) == ("rope", "rmsnorm", "swiglu")
+    assert (m.bias, m.qkv_bias, m.tie_embeddings, m.num_kv_heads) == (False, False, False, 32)
+    assert m.ffn_hidden_size == 11008              # Llama's rule: 256 * ceil(8h/3 / 256)
+    mixed = tmp_path / "qwen2.yaml"
+    mixed.write_text("model: {preset: llama, qkv_bias: true, tie_embeddings: true}\n")
+    m = load_config(mixed, world_size=1).model
+    assert (m.bias, m.qkv_bias, m.tie_embeddings) == (False, True, True)
+    m = load("model.position_embedding=rope").model   # a GPT with rotary positions only
+    assert (m.position_embedding, m.normalization, m.bias, m.ffn_hidden_size) == (
+        "rope", "layernorm", True, 4 * m.hidden_size)
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (["model.preset=llama", "model.num_kv_heads=2", "parallel.tensor=4"], 4,
+     "model.num_kv_heads (2) must be divisible by parallel.tensor (4)"),
+    (["model.num_kv_heads=3"], 1,
+     "model.num_heads (4) must be divisible by model.num_kv_heads (3)"),
+    (["model.preset=lama"], 1, "model.preset: 'lama' is not one of gpt, llama (did you mean 'llama'?)"),
+    (["model.arch=bert", "model.preset=llama"], 1, "model.arch=bert uses the GPT-2 block"),
+    (["model.activation=relu"], 1, "model.activation: 'relu' is not one of gelu, swiglu"),
+    (["model.position_embedding=rope", "model.hidden_size=36", "model.num_heads=4"], 1,
+     "model.position_embedding=rope needs an even head size"),
+    (["model.preset=llama", "model.rope_scaling_factor=0.5"], 1,
+     "model.rope_scaling_factor must be >= 1"),
+])
+def test_bad_block_options_get_one_line_naming_the_key(overrides, world, message):
+    with pytest.raises(ConfigError) as err:
+        load(*overrides, world=world)
+    assert len(err.value.errors) == 1 and message in err.value.errors[0], err.value.errors

@@ -16,7 +16,9 @@ Layout of one checkpoint (N = iterations done, zero-padded to 7 digits):
     {dir}/iter_000000N/config.yaml    the job's full resolved config (also in metadata.json)
     {dir}/iter_000000N/tokenizer.model
                                       a copy of data.tokenizer, when set (generation and
-                                      `ptdp convert` need no other file)
+                                      `ptdp convert` need no other file); a Hugging Face
+                                      tokenizer is copied as tokenizer.json instead, with the
+                                      tokenizer_config.json beside it when it has one
 
 A checkpoint written by `save_full_state` (`ptdp convert --from hf`) has no RNG files and
 no optimizer state and no loss scale: a job loading it starts fresh RNG streams, fresh AdamW

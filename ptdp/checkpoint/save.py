@@ -81,8 +81,21 @@ def _write_config_and_tokenizer(cfg, tmp: Path) -> None:
     """The resolved config as YAML, and a copy of the tokenizer, beside the shards."""
     import yaml
     write_text_durably(tmp / CONFIG_FILE, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    if cfg.data.tokenizer and Path(cfg.data.tokenizer).is_file():
-        shutil.copyfile(cfg.data.tokenizer, tmp / TOKENIZER_FILE)
+    for name, source in _tokenizer_copies(cfg).items():
+        shutil.copyfile(source, tmp / name)
+
+
+def _tokenizer_copies(cfg) -> dict[str, Path]:
+    """{name in the checkpoint: file} of data.tokenizer: a sentencepiece model as
+    tokenizer.model; a Hugging Face tokenizer as tokenizer.json (+ tokenizer_config.json)."""
+    from ptdp.data.tokenizer import HF_TOKENIZER_FILE, hf_tokenizer_files, is_hf_tokenizer
+    path = cfg.data.tokenizer
+    if not path:
+        return {}
+    if is_hf_tokenizer(path):
+        files = hf_tokenizer_files(path)
+        return files if files[HF_TOKENIZER_FILE].is_file() else {}
+    return {TOKENIZER_FILE: Path(path)} if Path(path).is_file() else {}
 
 
 def _reached(stage: str) -> None:
@@ -159,8 +172,7 @@ def _metadata(state, params: dict, versions: dict) -> dict:
 
 def _config_and_tokenizer_files(cfg) -> list[str]:
     """What `_write_config_and_tokenizer` writes (part of a complete checkpoint)."""
-    has_tokenizer = bool(cfg.data.tokenizer) and Path(cfg.data.tokenizer).is_file()
-    return [CONFIG_FILE] + ([TOKENIZER_FILE] if has_tokenizer else [])
+    return [CONFIG_FILE] + sorted(_tokenizer_copies(cfg))
 
 
 def _publish(tmp: Path, final: Path, metadata: dict) -> None:

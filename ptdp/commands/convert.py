@@ -9,12 +9,17 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "convert", help="convert a checkpoint to or from Hugging Face transformers",
         description="ptdp convert CHECKPOINT --to hf OUT_DIR: a checkpoint of any layout to a "
-                    "transformers model directory (GPT -> GPT2LMHeadModel, BERT -> "
-                    "MegatronBertForPreTraining; model.safetensors, config.json, tokenizer.json). "
-                    "ptdp convert HF_DIR --from hf --out CHECKPOINT [parallel.tensor=T "
-                    "parallel.pipeline=P parallel.chunks=V ...]: back into a checkpoint of that "
-                    "layout, which `ptdp train ... checkpoint.load=CHECKPOINT` continues from "
-                    "(fresh optimizer state). Needs the hf extra: pip install 'ptdp[hf]'.")
+                    "transformers model directory (GPT with GPT-2's block -> GPT2LMHeadModel, "
+                    "with Llama's block -> LlamaForCausalLM, or Qwen2ForCausalLM with q/k/v-only "
+                    "biases; BERT -> MegatronBertForPreTraining; model.safetensors, config.json, "
+                    "tokenizer.json). ptdp convert HF_DIR --from hf --out CHECKPOINT "
+                    "[parallel.tensor=T parallel.pipeline=P parallel.chunks=V ...]: a gpt2, "
+                    "megatron-bert, llama, mistral or qwen2 model directory into a checkpoint of "
+                    "that layout, tokenizer included, which `ptdp train ... "
+                    "checkpoint.load=CHECKPOINT` continues from (fresh optimizer state). What a "
+                    "model type cannot reproduce exactly (a sliding window, a rope scaling other "
+                    "than llama3, ...) is refused in one line. Needs the hf extra: pip install "
+                    "'ptdp[hf]'.")
     parser.add_argument("source", help="a ptdp checkpoint (dir or iter_N) or, with --from hf, "
                                        "a Hugging Face model directory")
     parser.add_argument("--to", nargs=2, metavar=("hf", "OUT_DIR"),
@@ -23,8 +28,8 @@ def register(subparsers) -> None:
                         help="convert from this format into a ptdp checkpoint")
     parser.add_argument("--out", help="checkpoint directory to write (with --from hf)")
     parser.add_argument("--tokenizer", default=None,
-                        help="sentencepiece model (--to hf); default: the checkpoint's copy, "
-                             "else its config's data.tokenizer")
+                        help="sentencepiece .model or Hugging Face tokenizer.json (--to hf); "
+                             "default: the checkpoint's copy, else its config's data.tokenizer")
     parser.add_argument("--iteration", type=int, default=0,
                         help="iteration the written checkpoint claims (--from hf): the LR "
                              "schedule and data position resume there")
@@ -61,8 +66,8 @@ def _to_hf(args) -> int:
         return 2
     try:
         info = to_hf(args.source, out_dir, args.tokenizer)
-    except (CheckpointError, ValueError, FileNotFoundError) as err:
-        print(f"ptdp convert: {err}", file=sys.stderr)
+    except (CheckpointError, ValueError, FileNotFoundError, KeyError) as err:
+        print(f"ptdp convert: {_message(err)}", file=sys.stderr)
         return 2
     tok = (f"tokenizer from {info['tokenizer']}" if info["tokenizer"]
            else "no tokenizer (the checkpoint names none; pass --tokenizer)")
@@ -81,7 +86,7 @@ def _from_hf(args) -> int:
     try:
         final, cfg = from_hf(args.source, args.out, list(args.overrides), args.iteration)
     except (CheckpointError, ConfigError, ValueError, FileNotFoundError, KeyError) as err:
-        for line in getattr(err, "errors", None) or [str(err)]:   # one line per problem
+        for line in getattr(err, "errors", None) or [_message(err)]:   # one line per problem
             print(f"ptdp convert: {line}", file=sys.stderr)
         return 2
     par = cfg.parallel
@@ -89,3 +94,8 @@ def _from_hf(args) -> int:
           f"{par.tensor}, {par.data}, {par.chunks}); continue with `ptdp train CONFIG "
           f"checkpoint.load={args.out}`")
     return 0
+
+
+def _message(err: Exception) -> str:
+    """The error's text (a KeyError's str() would add quotes)."""
+    return str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)

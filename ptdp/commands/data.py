@@ -65,7 +65,8 @@ def register(subparsers) -> None:
 
     pre = subparsers.add_parser("preprocess", help="tokenise JSONL into a .bin/.idx dataset")
     pre.add_argument("--input", required=True, help="corpus: .jsonl/.json or text, one doc per line")
-    pre.add_argument("--tokenizer", required=True, help="sentencepiece .model file")
+    pre.add_argument("--tokenizer", required=True,
+                     help="sentencepiece .model file or Hugging Face tokenizer.json")
     pre.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     pre.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8),
                      help="tokenising processes (default: CPU count, at most 8)")

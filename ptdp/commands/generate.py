@@ -1,9 +1,36 @@
-"""`ptdp generate CHECKPOINT --prompt TEXT`: sample text from a GPT checkpoint (ptdp/inference/generate.py)."""
+"""`ptdp generate CHECKPOINT --prompt TEXT`: sample text from a GPT checkpoint (ptdp/inference/generate.py).
+
+Out-of-range arguments (--max-new-tokens < 1, --temperature < 0, --top-p outside (0, 1],
+--top-k < 0) are refused by the parser: one line, exit code 2."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
+
+
+def _bounded(kind, low=None, high=None, low_open=False, what: str = ""):
+    """An argparse type: `kind` within [low, high] (low excluded when low_open), else the
+    error argparse reports (as 'argument --NAME: must be WHAT, got TEXT')."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            number = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"must be {number}, got {text!r}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high) or value != value:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+        return value
+    return parse
+
+
+def _one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """Argument errors as one line (no usage block) and exit code 2."""
+    def error(message: str):
+        parser.exit(2, f"ptdp generate: {message} (see ptdp generate --help)\n")
+    parser.error = error
 
 
 def register(subparsers) -> None:
@@ -16,20 +43,26 @@ def register(subparsers) -> None:
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="the text to continue")
     what.add_argument("--prompt-file", help="a file with one prompt per line")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to add per prompt")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0 = all)")
-    parser.add_argument("--top-p", type=float, default=1.0,
-                        help="keep the likeliest tokens up to this total probability (1 = all)")
+    parser.add_argument("--max-new-tokens", default=32, help="tokens to add per prompt",
+                        type=_bounded(int, low=1, what="at least 1"))
+    parser.add_argument("--temperature", default=0.0, help="0 = greedy",
+                        type=_bounded(float, low=0.0, what=">= 0 (0 = greedy)"))
+    parser.add_argument("--top-k", default=0, help="keep the k likeliest tokens (0 = all)",
+                        type=_bounded(int, low=0, what=">= 0 (0 = all)"))
+    parser.add_argument("--top-p", default=1.0,
+                        help="keep the likeliest tokens up to this total probability (1 = all)",
+                        type=_bounded(float, low=0.0, high=1.0, low_open=True,
+                                      what="in (0, 1] (1 = all)"))
     parser.add_argument("--seed", type=int, default=1234, help="seed of the sampling draws")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="auto = cuda if available")
     parser.add_argument("--tokenizer", default=None,
-                        help="sentencepiece model; default: the checkpoint's copy, else its "
-                             "config's data.tokenizer")
+                        help="sentencepiece .model or Hugging Face tokenizer.json; default: "
+                             "the checkpoint's copy, else its config's data.tokenizer")
     parser.add_argument("--no-cache", action="store_true",
                         help="recompute every position at each step (slow; for checking)")
     parser.set_defaults(func=run)
+    _one_line_errors(parser)
 
 
 def _prompts(args) -> list[str]:
@@ -46,7 +79,7 @@ def _prompts(args) -> list[str]:
 
 def run(args) -> int:
     from ptdp.checkpoint.layout import CheckpointError, find_checkpoint, read_metadata
-    from ptdp.data.tokenizer import Tokenizer, TokenizerError
+    from ptdp.data.tokenizer import TokenizerError, load_tokenizer
     from ptdp.inference.generate import Sampling, generate
     from ptdp.inference.local_model import LocalModel, checkpoint_tokenizer
     from ptdp.runtime.startup import pick_device
@@ -54,13 +87,14 @@ def run(args) -> int:
     try:
         prompts = _prompts(args)
         directory, _ = find_checkpoint(args.checkpoint)
-        spm = checkpoint_tokenizer(directory, read_metadata(directory), args.tokenizer)
-        if spm is None:
-            raise FileNotFoundError(f"{directory} names no tokenizer; pass --tokenizer FILE.model")
-        tok = Tokenizer(spm)
+        path = checkpoint_tokenizer(directory, read_metadata(directory), args.tokenizer)
+        if path is None:
+            raise FileNotFoundError(f"{directory} names no tokenizer; pass --tokenizer FILE.model "
+                                    f"or tokenizer.json")
+        tok = load_tokenizer(path)
         model = LocalModel.from_checkpoint(directory).to(pick_device(args.device))
-        if tok.vocab_size != model.cfg.vocab_size:
-            raise ValueError(f"tokenizer {spm} has {tok.vocab_size} tokens but the model's "
+        if tok.vocab_size > model.cfg.vocab_size:
+            raise ValueError(f"tokenizer {path} has {tok.vocab_size} tokens but the model's "
                              f"vocabulary is {model.cfg.vocab_size}")
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         stop = tok.special_ids().get("<eod>")

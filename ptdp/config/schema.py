@@ -155,7 +155,7 @@ class TrainConfig:
 class DataConfig:
     source: str = "synthetic"            # synthetic | indexed
     paths: list = field(default_factory=list)  # [path] or [weight, path, weight, path, ...]
-    tokenizer: str | None = None         # sentencepiece .model file
+    tokenizer: str | None = None         # sentencepiece .model, or a Hugging Face tokenizer.json
     split: str = "98,1,1"                # train,valid,test ratios
     num_workers: int = 0
     mask_prob: float = 0.15              # BERT masking

@@ -144,8 +144,9 @@ def _check_block(m: ModelConfig, out: _Problems, sizes_ok: bool) -> None:
                         f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must exceed "
                         f"model.rope_low_freq_factor ({m.rope_low_freq_factor}) > 0")
             out.positive(m.rope_original_seq_length, "model.rope_original_seq_length")
-    if out.positive(m.num_kv_heads, "model.num_kv_heads", hint=" (null = model.num_heads)") \
-            and sizes_ok:
+    # (checked once the sizes are: a bad num_heads is then reported once, not twice)
+    if sizes_ok and out.positive(m.num_kv_heads, "model.num_kv_heads",
+                                 hint=" (null = model.num_heads)"):
         out.require(m.num_heads % m.num_kv_heads == 0,
                     f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads "
                     f"({m.num_kv_heads}): each K/V head serves a group of query heads")

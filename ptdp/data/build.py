@@ -50,9 +50,9 @@ def check_vocab(cfg: Config, datasets: list[IndexedDataset]) -> None:
             raise IndexedDataError(f"{ds.idx_path} and {first.idx_path} were tokenised with "
                                    f"different vocabularies; blend only data from one tokenizer")
     if cfg.data.tokenizer:
-        from ptdp.data.tokenizer import Tokenizer
+        from ptdp.data.tokenizer import load_tokenizer
 
-        tok = Tokenizer(cfg.data.tokenizer)
+        tok = load_tokenizer(cfg.data.tokenizer)
         data_fp = first.meta.get("tokenizer_fingerprint")
         if tok.vocab_size != first.vocab_size or (data_fp and data_fp != tok.fingerprint):
             raise IndexedDataError(

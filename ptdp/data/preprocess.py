@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from ptdp.data.indexed import IndexedDatasetWriter
-from ptdp.data.tokenizer import Tokenizer
+from ptdp.data.tokenizer import load_tokenizer
 
 # A sentence ends at . ! or ? followed by whitespace and something that starts a sentence;
 # paragraphs (blank lines) always end one. Good enough for prose; no model download needed.
@@ -43,7 +43,7 @@ class _Encoder:
 
     def __call__(self, batch: dict) -> dict:
         if self._tok is None:
-            self._tok = Tokenizer(self.tokenizer_path)
+            self._tok = load_tokenizer(self.tokenizer_path)
         eod = self._tok.eod_id
         out = []
         for text in batch[self.json_key]:
@@ -91,7 +91,7 @@ def preprocess(input_path: str | os.PathLike, tokenizer_path: str | os.PathLike,
     from tqdm import tqdm
 
     start = time.perf_counter()
-    tok = Tokenizer(tokenizer_path)
+    tok = load_tokenizer(tokenizer_path)
     _ = tok.eod_id  # fail now, not inside a worker, if the model has no end-of-document token
     cache_dir = tempfile.mkdtemp(prefix="ptdp-preprocess-")
     try:

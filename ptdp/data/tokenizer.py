@@ -1,10 +1,20 @@
-"""SentencePiece tokenizer: training (`ptdp tokenizer train`) and a small wrapper class.
+"""Tokenizers: sentencepiece (training with `ptdp tokenizer train`, and a small wrapper class)
+and Hugging Face fast tokenizers (`tokenizer.json`, as a converted model brings one), behind
+one interface; `load_tokenizer(path)` picks by file.
 
 The special tokens GPT and BERT need are reserved as sentencepiece *control symbols*: they get
 fixed ids, are never produced from raw text (a docstring that says "[MASK]" stays text), and
 decode to nothing. The wrapper exposes their ids plus a fingerprint of the vocabulary, which
 the preprocessor stores in the `.idx` header so training can refuse data tokenised with a
 different vocabulary.
+
+A Hugging Face tokenizer (`HFTokenizer`) plays the same roles with its own special tokens: its
+end-of-sequence token is the end-of-document token (<eod>), and its bos, pad, cls, sep and mask
+tokens take the other roles; they are named by the `tokenizer_config.json` beside the
+`tokenizer.json` when there is one, else recognised by their usual spellings. Like
+sentencepiece's, its `encode` adds no special token and `decode` drops them; the fingerprint
+hashes the same ordered token list, so a sentencepiece model and its conversion
+(`ptdp convert --to hf`) share it.
 """
 
 from __future__ import annotations
@@ -19,6 +29,9 @@ from typing import Iterable, Iterator
 EOD = "<eod>"
 CLS, SEP, MASK, PAD = "[CLS]", "[SEP]", "[MASK]", "[PAD]"
 SPECIAL_TOKENS = (EOD, CLS, SEP, MASK, PAD)
+BOS = "<bos>"   # a role only Hugging Face tokenizers fill (sentencepiece models here have none)
+HF_TOKENIZER_FILE = "tokenizer.json"
+HF_TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 class TokenizerError(ValueError):
@@ -95,6 +108,130 @@ class Tokenizer:
 
     def __setstate__(self, state):
         self.__init__(state["path"])
+
+
+# Hugging Face tokenizer roles: tokenizer_config.json key, and the usual spellings when that
+# file is absent or silent.
+_HF_ROLES = {
+    EOD: ("eos_token", ("<eod>", "<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")),
+    BOS: ("bos_token", ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")),
+    PAD: ("pad_token", ("[PAD]", "<pad>", "<|pad|>")),
+    CLS: ("cls_token", ("[CLS]",)),
+    SEP: ("sep_token", ("[SEP]",)),
+    MASK: ("mask_token", ("[MASK]", "<mask>")),
+}
+
+
+def is_hf_tokenizer(path: str | os.PathLike) -> bool:
+    """A Hugging Face tokenizer path: a `.json` file or a directory (holding tokenizer.json)."""
+    path = Path(path)
+    return path.suffix == ".json" or path.is_dir()
+
+
+def hf_tokenizer_files(path: str | os.PathLike) -> dict[str, Path]:
+    """The files that make a Hugging Face tokenizer, by their usual names: its tokenizer.json
+    (whatever it is called), and the tokenizer_config.json beside it when there is one (it
+    names the special tokens)."""
+    path = Path(path)
+    file = path / HF_TOKENIZER_FILE if path.is_dir() else path
+    config = file.with_name(HF_TOKENIZER_CONFIG)
+    return {HF_TOKENIZER_FILE: file, **({HF_TOKENIZER_CONFIG: config} if config.is_file() else {})}
+
+
+class HFTokenizer:
+    """A Hugging Face fast tokenizer (tokenizer.json) with `Tokenizer`'s interface."""
+
+    def __init__(self, path: str | os.PathLike):
+        from tokenizers import Tokenizer as Backend
+
+        files = hf_tokenizer_files(path)
+        self.path = str(files[HF_TOKENIZER_FILE])
+        if not Path(self.path).is_file():
+            raise TokenizerError(f"tokenizer not found: {self.path}")
+        try:
+            self._tok = Backend.from_file(self.path)
+        except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+            raise TokenizerError(f"{self.path}: not a Hugging Face tokenizer.json "
+                                 f"({str(err).splitlines()[0] if str(err) else err})") from err
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values(), default=-1) + 1
+        config = self._read_config(files[HF_TOKENIZER_CONFIG]) if len(files) > 1 else {}
+        specials = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        self._special = {}
+        for role, (key, spellings) in _HF_ROLES.items():
+            named = config.get(key)   # a string, or an AddedToken as a dict
+            named = named.get("content") if isinstance(named, dict) else named
+            if key in config:
+                candidates = [named] if isinstance(named, str) else []
+            else:
+                candidates = [s for s in spellings if s in specials]
+            ids = [vocab[c] for c in candidates if c in vocab]
+            if ids:
+                self._special[role] = int(ids[0])
+
+    @staticmethod
+    def _read_config(path: Path) -> dict:
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise TokenizerError(f"{path}: not valid JSON ({err})") from err
+        return config if isinstance(config, dict) else {}
+
+    def _special_id(self, token: str) -> int:
+        if token not in self._special:
+            key = _HF_ROLES[token][0]
+            raise TokenizerError(f"{self.path}: has no {key} (the {token} role); name one in "
+                                 f"the {HF_TOKENIZER_CONFIG} beside it")
+        return self._special[token]
+
+    eod_id = property(lambda self: self._special_id(EOD))
+    bos_id = property(lambda self: self._special_id(BOS))
+    cls_id = property(lambda self: self._special_id(CLS))
+    sep_id = property(lambda self: self._special_id(SEP))
+    mask_id = property(lambda self: self._special_id(MASK))
+    pad_id = property(lambda self: self._special_id(PAD))
+
+    def special_ids(self) -> dict[str, int]:
+        """The special-token roles this tokenizer fills, by ptdp's names (<eod>, <bos>, ...)."""
+        return dict(self._special)
+
+    def special_tokens(self) -> dict[str, str]:
+        """The same roles as token strings ({'<eod>': '</s>', ...})."""
+        return {role: self._tok.id_to_token(i) for role, i in self._special.items()}
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Hash of the ordered token list (the same formula as `Tokenizer.fingerprint`)."""
+        pieces = "\n".join(self._tok.id_to_token(i) or "" for i in range(self.vocab_size))
+        return hashlib.sha256(pieces.encode("utf-8")).hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+    def __getstate__(self):
+        return {"path": self.path}
+
+    def __setstate__(self, state):
+        self.__init__(state["path"])
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer | HFTokenizer:
+    """The tokenizer at `path`: a sentencepiece `.model` file, or a Hugging Face
+    `tokenizer.json` (or a directory holding one, such as a transformers model directory)."""
+    path = Path(path)
+    if path.is_dir() and not (path / HF_TOKENIZER_FILE).is_file():
+        raise TokenizerError(f"{path} is a directory without a {HF_TOKENIZER_FILE}; point at a "
+                             f"sentencepiece .model file or a Hugging Face {HF_TOKENIZER_FILE}")
+    return HFTokenizer(path) if is_hf_tokenizer(path) else Tokenizer(path)
 
 
 def read_texts(path: str | os.PathLike, json_key: str = "text") -> Iterator[str]:

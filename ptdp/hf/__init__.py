@@ -1,2 +1,4 @@
-"""Hugging Face `transformers` both ways: `ptdp convert` (ptdp/hf/convert.py) maps the weights
-(ptdp/hf/mapping.py) and the sentencepiece tokenizer (ptdp/hf/tokenizer.py)."""
+"""Hugging Face `transformers` both ways: `ptdp convert` (ptdp/hf/convert.py) through one module
+per model family (gpt2.py, megatron_bert.py, llama.py: its config mapping and its state-dict
+adapter, on the interface of base.py), found by model_type or by ptdp's block options
+(registry.py); the tokenizer travels with the model (tokenizer.py)."""

@@ -1,66 +1,137 @@
 """`ptdp convert`: a ptdp checkpoint of any layout <-> a Hugging Face model directory.
 
-ptdp -> HF: the full weights (ptdp/inference/local_model.py reads any (p, t, d, v), 2BW included),
-mapped by ptdp/hf/mapping.py into `GPT2LMHeadModel` or `MegatronBertForPreTraining`, saved
-with `save_pretrained` (model.safetensors + config.json), plus the tokenizer as tokenizer.json
-(ptdp/hf/tokenizer.py) and the original sentencepiece file as `ptdp_tokenizer.model`, which
-the way back copies into the checkpoint.
+The families (ptdp/hf/registry.py): GPT-2 (`GPT2LMHeadModel`, ptdp/hf/gpt2.py), Megatron-BERT
+(`MegatronBertForPreTraining`, megatron_bert.py), and Llama-style decoders (`LlamaForCausalLM`,
+`MistralForCausalLM` without a sliding window, `Qwen2ForCausalLM`; llama.py). Each maps its
+config and its weights both ways; anything it cannot reproduce exactly is refused in one line
+(`ConversionError`) before anything is written.
 
-HF -> ptdp: the model directory's weights mapped back and written as a checkpoint of the
-layout the overrides ask for (ptdp/checkpoint/save.py `save_full_state`); `ptdp train ...
-checkpoint.load=OUT` continues from it (with fresh optimizer state).
+ptdp -> HF: the full weights (ptdp/inference/local_model.py reads any (p, t, d, v), 2BW
+included), the HF class chosen from the model's block options (GPT-2's block -> GPT-2, Llama's
+-> Llama, or Qwen2 with q/k/v-only biases; BERT -> Megatron-BERT), saved with `save_pretrained`
+(model.safetensors + config.json), plus the checkpoint's tokenizer (ptdp/hf/tokenizer.py).
+
+HF -> ptdp: config.json read and checked, the weights loaded with transformers (a weight that
+config.json asks for and the files lack, or one it has no place for, is refused), mapped back
+and written as a checkpoint of the layout the overrides ask for (ptdp/checkpoint/save.py
+`save_full_state`), with the directory's tokenizer; `ptdp train ... checkpoint.load=OUT`
+continues from it (with fresh optimizer state).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import re
 from pathlib import Path
 
-from ptdp.hf.mapping import (from_hf_state, hf_class_name, hf_config, model_config_from_hf,
-                             to_hf_state)
+from ptdp.hf.base import ConversionError, Family
+from ptdp.hf.registry import family_of, family_of_model_type
+from ptdp.hf.tokenizer import directory_tokenizer, write_tokenizer
 from ptdp.inference.local_model import checkpoint_tokenizer, model_config, read_full_state
 
-SPM_FILE = "ptdp_tokenizer.model"
+_LAYER_NAME = re.compile(r"\.(h|layers|layer)\.\d+\.")   # a weight of one numbered layer
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def _quiet_transformers():
-    """No per-file progress bars from save_pretrained / from_pretrained."""
+    """No progress bars and no warnings of their own: ptdp's refusals say what is wrong."""
     from transformers.utils import logging
     logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _checked_tokenizer(path, vocab_size: int):
+    from ptdp.data.tokenizer import load_tokenizer
+    tok = load_tokenizer(path)
+    if tok.vocab_size > vocab_size:
+        raise ConversionError(f"tokenizer {path} has {tok.vocab_size} tokens but the model's "
+                              f"vocabulary is model.vocab_size={vocab_size}")
+    return tok
 
 
 def to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
           tokenizer: str | None = None) -> dict:
     """Write the HF model (and tokenizer, when known) to out_dir; returns a short summary."""
     import transformers
-    from ptdp.data.tokenizer import Tokenizer
-    from ptdp.hf.tokenizer import save_hf_tokenizer
 
     _quiet_transformers()
     directory, meta, state = read_full_state(checkpoint)
     cfg = model_config(meta)
-    spm = checkpoint_tokenizer(directory, meta, tokenizer)
-    special = {}
-    if spm:
-        tok = Tokenizer(spm)
-        if tok.vocab_size != cfg.vocab_size:
-            raise ValueError(f"tokenizer {spm} has {tok.vocab_size} tokens but the model's "
-                             f"vocabulary is model.vocab_size={cfg.vocab_size}")
-        special = tok.special_ids()
-    config = hf_config(cfg, special)
+    family = family_of(cfg)
+    tok_path = checkpoint_tokenizer(directory, meta, tokenizer)
+    special = _checked_tokenizer(tok_path, cfg.vocab_size).special_ids() if tok_path else {}
+    config = family.hf_config(cfg, special)
     config.ptdp = {"checkpoint": str(directory), "iteration": meta["iteration"]}
-    model = getattr(transformers, hf_class_name(cfg.arch))(config)
-    model.load_state_dict(to_hf_state(cfg, state), strict=True)
+    model = getattr(transformers, family.hf_class)(config)
+    model.load_state_dict(family.to_hf(cfg, state), strict=True)
     out = Path(out_dir)
     model.save_pretrained(str(out))
-    if spm:
-        save_hf_tokenizer(spm, out, cfg.arch, cfg.seq_length)
-        shutil.copyfile(spm, out / SPM_FILE)
-    return {"class": hf_class_name(cfg.arch), "checkpoint": str(directory),
-            "iteration": meta["iteration"], "tokenizer": spm,
+    if tok_path:
+        write_tokenizer(tok_path, out, cfg.arch, cfg.seq_length)
+    return {"class": family.hf_class, "checkpoint": str(directory),
+            "iteration": meta["iteration"], "tokenizer": tok_path,
             "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def read_hf_config(hf_dir: str | os.PathLike):
+    """(family, transformers config, ptdp ModelConfig) of an HF model directory, or a one-line
+    ConversionError: no directory, no or invalid config.json, an unknown model_type, or a
+    setting ptdp's model would compute differently."""
+    hf_dir = Path(hf_dir)
+    file = hf_dir / "config.json"
+    if not hf_dir.is_dir():
+        raise ConversionError(f"{hf_dir} is not a directory: give a Hugging Face model directory")
+    if not file.is_file():
+        raise ConversionError(f"{hf_dir} has no config.json: not a Hugging Face model directory")
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ConversionError(f"{file} is not valid JSON ({_first_line(err)})") from None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ConversionError(f"{file} has no model_type: not a transformers config")
+    family = family_of_model_type(raw["model_type"])
+    import transformers
+    try:
+        config = getattr(transformers, family.config_class).from_pretrained(str(hf_dir))
+    except Exception as err:  # transformers raises many types for a bad value
+        raise ConversionError(f"{file}: transformers cannot read it ({_first_line(err)})") from None
+    return family, config, family.model_config(config)
+
+
+def load_hf_weights(hf_dir: str | os.PathLike, family: Family, config) -> dict:
+    """The HF model's state dict, loaded by transformers, or a one-line ConversionError: no
+    weights, unreadable weights, or weights that are not config.json's model."""
+    import torch
+    import transformers
+
+    hf_dir = Path(hf_dir)
+    if not any((hf_dir / name).is_file() for name in WEIGHT_FILES):
+        raise ConversionError(f"{hf_dir} has no model.safetensors: no weights to convert")
+    try:
+        model, info = getattr(transformers, family.hf_class).from_pretrained(
+            str(hf_dir), config=config, output_loading_info=True, dtype=torch.float32)
+    except Exception as err:  # safetensors, torch and transformers each raise their own
+        raise ConversionError(f"{hf_dir}: cannot read the weights ({_first_line(err)})") from None
+    state = model.state_dict()
+    order = {name: i for i, name in enumerate(state)}
+    for key, problem, hint in (
+            ("missing_keys", "lack {n} tensor(s) that config.json asks for", "more"),
+            ("unexpected_keys", "hold {n} tensor(s) config.json has no place for", "fewer"),
+            ("mismatched_keys", "have {n} tensor(s) of another shape than config.json's", "")):
+        names = [k[0] if isinstance(k, tuple) else k for k in info.get(key) or ()]
+        if names:
+            first = min(names, key=lambda name: (order.get(name, len(order)), name))
+            layers = (f" (config.json gives {hint} layers than the weights hold)"
+                      if hint and _LAYER_NAME.search(first) else "")
+            raise ConversionError(f"{hf_dir}: the weights {problem.format(n=len(names))}, the "
+                                  f"first '{first}'{layers}")
+    return state
 
 
 def from_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overrides: list[str] = (),
@@ -68,16 +139,11 @@ def from_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overrides: list[s
     """Write a ptdp checkpoint of the layout in `overrides` from an HF model directory.
 
     Returns (iteration directory, resolved Config)."""
-    import transformers
     from ptdp.checkpoint.save import save_full_state
     from ptdp.config import load_config
 
     _quiet_transformers()
-    hf_dir = Path(hf_dir)
-    if not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{hf_dir} has no config.json: not a Hugging Face model directory")
-    config = transformers.AutoConfig.from_pretrained(str(hf_dir))
-    model_cfg = model_config_from_hf(config)
+    family, config, model_cfg = read_hf_config(hf_dir)
     model_keys = [f"model.{k}={json.dumps(v)}" for k, v in vars(model_cfg).items()]
     par = {"tensor": 1, "pipeline": 1, "data": 1, "chunks": 1}
     for item in overrides:
@@ -87,9 +153,9 @@ def from_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overrides: list[s
     world = par["tensor"] * par["pipeline"] * par["data"]
     extra = ["data.source=synthetic"] if not any(o.startswith("data.") for o in overrides) else []
     cfg = load_config(None, model_keys + extra + list(overrides), world_size=world)
-    model = getattr(transformers, hf_class_name(model_cfg.arch)).from_pretrained(str(hf_dir))
-    state = from_hf_state(model_cfg, model.state_dict())
-    spm = hf_dir / SPM_FILE
-    final = save_full_state(state, cfg, out, iteration=iteration,
-                            tokenizer=spm if spm.is_file() else None)
+    tokenizer = directory_tokenizer(hf_dir)
+    if tokenizer:
+        _checked_tokenizer(tokenizer, model_cfg.vocab_size)
+    state = family.from_hf(model_cfg, load_hf_weights(hf_dir, family, config))
+    final = save_full_state(state, cfg, out, iteration=iteration, tokenizer=tokenizer)
     return final, cfg

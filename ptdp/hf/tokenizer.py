@@ -1,4 +1,12 @@
-"""ptdp's sentencepiece model as a Hugging Face fast tokenizer (tokenizer.json).
+"""The tokenizer travels with the model, both ways.
+
+ptdp -> HF: a checkpoint's Hugging Face tokenizer (tokenizer.json, which a checkpoint converted
+from HF holds) is copied back as it is, with its tokenizer_config.json; a sentencepiece model is
+converted (below) and also kept as `ptdp_tokenizer.model`. HF -> ptdp: that
+`ptdp_tokenizer.model` when there is one (the original), else the directory's tokenizer.json,
+becomes the checkpoint's tokenizer (ptdp/checkpoint/save.py copies it).
+
+ptdp's sentencepiece model as a Hugging Face fast tokenizer (tokenizer.json):
 
 Built from the model file with `tokenizers` and the pieces of transformers' own sentencepiece
 converter (its normalizer and pre-tokenizer read the model's precompiled normalisation
@@ -17,9 +25,15 @@ Requires `protobuf` to read the model file (in the `hf` extra).
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
-from ptdp.data.tokenizer import CLS, EOD, MASK, PAD, SEP, Tokenizer
+from ptdp.data.tokenizer import (BOS, CLS, EOD, HF_TOKENIZER_CONFIG, HF_TOKENIZER_FILE, MASK, PAD,
+                                 SEP, Tokenizer, hf_tokenizer_files, is_hf_tokenizer,
+                                 load_tokenizer)
+
+SPM_FILE = "ptdp_tokenizer.model"   # the original sentencepiece model, beside its conversion
 
 
 def _converted(model_file: str):
@@ -62,9 +76,7 @@ def save_hf_tokenizer(model_file: str | os.PathLike, out_dir: str | os.PathLike,
     ours = Tokenizer(model_file)
     special = ours.special_ids()
     tok = _converted(str(model_file))
-    names = {EOD: "eos_token", CLS: "cls_token", SEP: "sep_token", MASK: "mask_token",
-             PAD: "pad_token"}
-    kwargs = {names[token]: token for token in special}
+    kwargs = {_ROLE_KEYS[token]: token for token in special if token in _ROLE_KEYS}
     if arch == "bert" and CLS in special and SEP in special:
         tok.post_processor = TemplateProcessing(
             single=f"{CLS} $A {SEP}", pair=f"{CLS} $A:0 {SEP}:0 $B:1 {SEP}:1",
@@ -74,3 +86,35 @@ def save_hf_tokenizer(model_file: str | os.PathLike, out_dir: str | os.PathLike,
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=ours.unk_piece,
                                    model_max_length=max_length, **kwargs)
     fast.save_pretrained(str(out_dir))
+
+
+_ROLE_KEYS = {EOD: "eos_token", BOS: "bos_token", CLS: "cls_token", SEP: "sep_token",
+              MASK: "mask_token", PAD: "pad_token"}
+
+
+def write_tokenizer(path: str | os.PathLike, out_dir: str | os.PathLike, arch: str,
+                    max_length: int) -> None:
+    """A checkpoint's tokenizer (`path`: sentencepiece or tokenizer.json) into an HF directory."""
+    out_dir = Path(out_dir)
+    if not is_hf_tokenizer(path):
+        save_hf_tokenizer(path, out_dir, arch, max_length)
+        shutil.copyfile(path, out_dir / SPM_FILE)
+        return
+    files = hf_tokenizer_files(path)
+    if HF_TOKENIZER_CONFIG not in files:   # name the special tokens for AutoTokenizer
+        from transformers import PreTrainedTokenizerFast
+        tok = load_tokenizer(path)
+        roles = {_ROLE_KEYS[role]: token for role, token in tok.special_tokens().items()}
+        PreTrainedTokenizerFast(tokenizer_file=str(files[HF_TOKENIZER_FILE]),
+                                model_max_length=max_length, **roles).save_pretrained(str(out_dir))
+    for name, source in files.items():    # the original bytes, not a re-serialisation
+        shutil.copyfile(source, out_dir / name)
+
+
+def directory_tokenizer(hf_dir: str | os.PathLike) -> Path | None:
+    """The tokenizer an HF model directory gives the checkpoint: the original sentencepiece
+    model ptdp left there, else its tokenizer.json, else None."""
+    for name in (SPM_FILE, HF_TOKENIZER_FILE):
+        if (Path(hf_dir) / name).is_file():
+            return Path(hf_dir) / name
+    return None

@@ -43,16 +43,18 @@ def read_full_state(path: str | os.PathLike) -> tuple[Path, dict, dict[str, torc
 
 
 def checkpoint_tokenizer(directory: Path, meta: dict, given: str | None = None) -> str | None:
-    """The sentencepiece model of a checkpoint: `given`, else the checkpoint's own copy, else
-    its training config's data.tokenizer; None if none exists."""
+    """The tokenizer of a checkpoint (a sentencepiece .model or a Hugging Face tokenizer.json;
+    ptdp/data/tokenizer.py `load_tokenizer` reads either): `given`, else the checkpoint's own
+    copy, else its training config's data.tokenizer; None if none exists."""
     from ptdp.checkpoint.layout import TOKENIZER_FILE
+    from ptdp.data.tokenizer import HF_TOKENIZER_FILE
     if given:
-        if not Path(given).is_file():
+        if not Path(given).exists():
             raise FileNotFoundError(f"--tokenizer {given}: no such file")
         return str(given)
-    for path in (Path(directory) / TOKENIZER_FILE,
+    for path in (Path(directory) / TOKENIZER_FILE, Path(directory) / HF_TOKENIZER_FILE,
                  meta.get("config", {}).get("data", {}).get("tokenizer")):
-        if path and Path(path).is_file():
+        if path and Path(path).exists():
             return str(path)
     return None
 

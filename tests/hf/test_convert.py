@@ -5,6 +5,11 @@ One spawned job (world 4) trains a GPT under 2BW (weight-versioned checkpoint) a
 both with (p, t, d) = (2, 2, 1), converts them to Hugging Face and back on rank 0, then loads
 the GPT's converted checkpoint into a (2, 2, 1) trainer and runs one more iteration. The
 tokenizer's vocabulary (600) is not a multiple of 128 * t, so vocabulary padding is exercised.
+
+The same job trains one iteration of a Llama converted from Hugging Face: a random
+`LlamaForCausalLM` (GQA: 4 heads, 2 K/V heads; untied; Llama 3 rope scaling) with its own
+byte-level BPE tokenizer.json, converted (before the job) into a (2, 2, 1) checkpoint, trained
+on data tokenised with that tokenizer.json, and converted back (after it).
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 pytest.importorskip("google.protobuf")
 
+from ptdp.cli import main  # noqa: E402
 from ptdp.inference.local_model import LocalModel, read_full_state  # noqa: E402
 from ptdp.runtime.local_ranks import run_on_ranks  # noqa: E402
 from tests.data.conftest import load_make_corpus  # noqa: E402
+from tests.hf.hf_models import hf_tokenizer, logits_diff, random_hf_model, same_state  # noqa: E402
 
 VOCAB = 600
 TINY = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=4", "model.seq_length=16",
@@ -31,12 +38,36 @@ TINY = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=4", "mode
 RUNS = {"gpt": ["model.arch=gpt", "schedule.name=2bw"], "bert": ["model.arch=bert"]}
 
 
+LLAMA_VOCAB, HF_TOKENS = 320, 300   # the model's vocabulary is larger than its tokenizer's
+LLAMA = dict(vocab_size=LLAMA_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+             rms_norm_eps=1e-5, tie_word_embeddings=False,
+             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 8})
+
+
+def train_llama(root: Path) -> list[float]:
+    """One iteration of the converted Llama on (2, 2, 1), on data made with its tokenizer.json."""
+    from ptdp.config import load_config
+    from ptdp.training import Trainer
+    saved = root / "llama" / "iter_0000000" / "config.yaml"
+    cfg = load_config(str(saved), ["train.iters=1", "train.timeout_s=60", "log.progress=false",
+                                   f"checkpoint.load={root}/llama", "data.source=indexed",
+                                   f"data.paths=[{root}/llama_data]",
+                                   "train.micro_batch_size=2", "train.global_batch_size=8"],
+                      world_size=4)
+    assert cfg.data.tokenizer.endswith("tokenizer.json")
+    return [r["loss"] for r in Trainer(cfg).train()]
+
+
 def job(root: str, tokenizer: str) -> dict:
     from ptdp.config import load_config
     from ptdp.hf.convert import from_hf, to_hf
     from ptdp.training import Trainer
 
     root, out = Path(root), {}
+    out["llama losses"] = train_llama(root)
     for arch, extra in RUNS.items():
         cfg = load_config(None, TINY + extra + [f"checkpoint.dir={root}/{arch}",
                                                f"data.tokenizer={tokenizer}"], world_size=4)
@@ -65,8 +96,22 @@ def converted(tmp_path_factory):
     corpus = root / "corpus.jsonl"
     assert load_make_corpus().main(["--output", str(corpus), "--max-docs", "300"]) == 0
     tok = train_tokenizer(corpus, root / "tok", VOCAB, "bpe")
+    llama_from_hf(root, corpus)
     out = run_on_ranks(4, job, str(root), tok.path, timeout_s=280)[0]
     return root, out, tok, corpus
+
+
+def llama_from_hf(root: Path, corpus: Path) -> None:
+    """hf_llama: a random LlamaForCausalLM with a tokenizer.json; llama: its (2, 2, 1)
+    checkpoint; llama_data: the corpus tokenised with that tokenizer.json."""
+    import transformers
+    from ptdp.data.preprocess import preprocess
+    from ptdp.hf.convert import from_hf
+    texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
+    hf_tokenizer(texts, root / "hf_llama", HF_TOKENS)
+    random_hf_model(transformers.LlamaConfig(**LLAMA), root / "hf_llama")
+    from_hf(root / "hf_llama", root / "llama", ["parallel.tensor=2", "parallel.pipeline=2"])
+    preprocess(corpus, root / "hf_llama" / "tokenizer.json", root / "llama_data", progress=False)
 
 
 def _hf_model(path: Path):
@@ -160,7 +205,6 @@ def test_tokenizer_loads_alone_and_tokenizes_like_sentencepiece(converted):
 
 
 def test_bad_layout_names_the_keys_before_writing(converted, capsys):
-    from ptdp.cli import main
     root, _, _, _ = converted
     code = main(["convert", str(root / "hf_gpt"), "--from", "hf", "--out",
                  str(root / "bad"), "parallel.tensor=3"])
@@ -173,7 +217,6 @@ def test_bad_layout_names_the_keys_before_writing(converted, capsys):
 def test_command_line_both_ways_and_an_interleaved_layout(converted, tmp_path, capsys):
     """`ptdp convert` as a user types it; HF -> (p, t, v) = (2, 1, 2) puts layers 0, 2 on
     pipeline rank 0 and 1, 3 on rank 1, and reads back the same weights."""
-    from ptdp.cli import main
     root, _, _, _ = converted
     assert main(["convert", str(root / "gpt"), "--to", "hf", str(tmp_path / "hf")]) == 0
     assert "GPT2LMHeadModel" in capsys.readouterr().out
@@ -188,3 +231,44 @@ def test_command_line_both_ways_and_an_interleaved_layout(converted, tmp_path, c
     _, _, before = read_full_state(root / "gpt")
     assert all(torch.equal(before[n], after[n]) for n in before)
     assert (tmp_path / "v2" / "iter_0000000" / "tokenizer.model").is_file()
+
+
+def test_llama_from_hf_trains_on_its_tokenizer_and_converts_back(converted, tmp_path):
+    """HF Llama (GQA, untied, llama3 rope) -> (2, 2, 1) checkpoint: the same logits as
+    transformers; one iteration trains on 4 ranks; back to HF bit for bit, tokenizer included."""
+    import transformers
+    from ptdp.data.tokenizer import HFTokenizer, load_tokenizer
+    root, out, _, _ = converted
+    losses = out["llama losses"]
+    assert len(losses) == 1 and 0 < losses[0] < 2 * torch.log(torch.tensor(LLAMA_VOCAB)).item()
+    directory, meta, _ = read_full_state(root / "llama")
+    assert meta["layout"] == {"pipeline": 2, "tensor": 2, "data": 1, "chunks": 1}
+    assert meta["model"]["num_kv_heads"] == 2 and meta["model"]["rope_scaling_factor"] == 8.0
+    assert not meta["model"]["tie_embeddings"] and "output_layer.weight" in meta["params"]
+    original = transformers.LlamaForCausalLM.from_pretrained(str(root / "hf_llama")).eval()
+    ours = LocalModel.from_checkpoint(root / "llama")
+    assert logits_diff(ours, original, LLAMA_VOCAB, 16) < 1e-5
+    # the tokenizer travelled: the checkpoint holds it and names its end-of-text token <eod>
+    tok = load_tokenizer(directory / "tokenizer.json")
+    assert isinstance(tok, HFTokenizer) and tok.vocab_size == HF_TOKENS
+    assert tok.special_tokens()["<eod>"] == "<|end_of_text|>"
+    # ... and back
+    assert main(["convert", str(root / "llama"), "--to", "hf", str(tmp_path / "hf")]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert type(back).__name__ == "LlamaForCausalLM"
+    assert same_state(original.state_dict(), back.state_dict())
+    assert back.config.eos_token_id == tok.eod_id and back.config.bos_token_id == tok.bos_id
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == \
+        (root / "hf_llama" / "tokenizer.json").read_bytes()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert hf_tok.eos_token == "<|end_of_text|>"
+    assert hf_tok("a test", add_special_tokens=False)["input_ids"] == tok.encode("a test")
+
+
+def test_hf_tokenizer_of_a_sentencepiece_model_shares_its_fingerprint(converted):
+    from ptdp.data.tokenizer import load_tokenizer
+    root, _, tok, _ = converted
+    hf = load_tokenizer(root / "hf_gpt")   # the directory: its tokenizer.json
+    assert hf.fingerprint == tok.fingerprint and hf.special_ids() == tok.special_ids()
+    text = "Return the number of items, or raise ValueError."
+    assert hf.encode(text) == tok.encode(text) and hf.decode(hf.encode(text)) == text

@@ -1,0 +1,99 @@
+"""What every Hugging Face model family shares: the refusal error, the family interface (a
+config mapping plus a state-dict adapter, torchtitan's pattern) and the fused-QKV layouts.
+
+A family (ptdp/hf/gpt2.py, megatron_bert.py, llama.py) maps one transformers `model_type`:
+  * `model_config(config)`: the transformers config -> ptdp's ModelConfig, refusing (one
+    `ConversionError` line naming the setting) anything ptdp's model would compute differently;
+  * `hf_config(cfg, special)`: ptdp's ModelConfig -> a transformers config;
+  * `block`: the ptdp block options the HF class computes (ptdp -> HF picks the family whose
+    block the model has; ptdp/hf/registry.py);
+  * `to_hf(cfg, full)` / `from_hf(cfg, hf)`: full (layout-free) state dicts both ways.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ptdp.config import ModelConfig
+
+
+class ConversionError(ValueError):
+    """A model, config or file that cannot be converted faithfully; one line naming why."""
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConversionError(message)
+
+
+class Family:
+    """One transformers model type (subclasses fill in the names and the four mappings)."""
+
+    model_type: str = ""
+    hf_class: str = ""
+    config_class: str = ""
+    block: dict = {}
+
+    def mismatches(self, cfg: ModelConfig) -> list[str]:
+        """The block options of `cfg` this family's HF class cannot compute, as
+        'model.KEY=WANTED (not GOT)'."""
+        return [f"model.{key}={_text(want)} (not {_text(getattr(cfg, key))})"
+                for key, want in self.block.items() if getattr(cfg, key) != want]
+
+    def model_config(self, config) -> ModelConfig:
+        raise NotImplementedError
+
+    def hf_config(self, cfg: ModelConfig, special: dict[str, int]):
+        raise NotImplementedError
+
+    def to_hf(self, cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def from_hf(self, cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+def _text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def getter(hf: dict[str, torch.Tensor]):
+    """hf[name] as fp32, or a one-line error naming the missing weight."""
+    def get(name: str) -> torch.Tensor:
+        if name not in hf:
+            raise ConversionError(f"the Hugging Face weights have no '{name}'")
+        return hf[name].float()
+    return get
+
+
+def renamed(pairs, source: dict[str, torch.Tensor], get=None) -> dict[str, torch.Tensor]:
+    """{to: source[from] (transposed when asked)} for (from, to, transposed) in pairs."""
+    get = get or source.__getitem__
+    out = {}
+    for src, dst, transposed in pairs:
+        value = get(src)
+        out[dst] = (value.t() if transposed else value).contiguous()
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Fused QKV: ptdp's rows are grouped by K/V head, [group j, (q heads j*r .. j*r+r-1, k_j, v_j),
+# head_dim] (r = heads / kv_heads; with r = 1 that is GPT's [head, (q, k, v), head_dim]), so a
+# tensor rank owns whole groups. Hugging Face keeps q, k and v apart, each [head, head_dim].
+# --------------------------------------------------------------------------------------------
+
+def split_qkv(w: torch.Tensor, heads: int, kv_heads: int):
+    """ptdp's fused QKV weight or bias -> (q, k, v) in head order (any trailing dims)."""
+    r, rest = heads // kv_heads, w.shape[1:]
+    blocks = w.reshape(kv_heads, r + 2, -1, *rest)
+    return tuple(part.reshape(-1, *rest).contiguous()
+                 for part in (blocks[:, :r], blocks[:, r], blocks[:, r + 1]))
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
+             kv_heads: int) -> torch.Tensor:
+    """The inverse of `split_qkv`."""
+    r, rest, d = heads // kv_heads, q.shape[1:], q.shape[0] // heads
+    blocks = torch.cat([q.reshape(kv_heads, r, d, *rest), k.reshape(kv_heads, 1, d, *rest),
+                        v.reshape(kv_heads, 1, d, *rest)], dim=1)
+    return blocks.reshape(-1, *rest).contiguous()

@@ -1,0 +1,104 @@
+"""The model families beside GPT-2/BERT/Llama's 4-rank test (tests/hf/test_convert.py), in one
+process: HF -> ptdp -> HF gives transformers' logits and the same weights, and ptdp -> HF picks
+the class from the block options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ptdp.cli import main  # noqa: E402
+from ptdp.config import load_config  # noqa: E402
+from ptdp.hf.convert import from_hf, to_hf  # noqa: E402
+from ptdp.inference.local_model import LocalModel, initial_state  # noqa: E402
+from tests.hf.hf_models import logits_diff, random_hf_model, same_state  # noqa: E402
+
+VOCAB, SEQ = 200, 16
+DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, max_position_embeddings=SEQ, bos_token_id=None,
+               eos_token_id=None)
+FAMILIES = {
+    # multi-query attention, tied embeddings, no window
+    "mistral": (transformers.MistralConfig(**DECODER, num_key_value_heads=1, sliding_window=None,
+                                           tie_word_embeddings=True), "LlamaForCausalLM"),
+    # q/k/v biases, grouped-query attention, untied
+    "qwen2": (transformers.Qwen2Config(**DECODER, num_key_value_heads=2,
+                                       tie_word_embeddings=False), "Qwen2ForCausalLM"),
+    # a separate lm_head (ptdp's untied output layer), exact GeLU
+    "gpt2": (transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                     n_positions=SEQ, activation_function="gelu",
+                                     tie_word_embeddings=False, bos_token_id=None,
+                                     eos_token_id=None), "GPT2LMHeadModel"),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hf_to_ptdp_to_hf(family, tmp_path):
+    config, back_class = FAMILIES[family]
+    original = random_hf_model(config, tmp_path / "hf")
+    layout = "parallel.pipeline=2" if family == "mistral" else "parallel.tensor=2"  # 1 K/V head
+    final, cfg = from_hf(tmp_path / "hf", tmp_path / "ckpt", [layout])
+    assert cfg.model.tie_embeddings == config.tie_word_embeddings
+    assert logits_diff(LocalModel.from_checkpoint(final), original, VOCAB, SEQ) < 1e-5
+    info = to_hf(final, tmp_path / "back")
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    assert info["class"] == type(back).__name__ == back_class
+    if family != "mistral":   # Mistral comes back as Llama: the same names and weights
+        assert same_state(original.state_dict(), back.state_dict())
+    assert logits_diff(LocalModel.from_checkpoint(final), back, VOCAB, SEQ) < 1e-5
+
+
+def _checkpoint(tmp_path, *model_keys):
+    from ptdp.checkpoint.save import save_full_state
+    cfg = load_config(None, ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
+                             f"model.seq_length={SEQ}", f"model.vocab_size={VOCAB}", *model_keys])
+    return save_full_state(initial_state(cfg.model, 3), cfg, tmp_path / "ckpt")
+
+
+def test_a_ptdp_llama_block_with_qkv_biases_is_qwen2(tmp_path):
+    final = _checkpoint(tmp_path, "model.preset=llama", "model.qkv_bias=true",
+                        "model.num_kv_heads=2", "model.rope_theta=1000")
+    assert to_hf(final, tmp_path / "hf")["class"] == "Qwen2ForCausalLM"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert logits_diff(LocalModel.from_checkpoint(final), hf, VOCAB, SEQ) < 1e-5
+
+
+def test_a_model_no_hf_class_computes_is_refused(tmp_path, capsys):
+    final = _checkpoint(tmp_path, "model.normalization=rmsnorm")   # GPT-2 block otherwise
+    assert main(["convert", str(final), "--to", "hf", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("ptdp convert: no Hugging Face class computes this model: "
+                          "GPT2LMHeadModel needs model.normalization=layernorm (not rmsnorm);"), err
+    assert "LlamaForCausalLM" in err and "model.position_embedding=rope (not learned)" in err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_rope_settings_map_both_ways():
+    from ptdp.hf.llama import rope_parameters, rope_settings
+    config = transformers.LlamaConfig(**DECODER, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8})
+    keys = rope_settings(config)
+    assert keys == dict(rope_theta=5e5, rope_scaling_factor=8.0, rope_low_freq_factor=1.0,
+                        rope_high_freq_factor=4.0, rope_original_seq_length=8)
+    cfg = load_config(None, ["model.preset=llama"] + [f"model.{k}={v}" for k, v in keys.items()])
+    assert rope_parameters(cfg.model) == config.rope_parameters
+    plain = transformers.LlamaConfig(**DECODER, rope_parameters={"rope_type": "default",
+                                                                  "rope_theta": 1e4})
+    assert rope_settings(plain) == dict(rope_theta=1e4, rope_scaling_factor=1.0)
+
+
+def test_qkv_layout_is_group_major():
+    """ptdp rows [group, (q heads of the group, k, v), d] <-> HF's separate q, k, v."""
+    from ptdp.hf.base import fuse_qkv, split_qkv
+    n, g, d = 4, 2, 3
+    q = torch.arange(n * d).float().reshape(n * d, 1)
+    k, v = 100 + torch.arange(g * d).float()[:, None], 200 + torch.arange(g * d).float()[:, None]
+    fused = fuse_qkv(q, k, v, n, g)
+    groups = fused.view(g, n // g + 2, d)
+    assert torch.equal(groups[1, 0], q[2 * d:3 * d, 0]) and torch.equal(groups[1, 2], k[d:, 0])
+    assert torch.equal(groups[0, 3], v[:d, 0])
+    assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, n, g), (q, k, v)))
