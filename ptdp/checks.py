@@ -352,16 +352,23 @@ def memory_per_stage(cfg: Config, hardware=None) -> list:
 def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
     """Lines describing the resolved job: layout, micro-batches, bubble, memory per rank."""
     from ptdp.config.catalogue import schedule_spec
-    from ptdp.planner.formulas import parameter_count
+    from ptdp.planner.formulas import ModelShape, decoder_parameters, parameter_count
     from ptdp.planner.memory import GB
 
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     mb = cfg.num_micro_batches
-    params = parameter_count(m.num_layers, m.hidden_size, cfg.padded_vocab_size, m.seq_length)
+    shape = ModelShape.from_config(m)
+    if m.arch == "bert" or shape.dissertation_block:
+        formula = "Eq. 4.3"
+        params = parameter_count(m.num_layers, m.hidden_size, cfg.padded_vocab_size, m.seq_length)
+    else:   # Llama-style and other blocks: counted exactly (ptdp/planner/formulas.py)
+        formula, params = "Eq. 4.3 generalised", decoder_parameters(shape, cfg.padded_vocab_size)
+    block = f" ({m.preset} block)" if m.preset != "gpt" else ""
+    kv = f" ({m.num_kv_heads} K/V)" if m.num_kv_heads != m.num_heads else ""
     lines = [
-        f"model: {m.arch}, {m.num_layers} layers, h={m.hidden_size}, {m.num_heads} heads, "
-        f"ffn {m.ffn_hidden_size}, s={m.seq_length}, vocab {m.vocab_size} (padded "
-        f"{cfg.padded_vocab_size}), {params / 1e6:,.2f} M parameters (Eq. 4.3)",
+        f"model: {m.arch}{block}, {m.num_layers} layers, h={m.hidden_size}, {m.num_heads} heads"
+        f"{kv}, ffn {m.ffn_hidden_size}, s={m.seq_length}, vocab {m.vocab_size} (padded "
+        f"{cfg.padded_vocab_size}), {params / 1e6:,.2f} M parameters ({formula})",
         f"layout: (p, t, d) = ({par.pipeline}, {par.tensor}, {par.data}), v = {par.chunks}, "
         f"schedule {cfg.schedule.name}, world size {world_size}",
         f"micro-batches: m = {mb} of {tr.micro_batch_size} per pipeline per iteration "
