@@ -36,9 +36,12 @@ def test_train_compile_is_true_false_or_null():
         load_config(None, ["train.compile=fast"])
 
 
-def loss_and_grads(compile: bool, recompute: str, dropout: float = 0.0):
+LLAMA = dict(preset="llama", num_kv_heads=2, ffn_hidden_size=64)
+
+
+def loss_and_grads(compile: bool, recompute: str, dropout: float = 0.0, **block):
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=100,
-                      dropout=dropout)
+                      dropout=dropout, **block)
     ctx = ModelContext(cfg, TensorParallel(), 7, TensorParallelRNG(7, 0, torch.device("cpu")),
                        128, recompute, 1, compile=compile)
     chunk = build_chunk(ctx, 0, 1).train()
@@ -61,6 +64,12 @@ def assert_close(got, ref):
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_compiled_layers_match_eager(recompute):
     assert_close(loss_and_grads(True, recompute), loss_and_grads(False, recompute))
+
+
+def test_compiled_llama_layers_match_eager():
+    """Rotary positions, RMSNorm, SwiGLU and grouped-query attention inside the compiled layer
+    (train.compile is on by default on GPUs)."""
+    assert_close(loss_and_grads(True, "none", **LLAMA), loss_and_grads(False, "none", **LLAMA))
 
 
 def test_compiled_dropout_is_replayed_by_recomputation():
