@@ -261,12 +261,16 @@ def check_placement(cfg: Config, world_size: int, ranks_per_node: int, found: Fi
 
 def check_checkpoint_load(cfg: Config, found: Findings) -> None:
     """The checkpoint exists, is complete and readable, and holds this model (any layout)."""
-    if not cfg.checkpoint.load:
-        return
     from ptdp.checkpoint.layout import (CheckpointError, check_files_readable, check_model_config,
-                                        find_checkpoint, read_metadata)
+                                        find_checkpoint, read_metadata, resolve_load)
+    from ptdp.runtime.exit_status import restart_attempt
+    load, which = resolve_load(cfg.checkpoint, restart_attempt() > 0)
+    if which:
+        found.note(which)
+    if not load:
+        return
     try:
-        directory, fallback = find_checkpoint(cfg.checkpoint.load)
+        directory, fallback = find_checkpoint(load)
         meta = read_metadata(directory)
         check_model_config(meta, cfg.model, directory)
         check_files_readable(directory, meta)

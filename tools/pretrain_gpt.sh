@@ -18,7 +18,10 @@
 #   OMP_NUM_THREADS threads per CPU rank                                 [1]
 #   PYTHON          Python interpreter                                   [python3]
 #   TORCHRUN        launcher command                                     [$PYTHON -m torch.distributed.run, i.e. torchrun]
-#   TORCHRUN_ARGS   extra torchrun flags, e.g. "--max-restarts 0"        []
+#   TORCHRUN_ARGS   extra torchrun flags                                 []
+#   MAX_RESTARTS    restart the job this many times after a failure      [0]
+#                   (each restart resumes from the newest checkpoint in checkpoint.dir; a
+#                   configuration error or a divergence is not restarted: docs/checkpoints.md)
 #   DRY_RUN=1       print the command instead of running it
 # Hide GPUs to force CPU ranks: CUDA_VISIBLE_DEVICES= tools/pretrain_gpt.sh ...
 set -euo pipefail
@@ -66,6 +69,8 @@ MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || die "NNODES must be a positive integer, got '$NNODES'"
 [[ "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NNODES" ]] \
     || die "NODE_RANK must be in 0..$((NNODES - 1)), got '$NODE_RANK'"
+MAX_RESTARTS="${MAX_RESTARTS:-0}"
+[[ "$MAX_RESTARTS" =~ ^[0-9]+$ ]] || die "MAX_RESTARTS must be a whole number, got '$MAX_RESTARTS'"
 
 no_torch="cannot import torch with $PYTHON; run 'make install' (or pip install -e '.[dev]')"
 if [[ -z "${GPUS_PER_NODE:-}" ]]; then
@@ -132,4 +137,40 @@ echo "$SCRIPT_NAME: ${cmd[*]}" >&2
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     exit 0
 fi
-exec "${cmd[@]}"
+if [[ "$MAX_RESTARTS" -eq 0 ]]; then
+    exec "${cmd[@]}"
+fi
+
+# --- restarts -------------------------------------------------------------------------------
+# Each rank that ends for a reason worth telling apart leaves its exit code in $PTDP_EXIT_DIR
+# (ptdp/runtime/exit_status.py; torchrun itself exits 1 whatever its workers did): 2 (a
+# configuration error) and 3 (divergence) would fail again the same way, so they end the job;
+# 4 (a hang, or a peer lost, named by the hang detector) and a crash or kill (no code left)
+# restart it. PTDP_RESTART tells the job which attempt it is, so that a restarted job resumes
+# from the newest checkpoint in its checkpoint.dir. On several nodes every node's script
+# restarts its own torchrun, and they meet again at MASTER_ADDR:MASTER_PORT.
+export PTDP_EXIT_DIR
+PTDP_EXIT_DIR="$(mktemp -d "${TMPDIR:-/tmp}/ptdp-exit.XXXXXX")"
+trap 'rm -rf "$PTDP_EXIT_DIR"' EXIT
+attempt=0
+while true; do
+    rm -f "$PTDP_EXIT_DIR"/rank*
+    rc=0
+    PTDP_RESTART="$attempt" "${cmd[@]}" || rc=$?
+    [[ "$rc" -eq 0 ]] && exit 0
+    codes=" $( (cat "$PTDP_EXIT_DIR"/rank* 2>/dev/null || true) | sort -u | tr '\n' ' ')"
+    for final in 2 3; do
+        if [[ "$codes" == *" $final "* ]]; then
+            why="a configuration error"; [[ "$final" -eq 3 ]] && why="divergence"
+            echo "$SCRIPT_NAME: the job ended with $why (exit $final): not restarting" >&2
+            exit "$final"
+        fi
+    done
+    if [[ "$attempt" -ge "$MAX_RESTARTS" ]]; then
+        echo "$SCRIPT_NAME: the job failed (exit $rc) and MAX_RESTARTS=$MAX_RESTARTS restarts are used up" >&2
+        exit "$rc"
+    fi
+    attempt=$((attempt + 1))
+    why="a hang or a lost rank"; [[ "$codes" == " " ]] && why="a crash"
+    echo "$SCRIPT_NAME: the job failed (exit $rc, $why); restart $attempt of $MAX_RESTARTS, from the newest checkpoint" >&2
+done

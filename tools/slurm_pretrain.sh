@@ -15,6 +15,9 @@
 #
 #   e.g. sbatch --nodes 12 tools/slurm_pretrain.sh configs/gpt_175b.yaml data.paths=[/data/my_corpus]
 #
+# MAX_RESTARTS=N (in the environment of sbatch, which srun passes on) makes every node's
+# launcher restart its torchrun after a crash or hang, from the newest checkpoint in
+# checkpoint.dir (use checkpoint.load=auto; docs/checkpoints.md).
 # sbatch options on the command line override the #SBATCH defaults above. The launcher runs
 # any architecture (the config's model.arch picks GPT or BERT).
 # Derived here: MASTER_ADDR = first host of `scontrol show hostnames $SLURM_JOB_NODELIST`,

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from ptdp.config.schema import AUTO_LOAD
+
 FORMAT_VERSION = 1
 METADATA = "metadata.json"
 LATEST = "latest"
@@ -145,6 +147,25 @@ def newest_complete_checkpoint(root: Path) -> Path | None:
         if not incomplete(entry):
             return entry
     return None
+
+
+def resolve_load(ck, restarting: bool = False) -> tuple[str | None, str | None]:
+    """(the checkpoint to load or None, a line saying which) for a job's `checkpoint` config.
+
+    `checkpoint.load=auto`: the newest complete checkpoint in checkpoint.dir, or a fresh start
+    when there is none. A job the launch script restarted after a failure (`restarting`)
+    resumes from the newest checkpoint of its own checkpoint.dir whatever checkpoint.load says
+    (it may name the checkpoint the job started from), and from checkpoint.load until it has
+    saved one."""
+    auto = ck.load == AUTO_LOAD
+    if (auto or restarting) and ck.dir and Path(ck.dir).is_dir():
+        newest = newest_complete_checkpoint(Path(ck.dir))
+        if newest is not None:
+            why = "checkpoint.load=auto" if auto else "restarted after a failure"
+            return str(newest), f"{why}: resuming from {newest}, the newest in {ck.dir}"
+    if auto:
+        return None, f"checkpoint.load=auto: no checkpoint in {ck.dir} yet; starting fresh"
+    return ck.load, None
 
 
 def read_metadata(directory: Path) -> dict:

@@ -28,6 +28,7 @@ import dataclasses
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,26 +45,81 @@ from ptdp.parallel.roles import role_of
 from ptdp.parallel.sharding import local_slice
 
 
-def save_checkpoint(state, directory: str | os.PathLike) -> Path:
+def save_checkpoint(state, directory: str | os.PathLike, timing: dict | None = None) -> Path:
     """Write the training state (ptdp/training/state.py) after `state.progress.iteration`
-    iterations; returns the final directory. Collective: every rank of the job calls it."""
+    iterations; returns the final directory. Collective: every rank of the job calls it.
+    `timing`: what saves and iterations cost this job, kept in the metadata for the record
+    and for a resumed job's advice on how often to save (ptdp/metrics/report.py SaveTiming)."""
+    pending = start_save(state, directory, timing)
+    pending.write()
+    return finish_save(pending)
+
+
+@dataclass
+class PendingSave:
+    """A save between its snapshot and its publication: this rank's files, held in host
+    memory, and the metadata rank 0 will publish once every rank has written its files."""
+
+    final: Path
+    files: dict[Path, object]     # path in the .tmp directory -> what torch.save writes there
+    metadata: dict
+    cfg: object
+    error: BaseException | None = None
+
+    @property
+    def tmp(self) -> Path:
+        return self.final.with_name(self.final.name + TMP_SUFFIX)
+
+    def write(self) -> None:
+        """Write this rank's files durably. No collective, so it may run on a background
+        thread while training goes on; a failure is kept for `finish_save` to share."""
+        try:
+            for path, obj in self.files.items():
+                save_durably(obj, path)
+            _reached("rank_files")
+        except BaseException as err:   # noqa: BLE001 - shared with every rank by finish_save
+            self.error = err
+        self.files = {}   # the host copies are no longer needed
+
+
+def start_save(state, directory: str | os.PathLike, timing: dict | None = None) -> PendingSave:
+    """The part of a save that training waits for: the .tmp directory, and a copy of this
+    rank's state in host memory (pinned when the state is on a GPU), taken at the iteration
+    boundary. Collective."""
     root = Path(directory)
     final = root / iteration_dir_name(state.progress.iteration)
     tmp = final.with_name(final.name + TMP_SUFFIX)
     rank0 = dist.get_rank() == 0
     on_all_ranks(f"preparing checkpoint {tmp}", lambda: _prepare(root, tmp) if rank0 else None)
     parts = _parameter_parts(state)
-    info = on_all_ranks(f"writing checkpoint {tmp}", lambda: _write_rank_files(state, tmp, parts))
+    files, info = on_all_ranks(f"copying the state for checkpoint {tmp}",
+                               lambda: _snapshot_rank_files(state, tmp, parts))
     params = {}
     for part in all_gather(info):
         params.update(part)
+    metadata = _metadata(state, params, parts["versions"])
+    if timing:
+        metadata["timing"] = timing
+    return PendingSave(final, files, metadata, state.cfg)
+
+
+def finish_save(pending: PendingSave) -> Path:
+    """Once every rank has written its files (`PendingSave.write`): rank 0 publishes the
+    checkpoint (metadata.json, the rename, `latest`). Collective; a failure on any rank raises
+    on every rank and publishes nothing."""
+    def written():
+        if pending.error is not None:
+            raise pending.error
+
+    on_all_ranks(f"writing checkpoint {pending.tmp}", written)
 
     def publish():
-        _write_config_and_tokenizer(state.cfg, tmp)
-        _publish(tmp, final, _metadata(state, params, parts["versions"]))
+        _write_config_and_tokenizer(pending.cfg, pending.tmp)
+        _publish(pending.tmp, pending.final, pending.metadata)
 
-    on_all_ranks(f"publishing checkpoint {final}", lambda: publish() if rank0 else None)
-    return final
+    on_all_ranks(f"publishing checkpoint {pending.final}",
+                 lambda: publish() if dist.get_rank() == 0 else None)
+    return pending.final
 
 
 def _parameter_parts(state) -> dict:
@@ -118,17 +174,18 @@ def _prepare(root: Path, tmp: Path) -> None:
     _reached("tmp_dir")
 
 
-def _write_rank_files(state, tmp: Path, parts: dict) -> dict:
-    """This rank's files; returns metadata of the parameters it saved ({} if none)."""
+def _snapshot_rank_files(state, tmp: Path, parts: dict) -> tuple[dict, dict]:
+    """({path: object} of this rank's files, metadata of the parameters it saves ({} if
+    none)), every tensor copied to host memory."""
     grid = state.grid
-    save_durably(state.rng.state_dict(), tmp / rng_file_name(grid.rank))
+    files = {tmp / rng_file_name(grid.rank): state.rng.state_dict()}
     if grid.dp_rank != 0:  # data-parallel replicas hold identical model and optimizer state
-        _reached("rank_files")
-        return {}
+        return files, {}
     shards, info = _model_shards(state, parts)
-    save_durably(shards, tmp / shard_file_name(grid.pp_rank, grid.tp_rank))
-    _reached("rank_files")
-    return info
+    files[tmp / shard_file_name(grid.pp_rank, grid.tp_rank)] = shards
+    if state.device.type == "cuda":   # the pinned copies were made without waiting
+        torch.cuda.synchronize(state.device)
+    return files, info
 
 
 def _model_shards(state, parts: dict) -> tuple[dict, dict]:
@@ -142,10 +199,20 @@ def _model_shards(state, parts: dict) -> tuple[dict, dict]:
         entry = {"value": parts["values"][i], **parts["optimizer"][i]}
         if shadow is not None:
             entry["shadow"] = shadow[i].float()
-        shards[name] = {key: value.detach().cpu().clone() for key, value in entry.items()}
+        shards[name] = {key: _host_copy(value) for key, value in entry.items()}
         info[name] = param_metadata(param, state.tp.size, state.cfg.model.vocab_size,
                                     state.grid.pp_rank)
     return shards, info
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory that training may not change: pinned and asynchronous from a
+    GPU (the caller synchronises once), a plain clone on CPU."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cuda":
+        return tensor.clone()
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return copy.copy_(tensor, non_blocking=True)
 
 
 def _metadata(state, params: dict, versions: dict) -> dict:

@@ -31,6 +31,7 @@ def _env_int(name: str, default: int) -> int:
 
 def run(args) -> int:
     from ptdp.checks import check_job
+    from ptdp.runtime.exit_status import CONFIG_ERROR, DIVERGED, record_exit
 
     overrides = list(args.overrides) + (["log.verbose=true"] if args.verbose else [])
     found = check_job(args.config, overrides, _env_int("WORLD_SIZE", 1),
@@ -39,7 +40,8 @@ def run(args) -> int:
         if _env_int("RANK", 0) == 0:  # every rank found the same: one copy is enough
             for line in found.errors:
                 print(f"ptdp train: {line}", file=sys.stderr)
-        return 2
+        record_exit(CONFIG_ERROR)   # not worth a restart (ptdp/runtime/exit_status.py)
+        return CONFIG_ERROR
     if _env_int("RANK", 0) == 0:
         for line in found.warnings:   # e.g. tensor groups that straddle nodes
             print(f"ptdp train: warning: {line}", file=sys.stderr)
@@ -50,7 +52,8 @@ def run(args) -> int:
     except DivergenceError as err:  # every rank stops here together; rank 0 says why
         if _env_int("RANK", 0) == 0:
             print(f"ptdp train: {err}", file=sys.stderr)
-        return 3
+        record_exit(DIVERGED)   # replayed, it would diverge again: not worth a restart
+        return DIVERGED
     finally:
         shutdown()
     return 0

@@ -172,11 +172,16 @@ class LogConfig:
     verbose: bool = False                # print the full resolved config at start-up (--verbose)
 
 
+AUTO_LOAD = "auto"   # checkpoint.load: the newest complete checkpoint in checkpoint.dir, if any
+
+
 @dataclass
 class CheckpointConfig:
     dir: str | None = None
     save_interval: int = 0               # 0 = only at the end when dir is set
-    load: str | None = None
+    load: str | None = None              # a checkpoint path, or auto (the newest in dir, if any)
+    async_save: bool = False             # write in the background while training goes on
+    mtbf_hours: float | None = None      # expected hours between failures: suggests an interval
 
 
 @dataclass

@@ -6,9 +6,8 @@ from __future__ import annotations
 import math
 
 from ptdp.config.catalogue import Chunks, DEFAULT, NAMES, SCHEDULES, ScheduleSpec, names_where
-from ptdp.config.schema import (BLOCK_OPTIONS, PRESETS, Config, ConfigError, DataConfig,
-                                ModelConfig, ParallelConfig,
-                                TrainConfig, suggest)
+from ptdp.config.schema import (AUTO_LOAD, BLOCK_OPTIONS, PRESETS, Config, ConfigError,
+                                DataConfig, ModelConfig, ParallelConfig, TrainConfig, suggest)
 
 
 def parse_split(split: str) -> list[float]:
@@ -217,9 +216,15 @@ def _check_data(data: DataConfig, out: _Problems) -> None:
 
 
 def _check_log_and_checkpoint(cfg: Config, out: _Problems) -> None:
+    ck = cfg.checkpoint
     out.require(cfg.log.interval >= 1, f"log.interval must be >= 1, got {cfg.log.interval}")
-    out.positive(cfg.checkpoint.save_interval, "checkpoint.save_interval", strict=False,
+    out.positive(ck.save_interval, "checkpoint.save_interval", strict=False,
                  hint=" (0 saves only at the end)")
+    out.require(ck.load != AUTO_LOAD or bool(ck.dir),
+                "checkpoint.load=auto resumes from the newest checkpoint in checkpoint.dir: set "
+                "checkpoint.dir")
+    if ck.mtbf_hours is not None:
+        out.positive(ck.mtbf_hours, "checkpoint.mtbf_hours", hint=" (null: no suggestion)")
 
 
 def _check_parallel_sizes(par: ParallelConfig, out: _Problems) -> bool:

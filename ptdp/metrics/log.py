@@ -90,8 +90,8 @@ class MetricsLog:
                 f"{format_tflops(r['tflops_per_gpu'])} TFLOP/s per rank{mfu} | "
                 f"{r['mem_gb']:.2f} GiB{valid}{skipped}")
 
-    def print(self, text: str) -> None:
-        if not self.active:
+    def print(self, text: str | None) -> None:
+        if not self.active or not text:
             return
         if self.progress:
             self.progress.write(text)

@@ -135,3 +135,59 @@ def end_summary(history: list[dict], cfg: Config, seconds: float, device: torch.
     else:
         lines.append("  no checkpoint written (set checkpoint.dir)")
     return "\n".join(lines)
+
+
+class SaveTiming:
+    """What a save costs training and how long an iteration takes, for the advice on how often
+    to save (checkpoint.mtbf_hours; Young/Daly, ptdp/planner/formulas.py
+    `checkpoint_interval_s`). The figures travel in each checkpoint's metadata ("timing"), so a
+    resumed job's start-up report can give the advice before its own first save."""
+
+    FAR = 2.0   # advise when save_interval is off the optimum by more than this factor
+
+    def __init__(self):
+        self.steps: list[float] = []
+        self.stall_s: float | None = None
+        self.advised = False
+
+    def iteration(self, seconds: float) -> None:
+        self.steps.append(seconds)
+
+    def saved(self, stall_s: float) -> float:
+        self.stall_s = stall_s
+        return stall_s
+
+    def resumed(self, directory) -> None:
+        """Take the figures the loaded checkpoint's job measured."""
+        import json
+        from pathlib import Path
+        timing = json.loads((Path(directory) / "metadata.json").read_text()).get("timing") or {}
+        self.stall_s = timing.get("save_stall_s")
+        self.steps = [timing["iteration_s"]] if timing.get("iteration_s") else []
+
+    def metadata(self) -> dict:
+        return {"save_stall_s": self.stall_s, "iteration_s": self._iteration_s()}
+
+    def _iteration_s(self) -> float | None:
+        """The median iteration, the first left out (start-up and compilation) when others ran."""
+        steps = sorted(self.steps[1:] or self.steps)
+        return steps[len(steps) // 2] if steps else None
+
+    def advice(self, ck) -> str | None:
+        """Once per job: the Young/Daly interval, when checkpoint.save_interval is far from it."""
+        from ptdp.planner.formulas import checkpoint_interval_s
+        step = self._iteration_s()
+        if self.advised or ck.mtbf_hours is None or self.stall_s is None or not step:
+            return None
+        self.advised = True
+        best_s = checkpoint_interval_s(self.stall_s, ck.mtbf_hours * 3600.0)
+        best = max(1, round(best_s / step))
+        text = (f"checkpoint: a save stalls training {self.stall_s:.2f} s and an iteration takes "
+                f"{step:.2f} s; with failures every {ck.mtbf_hours:g} h (checkpoint.mtbf_hours) "
+                f"the least work is lost saving every sqrt(2 x save x MTBF) = {best_s:,.0f} s, "
+                f"about {best} iterations")
+        current = ck.save_interval
+        if current and max(current / best, best / current) <= self.FAR:
+            return None
+        now = f"checkpoint.save_interval={current}" if current else "saving only at the end"
+        return f"{text}; {now} is far from it: consider checkpoint.save_interval={best}"

@@ -266,6 +266,16 @@ def training_days(tokens: float, parameters: float, num_gpus: int,
     return seconds / SECONDS_PER_DAY
 
 
+def checkpoint_interval_s(save_stall_s: float, mtbf_s: float) -> float:
+    """Young's (1974) and Daly's (2006) first-order optimum of the time between checkpoints:
+    sqrt(2 * C * M) for a save that stalls training C seconds and failures M seconds apart on
+    average. Shorter intervals stall more often; longer ones lose more work per failure (on
+    average half an interval); this balances the two."""
+    if save_stall_s < 0 or mtbf_s <= 0:
+        raise ValueError("the save cost must be >= 0 and the time between failures positive")
+    return (2.0 * save_stall_s * mtbf_s) ** 0.5
+
+
 def iterations_for_tokens(tokens: float, global_batch: int, seq: int) -> float:
     """I = T / (B*s)."""
     return tokens / (global_batch * seq)

@@ -33,7 +33,9 @@ import threading
 import time
 from datetime import timedelta
 
-EXIT_CODE = 4
+from ptdp.runtime.exit_status import HUNG, record_exit
+
+EXIT_CODE = HUNG
 WAITING = ("wait", "reduce")  # span categories in which a rank waits on other ranks
 
 
@@ -268,4 +270,5 @@ def _print_and_exit(line: str | None) -> None:
     sys.stdout.flush()
     if line:
         print(f"ptdp train: {line}", file=sys.stderr, flush=True)
+    record_exit(EXIT_CODE)   # a hang: worth a restart (ptdp/runtime/exit_status.py)
     os._exit(EXIT_CODE)

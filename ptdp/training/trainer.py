@@ -21,6 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from ptdp.checkpoint.background import BackgroundSaves
+from ptdp.checkpoint.layout import resolve_load
 from ptdp.checkpoint.load import load_checkpoint
 from ptdp.checkpoint.save import save_checkpoint
 from ptdp.config import Config
@@ -28,10 +30,11 @@ from ptdp.config.catalogue import Family, schedule_spec
 from ptdp.data.batching import MicroBatches
 from ptdp.data.synthetic import synthetic_datasets
 from ptdp.metrics.log import MetricsLog, write_config
-from ptdp.metrics.report import end_summary, format_bytes, startup_report
+from ptdp.metrics.report import SaveTiming, end_summary, format_bytes, startup_report
 from ptdp.metrics.throughput import iteration_tflops, peak_memory_gb, peak_tflops
 from ptdp.optim.lr import learning_rate
 from ptdp.parallel.grid import coordinates_of
+from ptdp.runtime.exit_status import restart_attempt
 from ptdp.runtime.startup import init_distributed
 from ptdp.runtime.trace import NO_SPANS, TraceRecorder
 from ptdp.runtime.watchdog import Watchdog, is_communication_error
@@ -68,9 +71,23 @@ class Trainer:
                         for split, ds in build_datasets(cfg).items() if len(ds) > 0}
         self.step = STEP_TYPES[self.spec.family](self.state, self.pipeline, self.batches["train"])
         self.last_checkpoint = None   # path of the newest checkpoint this job saved
-        if cfg.checkpoint.load:
-            load_checkpoint(self.state, cfg.checkpoint.load)
+        self.saves = BackgroundSaves(device) if cfg.checkpoint.async_save else None
+        self.save_timing = SaveTiming()
+        load = self._checkpoint_to_load()
+        if load:
+            self.save_timing.resumed(load_checkpoint(self.state, load))
         self.step.start(self.iteration)
+
+    def _checkpoint_to_load(self) -> str | None:
+        """checkpoint.load, `auto`'s newest checkpoint in checkpoint.dir, or a restarted job's
+        own newest checkpoint (ptdp/checkpoint/layout.py `resolve_load`). Rank 0 decides and
+        says so, so every rank loads the same even while the folder changes."""
+        decided = [resolve_load(self.cfg.checkpoint, restart_attempt() > 0)]
+        dist.broadcast_object_list(decided, src=0)
+        load, which = decided[0]
+        if which and self.state.grid.rank == 0:
+            print(f"ptdp train: {which}", flush=True)
+        return load
 
     @property
     def iteration(self) -> int:
@@ -157,6 +174,7 @@ class Trainer:
             write_config(cfg)
         log.print(startup_report(cfg, state.grid, state.local_parameter_count(),
                                  state.total_parameter_count(), state.device))
+        log.print(self.save_timing.advice(cfg.checkpoint))   # from a resumed job's figures
         self.last_checkpoint = None
         peak = peak_tflops(cfg, state.device)
         tracer = self._tracer()
@@ -176,10 +194,16 @@ class Trainer:
                     record["valid_loss"] = self.evaluate(self.iteration // cfg.train.eval_interval - 1)
                 history.append(record)
                 log.log(record)
+                self.save_timing.iteration(record["step_time_s"])
+                if self.saves is not None and self.saves.in_flight:
+                    log.print(self._published(self.saves.poll()))
                 if self._checkpoint_due():
                     watchdog.doing("checkpoint save", watch=False)  # as long as the disk takes
                     log.print(self.save_checkpoint())
+                    log.print(self.save_timing.advice(cfg.checkpoint))
             watchdog.doing("trace and shutdown", watch=False)
+            if self.saves is not None:
+                log.print(self._published(self.saves.wait()))
             tracer.write()
             log.print(end_summary(history, cfg, time.perf_counter() - started, state.device,
                                   self.last_checkpoint, resume_command))
@@ -229,13 +253,29 @@ class Trainer:
         return bool(interval_hit or self.iteration == self.cfg.train.iters)
 
     def save_checkpoint(self) -> str:
-        """Save to checkpoint.dir; returns the line to log: path, size and time."""
+        """Save to checkpoint.dir, or with checkpoint.async_save start writing it in the
+        background; returns the lines to log: path, size, and how long training stood still."""
         start = time.perf_counter()
-        final = save_checkpoint(self.state, self.cfg.checkpoint.dir)
+        if self.saves is None:
+            final = save_checkpoint(self.state, self.cfg.checkpoint.dir,
+                                    self.save_timing.metadata())
+            stall = self.save_timing.saved(time.perf_counter() - start)
+            return self._published(final, f"{stall:.1f} s")
+        earlier = self._published(self.saves.start(self.state, self.cfg.checkpoint.dir,
+                                                   self.save_timing.metadata()))
+        stall = self.save_timing.saved(time.perf_counter() - start)
+        return "\n".join(filter(None, [
+            earlier, f"checkpoint of iteration {self.iteration}: state copied in {stall:.1f} s, "
+                     f"writing in the background"]))
+
+    def _published(self, final, how: str = "written in the background") -> str | None:
+        """The line for a checkpoint just published (None: nothing was)."""
+        if final is None:
+            return None
         self.last_checkpoint = str(final)
         size = (sum(f.stat().st_size for f in final.iterdir() if f.is_file())
                 if self.state.grid.rank == 0 else 0)
-        return f"saved checkpoint {final} ({format_bytes(size)}, {time.perf_counter() - start:.1f} s)"
+        return f"saved checkpoint {final} ({format_bytes(size)}, {how})"
 
     # Whole-model views (reports, tests, conversion) -------------------------------------------
     def named_parameters(self):
