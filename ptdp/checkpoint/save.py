@@ -69,9 +69,9 @@ def save_checkpoint(state, directory: str | os.PathLike) -> Path:
 def _parameter_parts(state) -> dict:
     """What the state's parts save per parameter (and the versions' own state). With the
     distributed optimizer every data rank takes part in assembling the whole tensors (a
-    collective); otherwise only data rank 0 asks, since replicas hold the same."""
+    collective); otherwise only replica 0 asks, since replicas (data x context) hold the same."""
     versions = state.versions.state_dict() if state.versions is not None else {}
-    if state.grid.dp_rank != 0 and not state.weights.sharded:
+    if state.grid.replica_rank != 0 and not state.weights.sharded:
         return {"versions": versions}
     return {"values": state.weight_state().state_dict(),
             "optimizer": state.optimizer_state().state_dict(), "versions": versions}
@@ -122,7 +122,7 @@ def _write_rank_files(state, tmp: Path, parts: dict) -> dict:
     """This rank's files; returns metadata of the parameters it saved ({} if none)."""
     grid = state.grid
     save_durably(state.rng.state_dict(), tmp / rng_file_name(grid.rank))
-    if grid.dp_rank != 0:  # data-parallel replicas hold identical model and optimizer state
+    if grid.replica_rank != 0:  # data and context replicas hold identical model and optimizer state
         _reached("rank_files")
         return {}
     shards, info = _model_shards(state, parts)

@@ -24,9 +24,10 @@ class Pipeline:
         self.p2p = P2P(grid.pipeline_ranks, group=grid.pipeline_group,
                        tensor_group=grid.tensor_group, tp_rank=grid.tp_rank, tp_size=grid.t,
                        scatter_gather=par.scatter_gather)
-        # with sequence parallelism each tensor rank holds (and sends) its 1/t of the sequence
-        seq = cfg.model.seq_length // (grid.t if state.tp.sequence_parallel else 1)
-        activation_shape = (seq, cfg.train.micro_batch_size, cfg.model.hidden_size)
+        # with sequence parallelism each tensor rank holds (and sends) its 1/t of the sequence,
+        # with context parallelism each context rank its 2 of 2c chunks
+        activation_shape = (cfg.local_seq_length, cfg.train.micro_batch_size,
+                            cfg.model.hidden_size)
         self.executor = PipelineExecutor(state.chunks, self.p * self.v, self.p2p,
                                          activation_shape=activation_shape,
                                          activation_dtype=state.dtype, device=state.device)
