@@ -19,7 +19,8 @@ from ptdp.parallel.context import (chunk_ids, context_shard, context_unshard, lo
 from ptdp.parallel.grid import Coordinates, coordinates_of, group_rows
 from ptdp.parallel.ring_attention import DIAGONAL, visible_blocks
 from ptdp.runtime.local_ranks import run_on_ranks
-from tests.equivalence import MODELS, TINY, assert_equivalent, reference, run_layouts
+from tests.equivalence import (MODELS, RTOL, TINY, assert_equivalent, reference,
+                               relative_error)
 
 ARCHS = ("gpt", "llama")
 
@@ -162,6 +163,27 @@ LAYOUTS = {
     (2, 2, 2, 1): ["parallel.pipeline=2", "parallel.tensor=2", "parallel.context=2"],
     (1, 1, 4, 2): ["parallel.context=4", "parallel.data=2"],
 }
+P2C2, T2C2 = LAYOUTS[(2, 1, 2, 1)], LAYOUTS[(1, 2, 2, 1)]
+# With everything else (4 ranks): name -> (arch, overrides)
+FEATURES = {
+    "interleaved": ("gpt", [*P2C2, "parallel.chunks=2", "schedule.name=interleaved"]),
+    "zb-h1": ("llama", [*P2C2, "schedule.name=zb-h1"]),
+    "gpipe recompute=full": ("gpt", [*P2C2, "schedule.name=gpipe", "train.recompute=full",
+                                     "train.recompute_num_layers=2"]),
+    "sp distopt selective": ("llama", [*T2C2, "parallel.sequence_parallel=true",
+                                       "train.distributed_optimizer=true",
+                                       "train.recompute=selective"]),
+    "sp distopt gpt": ("gpt", [*T2C2, "parallel.sequence_parallel=true",
+                               "train.distributed_optimizer=true"]),
+}
+# PipeDream-2BW changes the update rule: (p, c, d) = (2, 2, 1) must follow it as (2, 1, 2) does
+# (which tests/pipeline/test_no_flush.py holds to the single-process simulation of the rule)
+TWO_BW = {"2bw c2": [*P2C2, "schedule.name=2bw"],
+          "2bw d2": ["parallel.pipeline=2", "parallel.data=2", "schedule.name=2bw"]}
+# Resume across a change of c (Llama-style, 4 ranks): (c, d) = (2, 2) saves; itself, (4, 1),
+# (1, 4) and (t, c) = (2, 2) continue from its iteration 2
+RESUME = {"c2 d2": ["parallel.context=2", "parallel.data=2"], "c4": ["parallel.context=4"],
+          "d4": ["parallel.data=4"], "t2 c2": T2C2}
 
 
 def _world(layout: tuple) -> int:
@@ -169,26 +191,115 @@ def _world(layout: tuple) -> int:
     return p * t * c * d
 
 
+def _job(runs: list, two_bw: dict, resume_root: str | None) -> dict:
+    """Every rank: the equivalence runs (tests/equivalence.py), the 2BW runs, the resumes."""
+    from tests.equivalence import train_and_collect
+    out = {"runs": train_and_collect(runs, 3, nccl_rules=True)}
+    for name, overrides in two_bw.items():
+        out[name] = _two_bw(overrides)
+    if resume_root is not None:
+        out["resume"] = _resume(resume_root)
+    return out
+
+
+def _trainer(overrides: list[str]):
+    import torch.distributed as dist
+
+    from ptdp.training import Trainer
+    from tests.pipeline.nccl_rules import InOrderTransport
+    trainer = Trainer(load_config(None, TINY + overrides, world_size=dist.get_world_size()))
+    grid = trainer.state.grid
+    trainer.pipeline.p2p.transport = InOrderTransport(grid.pipeline_group)
+    if grid.c > 1:
+        trainer.state.ctx.cp.transport = InOrderTransport(grid.context_group)
+    return trainer
+
+
+def _two_bw(overrides: list[str], iters: int = 4) -> dict:
+    trainer = _trainer([*MODELS["gpt"], *overrides, f"train.iters={iters}"])
+    losses = [trainer.train_step(it).loss for it in range(iters)]
+    return {"losses": losses, "weights": trainer.full_state()}
+
+
+def _resume(root: str) -> dict:
+    save = [f"checkpoint.dir={root}/saved", "checkpoint.save_interval=2", "train.iters=4"]
+    load = [f"checkpoint.load={root}/saved/iter_0000002", "train.iters=4"]
+    out = {}
+    straight = _trainer([*MODELS["llama"], *RESUME["c2 d2"], *save])
+    out["straight"] = ([r["loss"] for r in straight.train()], straight.full_state())
+    for name, overrides in RESUME.items():
+        extra = save if name == "c2 d2" else []   # itself: saving again at 4, as straight did
+        trainer = _trainer([*MODELS["llama"], *overrides, *load, *extra])
+        out[name] = ([r["loss"] for r in trainer.train()], trainer.full_state())
+    return out
+
+
 @functools.lru_cache(maxsize=None)
-def _results(world: int) -> dict:
+def _results(world: int, resume_root: str | None = None) -> dict:
     keys = [(layout, arch) for layout in LAYOUTS if _world(layout) == world for arch in ARCHS]
-    results = run_layouts(world, [[*MODELS[arch], *LAYOUTS[layout]] for layout, arch in keys],
-                          timeout_s=400, nccl_rules=True)
-    return dict(zip(keys, results))
+    runs = [[*MODELS[arch], *LAYOUTS[layout]] for layout, arch in keys]
+    if world == 4:
+        keys += list(FEATURES)
+        runs += [[*MODELS[arch], *overrides] for arch, overrides in FEATURES.values()]
+    per_rank = run_on_ranks(world, _job, runs, TWO_BW if world == 4 else {},
+                            resume_root if world == 4 else None, timeout_s=500)
+    out = {key: [rank["runs"][i] for rank in per_rank] for i, key in enumerate(keys)}
+    out.update({name: [rank[name] for rank in per_rank] for name in (
+        [*TWO_BW, "resume"] if world == 4 else [])})
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return _results(4, str(tmp_path_factory.mktemp("context-resume")))
+
+
+def _of(layout: tuple, four: dict) -> dict:
+    return four if _world(layout) == 4 else _results(_world(layout))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=lambda l: "p{}-t{}-c{}-d{}".format(*l))
-def test_context_layouts_match_single_process(layout, arch):
-    ranks = _results(_world(layout))[(layout, arch)]
-    for rank in ranks:
+def test_context_layouts_match_single_process(layout, arch, four_ranks):
+    for rank in _of(layout, four_ranks)[(layout, arch)]:
         assert_equivalent(rank, reference(arch), f"{arch} {layout}")
         assert rank["ring_batches"] > 0   # the ring ran under the in-order transport
 
 
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_context_with_schedules_sequence_parallelism_distopt_recompute(name, four_ranks):
+    """Interleaved 1F1B, ZB-H1, GPipe with full recomputation, sequence parallelism with the
+    distributed optimizer (sharded over d*c) and selective recomputation: all exact."""
+    arch = FEATURES[name][0]
+    for rank in four_ranks[name]:
+        assert_equivalent(rank, reference(arch), f"{arch} c=2 {name}")
+
+
+def test_two_bw_with_context_follows_its_update_rule(four_ranks):
+    for got, want in zip(four_ranks["2bw c2"], four_ranks["2bw d2"]):
+        assert all(abs(x - y) <= RTOL * abs(y) for x, y in zip(got["losses"], want["losses"]))
+        for key, value in want["weights"].items():
+            assert relative_error(got["weights"][key], value) <= RTOL, key
+
+
+def test_resume_across_a_change_of_context_size(four_ranks):
+    """Weights are layout-free and the data position is the iteration: the same layout resumes
+    bit for bit, and (c, d) = (4, 1), (1, 4), (t, c) = (2, 2) continue (c, d) = (2, 2)'s run to
+    fp32 round-off."""
+    for rank in four_ranks["resume"]:
+        losses, weights = rank["straight"]
+        assert rank["c2 d2"][0] == losses[2:]
+        assert all(torch.equal(rank["c2 d2"][1][k], v) for k, v in weights.items())
+        for name in ("c4", "d4", "t2 c2"):
+            got, got_weights = rank[name]
+            assert all(abs(x - y) <= RTOL * abs(y) for x, y in zip(got, losses[2:])), (name, got)
+            for key, value in weights.items():
+                assert relative_error(got_weights[key], value) <= RTOL, (name, key)
+
+
 @pytest.mark.parametrize("layout", [(1, 1, 2, 1), (1, 2, 2, 1), (1, 1, 4, 2)],
                          ids=lambda l: "p{}-t{}-c{}-d{}".format(*l))
-def test_ring_bytes_per_layer(layout):
+def test_ring_bytes_per_layer(layout, four_ranks):
     """Per layer and micro-batch a rank sends c-1 K/V blocks forward, and c-1 K/V blocks plus
     c dK/dV blocks backward; a block is 2 * b * (s/c) * (kv_heads/t) * head_dim fp32 values."""
     p, t, c, d = layout
@@ -196,5 +307,5 @@ def test_ring_bytes_per_layer(layout):
     m = 8 // (b * d)
     for arch, kv_heads in (("gpt", 4), ("llama", 2)):
         block = 2 * b * (s // c) * (kv_heads // t) * head_dim * 4
-        for rank in _results(_world(layout))[(layout, arch)]:
+        for rank in _of(layout, four_ranks)[(layout, arch)]:
             assert rank["ring_bytes"] == iters * m * layers * (3 * c - 2) * block, (arch, rank)
