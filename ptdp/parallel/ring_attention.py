@@ -119,7 +119,11 @@ class _RingAttention(torch.autograd.Function):
         repeats = q.shape[1] // k.shape[1]
         half = q.shape[2] // 2
         rows = lambda slot: slice(slot * half, (slot + 1) * half)  # noqa: E731
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        # laid out [b, 2L, heads, d] as torch's kernels lay out theirs: the layer's permute to
+        # [2L, b, heads, d] is then a view for b = 1, not a copy the projection keeps
+        b, heads, length, d = q.shape
+        out = torch.zeros((b, length, heads, d), dtype=torch.float32,
+                          device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])   # one contiguous message per step
         for step in range(cp.size):
