@@ -39,6 +39,8 @@ class Pipeline:
         if grid.p > 1:  # NCCL: a group's first operation must involve all of its ranks, which
             # a batch of point-to-point operations does not (see dist.batch_isend_irecv)
             dist.all_reduce(torch.zeros(1, device=state.device), group=grid.pipeline_group)
+        if grid.c > 1:  # the same for the context ring's batches (every member is in each)
+            dist.all_reduce(torch.zeros(1, device=state.device), group=grid.context_group)
 
     def plan(self, schedule: list) -> list:
         """This rank's steps of `schedule` (every rank's action lists), after checking every
