@@ -200,6 +200,7 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     shape = context_shape(whole, c)   # this rank's s/c tokens
     split = schedule_spec(lay.schedule).split_backward   # backward as B now and W later
     layers = shape.layers // p
+    attention = "flash" if c > 1 else attention   # the ring's blocks keep no scores
     lt = layer_times(hw, prec, shape, b, t, attention)
     attention_forward, ring = lt.attention_forward, 0.0
     if c > 1:   # its queries attend to the whole sequence: c times an s/c sequence's attention
