@@ -31,7 +31,9 @@ class Embedding(nn.Module):
     attention rotates queries and keys instead (models/rotary.py).
 
     With sequence parallelism the word embedding is reduce-scattered, the other two are looked
-    up for my tokens only, and the result is my [s/t, b, h] slice.
+    up for my tokens only, and the result is my [s/t, b, h] slice. With context parallelism the
+    tokens are my two chunks of the sequence (ptdp/parallel/context.py) and the position rows
+    theirs.
     """
 
     def __init__(self, ctx: ModelContext, num_tokentypes: int = 0):
@@ -45,15 +47,22 @@ class Embedding(nn.Module):
         self.tokentype = (replicated((num_tokentypes, cfg.hidden_size), "embedding.tokentype")
                           if num_tokentypes else None)
         self.dropout = cfg.dropout
-        self.tp = ctx.tp
+        self.tp, self.cp = ctx.tp, ctx.cp
         self.lookup = weight_grad.embedding if ctx.split_backward else F.embedding
+
+    def _positions(self, length: int) -> torch.Tensor:
+        """The position table's rows of my tokens: the first `length`, or with context
+        parallelism the rows of my two chunks of the sequence."""
+        if self.cp.size == 1:
+            return self.position[:length]
+        return self.position[self.cp.positions(length, self.position.device)]
 
     def forward(self, tokens: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
         tokens = tokens.t()  # [b, s] -> [s, b]
         mine = lambda x: sequence_shard(x, self.tp)  # noqa: E731 - my tokens' rows (SP)
         x = self.word(tokens)
         if self.position is not None:
-            x = x + mine(self.position[: tokens.shape[0]]).unsqueeze(1)
+            x = x + mine(self._positions(tokens.shape[0])).unsqueeze(1)
         if self.tokentype is not None:
             x = x + self.lookup(mine(types.t()), self.tokentype)
         if self.dropout == 0 or not self.training:

@@ -35,5 +35,8 @@ class GPTChunk(ModelChunk):
         per_token = vocab_parallel_cross_entropy(out, batch["labels"].t(), self.ctx.model.vocab_size,
                                                  self.ctx.tp)
         mask = batch["loss_mask"].t().to(per_token.dtype)
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        # with context parallelism this rank holds part of the sequence: its share of the
+        # micro-batch's mean, over the whole sequence's mask count (the batch carries it)
+        count = batch["loss_count"].to(per_token.dtype) if "loss_count" in batch else mask.sum()
+        loss = (per_token * mask).sum() / count.clamp(min=1.0)
         return loss, {"lm_loss": loss.detach()}

@@ -16,12 +16,14 @@ Attention is F.scaled_dot_product_attention on [b, heads, s, head_dim] views of 
 GPT passes `is_causal=True` and no mask, so on GPU the flash kernel runs (bf16/fp16, head_dim
 <= 256). BERT passes its padding mask as a boolean [b, 1, 1, s] keep-mask, broadcast over
 heads and queries: flash takes no mask, so the memory-efficient kernel (or cuDNN's, where it
-accepts masks) runs instead; the math kernel only when neither applies (e.g. on CPU).
+accepts masks) runs instead; the math kernel only when neither applies (e.g. on CPU). With
+context parallelism (c > 1) each rank holds two chunks of the sequence and attention is a ring
+over the context group (ptdp/parallel/ring_attention.py); rotary angles follow the chunks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -32,8 +34,10 @@ from ptdp.config import ModelConfig
 from ptdp.kernels import bias_dropout_add, bias_gelu, bias_swiglu
 from ptdp.models.norms import norm
 from ptdp.models.rotary import RotaryEmbedding, rotate
+from ptdp.parallel.context import ContextParallel
 from ptdp.parallel.layers import ColumnParallelLinear, RowParallelLinear, full_normal, scaled_std
 from ptdp.parallel.mappings import TensorParallel
+from ptdp.parallel.ring_attention import ring_attention
 from ptdp.parallel.rng import TensorParallelRNG
 from ptdp.parallel.sequence import sequence_parallel_dropout
 
@@ -51,6 +55,7 @@ class ModelContext:
     recompute_num_layers: int = 1
     compile: bool = False            # torch.compile each TransformerLayer (train.compile)
     split_backward: bool = False     # weight gradients deferrable to a W pass (zb-h1)
+    cp: ContextParallel = field(default_factory=ContextParallel)   # the context ring (c)
 
 
 def hidden_dropout_add(x, bias, residual, p: float, training: bool, tp: TensorParallel):
@@ -106,21 +111,25 @@ class ParallelAttention(nn.Module):
         if padding_mask is not None:  # [b, s] with 1 = real token -> [b, 1, 1, s] bool keep-mask
             mask = padding_mask.bool()[:, None, None, :]
         causal = self.causal and mask is None
+        if self.ctx.cp.size > 1:   # config: no padding mask, no dropout with context parallelism
+            return ring_attention(q, k, v, self.ctx.cp, causal)
         if dropout == 0.0:  # no randomness: skip swapping RNG states
             return attention(q, k, v, mask, causal)
         return _attention_with_dropout(self.ctx.rng, q, k, v, mask, dropout, causal)
 
     def project(self, x, positions=None):
         """x [s, b, h] -> q [b, heads, s, d], k and v [b, groups, s, d] of my heads, rotated
-        for `positions` [s] (default 0 .. s-1) with rotary embeddings."""
+        for `positions` [s] (default 0 .. s-1, or this context rank's chunks' positions) with
+        rotary embeddings."""
         qkv = self.qkv(x)  # the whole sequence (all-gathered first with sequence parallelism)
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.local_groups, self.group_size + 2, -1)
         q = qkv[:, :, :, :self.group_size].reshape(s, b, self.local_heads, -1).permute(1, 2, 0, 3)
         k, v = (qkv[:, :, :, self.group_size + i].permute(1, 2, 0, 3) for i in range(2))
         if self.rotary is not None:
-            if positions is None:
-                positions = torch.arange(s, device=x.device)
+            if positions is None:   # this rank's chunks' positions with context parallelism
+                positions = (self.ctx.cp.positions(s, x.device) if self.ctx.cp.size > 1
+                             else torch.arange(s, device=x.device))
             cos, sin = self.rotary(positions)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         return q, k, v

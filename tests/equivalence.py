@@ -45,8 +45,11 @@ def train_and_collect(runs: list[list[str]], iters: int = 3,
     for overrides in runs:
         cfg = load_config(None, TINY + overrides, world_size=dist.get_world_size())
         trainer = Trainer(cfg)
+        grid, cp = trainer.state.grid, trainer.state.ctx.cp
         if nccl_rules:
-            trainer.pipeline.p2p.transport = InOrderTransport(trainer.state.grid.pipeline_group)
+            trainer.pipeline.p2p.transport = InOrderTransport(grid.pipeline_group)
+            if grid.c > 1:   # the context ring's exchanges under the same rules
+                cp.transport = InOrderTransport(grid.context_group)
         first = trainer.forward_backward(0)
         norm = trainer.reduce_gradients()
         grads = trainer.full_state(grads=True)
@@ -59,7 +62,9 @@ def train_and_collect(runs: list[list[str]], iters: int = 3,
                           "aux": first.aux, "bytes_sent": trainer.pipeline.p2p.bytes_sent,
                           "shards": {n: tuple(p.shape) for n, p in trainer.named_parameters()},
                           "coords": trainer.state.grid.coords,
-                          "batches": getattr(trainer.pipeline.p2p.transport, "batches", None)})
+                          "batches": getattr(trainer.pipeline.p2p.transport, "batches", None),
+                          "ring_bytes": cp.bytes_sent,
+                          "ring_batches": getattr(cp.transport, "batches", None)})
     return collected
 
 

@@ -81,7 +81,11 @@ def latest_name(root: Path) -> str | None:
 
 def layout_of(cfg) -> dict:
     par = cfg.parallel
-    return {"pipeline": par.pipeline, "tensor": par.tensor, "data": par.data, "chunks": par.chunks}
+    layout = {"pipeline": par.pipeline, "tensor": par.tensor, "data": par.data,
+              "chunks": par.chunks}
+    if par.context > 1:   # only then: older checkpoints (and c = 1) keep their four keys
+        layout["context"] = par.context
+    return layout
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
@@ -231,5 +235,6 @@ def load_file(path: Path, mmap: bool):
 
 
 def layout_text(layout: dict) -> str:
-    return (f"p={layout['pipeline']} t={layout['tensor']} d={layout['data']} "
+    context = f" c={layout['context']}" if layout.get("context", 1) > 1 else ""
+    return (f"p={layout['pipeline']} t={layout['tensor']}{context} d={layout['data']} "
             f"v={layout['chunks']}")

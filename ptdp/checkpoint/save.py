@@ -125,9 +125,9 @@ def finish_save(pending: PendingSave) -> Path:
 def _parameter_parts(state) -> dict:
     """What the state's parts save per parameter (and the versions' own state). With the
     distributed optimizer every data rank takes part in assembling the whole tensors (a
-    collective); otherwise only data rank 0 asks, since replicas hold the same."""
+    collective); otherwise only replica 0 asks, since replicas (data x context) hold the same."""
     versions = state.versions.state_dict() if state.versions is not None else {}
-    if state.grid.dp_rank != 0 and not state.weights.sharded:
+    if state.grid.replica_rank != 0 and not state.weights.sharded:
         return {"versions": versions}
     return {"values": state.weight_state().state_dict(),
             "optimizer": state.optimizer_state().state_dict(), "versions": versions}
@@ -179,7 +179,7 @@ def _snapshot_rank_files(state, tmp: Path, parts: dict) -> tuple[dict, dict]:
     none)), every tensor copied to host memory."""
     grid = state.grid
     files = {tmp / rng_file_name(grid.rank): state.rng.state_dict()}
-    if grid.dp_rank != 0:  # data-parallel replicas hold identical model and optimizer state
+    if grid.replica_rank != 0:  # data and context replicas hold the same model and optimizer
         return files, {}
     shards, info = _model_shards(state, parts)
     files[tmp / shard_file_name(grid.pp_rank, grid.tp_rank)] = shards

@@ -42,7 +42,8 @@ def register(subparsers) -> None:
                       help="default: the hardware profile's")
     plan.add_argument("--fix", default=None,
                       help="pin choices, e.g. p=8,t=8,b=1,v=2,schedule=interleaved,"
-                           "recompute=full,sg=true,distopt=true")
+                           "recompute=full,sg=true,distopt=true; c=2 for context parallelism "
+                           "(searched only when pinned here or by the YAML's parallel.context)")
     plan.add_argument("--allow-2bw", action="store_true",
                       help="also consider PipeDream-2BW (relaxed, 1-stale weight updates)")
     plan.add_argument("--allow-distributed-optimizer", action="store_true",
@@ -113,6 +114,8 @@ def _plan(args) -> int:
     if args.top < 1:
         raise PlanError("--top must be at least 1")
     fixed = parse_fix(args.fix)
+    if cfg.parallel.context > 1:   # the YAML's context parallelism is kept (unless --fix c=)
+        fixed.setdefault("context", cfg.parallel.context)
     opt_in = args.allow_2bw or ("schedule" in fixed
                                 and schedule_spec(fixed["schedule"]).planner is Planner.OPT_IN)
     schedules = SCHEDULES if opt_in else STRICT_SCHEDULES

@@ -110,6 +110,7 @@ class ParallelConfig:
     pipeline: int = 1                    # p
     data: int | None = None              # d; None = world_size / (p * t)
     chunks: int = 1                      # v, model chunks per pipeline rank (interleaving)
+    context: int = 1                     # c, ranks splitting each sequence (ring attention)
     scatter_gather: bool = False         # send 1/t of each boundary tensor, all-gather after
     sequence_parallel: bool = False      # LayerNorm/dropout regions split along the sequence
 
@@ -202,6 +203,14 @@ class Config:
     def num_micro_batches(self) -> int:
         """m: micro-batches per data-parallel rank per iteration."""
         return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.data)
+
+    @property
+    def local_seq_length(self) -> int:
+        """Tokens of each sequence one rank's layers hold outside attention: s/c, and s/(c*t)
+        with sequence parallelism (the stage-boundary tensors' first dimension)."""
+        par = self.parallel
+        sp = par.tensor if par.sequence_parallel and par.tensor > 1 else 1
+        return self.model.seq_length // (par.context * sp)
 
     @property
     def padded_vocab_size(self) -> int:

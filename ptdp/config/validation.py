@@ -230,28 +230,30 @@ def _check_log_and_checkpoint(cfg: Config, out: _Problems) -> None:
 def _check_parallel_sizes(par: ParallelConfig, out: _Problems) -> bool:
     ok = all([out.require(getattr(par, key) >= 1, f"parallel.{key} must be >= 1, got "
                                                   f"{getattr(par, key)}")
-              for key in ("tensor", "pipeline", "chunks")])
+              for key in ("tensor", "pipeline", "chunks", "context")])
     if par.data is not None:
         ok = out.require(par.data >= 1, f"parallel.data must be >= 1, got {par.data}") and ok
     return ok
 
 
 def _check_layout(cfg: Config, world_size: int, out: _Problems) -> None:
-    """(p, t, d, v) against the world size, the model's sizes, the schedule and the batch."""
+    """(p, t, c, d, v) against the world size, the model's sizes, the schedule and the batch."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
-    t, p, v = par.tensor, par.pipeline, par.chunks
+    t, p, v, c = par.tensor, par.pipeline, par.chunks, par.context
+    model_ranks = p * t * c
+    names = "parallel.pipeline * parallel.tensor" + (" * parallel.context" if c > 1 else "")
+    sizes = f"{p} * {t}" + (f" * {c}" if c > 1 else "")
     if par.data is None:
-        if not out.require(world_size % (p * t) == 0,
-                           f"world size {world_size} is not divisible by parallel.pipeline * "
-                           f"parallel.tensor = {p} * {t}; launch a multiple of {p * t} ranks"):
+        if not out.require(world_size % model_ranks == 0,
+                           f"world size {world_size} is not divisible by {names} = {sizes}; "
+                           f"launch a multiple of {model_ranks} ranks"):
             return
-        par.data = world_size // (p * t)
+        par.data = world_size // model_ranks
     d = par.data
-    suggestion = world_size // (p * t) if world_size % (p * t) == 0 else "?"
-    out.require(p * t * d == world_size,
-                f"parallel.pipeline * parallel.tensor * parallel.data = {p} * {t} * {d} = "
-                f"{p * t * d} but the world size is {world_size}; set parallel.data={suggestion} "
-                f"or launch {p * t * d} ranks")
+    suggestion = world_size // model_ranks if world_size % model_ranks == 0 else "?"
+    out.require(model_ranks * d == world_size,
+                f"{names} * parallel.data = {sizes} * {d} = {model_ranks * d} but the world size "
+                f"is {world_size}; set parallel.data={suggestion} or launch {model_ranks * d} ranks")
     grouped = ("num_kv_heads",) if m.num_kv_heads != m.num_heads else ()
     for key in ("num_heads", *grouped, "hidden_size", "ffn_hidden_size"):
         out.require(getattr(m, key) % t == 0, f"model.{key} ({getattr(m, key)}) must be "
@@ -263,6 +265,8 @@ def _check_layout(cfg: Config, world_size: int, out: _Problems) -> None:
         out.require(p > 1, "parallel.scatter_gather=true only applies with parallel.pipeline > 1")
     if par.sequence_parallel:
         _check_sequence_parallel(cfg, out)
+    if c > 1:
+        _check_context(cfg, out)
     if out.require(tr.global_batch_size % (tr.micro_batch_size * d) == 0,
                    f"train.global_batch_size ({tr.global_batch_size}) must be divisible by "
                    f"train.micro_batch_size * parallel.data = {tr.micro_batch_size} * {d} = "
@@ -287,6 +291,25 @@ def _check_sequence_parallel(cfg: Config, out: _Problems) -> None:
                 f"parallel.sequence_parallel=true is not supported with schedule.name="
                 f"{cfg.schedule.name}; use a flushing schedule "
                 f"({', '.join(names_where(lambda s: s.allows_sequence_parallel))})")
+
+
+def _check_context(cfg: Config, out: _Problems) -> None:
+    """Context parallelism: 2c chunks of the sequence (times t with sequence parallelism), a
+    causal decoder, no dropout (the ring applies none)."""
+    m, par = cfg.model, cfg.parallel
+    c, s = par.context, m.seq_length
+    sp = par.sequence_parallel and par.tensor > 1
+    cuts = 2 * c * (par.tensor if sp else 1)
+    how = (f"2 * parallel.context * parallel.tensor = 2 * {c} * {par.tensor} = {cuts} (2c chunks, "
+           f"each split over the tensor ranks by sequence parallelism)" if sp
+           else f"2 * parallel.context = {cuts} (2c chunks: rank i holds chunks i and 2c-1-i)")
+    out.require(s % cuts == 0, f"parallel.context={c} needs model.seq_length ({s}) divisible by "
+                               f"{how}")
+    out.require(m.arch == "gpt", f"parallel.context={c} supports model.arch=gpt only (causal "
+                                 f"decoders): BERT's padding mask and [CLS] heads are not split "
+                                 f"over a context group; set parallel.context=1")
+    out.require(m.dropout == 0.0, f"parallel.context={c} needs model.dropout=0 (got {m.dropout}): "
+                                  f"the ring attention applies no attention dropout")
 
 
 def _check_schedule(cfg: Config, out: _Problems) -> None:

@@ -4,12 +4,22 @@ Iteration `it` consumes global samples [it*B, (it+1)*B). Data rank j owns the co
 slice [j*B/d, (j+1)*B/d) of it, cut into micro-batches of b. Concatenating the ranks'
 micro-batches in order gives exactly the single-process micro-batch sequence, which is what
 makes every layout train the same model.
+
+With context parallelism (c > 1) the c ranks of a context group read the same samples and each
+keeps only its two chunks of the sequence (ptdp/parallel/context.py) of every tensor laid out
+along it (`SEQUENCE_KEYS`); `loss_count` carries the whole sequence's loss-mask count, so each
+rank's loss is its share of the single-process mean.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from ptdp.parallel.context import context_shard
+
+# The [b, s] tensors of a micro-batch, split along the sequence with context parallelism.
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "types", "padding_mask")
 
 
 def micro_batch_indices(iteration: int, micro_batch: int, *, global_batch: int,
@@ -38,12 +48,27 @@ class MicroBatches:
     """Builds micro-batch `i` of iteration `it` for this data rank from a map-style dataset."""
 
     def __init__(self, dataset, *, global_batch: int, micro_batch_size: int, data_rank: int,
-                 data_size: int, device: torch.device):
+                 data_size: int, device: torch.device, context_rank: int = 0,
+                 context_size: int = 1):
         self.dataset, self.device = dataset, device
         self.layout = dict(global_batch=global_batch, micro_batch_size=micro_batch_size,
                            data_rank=data_rank, data_size=data_size)
+        self.context_rank, self.context_size = context_rank, context_size
 
     def get(self, iteration: int, micro_batch: int) -> dict:
         n = len(self.dataset)
         idx = micro_batch_indices(iteration, micro_batch, **self.layout)
-        return collate([self.dataset[i % n] for i in idx], self.device)
+        batch = collate([self.dataset[i % n] for i in idx], self.device)
+        return context_split(batch, self.context_rank, self.context_size)
+
+
+def context_split(batch: dict, rank: int, size: int) -> dict:
+    """Context rank `rank`'s part of a micro-batch: its two chunks of every sequence tensor,
+    and the whole sequence's loss-mask count as `loss_count` (identity for size 1)."""
+    if size == 1:
+        return batch
+    out = {key: context_shard(value, 1, rank, size) if key in SEQUENCE_KEYS else value
+           for key, value in batch.items()}
+    if "loss_mask" in batch:
+        out["loss_count"] = batch["loss_mask"].sum()
+    return out

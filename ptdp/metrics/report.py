@@ -27,7 +27,7 @@ def startup_report(cfg: Config, grid, local_params: int, total_params: int,
     name = m.arch.upper() + (f" ({m.preset} block)" if m.preset != "gpt" else "")
     heads = f"{m.num_heads} heads" + (f" ({m.num_kv_heads} K/V)" if m.num_kv_heads != m.num_heads
                                       else "")
-    world = grid.p * grid.t * grid.d
+    world = grid.p * grid.t * par.context * grid.d
     lines = []
     if cfg.log.verbose:
         lines += ["ptdp: resolved config", yaml.safe_dump(cfg.to_dict(), sort_keys=False).rstrip()]
@@ -36,7 +36,9 @@ def startup_report(cfg: Config, grid, local_params: int, total_params: int,
         f"layers, hidden {m.hidden_size}, {heads}, sequence {m.seq_length}, "
         f"vocabulary {m.vocab_size} padded to {cfg.padded_vocab_size}; {formula}: "
         f"{eq43 / 1e6:.3g} M); {local_params:,} on rank 0",
-        f"layout: (p, t, d) = ({par.pipeline}, {par.tensor}, {par.data}), v = {par.chunks}, "
+        (f"layout: (p, t, d) = ({par.pipeline}, {par.tensor}, {par.data}), " if par.context == 1 else
+         f"layout: (p, t, c, d) = ({par.pipeline}, {par.tensor}, {par.context}, {par.data}), ")
+        + f"v = {par.chunks}, "
         f"schedule {cfg.schedule.name}, {world} rank(s):",
         *rank_roles(cfg, grid),
         f"batch: {tr.global_batch_size} sequences x {m.seq_length} tokens per iteration = "
@@ -57,10 +59,11 @@ def rank_roles(cfg: Config, grid) -> list[str]:
     its tensor shard and its data replica."""
     from ptdp.parallel.grid import coordinates_of
     from ptdp.pipeline.actions import rank_stages, stage_layers
-    par, world = cfg.parallel, grid.p * grid.t * grid.d
+    par = cfg.parallel
+    world = grid.p * grid.t * par.context * grid.d
     lines = []
     for rank in range(min(world, MAX_ROLE_LINES)):
-        c = coordinates_of(rank, grid.p, grid.d, grid.t)
+        c = coordinates_of(rank, grid.p, grid.d, grid.t, par.context)
         stages = rank_stages(c.pipeline, par.pipeline, par.chunks)
         last = par.pipeline * par.chunks - 1
         parts = []
@@ -69,10 +72,14 @@ def rank_roles(cfg: Config, grid) -> list[str]:
             extra = (" + embedding" if s == 0 else "") + (" + head and loss" if s == last else "")
             parts.append(f"layers {layers.start}-{layers.stop - 1}{extra}")
         lines.append(f"  rank {rank}: pipeline stage {c.pipeline} ({'; '.join(parts)}), "
-                     f"tensor shard {c.tensor + 1}/{grid.t}, data replica {c.data + 1}/{grid.d}")
+                     f"tensor shard {c.tensor + 1}/{grid.t}, "
+                     + (f"sequence chunks {c.context} and {2 * par.context - 1 - c.context} of "
+                        f"{2 * par.context}, " if par.context > 1 else "")
+                     + f"data replica {c.data + 1}/{grid.d}")
     if world > MAX_ROLE_LINES:
-        lines.append(f"  ... {world - MAX_ROLE_LINES} more: rank = (pipeline stage x {grid.d} + "
-                     f"data replica) x {grid.t} + tensor shard")
+        ring = f" x {par.context} + context rank)" if par.context > 1 else ""
+        lines.append(f"  ... {world - MAX_ROLE_LINES} more: rank = {'(' if ring else ''}"
+                     f"(pipeline stage x {grid.d} + data replica){ring} x {grid.t} + tensor shard")
     return lines
 
 

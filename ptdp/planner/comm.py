@@ -123,6 +123,20 @@ def pipeline_link(hw, t: int, d: int, p: int, gpus_per_node: int,
     return link
 
 
+def context_link(hw, t: int, c: int, gpus_per_node: int, busy: int | None = None) -> Link:
+    """A context ring's neighbours are t ranks apart (the grid is (p, d, c, t)): on the network
+    when a ring straddles nodes (a node's members share its NICs), else the node's point-to-point
+    rate (measured, busy or idle, when the profile has it)."""
+    crossing = crossing_members(t, c, gpus_per_node, False)
+    if crossing is not None:
+        return inter_link(hw, crossing)
+    row = busy_node(hw, busy)
+    p2p = row["p2p"] if row else (hw.measured or {}).get("p2p")
+    if p2p:
+        return Link(p2p["bandwidth_GBps"] * 1e9, p2p["latency_us"] * 1e-6, True)
+    return intra_link(hw)
+
+
 def all_reduce_time(n: int, nbytes: float, link: Link) -> float:
     """Ring all-reduce: every rank sends and receives 2(n-1)/n of the buffer."""
     if n <= 1 or nbytes <= 0:

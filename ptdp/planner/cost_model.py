@@ -43,6 +43,18 @@ Communication (comm.py)
     nothing overlaps (`overlap_communication: false`): gloo's copies and reductions run on the
     same cores.
 
+Context parallelism (c > 1, ptdp/parallel/ring_attention.py)
+  * Each rank holds s/c tokens: its GEMMs, elementwise kernels, tensor-parallel collectives,
+    pipeline sends and logits are those of an s/c sequence; its attention, balanced by the
+    chunk placement, is 1/c of the whole sequence's (c times an s/c sequence's).
+  * The ring: per layer and micro-batch c-1 K/V blocks forward, c-1 K/V and c dK/dV blocks
+    backward (formulas.ring_blocks_per_layer; recomputation repeats the forward ring), each
+    block sent while the block before it is attended to: only what a step's transfer takes
+    beyond a step's attention (1/c of the rank's) is exposed, and the last dK/dV hop home
+    always, when the profile says point-to-point transfers overlap (`overlap_pipeline`); all of
+    it otherwise. Neighbours are t ranks apart (comm.context_link).
+  * Gradients are reduced over the d*c replicas; the distributed optimizer shards over them.
+
 Pipeline (formulas.bubble_fraction)
   * Flushing schedules (gpipe, 1f1b, interleaved): m * T_slowest + (p-1)/v * T_mean, which
     is (p-1)/(v*m) bubble for balanced stages. 2BW never flushes: m *
@@ -91,8 +103,10 @@ from ptdp.config import padded_vocab_size
 from ptdp.config.catalogue import DEFAULT, Planner, names_where, schedule_spec
 from ptdp.hardware import HardwareProfile
 from ptdp.planner import comm
-from ptdp.planner.compute import BYTES, ModelShape, head_times, layer_times, measured_tensor_comm
-from ptdp.planner.formulas import bubble_fraction, iteration_flops
+from ptdp.planner.compute import (BYTES, ModelShape, _attention_times, head_times, layer_times,
+                                  measured_tensor_comm)
+from ptdp.planner.formulas import (bubble_fraction, context_shape, iteration_flops,
+                                   ring_block_bytes, ring_blocks_per_layer)
 from ptdp.planner.memory import GB, MemoryBreakdown, gpu_memory, stage_parameters
 
 # What the cost model has formulas for (ptdp/config/catalogue.py: all but PipeDream async).
@@ -112,10 +126,16 @@ class Layout:
     scatter_gather: bool = False
     distributed_optimizer: bool = False
     sequence_parallel: bool = False
+    context: int = 1
 
     @property
     def gpus(self) -> int:
-        return self.pipeline * self.tensor * self.data
+        return self.pipeline * self.tensor * self.context * self.data
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights: gradients are reduced over them (d * c)."""
+        return self.data * self.context
 
     def micro_batches(self, global_batch: int) -> int:
         return global_batch // (self.micro_batch * self.data)
@@ -124,7 +144,8 @@ class Layout:
         sg = (" sg" if self.scatter_gather else "") + (" sp" if self.sequence_parallel else "")
         v = f" v={self.chunks}" if self.chunks > 1 else ""
         zero = " distopt" if self.distributed_optimizer else ""
-        return (f"p={self.pipeline} t={self.tensor} d={self.data}{v} b={self.micro_batch} "
+        c = f" c={self.context}" if self.context > 1 else ""
+        return (f"p={self.pipeline} t={self.tensor}{c} d={self.data}{v} b={self.micro_batch} "
                 f"{self.schedule} rc={self.recompute}{sg}{zero}")
 
 
@@ -164,19 +185,34 @@ class _RankTimes:
     p2p: float             # transfer time on the critical path in the steady state
     backward: float        # the part of `compute` that is backward (DP overlap window)
     p2p_fill: float = 0.0  # per micro-batch step of the fill and drain: every transfer waited
+    ring: float = 0.0      # the context ring's exposed transfers
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tensor_comm + self.p2p
+        return self.compute + self.recompute + self.tensor_comm + self.p2p + self.ring
 
 
 def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str,
                 first: bool, last: bool) -> _RankTimes:
-    shape, prec = work.shape, work.precision
+    whole, prec = work.shape, work.precision
     p, t, d, v, b = lay.pipeline, lay.tensor, lay.data, lay.chunks, lay.micro_batch
+    c = lay.context
+    shape = context_shape(whole, c)   # this rank's s/c tokens
     split = schedule_spec(lay.schedule).split_backward   # backward as B now and W later
     layers = shape.layers // p
+    attention = "flash" if c > 1 else attention   # the ring's blocks keep no scores
     lt = layer_times(hw, prec, shape, b, t, attention)
+    attention_forward, ring = lt.attention_forward, 0.0
+    if c > 1:   # its queries attend to the whole sequence: c times an s/c sequence's attention
+        attn_fwd, attn_bwd = _attention_times(hw, prec, shape, b, t, "flash")
+        lt = type(lt)(forward=lt.forward + (c - 1) * attn_fwd,
+                      backward=lt.backward + (c - 1) * attn_bwd,
+                      attention_forward=c * attn_fwd,
+                      backward_split=lt.backward_split + (c - 1) * attn_bwd)
+        attention_forward = c * attn_fwd
+        # one ring step attends to one block: the s/c sequence's attention time
+        ring = layers * _ring_time(hw, work, lay, min(lay.gpus, work.gpus_per_node), attn_fwd,
+                                   attn_bwd)
     act_bytes = shape.seq * b * shape.hidden * BYTES[prec]
     busy = min(lay.gpus, work.gpus_per_node)
     tp_link = comm.tensor_link(hw, t, work.gpus_per_node, busy)
@@ -190,7 +226,7 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     # The trainer's own cost per layer and micro-batch beyond the kernels (measured profiles).
     overhead = layers * measured.get("layer_overhead_s", 0.0)
     fwd, bwd = fwd + overhead / 2, bwd + overhead / 2
-    recompute = {"none": 0.0, "selective": layers * lt.attention_forward,
+    recompute = {"none": 0.0, "selective": layers * attention_forward,
                  "full": layers * lt.forward}[lay.recompute]
     tensor_comm = layers * _layer_tensor_comm(hw, work, lay, act_bytes, ar, busy)
     if first or last:
@@ -204,7 +240,7 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
             tensor_comm += ar + 3 * comm.all_reduce_time(t, shape.seq * b * 4, tp_link)
     p2p = p2p_fill = 0.0
     if p > 1:
-        link = comm.pipeline_link(hw, t, d, p, work.gpus_per_node, busy)
+        link = comm.pipeline_link(hw, t, d * lay.context, p, work.gpus_per_node, busy)
         if lay.sequence_parallel:   # each tensor rank sends its own 1/t of the sequence
             one_way = comm.p2p_time(act_bytes / t, link)
         elif lay.scatter_gather and t > 1:
@@ -216,7 +252,27 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
                          else (2 * v * one_way, 2 * v * one_way))
     slow = _oversubscription(hw, lay.gpus, work.gpus_per_node)
     return _RankTimes((fwd + bwd) * slow, recompute * slow, tensor_comm, p2p, bwd * slow,
-                      p2p_fill)
+                      p2p_fill, ring)
+
+
+def _ring_time(hw: HardwareProfile, work: Workload, lay: Layout, busy: int, step_forward: float,
+                step_backward: float) -> float:
+    """Seconds of one layer's context ring per micro-batch on the critical path (module
+    docstring): the transfers beyond each step's block computation when they overlap it,
+    all of them when they do not."""
+    c, t = lay.context, lay.tensor
+    link = comm.context_link(hw, t, c, work.gpus_per_node, busy)
+    forward, backward_kv, backward_grad = ring_blocks_per_layer(c, lay.recompute)
+    kv = comm.p2p_time(ring_block_bytes(work.shape, lay.micro_batch, t, c,
+                                        BYTES[work.precision]), link)
+    grad = comm.p2p_time(ring_block_bytes(work.shape, lay.micro_batch, t, c, 4), link)
+    if not hw.overlap_pipeline:
+        return (forward + backward_kv) * kv + backward_grad * grad
+    # forward (and its repeat in a recomputed backward): c-1 steps; backward: c-1 steps moving
+    # a K/V block and a dK/dV block each, then the last dK/dV hop home
+    exposed = (forward + backward_kv - (c - 1)) * max(0.0, kv - step_forward)
+    exposed += (c - 1) * max(0.0, kv + grad - step_backward) + grad
+    return exposed
 
 
 def _exposed_p2p(schedule: str, p: int, v: int, one_way: float) -> tuple[float, float]:
@@ -249,7 +305,8 @@ def _layer_tensor_comm(hw: HardwareProfile, work: Workload, lay: Layout, act_byt
     if t == 1:
         return 0.0
     inside_node = comm.crossing_members(t, 1, work.gpus_per_node, True) is None
-    measured = measured_tensor_comm(hw, work.precision, work.shape, lay.micro_batch, t,
+    local = context_shape(work.shape, lay.context)
+    measured = measured_tensor_comm(hw, work.precision, local, lay.micro_batch, t,
                                     lay.sequence_parallel, busy) if inside_node else None
     if measured is not None:   # forward and backward each half of it
         return measured * (1.5 if full else 1.0)
@@ -272,7 +329,7 @@ def _flush_rank_time(ranks: list, p: int, compute_factor: float) -> float:
     def mean(attr):
         return (getattr(first, attr) + getattr(last, attr) + (p - 2) * getattr(middle, attr)) / p
     return ((mean("compute") + mean("recompute")) * compute_factor
-            + mean("tensor_comm") + mean("p2p_fill"))
+            + mean("tensor_comm") + mean("p2p_fill") + mean("ring"))
 
 
 def _flush_compute_factor(hw: HardwareProfile, p: int, m: int, gpus: int,
@@ -303,7 +360,7 @@ def _zero_bubble_flush(ranks: list[_RankTimes], p: int, m: int,
 
     def left(r):
         return ((r.compute + r.recompute - r.backward) * compute_factor
-                + r.tensor_comm + r.p2p)
+                + r.tensor_comm + r.p2p + r.ring)
 
     mean = sum(w * r.total for w, r in zip(weights, ranks)) / sum(weights)
     mean_left = sum(w * left(r) for w, r in zip(weights, ranks)) / sum(weights)
@@ -342,7 +399,7 @@ def _distributed_optimizer_comm(hw, work: Workload, lay: Layout, params: float,
     backward (overlapped like the all-reduce; the tied embedding's bucket stays all-reduced),
     the updated weights all-gathered in the model's precision after the step (exposed: the
     trainer waits for them)."""
-    d, t, p = lay.data, lay.tensor, lay.pipeline
+    d, t, p = lay.replicas, lay.tensor, lay.pipeline
     link = lambda kind: comm.data_link(hw, t, d, work.gpus_per_node, busy, kind)  # noqa: E731
     tied = p > 1 and work.shape.tie_embeddings
     table = padded_vocab_size(work.shape.vocab, t) * work.shape.hidden / t if tied else 0.0
@@ -359,7 +416,7 @@ def _worst_memory(hw, work: Workload, lay: Layout, attention: str) -> MemoryBrea
                   vocab_padded=padded_vocab_size(work.shape.vocab, lay.tensor),
                   reserved_gb=hw.memory_reserved_gb, hw=hw,
                   distributed_optimizer=lay.distributed_optimizer,
-                  sequence_parallel=lay.sequence_parallel)
+                  sequence_parallel=lay.sequence_parallel, c=lay.context)
     ranks = {0, lay.pipeline - 1}
     return max((gpu_memory(work.shape, rank=r, **kwargs) for r in ranks), key=lambda mb: mb.total)
 
@@ -387,8 +444,9 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     params = max(stage_parameters(shape, t, p, vocab_padded, r == 0, r == p - 1) for r in {0, p - 1})
     grad_bytes = params * 4
     busy = min(lay.gpus, work.gpus_per_node)
-    dp_total = comm.all_reduce_time(d, grad_bytes,
-                                    comm.data_link(hw, t, d, work.gpus_per_node, busy))
+    replicas = lay.replicas   # data x context: the ranks whose gradients are summed
+    dp_total = comm.all_reduce_time(replicas, grad_bytes,
+                                    comm.data_link(hw, t, replicas, work.gpus_per_node, busy))
     param_gather = 0.0
     if lay.distributed_optimizer:
         dp_total, param_gather = _distributed_optimizer_comm(hw, work, lay, params, busy)
@@ -399,9 +457,9 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     if p > 1 and shape.tie_embeddings:   # sum the first and last stage's table gradients
         table = vocab_padded * shape.hidden / t * 4
         embedding_sync = comm.all_reduce_time(
-            2, table, comm.pipeline_link(hw, t, d, p, work.gpus_per_node, busy))
+            2, table, comm.pipeline_link(hw, t, d * lay.context, p, work.gpus_per_node, busy))
     optimizer = _optimizer_time(hw, params, work.precision) * _oversubscription(
-        hw, lay.gpus, work.gpus_per_node) / (d if lay.distributed_optimizer else 1)
+        hw, lay.gpus, work.gpus_per_node) / (replicas if lay.distributed_optimizer else 1)
     step = (pipelined + flush + dp_exposed + embedding_sync + optimizer
             + hw.efficiency.host_overhead_s)
 
@@ -411,6 +469,7 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     mem = _worst_memory(hw, work, lay, attention)
     time = {"compute": m * slowest.compute, "recompute": m * slowest.recompute,
             "tensor_comm": m * slowest.tensor_comm, "pipeline_p2p": m * slowest.p2p,
+            "context_ring": m * slowest.ring,
             "bubble": flush, "dp_allreduce": dp_total, "dp_exposed": dp_exposed,
             "embedding_sync": embedding_sync, "optimizer": optimizer}
     return Prediction(layout=lay, step_time_s=step, tflops_per_gpu=tflops,

@@ -317,3 +317,32 @@ def eq41_batch_time(global_per_replica: int, micro_batch: int, pipeline: int,
 def optimal_checkpoints(layers: int, a_intermediate: float, a_input: float) -> float:
     """c = sqrt(l * A_intermediate / A_input) minimises c*A_input + (l/c)*A_intermediate."""
     return (layers * a_intermediate / a_input) ** 0.5
+
+
+# Context parallelism (ptdp/parallel/ring_attention.py) -------------------------------------------
+
+def context_shape(shape: ModelShape, context: int) -> ModelShape:
+    """The shape a context rank's layers see outside attention: s/c tokens of each sequence."""
+    if context == 1:
+        return shape
+    from dataclasses import replace
+    return replace(shape, seq=shape.seq // context)
+
+
+def ring_block_bytes(shape: ModelShape, batch: int, tensor: int, context: int,
+                     element_bytes: float) -> float:
+    """One K/V block a context rank passes on: K and V of its s/c tokens and its kv_heads/t
+    heads, 2 * b * (s/c) * h_kv / t elements."""
+    return 2.0 * batch * shape.seq / context * shape.kv_hidden / tensor * element_bytes
+
+
+def ring_blocks_per_layer(context: int, recompute: str = "none") -> tuple[int, int, int]:
+    """(forward K/V, backward K/V, backward dK/dV) blocks a context rank sends per layer and
+    micro-batch: c-1 forward; backward the K/V go round again (c-1) with their gradients, which
+    make one more hop home (c); recomputation (full or selective) repeats the forward ring.
+    So per layer a rank sends (c-1)/c of the whole sequence's K/V forward and about twice that
+    backward."""
+    if context == 1:
+        return 0, 0, 0
+    again = context - 1 if recompute != "none" else 0
+    return context - 1, context - 1 + again, context

@@ -37,6 +37,16 @@ With sequence parallelism the norms' inputs and the dropout masks are split by t
 Recompute "selective" keeps everything but the attention core's internals; "full" keeps only
 each layer's input (sbh elements; checkpoints every layer, §4.3.5 "every 1 or 2 layers").
 
+Context parallelism (c > 1, ptdp/parallel/ring_attention.py) splits every sequence over c ranks:
+each holds s/c tokens, so every activation term above, the stage-boundary buffers and the
+logits shrink by c; attention keeps, as a flash kernel does, its output and fp32 log-sum-exp
+of the local queries only (the ring recomputes the other ranks' blocks in backward). While a
+layer's ring runs it holds two K/V blocks (the one in use and the one arriving), fp32
+accumulators for the output (forward) or dQ, and three fp32 dK/dV blocks (backward: its own
+share, the one arriving, the one leaving): a transient (`ring_working_bytes`). Weights,
+gradients and optimizer state do not change, except that the distributed optimizer shards over
+the d*c ranks that hold the same weights.
+
 ZB-H1's split backward (ptdp/parallel/weight_grad.py) changes what a micro-batch holds after
 its B pass: the graph is freed, but each deferred weight gradient keeps its operation's input
 and output gradient until the W pass (`pending_weight_grad_bytes`), and the W pass computes
@@ -50,7 +60,7 @@ from dataclasses import dataclass
 
 from ptdp.config.catalogue import schedule_spec
 from ptdp.planner.compute import BYTES, ModelShape, same_block
-from ptdp.planner.formulas import layer_parameter_split
+from ptdp.planner.formulas import context_shape, layer_parameter_split, ring_block_bytes
 
 GB = 2**30   # GiB, as torch.cuda memory stats and the trainer's mem_gb report
 
@@ -231,6 +241,17 @@ def _split_linear_elements(shape: ModelShape, b: int) -> int:
     return s * b * (2 * h + 2 * shape.kv_hidden) + (2 + shape.gated) * s * b * f
 
 
+def ring_working_bytes(shape: ModelShape, b: int, t: int, c: int, precision: str) -> float:
+    """The working set of one layer's ring attention on a context rank (c > 1), backward's
+    (the larger): two K/V blocks in the model's dtype, three fp32 dK/dV blocks and the fp32 dQ
+    of the rank's s/c queries."""
+    if c == 1:
+        return 0.0
+    e = BYTES[precision]
+    dq = shape.seq / c * b * shape.hidden / t * 4
+    return 2 * ring_block_bytes(shape, b, t, c, e) + 3 * ring_block_bytes(shape, b, t, c, 4) + dq
+
+
 def weight_versions(schedule: str, p: int, rank: int, vertical_sync: bool = False) -> int:
     """Copies of the rank's weights (ScheduleSpec.weight_copies). In fp32 the newest version
     is the master copy."""
@@ -253,8 +274,10 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
                recompute: str, precision: str, attention: str, vocab_padded: int,
                reserved_gb: float, rank: int, d: int = 1, hw=None,
                vertical_sync: bool = False, distributed_optimizer: bool = False,
-               bucket_mb: float = 25.0, sequence_parallel: bool = False) -> MemoryBreakdown:
-    """Peak memory of pipeline rank `rank` (0 = first stage, p-1 = last).
+               bucket_mb: float = 25.0, sequence_parallel: bool = False,
+               c: int = 1) -> MemoryBreakdown:
+    """Peak memory of pipeline rank `rank` (0 = first stage, p-1 = last), with `c` context
+    ranks splitting every sequence.
 
     Weights, gradients and optimizer state live throughout. On top of them: activation
     stashes (with ZB-H1, the pending weight gradients' inputs and output gradients), the
@@ -269,6 +292,9 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     e = BYTES[precision]
     w, g, o = state_bytes_per_parameter(precision)
     params = stage_parameters(shape, t, p, vocab_padded, first, last)
+    whole, shape = shape, context_shape(shape, c)   # activations: this rank's s/c tokens
+    if c > 1:   # the ring's blocks keep no scores, whatever the kernel
+        attention = "flash"
     spec = schedule_spec(schedule)
     weights = params * w * spec.weight_copies(p, rank, vertical_sync)
     # 2BW: batch t's gradients wait for every rank to finish it while batch t+1 accumulates;
@@ -287,6 +313,7 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     if recompute != "none":   # a recomputed layer's activations live while its backward runs
         transient += layer_activation_bytes(shape, b, t, precision, "none", attention, hw,
                                             sequence_parallel)
+    transient += ring_working_bytes(whole, b, t, c, precision)
     if last:   # the logits, their one fp32 copy (exp, then softmax) and the gradient
         transient += shape.seq * b * vocab_padded / t * (2 * e + 4)   # (ptdp/parallel/cross_entropy.py)
         if shape.arch == "bert":  # the LM transform's dense output, GeLU and LayerNorm inputs
@@ -307,8 +334,8 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     if distributed_optimizer and hw is not None and hw.device == "cpu":
         tied = (vocab_padded * shape.hidden / t
                 if p > 1 and (first or last) and shape.tie_embeddings else 0.0)
-        buffers += gloo_sharding_staging_bytes(params, precision, d, all_reduced=tied)
-    optimizer = optimizer_state_bytes(params, precision, d, distributed_optimizer)
+        buffers += gloo_sharding_staging_bytes(params, precision, d * c, all_reduced=tied)
+    optimizer = optimizer_state_bytes(params, precision, d * c, distributed_optimizer)
     return MemoryBreakdown(weights=weights, gradients=gradients, optimizer=optimizer,
                            activations=activations, buffers=buffers + reserved_gb * GB)
 

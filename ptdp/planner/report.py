@@ -8,8 +8,13 @@ from ptdp.planner.cost_model import Prediction
 from ptdp.planner.search import SearchResult, why_slower
 
 TIME_LABELS = {"compute": "compute", "recompute": "recompute", "tensor_comm": "tensor all-reduce",
-               "pipeline_p2p": "pipeline p2p", "bubble": "bubble", "dp_exposed": "DP all-reduce",
+               "pipeline_p2p": "pipeline p2p", "context_ring": "context ring", "bubble": "bubble", "dp_exposed": "DP all-reduce",
                "embedding_sync": "embedding sync", "optimizer": "optimizer"}
+
+
+def _context(lay) -> dict:
+    """parallel.context, written only when the plan uses context parallelism."""
+    return {"context": lay.context} if lay.context > 1 else {}
 
 
 def plan_dict(pred: Prediction, precision: str) -> dict:
@@ -18,7 +23,7 @@ def plan_dict(pred: Prediction, precision: str) -> dict:
     return {
         "parallel": {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data,
                      "chunks": lay.chunks, "scatter_gather": lay.scatter_gather,
-                     "sequence_parallel": lay.sequence_parallel},
+                     "sequence_parallel": lay.sequence_parallel, **_context(lay)},
         "distributed_optimizer": lay.distributed_optimizer,
         "micro_batch_size": lay.micro_batch,
         "schedule": lay.schedule,
@@ -49,7 +54,7 @@ def trainer_config(raw: dict, pred: Prediction, global_batch: int, precision: st
     cfg["parallel"] = {**(cfg.get("parallel") or {}), "tensor": lay.tensor,
                        "pipeline": lay.pipeline, "data": lay.data, "chunks": lay.chunks,
                        "scatter_gather": lay.scatter_gather,
-                       "sequence_parallel": lay.sequence_parallel}
+                       "sequence_parallel": lay.sequence_parallel, **_context(lay)}
     cfg["schedule"] = {**(cfg.get("schedule") or {}), "name": lay.schedule}
     cfg["train"] = {**(cfg.get("train") or {}), "micro_batch_size": lay.micro_batch,
                     "global_batch_size": global_batch, "recompute": lay.recompute,
@@ -57,9 +62,10 @@ def trainer_config(raw: dict, pred: Prediction, global_batch: int, precision: st
     return cfg
 
 
-def _row(rank, pred: Prediction, best: Prediction) -> list[str]:
+def _row(rank, pred: Prediction, best: Prediction, context: bool = False) -> list[str]:
     lay = pred.layout
-    return [str(rank), str(lay.pipeline), str(lay.tensor), str(lay.data), str(lay.chunks),
+    return [str(rank), str(lay.pipeline), str(lay.tensor),
+            *([str(lay.context)] if context else []), str(lay.data), str(lay.chunks),
             str(lay.micro_batch), lay.schedule, lay.recompute,
             "yes" if lay.scatter_gather else "no", "yes" if lay.sequence_parallel else "no",
             "yes" if lay.distributed_optimizer else "no",
@@ -76,9 +82,10 @@ def format_table(rows: list[list[str]], header: list[str]) -> str:
 
 def format_result(result: SearchResult, title: str, top: int) -> str:
     best = result.best
-    header = ["#", "p", "t", "d", "v", "b", "schedule", "recompute", "sg", "sp", "distopt", "step_s",
-              "TFLOP/s", "MFU", "mem_GB", "bubble", "vs best"]
-    rows = [_row(i + 1, p, best) for i, p in enumerate(result.ranked[:top])]
+    context = best.layout.context > 1   # a "c" column only when c is pinned above 1
+    header = ["#", "p", "t", *(["c"] if context else []), "d", "v", "b", "schedule", "recompute",
+              "sg", "sp", "distopt", "step_s", "TFLOP/s", "MFU", "mem_GB", "bubble", "vs best"]
+    rows = [_row(i + 1, p, best, context) for i, p in enumerate(result.ranked[:top])]
     rej = result.rejected
     lines = [title,
              f"searched {result.evaluated} layouts in {result.seconds:.2f} s; "

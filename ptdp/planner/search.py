@@ -1,4 +1,5 @@
-"""Exhaustive search over layouts (p, t, d, v, b, schedule, recompute, scatter/gather).
+"""Exhaustive search over layouts (p, t, d, v, b, schedule, recompute, scatter/gather), and
+context parallelism c when pinned (`--fix c=2`, or the YAML's parallel.context): c = 1 otherwise.
 
 Like Algorithm 1 but over every dimension at once: enumerate every valid
 combination, predict it with the cost model, drop those that do not fit in memory, rank the
@@ -19,12 +20,13 @@ from ptdp.planner.errors import PlanError
 
 FIX_KEYS = {"p": "pipeline", "pipeline": "pipeline", "t": "tensor", "tensor": "tensor",
             "d": "data", "data": "data", "v": "chunks", "chunks": "chunks",
+            "c": "context", "context": "context",
             "b": "micro_batch", "micro_batch": "micro_batch", "micro_batch_size": "micro_batch",
             "schedule": "schedule", "recompute": "recompute", "sg": "scatter_gather",
             "scatter_gather": "scatter_gather", "distopt": "distributed_optimizer",
             "distributed_optimizer": "distributed_optimizer", "sp": "sequence_parallel",
             "sequence_parallel": "sequence_parallel"}
-INT_KEYS = ("pipeline", "tensor", "data", "chunks", "micro_batch")
+INT_KEYS = ("pipeline", "tensor", "data", "chunks", "micro_batch", "context")
 # Searched unless the user opts in to more (ptdp/config/catalogue.py: 2BW changes the update rule).
 STRICT_SCHEDULES = names_where(lambda spec: spec.planner is Planner.SEARCHED)
 
@@ -67,7 +69,7 @@ def parse_fix(text: str | None) -> dict:
             raise PlanError(f"--fix '{item}': expected key=value, e.g. p=8,t=8")
         key, value = (s.strip() for s in item.split("=", 1))
         if key not in FIX_KEYS:
-            raise PlanError(f"--fix: unknown key '{key}'; use p, t, d, v, b, schedule, "
+            raise PlanError(f"--fix: unknown key '{key}'; use p, t, c, d, v, b, schedule, "
                             f"recompute, sg, sp or distopt")
         name = FIX_KEYS[key]
         if name in INT_KEYS:
@@ -100,7 +102,7 @@ def _choices(name: str, options, fixed: dict) -> list:
 def check_fix_against_gpus(fixed: dict, gpus: int) -> None:
     """Fail fast, naming the key, when a fixed value cannot divide the GPU count."""
     product = 1
-    for key, flag in (("pipeline", "p"), ("tensor", "t"), ("data", "d")):
+    for key, flag in (("pipeline", "p"), ("tensor", "t"), ("context", "c"), ("data", "d")):
         if key in fixed:
             if gpus % fixed[key]:
                 raise PlanError(f"--fix {flag}={fixed[key]}: {fixed[key]} does not divide the "
@@ -110,7 +112,8 @@ def check_fix_against_gpus(fixed: dict, gpus: int) -> None:
         raise PlanError(f"--fix: the fixed sizes multiply to {product}, which does not divide "
                         f"the {gpus} GPUs")
     if all(k in fixed for k in ("pipeline", "tensor", "data")) and product != gpus:
-        raise PlanError(f"--fix: p*t*d = {product} but there are {gpus} GPUs")
+        raise PlanError(f"--fix: p*t*{'c*' if 'context' in fixed else ''}d = {product} but "
+                        f"there are {gpus} GPUs")
 
 
 def _schedule_options(work: Workload, p: int, m: int, fixed: dict, rej: Rejections, where: str,
@@ -160,6 +163,20 @@ def _shape_reason(work: Workload, t: int, p: int) -> str | None:
     return None
 
 
+def _context_reason(work: Workload, c: int) -> str | None:
+    """Context parallelism (c > 1) splits a causal decoder's sequence into 2c chunks."""
+    s = work.shape
+    if c == 1:
+        return None
+    if s.arch != "gpt":
+        return f"c={c}: context parallelism supports model.arch=gpt only"
+    if s.dropout:
+        return f"c={c}: context parallelism needs model.dropout=0"
+    if s.seq % (2 * c):
+        return f"c={c}: model.seq_length ({s.seq}) not divisible by 2c = {2 * c}"
+    return None
+
+
 def search(hw: HardwareProfile, work: Workload, gpus: int, fixed: dict | None = None,
            attention: str | None = None, schedules: tuple = STRICT_SCHEDULES,
            distributed_optimizer: bool = False) -> SearchResult:
@@ -179,14 +196,15 @@ def search(hw: HardwareProfile, work: Workload, gpus: int, fixed: dict | None = 
     start = time.perf_counter()
     rej, ranked, evaluated = Rejections(), [], 0
     B = work.global_batch
+    c = fixed.get("context", 1)
     for t in _choices("tensor", divisors(gpus), fixed):
         for p in _choices("pipeline", divisors(gpus // t) if gpus % t == 0 else [], fixed):
-            if gpus % (t * p):
+            if gpus % (t * p * c):
                 continue
-            d = gpus // (t * p)
+            d = gpus // (t * p * c)
             if "data" in fixed and fixed["data"] != d:
                 continue
-            reason = _shape_reason(work, t, p)
+            reason = _shape_reason(work, t, p) or _context_reason(work, c)
             if reason is None and B % d:
                 reason = f"d={d}: global batch {B} not divisible by d"
             if reason:
@@ -205,7 +223,8 @@ def search(hw: HardwareProfile, work: Workload, gpus: int, fixed: dict | None = 
 
 def _try_micro_batch(hw, work, t, p, d, b, fixed, attention, rej, ranked, schedules) -> int:
     m = work.global_batch // (d * b)
-    where = f"p={p} t={t} d={d} b={b}"
+    c = fixed.get("context", 1)
+    where = f"p={p} t={t}{f' c={c}' if c > 1 else ''} d={d} b={b}"
     evaluated = 0
     for schedule, v in _schedule_options(work, p, m, fixed, rej, where, schedules):
         sg_options = [False, True] if p > 1 and t > 1 else [False]
@@ -215,9 +234,14 @@ def _try_micro_batch(hw, work, t, p, d, b, fixed, attention, rej, ranked, schedu
                     rej.add(SCHEDULE_RULE, f"{where}: scatter/gather needs p > 1 and t > 1")
                     continue
                 for sp in _sequence_parallel_options(t, sg, schedule, fixed, rej, where):
-                    for zero in _distributed_optimizer_options(d, schedule, fixed, rej, where):
+                    if sp and c > 1 and work.shape.seq % (2 * c * t):
+                        rej.add(INDIVISIBLE, f"{where}: sequence parallelism with c={c} needs "
+                                             f"s divisible by 2ct = {2 * c * t}")
+                        continue
+                    for zero in _distributed_optimizer_options(d * c, schedule, fixed, rej,
+                                                               where):
                         lay = Layout(p, t, d, v, b, schedule, recompute, sg,
-                                     distributed_optimizer=zero, sequence_parallel=sp)
+                                     distributed_optimizer=zero, sequence_parallel=sp, context=c)
                         evaluated += 1
                         _rank_or_reject(hw, work, lay, attention, rej, ranked)
     return evaluated
@@ -264,6 +288,7 @@ def why_slower(pred: Prediction, best: Prediction) -> str:
         return "best"
     labels = {"compute": "slower GEMMs", "recompute": "recomputation",
               "tensor_comm": "tensor all-reduces", "pipeline_p2p": "pipeline sends",
+              "context_ring": "context ring",
               "bubble": "pipeline bubble", "dp_exposed": "data-parallel all-reduce",
               "embedding_sync": "embedding sync", "optimizer": "optimizer step"}
     deltas = {k: pred.time[k] - best.time[k] for k in labels}

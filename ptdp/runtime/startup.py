@@ -42,7 +42,8 @@ def init_distributed(cfg: Config) -> tuple[RankGrid, torch.device]:
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s),
                                 **({"device_id": device} if device.type == "cuda" else {}))
     par = cfg.parallel
-    grid = RankGrid(par.pipeline, par.tensor, par.data, timeout_s=cfg.train.timeout_s)
+    grid = RankGrid(par.pipeline, par.tensor, par.data, timeout_s=cfg.train.timeout_s,
+                    context=par.context)
     return grid, device
 
 

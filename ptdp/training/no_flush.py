@@ -110,13 +110,13 @@ class NoFlushStep:
         return grads
 
     def _norm_squared(self, grads) -> torch.Tensor:
-        """This rank's share of the model's gradient norm^2 (data rank 0 only: replicas hold
-        the same gradients, and the report sums over every rank)."""
+        """This rank's share of the model's gradient norm^2 (replica 0 only: data and context
+        replicas hold the same gradients, and the report sums over every rank)."""
         state = self.state
         total = torch.zeros((), dtype=torch.float64, device=state.device)
         counted = [g.detach() for g, p in zip(grads, state.params)
                    if g is not None and counts_in_norm(p, state.grid.tp_rank)]
-        if counted and state.grid.dp_rank == 0:
+        if counted and state.grid.replica_rank == 0:
             total += torch.stack(torch._foreach_norm(counted)).double().pow(2).sum()
         return total
 

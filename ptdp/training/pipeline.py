@@ -24,9 +24,10 @@ class Pipeline:
         self.p2p = P2P(grid.pipeline_ranks, group=grid.pipeline_group,
                        tensor_group=grid.tensor_group, tp_rank=grid.tp_rank, tp_size=grid.t,
                        scatter_gather=par.scatter_gather)
-        # with sequence parallelism each tensor rank holds (and sends) its 1/t of the sequence
-        seq = cfg.model.seq_length // (grid.t if state.tp.sequence_parallel else 1)
-        activation_shape = (seq, cfg.train.micro_batch_size, cfg.model.hidden_size)
+        # with sequence parallelism each tensor rank holds (and sends) its 1/t of the sequence,
+        # with context parallelism each context rank its 2 of 2c chunks
+        activation_shape = (cfg.local_seq_length, cfg.train.micro_batch_size,
+                            cfg.model.hidden_size)
         self.executor = PipelineExecutor(state.chunks, self.p * self.v, self.p2p,
                                          activation_shape=activation_shape,
                                          activation_dtype=state.dtype, device=state.device)
@@ -38,6 +39,8 @@ class Pipeline:
         if grid.p > 1:  # NCCL: a group's first operation must involve all of its ranks, which
             # a batch of point-to-point operations does not (see dist.batch_isend_irecv)
             dist.all_reduce(torch.zeros(1, device=state.device), group=grid.pipeline_group)
+        if grid.c > 1:  # the same for the context ring's batches (every member is in each)
+            dist.all_reduce(torch.zeros(1, device=state.device), group=grid.context_group)
 
     def plan(self, schedule: list) -> list:
         """This rank's steps of `schedule` (every rank's action lists), after checking every

@@ -56,10 +56,12 @@ def mean_losses(values: torch.Tensor, names: tuple, count: int) -> tuple[torch.T
 
 def average_losses(state, losses: list, aux: list) -> tuple[torch.Tensor, dict]:
     """Mean loss (and aux losses) over the micro-batches of every data rank, known on every rank
-    afterwards, on the device. Only the last stage holds losses; the others add zeros."""
+    afterwards, on the device. Only the last stage holds losses; the others add zeros. With
+    context parallelism each context rank's loss is its share of the micro-batch's: they add up
+    over the replica group (data x context)."""
     grid, names = state.grid, aux_loss_names(state.cfg.model.arch)
     values = sum_losses(losses, aux, names, state.device)
-    for group, size in ((grid.pipeline_group, grid.p), (grid.data_group, grid.d)):
+    for group, size in ((grid.pipeline_group, grid.p), (grid.replica_group, grid.replicas)):
         if size > 1:
             dist.all_reduce(values, group=group)
     return mean_losses(values, names, state.m * grid.d)

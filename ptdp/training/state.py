@@ -43,6 +43,7 @@ from ptdp.optim.grads import DataParallelGradients, counts_in_norm
 from ptdp.optim.loss_scale import LossScaler
 from ptdp.optim.mixed_precision import MasterWeights, PRECISIONS
 from ptdp.optim.optimizer import build_optimizer
+from ptdp.parallel.context import ContextParallel
 from ptdp.parallel.grid import RankGrid
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import RandomStreams
@@ -221,7 +222,7 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
     ctx = ModelContext(cfg.model, tp, tr.seed, rng.tensor_parallel, cfg.padded_vocab_size,
                        tr.recompute, tr.recompute_num_layers,
                        compile=should_compile(tr.compile, device),
-                       split_backward=spec.split_backward)
+                       split_backward=spec.split_backward, cp=ContextParallel.from_grid(grid))
     WEIGHT_GRADS.clear()   # nothing deferred survives a previous trainer in this process
     num_stages = par.pipeline * par.chunks
     chunks = {s: build_chunk(ctx, s, num_stages).to(device, PRECISIONS[tr.precision])
@@ -229,9 +230,11 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
     params = [p for c in chunks.values() for p in c.parameters()]
     weights, masters = _master_weights(cfg, grid, params, spec)
     m = cfg.num_micro_batches
-    # PipeDream updates after every input: each parameter accumulates once per reduction
+    # PipeDream updates after every input: each parameter accumulates once per reduction.
+    # Summed over the replicas: data ranks saw other sequences, context ranks other tokens.
     dp_grads = DataParallelGradients(
-        params, grid.data_group, grid.d, 1 if spec.update_per_input else m, tr.grad_bucket_mb,
+        params, grid.replica_group, grid.replicas, 1 if spec.update_per_input else m,
+        tr.grad_bucket_mb,
         flat=weights.flat_grads, sharded=weights if weights.sharded else None)
     return TrainingState(cfg, grid, device, tp, rng, ctx, chunks, params, weights, masters,
                          build_optimizer(masters, tr),
@@ -250,8 +253,8 @@ def _master_weights(cfg: Config, grid: RankGrid, params: list, spec: ScheduleSpe
     """
     tr = cfg.train
     if tr.distributed_optimizer:   # (config refuses it with the no-flush schedules)
-        weights = ShardedMasterWeights(params, tr.precision, grid.data_group, grid.dp_rank,
-                                       grid.d, tr.grad_bucket_mb)
+        weights = ShardedMasterWeights(params, tr.precision, grid.replica_group,
+                                       grid.replica_rank, grid.replicas, tr.grad_bucket_mb)
         return weights, weights.masters
     weights = MasterWeights(params, tr.precision,
                             contiguous=False if spec.weight_versions else None)

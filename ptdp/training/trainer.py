@@ -67,7 +67,8 @@ class Trainer:
         self.batches = {split: MicroBatches(ds, global_batch=tr.global_batch_size,
                                             micro_batch_size=tr.micro_batch_size,
                                             data_rank=grid.dp_rank, data_size=grid.d,
-                                            device=device)
+                                            device=device, context_rank=grid.cp_rank,
+                                            context_size=grid.c)
                         for split, ds in build_datasets(cfg).items() if len(ds) > 0}
         self.step = STEP_TYPES[self.spec.family](self.state, self.pipeline, self.batches["train"])
         self.last_checkpoint = None   # path of the newest checkpoint this job saved
@@ -221,13 +222,13 @@ class Trainer:
         return TraceRecorder(cfg.log.trace_file, grid.rank, grid.coords, self.state.device,
                              first_iteration=self.iteration + 1,
                              layout={"p": par.pipeline, "t": par.tensor, "d": par.data,
-                                     "v": par.chunks, "schedule": cfg.schedule.name,
+                                     "c": par.context, "v": par.chunks, "schedule": cfg.schedule.name,
                                      "m": self.state.m})
 
     def _start_watchdog(self) -> Watchdog:
         """Heartbeats and the stall check (ptdp/runtime/watchdog.py); inert on a single rank."""
         grid = self.state.grid
-        describe = lambda r: str(coordinates_of(r, grid.p, grid.d, grid.t))  # noqa: E731
+        describe = lambda r: str(coordinates_of(r, grid.p, grid.d, grid.t, grid.c))  # noqa: E731
         return Watchdog(grid.rank, dist.get_world_size(), describe, self.cfg.train.timeout_s,
                         first_iteration=self.iteration + 1).start()
 

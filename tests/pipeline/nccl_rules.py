@@ -15,7 +15,9 @@ takes those freedoms away (tests/pipeline/nccl_rules.py imposes them on gloo):
    `ptdp.pipeline.comm_plan.check_plans` proves a plan deadlock-free; the host blocks where
    NCCL would block the communication stream, which only removes freedom.
 
-Use: `trainer.pipeline.p2p.transport = InOrderTransport(trainer.state.grid.pipeline_group)`.
+Use: `trainer.pipeline.p2p.transport = InOrderTransport(trainer.state.grid.pipeline_group)`;
+for the context-parallel ring, `trainer.state.ctx.cp.transport =
+InOrderTransport(trainer.state.grid.context_group)` (the same rules, the ring's messages).
 """
 
 from __future__ import annotations
@@ -45,8 +47,12 @@ class _Done:
 
 
 def _header(transfer, numel: int) -> torch.Tensor:
+    """(kind, mb, src, dst, numel) of a pipeline message; a message that names its own four
+    fields (the context-parallel ring's, ptdp/parallel/context.py) gives them itself."""
     m = transfer.message
-    return torch.tensor([0 if m.kind == ACTIVATION else 1, m.mb, m.src, m.dst, numel])
+    fields = (m.header() if hasattr(m, "header")
+              else [0 if m.kind == ACTIVATION else 1, m.mb, m.src, m.dst])
+    return torch.tensor([*fields, numel])
 
 
 class InOrderTransport:
