@@ -219,11 +219,12 @@ class Trainer:
 
     def _tracer(self) -> TraceRecorder:
         cfg, grid, par = self.cfg, self.state.grid, self.cfg.parallel
+        layout = {"p": par.pipeline, "t": par.tensor, "d": par.data, "v": par.chunks,
+                  "schedule": cfg.schedule.name, "m": self.state.m}
+        if par.context > 1:   # only then, as in checkpoints: c = 1 traces read as before
+            layout["c"] = par.context
         return TraceRecorder(cfg.log.trace_file, grid.rank, grid.coords, self.state.device,
-                             first_iteration=self.iteration + 1,
-                             layout={"p": par.pipeline, "t": par.tensor, "d": par.data,
-                                     "c": par.context, "v": par.chunks, "schedule": cfg.schedule.name,
-                                     "m": self.state.m})
+                             first_iteration=self.iteration + 1, layout=layout)
 
     def _start_watchdog(self) -> Watchdog:
         """Heartbeats and the stall check (ptdp/runtime/watchdog.py); inert on a single rank."""
