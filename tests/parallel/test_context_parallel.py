@@ -180,6 +180,11 @@ FEATURES = {
 # (which tests/pipeline/test_no_flush.py holds to the single-process simulation of the rule)
 TWO_BW = {"2bw c2": [*P2C2, "schedule.name=2bw"],
           "2bw d2": ["parallel.pipeline=2", "parallel.data=2", "schedule.name=2bw"]}
+# PipeDream async updates after every micro-batch: (p, c) = (2, 2) must equal (p, c) = (2, 1)
+# with the same micro-batches (context parallelism only splits each sequence)
+PIPEDREAM = ["schedule.name=pipedream", "train.clip_grad=0"]
+NO_FLUSH = {4: {**TWO_BW, "pipedream c2": [*P2C2, *PIPEDREAM]},
+            2: {"pipedream c1": ["parallel.pipeline=2", *PIPEDREAM]}}
 # Resume across a change of c (Llama-style, 4 ranks): (c, d) = (2, 2) saves; itself, (4, 1),
 # (1, 4) and (t, c) = (2, 2) continue from its iteration 2
 RESUME = {"c2 d2": ["parallel.context=2", "parallel.data=2"], "c4": ["parallel.context=4"],
@@ -191,12 +196,12 @@ def _world(layout: tuple) -> int:
     return p * t * c * d
 
 
-def _job(runs: list, two_bw: dict, resume_root: str | None) -> dict:
-    """Every rank: the equivalence runs (tests/equivalence.py), the 2BW runs, the resumes."""
+def _job(runs: list, no_flush: dict, resume_root: str | None) -> dict:
+    """Every rank: the equivalence runs (tests/equivalence.py), the no-flush runs, the resumes."""
     from tests.equivalence import train_and_collect
     out = {"runs": train_and_collect(runs, 3, nccl_rules=True)}
-    for name, overrides in two_bw.items():
-        out[name] = _two_bw(overrides)
+    for name, overrides in no_flush.items():
+        out[name] = _no_flush(overrides)
     if resume_root is not None:
         out["resume"] = _resume(resume_root)
     return out
@@ -215,7 +220,7 @@ def _trainer(overrides: list[str]):
     return trainer
 
 
-def _two_bw(overrides: list[str], iters: int = 4) -> dict:
+def _no_flush(overrides: list[str], iters: int = 4) -> dict:
     trainer = _trainer([*MODELS["gpt"], *overrides, f"train.iters={iters}"])
     losses = [trainer.train_step(it).loss for it in range(iters)]
     return {"losses": losses, "weights": trainer.full_state()}
@@ -241,11 +246,12 @@ def _results(world: int, resume_root: str | None = None) -> dict:
     if world == 4:
         keys += list(FEATURES)
         runs += [[*MODELS[arch], *overrides] for arch, overrides in FEATURES.values()]
-    per_rank = run_on_ranks(world, _job, runs, TWO_BW if world == 4 else {},
-                            resume_root if world == 4 else None, timeout_s=500)
+    no_flush = NO_FLUSH.get(world, {})
+    per_rank = run_on_ranks(world, _job, runs, no_flush, resume_root if world == 4 else None,
+                            timeout_s=500)
     out = {key: [rank["runs"][i] for rank in per_rank] for i, key in enumerate(keys)}
     out.update({name: [rank[name] for rank in per_rank] for name in (
-        [*TWO_BW, "resume"] if world == 4 else [])})
+        [*no_flush, *(["resume"] if world == 4 else [])])})
     return out
 
 
@@ -277,6 +283,14 @@ def test_context_with_schedules_sequence_parallelism_distopt_recompute(name, fou
 
 def test_two_bw_with_context_follows_its_update_rule(four_ranks):
     for got, want in zip(four_ranks["2bw c2"], four_ranks["2bw d2"]):
+        assert all(abs(x - y) <= RTOL * abs(y) for x, y in zip(got["losses"], want["losses"]))
+        for key, value in want["weights"].items():
+            assert relative_error(got["weights"][key], value) <= RTOL, key
+
+
+def test_pipedream_with_context_equals_it_without(four_ranks):
+    want = _results(2)["pipedream c1"][0]
+    for got in four_ranks["pipedream c2"]:
         assert all(abs(x - y) <= RTOL * abs(y) for x, y in zip(got["losses"], want["losses"]))
         for key, value in want["weights"].items():
             assert relative_error(got["weights"][key], value) <= RTOL, key
