@@ -12,28 +12,25 @@ forms, so layers need not know which is on.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from ptdp.parallel.mappings import TensorParallel, copy_to_tensor_region, reduce_from_tensor_region
+from ptdp.parallel.mappings import (TensorParallel, all_gather_single, copy_to_tensor_region,
+                                    reduce_from_tensor_region, reduce_scatter_single)
 from ptdp.parallel.roles import declare_role
 
 
 def _gather_first_dim(x: torch.Tensor, group, size: int) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
+    """[s/t, ...] -> [s, ...]: the ranks' slices land in place in the output (no concatenation)."""
+    out = x.new_empty((x.shape[0] * size, *x.shape[1:]))
+    all_gather_single(out, x.contiguous(), group=group)
+    return out
 
 
 def _reduce_scatter_first_dim(x: torch.Tensor, group, size: int) -> torch.Tensor:
     assert x.shape[0] % size == 0, f"sequence {x.shape[0]} does not split {size} ways"
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    _reduce_scatter_single(out, x.contiguous(), group=group)
+    reduce_scatter_single(out, x.contiguous(), group=group)
     return out
-
-
-# torch renamed reduce_scatter_tensor (deprecated since 2.10); keep older releases working
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _split_first_dim(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
