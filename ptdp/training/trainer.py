@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ptdp.checkpoint.background import BackgroundSaves
 from ptdp.checkpoint.layout import resolve_load
 from ptdp.checkpoint.load import load_checkpoint
+from ptdp.checkpoint.safety import check_shared_directory
 from ptdp.checkpoint.save import save_checkpoint
 from ptdp.config import Config
 from ptdp.config.catalogue import Family, schedule_spec
@@ -63,6 +64,8 @@ class Trainer:
         self.cfg = cfg
         self.spec = schedule_spec(cfg.schedule.name)
         grid, device = init_distributed(cfg)
+        if cfg.checkpoint.dir:   # every node must see the same folder: fail now, not at a save
+            check_shared_directory(cfg.checkpoint.dir)
         self.state = build_state(cfg, grid, device, self.spec)
         self.pipeline = Pipeline(self.state)
         tr = cfg.train
