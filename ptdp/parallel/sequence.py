@@ -113,11 +113,13 @@ def sequence_parallel_dropout(x: torch.Tensor, p: float, tp: TensorParallel) -> 
 
     The mask is drawn for the full [s, b, h] shape from the default generator (identical on
     every tensor rank) and sliced, exactly as F.dropout draws it on CPU (bernoulli, then
-    divide by 1-p), so a sequence-parallel run drops the same elements as one without it:
-    the layouts stay interchangeable. Only the slice is kept for backward; drawing the full
-    mask costs t times the random numbers, not memory that outlives this call.
+    scale by 1/(1-p), computed as it computes it), so a sequence-parallel run drops the same
+    elements as one without it: the layouts stay interchangeable. Only my rows are kept for
+    backward, as a bool mask (1 byte an element, not the activation's 2 or 4); drawing the
+    full mask costs t times the random numbers, not memory that outlives this call.
     """
     full = (x.shape[0] * tp.size, *x.shape[1:])
-    noise = torch.empty(full, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
-    noise = sequence_shard(noise, tp).clone().div_(1 - p)  # a copy: the full mask is freed
-    return x * noise
+    draws = torch.empty(full, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+    keep = sequence_shard(draws, tp).bool()          # a copy: the full draws are freed
+    scale = torch.ones((), dtype=x.dtype, device=x.device).div_(1 - p)
+    return x.masked_fill(~keep, 0) * scale
