@@ -317,6 +317,13 @@ def reset_peak_memory(device) -> None:
         pass
 
 
+def peak_reserved_gb(device) -> float | None:
+    """What the caching allocator held at its peak (CUDA), the GPU memory really taken."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**30
+    return peak_memory_gb(device)
+
+
 def peak_memory_gb(device) -> float | None:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -358,6 +365,7 @@ def run_one(make, args, s: dict, device, vocab: int, peak: float | None) -> dict
            "step_ms": step * 1e3, "step_ms_all": [x * 1e3 for x in seconds],
            "tokens_per_s": batch * s["seq"] / step, "tflops": tflops3, "tflops_eq42": tflops4,
            "mfu": tflops3 / peak if peak else None, "peak_memory_gb": peak_memory_gb(device),
+           "peak_reserved_gb": peak_reserved_gb(device),
            "loss_first": losses[0], "loss_last": losses[-1], "parameters": runner.parameters,
            "vocab": vocab}
     del runner
