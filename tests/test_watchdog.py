@@ -1,7 +1,10 @@
 """No anonymous hang: a rank that stops is named, and the job ends within train.timeout_s.
 
-The unit tests drive the watchdog with an in-memory store; the last test stops one of 8
-real ranks with SIGSTOP under torchrun and checks that the job ends, non-zero, naming it.
+The unit tests drive the watchdog with an in-memory store and, where time matters, fake
+clocks (one per host: they may disagree) and fake device events (the GPU's progress); one
+trains 2 real ranks through a slow first iteration and a long validation pass, which must not
+end the job; the last stops one of 8 real ranks with SIGSTOP under torchrun and checks that
+the job ends, non-zero, naming it.
 """
 
 import os
