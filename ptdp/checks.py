@@ -76,6 +76,8 @@ def check_job(config_path: str | None, overrides: list[str], world_size: int,
         check_placement(cfg, world_size, ranks_per_node, found)
     check_checkpoint_load(cfg, found)
     check_outputs(cfg, found)
+    if ranks_per_node is not None:
+        check_shared_checkpoints(cfg, world_size, ranks_per_node, found)
     if not found.errors:
         found.cfg = cfg
     return found
@@ -328,6 +330,52 @@ def _check_output_dir(key: str, path: Path, found: Findings, file: Path | None =
     elif not os.access(ancestor, os.W_OK):
         found.error(f"{key}: {path}{whose} cannot be created: {ancestor} is not writable; "
                     f"choose another path")
+
+
+# Mounted on one node only; a cluster's shared file systems (nfs, lustre, gpfs, beegfs, cifs,
+# fuse-mounted object stores, ...) are not in this list.
+LOCAL_FILE_SYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "ramfs",
+                      "overlay", "vfat"}
+
+
+def check_shared_checkpoints(cfg: Config, world_size: int, ranks_per_node: int,
+                             found: Findings) -> None:
+    """A job of several nodes saves into one directory every node must see (rank 0 makes the
+    checkpoint's folders, every rank writes its own files there): warn when checkpoint.dir
+    is on this node's own disk. `ptdp train` checks what the ranks really see at start-up
+    (ptdp/checkpoint/safety.py `check_shared_directory`)."""
+    nodes = -(-world_size // max(1, ranks_per_node))
+    if not cfg.checkpoint.dir or nodes <= 1:
+        return
+    kind = filesystem_type(Path(cfg.checkpoint.dir))
+    if kind in LOCAL_FILE_SYSTEMS:
+        found.warn(f"checkpoint.dir: {cfg.checkpoint.dir} is on this node's own {kind} file "
+                   f"system, but the job spans {nodes} nodes: saving needs a directory every "
+                   f"node sees (NFS, Lustre, GPFS, ...); `ptdp train` stops at start-up if the "
+                   f"ranks do not see the same folder (docs/clusters.md)")
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the file system holding `path` (or its nearest existing ancestor), from
+    /proc/mounts; None where that cannot be read."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+        path = path.resolve()
+    except OSError:
+        return None
+    best, kind = None, None
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = Path(fields[1].replace("\\040", " "))
+        if (path == point or point in path.parents) and (
+                best is None or len(point.parts) > len(best.parts)):
+            best, kind = point, fields[2]
+    return kind
 
 
 # --------------------------------------------------------------------------------------------

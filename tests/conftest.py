@@ -3,8 +3,29 @@
 Hiding the GPUs here (before anything initialises CUDA) reaches every process the tests start:
 spawned ranks, torchrun jobs and tool subprocesses inherit the environment. Without it, a
 machine with one visible GPU would put every multi-rank test's rank 1 on a GPU it lacks.
+
+The GPU tier (tests marked `gpu`, tests/gpu/) is the exception: `PTDP_GPU_TESTS=1 pytest -m gpu`
+(tools/gpu_check.sh) leaves the GPUs visible. Without CUDA every `gpu` test is skipped, so the
+plain suite (CI: `pytest -q`) never needs a GPU and never sees one.
 """
 
 import os
 
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
+import pytest
+
+GPU_TIER = os.environ.get("PTDP_GPU_TESTS") == "1"
+if not GPU_TIER:
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def pytest_collection_modifyitems(config, items):
+    if not any("gpu" in item.keywords for item in items):
+        return
+    import torch
+    if GPU_TIER and torch.cuda.is_available():
+        return
+    why = ("needs CUDA: run PTDP_GPU_TESTS=1 pytest -m gpu (tools/gpu_check.sh) on a GPU machine"
+           if not GPU_TIER else "PTDP_GPU_TESTS=1 but no CUDA device is visible")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=why))

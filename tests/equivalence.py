@@ -43,6 +43,7 @@ def train_and_collect(runs: list[list[str]], iters: int = 3,
 
     collected = []
     for overrides in runs:
+        held = _probe_held_outputs()
         cfg = load_config(None, TINY + overrides, world_size=dist.get_world_size())
         trainer = Trainer(cfg)
         grid, cp = trainer.state.grid, trainer.state.ctx.cp
@@ -58,7 +59,8 @@ def train_and_collect(runs: list[list[str]], iters: int = 3,
         norm = first.resolve().grad_norm
         losses = [first.loss] + [trainer.train_step(it).loss for it in range(1, iters)]
         weights = trainer.full_state()
-        collected.append({"losses": losses, "grad_norm": norm, "grads": grads, "weights": weights,
+        held.pop("restore")()
+        collected.append({**held, "losses": losses, "grad_norm": norm, "grads": grads, "weights": weights,
                           "aux": first.aux, "bytes_sent": trainer.pipeline.p2p.bytes_sent,
                           "shards": {n: tuple(p.shape) for n, p in trainer.named_parameters()},
                           "coords": trainer.state.grid.coords,
@@ -66,6 +68,27 @@ def train_and_collect(runs: list[list[str]], iters: int = 3,
                           "ring_bytes": cp.bytes_sent,
                           "ring_batches": getattr(cp.transport, "batches", None)})
     return collected
+
+
+def _probe_held_outputs() -> dict:
+    """At this rank's first backward: the bytes of stage outputs it still holds (stashed for
+    the backward, or in sends not yet complete), per micro-batch in flight, as
+    {"held_per_mb": bytes}; "restore" undoes the probe."""
+    from ptdp.pipeline import executor
+    original, seen = executor._Run._backward, {}
+
+    def probe(run, action):
+        if "held_per_mb" not in seen:
+            storages = {out.untyped_storage().data_ptr(): out.untyped_storage().nbytes()
+                        for _, out, _ in run.stash.values()}
+            storages.update((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                            for _, t in run.ex.p2p.pending_sends)
+            seen["held_per_mb"] = sum(storages.values()) / len(run.stash)
+        return original(run, action)
+
+    executor._Run._backward = probe
+    seen["restore"] = lambda: setattr(executor._Run, "_backward", original)
+    return seen
 
 
 def run_layouts(world_size: int, runs: list[list[str]], timeout_s: float = 240.0,

@@ -41,3 +41,35 @@ def test_cuda_without_gpus_is_refused(gpus):
 
 def test_the_suite_itself_runs_without_gpus():
     assert not torch.cuda.is_available()
+
+
+def test_a_rank_without_parameters_puts_no_cpu_tensor_into_a_collective(monkeypatch):
+    """The distributed optimizer can leave a rank of a small model no piece at all: its share
+    of the gradient norm (zero) must still live on the rank's device, since NCCL refuses CPU
+    tensors. `meta` stands in for the GPU; every tensor reaching a collective is recorded."""
+    import torch.distributed as dist
+
+    from ptdp.optim.grads import global_grad_norm
+    seen = []
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: seen.append(tensor.device))
+    norm = global_grad_norm([], "model group", 0, data_group="data group",
+                            device=torch.device("meta"))
+    assert seen == [torch.device("meta")] * 2 and norm.device == torch.device("meta")
+
+
+def test_tf32_is_a_training_setting():
+    """train.tf32 (default on) sets torch's TF32 flags for fp32 matmuls and convolutions on
+    CUDA, as tools/bench_gpu.py does for its reference."""
+    from ptdp.config import load_config
+    from ptdp.runtime.startup import set_tf32
+    assert load_config(None, [], world_size=1).train.tf32 is True
+    assert load_config(None, ["train.tf32=false"], world_size=1).train.tf32 is False
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        set_tf32(True)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        set_tf32(False)
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before

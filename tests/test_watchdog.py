@@ -1,7 +1,10 @@
 """No anonymous hang: a rank that stops is named, and the job ends within train.timeout_s.
 
-The unit tests drive the watchdog with an in-memory store; the last test stops one of 8
-real ranks with SIGSTOP under torchrun and checks that the job ends, non-zero, naming it.
+The unit tests drive the watchdog with an in-memory store and, where time matters, fake
+clocks (one per host: they may disagree) and fake device events (the GPU's progress); one
+trains 2 real ranks through a slow first iteration and a long validation pass, which must not
+end the job; the last stops one of 8 real ranks with SIGSTOP under torchrun and checks that
+the job ends, non-zero, naming it.
 """
 
 import os
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from ptdp.runtime.progress import DeviceProgress
 from ptdp.runtime.trace import NO_SPANS
 from ptdp.runtime.watchdog import Watchdog, is_communication_error
 
@@ -37,54 +41,89 @@ class MemoryStore:
         return value
 
 
-def _watchdogs(world: int, timeout_s: float = 30.0):
+class FakeClock:
+    """A host's monotonic clock, advanced by the test; `offset` makes hosts disagree."""
+
+    def __init__(self, offset: float = 0.0):
+        self.now = 1000.0 + offset
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _watchdogs(world: int, timeout_s: float = 30.0, offsets=None, **kwargs):
     store = MemoryStore()
-    return store, [Watchdog(r, world, lambda r: f"(p={r})", timeout_s, store=store,
-                            on_hang=lambda line: None) for r in range(world)]
+    clocks = [FakeClock(offsets[r] if offsets else 0.0) for r in range(world)]
+    dogs = [Watchdog(r, world, lambda r: f"(p={r})", timeout_s, store=store,
+                     on_hang=lambda line: None, clock=clocks[r], **kwargs) for r in range(world)]
+    return store, dogs, clocks
+
+
+def _advance(dogs, clocks, seconds: float, live, step: float = 0.5) -> dict:
+    """Let `seconds` pass on every host; the `live` ranks publish a heartbeat every `step`, and
+    rank 0 reads them all each time (as its watchdog does near its budget)."""
+    for _ in range(round(seconds / step)):
+        for clock in clocks:
+            clock.now += step
+        for dog in dogs:
+            if dog.rank in live:
+                dog._publish()
+        beats = dogs[0].heartbeats()
+    return beats
 
 
 def test_a_rank_without_heartbeat_is_named_with_its_last_action():
-    store, dogs = _watchdogs(4)
-    now = time.time()
+    store, dogs, clocks = _watchdogs(4)
     for dog in dogs:
         dog.doing("iteration 7", iteration=7)
-    with dogs[2].track(NO_SPANS)("F3@s1", "forward"):
+    with dogs[2].track(NO_SPANS)("F3@s1", "forward", mb=3, stage=1):
         for dog in dogs:
-            dog._publish(now - (60 if dog.rank == 2 else 0))
-    beats = dogs[0].heartbeats()
-    line = dogs[0].diagnose(beats, now)
+            dog._publish()
+    clocks[2].now -= 100            # rank 2's host keeps its own time: it is never compared
+    beats = _advance(dogs, clocks, 4.0, live={0, 1, 3})
+    line = dogs[0].diagnose(beats)
     assert line.startswith("rank(s) stopped making progress: rank 2 (p=2) (pid ")
-    assert "no heartbeat for 60s, last in iteration 7 at F3@s1" in line
-    assert [d.is_reporter(beats, now) for d in dogs] == [True, False, False, False]
+    assert "no heartbeat for 4s, last in iteration 7 at F3@s1, for 4s" in line
+    assert [d.is_reporter(beats) for d in dogs] == [True, False, False, False]
 
 
-def test_when_every_rank_is_alive_the_ones_not_waiting_are_named():
-    store, dogs = _watchdogs(3)
-    now = time.time()
+def test_clock_skew_between_hosts_marks_no_live_rank_as_stopped():
+    """Hosts 15 s apart (an NTP-less cluster): heartbeats carry sequence numbers and durations
+    measured on their own host, and each rank times the others' numbers on its own clock, so
+    live ranks stay live and the durations in the line are right."""
+    store, dogs, clocks = _watchdogs(3, offsets=[0.0, 15.0, -15.0])
     for dog in dogs:
         dog.doing("iteration 4", iteration=4)
     spans = [dog.track(NO_SPANS) for dog in dogs]
     with spans[0]("wait act mb1 s0->s1", "wait"), spans[1]("B1@s1", "backward"), \
             spans[2]("data-parallel reduce", "reduce"):
-        for dog in dogs:
-            dog._publish(now)
-        line = dogs[0].diagnose(dogs[0].heartbeats(), now)
-    assert "every rank is alive" in line
-    assert "rank 1 (p=1)" in line and "at B1@s1" in line
+        beats = _advance(dogs, clocks, 6.0, live={0, 1, 2})
+        assert dogs[0]._stopped(beats) == []
+        line = dogs[0].diagnose(beats)
+    assert "every rank is alive" in line and "stopped" not in line
+    assert "rank 1 (p=1)" in line and "at B1@s1, for 6s" in line
     assert "rank 0 " not in line and "rank 2 " not in line
 
 
 def test_a_lost_peer_is_named_once_with_the_backend_error():
-    """Ranks whose communication failed wait for the dead rank's heartbeat to go stale;
-    the first to claim the report names it, the others end quietly."""
+    """Ranks whose communication failed wait for the dead rank's heartbeat to go stale (as
+    their own clocks measure it); the first to claim the report names it, the others end
+    quietly."""
     fired = []
-    store, dogs = MemoryStore(), []
-    for r in range(4):
-        dogs.append(Watchdog(r, 4, lambda r: f"(p={r})", 1.0, store=store, on_hang=fired.append))
-    now = time.time()
+    store, clocks = MemoryStore(), [FakeClock(offset=7.0 * r) for r in range(4)]
+
+    def sleep(seconds):       # time passes on every host; the live ranks keep publishing
+        for clock in clocks:
+            clock.now += seconds
+        for dog in dogs:
+            if dog.rank != 2:
+                dog._publish()
+
+    dogs = [Watchdog(r, 4, lambda r: f"(p={r})", 1.0, store=store, on_hang=fired.append,
+                     clock=clocks[r], sleep=sleep) for r in range(4)]
     for dog in dogs:
         dog.doing("iteration 3", iteration=3)
-        dog._publish(now - (60 if dog.rank == 2 else 0))
+        dog._publish()
     error = RuntimeError("[/x/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
                          "by peer [10.213.0.2]:17536. This is typically caused by a remote "
                          "worker crashing.")
@@ -93,19 +132,97 @@ def test_a_lost_peer_is_named_once_with_the_backend_error():
     dogs[0].lost_peer(error)
     assert fired[1] is None
     assert fired[0].startswith("lost rank(s): rank 2 (p=2) (pid ")
-    assert "no heartbeat for 6" in fired[0] and "last in iteration 3 at iteration 3" in fired[0]
+    assert "no heartbeat for 2s" in fired[0] and "last in iteration 3 at iteration 3, for 2s" in fired[0]
     assert fired[0].endswith("rank 3 (p=3) saw: gloo: Connection closed by peer "
                              "[10.213.0.2]:17536. Ending the job.")
 
 
-def test_stall_check_fires_only_from_the_second_iteration_and_not_in_checkpoint_saves():
+class FakeEvent:
+    """A device event: complete once the fake device has run past it."""
+
+    def __init__(self, device):
+        self.device, self.at = device, None
+
+    def record(self):
+        self.device.recorded += 1
+        self.at = self.device.recorded
+
+    def query(self):
+        return self.at <= self.device.finished
+
+
+class FakeDevice:
+    def __init__(self):
+        self.recorded = self.finished = 0
+
+
+def test_progress_is_what_the_device_finished_and_the_line_names_its_action():
+    """On NCCL the host runs ahead and blocks later (in the iteration's one read): host marks
+    say nothing. Device events recorded after each action, polled by the watchdog's thread,
+    are the progress, and the first unfinished one is where the device is stuck: rank,
+    stage, micro-batch and transfer. Rank 1 sent nothing, so it is named as the one not
+    waiting; rank 0's device is in the receive."""
+    devices = [FakeDevice(), FakeDevice()]
+    store, dogs, clocks = _watchdogs(
+        2, timeout_s=10.0, first_iteration=1)
+    for dog, device in zip(dogs, devices):
+        dog.progress = DeviceProgress(lambda device=device: FakeEvent(device), dog.clock)
+        dog.progress.moved_at = dog.clock()
+        dog.doing("iteration 5", iteration=5)
+    spans = [dog.track(NO_SPANS) for dog in dogs]
+    for name, category, mb in (("F0@s0", "forward", 0), ("wait grad mb0 s1->s0", "wait", 0),
+                               ("B0@s0", "backward", 0)):
+        with spans[0](name, category, mb=mb, stage=0):
+            pass                        # enqueued at once: the host never waits
+    with spans[1]("F0@s1", "forward", mb=0, stage=1):
+        pass
+    with spans[1]("B0@s1", "backward", mb=0, stage=1):
+        pass
+    devices[0].finished = 1             # rank 0's device ran F0 and waits for the gradient
+    devices[1].finished = 1             # rank 1's is stuck in B0
+    for dog in dogs:
+        dog.doing("iteration 5 statistics", iteration=5)   # the host blocks here
+    for _ in range(18):                                     # 9 s: past the 8 s budget
+        for clock in clocks:
+            clock.now += 0.5
+        for dog in dogs:
+            dog.progress.poll()
+            dog._publish()
+        beats = dogs[0].heartbeats()
+    assert dogs[0].progress.last_done.name == "F0@s0"
+    assert dogs[0].clock() - dogs[0].last_progress() > dogs[0].budget_s
+    line = dogs[0].diagnose(beats)
+    assert line.startswith("no progress for 8s but every rank is alive; not waiting for "
+                           "another rank: rank 1 (p=1)")
+    assert "its device in B0@s1 (stage 1, micro-batch 0) for 8s" in line
+    assert ("rank 0's device is in wait grad mb0 s1->s0 (stage 0, micro-batch 0)") in line
+    devices[1].finished = 2              # the device moves again: progress, no stall
+    dogs[1].progress.poll()
+    assert dogs[1].clock() - dogs[1].last_progress() == 0
+
+
+def test_a_slow_first_iteration_and_first_validation_get_the_start_up_budget():
+    """The first iteration and the first validation pass compile; later ones do not."""
+    dog = Watchdog(0, 2, str, timeout_s=10.0, startup_timeout_s=100.0, store=MemoryStore(),
+                   first_iteration=3, on_hang=lambda line: None, clock=FakeClock())
+    dog.doing("iteration 3", iteration=3)
+    assert dog.budget_s == pytest.approx(80.0)
+    dog.doing("evaluation", slow=True)
+    assert dog.budget_s == pytest.approx(80.0)
+    dog.doing("iteration 4", iteration=4)
+    assert dog.budget_s == pytest.approx(8.0)
+    dog.doing("evaluation")
+    assert dog.budget_s == pytest.approx(8.0)
+
+
+def test_stall_check_fires_only_after_the_first_iteration_and_not_in_checkpoint_saves():
     fired = []
     dog = Watchdog(0, 2, str, timeout_s=1.0, store=MemoryStore(), first_iteration=5,
                    on_hang=fired.append)
     assert dog.stall_s == pytest.approx(0.8) and dog.interval_s == 0.5
     dog.start()
     try:
-        dog.doing("iteration 5", iteration=5)      # the job's first: may be slow
+        dog.doing("iteration 5", iteration=5)      # the job's first: start-up budget
         time.sleep(1.6)
         assert fired == []
         dog.doing("checkpoint save", iteration=6, watch=False)
@@ -141,6 +258,47 @@ def test_a_rank_that_does_not_report_gives_the_reporter_time_to_speak():
             dog.stop()
     (first, line, at), (second, quiet, end) = sorted(calls, key=lambda c: c[2])
     assert first == 0 and line.startswith("no progress for") and (second, quiet) == (1, None)
+
+
+def _slow_first_iteration_and_validation() -> list[dict]:
+    """p = 2 with train.timeout_s=1 (a stall budget of 0.8 s): rank 1 builds its first
+    micro-batch 1.5 s late (as when it compiles longer than its peer), and every validation
+    micro-batch takes 0.1 s (a pass of 1.6 s or more, each forward short)."""
+    import torch.distributed as dist
+
+    from ptdp.config import load_config
+    from ptdp.training import Trainer
+    from tests.equivalence import TINY
+
+    cfg = load_config(None, TINY + ["parallel.pipeline=2", "train.iters=2", "train.eval_interval=2",
+                                    "train.eval_iters=4", "train.timeout_s=1",
+                                    "train.startup_timeout_s=30", "log.progress=false"],
+                      world_size=dist.get_world_size())
+    trainer = Trainer(cfg)
+    train, valid = trainer.batches["train"], trainer.batches["valid"]
+    build_train, build_valid = train.get, valid.get
+
+    def late_first(iteration, mb):
+        if (iteration, mb) == (0, 0) and dist.get_rank() == 1:
+            time.sleep(1.5)
+        return build_train(iteration, mb)
+
+    def slow(iteration, mb):
+        time.sleep(0.1)
+        return build_valid(iteration, mb)
+
+    train.get, valid.get = late_first, slow
+    return trainer.train()
+
+
+def test_a_slow_first_iteration_and_a_long_validation_do_not_end_a_healthy_job():
+    """Issue 22, item 2: the stall check counts every validation forward as progress, and the
+    first iteration (and validation) get train.startup_timeout_s, which the backend's own
+    timeout follows; before, this job ended with exit 4 (or gloo's timeout) on both."""
+    from ptdp.runtime.local_ranks import run_on_ranks
+    histories = run_on_ranks(2, _slow_first_iteration_and_validation, timeout_s=60)
+    assert [len(h) for h in histories] == [2, 2]
+    assert all(record["valid_loss"] > 0 for record in (histories[0][1], histories[1][1]))
 
 
 def _pid_of_rank(rank: int, marker: str) -> int | None:

@@ -12,7 +12,12 @@ CUDA), it times a training step of
   when `transformers` is importable, else a plain pre-LN BERT with the same heads as ptdp's
   (`--reference plain` forces it);
 
-with the same micro-batch b and m micro-batches per step (gradient accumulation), after
+with the same micro-batch b and m micro-batches per step (gradient accumulation), the same
+TF32 setting (`--tf32`, default on: ptdp's `train.tf32`, torch's flags for the reference) and
+the same data path: every micro-batch comes from host memory and is copied to the device
+during the step, ptdp's built ahead by `--data-workers` processes (`data.num_workers`, pinned
+on CUDA), the reference's built once before timing and kept in (pinned) host memory, as a
+`DataLoader` with `pin_memory` would hand them over; after
 `--warmup` untimed steps (compilation happens there). A step's time is the median over
 `--steps` steps, by CUDA events on GPU and perf_counter on CPU. The table gives tokens/s,
 model TFLOP/s by Eq. 4.2 (ptdp/planner/formulas.py) with 3 passes per layer (forward and
@@ -227,13 +232,18 @@ class PlainRunner:
         self.dtype = DTYPES[args.precision]
         self.scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
         generator = torch.Generator().manual_seed(1234)
-        self.batches = [plain_batch(args.arch, s, args.micro_batch, device, generator)
+        cpu = torch.device("cpu")
+        # host batches, copied to the device every micro-batch as ptdp's are (like with like)
+        self.batches = [plain_batch(args.arch, s, args.micro_batch, cpu, generator)
                         for _ in range(self.m)]
+        if device.type == "cuda":
+            self.batches = [{k: v.pin_memory() for k, v in b.items()} for b in self.batches]
 
     def step(self, iteration: int) -> float:
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
-        for batch in self.batches:
+        for host in self.batches:
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
             with torch.autocast(self.device.type, dtype=self.dtype,
                                 enabled=self.dtype != torch.float32):
                 loss = self.forward(batch) / self.m
@@ -272,7 +282,8 @@ class PtdpRunner:
             f"train.iters={args.warmup + args.steps}", f"train.precision={args.precision}",
             f"train.recompute={args.recompute}", f"train.compile={str(args.compile).lower()}",
             f"train.device={device.type}", "train.lr=1e-4", "log.progress=false",
-            "data.source=synthetic"]
+            "data.source=synthetic", f"train.tf32={str(args.tf32).lower()}",
+            f"data.num_workers={args.data_workers}"]
         if args.hardware:
             overrides.append(f"log.hardware={args.hardware}")
         self.cfg = load_config(None, overrides, world_size=1)
@@ -304,6 +315,13 @@ def reset_peak_memory(device) -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
+
+
+def peak_reserved_gb(device) -> float | None:
+    """What the caching allocator held at its peak (CUDA), the GPU memory really taken."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**30
+    return peak_memory_gb(device)
 
 
 def peak_memory_gb(device) -> float | None:
@@ -347,6 +365,7 @@ def run_one(make, args, s: dict, device, vocab: int, peak: float | None) -> dict
            "step_ms": step * 1e3, "step_ms_all": [x * 1e3 for x in seconds],
            "tokens_per_s": batch * s["seq"] / step, "tflops": tflops3, "tflops_eq42": tflops4,
            "mfu": tflops3 / peak if peak else None, "peak_memory_gb": peak_memory_gb(device),
+           "peak_reserved_gb": peak_reserved_gb(device),
            "loss_first": losses[0], "loss_last": losses[-1], "parameters": runner.parameters,
            "vocab": vocab}
     del runner
@@ -410,6 +429,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--reference", choices=("auto", "hf", "plain"), default="auto",
                         help="BERT reference: HF BertForPreTraining when importable (auto)")
+    parser.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
+                        help="TF32 for fp32 matmuls, both models (ptdp's train.tf32; default on)")
+    parser.add_argument("--data-workers", type=int,
+                        help="ptdp's data.num_workers (default: 2 on CUDA, 0 on CPU)")
     parser.add_argument("--hardware", help="hardware profile for MFU (configs/hardware/); "
                                            "auto-detected on known GPUs")
     parser.add_argument("--threads", type=int, default=1,
@@ -429,6 +452,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.micro_batches = args.micro_batches or (2 if args.tiny else 4)
     args.warmup = args.warmup if args.warmup is not None else (3 if cuda else 1)
     args.compile = cuda if args.compile is None else args.compile
+    args.data_workers = (2 if cuda else 0) if args.data_workers is None else args.data_workers
     args.precision = args.precision or ("bf16" if cuda else "fp32")
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
@@ -439,8 +463,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
+        from ptdp.runtime.startup import set_tf32
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        set_tf32(args.tf32)   # the reference's; ptdp's Trainer sets the same from train.tf32
     else:
         torch.set_num_threads(args.threads)
     init_process_group(device)
@@ -453,7 +478,8 @@ def main(argv=None) -> int:
     summary = compare(rows, args.arch, device)
     print(f"{args.arch}: {s['layers']} layers, h {s['hidden']}, {s['heads']} heads, s {s['seq']}, "
           f"V {s['vocab']}, {args.precision}, recompute {args.recompute}, compile "
-          f"{'on' if args.compile else 'off'}, {device} (peak {peak or 'unknown'} TFLOP/s); "
+          f"{'on' if args.compile else 'off'}, TF32 {'on' if args.tf32 else 'off'}, "
+          f"{args.data_workers} data worker(s), {device} (peak {peak or 'unknown'} TFLOP/s); "
           f"median of {args.steps} steps after {args.warmup} warm-up")
     print(table(rows))
     mem = summary["memory_ratio"]
@@ -469,6 +495,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(
             {"arch": args.arch, "device": str(device), "shape": s, "precision": args.precision,
              "compile": args.compile, "recompute": args.recompute, "steps": args.steps,
+             "tf32": args.tf32, "data_workers": args.data_workers,
              "warmup": args.warmup, "peak_tflops": peak, "rows": rows, **summary}, indent=2))
     import torch.distributed as dist
     dist.destroy_process_group()

@@ -23,6 +23,12 @@
 #                   (each restart resumes from the newest checkpoint in checkpoint.dir; a
 #                   configuration error or a divergence is not restarted: docs/checkpoints.md)
 #   DRY_RUN=1       print the command instead of running it
+#   TORCH_NCCL_TRACE_BUFFER_SIZE, TORCH_NCCL_DUMP_ON_TIMEOUT, TORCH_NCCL_DEBUG_INFO_TEMP_FILE
+#                   torch's NCCL flight recorder, dumped on a timeout or a hang the hang
+#                   detector names              [2000, 1, /tmp/ptdp_nccl_trace_rank_]
+# checkpoint.dir must be one directory every node sees (a shared file system) when NNODES > 1:
+# `ptdp check` warns when it is on a local disk, `ptdp train` stops at start-up if it is not
+# shared (docs/clusters.md).
 # Hide GPUs to force CPU ranks: CUDA_VISIBLE_DEVICES= tools/pretrain_gpt.sh ...
 set -euo pipefail
 
@@ -90,6 +96,10 @@ else
 fi
 [[ "$GPUS_PER_NODE" =~ ^[1-9][0-9]*$ ]] || die "GPUS_PER_NODE must be a positive integer, got '$GPUS_PER_NODE'"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# NCCL (GPU ranks only): torch's flight recorder, and its dump when a collective times out
+export TORCH_NCCL_TRACE_BUFFER_SIZE="${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}"
+export TORCH_NCCL_DUMP_ON_TIMEOUT="${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}"
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE="${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-/tmp/ptdp_nccl_trace_rank_}"
 
 if [[ -z "${MASTER_PORT:-}" ]]; then
     if [[ "$NNODES" -eq 1 ]]; then   # one node: any free port, so several jobs can share a box

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -32,6 +35,57 @@ def on_all_ranks(what: str, fn):
         others = f" (and on {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
         raise CheckpointError(f"{what} failed on rank {rank}{others}: {msg}") from error
     return result
+
+
+class NotSharedError(CheckpointError):
+    """checkpoint.dir is not the same directory on every rank (a node-local disk)."""
+
+
+def check_shared_directory(directory: str | os.PathLike, patience_s: float = 10.0) -> None:
+    """Collective, at start-up: every rank must see the file rank 0 writes into `directory`.
+
+    A save is made by all ranks together in one folder (rank 0 creates it, every rank writes
+    its own files, rank 0 publishes): on several nodes that needs a file system they all see.
+    Raises NotSharedError on every rank, naming the ranks and hosts that do not see it, before
+    any training (a node-local checkpoint.dir would otherwise fail at the first save, or
+    publish a checkpoint missing other nodes' files). A rank that does not see the file at
+    once looks again for `patience_s` (an NFS client may have cached the folder's absence).
+    """
+    root, rank0 = Path(directory), dist.get_rank() == 0
+    name = [f".ptdp-shared-{uuid.uuid4().hex}" if rank0 else None]
+
+    def write():
+        if rank0:
+            root.mkdir(parents=True, exist_ok=True)
+            write_text_durably(root / name[0], name[0])
+
+    on_all_ranks(f"writing into checkpoint.dir {root}", write)
+    dist.broadcast_object_list(name, src=0)
+    seen = _sees(root, name[0], patience_s)
+    views = all_gather((seen, socket.gethostname()))
+    if rank0:
+        (root / name[0]).unlink(missing_ok=True)
+    blind = [(rank, host) for rank, (saw, host) in enumerate(views) if not saw]
+    if blind:
+        hosts = sorted({host for _, host in blind})
+        ranks = ", ".join(str(rank) for rank, _ in blind[:16]) + (" ..." if len(blind) > 16 else "")
+        raise NotSharedError(
+            f"checkpoint.dir {root} is not shared: rank(s) {ranks} on {', '.join(hosts)} do not "
+            f"see what rank 0 (on {views[0][1]}) writes there; a job on several nodes saves into "
+            f"one directory every node sees (NFS, Lustre, GPFS, ...): see docs/clusters.md")
+
+
+def _sees(root: Path, name: str, patience_s: float) -> bool:
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            if name in os.listdir(root):   # a listing revalidates a cached directory
+                return (root / name).read_text() == name
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.5)
 
 
 def all_gather(obj) -> list:

@@ -45,10 +45,16 @@ def run(args) -> int:
     if _env_int("RANK", 0) == 0:
         for line in found.warnings:   # e.g. tensor groups that straddle nodes
             print(f"ptdp train: warning: {line}", file=sys.stderr)
+    from ptdp.checkpoint.safety import NotSharedError
     from ptdp.runtime.startup import shutdown
     from ptdp.training import DivergenceError, Trainer
     try:
         Trainer(found.cfg).train(resume_command(args, found.cfg))
+    except NotSharedError as err:   # checkpoint.dir on a node's own disk: found at start-up
+        if _env_int("RANK", 0) == 0:
+            print(f"ptdp train: {err}", file=sys.stderr)
+        record_exit(CONFIG_ERROR)
+        return CONFIG_ERROR
     except DivergenceError as err:  # every rank stops here together; rank 0 says why
         if _env_int("RANK", 0) == 0:
             print(f"ptdp train: {err}", file=sys.stderr)

@@ -149,7 +149,10 @@ class TrainConfig:
     eval_iters: int = 2
     device: str = "auto"                 # auto | cpu | cuda
     compile: bool | None = None          # torch.compile each layer; null = on for CUDA only
-    timeout_s: float = 180.0             # every collective gives up after this long
+    timeout_s: float = 180.0             # a rank stuck 80 % of this long ends the job (exit 4)
+    startup_timeout_s: float = 600.0     # the same for the first iteration and validation
+                                         # (compilation); the backend gives up after the larger
+    tf32: bool = True                    # CUDA: TF32 tensor cores for fp32 matmuls/convolutions
 
 
 @dataclass

@@ -175,6 +175,7 @@ def _check_train(tr: TrainConfig, out: _Problems) -> bool:
                     f"{tr.eval_iters}; set train.eval_iters or train.eval_interval=0")
     out.choice(tr.device, ("auto", "cpu", "cuda"), "train.device")
     out.positive(tr.timeout_s, "train.timeout_s")
+    out.positive(tr.startup_timeout_s, "train.startup_timeout_s")
     out.require(tr.fp16_max_skips >= 1, f"train.fp16_max_skips must be >= 1, got {tr.fp16_max_skips}")
     return batches_ok
 

@@ -29,23 +29,27 @@ def micro_batch_indices(iteration: int, micro_batch: int, *, global_batch: int,
     return range(start, start + micro_batch_size)
 
 
-def collate(samples: list[dict], device: torch.device) -> dict:
-    """Stack dicts of numpy arrays into dicts of tensors [b, ...] on `device`.
+def collate(samples: list[dict], device: torch.device | None = None) -> dict:
+    """Stack dicts of numpy arrays into dicts of tensors [b, ...], on the host, or on `device`
+    (`to_device`)."""
+    batch = {key: torch.from_numpy(np.stack([s[key] for s in samples])) for key in samples[0]}
+    return batch if device is None else to_device(batch, device)
 
-    On GPU the copy goes from pinned memory without blocking: a plain copy from pageable
-    memory would make the host wait for the GPU at every micro-batch (a hidden sync).
-    """
-    def to_device(array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if device.type == "cuda":
-            return tensor.pin_memory().to(device, non_blocking=True)
-        return tensor.to(device)
 
-    return {key: to_device(np.stack([s[key] for s in samples])) for key in samples[0]}
+def to_device(batch: dict, device: torch.device, pinned: bool = False) -> dict:
+    """A host micro-batch on `device`. On GPU the copy goes from pinned memory without
+    blocking (a data-loader worker's batches are pinned already): a plain copy from pageable
+    memory would make the host wait for the GPU at every micro-batch (a hidden sync)."""
+    if device.type != "cuda":
+        return {key: value.to(device) for key, value in batch.items()}
+    return {key: (value if pinned else value.pin_memory()).to(device, non_blocking=True)
+            for key, value in batch.items()}
 
 
 class MicroBatches:
-    """Builds micro-batch `i` of iteration `it` for this data rank from a map-style dataset."""
+    """Builds micro-batch `i` of iteration `it` for this data rank from a map-style dataset:
+    `build` on the host (what a data-loader worker runs, ptdp/data/loader.py), `get` on the
+    device."""
 
     def __init__(self, dataset, *, global_batch: int, micro_batch_size: int, data_rank: int,
                  data_size: int, device: torch.device, context_rank: int = 0,
@@ -55,11 +59,15 @@ class MicroBatches:
                            data_rank=data_rank, data_size=data_size)
         self.context_rank, self.context_size = context_rank, context_size
 
-    def get(self, iteration: int, micro_batch: int) -> dict:
+    def build(self, iteration: int, micro_batch: int) -> dict:
+        """The micro-batch as host tensors (this context rank's part of it)."""
         n = len(self.dataset)
         idx = micro_batch_indices(iteration, micro_batch, **self.layout)
-        batch = collate([self.dataset[i % n] for i in idx], self.device)
+        batch = collate([self.dataset[i % n] for i in idx])
         return context_split(batch, self.context_rank, self.context_size)
+
+    def get(self, iteration: int, micro_batch: int) -> dict:
+        return to_device(self.build(iteration, micro_batch), self.device)
 
 
 def context_split(batch: dict, rank: int, size: int) -> dict:

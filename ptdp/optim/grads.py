@@ -163,14 +163,16 @@ def counts_in_norm(param: nn.Parameter, tp_rank: int) -> bool:
 
 
 def global_grad_norm(params: list[nn.Parameter], model_group, tp_rank: int,
-                     data_group=None) -> torch.Tensor:
-    """The gradient norm of the whole model, as a float64 device tensor (no host sync).
+                     data_group=None, *, device: torch.device) -> torch.Tensor:
+    """The gradient norm of the whole model, as a float64 tensor on `device` (no host sync).
 
+    `device` is the rank's own, given rather than read from `params`: with the distributed
+    optimizer a rank may hold no piece at all, and its (zero) share must still reach the
+    collectives on the device (NCCL takes no CPU tensor).
     `data_group`: the gradients are sharded over it (distributed optimizer), so the squares
     are summed over it too. A non-finite element on any rank makes the norm non-finite on
     every rank: fp16's overflow check and skip are then common to all shards.
     """
-    device = params[0].device if params else torch.device("cpu")
     grads = [p.grad.detach() for p in params if p.grad is not None and counts_in_norm(p, tp_rank)]
     total = torch.zeros((), dtype=torch.float64, device=device)  # NCCL needs device tensors
     if grads:

@@ -38,20 +38,34 @@ class TensorParallel:
         return n // self.size
 
 
-def _all_reduce(x: torch.Tensor, group, size: int) -> torch.Tensor:
+# torch 2.10 renamed the tensor forms (all_gather_into_tensor, reduce_scatter_tensor) to
+# *_single; keep older releases working
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                         or dist.reduce_scatter_tensor)
+
+
+def _all_reduce_(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """Sum `x` over the group, in place when it is contiguous (no copy). The callers own `x`:
+    g's input is a GEMM's fresh partial output (or the masked embedding lookup), f's backward
+    gets the input gradient of the one GEMM its output feeds."""
     if size == 1:
         return x
-    out = x.contiguous().clone()
+    out = x.contiguous()   # a copy only for a non-contiguous tensor
     dist.all_reduce(out, group=group)
     return out
 
 
 def _gather_last_dim(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """All-gather along the last dimension: one collective into one buffer (the ranks' slices
+    stacked along the first dimension), then the one copy that interleaves them (a
+    last-dimension concatenation is no view of it)."""
     if size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
+    x = x.contiguous()
+    gathered = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    all_gather_single(gathered, x, group=group)
+    return torch.cat(gathered.chunk(size, dim=0), dim=-1)
 
 
 def _split_last_dim(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -70,15 +84,19 @@ class _CopyToTensorRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad, ctx.tp.group, ctx.tp.size), None
+        return _all_reduce_(grad, ctx.tp.group, ctx.tp.size), None
 
 
 class _ReduceFromTensorRegion(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
+    """g: all-reduce forward (in place: the input is a partial sum nobody else reads),
+    identity backward."""
 
     @staticmethod
     def forward(ctx, x, tp: TensorParallel):
-        return _all_reduce(x, tp.group, tp.size)
+        out = _all_reduce_(x, tp.group, tp.size)
+        if out is x:
+            ctx.mark_dirty(x)   # autograd checks that no saved tensor was x
+        return out
 
     @staticmethod
     def backward(ctx, grad):

@@ -12,28 +12,25 @@ forms, so layers need not know which is on.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from ptdp.parallel.mappings import TensorParallel, copy_to_tensor_region, reduce_from_tensor_region
+from ptdp.parallel.mappings import (TensorParallel, all_gather_single, copy_to_tensor_region,
+                                    reduce_from_tensor_region, reduce_scatter_single)
 from ptdp.parallel.roles import declare_role
 
 
 def _gather_first_dim(x: torch.Tensor, group, size: int) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=0)
+    """[s/t, ...] -> [s, ...]: the ranks' slices land in place in the output (no concatenation)."""
+    out = x.new_empty((x.shape[0] * size, *x.shape[1:]))
+    all_gather_single(out, x.contiguous(), group=group)
+    return out
 
 
 def _reduce_scatter_first_dim(x: torch.Tensor, group, size: int) -> torch.Tensor:
     assert x.shape[0] % size == 0, f"sequence {x.shape[0]} does not split {size} ways"
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    _reduce_scatter_single(out, x.contiguous(), group=group)
+    reduce_scatter_single(out, x.contiguous(), group=group)
     return out
-
-
-# torch renamed reduce_scatter_tensor (deprecated since 2.10); keep older releases working
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _split_first_dim(x: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -116,11 +113,13 @@ def sequence_parallel_dropout(x: torch.Tensor, p: float, tp: TensorParallel) -> 
 
     The mask is drawn for the full [s, b, h] shape from the default generator (identical on
     every tensor rank) and sliced, exactly as F.dropout draws it on CPU (bernoulli, then
-    divide by 1-p), so a sequence-parallel run drops the same elements as one without it:
-    the layouts stay interchangeable. Only the slice is kept for backward; drawing the full
-    mask costs t times the random numbers, not memory that outlives this call.
+    scale by 1/(1-p), computed as it computes it), so a sequence-parallel run drops the same
+    elements as one without it: the layouts stay interchangeable. Only my rows are kept for
+    backward, as a bool mask (1 byte an element, not the activation's 2 or 4); drawing the
+    full mask costs t times the random numbers, not memory that outlives this call.
     """
     full = (x.shape[0] * tp.size, *x.shape[1:])
-    noise = torch.empty(full, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
-    noise = sequence_shard(noise, tp).clone().div_(1 - p)  # a copy: the full mask is freed
-    return x * noise
+    draws = torch.empty(full, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+    keep = sequence_shard(draws, tp).bool()          # a copy: the full draws are freed
+    scale = torch.ones((), dtype=x.dtype, device=x.device).div_(1 - p)
+    return x.masked_fill(~keep, 0) * scale

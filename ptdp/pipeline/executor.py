@@ -17,6 +17,15 @@ reductions are the trainer's business.
 
 Split backwards (zb-h1): when the steps hold weight-gradient actions (`Wg`), a `B` runs with
 the weight gradients deferred (`ptdp.parallel.weight_grad`) and its `Wg` computes them later.
+
+Freed outputs (Megatron's `deallocate_output_tensor`): once a stage's output is posted to the
+next stage, its backward needs only the autograd graph behind it, not its [s, b, h] values.
+The stashed output's data is then swapped for one element, and its backward is run by the
+autograd engine directly (torch.autograd.backward would compare the gradient's shape with
+the emptied tensor's). The send keeps the values alive until the transport reports it
+complete (`P2P.exchange` drops completed sends: at once under NCCL's completion; with gloo's
+batches only at the end of the iteration). A saved reference to the output elsewhere in the
+graph would keep its own copy of the storage, so freeing never changes a result.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.autograd.graph import _engine_run_backward
 
 from ptdp.parallel.weight_grad import STORE as WEIGHT_GRADS
 from ptdp.pipeline.actions import BACKWARD, END, FORWARD, REDUCE, WEIGHT_GRAD
@@ -115,6 +125,7 @@ class _Run:
         self.stash: dict = {}      # (mb, stage) -> (input, output, version ids) for the backward
         self.batches: dict = {}    # mb -> (batch, forwards of it still to run on this rank)
         self.posted: set = set()   # receives posted ahead of their step and not yet used
+        self.unsent: dict = {}     # message -> stashed output to free once it is sent
         self.split = False         # the steps hold Wg actions: B defers weight gradients
         self.result = IterationResult()
         self.spans = NO_SPANS
@@ -123,8 +134,12 @@ class _Run:
         ex, self.spans = self.ex, spans
         self.split = any(s.action is not None and s.action.kind == WEIGHT_GRAD for s in steps)
         for k, step in enumerate(steps):
-            self.inbox.update(ex.p2p.exchange(self._to_post(steps, k), self.outbox,
-                                              ex.activation_shape, ex.dtype, ex.device))
+            transfers = self._to_post(steps, k)
+            self.inbox.update(ex.p2p.exchange(transfers, self.outbox, ex.activation_shape,
+                                              ex.dtype, ex.device))
+            for t in transfers:
+                if t.send and t.message in self.unsent:
+                    _free_data(self.unsent.pop(t.message))
             action = step.action
             if action is None:
                 continue
@@ -179,10 +194,11 @@ class _Run:
         with self.spans(f"wait {message}", "wait", mb=action.mb, stage=action.stage):
             return self.inbox.pop(message).wait()
 
-    def _produced(self, action, tensor) -> None:
+    def _produced(self, action, tensor):
         message = produced_message(action, self.ex.num_stages)
         if message is not None:
             self.outbox[message] = tensor
+        return message
 
     def _batch(self, mb: int) -> dict:
         """The micro-batch's tensors, built once and dropped after its last forward here."""
@@ -210,7 +226,9 @@ class _Run:
                 self.result.micro_batches.append(action.mb)
             out = loss * self.scale(action.mb)
         else:
-            self._produced(action, out)
+            message = self._produced(action, out)
+            if message is not None and not self.forward_only:
+                self.unsent[message] = out
         if not self.forward_only:
             self.stash[(action.mb, action.stage)] = (inp, out, ids)
             self._log(action, ids)
@@ -221,7 +239,11 @@ class _Run:
             self.versions.backward(ids)
         grad = None if action.stage == self.ex.last_stage else self._received(action)
         with WEIGHT_GRADS.defer((action.mb, action.stage)) if self.split else contextlib.nullcontext():
-            torch.autograd.backward(out, grad)
+            if grad is None:   # the last stage's loss
+                torch.autograd.backward(out)
+            else:              # the output may have been freed (_free_data): the engine itself
+                _engine_run_backward((out,), (grad,), False, False, (), allow_unreachable=True,
+                                     accumulate_grad=True)
         if action.stage > 0:
             self._produced(action, inp.grad)
         if ids is not None:
@@ -231,6 +253,13 @@ class _Run:
     def _log(self, action, ids) -> None:
         if ids is not None:
             self.versions.log.append((action.kind, action.mb, action.stage, ids))
+
+
+def _free_data(out: torch.Tensor) -> None:
+    """Drop a sent output's values, keeping the tensor (and so its autograd graph): Megatron's
+    deallocate_output_tensor. A view is left alone (its base holds the memory anyway)."""
+    if out._base is None and out.numel() > 1:
+        out.data = torch.empty((1,), dtype=out.dtype, device=out.device)
 
 
 _CATEGORY = {FORWARD: "forward", BACKWARD: "backward", WEIGHT_GRAD: "backward", REDUCE: "reduce",

@@ -23,6 +23,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ptdp.parallel.mappings import all_gather_single
 from ptdp.pipeline.comm_plan import Message, Transfer
 
 
@@ -119,6 +120,11 @@ class P2P:
                 self.pending_sends.append((work, tensor))  # keep the buffer alive until sent
             else:
                 received[t.message] = PendingRecv(self, work, tensor, full_shape)
+        # Sends the transport reports complete release their buffers (the pipeline outputs
+        # the executor frees); gloo reports a send complete only once waited for, so with
+        # gloo's batches they wait for the end of the iteration.
+        self.pending_sends = [(work, tensor) for work, tensor in self.pending_sends
+                              if not work.is_completed()]
         return received
 
     def _payload(self, tensor: torch.Tensor, transfer: Transfer) -> torch.Tensor:
@@ -131,9 +137,9 @@ class P2P:
     def _assemble(self, buffer: torch.Tensor, shape) -> torch.Tensor:
         if not self.scatter_gather:
             return buffer.view(shape)
-        parts = [torch.empty_like(buffer) for _ in range(self.tp_size)]
-        dist.all_gather(parts, buffer, group=self.tensor_group)
-        return torch.cat(parts).view(shape)
+        whole = buffer.new_empty(buffer.numel() * self.tp_size)
+        all_gather_single(whole, buffer, group=self.tensor_group)   # slices land in place
+        return whole.view(shape)
 
     def release_completed_sends(self) -> None:
         """End of a no-flush iteration: retire the previous iteration's sends.

@@ -10,8 +10,12 @@ from ptdp.profiler.timing import DTYPES, best_time, layer_context, param_storage
 
 
 def measure_layer(model_cfg, t: int, b: int, precision: str, device, iters: int) -> dict:
-    """One row of `measured.layers`: a layer shard's times and bytes at micro-batch b."""
+    """One row of `measured.layers`: a layer shard's times and bytes at micro-batch b, compiled
+    as training compiles it by default (on CUDA: train.compile's null; the first timed call
+    of each is a warm-up, which absorbs the compilation). The split backward of zb-h1 is timed
+    eagerly, as it runs (ptdp/parallel/weight_grad.py)."""
     import torch
+    from ptdp.kernels import should_compile
     from ptdp.models.transformer import TransformerStack
     dtype = getattr(torch, DTYPES[precision])
     causal = model_cfg.arch == "gpt"
@@ -21,8 +25,11 @@ def measure_layer(model_cfg, t: int, b: int, precision: str, device, iters: int)
                **ModelShape.from_config(m).block_key())   # which block the times are of
     x = torch.randn(m.seq_length, b, m.hidden_size, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
+    compiled = should_compile(None, device)
+    row["compiled"] = compiled
     for recompute in ("none", "selective", "full"):
-        stack = TransformerStack(layer_context(m, t, device, recompute), 0, 1, causal).to(device, dtype)
+        stack = TransformerStack(layer_context(m, t, device, recompute, compiled), 0, 1,
+                                 causal).to(device, dtype)
         stack.train()
         out, nbytes = saved_bytes(lambda: stack(x), param_storages(stack) | {x.untyped_storage().data_ptr()})
         out.backward(grad)

@@ -69,14 +69,15 @@ def ensure_process_group() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
 
 
-def layer_context(model_cfg, t: int, device, recompute: str = "none"):
+def layer_context(model_cfg, t: int, device, recompute: str = "none", compile: bool = False):
+    """The context of a layer timed alone; `compile` as training compiles it (train.compile)."""
     from ptdp.models.transformer import ModelContext
     from ptdp.config import padded_vocab_size
     from ptdp.parallel.mappings import TensorParallel
     from ptdp.parallel.rng import TensorParallelRNG
     tp = TensorParallel(group=None, rank=0, size=t)
     return ModelContext(model_cfg, tp, 1234, TensorParallelRNG(1234, 0, device),
-                        padded_vocab_size(model_cfg.vocab_size, t), recompute, 1)
+                        padded_vocab_size(model_cfg.vocab_size, t), recompute, 1, compile=compile)
 
 
 def param_storages(module) -> set:

@@ -1,8 +1,10 @@
 """Process-group start-up: one rank per process, as launched by torchrun.
 
 Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the environment (torchrun
-sets them); gloo on CPU, NCCL on GPU. Every collective gets `timeout_s` so a dead peer ends
-the job with an error instead of a hang.
+sets them); gloo on CPU, NCCL on GPU. Every collective gets the backend timeout (the larger of
+`train.timeout_s` and `train.startup_timeout_s`), so a dead peer ends the job with an error
+instead of a hang; the hang detector (ptdp/runtime/watchdog.py) speaks before it, at 80 % of
+the phase's own budget. On CUDA, `train.tf32` sets TF32 for fp32 matmuls and convolutions.
 """
 
 from __future__ import annotations
@@ -30,19 +32,34 @@ def pick_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
+def backend_timeout_s(cfg: Config) -> float:
+    """What every collective waits before the backend gives up (torch's NCCL watchdog too):
+    the longest budget the hang detector may use, so that it always speaks first."""
+    return max(cfg.train.timeout_s, cfg.train.startup_timeout_s)
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 tensor cores for fp32 matmuls and convolutions (CUDA only; `train.tf32`)."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
 def init_distributed(cfg: Config) -> tuple[RankGrid, torch.device]:
     """Initialise torch.distributed (if not yet) and build the rank grid for cfg.parallel."""
     device = pick_device(cfg.train.device)
+    if device.type == "cuda":
+        set_tf32(cfg.train.tf32)
+    timeout_s = backend_timeout_s(cfg)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.train.timeout_s),
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                                 **({"device_id": device} if device.type == "cuda" else {}))
     par = cfg.parallel
-    grid = RankGrid(par.pipeline, par.tensor, par.data, timeout_s=cfg.train.timeout_s,
+    grid = RankGrid(par.pipeline, par.tensor, par.data, timeout_s=timeout_s,
                     context=par.context)
     return grid, device
 

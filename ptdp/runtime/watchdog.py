@@ -1,19 +1,27 @@
 """No anonymous hang: every rank publishes what it is doing, and a stuck job names who stopped.
 
 Each rank runs a daemon thread that, every `interval_s`, writes a heartbeat to the job's
-rendezvous store (a client of its own, with short timeouts): the time, the rank's process
-and host, and what its main thread is doing (iteration and schedule action, or a phase such
-as "checkpoint save"). The main thread only updates a few attributes (`track`, `doing`): no
-communication in the step loop.
+rendezvous store (a client of its own, with short timeouts): a sequence number, the rank's
+process and host, what its main thread is doing (iteration and schedule action, or a phase
+such as "checkpoint save") and, on a GPU, the first action its device has not finished
+(ptdp/runtime/progress.py: on NCCL the host does not wait where the device does). The main
+thread only updates a few attributes (`track`, `doing`) and records one device event per
+action: no communication in the step loop.
 
-When this rank's main thread has not moved for `stall_s` (it waits in a receive or a
-collective on somebody), the thread reads every rank's heartbeat. Ranks whose heartbeat is
-older than three intervals have stopped (killed, SIGSTOPped, or a process frozen whole);
-otherwise every rank is alive and the ones not waiting are named with what they are in. The
-lowest-numbered rank that is still alive prints the one line, and every live rank ends with
-exit code 4, before the backend's own timeout (`train.timeout_s`) would end it with one
-traceback per rank. The thread only watches from the job's second iteration on: the first
-one may legitimately be slow (compilation, communicator set-up).
+Progress is what moved last, the host or the device. When neither has moved for the phase's
+budget, 80 % of `train.timeout_s` (the job's first iteration and first validation pass, which
+compile and set up communicators: 80 % of `train.startup_timeout_s`), the thread reads every
+rank's heartbeat. No clock is compared across hosts: a rank has stopped when its sequence
+number has not moved for three intervals, as this rank's own monotonic clock measures them
+(it starts watching the others' numbers four intervals before its budget runs out), and the
+durations in the line are measured on the host they describe. Ranks that stopped (killed,
+SIGSTOPped, or a process frozen whole) are named; otherwise every rank is alive, and the ones
+not waiting on another rank are named with what they and their device are in (rank, stage,
+micro-batch, the transfer or collective). The lowest-numbered rank that is still alive prints
+the one line, and every live rank ends with exit code 4, before the backend's own timeout
+(torch's NCCL watchdog uses the larger of the two timeouts) would end it with one traceback
+per rank. Under NCCL with torch's flight recorder on (`TORCH_NCCL_TRACE_BUFFER_SIZE`, set by
+the launch scripts) each rank dumps it first, and the line says where.
 
 A rank that dies at once (its node lost, its process killed) is noticed sooner: its peers'
 sockets close, and the backend raises in whichever ranks talk to it. Those ranks call
@@ -34,23 +42,31 @@ import time
 from datetime import timedelta
 
 from ptdp.runtime.exit_status import HUNG, record_exit
+from ptdp.runtime.progress import DeviceProgress, Label
 
 EXIT_CODE = HUNG
 WAITING = ("wait", "reduce")  # span categories in which a rank waits on other ranks
+STARTUP_TIMEOUT_S = 600.0     # torch's own NCCL default
 
 
 class Watchdog:
     def __init__(self, rank: int, world_size: int, describe_rank, timeout_s: float, *,
-                 first_iteration: int = 1, store=None, on_hang=None):
+                 startup_timeout_s: float = STARTUP_TIMEOUT_S, first_iteration: int = 1,
+                 store=None, on_hang=None, progress: DeviceProgress | None = None,
+                 clock=time.monotonic, sleep=time.sleep):
         """`describe_rank(r)` gives rank r's coordinates; `store` defaults to a new client of
         the job's store (MASTER_ADDR/MASTER_PORT); `on_hang(line)` defaults to printing the
-        line (None on ranks that leave the reporting to another) and exiting. Iterations
-        are watched from the one after `first_iteration` (the job's first, 1-based) on.
+        line (None on ranks that leave the reporting to another) and exiting. The iteration
+        `first_iteration` (the job's first, 1-based) and phases marked `slow` get the budget
+        of `startup_timeout_s`. `progress`: the device's (None: the host is the device).
+        `clock` and `sleep` measure and wait on this host only (tests pass fakes).
 
         On a single rank there is nobody to wait for: the watchdog stays inert."""
         self.rank, self.world_size, self.describe_rank = rank, world_size, describe_rank
+        self.clock, self.sleep = clock, sleep
         self.interval_s = min(5.0, max(0.5, timeout_s / 30))
         self.stall_s = 0.8 * timeout_s       # before the backend's timeout, so we speak first
+        self.startup_stall_s = 0.8 * max(timeout_s, startup_timeout_s)
         # A non-reporter's wait for the report: the reporter checks once an interval, and
         # may have blocked a little later.
         self.reporter_grace_s = max(0.1 * timeout_s, 2 * self.interval_s)
@@ -60,10 +76,13 @@ class Watchdog:
             store = _store_client(self.interval_s)
         self.store = store
         self.on_hang = on_hang or _print_and_exit
+        self.progress = progress or DeviceProgress(None, clock)
         self.prefix = f"ptdp/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.iteration, self.what, self.waiting = 0, "start-up", False
-        self.moved_at = time.time()
-        self.watching = False
+        self.moved_at = clock()
+        self.watching, self.budget_s = False, self.startup_stall_s
+        self.seq = 0                 # heartbeats published
+        self.observed: dict = {}     # rank -> (its sequence number, when this rank first saw it)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ptdp-watchdog", daemon=True)
 
@@ -78,52 +97,90 @@ class Watchdog:
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self.interval_s)
 
-    def doing(self, what: str, iteration: int | None = None, watch: bool = True) -> None:
+    def doing(self, what: str, iteration: int | None = None, watch: bool = True,
+              slow: bool = False) -> None:
         """Record the phase the main thread enters; `watch=False` (e.g. a checkpoint save,
-        whose length depends on the file system) suspends the stall check until the next."""
+        whose length depends on the file system) suspends the stall check until the next;
+        `slow` (the first validation pass: it compiles its own graphs) gives the phase the
+        start-up budget, as the job's first iteration has."""
         if iteration is not None:
             self.iteration = iteration
-        self.watching = watch and self.iteration >= self.watch_from
-        self.what, self.waiting, self.moved_at = what, False, time.time()
+        self.watching = watch
+        self.budget_s = (self.startup_stall_s if slow or self.iteration < self.watch_from
+                         else self.stall_s)
+        self.what, self.waiting, self.moved_at = what, False, self.clock()
 
     def track(self, spans):
         """Wrap a `spans` recorder (ptdp.trace) so every executor action also counts as
-        progress; the wrapped recorder still records."""
+        progress (and, on a GPU, records a device event after it); the wrapped recorder
+        still records."""
         return _Tracked(self, spans)
+
+    def last_progress(self) -> float:
+        """When the host or the device last moved, on this host's clock."""
+        return max(self.moved_at, self.progress.moved_at)
 
     # Heartbeat thread -----------------------------------------------------------------------
     def _run(self) -> None:
-        self._publish(time.time())   # at once: a rank may be lost before the first interval
+        self._publish()   # at once: a rank may be lost before the first interval
         while not self._stop.wait(self.interval_s):
-            now = time.time()
-            self._publish(now)
-            if self.watching and now - self.moved_at > self.stall_s:
-                beats = self.heartbeats()
-                if self.is_reporter(beats, now):
-                    self.on_hang(self.diagnose(beats, now))
-                    return
-                # The reporter may have blocked a little later than this rank and not yet
-                # seen the stall: ending now would have torchrun stop it before it speaks.
-                self._stop.wait(self.reporter_grace_s)
-                self.on_hang(None)
+            if self.check():
                 return
 
-    def _publish(self, now: float) -> None:
-        beat = {"t": now, "pid": os.getpid(), "host": socket.gethostname(),
+    def check(self) -> bool:
+        """One heartbeat: publish, and act on a stall. True when this rank has ended (or
+        handed the report over)."""
+        self.progress.poll()
+        self._publish()
+        if not self.watching:
+            return False
+        stuck = self.clock() - self.last_progress()
+        if stuck > self.budget_s - 4 * self.interval_s:   # watch the others' numbers move
+            beats = self.heartbeats()
+        if stuck <= self.budget_s:
+            return False
+        if self.is_reporter(beats):
+            self.on_hang(self.diagnose(beats))
+            return True
+        # The reporter may have blocked a little later than this rank and not yet seen the
+        # stall: ending now would have torchrun stop it before it speaks.
+        self._stop.wait(self.reporter_grace_s)
+        self.on_hang(None)
+        return True
+
+    def _publish(self) -> None:
+        self.seq += 1
+        now = self.clock()
+        device = self.progress.stuck_in()
+        beat = {"seq": self.seq, "pid": os.getpid(), "host": socket.gethostname(),
                 "iteration": self.iteration, "what": self.what, "waiting": self.waiting,
-                "since": self.moved_at}
+                "for_s": now - self.moved_at,               # durations on this host's clock
+                "device": list(device) if device else None,
+                "device_for_s": now - self.progress.moved_at}
         try:
             self.store.set(self.prefix + str(self.rank), json.dumps(beat))
         except Exception:  # the store may be gone while the job ends; never raise here
             pass
 
     def heartbeats(self) -> dict[int, dict | None]:
+        """Every rank's last heartbeat, each with `age_s`: how long this rank has seen its
+        sequence number stand still (its own clock; 0 when first seen)."""
         keys = [self.prefix + str(r) for r in range(self.world_size)]
         try:
             values = self.store.multi_get(keys)
         except Exception:
             return {r: None for r in range(self.world_size)}
-        return {r: json.loads(v) if v else None for r, v in enumerate(values)}
+        now, beats = self.clock(), {}
+        for r, value in enumerate(values):
+            beat = json.loads(value) if value else None
+            if beat is not None:
+                seq, seen = self.observed.get(r, (None, now))
+                if seq != beat["seq"]:
+                    seen = now
+                self.observed[r] = (beat["seq"], seen)
+                beat["age_s"] = now - seen
+            beats[r] = beat
+        return beats
 
     def lost_peer(self, error: BaseException) -> None:
         """The backend raised `error` in this rank's main thread: name who stopped, and end
@@ -135,17 +192,15 @@ class Watchdog:
         # No stall check from here on, but the heartbeat goes on: the other ranks must not
         # take this one for dead while they diagnose too.
         self.watching, self.what, self.waiting = False, "lost-peer diagnosis", True
-        now = time.time()
-        deadline = now + 4 * self.interval_s
+        deadline = self.clock() + 4 * self.interval_s
         beats = self.heartbeats()
-        while not self._stopped_others(beats, now) and now < deadline:
-            time.sleep(self.interval_s / 4)
-            now = time.time()
+        while not self._stopped_others(beats) and self.clock() < deadline:
+            self.sleep(self.interval_s / 4)
             beats = self.heartbeats()
-        if self._stopped_others(beats, now):   # ranks lost together went quiet within an interval
-            time.sleep(self.interval_s)
-            now, beats = time.time(), self.heartbeats()
-        stopped = self._stopped_others(beats, now)
+        if self._stopped_others(beats):   # ranks lost together went quiet within an interval
+            self.sleep(self.interval_s)
+            beats = self.heartbeats()
+        stopped = self._stopped_others(beats)
         cause = _first_line(error)
         if all(b is None for b in beats.values()):   # the store went with the node hosting it
             line = (f"lost the job's store at {os.environ.get('MASTER_ADDR')}:"
@@ -153,7 +208,7 @@ class Watchdog:
                     f"{self.describe_rank(self.rank)} saw: {cause}; the node of MASTER_ADDR is "
                     f"probably down. Ending the job.")
         elif stopped:
-            head = "; ".join(self._where(r, beats[r], now, stopped=True) for r in stopped[:8])
+            head = "; ".join(self._where(r, beats[r], stopped=True) for r in stopped[:8])
             more = f" (+{len(stopped) - 8} more)" if len(stopped) > 8 else ""
             line = (f"lost rank(s): {head}{more}; rank {self.rank} {self.describe_rank(self.rank)} "
                     f"saw: {cause}. Ending the job.")
@@ -163,11 +218,11 @@ class Watchdog:
         if self._claim_report():
             self.on_hang(line)
         else:
-            time.sleep(self.interval_s)    # let the reporter print before torchrun ends us all
+            self.sleep(self.interval_s)    # let the reporter print before torchrun ends us all
             self.on_hang(None)
 
-    def _stopped_others(self, beats: dict, now: float) -> list[int]:
-        return [r for r in self._stopped(beats, now) if r != self.rank]
+    def _stopped_others(self, beats: dict) -> list[int]:
+        return [r for r in self._stopped(beats) if r != self.rank]
 
     def _claim_report(self) -> bool:
         """The first rank to ask reports; without a store (it lived on the lost node)
@@ -177,38 +232,64 @@ class Watchdog:
         except Exception:
             return True
 
-    def _stopped(self, beats: dict, now: float) -> list[int]:
-        """Ranks with no heartbeat for three intervals (or none at all)."""
-        return [r for r, b in beats.items() if b is None or now - b["t"] > 3 * self.interval_s]
+    def _stopped(self, beats: dict) -> list[int]:
+        """Ranks whose heartbeat has not moved for three intervals (or that have none)."""
+        return [r for r, b in beats.items() if b is None or b["age_s"] > 3 * self.interval_s]
 
-    def diagnose(self, beats: dict, now: float) -> str:
+    def diagnose(self, beats: dict) -> str:
         """One line: which ranks stopped making progress, and where they were."""
-        stopped = self._stopped(beats, now)
-        stuck_for = now - self.moved_at
+        stopped = self._stopped(beats)
+        stuck_for = self.clock() - self.last_progress()
         if stopped:
-            head = "; ".join(self._where(r, beats[r], now, stopped=True) for r in stopped[:8])
+            head = "; ".join(self._where(r, beats[r], stopped=True) for r in stopped[:8])
             more = f" (+{len(stopped) - 8} more)" if len(stopped) > 8 else ""
             return (f"rank(s) stopped making progress: {head}{more}; the other ranks waited "
-                    f"{stuck_for:.0f}s for them. Ending the job.")
-        busy = [r for r, b in beats.items() if not b["waiting"]]
+                    f"{stuck_for:.0f}s for them{self._own_wait()}. Ending the job.")
+        busy = [r for r, b in beats.items() if not _waiting(b)]
         suspects = busy or list(beats)
-        head = "; ".join(self._where(r, beats[r], now) for r in suspects[:8])
-        return (f"no progress for {stuck_for:.0f}s but every rank is alive; not waiting for "
-                f"another rank: {head}. Ending the job.")
+        head = "; ".join(self._where(r, beats[r]) for r in suspects[:8])
+        return (f"no progress for {stuck_for:.0f}s but every rank is alive; "
+                f"{'not waiting for another rank' if busy else 'all waiting'}: {head}"
+                f"{self._own_wait()}. Ending the job.")
 
-    def _where(self, rank: int, beat: dict | None, now: float, stopped: bool = False) -> str:
+    def _own_wait(self) -> str:
+        """Where this (reporting) rank's device waits, when it knows."""
+        label = self.progress.stuck_in()
+        if label is None:
+            return ""
+        return f" (rank {self.rank}'s device is in {Label(*label).describe()})"
+
+    def _where(self, rank: int, beat: dict | None, stopped: bool = False) -> str:
         who = f"rank {rank} {self.describe_rank(rank)}"
         if beat is None:
             return f"{who} (never reported)"
-        seen = f"no heartbeat for {now - beat['t']:.0f}s, " if stopped else ""
+        age = beat["age_s"]
+        seen = f"no heartbeat for {age:.0f}s, " if stopped else ""
+        # its own durations, as of its last heartbeat, plus the time since (when stopped)
+        since = beat["for_s"] + (age if stopped else 0)
+        device = ""
+        if beat.get("device"):
+            device_for = beat["device_for_s"] + (age if stopped else 0)
+            device = (f"; its device in {Label(*beat['device']).describe()} for "
+                      f"{device_for:.0f}s")
         return (f"{who} (pid {beat['pid']} on {beat['host']}; {seen}last in iteration "
-                f"{beat['iteration']} at {beat['what']}, for {now - beat['since']:.0f}s)")
+                f"{beat['iteration']} at {beat['what']}, for {since:.0f}s{device})")
 
-    def is_reporter(self, beats: dict, now: float) -> bool:
+    def is_reporter(self, beats: dict) -> bool:
         """The lowest-numbered live rank prints; the others end quietly."""
-        stopped = set(self._stopped(beats, now))
+        stopped = set(self._stopped(beats))
         alive = [r for r in beats if r not in stopped] + [self.rank]
         return self.rank == min(alive)
+
+
+def _waiting(beat: dict | None) -> bool:
+    """The rank waits on another: its device is in a transfer or collective, or (no device
+    events: CPU) its host is."""
+    if beat is None:
+        return False
+    if beat.get("device"):
+        return Label(*beat["device"]).category in WAITING
+    return beat["waiting"]
 
 
 class _Tracked:
@@ -218,21 +299,23 @@ class _Tracked:
         self.watchdog, self.spans = watchdog, spans
 
     def __call__(self, name: str, category: str, **args):
-        return _Span(self.watchdog, self.spans(name, category, **args), name, category)
+        return _Span(self.watchdog, self.spans(name, category, **args), name, category, args)
 
 
 class _Span:
-    def __init__(self, watchdog: Watchdog, inner, name: str, category: str):
+    def __init__(self, watchdog: Watchdog, inner, name: str, category: str, args: dict):
         self.watchdog, self.inner, self.name, self.category = watchdog, inner, name, category
+        self.label = Label(name, category, args.get("mb"), args.get("stage"))
 
     def __enter__(self):
         w = self.watchdog
-        w.what, w.waiting, w.moved_at = self.name, self.category in WAITING, time.time()
+        w.what, w.waiting, w.moved_at = self.name, self.category in WAITING, w.clock()
         return self.inner.__enter__()
 
     def __exit__(self, *exc):
         w = self.watchdog
-        w.waiting, w.moved_at = False, time.time()
+        w.waiting, w.moved_at = False, w.clock()
+        w.progress.record(self.label)   # the device's mark: it has finished this action
         return self.inner.__exit__(*exc)
 
 
@@ -265,10 +348,35 @@ def _store_client(timeout_s: float):
                          timeout=timedelta(seconds=max(2.0, timeout_s)), wait_for_workers=False)
 
 
+def dump_flight_recorder(rank: int) -> str | None:
+    """Write torch's NCCL flight recorder of this rank (the last collectives and transfers
+    each communicator saw, with their state) where torch's own dump on timeout would:
+    TORCH_NCCL_DEBUG_INFO_TEMP_FILE followed by the rank. Only under NCCL with the recorder
+    on (TORCH_NCCL_TRACE_BUFFER_SIZE > 0); returns the path, or None."""
+    try:
+        if int(os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") or 0) <= 0:
+            return None
+        import torch.distributed as dist
+        if not dist.is_initialized() or dist.get_backend() != "nccl":
+            return None
+        from torch._C._distributed_c10d import _dump_nccl_trace
+        path = f"{os.environ.get('TORCH_NCCL_DEBUG_INFO_TEMP_FILE', '/tmp/nccl_trace_rank_')}{rank}"
+        with open(path, "wb") as out:
+            out.write(_dump_nccl_trace())
+        return path
+    except Exception:   # advice only: never let it stop the exit
+        return None
+
+
 def _print_and_exit(line: str | None) -> None:
     """End this process at once: its main thread is blocked in communication."""
     sys.stdout.flush()
+    rank = int(os.environ.get("RANK", "0"))
+    dumped = dump_flight_recorder(rank)
     if line:
+        if dumped:
+            line += (f" NCCL flight recorder: {dumped[: -len(str(rank))]}<rank> on each "
+                     f"rank's host.")
         print(f"ptdp train: {line}", file=sys.stderr, flush=True)
     record_exit(EXIT_CODE)   # a hang: worth a restart (ptdp/runtime/exit_status.py)
     os._exit(EXIT_CODE)

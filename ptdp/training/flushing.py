@@ -71,7 +71,8 @@ class FlushingStep:
                 reduce_sequence_parallel_grads(state.master_params, grid.tensor_group, grid.t)
             unscale_([m.grad for m in state.master_params], state.loss_scaler.scale)
             return global_grad_norm(state.master_params, grid.model_group, grid.tp_rank,
-                                    data_group=grid.replica_group if sharded else None)
+                                    data_group=grid.replica_group if sharded else None,
+                                    device=state.device)
 
     def optimizer_step(self, iteration: int, grad_norm: torch.Tensor, spans=NO_SPANS) -> bool:
         """Clip and step; returns True if the step was skipped (fp16 overflow).

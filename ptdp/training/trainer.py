@@ -24,10 +24,12 @@ import torch.distributed as dist
 from ptdp.checkpoint.background import BackgroundSaves
 from ptdp.checkpoint.layout import resolve_load
 from ptdp.checkpoint.load import load_checkpoint
+from ptdp.checkpoint.safety import check_shared_directory
 from ptdp.checkpoint.save import save_checkpoint
 from ptdp.config import Config
 from ptdp.config.catalogue import Family, schedule_spec
 from ptdp.data.batching import MicroBatches
+from ptdp.data.loader import micro_batch_source
 from ptdp.data.synthetic import synthetic_datasets
 from ptdp.metrics.log import MetricsLog, write_config
 from ptdp.metrics.report import SaveTiming, end_summary, format_bytes, startup_report
@@ -36,6 +38,7 @@ from ptdp.optim.lr import learning_rate
 from ptdp.parallel.grid import coordinates_of
 from ptdp.runtime.exit_status import restart_attempt
 from ptdp.runtime.startup import init_distributed
+from ptdp.runtime.progress import DeviceProgress, device_events
 from ptdp.runtime.trace import NO_SPANS, TraceRecorder
 from ptdp.runtime.watchdog import Watchdog, is_communication_error
 from ptdp.training.flushing import FlushingStep
@@ -61,14 +64,18 @@ class Trainer:
         self.cfg = cfg
         self.spec = schedule_spec(cfg.schedule.name)
         grid, device = init_distributed(cfg)
+        if cfg.checkpoint.dir:   # every node must see the same folder: fail now, not at a save
+            check_shared_directory(cfg.checkpoint.dir)
         self.state = build_state(cfg, grid, device, self.spec)
         self.pipeline = Pipeline(self.state)
         tr = cfg.train
-        self.batches = {split: MicroBatches(ds, global_batch=tr.global_batch_size,
-                                            micro_batch_size=tr.micro_batch_size,
-                                            data_rank=grid.dp_rank, data_size=grid.d,
-                                            device=device, context_rank=grid.cp_rank,
-                                            context_size=grid.c)
+        # micro-batches built on this thread, or ahead by data.num_workers processes
+        self.batches = {split: micro_batch_source(
+            MicroBatches(ds, global_batch=tr.global_batch_size,
+                         micro_batch_size=tr.micro_batch_size, data_rank=grid.dp_rank,
+                         data_size=grid.d, device=device, context_rank=grid.cp_rank,
+                         context_size=grid.c),
+            cfg.num_micro_batches, cfg.data.num_workers if split != "test" else 0)
                         for split, ds in build_datasets(cfg).items() if len(ds) > 0}
         self.step = STEP_TYPES[self.spec.family](self.state, self.pipeline, self.batches["train"])
         self.last_checkpoint = None   # path of the newest checkpoint this job saved
@@ -142,8 +149,9 @@ class Trainer:
                               + "; stopping (no checkpoint written). Lower train.lr or check the data.")
 
     @torch.no_grad()
-    def evaluate(self, round_index: int) -> float:
-        """Mean loss over train.eval_iters global batches of the validation split."""
+    def evaluate(self, round_index: int, spans=NO_SPANS) -> float:
+        """Mean loss over train.eval_iters global batches of the validation split. `spans`
+        sees every action (the hang detector counts them as progress)."""
         if "valid" not in self.batches:
             return float("nan")
         if self.state.versions is not None:   # validate the newest weights
@@ -156,7 +164,7 @@ class Trainer:
             it = round_index * eval_iters + k
             result = self.pipeline.executor.run(self.pipeline.eval_steps,
                                                 lambda mb: batches.get(it, mb),
-                                                loss_scale=1.0, forward_only=True)
+                                                loss_scale=1.0, spans=spans, forward_only=True)
             total += average_losses(self.state, result.losses, result.aux)[0]
         return total.item() / eval_iters
 
@@ -180,7 +188,7 @@ class Trainer:
         peak = peak_tflops(cfg, state.device)
         tracer = self._tracer()
         watchdog = self._start_watchdog()
-        history = []
+        history, evaluated = [], False
         try:
             for it in range(self.iteration, cfg.train.iters):
                 watchdog.doing(f"iteration {it + 1}", iteration=it + 1)
@@ -191,8 +199,12 @@ class Trainer:
                 record = self._record(it, step, time.perf_counter() - start, peak)
                 state.progress.iteration = it + 1
                 if cfg.train.eval_interval and self.iteration % cfg.train.eval_interval == 0:
-                    watchdog.doing("evaluation")
-                    record["valid_loss"] = self.evaluate(self.iteration // cfg.train.eval_interval - 1)
+                    # every validation forward is progress; the first pass compiles its own
+                    # graphs (no autograd) and gets the start-up budget
+                    watchdog.doing("evaluation", slow=not evaluated)
+                    record["valid_loss"] = self.evaluate(
+                        self.iteration // cfg.train.eval_interval - 1, watchdog.track(NO_SPANS))
+                    evaluated = True
                 history.append(record)
                 log.log(record)
                 self.save_timing.iteration(record["step_time_s"])
@@ -215,6 +227,8 @@ class Trainer:
         finally:
             watchdog.stop()
             log.close()
+            for batches in self.batches.values():   # data-loader workers, if any
+                getattr(batches, "close", lambda: None)()
         return history
 
     def _tracer(self) -> TraceRecorder:
@@ -230,8 +244,10 @@ class Trainer:
         """Heartbeats and the stall check (ptdp/runtime/watchdog.py); inert on a single rank."""
         grid = self.state.grid
         describe = lambda r: str(coordinates_of(r, grid.p, grid.d, grid.t, grid.c))  # noqa: E731
-        return Watchdog(grid.rank, dist.get_world_size(), describe, self.cfg.train.timeout_s,
-                        first_iteration=self.iteration + 1).start()
+        tr = self.cfg.train
+        return Watchdog(grid.rank, dist.get_world_size(), describe, tr.timeout_s,
+                        startup_timeout_s=tr.startup_timeout_s, first_iteration=self.iteration + 1,
+                        progress=DeviceProgress(device_events(self.state.device))).start()
 
     def _record(self, it: int, step: StepResult, seconds: float, peak: float | None) -> dict:
         """The metrics record of iteration `it` (the public fields: README's metrics table)."""

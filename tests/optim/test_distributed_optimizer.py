@@ -84,7 +84,8 @@ def precision_job() -> dict:
     out["own_shard_finite"] = all(torch.isfinite(m.grad).all() for m in trainer.state.master_params)
     from ptdp.optim.grads import global_grad_norm
     norm = global_grad_norm(trainer.state.master_params, trainer.state.grid.model_group, trainer.state.grid.tp_rank,
-                            data_group=trainer.state.grid.data_group)
+                            data_group=trainer.state.grid.data_group,
+                            device=trainer.state.device)
     scale = trainer.state.loss_scaler.scale
     out["skipped"] = trainer.optimizer_step(0, norm)
     out["scale_halved"] = trainer.state.loss_scaler.scale == scale / 2

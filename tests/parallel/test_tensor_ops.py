@@ -13,7 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                   full_normal)
-from ptdp.parallel.mappings import TensorParallel, copy_to_tensor_region, reduce_from_tensor_region
+from ptdp.parallel.mappings import (TensorParallel, copy_to_tensor_region, gather_from_tensor_region,
+                                    reduce_from_tensor_region)
+from ptdp.parallel.sequence import gather_from_sequence_region, reduce_scatter_to_sequence_region
+from ptdp.pipeline.p2p import P2P
 from ptdp.parallel.rng import TensorParallelRNG
 from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
 
@@ -127,6 +130,63 @@ def _cross_entropy_low_precision(tp, vocab=13, padded=16):
             "one_fp32_copy": counter.count == 1}
 
 
+class _NewBytes(TorchDispatchMode):
+    """Bytes of every new storage made by any op (collectives write into their arguments)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                inputs.add(t.untyped_storage().data_ptr())
+                self.bytes += t.untyped_storage().nbytes()
+        return out
+
+
+def _collective_copies(tp):
+    """Bytes each communication pattern allocates, in units of its result: the all-reduces of
+    f and g work in place (0), the sequence all-gather and the scatter/gather reassembly
+    gather straight into their result (1); the last-dimension gather needs one buffer more
+    (its slices interleave: 2). The values equal those of the dense computation."""
+    g = torch.Generator().manual_seed(8)
+    full = torch.randn(8, 3, 4, generator=g)
+    mine = full.chunk(tp.size, 0)[tp.rank].clone()
+    extra, exact = {}, {}
+
+    def measure(name, fn, *args):
+        with _NewBytes() as counter:
+            out = fn(*args)
+        extra[name] = counter.bytes / out.untyped_storage().nbytes()
+        return out
+
+    partial = full * (tp.rank + 1)
+    exact["g"] = torch.equal(measure("g forward", reduce_from_tensor_region, partial.clone(), tp),
+                             full * sum(range(1, tp.size + 1)))
+    x = full.clone().requires_grad_()
+    y, grad = copy_to_tensor_region(x, tp), partial.clone()
+    exact["f"] = torch.equal(measure("f backward", lambda: torch.autograd.grad(y, x, grad)[0]),
+                             full * sum(range(1, tp.size + 1)))
+    sp = TensorParallel(tp.group, tp.rank, tp.size, sequence_parallel=True)
+    exact["sequence gather"] = torch.equal(measure("sequence gather", gather_from_sequence_region,
+                                                   mine, sp), full)
+    exact["sequence reduce-scatter"] = torch.equal(
+        measure("sequence reduce-scatter", reduce_scatter_to_sequence_region, full.clone(), sp),
+        mine * tp.size)
+    exact["last-dim gather"] = torch.equal(
+        measure("last-dim gather", gather_from_tensor_region,
+                full.chunk(tp.size, -1)[tp.rank].contiguous(), tp), full)
+    p2p = P2P([0], tensor_group=tp.group, tp_rank=tp.rank, tp_size=tp.size, scatter_gather=True)
+    exact["scatter/gather"] = torch.equal(
+        measure("scatter/gather", p2p._assemble, full.reshape(-1).chunk(tp.size)[tp.rank].clone(),
+                full.shape), full)
+    return {"extra": extra, "exact": exact}
+
+
 def _gather_and_scatter_modes(tp):
     """Column with gather_output and Row with a replicated input both equal a dense linear."""
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(4))
@@ -171,7 +231,8 @@ def run_checks():
             "ce": _cross_entropy(tp), "ce_bf16": _cross_entropy_low_precision(tp),
             "ce_padding_rank": _cross_entropy_low_precision(tp, vocab=6),
             "modes": _gather_and_scatter_modes(tp),
-            "embedding": _embedding(tp), "dropout": _dropout_streams(tp)}
+            "embedding": _embedding(tp), "dropout": _dropout_streams(tp),
+            "copies": _collective_copies(tp)}
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +268,17 @@ def test_single_process_cross_entropy_low_precision():
 @pytest.mark.parametrize("mode", ["gather_output", "input_is_parallel=False"])
 def test_linear_modes_equal_dense(results, mode):
     assert all(r["modes"][mode] for r in results), mode
+
+
+@pytest.mark.parametrize("pattern,extra", [
+    ("g forward", 0), ("f backward", 0), ("sequence gather", 1), ("sequence reduce-scatter", 1),
+    ("scatter/gather", 1), ("last-dim gather", 2)])
+def test_collectives_write_in_place(results, pattern, extra):
+    """No clone before an all-reduce, no list all-gather + cat: bytes allocated per rank, in
+    units of the result (before: 1, 1, 2, 1, 2, 2); and the result is exact."""
+    for r in results:
+        assert r["copies"]["extra"][pattern] == extra, (pattern, r["copies"]["extra"])
+        assert all(r["copies"]["exact"].values()), r["copies"]["exact"]
 
 
 def test_vocab_parallel_embedding_equals_lookup(results):

@@ -49,6 +49,19 @@ def test_pipelined_layouts_match_single_process_under_nccl_rules(strict_results,
     assert_equivalent(ranks[0], reference(arch), f"{arch} {layout} under NCCL rules")
 
 
+def test_sent_outputs_are_freed_until_their_backward(strict_results):
+    """Megatron's deallocate_output_tensor: once sent (complete at once under the in-order
+    transport, as NCCL reports it), a stage output keeps only its autograd graph. Rank 0 of
+    GPipe holds all m = 4 outputs before its first backward: one element each instead of
+    [s, b, h] = [16, 2, 32] fp32 (4096 bytes), and every loss, gradient and weight is the
+    single process's (above)."""
+    ranks = strict_results[("p2-gpipe", "gpt")]
+    assert ranks[0]["held_per_mb"] == 4, ranks[0]["held_per_mb"]
+    for name, arch in CASES:   # every other pipelined layout frees them too
+        first = strict_results[(name, arch)][0]
+        assert first["held_per_mb"] <= 8, (name, arch, first["held_per_mb"])
+
+
 NO_FLUSH_UNDER_RULES = [
     ["schedule.name=2bw", "parallel.pipeline=2", "parallel.tensor=2", "parallel.chunks=2",
      "parallel.scatter_gather=true"],

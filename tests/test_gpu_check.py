@@ -1,0 +1,56 @@
+"""tools/gpu_check.sh without a GPU: its dry run (the planner's predictions and the report),
+and the report's verdicts on made-up results of a GPU run."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_dry_run_predicts_and_reports(tmp_path):
+    run = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), "--dry-run", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHON": sys.executable})
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert set(report["stages"]["stages"]) == {"gpu_tier", "bench_gpt", "bench_bert", "plan"}
+    assert [row["layout"] for row in report["plan"]] == list(_module().LAYOUTS)
+    assert all(row["predicted_step_s"] > 0 and row["fits"] for row in report["plan"])
+    assert "| gpt-1.3b b=8 m=4 |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_report_judges_each_target(tmp_path):
+    (tmp_path / "gpu_tier.xml").write_text(
+        '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="0" time="12.5">'
+        '<testcase name="a"/><testcase name="b"><failure/></testcase><testcase name="c"/>'
+        '</testsuite></testsuites>')
+    row = {"model": "ptdp", "mfu": 0.6, "peak_memory_gb": 50.0, "step_ms": 1300.0}
+    for arch, speedup, memory in (("gpt", 1.2, 1.05), ("bert", 1.1, 1.2)):
+        (tmp_path / f"bench_{arch}.json").write_text(json.dumps(
+            {"rows": [row, {"model": "reference (x)"}], "speedup": speedup,
+             "memory_ratio": memory}))
+    (tmp_path / "plan.json").write_text(json.dumps([
+        {"layout": "L1", "predicted_step_s": 1.05, "predicted_memory_gb": 48.0,
+         "measured_step_s": 1.0, "measured_memory_gb": 50.0},
+        {"layout": "L2", "predicted_step_s": 1.5, "predicted_memory_gb": 30.0,
+         "measured_step_s": 1.0, "measured_memory_gb": 30.0}]))
+    report = _module().evaluate(tmp_path)
+    met = {check["what"]: check["met"] for check in report["checks"]}
+    assert met == {"gpt tokens/s vs reference (x)": True, "gpt MFU (3 passes)": True,
+                   "gpt peak memory vs reference": True, "bert tokens/s vs reference (x)": False,
+                   "bert peak memory vs reference": False,
+                   "planner step time, L1": True, "planner memory, L1": False,
+                   "planner step time, L2": False, "planner memory, L2": True}
+    assert report["tier"]["passed"] == 2 and report["tier"]["failed"] == ["b"]
+    assert "**no**" in _module().markdown(report)

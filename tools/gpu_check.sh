@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The GPU check, one command on one GPU (about 10 minutes on one H100):
+#   1. the GPU tier of the suite (PTDP_GPU_TESTS=1 pytest -m gpu, tests/gpu/);
+#   2. tools/bench_gpu.py for GPT-1.3B and BERT-large against their references;
+#   3. ptdp plan's predicted step time and memory against measured ones for two layouts
+#      (tools/gpu_check.py plan --measure);
+# then one JSON and one Markdown table (tools/gpu_check.py report): OUT/gpu_check.json and
+# OUT/gpu_check.md, each target with its measured value and whether it is met.
+#
+#   tools/gpu_check.sh [--dry-run] [--out DIR]
+#
+# --dry-run: print each stage's command and run only what needs no GPU (the planner's
+# predictions and the report), e.g. on a CPU machine to check the script itself.
+# Environment: PYTHON [python3]; OUT [bench/gpu_check/<date-time>]; BUDGET_S, the whole run's
+# limit [600]; each stage stops at its share (TIER_S 200, GPT_S 170, BERT_S 100, PLAN_S 110) or
+# at what the budget has left, whichever is less, and the report says which stopped.
+# Written without a GPU (issue 22): it has not run on one yet.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PYTHON="${PYTHON:-python3}"
+OUT="${OUT:-bench/gpu_check/$(date +%Y%m%d-%H%M%S)}"
+DRY_RUN=0
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --dry-run) DRY_RUN=1; shift ;;
+        --out) OUT="$2"; shift 2 ;;
+        -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "gpu_check.sh: unknown argument '$1' (--dry-run, --out DIR)" >&2; exit 2 ;;
+    esac
+done
+BUDGET_S="${BUDGET_S:-600}"
+mkdir -p "$OUT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+START=$(date +%s)
+STAGES="$OUT/stages.tsv"
+: > "$STAGES"
+
+if [[ "$DRY_RUN" -eq 0 ]]; then
+    if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+        echo "gpu_check.sh: no CUDA device is visible to $PYTHON; use --dry-run to check the script" >&2
+        exit 2
+    fi
+    DEVICE="$("$PYTHON" -c "import torch; print(torch.cuda.get_device_name(0))")"
+else
+    DEVICE="dry run (no GPU used)"
+fi
+
+# stage NAME SECONDS COMMAND...: run it under `timeout`, for at most what the budget has left
+stage() {
+    local name="$1" share="$2"; shift 2
+    local left=$(( BUDGET_S - ($(date +%s) - START) ))
+    local limit=$(( share < left ? share : left ))
+    if [[ "$DRY_RUN" -eq 1 ]]; then
+        echo "[dry run] $name (at most ${share} s): $*"
+        printf '%s\tdry-run\t0\n' "$name" >> "$STAGES"
+        return 0
+    fi
+    if [[ "$limit" -le 10 ]]; then
+        echo "gpu_check.sh: $name skipped: the ${BUDGET_S} s budget is spent" >&2
+        printf '%s\tskipped\t0\n' "$name" >> "$STAGES"
+        return 0
+    fi
+    echo "gpu_check.sh: $name (at most ${limit} s): $*" >&2
+    local t0 rc
+    t0=$(date +%s)
+    timeout --kill-after=15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?
+    [[ "$rc" -eq 124 || "$rc" -eq 137 ]] && echo "gpu_check.sh: $name stopped after ${limit} s" >&2
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$STAGES"
+    tail -n 3 "$OUT/$name.log" >&2
+}
+
+stage gpu_tier "${TIER_S:-200}" env PTDP_GPU_TESTS=1 "$PYTHON" -m pytest -m gpu tests/gpu -q \
+    -p no:cacheprovider --junitxml "$OUT/gpu_tier.xml"
+stage bench_gpt "${GPT_S:-170}" "$PYTHON" tools/bench_gpu.py --device cuda --arch gpt \
+    --steps 6 --warmup 3 --json "$OUT/bench_gpt.json"
+stage bench_bert "${BERT_S:-100}" "$PYTHON" tools/bench_gpu.py --device cuda --arch bert \
+    --steps 6 --warmup 3 --json "$OUT/bench_bert.json"
+if [[ "$DRY_RUN" -eq 1 ]]; then   # the planner's half needs no GPU
+    "$PYTHON" tools/gpu_check.py plan --out "$OUT" --hardware h100-80gb
+    printf 'plan\t%s\t0\n' "$?" >> "$STAGES"
+else
+    stage plan "${PLAN_S:-110}" "$PYTHON" tools/gpu_check.py plan --out "$OUT" --measure
+fi
+
+"$PYTHON" - "$STAGES" "$OUT/stages.json" "$DEVICE" "$START" <<'EOF'
+import json, sys, time
+rows = [line.rstrip("\n").split("\t") for line in open(sys.argv[1]) if line.strip()]
+stages = {name: {"rc": int(rc) if rc.lstrip("-").isdigit() else rc, "seconds": float(s)}
+          for name, rc, s in rows}
+json.dump({"device": sys.argv[3], "started": time.strftime("%Y-%m-%d %H:%M:%S",
+           time.localtime(int(sys.argv[4]))), "elapsed_s": time.time() - int(sys.argv[4]),
+           "stages": stages}, open(sys.argv[2], "w"), indent=2)
+EOF
+"$PYTHON" tools/gpu_check.py report --dir "$OUT"
+echo "gpu_check.sh: $OUT/gpu_check.json and $OUT/gpu_check.md ($(( $(date +%s) - START )) s)" >&2
