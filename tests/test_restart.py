@@ -31,7 +31,7 @@ from ptdp.checkpoint.layout import find_checkpoint, iteration_dir_name
 from ptdp.metrics.log import read_metrics
 from ptdp.runtime.local_ranks import RankFailure, run_on_ranks
 from tests.equivalence import TINY
-from tests.test_watchdog import _pid_of_rank
+from tests.test_watchdog import _continue_when_named, _pid_of_rank, _signal
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools/pretrain_gpt.sh"
@@ -69,18 +69,6 @@ def _wait_for_iteration(metrics: Path, job, at_least: int, timeout: float = 120)
     raise AssertionError(f"the job did not reach iteration {at_least}")
 
 
-def _read_output(job, lines: list, stopped: list) -> None:
-    """Collect the output; once the job names the stopped rank, let it run again so that it
-    takes torchrun's SIGTERM at once (tests/test_watchdog.py does the same)."""
-    for line in job.stdout:
-        lines.append(line.rstrip("\n"))
-        if line.startswith("ptdp train: rank(s) stopped making progress") and stopped:
-            try:
-                os.kill(stopped[0], signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-
-
 @pytest.fixture(scope="module")
 def failed_twice(tmp_path_factory):
     root = tmp_path_factory.mktemp("restart")
@@ -92,7 +80,8 @@ def failed_twice(tmp_path_factory):
                            cwd=root, env=_env(MAX_RESTARTS="2", PTDP_TEST_MARKER=marker),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, stopped = [], []
-    reader = threading.Thread(target=_read_output, args=(job, lines, stopped), daemon=True)
+    reader = threading.Thread(target=_continue_when_named, args=(job, stopped, lines),
+                              daemon=True)
     reader.start()
     try:
         _wait_for_iteration(metrics, job, 15)
@@ -103,12 +92,7 @@ def failed_twice(tmp_path_factory):
         job.wait(timeout=240)
         reader.join(timeout=10)
     finally:
-        for pid in stopped:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
+        _signal(stopped, signal.SIGCONT, signal.SIGKILL)
         if job.poll() is None:
             job.kill()
     return {"rc": job.returncode, "lines": lines, "reference": reference,

@@ -317,15 +317,23 @@ def _pid_of_rank(rank: int, marker: str) -> int | None:
     return None
 
 
-def _continue_when_named(job, stopped: int, lines: list) -> None:
-    """Collect the job's output; once it names the stopped rank, let that rank run again, so
-    that it takes torchrun's SIGTERM at once instead of torchrun waiting out its 30 s grace
-    for a frozen process (the job has already ended by then, and said why)."""
+def _continue_when_named(job, stopped: list, lines: list) -> None:
+    """Collect the job's output; once it names a stopped rank, let the stopped ranks (pids in
+    `stopped`, which may be filled later) run again, so that they take torchrun's SIGTERM at
+    once instead of torchrun waiting out its 30 s grace for a frozen process (the job has
+    already ended by then, and said why)."""
     for line in job.stdout:
         lines.append(line.rstrip("\n"))
         if line.startswith("ptdp train: rank(s) stopped making progress"):
+            _signal(stopped, signal.SIGCONT)
+
+
+def _signal(pids: list, *signals) -> None:
+    """Send each signal to each pid that is still there."""
+    for pid in pids:
+        for sig in signals:
             try:
-                os.kill(stopped, signal.SIGCONT)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
@@ -349,7 +357,7 @@ def test_sigstop_on_one_of_8_ranks_ends_the_job_naming_it(tmp_path):
             time.sleep(0.5)
         stopped = _pid_of_rank(5, marker)
         assert stopped, "rank 5 not found"
-        reader = threading.Thread(target=_continue_when_named, args=(job, stopped, lines),
+        reader = threading.Thread(target=_continue_when_named, args=(job, [stopped], lines),
                                   daemon=True)
         reader.start()
         os.kill(stopped, signal.SIGSTOP)
@@ -358,12 +366,7 @@ def test_sigstop_on_one_of_8_ranks_ends_the_job_naming_it(tmp_path):
         elapsed = time.monotonic() - start
         reader.join(timeout=10)
     finally:
-        if stopped:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(stopped, sig)
-                except ProcessLookupError:
-                    pass
+        _signal([stopped] if stopped else [], signal.SIGCONT, signal.SIGKILL)
         if job.poll() is None:
             job.kill()
     out = "\n".join(lines)

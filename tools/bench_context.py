@@ -41,14 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:   # run as a script: make the repository importable (spawned ranks too)
     sys.path.insert(0, str(ROOT))
 
+from ptdp.runtime.process_memory import process_status_bytes  # noqa: E402
+
 MB = 2**20
-
-
-def _status_bytes(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def measure(overrides: list[str], iters: int) -> dict:
@@ -69,7 +64,7 @@ def measure(overrides: list[str], iters: int) -> dict:
             saved.setdefault(storage.data_ptr(), storage.nbytes())
         return tensor
 
-    before = _status_bytes("VmRSS")
+    before = process_status_bytes("VmRSS")
     times = []
     for it in range(iters):
         start = time.perf_counter()
@@ -80,7 +75,7 @@ def measure(overrides: list[str], iters: int) -> dict:
             trainer.train_step(it)
         times.append(time.perf_counter() - start)
     return {"rank": trainer.state.grid.rank, "saved_bytes": sum(saved.values()),
-            "rss_rise_bytes": _status_bytes("VmHWM") - before,
+            "rss_rise_bytes": process_status_bytes("VmHWM") - before,
             "ring_bytes_per_iter": trainer.state.ctx.cp.bytes_sent / iters,
             "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0]}
 

@@ -35,18 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:   # run as a script: make the repository importable (spawned ranks too)
     sys.path.insert(0, str(ROOT))
 
+from ptdp.runtime.process_memory import process_status_bytes  # noqa: E402
+
 MB = 2**20
-
-
-def _status_bytes(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _rss_bytes() -> int:
-    return _status_bytes("VmRSS")
 
 
 def measure(overrides: list[str], iters: int) -> dict:
@@ -66,9 +57,9 @@ def measure(overrides: list[str], iters: int) -> dict:
             trainer.state.weights.zero_grads()
             step = trainer.forward_backward(0)
             norm = trainer.reduce_gradients()
-            before = _rss_bytes()
+            before = process_status_bytes("VmRSS")
             trainer.optimizer_step(0, norm)
-            rss_step = _rss_bytes() - before
+            rss_step = process_status_bytes("VmRSS") - before
             step.grad_norm = norm
             step.resolve()
         else:
@@ -77,7 +68,7 @@ def measure(overrides: list[str], iters: int) -> dict:
     params = sum(p.numel() for p in trainer.state.params)
     return {"rank": trainer.state.grid.rank, "params": params,
             "state_bytes": trainer.state.weights.state_bytes(trainer.state.optimizer),
-            "rss_step_bytes": rss_step, "peak_rss_bytes": _status_bytes("VmHWM"),
+            "rss_step_bytes": rss_step, "peak_rss_bytes": process_status_bytes("VmHWM"),
             "predicted_bytes": optimizer_state_bytes(params, cfg.train.precision, trainer.state.grid.d,
                                                      cfg.train.distributed_optimizer),
             "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0]}

@@ -31,7 +31,7 @@ def rank_job() -> float:
     """What a rank does before its first iteration that does not depend on the model: import
     the trainer. Returns its peak resident set in MiB."""
     import ptdp.training  # noqa: F401
-    from ptdp.profiler.timing import peak_rss_gb
+    from ptdp.runtime.process_memory import peak_rss_gb
     return peak_rss_gb() * 1024
 
 

@@ -103,7 +103,7 @@ def train_worker(raw: dict) -> dict:
     import contextlib
 
     import torch.distributed as dist
-    from ptdp.profiler.timing import peak_rss_gb
+    from ptdp.runtime.process_memory import peak_rss_gb
     from ptdp.training import Trainer
     cfg = config_from_dict(raw)
     validate(cfg, dist.get_world_size())

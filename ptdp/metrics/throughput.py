@@ -3,27 +3,20 @@ model's block), the hardware's peak for MFU, and a process's peak memory."""
 
 from __future__ import annotations
 
-import resource
 
 import torch
 
 from ptdp.config import Config
 from ptdp.hardware import available_hardware, load_hardware
 from ptdp.planner.formulas import ModelShape, iteration_flops
+from ptdp.runtime.process_memory import peak_rss_gb
 
 
 def peak_memory_gb(device: torch.device) -> float:
     """Peak memory of this process in GiB (2**30 bytes): allocated on a GPU, resident on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    # VmHWM is this process's own peak; ru_maxrss can carry the launcher's peak across fork.
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**20  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return peak_rss_gb()
 
 
 def peak_tflops(cfg: Config, device: torch.device) -> float | None:

@@ -194,7 +194,7 @@ def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, re
         measured = measured_activation_bytes(hw, shape, b, t, precision, recompute)
         if measured is not None:
             return measured
-    s, h, f, a = shape.seq, shape.hidden, shape.ffn, shape.heads
+    s, h, a = shape.seq, shape.hidden, shape.heads
     e = BYTES[precision]
     sbh = s * b * h
     if recompute == "full":

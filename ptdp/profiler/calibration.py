@@ -8,7 +8,8 @@ import os
 from ptdp.config.catalogue import INTERLEAVED, ONE_F_ONE_B, TWO_BW, ZERO_BUBBLE_H1
 from ptdp.hardware import HardwareProfile
 from ptdp.profiler.kernels import measure_layer
-from ptdp.profiler.timing import ensure_process_group, peak_rss_gb
+from ptdp.profiler.timing import ensure_process_group
+from ptdp.runtime.process_memory import peak_rss_gb
 
 
 def train_quietly(model: dict, train: dict, world: int, **sections) -> list:

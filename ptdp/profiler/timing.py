@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import resource
 import time
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -82,13 +81,3 @@ def layer_context(model_cfg, t: int, device, recompute: str = "none", compile: b
 
 def param_storages(module) -> set:
     return {p.untyped_storage().data_ptr() for p in module.parameters()}
-
-
-def peak_rss_gb() -> float:
-    """This process's resident-memory high-water mark (VmHWM). Unlike getrusage's ru_maxrss
-    it is not inherited across fork+exec, so a large launcher does not inflate it."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**20   # kB -> GiB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
