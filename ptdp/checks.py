@@ -10,6 +10,7 @@ then). Nothing is created or written.
 
 from __future__ import annotations
 
+import math
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -250,10 +251,11 @@ def check_placement(cfg: Config, world_size: int, ranks_per_node: int, found: Fi
     """Tensor groups inside a node (ptdp/parallel/placement.py): a warning, not an error,
     since a job whose tensor groups straddle nodes is slow but correct."""
     par = cfg.parallel
-    if ranks_per_node < 1 or par.data is None or par.pipeline * par.tensor * par.data != world_size:
+    sizes = (par.pipeline, par.tensor, par.data, par.context)
+    if ranks_per_node < 1 or par.data is None or math.prod(sizes) != world_size:
         return   # the layout error is reported by validate()
     from ptdp.parallel.placement import placement_warnings
-    for line in placement_warnings(par.pipeline, par.tensor, par.data, ranks_per_node):
+    for line in placement_warnings(*sizes, ranks_per_node):
         found.warn(line)
 
 
@@ -423,7 +425,7 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
         f"{cfg.padded_vocab_size}), {params / 1e6:,.2f} M parameters ({formula})",
         (f"layout: (p, t, d) = ({par.pipeline}, {par.tensor}, {par.data})" if par.context == 1
          else f"layout: (p, t, c, d) = ({par.pipeline}, {par.tensor}, {par.context}, "
-              f"{par.data}), each rank {cfg.local_seq_length} of {m.seq_length} tokens per "
+              f"{par.data}), each rank {m.seq_length // par.context} of {m.seq_length} tokens per "
               f"sequence (ring attention)")
         + f", v = {par.chunks}, schedule {cfg.schedule.name}, world size {world_size}",
         f"micro-batches: m = {mb} of {tr.micro_batch_size} per pipeline per iteration "

@@ -140,10 +140,6 @@ MODELS = {
 ARCHS = tuple(MODELS)
 
 
-def model_overrides(arch: str) -> list[str]:
-    return list(MODELS[arch])
-
-
 def archs_for(layout: str) -> tuple[str, ...]:
     """Llama's 2 K/V heads split over at most t = 2 tensor ranks."""
     overrides = LAYOUTS[layout][1]

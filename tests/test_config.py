@@ -155,6 +155,11 @@ def test_llama_preset_fills_only_the_options_left_unset(tmp_path):
      "model.position_embedding=rope needs an even head size"),
     (["model.preset=llama", "model.rope_scaling_factor=0.5"], 1,
      "model.rope_scaling_factor must be >= 1"),
+    (["model.arch=bert", "model.num_kv_heads=2"], 1,
+     "model.num_kv_heads apply to model.arch=gpt only"),
+    (["model.arch=bert", "model.qkv_bias=false"], 1, "model.qkv_bias apply to model.arch=gpt only"),
+    (["model.rope_theta=500000", "model.rope_scaling_factor=8"], 1,
+     "model.rope_theta, model.rope_scaling_factor apply to model.position_embedding=rope only"),
 ])
 def test_bad_block_options_get_one_line_naming_the_key(overrides, world, message):
     with pytest.raises(ConfigError) as err:

@@ -35,8 +35,9 @@ def _one_line_errors(parser: argparse.ArgumentParser) -> None:
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "generate", help="generate text from a GPT checkpoint of any layout",
-        description="Loads a GPT checkpoint of any (p, t, d, v) into one process and continues "
+        "generate", help="generate text from a GPT or Llama-style checkpoint of any layout",
+        description="Loads a GPT or Llama-style checkpoint of any (p, t, c, d, v) into one "
+                    "process and continues "
                     "each prompt. Temperature 0 is greedy decoding; otherwise top-k and top-p "
                     "cut the distribution before a seeded draw. Uses a key/value cache.")
     parser.add_argument("checkpoint", help="checkpoint directory (follows `latest`) or an iter_N")

@@ -43,7 +43,7 @@ def register(subparsers) -> None:
     plan.add_argument("--fix", default=None,
                       help="pin choices, e.g. p=8,t=8,b=1,v=2,schedule=interleaved,"
                            "recompute=full,sg=true,distopt=true; c=2 for context parallelism "
-                           "(searched only when pinned here or by the YAML's parallel.context)")
+                           "(c = 1 unless pinned here or by the YAML's parallel.context)")
     plan.add_argument("--allow-2bw", action="store_true",
                       help="also consider PipeDream-2BW (relaxed, 1-stale weight updates)")
     plan.add_argument("--allow-distributed-optimizer", action="store_true",

@@ -3,6 +3,7 @@ naming the key and how to fix it. Runs before any process group exists."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ptdp.config.catalogue import Chunks, DEFAULT, NAMES, SCHEDULES, ScheduleSpec, names_where
@@ -128,27 +129,39 @@ def _check_block(m: ModelConfig, out: _Problems, sizes_ok: bool) -> None:
     if m.arch == "bert":
         gpt_block = {key: PRESETS["gpt"][key] for key in BLOCK_OPTIONS}
         changed = [k for k, v in gpt_block.items() if getattr(m, k) != v]
+        changed += ["qkv_bias"] if m.qkv_bias != m.bias else []
+        changed += ["num_kv_heads"] if m.num_kv_heads != m.num_heads else []
         out.require(not changed, f"model.arch=bert uses the GPT-2 block (Megatron-BERT); "
                                  f"{', '.join('model.' + k for k in changed)} apply to "
                                  f"model.arch=gpt only")
     if m.position_embedding == "rope":
-        out.require(m.head_dim % 2 == 0 if sizes_ok else True,
-                    f"model.position_embedding=rope needs an even head size, got "
-                    f"hidden_size / num_heads = {m.head_dim if sizes_ok else '?'}")
-        out.positive(m.rope_theta, "model.rope_theta")
-        out.require(m.rope_scaling_factor >= 1.0, f"model.rope_scaling_factor must be >= 1 "
-                                                  f"(1 = off), got {m.rope_scaling_factor}")
-        if m.rope_scaling_factor > 1.0:
-            out.require(m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
-                        f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must exceed "
-                        f"model.rope_low_freq_factor ({m.rope_low_freq_factor}) > 0")
-            out.positive(m.rope_original_seq_length, "model.rope_original_seq_length")
+        _check_rope(m, out, sizes_ok)
+    else:   # rotary keys would do nothing: say so rather than ignore them
+        unused = [f.name for f in dataclasses.fields(ModelConfig)
+                  if f.name.startswith("rope_") and getattr(m, f.name) != f.default]
+        out.require(not unused, f"{', '.join('model.' + k for k in unused)} apply to "
+                                f"model.position_embedding=rope only (this model has "
+                                f"{m.position_embedding} positions)")
     # (checked once the sizes are: a bad num_heads is then reported once, not twice)
     if sizes_ok and out.positive(m.num_kv_heads, "model.num_kv_heads",
                                  hint=" (null = model.num_heads)"):
         out.require(m.num_heads % m.num_kv_heads == 0,
                     f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads "
                     f"({m.num_kv_heads}): each K/V head serves a group of query heads")
+
+
+def _check_rope(m: ModelConfig, out: _Problems, sizes_ok: bool) -> None:
+    if sizes_ok:
+        out.require(m.head_dim % 2 == 0, f"model.position_embedding=rope needs an even head "
+                                         f"size, got hidden_size / num_heads = {m.head_dim}")
+    out.positive(m.rope_theta, "model.rope_theta")
+    out.require(m.rope_scaling_factor >= 1.0, f"model.rope_scaling_factor must be >= 1 "
+                                              f"(1 = off), got {m.rope_scaling_factor}")
+    if m.rope_scaling_factor > 1.0:
+        out.require(m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
+                    f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must exceed "
+                    f"model.rope_low_freq_factor ({m.rope_low_freq_factor}) > 0")
+        out.positive(m.rope_original_seq_length, "model.rope_original_seq_length")
 
 
 def _check_train(tr: TrainConfig, out: _Problems) -> bool:

@@ -21,6 +21,7 @@ continues from it (with fresh optimizer state).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -145,12 +146,12 @@ def from_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overrides: list[s
     _quiet_transformers()
     family, config, model_cfg = read_hf_config(hf_dir)
     model_keys = [f"model.{k}={json.dumps(v)}" for k, v in vars(model_cfg).items()]
-    par = {"tensor": 1, "pipeline": 1, "data": 1, "chunks": 1}
+    par = {"tensor": 1, "pipeline": 1, "data": 1, "context": 1}   # the sizes the world needs
     for item in overrides:
         key, _, value = item.partition("=")
         if key.startswith("parallel.") and key[len("parallel."):] in par and value.isdigit():
             par[key[len("parallel."):]] = int(value)
-    world = par["tensor"] * par["pipeline"] * par["data"]
+    world = math.prod(par.values())
     extra = ["data.source=synthetic"] if not any(o.startswith("data.") for o in overrides) else []
     cfg = load_config(None, model_keys + extra + list(overrides), world_size=world)
     tokenizer = directory_tokenizer(hf_dir)

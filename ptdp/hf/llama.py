@@ -172,9 +172,6 @@ class Mistral(Llama):
                                 f"attention sees the whole sequence; only sliding_window=null "
                                 f"converts")
 
-    def hf_extra(self, cfg: ModelConfig) -> dict:
-        return dict(head_dim=cfg.head_dim, sliding_window=None)
-
 
 class Qwen2(Llama):
     """Llama's block with biases on Q, K and V (model.qkv_bias=true, model.bias=false)."""

@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
+
+from ptdp.parallel.batched_p2p import AllOf, BatchedP2P
 
 # The ring's message kinds, in the order a batch lists them.
 KV, GRAD_KV = 0, 1
@@ -52,30 +53,6 @@ class RingTransfer:
         return f"{'send' if self.send else 'recv'} {what} of step {m.step} {m.src}->{m.dst}"
 
 
-class RingTransport:
-    """Posts one ring exchange with `dist.batch_isend_irecv` on the context group."""
-
-    def __init__(self, group=None):
-        self.group = group
-
-    def post(self, ops: list[tuple[RingTransfer, torch.Tensor, int]]) -> list:
-        """`ops`: (transfer, tensor, peer's world rank), in the plan's order. One waitable each."""
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend if t.send else dist.irecv, x, peer,
-                                                   self.group) for t, x, peer in ops])
-        if len(works) == len(ops):
-            return works
-        return [_AllOf(works)] * len(ops)   # NCCL coalesces a batch into one work
-
-
-class _AllOf:
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-
 def ring_exchange(step: int, rank: int, size: int, sends: dict[int, torch.Tensor]) -> list:
     """The transfers of ring step `step` on context rank `rank`: for each message kind in
     `sends` (in kind order), send to the next rank and receive the same kind from the previous
@@ -97,7 +74,7 @@ class ContextParallel:
     rank: int = 0
     size: int = 1
     ranks: list = field(default_factory=lambda: [0])   # world ranks, in context order
-    transport: object = None                           # None: RingTransport(group)
+    transport: object = None                           # None: BatchedP2P(group)
     bytes_sent: int = 0                                # payload bytes this rank put on the ring
 
     @classmethod
@@ -113,25 +90,16 @@ class ContextParallel:
         return local_positions(local_length, self.rank, self.size, device)
 
     def exchange(self, step: int, sends: dict[int, torch.Tensor],
-                 receives: dict[int, torch.Tensor]) -> "_Pending":
+                 receives: dict[int, torch.Tensor]) -> AllOf:
         """Post ring step `step`: send each tensor of `sends` (by kind) to the next rank and
         receive the same kinds from the previous one into `receives`. Wait on the result."""
         if self.transport is None:
-            self.transport = RingTransport(self.group)
+            self.transport = BatchedP2P(self.group)
         transfers = ring_exchange(step, self.rank, self.size, sends)
         ops = [(t, (sends if t.send else receives)[t.message.kind],
                 self.ranks[t.message.dst if t.send else t.message.src]) for t in transfers]
         self.bytes_sent += sum(x.numel() * x.element_size() for t, x, _ in ops if t.send)
-        return _Pending(self.transport.post(ops))
-
-
-class _Pending:
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
+        return AllOf(self.transport.post(ops))
 
 
 def chunk_ids(rank: int, size: int) -> tuple[int, int]:

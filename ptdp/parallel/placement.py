@@ -18,19 +18,21 @@ def nodes_of(ranks: list[int], ranks_per_node: int) -> list[int]:
     return sorted({r // ranks_per_node for r in ranks})
 
 
-def groups_across_nodes(p: int, t: int, d: int, ranks_per_node: int) -> dict[str, list[list[int]]]:
-    """For each kind of group (tensor, data, pipeline), the groups that span several nodes."""
+def groups_across_nodes(p: int, t: int, d: int, ranks_per_node: int,
+                        c: int = 1) -> dict[str, list[list[int]]]:
+    """For each kind of group (tensor, data, pipeline, ...), the groups that span several
+    nodes."""
     return {kind: [row for row in rows if len(nodes_of(row, ranks_per_node)) > 1]
-            for kind, rows in group_rows(p, d, t).items()}
+            for kind, rows in group_rows(p, d, t, c).items()}
 
 
-def placement_warnings(p: int, t: int, d: int, ranks_per_node: int) -> list[str]:
+def placement_warnings(p: int, t: int, d: int, c: int, ranks_per_node: int) -> list[str]:
     """One line when tensor groups straddle nodes (t does not divide the ranks per node on a
     multi-node job): their per-layer all-reduces then cross the slow inter-node link."""
-    world = p * t * d
+    world = p * t * d * c
     if t == 1 or ranks_per_node >= world or ranks_per_node % t == 0:
         return []
-    crossing = groups_across_nodes(p, t, d, ranks_per_node)["tensor"]
+    crossing = groups_across_nodes(p, t, d, ranks_per_node, c)["tensor"]
     if not crossing:
         return []
     first = crossing[0]

@@ -23,11 +23,12 @@ import math
 import torch
 import torch.distributed as dist
 
+from ptdp.parallel.batched_p2p import BatchedP2P
 from ptdp.parallel.mappings import all_gather_single
 from ptdp.pipeline.comm_plan import Message, Transfer
 
 
-class BatchedTransport:
+class BatchedTransport(BatchedP2P):
     """Posts a batch of sends and receives with ``dist.batch_isend_irecv`` on ``group``.
 
     ``receive_lookahead``: on gloo, whose operations complete in any order, receives of that
@@ -35,31 +36,9 @@ class BatchedTransport:
     """
 
     def __init__(self, group=None):
-        self.group = group
+        super().__init__(group)
         gloo = dist.get_backend(group) == "gloo" if dist.is_initialized() else False
         self.receive_lookahead = LOOKAHEAD if gloo else 0
-
-    def post(self, ops: list[tuple[Transfer, torch.Tensor, int]]) -> list:
-        """``ops``: (transfer, tensor, peer's world rank). Returns one waitable per op."""
-        p2p_ops = [dist.P2POp(dist.isend if t.send else dist.irecv, tensor, peer, self.group)
-                   for t, tensor, peer in ops]
-        works = dist.batch_isend_irecv(p2p_ops)
-        if len(works) == len(ops):
-            return works
-        # NCCL coalesces a batch into one work: every operation completes with it
-        return [_AllOf(works)] * len(ops)
-
-
-class _AllOf:
-    def __init__(self, works):
-        self.works = works
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
 
 
 LOOKAHEAD = 2

@@ -244,7 +244,9 @@ def _split_linear_elements(shape: ModelShape, b: int) -> int:
 def ring_working_bytes(shape: ModelShape, b: int, t: int, c: int, precision: str) -> float:
     """The working set of one layer's ring attention on a context rank (c > 1), backward's
     (the larger): two K/V blocks in the model's dtype, three fp32 dK/dV blocks and the fp32 dQ
-    of the rank's s/c queries."""
+    of the rank's s/c queries. This is the working set of fused block kernels (CPU). On CUDA
+    the blocks are a plain matmul/softmax today (ptdp/parallel/ring_attention.py), which also
+    holds each block's fp32 scores and probabilities: not counted here (docs/parallelism.md)."""
     if c == 1:
         return 0.0
     e = BYTES[precision]

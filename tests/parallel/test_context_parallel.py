@@ -83,8 +83,8 @@ def _errors(overrides: list[str], world: int = 4) -> list[str]:
 
 def test_config_errors_name_the_keys():
     assert _errors(["parallel.context=2"], 2) == []
-    assert _errors(["parallel.context=2"], 8)[0:0] == [] and \
-        load_config(None, TINY + ["parallel.context=2"], world_size=8).parallel.data == 4
+    assert _errors(["parallel.context=2"], 8) == []
+    assert load_config(None, TINY + ["parallel.context=2"], world_size=8).parallel.data == 4
     (line,) = _errors(["parallel.context=3"], 3)
     assert "parallel.context=3 needs model.seq_length (16) divisible by 2 * parallel.context" in line
     (line,) = _errors(["parallel.context=2", "parallel.tensor=2",
@@ -105,7 +105,8 @@ def test_config_errors_name_the_keys():
 
 def _ring_job() -> dict:
     """Ring attention on context groups of 2 and 4 (of 4 ranks), fused CPU blocks and the
-    math path, under the in-order transport; relative errors against whole-sequence SDPA."""
+    math path, under the in-order transport and the real batched one; relative errors against
+    whole-sequence SDPA."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -120,7 +121,7 @@ def _ring_job() -> dict:
             group = dist.new_group(ranks)
             if rank in ranks:
                 groups[c] = (group, ranks)
-    for fused in (True, False):
+    for fused, in_order in ((True, True), (False, True), (True, False)):
         ring.FUSED_CPU = fused
         for c, (group, ranks) in groups.items():
             for heads, kv_heads, causal in ((4, 4, True), (4, 2, True), (4, 1, False)):
@@ -131,13 +132,13 @@ def _ring_job() -> dict:
                                                        enable_gqa=kv_heads != heads)
                 dout = torch.randn_like(whole)
                 whole.backward(dout)
-                cp = ContextParallel(group, ranks.index(rank), c, ranks,
-                                     transport=InOrderTransport(group))
+                cp = ContextParallel(group, ranks.index(rank), c, ranks,   # None: batched
+                                     transport=InOrderTransport(group) if in_order else None)
                 mine = lambda x: context_shard(x.detach(), 2, cp.rank, c)  # noqa: E731
                 ql, kl, vl = (mine(x).requires_grad_() for x in (q, k, v))
                 local = ring.ring_attention(ql, kl, vl, cp, causal)
                 local.backward(mine(dout))
-                out[(fused, c, kv_heads, causal)] = max(
+                out[(fused, in_order, c, kv_heads, causal)] = max(
                     ((got - mine(want)).norm() / mine(want).norm()).item()
                     for got, want in ((local, whole), (ql.grad, q.grad), (kl.grad, k.grad),
                                       (vl.grad, v.grad)))

@@ -24,7 +24,7 @@ def test_two_nodes_by_four_ranks_keep_tensor_groups_in_a_node_and_cross_with_the
     assert rows["pipeline"] == [[0, 4], [1, 5], [2, 6], [3, 7]]   # stage s on node s
     assert groups_across_nodes(2, 2, 2, 4) == {"tensor": [], "data": [],
                                                "pipeline": rows["pipeline"]}
-    assert placement_warnings(2, 2, 2, 4) == []
+    assert placement_warnings(2, 2, 2, 1, 4) == []
 
 
 @pytest.mark.parametrize("ranks_per_node", [1, 2, 3, 4, 6, 8])
@@ -37,13 +37,13 @@ def test_tensor_groups_stay_in_a_node_exactly_when_t_divides_the_node(p, t, d, r
     multi_node = world > ranks_per_node
     straddles = multi_node and ranks_per_node % t != 0
     assert bool(crossing["tensor"]) == straddles
-    assert bool(placement_warnings(p, t, d, ranks_per_node)) == straddles
+    assert bool(placement_warnings(p, t, d, 1, ranks_per_node)) == straddles
     if multi_node and ranks_per_node % (t * d) == 0 and p > 1:   # a stage per node or less
         assert not crossing["data"] and crossing["pipeline"]
 
 
 def test_t6_on_8_rank_nodes_warns_naming_a_group():
-    [line] = placement_warnings(1, 6, 8, 8)
+    [line] = placement_warnings(1, 6, 8, 1, 8)
     assert line.startswith("parallel.tensor=6 does not divide the 8 ranks per node: 4 of 8 "
                            "tensor groups span nodes (e.g. ranks 6..11 on nodes 0..1)")
     assert "parallel.tensor=4" in line
@@ -86,3 +86,10 @@ def test_ptdp_train_warns_once_when_a_tensor_group_straddles_two_nodes(tmp_path)
                 if line.startswith("ptdp train: warning: ")]
     assert len(warnings) == 1, outs
     assert "parallel.tensor=4 does not divide the 2 ranks per node" in warnings[0]
+
+
+def test_context_ranks_count_in_the_placement():
+    """(p, t, c, d) = (1, 3, 2, 1) on 4 ranks per node: the second tensor group (ranks 3..5)
+    spans nodes 0 and 1; without c in the count the job would look like 3 ranks on one node."""
+    [line] = placement_warnings(1, 3, 1, 2, 4)
+    assert "1 of 2 tensor groups span nodes (e.g. ranks 3..5 on nodes 0..1)" in line
