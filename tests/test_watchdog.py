@@ -376,3 +376,20 @@ def test_sigstop_on_one_of_8_ranks_ends_the_job_naming_it(tmp_path):
     assert ours[0].startswith("ptdp train: rank(s) stopped making progress: rank 5 (p=1, d=0, t=1)")
     assert "no heartbeat for" in ours[0] and "last in iteration" in ours[0]
     assert elapsed < 10 + 45, elapsed   # the stall check, then torchrun's shutdown
+
+
+def test_a_single_rank_records_no_device_events():
+    """One rank has no hang detector thread to poll the events: none may pile up."""
+    from ptdp.runtime.progress import DeviceProgress
+
+    class Event:
+        def record(self):
+            pass
+
+        def query(self):
+            return False
+
+    dog = Watchdog(0, 1, str, 30.0, progress=DeviceProgress(Event))
+    with dog.track(NO_SPANS)("forward", "compute", mb=0):
+        pass
+    assert not dog.progress.pending

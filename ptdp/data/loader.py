@@ -27,6 +27,7 @@ import multiprocessing
 import queue
 import threading
 
+import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ptdp.data.batching import MicroBatches, to_device
@@ -71,10 +72,6 @@ class PrefetchedBatches:
         self._next: tuple[int, int] | None = None   # what the workers deliver next
         self.served = self.built_here = 0            # batches from the workers / on the spot
 
-    @property
-    def dataset(self):
-        return self.batches.dataset
-
     def get(self, iteration: int, micro_batch: int) -> dict:
         key = (iteration, micro_batch)
         if self._iterator is None:
@@ -105,7 +102,10 @@ class PrefetchedBatches:
             self._iterator = iter(DataLoader(
                 dataset, batch_size=None, sampler=positions, num_workers=self.num_workers,
                 prefetch_factor=self.prefetch_factor, pin_memory=self.pinned,
-                multiprocessing_context=context))
+                multiprocessing_context=context,
+                # its own generator: the workers' base seed must not draw from the default
+                # one, whose state dropout (and the checkpoint) depends on
+                generator=torch.Generator()))
         self._next = key
 
     def _order(self, key: tuple[int, int]) -> int:

@@ -76,7 +76,8 @@ class Watchdog:
             store = _store_client(self.interval_s)
         self.store = store
         self.on_hang = on_hang or _print_and_exit
-        self.progress = progress or DeviceProgress(None, clock)
+        # inert (one rank): no thread polls the events, so record none
+        self.progress = progress if (self.enabled and progress) else DeviceProgress(None, clock)
         self.prefix = f"ptdp/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self.iteration, self.what, self.waiting = 0, "start-up", False
         self.moved_at = clock()

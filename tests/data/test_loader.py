@@ -11,23 +11,10 @@ from ptdp.data.batching import MicroBatches
 from ptdp.data.loader import PrefetchedBatches, micro_batch_source
 from ptdp.data.synthetic import synthetic_datasets
 from ptdp.runtime.local_ranks import run_on_ranks
+from tools.bench_data_loading import SlowSamples
 
 SHAPE = ["model.arch=bert", "model.seq_length=16", "model.hidden_size=32", "model.num_heads=4",
          "model.vocab_size=100", "model.num_layers=2"]
-
-
-class Slow:
-    """A dataset whose samples take `delay` seconds each (a slow disk, a tokenizer)."""
-
-    def __init__(self, dataset, delay: float):
-        self.dataset, self.delay = dataset, delay
-
-    def __len__(self):
-        return len(self.dataset)
-
-    def __getitem__(self, index):
-        time.sleep(self.delay)
-        return self.dataset[index]
 
 
 def _batches(dataset, context_size: int = 1, context_rank: int = 0) -> MicroBatches:
@@ -57,7 +44,7 @@ def test_workers_take_data_time_off_the_training_thread():
     """Samples of 25 ms, two per micro-batch: built on the training thread each costs it
     50 ms; with 2 workers the next micro-batches are ready while it computes (here: sleeps
     0.25 s), and taking them costs it almost nothing."""
-    dataset = Slow(synthetic_datasets(load_config(None, SHAPE, world_size=1).model, 3)["train"],
+    dataset = SlowSamples(synthetic_datasets(load_config(None, SHAPE, world_size=1).model, 3)["train"],
                    0.025)
     on_thread = _batches(dataset)
     start = time.perf_counter()
@@ -78,8 +65,9 @@ def test_workers_take_data_time_off_the_training_thread():
 def _losses(workers: int) -> tuple[list[float], int | None]:
     from ptdp.training import Trainer
     from tests.equivalence import TINY
+    # dropout on: the loader must leave the default generator (the masks' stream) alone
     cfg = load_config(None, TINY + [f"data.num_workers={workers}", "train.iters=2",
-                                    "log.progress=false"], world_size=1)
+                                    "model.dropout=0.1", "log.progress=false"], world_size=1)
     trainer = Trainer(cfg)
     losses = [record["loss"] for record in trainer.train()]
     return losses, getattr(trainer.batches["train"], "served", None)

@@ -177,9 +177,6 @@ def test_freed_stage_output_keeps_its_graph_on_cuda(world):
     layer = torch.nn.Linear(256, 256, device="cuda")
     x = torch.randn(64, 256, device="cuda")
     grad = torch.randn(64, 256, device="cuda")
-    layer(x).backward(grad)
-    expected = layer.weight.grad.clone()
-    layer.weight.grad = None
     out = torch.nn.functional.gelu(layer(x)) + 1.0
     before = torch.cuda.memory_allocated()
     _free_data(out)
@@ -191,7 +188,6 @@ def test_freed_stage_output_keeps_its_graph_on_cuda(world):
     _engine_run_backward((out,), (grad,), False, False, (), allow_unreachable=True,
                          accumulate_grad=True)
     torch.testing.assert_close(layer.weight.grad, reference)
-    assert expected.shape == reference.shape
 
 
 def test_data_workers_stage_pinned_batches_for_the_gpu(world):
