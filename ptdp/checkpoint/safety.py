@@ -65,6 +65,7 @@ def check_shared_directory(directory: str | os.PathLike, patience_s: float = 10.
     views = all_gather((seen, socket.gethostname()))
     if rank0:
         (root / name[0]).unlink(missing_ok=True)
+    dist.barrier()   # the marker is gone on every rank's return, not only on rank 0's
     blind = [(rank, host) for rank, (saw, host) in enumerate(views) if not saw]
     if blind:
         hosts = sorted({host for _, host in blind})
