@@ -26,7 +26,7 @@ FLOORS = [
     ["metrics"],
     ["checkpoint"],
     ["training", "inference", "checks"],
-    ["hf", "profiler"],
+    ["hf", "megatron", "profiler"],
     ["commands"],
     ["cli"],
     ["__main__"],
