@@ -129,8 +129,8 @@ SCRIPTS = ["pretrain_gpt.sh", "pretrain_bert.sh", "slurm_pretrain.sh", "demo.sh"
 
 def run_script(args, env=None, cwd=ROOT):
     full_env = {k: v for k, v in os.environ.items()
-                if k not in ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "GPUS_PER_NODE",
-                             "NPROC", "TORCHRUN", "TORCHRUN_ARGS")}
+                if k not in ("NNODES", "NUM_NODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                             "GPUS_PER_NODE", "NPROC", "TORCHRUN", "TORCHRUN_ARGS")}
     full_env.update(PYTHON=sys.executable, DRY_RUN="1", **(env or {}))
     return subprocess.run(["bash", *map(str, args)], cwd=cwd, env=full_env, text=True,
                           capture_output=True, timeout=120)
@@ -161,6 +161,16 @@ def test_pretrain_gpt_multi_node_command():
                    "--master-addr", "10.1.2.3", "--master-port", "6000", "-m", "ptdp", "train",
                    "configs/gpt_tiny.yaml", "parallel.tensor=2", "parallel.pipeline=2"]
     assert "(p, t, d) = (2, 2, 2)" in res.stderr
+
+
+def test_pretrain_accepts_megatrons_num_nodes():
+    env = dict(NODE_RANK="1", MASTER_ADDR="10.1.2.3", GPUS_PER_NODE="4", TORCHRUN="torchrun")
+    res = run_script([TOOLS / "pretrain_gpt.sh", "parallel.tensor=4"], env=dict(env, NUM_NODES="2"))
+    assert res.returncode == 0, res.stderr
+    [cmd] = torchrun_line(res.stderr)
+    assert cmd[cmd.index("--nnodes") + 1] == "2"
+    res = run_script([TOOLS / "pretrain_gpt.sh"], env=dict(env, NUM_NODES="2", NNODES="3"))
+    assert res.returncode == 2 and "NNODES=3 and NUM_NODES=2 disagree" in res.stderr
 
 
 def test_pretrain_cpu_defaults():

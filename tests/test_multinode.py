@@ -171,3 +171,22 @@ def test_a_node_that_dies_ends_the_other_with_a_line_naming_its_ranks(cluster, t
     assert ours[0].count(f"on {NAME}-n1; no heartbeat for") == 4
     assert "gloo: " in ours[0] and "Ending the job." in ours[0]
     assert elapsed < 60, elapsed
+
+
+def test_srun_one_task_per_rank_without_torchrun_forms_the_job(single_process_losses, tmp_path):
+    """`srun --ntasks-per-node=2 python -m ptdp train ...` (no torchrun, no namespaces needed):
+    each task has only SLURM's variables, and the two ranks train like one process."""
+    metrics = tmp_path / "metrics.jsonl"
+    slurm = dict(SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="localhost",
+                 SLURM_JOB_ID=str(os.getpid()), SLURM_NODEID="0")
+    logs = [tmp_path / f"task{task}.log" for task in (0, 1)]
+    jobs = [subprocess.Popen([sys.executable, "-m", "ptdp", "train", "configs/gpt_tiny.yaml",
+                              *LAYOUT[1:], f"train.iters={ITERS}",
+                              f"log.metrics_file={metrics}"], cwd=ROOT,
+                             env=_job_env(SLURM_PROCID=str(task), SLURM_LOCALID=str(task),
+                                          **slurm),
+                             stdout=log.open("w"), stderr=subprocess.STDOUT)
+            for task, log in zip((0, 1), logs)]
+    _wait_all(jobs, logs, timeout_s=120)
+    assert "(p, t, d) = (1, 2, 1)" in logs[0].read_text()
+    assert _losses(metrics) == pytest.approx(single_process_losses, rel=1e-5)

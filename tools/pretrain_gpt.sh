@@ -9,7 +9,7 @@
 # flags that begin like its own (--node..., --master..., --virtual...).
 #
 # Environment (defaults in brackets):
-#   NNODES          nodes in the job                                     [1]
+#   NNODES          nodes in the job (Megatron's NUM_NODES also works)   [1]
 #   NODE_RANK       this node's index, 0 .. NNODES-1                     [0]
 #   MASTER_ADDR     address of node 0                                    [127.0.0.1]
 #   MASTER_PORT     a free TCP port on node 0                            [a free port when NNODES=1, else 29500]
@@ -23,6 +23,8 @@
 #                   (each restart resumes from the newest checkpoint in checkpoint.dir; a
 #                   configuration error or a divergence is not restarted: docs/checkpoints.md)
 #   DRY_RUN=1       print the command instead of running it
+#   CUDA_DEVICE_MAX_CONNECTIONS  set to 1 by `ptdp train` itself when parallel.tensor or
+#                   parallel.context > 1 (as Megatron-LM requires), unless set here
 #   TORCH_NCCL_TRACE_BUFFER_SIZE, TORCH_NCCL_DUMP_ON_TIMEOUT, TORCH_NCCL_DEBUG_INFO_TEMP_FILE
 #                   torch's NCCL flight recorder, dumped on a timeout or a hang the hang
 #                   detector names              [2000, 1, /tmp/ptdp_nccl_trace_rank_]
@@ -69,7 +71,11 @@ for arg in "$@"; do
 done
 
 # --- resources ------------------------------------------------------------------------------
-NNODES="${NNODES:-1}"
+# Megatron-LM's example scripts spell the node count NUM_NODES: accept it, refuse a conflict.
+if [[ -n "${NUM_NODES:-}" && -n "${NNODES:-}" && "$NUM_NODES" != "$NNODES" ]]; then
+    die "NNODES=$NNODES and NUM_NODES=$NUM_NODES disagree; set one of them"
+fi
+NNODES="${NNODES:-${NUM_NODES:-1}}"
 NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || die "NNODES must be a positive integer, got '$NNODES'"

@@ -1,4 +1,5 @@
-"""`ptdp train CONFIG [key=value ...]`: one rank per process, under torchrun."""
+"""`ptdp train CONFIG [key=value ...]`: one rank per process, under torchrun (or `srun`, one
+task per GPU: ptdp/runtime/launch_env.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import sys
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "train", help="train a GPT or BERT model (run under torchrun, one process per rank)",
+        "train", help="train a GPT or BERT model (under torchrun or srun, one process per rank)",
         description="Train with the layout, schedule and model of CONFIG. Overrides are "
                     "dotted keys, e.g. parallel.tensor=2 train.iters=20 (prefer key=value: "
-                    "torchrun swallows flags that look like its own). Every rank first runs "
-                    "the checks of `ptdp check`; if one fails, rank 0 prints one line per "
-                    "problem and every rank exits with code 2 before any process group exists.")
+                    "torchrun swallows flags that look like its own). Started by srun one task "
+                    "per GPU (no torchrun), it forms the job from SLURM's variables. Every rank "
+                    "first runs the checks of `ptdp check`; if one fails, rank 0 prints one "
+                    "line per problem and every rank exits with code 2 before any process "
+                    "group exists.")
     parser.add_argument("config", help="YAML config file")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     parser.add_argument("--verbose", action="store_true",
@@ -32,7 +35,14 @@ def _env_int(name: str, default: int) -> int:
 def run(args) -> int:
     from ptdp.checks import check_job
     from ptdp.runtime.exit_status import CONFIG_ERROR, DIVERGED, record_exit
+    from ptdp.runtime.launch_env import LaunchError, adopt_slurm_environment
 
+    try:
+        adopt_slurm_environment()   # `srun` one task per GPU, without torchrun
+    except LaunchError as err:
+        print(f"ptdp train: {err}", file=sys.stderr)
+        record_exit(CONFIG_ERROR)
+        return CONFIG_ERROR
     overrides = list(args.overrides) + (["log.verbose=true"] if args.verbose else [])
     found = check_job(args.config, overrides, _env_int("WORLD_SIZE", 1),
                       ranks_per_node=_env_int("LOCAL_WORLD_SIZE", 1))

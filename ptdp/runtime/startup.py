@@ -4,7 +4,8 @@ Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the enviro
 sets them); gloo on CPU, NCCL on GPU. Every collective gets the backend timeout (the larger of
 `train.timeout_s` and `train.startup_timeout_s`), so a dead peer ends the job with an error
 instead of a hang; the hang detector (ptdp/runtime/watchdog.py) speaks before it, at 80 % of
-the phase's own budget. On CUDA, `train.tf32` sets TF32 for fp32 matmuls and convolutions.
+the phase's own budget. On CUDA, `train.tf32` sets TF32 for fp32 matmuls and convolutions, and
+tensor or context parallelism sets CUDA_DEVICE_MAX_CONNECTIONS=1 unless the launch set it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from ptdp.config import Config
 from ptdp.parallel.grid import RankGrid
+from ptdp.runtime.launch_env import cuda_environment
 
 
 def pick_device(choice: str) -> torch.device:
@@ -46,6 +48,8 @@ def set_tf32(enabled: bool) -> None:
 
 def init_distributed(cfg: Config) -> tuple[RankGrid, torch.device]:
     """Initialise torch.distributed (if not yet) and build the rank grid for cfg.parallel."""
+    for name, value in cuda_environment(cfg.parallel.tensor, cfg.parallel.context).items():
+        os.environ.setdefault(name, value)   # before the first CUDA call creates the context
     device = pick_device(cfg.train.device)
     if device.type == "cuda":
         set_tf32(cfg.train.tf32)

@@ -1,0 +1,55 @@
+"""Forming the job from the launch environment: SLURM's variables when `srun` starts one task
+per GPU without torchrun (ptdp/runtime/launch_env.py), and the CUDA settings tensor parallelism
+needs. The end-to-end srun launch is in tests/test_multinode.py."""
+
+import pytest
+
+from ptdp.runtime.launch_env import (LaunchError, cuda_environment, first_host, from_slurm,
+                                     tasks_on_node)
+
+SRUN = dict(SLURM_PROCID="9", SLURM_NTASKS="12", SLURM_LOCALID="1", SLURM_NODEID="2",
+            SLURM_TASKS_PER_NODE="4(x2),4", SLURM_JOB_NODELIST="gpu-[007-009]",
+            SLURM_JOB_ID="123456")
+
+
+@pytest.mark.parametrize("nodelist, host", [
+    ("gpu-[007-009,012]", "gpu-007"), ("node3", "node3"), ("a1,b[2-3]", "a1"),
+    ("rack[12]-n[1-2]", "rack12"), ("[4-5]", "4")])
+def test_first_host_of_a_slurm_node_list(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def test_tasks_on_each_node():
+    assert [tasks_on_node("8(x2),4", n) for n in range(3)] == [8, 8, 4]
+    with pytest.raises(LaunchError, match="SLURM_NODEID=3 but SLURM_TASKS_PER_NODE='8"):
+        tasks_on_node("8(x2),4", 3)
+    with pytest.raises(LaunchError, match="not SLURM's format"):
+        tasks_on_node("eight", 0)
+
+
+def test_srun_one_task_per_gpu_gives_torchruns_variables():
+    assert from_slurm(SRUN) == {"RANK": "9", "WORLD_SIZE": "12", "LOCAL_RANK": "1",
+                                "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "gpu-007",
+                                "MASTER_PORT": str(20000 + 123456 % 20000)}
+    # a job step on a subset of the allocation, and an explicit master
+    step = dict(SRUN, SLURM_STEP_NODELIST="gpu-[008-009]", SLURM_STEP_NUM_TASKS="8",
+                SLURM_STEP_TASKS_PER_NODE="4(x2)", SLURM_NODEID="1", MASTER_PORT="6000")
+    assert from_slurm(step) == dict(from_slurm(SRUN), WORLD_SIZE="8", MASTER_ADDR="gpu-008",
+                                    MASTER_PORT="6000")
+
+
+def test_torchrun_ranks_and_plain_processes_keep_their_environment():
+    assert from_slurm(dict(SRUN, RANK="3")) == {}   # torchrun inside an srun task
+    assert from_slurm({"PATH": "/bin"}) == {}
+
+
+def test_an_incomplete_srun_environment_is_one_line_naming_the_variable():
+    partial = {k: v for k, v in SRUN.items() if k != "SLURM_LOCALID"}
+    with pytest.raises(LaunchError, match="SLURM_LOCALID is not"):
+        from_slurm(partial)
+
+
+def test_tensor_and_context_parallelism_ask_for_one_cuda_work_queue():
+    assert cuda_environment(tensor=1, context=1) == {}
+    assert cuda_environment(tensor=2, context=1) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert cuda_environment(tensor=1, context=2) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
