@@ -79,7 +79,7 @@ class MegatronBlendedDataset:
         self.dataset_index = index["dataset_index"]
         self.dataset_sample_index = index["dataset_sample_index"]
         counts = np.bincount(self.dataset_index, minlength=len(datasets))
-        for k, (ds, count) in enumerate(zip(datasets, counts)):
+        for ds, count in zip(datasets, counts):
             if count > len(ds):
                 raise ValueError(f"the {name} blend takes {count} samples from "
                                  f"{ds.indexed.prefix}, which has {len(ds)}")

@@ -92,13 +92,14 @@ def eod_options(cfg: Config, indexed: IndexedDataset) -> EodOptions | None:
                       data.eod_mask_loss)
 
 
-def _split_dataset(cfg: Config, indexed: IndexedDataset, documents: np.ndarray, name: str):
+def _split_dataset(cfg: Config, indexed: IndexedDataset, documents: np.ndarray, name: str,
+                   eod: EodOptions | None):
     m = cfg.model
     if m.arch == "bert":
         return BertDataset(indexed, 0, 0, seq_length=m.seq_length, seed=cfg.train.seed,
                            mask_prob=cfg.data.mask_prob, name=name, documents=documents)
     return GPTDataset(indexed, 0, 0, seq_length=m.seq_length, seed=cfg.train.seed, name=name,
-                      documents=documents, eod=eod_options(cfg, indexed))
+                      documents=documents, eod=eod)
 
 
 def num_samples_needed(cfg: Config) -> dict[str, int]:
@@ -163,8 +164,9 @@ def build_datasets(cfg: Config) -> dict:
     per_split: dict[str, list] = {name: [] for name in SPLITS}
     for ds in indexed:
         splits = split_documents(cfg.data.split, ds.num_documents, cfg.train.seed)
+        eod = eod_options(cfg, ds)
         for name, documents in zip(SPLITS, splits):
-            per_split[name].append(_split_dataset(cfg, ds, documents, name))
+            per_split[name].append(_split_dataset(cfg, ds, documents, name, eod))
     weights = [w for w, _ in pairs]
     out = {name: _combine(parts, weights) for name, parts in per_split.items()}
     return _check_train_split(cfg, pairs, out)
