@@ -31,12 +31,17 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatase
 EOD, VOCAB, L, SEED = 0, 1000, 16, 4321
 
 
-def write_megatron_dataset(prefix: str, num_docs: int, seed: int) -> None:
-    """Documents of 1..40 random tokens ending with <eod>, by megatron-core's own writer."""
+def documents(num_docs: int, seed: int) -> list[np.ndarray]:
+    """Documents of 1..40 random tokens ending with <eod>."""
     rng = np.random.default_rng(seed)
+    return [np.append(rng.integers(1, VOCAB, int(rng.integers(0, 40))), EOD)
+            for _ in range(num_docs)]
+
+
+def write_megatron_dataset(prefix: str, num_docs: int, seed: int) -> None:
+    """By megatron-core's own writer."""
     builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
-    for _ in range(num_docs):
-        doc = np.append(rng.integers(1, VOCAB, int(rng.integers(0, 40))), EOD)
+    for doc in documents(num_docs, seed):
         builder.add_document(doc, [doc.size])
     builder.finalize(f"{prefix}.idx")
 
@@ -207,20 +212,45 @@ def test_split_ranges_are_megatrons():
             assert ms.split_ranges(ratios, n) == expected, (split, n)
 
 
+def blend_config(paths: list[str]):
+    return make_config(f"data.paths=[0.4,{paths[0]},0.6,{paths[1]}]", "data.sampling=megatron",
+                       "data.split=90,10,0", f"model.seq_length={L}", "train.iters=12",
+                       "train.eval_interval=5", "train.eval_iters=1", f"model.vocab_size={VOCAB}",
+                       "data.eod_mask_loss=true")
+
+
+def test_end_to_end_on_ptdp_files(prefixes, tmp_path):
+    """ptdp's build_datasets over the same documents written by `IndexedDatasetWriter` (ptdp's
+    own format, its <eod> id in the metadata) gives megatron-core's samples."""
+    from ptdp.data import build_datasets
+    from ptdp.data.indexed import IndexedDatasetWriter
+
+    ours_paths = [str(tmp_path / "a"), str(tmp_path / "b")]
+    for path, (num_docs, seed) in zip(ours_paths, [(60, 1), (25, 2)]):
+        with IndexedDatasetWriter(path, VOCAB, {"special_ids": {"<eod>": EOD}}) as writer:
+            for doc in documents(num_docs, seed):
+                writer.add_document([doc])
+    ours = build_datasets(blend_config(ours_paths))
+    theirs = megatron_core_datasets(blend_config(prefixes), prefixes, [0.4, 0.6])
+    for name, blend in zip(("train", "valid"), theirs):
+        assert len(ours[name]) == len(blend)
+        for i in range(len(blend)):
+            same_sample(ours[name][i], blend[i], False)
+
+
 def test_end_to_end_with_ptdp_reader(prefixes):
-    """ptdp's own build_datasets over Megatron files. Needs ptdp to read Megatron's .idx
-    (issue 23, item 1): skipped until then, and runs unchanged once it does."""
+    """ptdp's own build_datasets over Megatron's files. TO ENABLE after merging the Megatron
+    .idx reader (issue 23, item 1): it skips itself while ptdp rejects Megatron's magic, and
+    runs unchanged once ptdp reads it."""
     from ptdp.data import build_datasets
 
-    cfg = make_config(f"data.paths=[0.4,{prefixes[0]},0.6,{prefixes[1]}]",
-                      "data.sampling=megatron", "data.split=90,10,0", f"model.seq_length={L}",
-                      "train.iters=12", "train.eval_interval=5", "train.eval_iters=1",
-                      f"model.vocab_size={VOCAB}")
     try:
-        ours = build_datasets(cfg)
+        ours = build_datasets(blend_config(prefixes))
     except IndexedDataError as err:
+        if "magic" not in str(err):
+            raise
         pytest.skip(f"ptdp does not read Megatron's .idx yet: {err}")
-    theirs = megatron_core_datasets(cfg, prefixes, [0.4, 0.6])
+    theirs = megatron_core_datasets(blend_config(prefixes), prefixes, [0.4, 0.6])
     for name, blend in zip(("train", "valid"), theirs):
         assert len(ours[name]) == len(blend)
         for i in range(len(blend)):
