@@ -33,7 +33,8 @@ class Embedding(nn.Module):
     With sequence parallelism the word embedding is reduce-scattered, the other two are looked
     up for my tokens only, and the result is my [s/t, b, h] slice. With context parallelism the
     tokens are my two chunks of the sequence (ptdp/parallel/context.py) and the position rows
-    theirs.
+    theirs. `positions` [b, s] (data.reset_position_ids) picks each token's row instead; with
+    context parallelism they arrive already cut to my chunks (ptdp/data/batching.py).
     """
 
     def __init__(self, ctx: ModelContext, num_tokentypes: int = 0):
@@ -57,11 +58,14 @@ class Embedding(nn.Module):
             return self.position[:length]
         return self.position[self.cp.positions(length, self.position.device)]
 
-    def forward(self, tokens: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, types: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         tokens = tokens.t()  # [b, s] -> [s, b]
         mine = lambda x: sequence_shard(x, self.tp)  # noqa: E731 - my tokens' rows (SP)
         x = self.word(tokens)
-        if self.position is not None:
+        if self.position is not None and positions is not None:
+            x = x + self.lookup(mine(positions.t()), self.position)   # [s, b, h]
+        elif self.position is not None:
             x = x + mine(self._positions(tokens.shape[0])).unsqueeze(1)
         if self.tokentype is not None:
             x = x + self.lookup(mine(types.t()), self.tokentype)

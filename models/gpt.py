@@ -9,6 +9,8 @@ output layer and the vocab-parallel loss.
 
 from __future__ import annotations
 
+import torch
+
 from ptdp.models.chunk import ModelChunk
 from ptdp.models.embedding import logits
 from ptdp.models.transformer import ModelContext
@@ -24,9 +26,10 @@ class GPTChunk(ModelChunk):
 
         Returns the hidden state, or on the last stage (loss, {name: detached value}).
         """
+        positions = batch.get("position_ids")          # data.reset_position_ids
         if self.is_first:
-            hidden = self.embedding(batch["tokens"])
-        hidden = self.stack(hidden)
+            hidden = self.embedding(batch["tokens"], positions=positions)
+        hidden = self.stack(hidden, document_mask(batch.get("document_ids")), positions)
         if not self.is_last:
             return hidden
         # with sequence parallelism the logits GEMM all-gathers the final hidden state
@@ -40,3 +43,14 @@ class GPTChunk(ModelChunk):
         count = batch["loss_count"].to(per_token.dtype) if "loss_count" in batch else mask.sum()
         loss = (per_token * mask).sum() / count.clamp(min=1.0)
         return loss, {"lm_loss": loss.detach()}
+
+
+def document_mask(document_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """data.reset_attention_mask: [b, s] document of each token -> [b, s, s] keep-mask where a
+    query sees the keys at or before it in its own document (Megatron's reset attention mask:
+    no token attends across an <eod>; the <eod> ends, and belongs to, its document)."""
+    if document_ids is None:
+        return None
+    s = document_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
+    return (document_ids[:, :, None] == document_ids[:, None, :]) & causal

@@ -45,8 +45,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [s] (integers) -> cos, sin [s, head_dim] in fp32."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        """positions [s] or [b, s] (integers) -> cos, sin [..., head_dim] in fp32."""
+        angles = positions.float()[..., None] * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos(), angles.sin()
 

@@ -16,7 +16,11 @@ Attention is F.scaled_dot_product_attention on [b, heads, s, head_dim] views of 
 GPT passes `is_causal=True` and no mask, so on GPU the flash kernel runs (bf16/fp16, head_dim
 <= 256). BERT passes its padding mask as a boolean [b, 1, 1, s] keep-mask, broadcast over
 heads and queries: flash takes no mask, so the memory-efficient kernel (or cuDNN's, where it
-accepts masks) runs instead; the math kernel only when neither applies (e.g. on CPU). With
+accepts masks) runs instead; the math kernel only when neither applies (e.g. on CPU). GPT with
+`data.reset_attention_mask` passes a [b, s, s] causal keep-mask that also stops attention at
+document boundaries (models/gpt.py), with the same kernel consequences as BERT's. With
+`data.reset_position_ids` the positions ([b, s], from the batch) restart in every document
+for the rotary angles as for the learned table (models/embedding.py). With
 context parallelism (c > 1) each rank holds two chunks of the sequence and attention is a ring
 over the context group (ptdp/parallel/ring_attention.py); rotary angles follow the chunks.
 """
@@ -103,13 +107,13 @@ class ParallelAttention(nn.Module):
                                       defer_weight_grad=ctx.split_backward)
         self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding == "rope" else None
 
-    def core_attention(self, q, k, v, padding_mask):
+    def core_attention(self, q, k, v, mask):
         """q [b, heads, s, d], k and v [b, groups, s, d] -> [b, heads, s, d]; dropout here is
-        inside the tensor region."""
-        dropout = self.ctx.model.dropout if self.training else 0.0
-        mask = None
-        if padding_mask is not None:  # [b, s] with 1 = real token -> [b, 1, 1, s] bool keep-mask
-            mask = padding_mask.bool()[:, None, None, :]
+        inside the tensor region. `mask`: None, a padding mask [b, s] (1 = real token), or a
+        boolean keep-mask [b, s, s] (query, key) that already includes causality."""
+        dropout = self.ctx.model.attention_dropout_rate if self.training else 0.0
+        if mask is not None:   # -> a bool keep-mask broadcast over heads (and queries)
+            mask = mask.bool()[:, None, None, :] if mask.dim() == 2 else mask[:, None]
         causal = self.causal and mask is None
         if self.ctx.cp.size > 1:   # config: no padding mask, no dropout with context parallelism
             return ring_attention(q, k, v, self.ctx.cp, causal)
@@ -119,8 +123,8 @@ class ParallelAttention(nn.Module):
 
     def project(self, x, positions=None):
         """x [s, b, h] -> q [b, heads, s, d], k and v [b, groups, s, d] of my heads, rotated
-        for `positions` [s] (default 0 .. s-1, or this context rank's chunks' positions) with
-        rotary embeddings."""
+        for `positions` [s], or [b, s] per sample (default 0 .. s-1, or this context rank's
+        chunks' positions) with rotary embeddings."""
         qkv = self.qkv(x)  # the whole sequence (all-gathered first with sequence parallelism)
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.local_groups, self.group_size + 2, -1)
@@ -131,16 +135,18 @@ class ParallelAttention(nn.Module):
                 positions = (self.ctx.cp.positions(s, x.device) if self.ctx.cp.size > 1
                              else torch.arange(s, device=x.device))
             cos, sin = self.rotary(positions)
+            if positions.dim() == 2:   # per sample: [b, s, d] -> [b, 1, s, d] over the heads
+                cos, sin = cos[:, None], sin[:, None]
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         return q, k, v
 
-    def forward(self, x, padding_mask=None):
+    def forward(self, x, mask=None, positions=None):
         """-> (output without the projection's bias, that bias)."""
-        q, k, v = self.project(x)
+        q, k, v = self.project(x, positions)
         if self.ctx.recompute == "selective":
-            out = recompute(self.ctx.rng, self.core_attention, q, k, v, padding_mask)
+            out = recompute(self.ctx.rng, self.core_attention, q, k, v, mask)
         else:
-            out = self.core_attention(q, k, v, padding_mask)
+            out = self.core_attention(q, k, v, mask)
         out = out.permute(2, 0, 1, 3)  # [s, b, heads, d]
         return self.proj(out.reshape(out.shape[0], out.shape[1], -1))
 
@@ -196,9 +202,10 @@ class TransformerLayer(nn.Module):
         self.mlp = ParallelMLP(ctx, layer)
         self.dropout = cfg.dropout
 
-    def forward(self, x, padding_mask=None):
-        """x: [s, b, h], or [s/t, b, h] with sequence parallelism."""
-        x = hidden_dropout_add(*self.attention(self.ln1(x), padding_mask), x, self.dropout,
+    def forward(self, x, mask=None, positions=None):
+        """x: [s, b, h], or [s/t, b, h] with sequence parallelism; `mask` and `positions` as
+        ParallelAttention takes them."""
+        x = hidden_dropout_add(*self.attention(self.ln1(x), mask, positions), x, self.dropout,
                                self.training, self.tp)
         return hidden_dropout_add(*self.mlp(self.ln2(x)), x, self.dropout, self.training, self.tp)
 
@@ -218,17 +225,17 @@ class TransformerStack(nn.Module):
             for layer in self.layers:
                 layer.compile()
 
-    def _run(self, start: int, end: int, x, padding_mask):
+    def _run(self, start: int, end: int, x, mask, positions):
         for layer in self.layers[start:end]:
-            x = layer(x, padding_mask)
+            x = layer(x, mask, positions)
         return x
 
-    def forward(self, x, padding_mask=None):
+    def forward(self, x, mask=None, positions=None):
         if self.ctx.recompute != "full" or not self.training:
-            return self._run(0, len(self.layers), x, padding_mask)
+            return self._run(0, len(self.layers), x, mask, positions)
         step = self.ctx.recompute_num_layers
         for start in range(0, len(self.layers), step):
-            x = recompute(self.ctx.rng, self._run, start, start + step, x, padding_mask)
+            x = recompute(self.ctx.rng, self._run, start, start + step, x, mask, positions)
         return x
 
 

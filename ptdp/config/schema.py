@@ -55,7 +55,8 @@ class ModelConfig:
     ffn_hidden_size: int | None = None   # default 4h (gelu), 2/3 of 4h rounded up to 256 (swiglu)
     seq_length: int = 32
     vocab_size: int = 256                # the tokenizer's real size; padded internally
-    dropout: float = 0.0                 # hidden and attention dropout
+    dropout: float = 0.0                 # hidden (and, by default, attention) dropout
+    attention_dropout: float | None = None  # on the attention probabilities; null = dropout
     layernorm_eps: float = 1e-5          # epsilon of LayerNorm or RMSNorm
     init_std: float = 0.02
     num_tokentypes: int = 2              # BERT segment embeddings
@@ -85,6 +86,11 @@ class ModelConfig:
             self.num_kv_heads = self.num_heads
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.activation)
+
+    @property
+    def attention_dropout_rate(self) -> float:
+        """Dropout on the attention probabilities (Megatron's --attention-dropout)."""
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
 
     @property
     def head_dim(self) -> int:
@@ -163,6 +169,12 @@ class DataConfig:
     split: str = "98,1,1"                # train,valid,test ratios
     num_workers: int = 0
     mask_prob: float = 0.15              # BERT masking
+    sampling: str = "ptdp"               # ptdp | megatron: sample order, splits, blending
+                                         # (docs/data.md "Sample order")
+    # GPT end-of-document options, as Megatron's (the <eod> id comes from the data/tokenizer)
+    reset_position_ids: bool = False     # positions restart at 0 after each <eod>
+    reset_attention_mask: bool = False   # tokens attend only within their own document
+    eod_mask_loss: bool = False          # no loss on predictions made from an <eod> input
 
 
 @dataclass

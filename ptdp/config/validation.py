@@ -91,6 +91,7 @@ def validate(cfg: Config, world_size: int) -> None:
     model_ok = _check_model(cfg.model, problems)
     train_ok = _check_train(cfg.train, problems)
     _check_data(cfg.data, problems)
+    _check_gpt_data_options(cfg, problems)
     _check_log_and_checkpoint(cfg, problems)
     # The layout divides model and batch sizes: only meaningful once those are sane.
     if _check_parallel_sizes(cfg.parallel, problems) and model_ok and train_ok:
@@ -110,6 +111,9 @@ def _check_model(m: ModelConfig, out: _Problems) -> bool:
                     f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads "
                     f"({m.num_heads})")
     out.require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
+    out.require(m.attention_dropout is None or 0.0 <= m.attention_dropout < 1.0,
+                f"model.attention_dropout must be in [0, 1) or null (= model.dropout), got "
+                f"{m.attention_dropout}")
     out.positive(m.layernorm_eps, "model.layernorm_eps")
     out.positive(m.init_std, "model.init_std")
     out.positive(m.num_tokentypes, "model.num_tokentypes")
@@ -227,6 +231,24 @@ def _check_data(data: DataConfig, out: _Problems) -> None:
                                        f"the first (train) ratio must be positive")
     out.positive(data.num_workers, "data.num_workers", strict=False)
     out.require(0.0 < data.mask_prob < 1.0, f"data.mask_prob must be in (0, 1), got {data.mask_prob}")
+    out.choice(data.sampling, ("ptdp", "megatron"), "data.sampling")
+
+
+EOD_OPTIONS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+
+
+def _check_gpt_data_options(cfg: Config, out: _Problems) -> None:
+    """Megatron's sample order and the end-of-document options exist for GPT on indexed data."""
+    data, arch = cfg.data, cfg.model.arch
+    used = [f"data.{key}=true" for key in EOD_OPTIONS if getattr(data, key)]
+    if data.sampling == "megatron":
+        out.require(data.source == "indexed" and arch == "gpt",
+                    f"data.sampling=megatron needs data.source=indexed and model.arch=gpt (got "
+                    f"{data.source}, {arch}): it is Megatron's GPTDataset order")
+    if used:
+        out.require(data.source == "indexed" and arch == "gpt",
+                    f"{', '.join(used)} needs data.source=indexed and model.arch=gpt (got "
+                    f"{data.source}, {arch}): the options act on the <eod> tokens of real documents")
 
 
 def _check_log_and_checkpoint(cfg: Config, out: _Problems) -> None:
@@ -324,6 +346,12 @@ def _check_context(cfg: Config, out: _Problems) -> None:
                                  f"over a context group; set parallel.context=1")
     out.require(m.dropout == 0.0, f"parallel.context={c} needs model.dropout=0 (got {m.dropout}): "
                                   f"the ring attention applies no attention dropout")
+    out.require(m.attention_dropout in (None, 0.0),
+                f"parallel.context={c} needs model.attention_dropout=0 (got "
+                f"{m.attention_dropout}): the ring attention applies no attention dropout")
+    out.require(not cfg.data.reset_attention_mask,
+                f"data.reset_attention_mask=true is not supported with parallel.context={c}: the "
+                f"ring attention takes no per-document mask; set parallel.context=1")
 
 
 def _check_schedule(cfg: Config, out: _Problems) -> None:

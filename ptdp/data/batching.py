@@ -19,7 +19,8 @@ import torch
 from ptdp.parallel.context import context_shard
 
 # The [b, s] tensors of a micro-batch, split along the sequence with context parallelism.
-SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "types", "padding_mask")
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "types", "padding_mask", "position_ids",
+                 "document_ids")
 
 
 def micro_batch_indices(iteration: int, micro_batch: int, *, global_batch: int,

@@ -4,6 +4,10 @@ Opens every prefix in `data.paths`, checks that the data, the tokenizer and the 
 on the vocabulary, deals each dataset's documents to the splits by `data.split` after a
 seeded shuffle (so validation is drawn from the whole corpus), builds GPT or BERT
 samples per split and blends several prefixes by weight.
+
+With `data.sampling: megatron` (GPT) the splits, the samples and the blend follow Megatron-LM
+instead (`_build_megatron`): contiguous splits, as many epochs as `num_samples_needed(cfg)`
+asks for, and blends of exactly that many samples.
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ import numpy as np
 
 from ptdp.config import Config, ConfigError, parse_paths, parse_split  # noqa: F401 (re-exported)
 from ptdp.data.bert_dataset import BertDataset
-from ptdp.data.blend import BlendedDataset
-from ptdp.data.gpt_dataset import GPTDataset
+from ptdp.data.blend import BlendedDataset, MegatronBlendedDataset
+from ptdp.data.gpt_dataset import EodOptions, GPTDataset, MegatronGPTDataset
 from ptdp.data.indexed import IndexedDataError, IndexedDataset
+from ptdp.data.megatron_sampling import BLEND_SURPLUS, blend_sizes, normalize, split_ranges
 
 SPLITS = ("train", "valid", "test")
 
@@ -67,13 +72,75 @@ def check_vocab(cfg: Config, datasets: list[IndexedDataset]) -> None:
                           f"model.vocab_size={first.vocab_size}")
 
 
-def _split_dataset(cfg: Config, indexed: IndexedDataset, documents: np.ndarray, name: str):
+def eod_options(cfg: Config, indexed: IndexedDataset) -> EodOptions | None:
+    """The end-of-document options with the <eod> id: from the dataset's metadata (written by
+    `ptdp preprocess`), else from data.tokenizer; None when no option is on."""
+    data = cfg.data
+    if not (data.reset_position_ids or data.reset_attention_mask or data.eod_mask_loss):
+        return None
+    eod = indexed.meta.get("special_ids", {}).get("<eod>")
+    if eod is None and data.tokenizer:
+        from ptdp.data.tokenizer import load_tokenizer
+
+        eod = load_tokenizer(data.tokenizer).eod_id
+    if eod is None:
+        raise IndexedDataError(f"{indexed.idx_path}: the end-of-document id is unknown (no "
+                               f"<eod> in its metadata) and data.tokenizer is not set; set "
+                               f"data.tokenizer to use data.reset_position_ids, "
+                               f"data.reset_attention_mask or data.eod_mask_loss")
+    return EodOptions(int(eod), data.reset_position_ids, data.reset_attention_mask,
+                      data.eod_mask_loss)
+
+
+def _split_dataset(cfg: Config, indexed: IndexedDataset, documents: np.ndarray, name: str,
+                   eod: EodOptions | None):
     m = cfg.model
     if m.arch == "bert":
         return BertDataset(indexed, 0, 0, seq_length=m.seq_length, seed=cfg.train.seed,
                            mask_prob=cfg.data.mask_prob, name=name, documents=documents)
     return GPTDataset(indexed, 0, 0, seq_length=m.seq_length, seed=cfg.train.seed, name=name,
-                      documents=documents)
+                      documents=documents, eod=eod)
+
+
+def num_samples_needed(cfg: Config) -> dict[str, int]:
+    """Samples the run draws from each split, by Megatron's rule (megatron/training/training.py
+    `get_train_valid_test_num_samples`): every training iteration's global batch; eval_iters
+    batches at each of the iters // eval_interval + 1 evaluations; eval_iters for test."""
+    tr = cfg.train
+    batch = tr.global_batch_size
+    evaluations = tr.iters // tr.eval_interval + 1 if tr.eval_interval > 0 else 0
+    return {"train": tr.iters * batch, "valid": evaluations * tr.eval_iters * batch,
+            "test": tr.eval_iters * batch}
+
+
+def _megatron_splits(cfg: Config, indexed: IndexedDataset, samples: dict) -> list:
+    """One prefix's MegatronGPTDatasets per split (None where data.split gives it nothing)."""
+    ranges = split_ranges(parse_split(cfg.data.split), len(indexed))
+    eod = eod_options(cfg, indexed)
+    return [None if bounds is None else
+            MegatronGPTDataset(indexed, np.arange(*bounds, dtype=np.int32), cfg.model.seq_length,
+                               samples[name], cfg.train.seed, name=name, eod=eod)
+            for name, bounds in zip(SPLITS, ranges)]
+
+
+def _build_megatron(cfg: Config, pairs: list, indexed: list[IndexedDataset]) -> dict:
+    """Megatron's BlendedMegatronDatasetBuilder: one prefix without a weight (data.paths:
+    [prefix]) is used as is; weighted prefixes each give ceil(ceil(N w) * 1.005) samples of
+    which the blend takes sum(ceil(N w)) by the largest-error rule."""
+    needed = num_samples_needed(cfg)
+    if len(cfg.data.paths) == 1:
+        return dict(zip(SPLITS, _megatron_splits(cfg, indexed[0], needed)))
+    weights = normalize([w for w, _ in pairs])
+    targets = [blend_sizes(weights, needed[name]) for name in SPLITS]
+    buffers = [blend_sizes(weights, needed[name], BLEND_SURPLUS) for name in SPLITS]
+    per_prefix = [_megatron_splits(cfg, ds, {name: buffers[s][k] for s, name in enumerate(SPLITS)})
+                  for k, ds in enumerate(indexed)]
+    out = {}
+    for s, name in enumerate(SPLITS):
+        parts = [splits[s] for splits in per_prefix]
+        out[name] = (None if parts[0] is None else
+                     MegatronBlendedDataset(parts, weights, sum(targets[s]), name=name))
+    return out
 
 
 def _combine(parts: list, weights: list[float]):
@@ -91,14 +158,22 @@ def build_datasets(cfg: Config) -> dict:
     pairs = parse_paths(cfg.data.paths)
     indexed = [IndexedDataset(prefix) for _, prefix in pairs]
     check_vocab(cfg, indexed)
+    if cfg.data.sampling == "megatron":
+        out = {name: ds for name, ds in _build_megatron(cfg, pairs, indexed).items() if ds}
+        return _check_train_split(cfg, pairs, out)
     per_split: dict[str, list] = {name: [] for name in SPLITS}
     for ds in indexed:
         splits = split_documents(cfg.data.split, ds.num_documents, cfg.train.seed)
+        eod = eod_options(cfg, ds)
         for name, documents in zip(SPLITS, splits):
-            per_split[name].append(_split_dataset(cfg, ds, documents, name))
+            per_split[name].append(_split_dataset(cfg, ds, documents, name, eod))
     weights = [w for w, _ in pairs]
     out = {name: _combine(parts, weights) for name, parts in per_split.items()}
-    if len(out["train"]) == 0:
+    return _check_train_split(cfg, pairs, out)
+
+
+def _check_train_split(cfg: Config, pairs: list, out: dict) -> dict:
+    if len(out.get("train", ())) == 0:
         raise IndexedDataError(
             f"the train split of {', '.join(p for _, p in pairs)} has no samples: too few tokens "
             f"(or, for BERT, no documents with two sentences) for model.seq_length="
