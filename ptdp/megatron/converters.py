@@ -244,6 +244,17 @@ def hysteresis_default(given: dict):
                                 "loss scale; ptdp halves at every overflow (--hysteresis 1)")
 
 
+def gelu_fusion_default(given: dict):
+    """Megatron's fused bias-GeLU, on by default for a GeLU MLP with biases, is the tanh
+    approximation (megatron/core/fusions/fused_bias_gelu.py); ptdp's GeLU is exact."""
+    if any(f in given for f in ("--swiglu", "--squared-relu", "--quick-geglu", "--disable-bias-linear",
+                                "--openai-gelu")):
+        return None
+    raise Unmapped(APPROXIMATE, "Megatron's fused bias-GeLU (its default) is the tanh "
+                                "approximation; ptdp's GeLU is exact (as Megatron's with "
+                                "--no-bias-gelu-fusion)")
+
+
 def global_batch_default(given: dict):
     raise Unmapped(APPROXIMATE, "Megatron's default is micro-batch-size x data-parallel size; "
                                 "ptdp's is 8: set train.global_batch_size")
