@@ -144,7 +144,7 @@ ARGS: tuple[Arg, ...] = (
     Arg("--init-method-xavier-uniform", None, REFUSED, refuse("ptdp initialises from a normal distribution"), nargs=0),
     Arg("--make-vocab-size-divisible-by", None, EXACT, only(128, "ptdp pads the vocabulary to a multiple of 128 x t"),
         note="only 128: ptdp pads to 128 x t"),
-    Arg("--vocab-size", "model.vocab_size", EXACT, vocab_size, note="NullTokenizer: + 1 (its <eod>)"),
+    Arg("--vocab-size", "model.vocab_size", EXACT, vocab_size, note="NullTokenizer: + 1 (its end-of-document id)"),
     Arg("--padded-vocab-size", None, IGNORED, ignore("ptdp pads model.vocab_size itself")),
     Arg("--bert-no-binary-head", None, REFUSED, refuse("ptdp's BERT always has the sentence-order head"), nargs=0),
     Arg("--spec", None, REFUSED, refuse("ptdp builds its own layers"), nargs="*"),
