@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "megatron_args", None) is not None:   # ptdp config from-megatron
+        print("ptdp config from-megatron: put Megatron's arguments after `--`: "
+              "ptdp config from-megatron [--out FILE] -- ARGS", file=sys.stderr)
+        return 2
     hints = _megatron_spellings(argv, extra, getattr(args, "overrides", []))
     if hints:
         for hint in hints:

@@ -17,16 +17,16 @@ def register(subparsers) -> None:
     from_megatron = sub.add_parser(
         "from-megatron", help="translate Megatron-LM arguments into a ptdp YAML config",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Translate Megatron-LM's arguments (pretrain_gpt.py / pretrain_bert.py) into "
-                    "the equivalent ptdp YAML config, and list, one line each, every argument not "
-                    "mapped exactly:\n"
+        description="Translate Megatron-LM's arguments (pretrain_gpt.py, pretrain_bert.py) into\n"
+                    "the equivalent ptdp YAML config. Where Megatron's default differs from ptdp's\n"
+                    "(linear decay, Adam beta2 0.999, dropout 0.1, ...) and the argument is absent,\n"
+                    "Megatron's default is written. Every argument not mapped exactly gets one line:\n"
                     "  approximate: mapped, with the stated difference\n"
                     "  ignored:     irrelevant to ptdp (kernel and performance choices)\n"
                     "  refused:     ptdp has no counterpart\n"
                     "  unknown:     not in ptdp's table of Megatron-LM arguments\n"
-                    "  note:        something Megatron works out at run time that you must set\n"
-                    "Where Megatron's default differs from ptdp's (linear decay, Adam beta2 0.999, "
-                    "dropout 0.1, ...) and the argument is absent, Megatron's default is written. "
+                    "  note:        worked out by Megatron at run time: set it yourself\n"
+                    "  unresolved:  a variable the script does not set\n"
                     "The whole table: docs/migration.md, or --table.\n\n"
                     "  ptdp config from-megatron --out gpt.yaml -- --num-layers 24 --hidden-size 1024 ...\n"
                     "  ptdp config from-megatron --script train_gpt.sh --out gpt.yaml")

@@ -139,8 +139,20 @@ def translate(words: list[str], arch: str | None = None, defaults: bool = True) 
         _apply(lookup(flag), flag, value, given, out)
     if defaults:
         _megatron_defaults(given, out)
+        out.lines += _required_but_absent(given)
     out.lines += _needs_the_user(out)
     return out
+
+
+# What pretrain_gpt.py / pretrain_bert.py insist on; absent, ptdp's tiny defaults would apply.
+REQUIRED = (("--num-layers", "--encoder-num-layers"), ("--hidden-size",), ("--num-attention-heads",),
+            ("--seq-length", "--encoder-seq-length"), ("--micro-batch-size", "--batch-size"), ("--lr",),
+            ("--train-iters", "--train-samples"))
+
+
+def _required_but_absent(given: dict) -> list[Line]:
+    return [Line(NOTE, f"{' / '.join(flags)} absent", "Megatron requires it; ptdp's default applies")
+            for flags in REQUIRED if not any(f in given for f in flags)]
 
 
 def _shown(flag: str, value: Any) -> str:

@@ -360,3 +360,25 @@ def test_the_docs_argument_table_is_the_codes(capsys):
     assert capsys.readouterr().out == docs_table()
     flags = [arg.flag for arg in ARGS]
     assert len(flags) == len(set(flags))
+
+
+def test_bad_input_to_from_megatron_is_one_line_naming_what(tmp_path, capsys):
+    script = tmp_path / "train.sh"
+    script.write_text("echo hello\n")
+    cases = [
+        (["--script", str(script)], f"{script}: no line runs Megatron-LM's pretrain_*.py"),
+        (["--", "--num-layers"], "--num-layers needs 1 value, got 0"),
+        (["--num-layers", "2"], "put Megatron's arguments after `--`: ptdp config from-megatron "
+                                "[--out FILE] -- ARGS"),
+        ([], "give either --script FILE or -- ARGS"),
+    ]
+    for argv, message in cases:
+        assert cli.main(["config", "from-megatron", *argv]) == 2
+        assert capsys.readouterr().err.splitlines() == [f"ptdp config from-megatron: {message}"]
+
+
+def test_what_megatron_requires_is_noted_when_absent():
+    assert lines(["--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "1",
+                  "--lr", "1e-3", "--train-samples", "100"])[-2:] == [
+        "note: --num-layers / --encoder-num-layers absent: Megatron requires it; ptdp's default applies",
+        "note: --seq-length / --encoder-seq-length absent: Megatron requires it; ptdp's default applies"]
