@@ -21,7 +21,8 @@ KINDS = (EXACT, APPROXIMATE, IGNORED, REFUSED)
 
 
 class Unmapped(Exception):
-    """A Megatron value ptdp does not take: `kind` is refused or ignored; the text says why."""
+    """A Megatron value ptdp does not take as it is: `kind` is refused or ignored (approximate
+    for a default that cannot be written, only noted); `why` says why."""
 
     def __init__(self, kind: str, why: str):
         super().__init__(why)
@@ -43,6 +44,7 @@ class Default:
     text: str
 
 
+# Converters --------------------------------------------------------------------------------
 
 def integer(value, given):
     return int(value)
