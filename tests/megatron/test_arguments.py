@@ -10,6 +10,8 @@ key; and docs/migration.md's argument table is the code's table.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -178,6 +180,11 @@ def test_megatrons_defaults_are_written_where_they_differ_from_ptdps():
      "Megatron weighs them by size, ptdp writes equal weights; set the weights"),
     (["--load", "/megatron/ckpt"], "approximate: --load /megatron/ckpt: a Megatron checkpoint must "
      "first be converted (ptdp convert --from megatron)"),
+    (["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", "vocab.txt"],
+     "approximate: --tokenizer-type BertWordPieceLowerCase: the WordPiece vocabulary; Case vs "
+     "LowerCase is not carried over"),
+    (["--tokenizer-type", "TikTokenizer"], "refused: --tokenizer-type TikTokenizer: 'TikTokenizer': "
+     "ptdp reads sentencepiece, GPT-2 BPE, WordPiece and Hugging Face tokenizer.json"),
     (["--not-an-argument", "3"],
      "unknown: --not-an-argument 3: not in ptdp's table of Megatron-LM arguments: not translated"),
     (["stray"], "unknown: stray: a word that is not an argument"),
@@ -382,3 +389,60 @@ def test_what_megatron_requires_is_noted_when_absent():
                   "--lr", "1e-3", "--train-samples", "100"])[-2:] == [
         "note: --num-layers / --encoder-num-layers absent: Megatron requires it; ptdp's default applies",
         "note: --seq-length / --encoder-seq-length absent: Megatron requires it; ptdp's default applies"]
+
+
+def _dataclass_defaults(relative: str, cls: str, names) -> dict:
+    """The defaults of some fields of a megatron-core dataclass, read from its installed source:
+    parsing is enough, and importing megatron.core (torch, apex warnings) would cost seconds."""
+    spec = importlib.util.find_spec("megatron.core")
+    if spec is None:
+        pytest.skip("megatron-core is not installed")
+    tree = ast.parse((Path(spec.submodule_search_locations[0]) / relative).read_text())
+    body = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls).body
+    out = {}
+    for node in body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) in names:
+            value = node.value
+            if isinstance(value, ast.Call):   # field(default=...)
+                value = next(k.value for k in value.keywords if k.arg == "default")
+            out[node.target.id] = eval(compile(ast.Expression(value), cls, "eval"), {})
+    assert set(out) == set(names), f"{cls} lacks {set(names) - set(out)}"
+    return out
+
+
+# megatron-core field -> (the Megatron argument, ptdp's key)
+CORE_DEFAULTS = {
+    ("transformer/transformer_config.py", "TransformerConfig"): {
+        "hidden_dropout": ("--hidden-dropout", "model.dropout"),
+        "init_method_std": ("--init-method-std", "model.init_std"),
+        "layernorm_epsilon": ("--norm-epsilon", "model.layernorm_eps")},
+    ("optimizer/optimizer_config.py", "OptimizerConfig"): {
+        "adam_beta1": ("--adam-beta1", "train.adam_beta1"),
+        "adam_beta2": ("--adam-beta2", "train.adam_beta2"),
+        "adam_eps": ("--adam-eps", "train.adam_eps"),
+        "weight_decay": ("--weight-decay", "train.weight_decay"),
+        "clip_grad": ("--clip-grad", "train.clip_grad"),
+        "initial_loss_scale": ("--initial-loss-scale", "train.initial_loss_scale")},
+}
+
+
+def test_the_defaults_written_are_megatron_cores_where_ptdps_differ():
+    from ptdp.config import Config
+    ptdp = Config().to_dict()
+    for (relative, cls), fields in CORE_DEFAULTS.items():
+        core = _dataclass_defaults(relative, cls, fields)
+        for name, (flag, key) in fields.items():
+            section, option = key.split(".")
+            written = values(["--fp16"]).get(key)
+            if core[name] == ptdp[section][option]:
+                assert written is None, f"{flag}: ptdp's default equals Megatron's, nothing to write"
+            else:
+                assert written == core[name], f"{flag}: Megatron's default {core[name]} is not written"
+    optimizer = _dataclass_defaults("optimizer/optimizer_config.py", "OptimizerConfig",
+                                    ("hysteresis", "loss_scale_window", "min_loss_scale"))
+    assert optimizer["hysteresis"] == 2 and any("--hysteresis absent" in line for line in lines(["--fp16"]))
+    assert (lookup("--loss-scale-window").convert(optimizer["loss_scale_window"], {}),
+            lookup("--min-loss-scale").convert(optimizer["min_loss_scale"], {})) == ({}, {})
+    core = _dataclass_defaults("transformer/transformer_config.py", "TransformerConfig",
+                               ("attention_dropout", "add_bias_linear"))
+    assert core["attention_dropout"] == 0.1 and core["add_bias_linear"] is True
