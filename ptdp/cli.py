@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Modules that register sub-commands, in the order `ptdp --help` lists them.
@@ -74,9 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     hints = _megatron_spellings(argv, extra, getattr(args, "overrides", []))
     if hints:
-        for hint in hints:
-            print(f"ptdp {args.command}: {hint}", file=sys.stderr)
-        return 2
+        from ptdp.runtime.exit_status import CONFIG_ERROR, record_exit
+        if os.environ.get("RANK", "0") == "0":   # under torchrun every rank found the same
+            for hint in hints:
+                print(f"ptdp {args.command}: {hint}", file=sys.stderr)
+        record_exit(CONFIG_ERROR)   # the launch scripts' restart loop must not retry it
+        return CONFIG_ERROR
     # argparse cannot take positionals after an option (`CONFIG --world-size 8 a.b=1`):
     # key=value words it left over are the command's overrides, in order.
     if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):

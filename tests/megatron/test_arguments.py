@@ -446,3 +446,12 @@ def test_the_defaults_written_are_megatron_cores_where_ptdps_differ():
     core = _dataclass_defaults("transformer/transformer_config.py", "TransformerConfig",
                                ("attention_dropout", "add_bias_linear"))
     assert core["attention_dropout"] == 0.1 and core["add_bias_linear"] is True
+
+
+def test_under_torchrun_rank_zero_says_it_once_and_the_restart_loop_is_told_not_to_retry(
+        tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PTDP_EXIT_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "1")
+    assert cli.main(["train", str(ROOT / "configs" / "gpt_tiny.yaml"), "--seq-length", "64"]) == 2
+    assert capsys.readouterr().err == ""
+    assert (tmp_path / "rank1").read_text() == "2\n"
