@@ -17,10 +17,11 @@ def register(subparsers) -> None:
     from_megatron = sub.add_parser(
         "from-megatron", help="translate Megatron-LM arguments into a ptdp YAML config",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Translate Megatron-LM's arguments (pretrain_gpt.py, pretrain_bert.py) into\n"
-                    "the equivalent ptdp YAML config. Where Megatron's default differs from ptdp's\n"
-                    "(linear decay, Adam beta2 0.999, dropout 0.1, ...) and the argument is absent,\n"
-                    "Megatron's default is written. Every argument not mapped exactly gets one line:\n"
+        description="Translate Megatron-LM's arguments (pretrain_gpt.py, pretrain_bert.py)\n"
+                    "into the equivalent ptdp YAML config. Where Megatron's default differs\n"
+                    "from ptdp's (linear decay, Adam beta2 0.999, dropout 0.1, ...) and the\n"
+                    "argument is absent, Megatron's default is written. Every argument not\n"
+                    "mapped exactly gets one line:\n"
                     "  approximate: mapped, with the stated difference\n"
                     "  ignored:     irrelevant to ptdp (kernel and performance choices)\n"
                     "  refused:     ptdp has no counterpart\n"
@@ -28,12 +29,13 @@ def register(subparsers) -> None:
                     "  note:        worked out by Megatron at run time: set it yourself\n"
                     "  unresolved:  a variable the script does not set\n"
                     "The whole table: docs/migration.md, or --table.\n\n"
-                    "  ptdp config from-megatron --out gpt.yaml -- --num-layers 24 --hidden-size 1024 ...\n"
+                    "  ptdp config from-megatron --out gpt.yaml -- --num-layers 24 ...\n"
                     "  ptdp config from-megatron --script train_gpt.sh --out gpt.yaml")
     from_megatron.add_argument("--script", metavar="FILE",
                                help="a launch script: the line running pretrain_*.py is read, with "
                                     "the variables and arrays the script sets expanded")
-    from_megatron.add_argument("--out", metavar="FILE.yaml", help="write the YAML here (default: stdout)")
+    from_megatron.add_argument("--out", metavar="FILE.yaml",
+                               help="write the YAML here (default: stdout)")
     from_megatron.add_argument("--arch", choices=("gpt", "bert"),
                                help="model.arch (default: bert for pretrain_bert.py, else gpt)")
     from_megatron.add_argument("--table", action="store_true",
@@ -69,7 +71,8 @@ def run_from_megatron(args) -> int:
     text = to_yaml(result, source)
     if args.out:
         Path(args.out).write_text(text)
-        print(f"ptdp config from-megatron: wrote {args.out} ({len(result.values)} keys)", file=sys.stderr)
+        print(f"ptdp config from-megatron: wrote {args.out} ({len(result.values)} keys)",
+              file=sys.stderr)
     else:
         sys.stdout.write(text)
     for line in result.lines:

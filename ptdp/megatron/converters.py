@@ -95,7 +95,8 @@ def given_int(given: dict, flag: str, default: int | None = None) -> int | None:
 
 def chunks_from_layers(value, given):
     """--num-layers-per-virtual-pipeline-stage: v = layers / (p * layers per virtual stage)."""
-    layers, p = given_int(given, "--num-layers"), given_int(given, "--pipeline-model-parallel-size", 1)
+    layers = given_int(given, "--num-layers")
+    p = given_int(given, "--pipeline-model-parallel-size", 1)
     if layers is None:
         raise Unmapped(REFUSED, "needs --num-layers to work out parallel.chunks")
     per_rank, rest = divmod(layers, p * int(value))
@@ -107,7 +108,9 @@ def chunks_from_layers(value, given):
 
 def chunks(value, given):
     v = int(value)
-    return {"parallel.chunks": v, "schedule.name": INTERLEAVED.name} if v > 1 else {"parallel.chunks": 1}
+    if v > 1:
+        return {"parallel.chunks": v, "schedule.name": INTERLEAVED.name}
+    return {"parallel.chunks": 1}
 
 
 def kv_heads(value, given):
@@ -205,7 +208,8 @@ def consumed_by_tokenizer_type(value, given):
 
 
 def tokenizer(value, given):
-    vocab, merges, model = (given.get(f) for f in ("--vocab-file", "--merge-file", "--tokenizer-model"))
+    vocab, merges = given.get("--vocab-file"), given.get("--merge-file")
+    model = given.get("--tokenizer-model")
     if value == "GPT2BPETokenizer":
         return {"data.tokenizer": vocab, "data.merge_file": merges}
     if value in ("BertWordPieceLowerCase", "BertWordPieceCase"):
@@ -219,7 +223,8 @@ def tokenizer(value, given):
         return Differs({"data.tokenizer": f"{model}/tokenizer.json"},
                        "ptdp reads a local tokenizer.json (a hub name must be downloaded first)")
     if value == "NullTokenizer":
-        raise Unmapped(IGNORED, "token ids need no tokenizer; model.vocab_size comes from --vocab-size")
+        raise Unmapped(IGNORED, "token ids need no tokenizer; model.vocab_size comes from "
+                                "--vocab-size")
     raise Unmapped(REFUSED, f"{value!r}: ptdp reads sentencepiece, GPT-2 BPE, WordPiece and "
                             "Hugging Face tokenizer.json")
 
@@ -249,8 +254,8 @@ def hysteresis_default(given: dict):
 def gelu_fusion_default(given: dict):
     """Megatron's fused bias-GeLU, on by default for a GeLU MLP with biases, is the tanh
     approximation (megatron/core/fusions/fused_bias_gelu.py); ptdp's GeLU is exact."""
-    if any(f in given for f in ("--swiglu", "--squared-relu", "--quick-geglu", "--disable-bias-linear",
-                                "--openai-gelu")):
+    if any(f in given for f in ("--swiglu", "--squared-relu", "--quick-geglu",
+                                "--disable-bias-linear", "--openai-gelu")):
         return None
     raise Unmapped(APPROXIMATE, "Megatron's fused bias-GeLU (its default) is the tanh "
                                 "approximation; ptdp's GeLU is exact (as Megatron's with "

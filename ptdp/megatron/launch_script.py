@@ -16,11 +16,13 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_ASSIGN = re.compile(r"^(?:export\s+|declare\s+(?:-\w+\s+)?|local\s+)?([A-Za-z_]\w*)(\+?)=(.*)$", re.S)
+_ASSIGN = re.compile(r"^(?:export\s+|declare\s+(?:-\w+\s+)?|local\s+)?([A-Za-z_]\w*)(\+?)=(.*)$",
+                     re.S)
 _ARRAY_AT = re.compile(r'"?\$\{([A-Za-z_]\w*)\[[@*]\]\}"?')
 _BRACED = re.compile(r"\$\{([A-Za-z_]\w*|\d+)(?::?-([^}]*))?\}")
 _PLAIN = re.compile(r"\$([A-Za-z_]\w*|\d)")
 _UNEVALUATED = re.compile(r"\$\(\(?.*?\)\)?")
+_OPENS_ARRAY = re.compile(r"^(?:export\s+)?[A-Za-z_]\w*\+?=\(")
 _SCRIPT = re.compile(r"(^|/)pretrain_\w+\.py$")
 
 
@@ -46,8 +48,7 @@ def logical_lines(text: str) -> list[str]:
                 pending = None
             continue
         stripped = line.strip()
-        if re.match(r"^(?:export\s+)?[A-Za-z_]\w*\+?=\($", stripped.split("#")[0].strip()) or (
-                re.match(r"^(?:export\s+)?[A-Za-z_]\w*\+?=\(", stripped) and not _closes_array(stripped)):
+        if _OPENS_ARRAY.match(stripped) and not _closes_array(stripped):
             pending = stripped
         else:
             out.append(stripped)

@@ -72,7 +72,8 @@ def split_invocation(words: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _split_words(words: list[str]) -> list[str]:
-    """`--flag=value` and a quoted "--flag value" (as in Megatron's example scripts) -> two words."""
+    """`--flag=value`, and "--flag value" quoted as one word (Megatron's example scripts do),
+    -> two words."""
     out = []
     for word in words:
         if word.startswith("--") and "=" in word.split()[0]:
@@ -132,8 +133,9 @@ def translate(words: list[str], arch: str | None = None, defaults: bool = True) 
     script, argv = split_invocation(words)
     given, positional = parse_arguments(argv)
     out = Translation()
-    out.set("model.arch", arch or ("bert" if script and "bert" in script.rsplit("/", 1)[-1] else "gpt"),
-            f"the script ({script})" if script else "ptdp's default")
+    bert = script is not None and "bert" in script.rsplit("/", 1)[-1]
+    out.set("model.arch", arch or ("bert" if bert else "gpt"),
+            "--arch" if arch else f"the script ({script})" if script else "ptdp's default")
     out.lines += [Line(UNKNOWN, w, "a word that is not an argument") for w in positional]
     for flag, value in given.items():
         _apply(lookup(flag), flag, value, given, out)
@@ -145,13 +147,14 @@ def translate(words: list[str], arch: str | None = None, defaults: bool = True) 
 
 
 # What pretrain_gpt.py / pretrain_bert.py insist on; absent, ptdp's tiny defaults would apply.
-REQUIRED = (("--num-layers", "--encoder-num-layers"), ("--hidden-size",), ("--num-attention-heads",),
-            ("--seq-length", "--encoder-seq-length"), ("--micro-batch-size", "--batch-size"), ("--lr",),
-            ("--train-iters", "--train-samples"))
+REQUIRED = (("--num-layers", "--encoder-num-layers"), ("--hidden-size",),
+            ("--num-attention-heads",), ("--seq-length", "--encoder-seq-length"),
+            ("--micro-batch-size", "--batch-size"), ("--lr",), ("--train-iters", "--train-samples"))
 
 
 def _required_but_absent(given: dict) -> list[Line]:
-    return [Line(NOTE, f"{' / '.join(flags)} absent", "Megatron requires it; ptdp's default applies")
+    return [Line(NOTE, f"{' / '.join(flags)} absent",
+                 "Megatron requires it; ptdp's default applies")
             for flags in REQUIRED if not any(f in given for f in flags)]
 
 
@@ -164,7 +167,8 @@ def _shown(flag: str, value: Any) -> str:
 def _apply(arg: Arg | None, flag: str, value: Any, given: dict, out: Translation) -> None:
     shown = _shown(flag, value)
     if arg is None:
-        out.lines.append(Line(UNKNOWN, shown, "not in ptdp's table of Megatron-LM arguments: not translated"))
+        out.lines.append(Line(UNKNOWN, shown,
+                              "not in ptdp's table of Megatron-LM arguments: not translated"))
         return
     try:
         result = arg.convert(value, given) if arg.convert else value
@@ -248,9 +252,11 @@ def _scalar(value: Any) -> str:
 
 def to_yaml(t: Translation, source: str = "") -> str:
     """The config as YAML, each key commented with the Megatron argument it came from."""
-    head = [f"# ptdp config written by `ptdp config from-megatron`{f' from {source}' if source else ''}.",
-            "# Each key names the Megatron-LM argument it came from; \"Megatron's default\" marks a",
-            "# default of Megatron's that differs from ptdp's, written so the run behaves as it did.",
+    head = ["# ptdp config written by `ptdp config from-megatron`"
+            + (f" from {source}." if source else "."),
+            "# Each key names the Megatron-LM argument it came from; \"Megatron's default\"",
+            "# marks a default of Megatron's that differs from ptdp's, written so the run",
+            "# behaves as it did.",
             "# Arguments not mapped exactly are listed below (and were printed).",
             ""]
     rows = []   # (text, origin) per line; sections have no origin
@@ -285,7 +291,8 @@ def spelling_hint(flag: str, value: str | None = None) -> str | None:
         return (f"{flag} is Megatron-LM's spelling of {arg.key}; write {arg.key}=VALUE "
                 f"(`{FROM_MEGATRON}` translates a whole Megatron command line)")
     why = t.lines[0].why if t and t.lines else arg.note
-    verb = {REFUSED: "has no counterpart for", IGNORED: "ignores"}.get(arg.kind, "maps only approximately")
+    verb = {REFUSED: "has no counterpart for", IGNORED: "ignores"}.get(
+        arg.kind, "maps only approximately")
     return f"{flag} is a Megatron-LM argument that ptdp {verb}: {why}"
 
 
