@@ -20,7 +20,7 @@ _ASSIGN = re.compile(r"^(?:export\s+|declare\s+(?:-\w+\s+)?|local\s+)?([A-Za-z_]
                      re.S)
 _ARRAY_AT = re.compile(r'"?\$\{([A-Za-z_]\w*)\[[@*]\]\}"?')
 _BRACED = re.compile(r"\$\{([A-Za-z_]\w*|\d+)(?::?-([^}]*))?\}")
-_PLAIN = re.compile(r"\$([A-Za-z_]\w*|\d)")
+_PLAIN = re.compile(r"\$([A-Za-z_]\w*|\d|@|\*)")
 _UNEVALUATED = re.compile(r"\$\(\(?.*?\)\)?")
 _OPENS_ARRAY = re.compile(r"^(?:export\s+)?[A-Za-z_]\w*\+?=\(")
 _SCRIPT = re.compile(r"(^|/)pretrain_\w+\.py$")
@@ -136,14 +136,33 @@ def read_invocation(path: str | Path) -> Invocation:
             env.assign(match.group(1), bool(match.group(2)), match.group(3))
             continue
         before = list(env.unresolved)
-        words = _words(env.expand(line))
-        if any(_SCRIPT.search(w) for w in words):
+        words = _command(_words(env.expand(line)))
+        if words:
             found = words
         else:
             env.unresolved = before   # what an unrelated line could not expand does not matter
     if found is None:
         raise ScriptError(f"{path}: no line runs Megatron-LM's pretrain_*.py")
     return Invocation(found, _used_unresolved(found, env.unresolved))
+
+
+_OPERATORS = {"|", "||", "&&", ";", "&", "|&"}
+_REDIRECTION = re.compile(r"^(?:\d?>>?|&>|<|\d>&\d)")
+
+
+def _command(words: list[str]) -> list[str] | None:
+    """The simple command of a line that runs pretrain_*.py (`cd x && torchrun ... | tee log`
+    -> the torchrun part), redirections dropped; None if the line runs no such script."""
+    command: list[str] = []
+    for word in words + [";"]:
+        if word not in _OPERATORS:
+            if not _REDIRECTION.match(word):
+                command.append(word)
+        elif any(_SCRIPT.search(w) for w in command):
+            return command
+        else:
+            command = []
+    return None
 
 
 def _is_assignment(rhs: str) -> bool:

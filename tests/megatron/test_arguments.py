@@ -236,7 +236,7 @@ torchrun --nproc_per_node $GPUS_PER_NODE --nnodes 1 pretrain_gpt.py \
     "${GPT_ARGS[@]}" \
     $TRAIN_ARGS \
     --data-path $DATA --split 98,2,0 \
-    --save $CHECKPOINT_PATH --world-size $WORLD_SIZE
+    --save $CHECKPOINT_PATH --world-size $WORLD_SIZE 2>&1 | tee train.log
 """
 
 
