@@ -272,11 +272,12 @@ def to_yaml(t: Translation, source: str = "") -> str:
 
 # Hints for Megatron spellings in ptdp's own command line -------------------------------------
 
-def spelling_hint(flag: str, value: str | None = None) -> str | None:
+def spelling_hint(flag: str, value: str | None = None, typed: str | None = None) -> str | None:
     """One line for a Megatron argument met where ptdp expects its own (None if it is not one):
-    what ptdp calls it, or why ptdp has no counterpart."""
+    what ptdp calls it, or why ptdp has no counterpart. `typed`: the key the user wrote, when
+    it is the very key the argument maps to (one this ptdp lacks): no hint then."""
     arg = lookup(flag)
-    if arg is None:
+    if arg is None or (typed is not None and typed == arg.key):
         return None
     words = [flag] + ([value] if value is not None and arg.nargs != 0 else [])
     try:
@@ -308,7 +309,7 @@ def command_line_hints(argv: list[str], suspects: list[str]) -> list[str]:
             continue
         if value is None and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
             value = argv[i + 1]
-        hint = spelling_hint(flag, value)
+        hint = spelling_hint(flag, value, None if word.startswith("--") else word.split("=")[0])
         if hint:
             hints.append(hint if word.startswith("--") else f"{word}: {hint}")
     return hints
@@ -334,6 +335,7 @@ def explain_config_errors(lines: list[str]) -> list[str]:
     out = []
     for line in lines:
         match = _UNKNOWN_KEY.match(line)
-        hint = spelling_hint("--" + match.group(2).replace("_", "-")) if match else None
+        hint = spelling_hint("--" + match.group(2).replace("_", "-"),
+                             typed=f"{match.group(1)}.{match.group(2)}") if match else None
         out.append(f"{line}; {hint}" if hint else line)
     return out
