@@ -207,9 +207,11 @@ ARGS: tuple[Arg, ...] = (
     Arg("--loss-scale-window", None, EXACT,
         only(1000.0, "ptdp doubles the scale after 1000 good steps"),
         note="only 1000"),
-    Arg("--hysteresis", None, APPROXIMATE, only(1, "ptdp halves the loss scale at every overflow"),
+    Arg("--hysteresis", None, APPROXIMATE,
+        lambda v, g: {} if int(v) == 1 else Differs({}, "ptdp halves the loss scale at every "
+                                                        "overflow (--hysteresis 1)"),
         default=Default(hysteresis_default, "2 (noted with --fp16)"),
-        note="only 1: ptdp halves the scale at every overflow"),
+        note="1 is exact: ptdp halves the scale at every overflow"),
     Arg("--accumulate-allreduce-grads-in-fp32", None, EXACT, const({}), nargs=0,
         note="ptdp always accumulates and all-reduces fp32 gradients"),
     Arg("--grad-reduce-in-bf16", None, REFUSED, refuse("ptdp all-reduces fp32 gradients"), nargs=0),

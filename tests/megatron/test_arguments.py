@@ -173,6 +173,8 @@ def test_megatrons_defaults_are_written_where_they_differ_from_ptdps():
      "ignored: --no-masked-softmax-fusion: a kernel choice; ptdp picks its own fused kernels"),
     (["--num-query-groups", "4"],
      "ignored: --num-query-groups 4: Megatron ignores it without --group-query-attention"),
+    (["--hysteresis", "2"],
+     "approximate: --hysteresis 2: ptdp halves the loss scale at every overflow (--hysteresis 1)"),
     (["--openai-gelu"], "approximate: --openai-gelu: ptdp's GeLU is exact, not the tanh approximation"),
     (["--recompute-method", "block"], "approximate: --recompute-method block: ptdp checkpoints every "
      "group of train.recompute_num_layers layers (Megatron's uniform), not only the first ones (block)"),
