@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Modules that register sub-commands, in the order `ptdp --help` lists them.
@@ -23,6 +24,7 @@ COMMAND_MODULES = [
     "ptdp.commands.convert",    # ptdp convert
     "ptdp.commands.generate",   # ptdp generate
     "ptdp.commands.plot",       # ptdp plot
+    "ptdp.commands.config",     # ptdp config from-megatron
 ]
 
 
@@ -65,7 +67,20 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "megatron_args", None) is not None:   # ptdp config from-megatron
+        print("ptdp config from-megatron: put Megatron's arguments after `--`: "
+              "ptdp config from-megatron [--out FILE] -- ARGS", file=sys.stderr)
+        return 2
+    hints = _megatron_spellings(argv, extra, getattr(args, "overrides", []))
+    if hints:
+        from ptdp.runtime.exit_status import CONFIG_ERROR, record_exit
+        if os.environ.get("RANK", "0") == "0":   # under torchrun every rank found the same
+            for hint in hints:
+                print(f"ptdp {args.command}: {hint}", file=sys.stderr)
+        record_exit(CONFIG_ERROR)   # the launch scripts' restart loop must not retry it
+        return CONFIG_ERROR
     # argparse cannot take positionals after an option (`CONFIG --world-size 8 a.b=1`):
     # key=value words it left over are the command's overrides, in order.
     if extra and hasattr(args, "overrides") and all("=" in e and not e.startswith("-") for e in extra):
@@ -76,6 +91,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     return int(args.func(args) or 0)
+
+
+def _megatron_spellings(argv: list[str], extra: list[str], overrides: list[str]) -> list[str]:
+    """One line for each unrecognised word that is a Megatron-LM argument (`--flag value`, or a
+    `flag_name=value` override that is not a ptdp key), saying what ptdp calls it."""
+    suspects = [w for w in [*extra, *overrides] if w.startswith("--") or "=" in w]
+    if not suspects:
+        return []
+    from ptdp.megatron.translate import command_line_hints
+    return command_line_hints(argv, suspects)
 
 
 if __name__ == "__main__":

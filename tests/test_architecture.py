@@ -195,7 +195,7 @@ def test_ptdp_help_lists_every_command():
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     for command in ("train", "check", "plan", "profile", "tokenizer", "preprocess", "timeline",
-                    "convert", "generate", "plot"):
+                    "convert", "generate", "plot", "config"):
         assert re.search(rf"^\s+{command}\b", out.stdout, re.M), command
 
 

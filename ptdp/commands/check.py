@@ -36,7 +36,8 @@ def run(args) -> int:
         return 2
     found = check_job(args.config, args.overrides, world, ranks_per_node=args.nproc_per_node)
     if found.errors:
-        for line in found.errors:
+        from ptdp.megatron.translate import explain_config_errors
+        for line in explain_config_errors(found.errors):   # + what a Megatron spelling is
             print(f"ptdp check: {line}", file=sys.stderr)
         return 2
     print(f"ptdp check: {args.config} is ready to train on {world} rank(s)")

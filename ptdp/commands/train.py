@@ -48,7 +48,8 @@ def run(args) -> int:
                       ranks_per_node=_env_int("LOCAL_WORLD_SIZE", 1))
     if found.errors:
         if _env_int("RANK", 0) == 0:  # every rank found the same: one copy is enough
-            for line in found.errors:
+            from ptdp.megatron.translate import explain_config_errors
+            for line in explain_config_errors(found.errors):   # + what a Megatron spelling is
                 print(f"ptdp train: {line}", file=sys.stderr)
         record_exit(CONFIG_ERROR)   # not worth a restart (ptdp/runtime/exit_status.py)
         return CONFIG_ERROR

@@ -1,0 +1,80 @@
+"""`ptdp config from-megatron`: a ptdp config from Megatron-LM's arguments or launch script."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "config", help="write ptdp configs (from-megatron: translate Megatron-LM arguments)",
+        description="Write ptdp configs. `ptdp config from-megatron` translates a Megatron-LM "
+                    "command line or launch script.")
+    parser.set_defaults(func=lambda args: parser.print_help() or 2)
+    sub = parser.add_subparsers(dest="config_command", metavar="SUBCOMMAND")
+    from_megatron = sub.add_parser(
+        "from-megatron", help="translate Megatron-LM arguments into a ptdp YAML config",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Translate Megatron-LM's arguments (pretrain_gpt.py, pretrain_bert.py)\n"
+                    "into the equivalent ptdp YAML config. Where Megatron's default differs\n"
+                    "from ptdp's (linear decay, Adam beta2 0.999, dropout 0.1, ...) and the\n"
+                    "argument is absent, Megatron's default is written. Every argument not\n"
+                    "mapped exactly gets one line:\n"
+                    "  approximate: mapped, with the stated difference\n"
+                    "  ignored:     irrelevant to ptdp (kernel and performance choices)\n"
+                    "  refused:     ptdp has no counterpart\n"
+                    "  unknown:     not in ptdp's table of Megatron-LM arguments\n"
+                    "  note:        worked out by Megatron at run time: set it yourself\n"
+                    "  unresolved:  a variable the script does not set\n"
+                    "The whole table: docs/migration.md, or --table.\n\n"
+                    "  ptdp config from-megatron --out gpt.yaml -- --num-layers 24 ...\n"
+                    "  ptdp config from-megatron --script train_gpt.sh --out gpt.yaml")
+    from_megatron.add_argument("--script", metavar="FILE",
+                               help="a launch script: the line running pretrain_*.py is read, with "
+                                    "the variables and arrays the script sets expanded")
+    from_megatron.add_argument("--out", metavar="FILE.yaml",
+                               help="write the YAML here (default: stdout)")
+    from_megatron.add_argument("--arch", choices=("gpt", "bert"),
+                               help="model.arch (default: bert for pretrain_bert.py, else gpt)")
+    from_megatron.add_argument("--table", action="store_true",
+                               help="print the whole argument table (Markdown) and exit")
+    from_megatron.add_argument("megatron_args", nargs="*", metavar="-- ARGS",
+                               help="Megatron-LM's arguments, after `--`")
+    from_megatron.set_defaults(func=run_from_megatron)
+
+
+def run_from_megatron(args) -> int:
+    from ptdp.megatron.arguments import docs_table
+    from ptdp.megatron.launch_script import ScriptError, read_invocation
+    from ptdp.megatron.translate import Line, TranslationError, to_yaml, translate
+
+    if args.table:
+        print(docs_table(), end="")
+        return 0
+    if bool(args.script) == bool(args.megatron_args):
+        print("ptdp config from-megatron: give either --script FILE or -- ARGS", file=sys.stderr)
+        return 2
+    try:
+        if args.script:
+            invocation = read_invocation(args.script)
+            words, unresolved, source = invocation.words, invocation.unresolved, args.script
+        else:
+            words, unresolved, source = list(args.megatron_args), [], ""
+        result = translate(words, arch=args.arch)
+    except (ScriptError, TranslationError) as err:
+        print(f"ptdp config from-megatron: {err}", file=sys.stderr)
+        return 2
+    result.lines += [Line("unresolved", name, "not set in the script; written as it stands")
+                     for name in unresolved]
+    text = to_yaml(result, source)
+    if args.out:
+        Path(args.out).write_text(text)
+        print(f"ptdp config from-megatron: wrote {args.out} ({len(result.values)} keys)",
+              file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    for line in result.lines:
+        print(f"  {line}", file=sys.stderr)
+    return 0
