@@ -74,7 +74,7 @@ LLAMA = """--num-layers 8 --hidden-size 4096 --num-attention-heads 32 --group-qu
     --norm-epsilon 1e-5 --swiglu --untie-embeddings-and-output-weights --disable-bias-linear
     --attention-dropout 0.0 --hidden-dropout 0.0 --bf16 --use-distributed-optimizer
     --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
-    --num-layers-per-virtual-pipeline-stage 2 --sequence-parallel --context-parallel-size 2
+    --num-layers-per-virtual-pipeline-stage 2 --sequence-parallel
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1
     --micro-batch-size 1 --global-batch-size 64 --train-samples 640000 --lr 3e-4
     --lr-decay-style WSD --lr-wsd-decay-style linear --lr-wsd-decay-samples 64000
@@ -119,10 +119,12 @@ def test_a_llama_command_line_with_interleaving_gqa_and_blending():
         "model.dropout": 0.0,
         "model.ffn_hidden_size": 10880,      # Megatron's SwiGLU default: int(8h/3 / 64) * 64
         "parallel.tensor": 2, "parallel.pipeline": 2, "parallel.sequence_parallel": True,
-        "parallel.context": 2, "parallel.chunks": 2,          # 8 layers / (2 stages * 2)
+        "parallel.chunks": 2,                                 # 8 layers / (2 stages * 2)
         "schedule.name": "interleaved",
     }
     assert v["data.paths"] == [0.3, "/data/a_text_document", 0.7, "/data/b_text_document"]
+    # (no context parallelism here: ptdp refuses it with data.reset_attention_mask)
+    assert values(["--context-parallel-size", "2"])["parallel.context"] == 2
     assert v["data.tokenizer"] == "/tok/tokenizer.json"
     assert (v["data.reset_position_ids"], v["data.reset_attention_mask"], v["data.eod_mask_loss"]) \
         == (True, True, True)
@@ -287,7 +289,7 @@ def _loadable(raw: dict) -> dict:
     return {s: {k: v for k, v in keys.items() if f"{s}.{k}" not in absent} for s, keys in raw.items()}
 
 
-@pytest.mark.parametrize("words, world", [(GPT3, 128), (LLAMA, 16)])
+@pytest.mark.parametrize("words, world", [(GPT3, 128), (LLAMA, 8)])
 def test_a_translation_loads_in_ptdps_config_loader_and_validates(words, world, tmp_path, capsys):
     out = tmp_path / "cfg.yaml"
     assert cli.main(["config", "from-megatron", "--out", str(out), "--", *words]) == 0
