@@ -120,7 +120,7 @@ def _check_dataset(cfg: Config, header, found: Findings) -> None:
     if header.num_documents == 0 or header.num_tokens == 0:
         found.error(f"data.paths: {_idx(header)} holds no tokens ({header.num_documents} "
                     f"documents); re-run `ptdp preprocess` on a corpus with text in it")
-    if cfg.model.vocab_size < header.vocab_size:
+    if header.vocab_size is not None and cfg.model.vocab_size < header.vocab_size:
         found.error(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of "
                     f"{_idx(header)} ({header.vocab_size}); set "
                     f"model.vocab_size={header.vocab_size}")
@@ -155,6 +155,7 @@ def _check_enough_tokens(cfg: Config, pairs: list, headers: list, found: Finding
 
 
 def _check_same_vocabulary(headers: list, found: Findings) -> None:
+    headers = [h for h in headers if h.vocab_size is not None]  # a Megatron pair without sidecar
     if not headers:
         return
     first = headers[0]
@@ -182,6 +183,7 @@ def check_tokenizer(cfg: Config, headers: list, found: Findings) -> None:
     if tok.vocab_size > cfg.model.vocab_size and not vocab_reported:
         found.error(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of "
                     f"the tokenizer {path} ({tok.vocab_size}); set model.vocab_size={tok.vocab_size}")
+    headers = [h for h in headers if h.vocab_size is not None]  # a Megatron pair without sidecar
     if headers:
         data = headers[0]
         data_fp = data.meta.get("tokenizer_fingerprint")
