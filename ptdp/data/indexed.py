@@ -165,8 +165,9 @@ def _check_bin_size(bin_path: Path, idx_path: Path, dtype: np.dtype, num_tokens:
             f"together; re-run `ptdp preprocess`")
 
 
-def read_index_header(prefix: str | os.PathLike) -> IndexHeader:
-    """Read only the header of `PREFIX.idx` (and the sidecar) and check both files' sizes.
+def read_index_header(prefix: str | os.PathLike, sidecar: bool = True) -> IndexHeader:
+    """Read only the header of `PREFIX.idx` (and the sidecar, unless `sidecar` is False) and
+    check both files' sizes.
 
     Cheap (no token or size array is read), so `ptdp check` can use it on any corpus.
     """
@@ -183,7 +184,7 @@ def read_index_header(prefix: str | os.PathLike) -> IndexHeader:
             if magic.startswith(legacy_index.MAGIC):
                 return _legacy_header(prefix, f, idx_size)
             if magic == megatron_index.MAGIC or len(magic) < len(megatron_index.MAGIC):
-                return _megatron_header(prefix, f, idx_size)   # a short file: says so
+                return _megatron_header(prefix, f, idx_size, sidecar)   # a short file: says so
             raise FormatError(f"bad magic {magic!r}: neither Megatron's "
                               f"{megatron_index.MAGIC!r} nor ptdp's older {legacy_index.MAGIC!r}")
         except FormatError as err:
@@ -198,7 +199,7 @@ def _legacy_header(prefix, f, idx_size: int) -> IndexHeader:
                        h.num_documents, h.num_tokens, h.meta, layout=h)
 
 
-def _megatron_header(prefix, f, idx_size: int) -> IndexHeader:
+def _megatron_header(prefix, f, idx_size: int, use_sidecar: bool) -> IndexHeader:
     bin_path, idx_path = data_paths(prefix)
     h = megatron_index.read_header(f, idx_size)
     last_len, last_ptr, first_doc, last_doc = megatron_index.tail_values(f, h)
@@ -211,7 +212,7 @@ def _megatron_header(prefix, f, idx_size: int) -> IndexHeader:
     num_tokens = end // h.dtype.itemsize
     _check_bin_size(bin_path, idx_path, h.dtype, num_tokens)
     counts = _sidecar_counts(h.num_sequences, h.num_documents, num_tokens)
-    sidecar = _read_sidecar(prefix, counts)
+    sidecar = _read_sidecar(prefix, counts) if use_sidecar else None
     if sidecar is None:
         sentences = h.num_sequences > h.num_documents or str(prefix).endswith("_sentence")
         return IndexHeader(str(prefix), "megatron", h.dtype, None, *counts.values(),
@@ -247,10 +248,10 @@ def _read_sidecar(prefix, counts: dict) -> tuple[int, dict] | None:
 class IndexedDataset:
     """Read-only view of a .bin/.idx pair; `ds[i]` is sequence i as a numpy array (no copy)."""
 
-    def __init__(self, prefix: str | os.PathLike):
+    def __init__(self, prefix: str | os.PathLike, sidecar: bool = True):
         self.prefix = str(prefix)
         self.bin_path, self.idx_path = data_paths(prefix)
-        header = read_index_header(prefix)
+        header = read_index_header(prefix, sidecar)
         self.format, self.has_sidecar = header.format, header.has_sidecar
         self.meta, self.dtype = header.meta, header.dtype
         self.vocab_size, self.num_tokens = header.vocab_size, header.num_tokens
@@ -318,9 +319,9 @@ class IndexedDataset:
 
 
 def describe(prefix: str | os.PathLike, vocab_size: int, meta: dict) -> Path:
-    """Write the sidecar of an existing Megatron pair (after checking every token fits the
-    vocabulary), so that ptdp knows its tokenizer; returns the sidecar's path."""
-    ds = IndexedDataset(prefix)
+    """Write (or replace) the sidecar of an existing Megatron pair, after checking every token
+    fits the vocabulary, so that ptdp knows its tokenizer; returns the sidecar's path."""
+    ds = IndexedDataset(prefix, sidecar=False)
     if ds.format != "megatron":
         raise IndexedDataError(f"{ds.idx_path}: a PTDPIDX index keeps its metadata inside; "
                                f"it needs no sidecar")
