@@ -31,7 +31,8 @@ from typing import Iterable
 
 import numpy as np
 
-from ptdp.data import legacy_index, megatron_index
+import ptdp.data.legacy_index as legacy_index
+import ptdp.data.megatron_index as megatron_index
 from ptdp.data.megatron_index import FormatError
 
 SIDECAR_SUFFIX = ".ptdp.json"

@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ptdp.data import vocab_tokenizers
+import ptdp.data.vocab_tokenizers as vocab_tokenizers
 from ptdp.data.vocab_tokenizers import vocab_files
 
 EOD = "<eod>"

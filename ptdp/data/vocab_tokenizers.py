@@ -49,7 +49,7 @@ def _is_flat_vocab(path: Path) -> bool:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False   # HFTokenizer reports the unreadable file
-    return isinstance(data, dict) and "model" not in data and \
+    return isinstance(data, dict) and bool(data) and "model" not in data and \
         all(isinstance(v, int) for v in list(data.values())[:100])
 
 
