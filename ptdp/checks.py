@@ -225,7 +225,8 @@ def check_packages(cfg: Config, found: Findings) -> None:
 def _tokenizer_package(path: str) -> str:
     """What reads data.tokenizer: `tokenizers` for a tokenizer.json (or a directory holding
     one; ptdp/data/tokenizer.py `is_hf_tokenizer`), else sentencepiece."""
-    return "tokenizers" if Path(path).suffix == ".json" or Path(path).is_dir() else "sentencepiece"
+    return "tokenizers" if Path(path).suffix in (".json", ".txt") or Path(path).is_dir() \
+        else "sentencepiece"
 
 
 def check_devices(cfg: Config, ranks_per_node: int, found: Findings) -> None:

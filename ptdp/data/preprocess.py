@@ -175,8 +175,8 @@ def _write(encoded, tok, outputs: dict, input_path, sentences, append_eod, progr
         for key, writer in writers.items():
             counts[key]["documents"] = writer.num_documents
             if writer.num_documents == 0:  # raised inside the writers: nothing is left behind
-                raise ValueError(f"input {input_path}: every document is empty in field "
-                                 f"'{key}', nothing to write")
+                raise ValueError(f"input {input_path}: every document is empty, nothing to "
+                                 f"write (field '{key}')")
     return counts
 
 
