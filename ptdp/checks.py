@@ -130,7 +130,11 @@ def _check_dataset(cfg: Config, header, found: Findings) -> None:
                         f"needs; re-run `ptdp preprocess --split-sentences`")
         from ptdp.data.tokenizer import SPECIAL_TOKENS
         missing = [t for t in SPECIAL_TOKENS if t not in header.meta.get("special_ids", {})]
-        if missing:
+        if missing and header.vocab_size is None:   # a Megatron pair: its tokenizer is unknown
+            found.error(f"data.paths: {_idx(header)} has no {header.prefix}.ptdp.json naming the "
+                        f"special tokens BERT needs; write it with `ptdp preprocess --describe "
+                        f"--output-prefix {header.prefix} --tokenizer TOKENIZER`")
+        elif missing:
             found.error(f"data.paths: {_idx(header)} was tokenised without {', '.join(missing)}; "
                         f"train the tokenizer with `ptdp tokenizer train` and re-run preprocess")
 

@@ -131,3 +131,18 @@ def test_same_tokens_give_the_same_samples_whichever_tool_wrote_them(tmp_path):
     assert len(theirs) == len(ours) > 10
     for i in range(len(ours)):
         np.testing.assert_array_equal(theirs[i]["tokens"], ours[i]["tokens"])
+
+
+def test_ptdp_check_on_megatron_pairs_without_a_sidecar(tmp_path):
+    """`ptdp check` passes a GPT pair (vocabulary unknown, model.vocab_size trusted) and tells a
+    BERT user to write the sidecar that names the special tokens."""
+    from ptdp.checks import Findings, check_data
+
+    megatron_build(tmp_path / "m_text_sentence", documents(7, 20, 100), np.uint16)
+    settings = [f"data.paths=[{tmp_path}/m_text_sentence]", "model.seq_length=8"]
+    found = Findings()
+    check_data(make_config(*settings), found)
+    assert found.errors == []
+    check_data(make_config(*settings, "model.arch=bert"), found)
+    assert len(found.errors) == 1 and "m_text_sentence.ptdp.json naming the special tokens" in \
+        found.errors[0] and "ptdp preprocess --describe" in found.errors[0]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ptdp.cli import main
+from ptdp.data.bert_dataset import BertDataset
 from ptdp.data.indexed import IndexedDataset
 from ptdp.data.preprocess import preprocess, split_sentences
 from ptdp.data.tokenizer import load_tokenizer
@@ -159,6 +160,8 @@ def test_wordpiece_sentences_and_describe(tmp_path, megatron_inputs):
     assert described.vocab_size == written["vocab_size"] == bert.vocab_size
     for key in ("tokenizer_fingerprint", "special_ids", "sentences"):
         assert described.meta[key] == written["meta"][key]
+    sample = BertDataset(described, 0, described.num_documents, 24, seed=1)[0]   # BERT reads it
+    assert sample["tokens"][0] == bert.cls_id and (sample["tokens"] == bert.sep_id).sum() == 2
 
 
 def test_hugging_face_tokenizer_json_gives_the_same_data(tmp_path, megatron_inputs):
