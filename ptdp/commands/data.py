@@ -54,8 +54,24 @@ def tokenizer_arguments(args: argparse.Namespace) -> dict:
         flag = f"--{wanted.replace('_', '-')}" if wanted else "--tokenizer"
         raise ValueError(f"no tokenizer: pass {flag}" + ("" if wanted else
                          " (or Megatron's --tokenizer-type with --vocab-file/--tokenizer-model)"))
+    if kind is not None:
+        _check_kind(kind, path)
     lowercase = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}.get(kind)
     return {"tokenizer_path": path, "merge_file": args.merge_file, "lowercase": lowercase}
+
+
+def _check_kind(kind: str, path: str) -> None:
+    """The file must be what --tokenizer-type says (a GPT-2 type given a vocab.txt is a typo
+    that would otherwise tokenise everything with the wrong model)."""
+    from ptdp.data.tokenizer import is_hf_tokenizer
+    from ptdp.data.vocab_tokenizers import GPT2, WORDPIECE, vocab_files
+
+    found = vocab_files(path)
+    actual = found[0] if found else ("tokenizer.json" if is_hf_tokenizer(path) else "sentencepiece")
+    expected = {"GPT2BPETokenizer": GPT2, "BertWordPieceLowerCase": WORDPIECE,
+                "BertWordPieceCase": WORDPIECE, "HuggingFaceTokenizer": "tokenizer.json"}
+    if actual != expected.get(kind, "sentencepiece"):
+        raise ValueError(f"--tokenizer-type {kind} does not read {path} (a {actual} file)")
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
@@ -75,7 +91,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
         summary = preprocess(args.input, output_prefix=args.output_prefix, workers=args.workers,
                              json_key=args.json_key, json_keys=args.json_keys,
                              sentences=args.split_sentences, append_eod=args.append_eod,
-                             megatron_names=megatron_names, progress=not args.quiet, **tok_args)
+                             megatron_names=megatron_names, progress=not args.quiet,
+                             prepend_bos=args.tokenizer_type == "Llama2Tokenizer", **tok_args)
     except (ValueError, OSError, ImportError, IndexedDataError) as err:
         return _fail(err)
     for key, prefix in zip(summary["per_key"], summary["outputs"]):

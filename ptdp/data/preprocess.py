@@ -58,9 +58,10 @@ class _Encoder:
     does with the output of its sentence-splitting pass.
     """
 
-    def __init__(self, tokenizer, keys: list[str], sentences: bool, append_eod: bool):
+    def __init__(self, tokenizer, keys: list[str], sentences: bool, append_eod: bool,
+                 prepend_bos: bool = False):
         self.tokenizer, self.keys = tokenizer, keys
-        self.sentences, self.append_eod = sentences, append_eod
+        self.sentences, self.append_eod, self.prepend_bos = sentences, append_eod, prepend_bos
 
     def _pieces(self, text) -> list[str]:
         if isinstance(text, list):
@@ -73,6 +74,8 @@ class _Encoder:
             column = []
             for text in batch[key]:
                 seqs = [ids for ids in self.tokenizer.encode_batch(self._pieces(text)) if ids]
+                if self.prepend_bos:   # Megatron's Llama2Tokenizer: <s> before every sequence
+                    seqs = [[self.tokenizer.bos_id] + ids for ids in seqs]
                 if seqs and self.append_eod:
                     seqs[-1].append(self.tokenizer.eod_id)
                 column.append(seqs)
@@ -112,11 +115,12 @@ def _has_text(path: Path) -> bool:
         return any(line.strip() for line in f)
 
 
-def _meta(tok, input_path, key: str, sentences: bool, append_eod: bool) -> dict:
+def _meta(tok, input_path, key: str, sentences: bool, append_eod: bool,
+          prepend_bos: bool) -> dict:
     meta = {"tokenizer": os.path.abspath(tok.path), "tokenizer_fingerprint": tok.fingerprint,
             "special_ids": tok.special_ids(), "sentences": bool(sentences),
             "source": os.path.abspath(input_path), "json_key": key,
-            "append_eod": bool(append_eod)}
+            "append_eod": bool(append_eod), "prepend_bos": bool(prepend_bos)}
     for name in ("merge_file", "lowercase"):   # how a vocabulary-file tokenizer was built
         if getattr(tok, name, None) is not None:
             meta[name] = os.path.abspath(tok.merge_file) if name == "merge_file" else tok.lowercase
@@ -128,25 +132,30 @@ def preprocess(input_path: str | os.PathLike, tokenizer_path: str | os.PathLike,
                sentences: bool = False, progress: bool = True, *,
                json_keys: list[str] | None = None, append_eod: bool = True,
                megatron_names: bool = False, merge_file: str | None = None,
-               lowercase: bool | None = None) -> dict:
+               lowercase: bool | None = None, prepend_bos: bool = False) -> dict:
     """Tokenise `input_path` into one dataset per JSON key (`json_keys`, else `json_key`);
-    returns a summary dict (`outputs`: the prefixes written)."""
+    returns a summary dict (`outputs`: the prefixes written). `prepend_bos` starts every
+    sequence with the tokenizer's <s>, as Megatron's Llama2Tokenizer does."""
     from tqdm import tqdm
 
     start = time.perf_counter()
     tok = load_tokenizer(tokenizer_path, merge_file, lowercase)
     if append_eod:
         _ = tok.eod_id  # fail now, not inside a worker, if the tokenizer has no end-of-document
+    if prepend_bos:
+        _ = tok.bos_id
     cache_dir = tempfile.mkdtemp(prefix="ptdp-preprocess-")
     try:
         ds, keys = _load_documents(Path(input_path), list(json_keys or [json_key]), cache_dir,
                                    progress)
-        encoded = ds.map(_Encoder(tok, keys, sentences, append_eod), batched=True,
+        encoded = ds.map(_Encoder(tok, keys, sentences, append_eod, prepend_bos), batched=True,
                          batch_size=256, num_proc=workers if workers > 1 else None,
                          remove_columns=ds.column_names, desc="tokenising")
         outputs = {key: output_prefix_for(output_prefix, key, keys, sentences, megatron_names)
                    for key in keys}
-        counts = _write(encoded, tok, outputs, input_path, sentences, append_eod, progress, tqdm)
+        metas = {key: _meta(tok, input_path, key, sentences, append_eod, prepend_bos)
+                 for key in keys}
+        counts = _write(encoded, tok, outputs, metas, input_path, progress, tqdm)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
     first = counts[keys[0]]
@@ -155,13 +164,12 @@ def preprocess(input_path: str | os.PathLike, tokenizer_path: str | os.PathLike,
             "per_key": counts, "seconds": time.perf_counter() - start}
 
 
-def _write(encoded, tok, outputs: dict, input_path, sentences, append_eod, progress, tqdm) -> dict:
+def _write(encoded, tok, outputs: dict, metas: dict, input_path, progress, tqdm) -> dict:
     """One sequential pass writing every key's dataset; all of them or none are published."""
     counts = {key: {"documents": 0, "skipped": 0} for key in outputs}
     with ExitStack() as stack:
-        writers = {key: stack.enter_context(IndexedDatasetWriter(
-            prefix, tok.vocab_size, _meta(tok, input_path, key, sentences, append_eod)))
-            for key, prefix in outputs.items()}
+        writers = {key: stack.enter_context(IndexedDatasetWriter(prefix, tok.vocab_size, metas[key]))
+                   for key, prefix in outputs.items()}
         bar = stack.enter_context(tqdm(total=len(encoded), desc="writing", unit="doc",
                                        disable=not progress))
         for batch in encoded.iter(batch_size=1024):

@@ -75,6 +75,14 @@ class Tokenizer:
         return pid
 
     eod_id = property(lambda self: self._special_id(EOD))
+
+    @property
+    def bos_id(self) -> int:
+        """The model's <s> (Llama's; `ptdp tokenizer train` reserves none)."""
+        if self._sp.bos_id() < 0:
+            raise TokenizerError(f"{self.path}: has no beginning-of-sequence token")
+        return int(self._sp.bos_id())
+
     cls_id = property(lambda self: self._special_id(CLS))
     sep_id = property(lambda self: self._special_id(SEP))
     mask_id = property(lambda self: self._special_id(MASK))

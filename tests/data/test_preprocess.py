@@ -174,13 +174,31 @@ def test_hugging_face_tokenizer_json_gives_the_same_data(tmp_path, megatron_inpu
         IndexedDataset(tmp_path / "bpe").meta["tokenizer_fingerprint"]
 
 
+def test_llama2_tokenizer_starts_every_sequence_with_bos(tmp_path, megatron_inputs):
+    """Megatron's Llama2Tokenizer: <s> + ids (+ </s> with --append-eod) per document."""
+    import sentencepiece as spm
+
+    src, records = megatron_inputs
+    spm.SentencePieceTrainer.Train(sentence_iterator=iter(TEXTS * 20), model_prefix=str(tmp_path / "llama"),
+                                   vocab_size=120, model_type="bpe", minloglevel=2)
+    assert run("--input", src / "c.jsonl", "--output-prefix", tmp_path / "l", "--tokenizer-type",
+               "Llama2Tokenizer", "--tokenizer-model", tmp_path / "llama.model", "--append-eod") == 0
+    sp = load_tokenizer(tmp_path / "llama.model")
+    ds = IndexedDataset(tmp_path / "l_text_document")
+    assert ds.meta["prepend_bos"] is True and (sp.bos_id, sp.eod_id) == (1, 2)
+    assert ds.document(3).tolist() == [1] + sp.encode(records[3]["text"]) + [2]
+
+
 @pytest.mark.parametrize("flags, message", [
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{src}/vocab.txt"],
+     "--tokenizer-type GPT2BPETokenizer does not read {src}/vocab.txt (a wordpiece file)"),
     (["--tokenizer-type", "TikTokenizer", "--tokenizer-model", "x"], "--tokenizer-type TikTokenizer: ptdp reads"),
     (["--tokenizer-type", "GPT2BPETokenizer"], "no tokenizer: pass --vocab-file"),
     ([], "no tokenizer: pass --tokenizer"),
 ])
 def test_tokenizer_arguments_errors_in_one_line(tmp_path, megatron_inputs, capsys, flags, message):
     src, _ = megatron_inputs
+    flags, message = [f.format(src=src) for f in flags], message.format(src=src)
     assert run("--input", src / "c.jsonl", "--output-prefix", tmp_path / "x", *flags) == 1
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
