@@ -37,7 +37,6 @@ from ptdp.data.megatron_index import FormatError
 
 SIDECAR_SUFFIX = ".ptdp.json"
 SIDECAR_VERSION = 1
-FORMATS = ("megatron", "ptdpidx")
 
 
 class IndexedDataError(ValueError):
