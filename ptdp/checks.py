@@ -120,7 +120,7 @@ def _check_dataset(cfg: Config, header, found: Findings) -> None:
     if header.num_documents == 0 or header.num_tokens == 0:
         found.error(f"data.paths: {_idx(header)} holds no tokens ({header.num_documents} "
                     f"documents); re-run `ptdp preprocess` on a corpus with text in it")
-    if cfg.model.vocab_size < header.vocab_size:
+    if header.vocab_size is not None and cfg.model.vocab_size < header.vocab_size:
         found.error(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of "
                     f"{_idx(header)} ({header.vocab_size}); set "
                     f"model.vocab_size={header.vocab_size}")
@@ -130,7 +130,11 @@ def _check_dataset(cfg: Config, header, found: Findings) -> None:
                         f"needs; re-run `ptdp preprocess --split-sentences`")
         from ptdp.data.tokenizer import SPECIAL_TOKENS
         missing = [t for t in SPECIAL_TOKENS if t not in header.meta.get("special_ids", {})]
-        if missing:
+        if missing and header.vocab_size is None:   # a Megatron pair: its tokenizer is unknown
+            found.error(f"data.paths: {_idx(header)} has no {header.prefix}.ptdp.json naming the "
+                        f"special tokens BERT needs; write it with `ptdp preprocess --describe "
+                        f"--output-prefix {header.prefix} --tokenizer TOKENIZER`")
+        elif missing:
             found.error(f"data.paths: {_idx(header)} was tokenised without {', '.join(missing)}; "
                         f"train the tokenizer with `ptdp tokenizer train` and re-run preprocess")
 
@@ -155,6 +159,7 @@ def _check_enough_tokens(cfg: Config, pairs: list, headers: list, found: Finding
 
 
 def _check_same_vocabulary(headers: list, found: Findings) -> None:
+    headers = [h for h in headers if h.vocab_size is not None]  # a Megatron pair without sidecar
     if not headers:
         return
     first = headers[0]
@@ -182,6 +187,7 @@ def check_tokenizer(cfg: Config, headers: list, found: Findings) -> None:
     if tok.vocab_size > cfg.model.vocab_size and not vocab_reported:
         found.error(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of "
                     f"the tokenizer {path} ({tok.vocab_size}); set model.vocab_size={tok.vocab_size}")
+    headers = [h for h in headers if h.vocab_size is not None]  # a Megatron pair without sidecar
     if headers:
         data = headers[0]
         data_fp = data.meta.get("tokenizer_fingerprint")
@@ -223,7 +229,8 @@ def check_packages(cfg: Config, found: Findings) -> None:
 def _tokenizer_package(path: str) -> str:
     """What reads data.tokenizer: `tokenizers` for a tokenizer.json (or a directory holding
     one; ptdp/data/tokenizer.py `is_hf_tokenizer`), else sentencepiece."""
-    return "tokenizers" if Path(path).suffix == ".json" or Path(path).is_dir() else "sentencepiece"
+    return "tokenizers" if Path(path).suffix in (".json", ".txt") or Path(path).is_dir() \
+        else "sentencepiece"
 
 
 def check_devices(cfg: Config, ranks_per_node: int, found: Findings) -> None:

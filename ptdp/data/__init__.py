@@ -1,7 +1,8 @@
-"""Data: sentencepiece tokenizer, indexed .bin/.idx datasets, GPT/BERT samples, blending.
+"""Data: tokenizers, indexed .bin/.idx datasets (Megatron-LM's format), GPT/BERT samples,
+blending.
 
 `build_datasets(cfg)` is what the trainer calls for `data.source: indexed`; the command line
-(`ptdp tokenizer train`, `ptdp preprocess`) lives in `ptdp.data.cli`.
+(`ptdp tokenizer train`, `ptdp preprocess`) lives in `ptdp/commands/data.py`.
 """
 
 from ptdp.data.build import build_datasets

@@ -47,9 +47,15 @@ SPLIT_STREAM = 7919  # keeps the split's shuffle apart from the datasets' (same 
 
 
 def check_vocab(cfg: Config, datasets: list[IndexedDataset]) -> None:
-    """Data, tokenizer and model must agree on the vocabulary; errors name the files."""
-    first = datasets[0]
-    for ds in datasets[1:]:
+    """Data, tokenizer and model must agree on the vocabulary; errors name the files.
+
+    A Megatron pair without ptdp's sidecar has no recorded vocabulary (`vocab_size` None):
+    it is checked against nothing, and model.vocab_size is trusted."""
+    known = [ds for ds in datasets if ds.vocab_size is not None]
+    if not known:
+        return
+    first = known[0]
+    for ds in known[1:]:
         if (ds.vocab_size, ds.meta.get("tokenizer_fingerprint")) != \
                 (first.vocab_size, first.meta.get("tokenizer_fingerprint")):
             raise IndexedDataError(f"{ds.idx_path} and {first.idx_path} were tokenised with "

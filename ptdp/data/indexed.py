@@ -1,36 +1,42 @@
-"""Memory-mapped indexed dataset: token ids in `PREFIX.bin`, their layout in `PREFIX.idx`.
+"""Memory-mapped indexed dataset: token ids in `PREFIX.bin`, their layout in `PREFIX.idx`,
+ptdp's metadata in `PREFIX.ptdp.json`.
 
 A dataset is a list of *documents*, each a list of *sequences* (sentences for BERT, the whole
-document for GPT). `.bin` holds every sequence's tokens back to back; `.idx` holds
-
-    header   magic b"PTDPIDX\\0", format version, dtype code, vocab size,
-             #sequences, #documents, #tokens, length of the metadata blob
-    metadata JSON (tokenizer fingerprint, special-token ids, sentence splitting, ...)
-    doc_idx  int64[#documents + 1]  index of each document's first sequence (and the end)
-    sizes    int32[#sequences]      tokens per sequence
+document for GPT). `.bin` holds every sequence's tokens back to back. `.idx` is Megatron-LM's
+index (`ptdp/data/megatron_index.py`), so a pair written by Megatron's
+`tools/preprocess_data.py` trains here as it is, and a pair written here opens in
+megatron-core. Megatron's index knows nothing of the vocabulary, so ptdp writes a *sidecar*
+beside the pair, `PREFIX.ptdp.json`: the vocabulary size, the tokenizer's fingerprint and
+special ids, whether sentences were split, and the pair's counts (a sidecar left over from an
+earlier version of the data is refused, not believed). A Megatron pair without a sidecar loads
+too: its vocabulary size is then unknown (`vocab_size` None; the model config says it) and
+sentence boundaries are assumed when there are more sequences than documents or the prefix
+ends in `_sentence` (Megatron's naming). `ptdp preprocess --describe` writes a sidecar for such
+a pair. Datasets written by older ptdp versions (`PTDPIDX`, `ptdp/data/legacy_index.py`, with
+the metadata inside the index) still load.
 
 Both files are checked against each other on open, so a truncated or mismatched pair fails
-with the file's name instead of producing garbage batches. The writer writes both files under
-temporary names and renames them only when complete.
+with the file's name instead of producing garbage batches. The writer writes every file under
+a temporary name and renames them only when complete.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 
-MAGIC = b"PTDPIDX\x00"
-VERSION = 1
-_HEADER = struct.Struct("<8sIIQQQQQ")  # magic, version, dtype, vocab, seqs, docs, tokens, meta
-DTYPES = {1: np.uint16, 2: np.int32}
-_DTYPE_CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+import ptdp.data.legacy_index as legacy_index
+import ptdp.data.megatron_index as megatron_index
+from ptdp.data.megatron_index import FormatError
+
+SIDECAR_SUFFIX = ".ptdp.json"
+SIDECAR_VERSION = 1
 
 
 class IndexedDataError(ValueError):
@@ -41,13 +47,29 @@ def data_paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
     return Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
 
 
+def sidecar_path(prefix: str | os.PathLike) -> Path:
+    return Path(f"{prefix}{SIDECAR_SUFFIX}")
+
+
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
-    """The smallest dtype that holds every token id (halves the file for vocabularies < 64K)."""
-    return np.dtype(np.uint16 if vocab_size <= 2 ** 16 else np.int32)
+    """Megatron's rule (`DType.optimal_dtype`): uint16 below 65,500 ids, else int32."""
+    return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
+
+
+def _sidecar_counts(num_sequences: int, num_documents: int, num_tokens: int) -> dict:
+    return {"num_sequences": num_sequences, "num_documents": num_documents,
+            "num_tokens": num_tokens}
+
+
+def _write_sidecar(path: Path, vocab_size: int, meta: dict, counts: dict) -> None:
+    record = {"ptdp_sidecar": SIDECAR_VERSION, "vocab_size": int(vocab_size), **counts,
+              "meta": meta}
+    path.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 
 class IndexedDatasetWriter:
-    """Streams documents into `PREFIX.bin` and writes `PREFIX.idx` on `finish()`.
+    """Streams documents into `PREFIX.bin`; `finish()` writes Megatron's `PREFIX.idx` and the
+    sidecar `PREFIX.ptdp.json`.
 
     Use as a context manager: on an exception the temporary files are removed and nothing is
     left under the real names.
@@ -55,14 +77,14 @@ class IndexedDatasetWriter:
 
     def __init__(self, prefix: str | os.PathLike, vocab_size: int, meta: dict | None = None):
         self.bin_path, self.idx_path = data_paths(prefix)
+        self.sidecar_path = sidecar_path(prefix)
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
         self.vocab_size = int(vocab_size)
         self.dtype = dtype_for_vocab(self.vocab_size)
         self.meta = dict(meta or {})
-        suffix = f".tmp-{os.getpid()}"
-        self._tmp_bin = self.bin_path.with_name(self.bin_path.name + suffix)
-        self._tmp_idx = self.idx_path.with_name(self.idx_path.name + suffix)
-        self._bin = self._tmp_bin.open("wb")
+        self._tmp = {p: p.with_name(f"{p.name}.tmp-{os.getpid()}")
+                     for p in (self.bin_path, self.idx_path, self.sidecar_path)}
+        self._bin = self._tmp[self.bin_path].open("wb")
         self._sizes = array("q")
         self._doc_idx = array("q", [0])
 
@@ -82,24 +104,24 @@ class IndexedDatasetWriter:
         return len(self._doc_idx) - 1
 
     def finish(self) -> None:
-        """Write the index and move both files to their real names."""
+        """Write the index and the sidecar, then move all three files to their real names."""
         self._bin.close()
-        sizes = np.asarray(self._sizes, dtype=np.int32)
-        doc_idx = np.asarray(self._doc_idx, dtype=np.int64)
-        meta = json.dumps(self.meta, sort_keys=True).encode("utf-8")
-        meta += b" " * (-len(meta) % 8)  # keep the arrays 8-byte aligned
-        header = _HEADER.pack(MAGIC, VERSION, _DTYPE_CODES[self.dtype], self.vocab_size,
-                              sizes.size, doc_idx.size - 1, int(sizes.sum(dtype=np.int64)),
-                              len(meta))
-        with self._tmp_idx.open("wb") as f:
-            f.write(header + meta + doc_idx.tobytes() + sizes.tobytes())
-        os.replace(self._tmp_bin, self.bin_path)
-        os.replace(self._tmp_idx, self.idx_path)
+        sizes = np.asarray(self._sizes, dtype=np.int64)
+        if sizes.size and sizes.max() > np.iinfo(np.int32).max:
+            raise IndexedDataError(f"{self.bin_path}: a sequence of {sizes.max()} tokens does "
+                                   f"not fit Megatron's int32 lengths")
+        with self._tmp[self.idx_path].open("wb") as f:
+            megatron_index.write_index(f, self.dtype, sizes, np.asarray(self._doc_idx))
+        counts = _sidecar_counts(sizes.size, self.num_documents, int(sizes.sum()))
+        _write_sidecar(self._tmp[self.sidecar_path], self.vocab_size, self.meta, counts)
+        # The sidecar goes last: a crash before it leaves the old one, which the counts reject.
+        for final, tmp in self._tmp.items():
+            os.replace(tmp, final)
 
     def abort(self) -> None:
         self._bin.close()
-        self._tmp_bin.unlink(missing_ok=True)
-        self._tmp_idx.unlink(missing_ok=True)
+        for tmp in self._tmp.values():
+            tmp.unlink(missing_ok=True)
 
     def __enter__(self):
         return self
@@ -114,25 +136,38 @@ class IndexedDatasetWriter:
 
 @dataclass(frozen=True)
 class IndexHeader:
-    """What the fixed-size start of a `.idx` says, checked against both files' sizes."""
+    """What a `.idx` header (and the sidecar) says, checked against both files' sizes."""
 
     prefix: str
+    format: str               # "megatron" or "ptdpidx"
     dtype: np.dtype
-    vocab_size: int
+    vocab_size: int | None    # None: a Megatron pair without a sidecar
     num_sequences: int
     num_documents: int
     num_tokens: int
     meta: dict
-    arrays_offset: int   # where doc_idx starts in the .idx
+    has_sidecar: bool = False
+    layout: object = field(default=None, repr=False)   # the format's own header
 
 
 def _corrupt(idx_path: Path, what: str) -> IndexedDataError:
-    return IndexedDataError(f"{idx_path}: {what}; the index is corrupt or was not written by "
-                            f"`ptdp preprocess`, re-run it")
+    return IndexedDataError(f"{idx_path}: {what}; the index is corrupt or incomplete, re-run "
+                            f"`ptdp preprocess` (or Megatron's tools/preprocess_data.py)")
 
 
-def read_index_header(prefix: str | os.PathLike) -> IndexHeader:
-    """Read only the header and metadata of `PREFIX.idx` and check both files' sizes.
+def _check_bin_size(bin_path: Path, idx_path: Path, dtype: np.dtype, num_tokens: int) -> None:
+    size, expected = bin_path.stat().st_size, num_tokens * dtype.itemsize
+    if size != expected:
+        state = "truncated" if size < expected else "longer than its index"
+        raise IndexedDataError(
+            f"{bin_path}: {size} bytes but {idx_path.name} describes {num_tokens} {dtype.name} "
+            f"tokens ({expected} bytes): the .bin is {state} or the pair does not belong "
+            f"together; re-run `ptdp preprocess`")
+
+
+def read_index_header(prefix: str | os.PathLike, sidecar: bool = True) -> IndexHeader:
+    """Read only the header of `PREFIX.idx` (and the sidecar, unless `sidecar` is False) and
+    check both files' sizes.
 
     Cheap (no token or size array is read), so `ptdp check` can use it on any corpus.
     """
@@ -143,57 +178,106 @@ def read_index_header(prefix: str | os.PathLike) -> IndexHeader:
                                    f"with `ptdp preprocess --output-prefix {prefix}`)")
     idx_size = idx_path.stat().st_size
     with idx_path.open("rb") as f:
-        head = f.read(_HEADER.size)
-        if len(head) < _HEADER.size:
-            raise _corrupt(idx_path, f"file is {len(head)} bytes, shorter than the "
-                                     f"{_HEADER.size}-byte header")
-        magic, version, code, vocab, n_seq, n_doc, n_tok, meta_len = _HEADER.unpack(head)
-        if magic != MAGIC:
-            raise _corrupt(idx_path, f"bad magic {magic!r} (expected {MAGIC!r})")
-        if version != VERSION:
-            raise IndexedDataError(f"{idx_path}: format version {version}, this ptdp reads "
-                                   f"version {VERSION}; re-run `ptdp preprocess`")
-        if code not in DTYPES:
-            raise _corrupt(idx_path, f"unknown dtype code {code}")
-        expected = _HEADER.size + meta_len + 4 * n_seq + 8 * (n_doc + 1)
-        if idx_size != expected:
-            raise _corrupt(idx_path, f"file is {idx_size} bytes but its header describes "
-                                     f"{expected} ({n_seq} sequences, {n_doc} documents)")
+        magic = f.read(len(megatron_index.MAGIC))
+        f.seek(0)
         try:
-            meta = json.loads(f.read(meta_len).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise _corrupt(idx_path, "metadata is not valid JSON") from None
-    dtype = np.dtype(DTYPES[code])
-    size, expected = bin_path.stat().st_size, n_tok * dtype.itemsize
-    if size != expected:
-        state = "truncated" if size < expected else "longer than its index"
+            if magic.startswith(legacy_index.MAGIC):
+                return _legacy_header(prefix, f, idx_size)
+            if magic == megatron_index.MAGIC or len(magic) < len(megatron_index.MAGIC):
+                return _megatron_header(prefix, f, idx_size, sidecar)   # a short file: says so
+            raise FormatError(f"bad magic {magic!r}: neither Megatron's "
+                              f"{megatron_index.MAGIC!r} nor ptdp's older {legacy_index.MAGIC!r}")
+        except FormatError as err:
+            raise _corrupt(idx_path, str(err)) from None
+
+
+def _legacy_header(prefix, f, idx_size: int) -> IndexHeader:
+    bin_path, idx_path = data_paths(prefix)
+    h = legacy_index.read_header(f, idx_size)
+    _check_bin_size(bin_path, idx_path, h.dtype, h.num_tokens)
+    return IndexHeader(str(prefix), "ptdpidx", h.dtype, h.vocab_size, h.num_sequences,
+                       h.num_documents, h.num_tokens, h.meta, layout=h)
+
+
+def _megatron_header(prefix, f, idx_size: int, use_sidecar: bool) -> IndexHeader:
+    bin_path, idx_path = data_paths(prefix)
+    h = megatron_index.read_header(f, idx_size)
+    last_len, last_ptr, first_doc, last_doc = megatron_index.tail_values(f, h)
+    if first_doc != 0 or last_doc != h.num_sequences:
+        raise FormatError(f"document index runs from sequence {first_doc} to {last_doc}, not "
+                          f"over the {h.num_sequences} sequences")
+    end = last_ptr + last_len * h.dtype.itemsize
+    if last_len < 0 or last_ptr < 0 or last_ptr % h.dtype.itemsize:
+        raise FormatError(f"last sequence has length {last_len} at byte {last_ptr}")
+    num_tokens = end // h.dtype.itemsize
+    _check_bin_size(bin_path, idx_path, h.dtype, num_tokens)
+    counts = _sidecar_counts(h.num_sequences, h.num_documents, num_tokens)
+    sidecar = _read_sidecar(prefix, counts) if use_sidecar else None
+    if sidecar is None:
+        sentences = h.num_sequences > h.num_documents or str(prefix).endswith("_sentence")
+        return IndexHeader(str(prefix), "megatron", h.dtype, None, *counts.values(),
+                           {"sentences": sentences}, layout=h)
+    vocab_size, meta = sidecar
+    return IndexHeader(str(prefix), "megatron", h.dtype, vocab_size, *counts.values(), meta,
+                       has_sidecar=True, layout=h)
+
+
+def _read_sidecar(prefix, counts: dict) -> tuple[int, dict] | None:
+    """(vocab size, metadata) from `PREFIX.ptdp.json`, or None when there is none."""
+    path = sidecar_path(prefix)
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        version, vocab, meta = record["ptdp_sidecar"], int(record["vocab_size"]), record["meta"]
+        found = {key: int(record[key]) for key in counts}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise IndexedDataError(f"{path}: not a ptdp sidecar ({type(err).__name__}: {err}); "
+                               f"delete it or re-run `ptdp preprocess`") from None
+    if version != SIDECAR_VERSION:
+        raise IndexedDataError(f"{path}: sidecar version {version}, this ptdp reads "
+                               f"version {SIDECAR_VERSION}")
+    if found != counts:
         raise IndexedDataError(
-            f"{bin_path}: {size} bytes but {idx_path.name} describes {n_tok} {dtype.name} "
-            f"tokens ({expected} bytes): the .bin is {state} or the pair does not belong "
-            f"together; re-run `ptdp preprocess`")
-    return IndexHeader(str(prefix), dtype, int(vocab), int(n_seq), int(n_doc), int(n_tok),
-                       meta, _HEADER.size + meta_len)
+            f"{path}: describes {found} but {Path(f'{prefix}.idx').name} holds {counts}: the "
+            f"sidecar belongs to an earlier version of the data; delete it or re-run "
+            f"`ptdp preprocess --describe`")
+    return vocab, meta
 
 
 class IndexedDataset:
     """Read-only view of a .bin/.idx pair; `ds[i]` is sequence i as a numpy array (no copy)."""
 
-    def __init__(self, prefix: str | os.PathLike):
+    def __init__(self, prefix: str | os.PathLike, sidecar: bool = True):
         self.prefix = str(prefix)
         self.bin_path, self.idx_path = data_paths(prefix)
-        header = read_index_header(prefix)
+        header = read_index_header(prefix, sidecar)
+        self.format, self.has_sidecar = header.format, header.has_sidecar
         self.meta, self.dtype = header.meta, header.dtype
         self.vocab_size, self.num_tokens = header.vocab_size, header.num_tokens
-        self._read_arrays(header)
+        self.modes = None   # Megatron's per-sequence modes, multimodal datasets only
+        if header.format == "ptdpidx":
+            self.doc_idx, self.sizes = legacy_index.read_arrays(self.idx_path, header.layout)
+        else:
+            self._read_megatron(header)
+        self._check_arrays(header)
         self.tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r") if self.num_tokens
                        else np.empty(0, self.dtype))
 
-    def _read_arrays(self, header: IndexHeader) -> None:
+    def _read_megatron(self, header: IndexHeader) -> None:
+        arrays = megatron_index.read_arrays(self.idx_path, header.layout)
+        self.doc_idx, self.sizes, self.modes = arrays["doc_idx"], arrays["lengths"], arrays["modes"]
+        # ptdp reads sequences by token offset; megatron-core always writes them back to back.
+        stored = arrays["pointers"]
+        expected = np.zeros_like(stored)
+        np.cumsum(self.sizes[:-1], dtype=np.int64, out=expected[1:])
+        if not np.array_equal(stored, expected * self.dtype.itemsize):
+            raise _corrupt(self.idx_path, "sequence pointers are not the running sum of the "
+                                          "lengths (sequences not stored back to back)")
+
+    def _check_arrays(self, header: IndexHeader) -> None:
         """doc_idx and sizes, checked against the header's totals."""
-        raw = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
-        n_doc, n_seq, start = header.num_documents, header.num_sequences, header.arrays_offset
-        self.doc_idx = np.frombuffer(raw, np.int64, n_doc + 1, start)
-        self.sizes = np.frombuffer(raw, np.int32, n_seq, start + 8 * (n_doc + 1))
+        n_seq = header.num_sequences
         if int(self.sizes.sum(dtype=np.int64)) != header.num_tokens or (self.sizes < 0).any():
             raise _corrupt(self.idx_path, f"sequence sizes do not add up to the "
                                           f"{header.num_tokens} tokens in the header")
@@ -223,6 +307,30 @@ class IndexedDataset:
         start, end = self.pointers[self.doc_idx[d]], self.pointers[self.doc_idx[d + 1]]
         return self.tokens[start:end]
 
+    def max_token(self, chunk: int = 1 << 24) -> int:
+        """The largest token id in `.bin` (reads the whole file; -1 when empty)."""
+        return max((int(self.tokens[i:i + chunk].max()) for i in range(0, self.num_tokens, chunk)),
+                   default=-1)
+
     def __repr__(self) -> str:
-        return (f"IndexedDataset({self.prefix!r}, documents={self.num_documents}, "
-                f"sequences={len(self)}, tokens={self.num_tokens}, vocab_size={self.vocab_size})")
+        return (f"IndexedDataset({self.prefix!r}, format={self.format}, "
+                f"documents={self.num_documents}, sequences={len(self)}, "
+                f"tokens={self.num_tokens}, vocab_size={self.vocab_size})")
+
+
+def describe(prefix: str | os.PathLike, vocab_size: int, meta: dict) -> Path:
+    """Write (or replace) the sidecar of an existing Megatron pair, after checking every token
+    fits the vocabulary, so that ptdp knows its tokenizer; returns the sidecar's path."""
+    ds = IndexedDataset(prefix, sidecar=False)
+    if ds.format != "megatron":
+        raise IndexedDataError(f"{ds.idx_path}: a PTDPIDX index keeps its metadata inside; "
+                               f"it needs no sidecar")
+    top = ds.max_token()
+    if top >= vocab_size:
+        raise IndexedDataError(f"{ds.bin_path}: holds token id {top}, outside the tokenizer's "
+                               f"vocabulary of {vocab_size}: not the tokenizer of this data")
+    path = sidecar_path(prefix)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    _write_sidecar(tmp, vocab_size, meta, _sidecar_counts(len(ds), ds.num_documents, ds.num_tokens))
+    os.replace(tmp, path)
+    return path

@@ -1,10 +1,18 @@
-"""`ptdp preprocess`: JSONL (or text) documents -> tokenised indexed dataset (.bin + .idx).
+"""`ptdp preprocess`: JSONL (or text) documents -> tokenised indexed datasets, like
+Megatron-LM's `tools/preprocess_data.py`.
 
+One output per JSON key (`json_keys`): Megatron's `.bin/.idx` pair plus ptdp's sidecar
+(ptdp/data/indexed.py). Names are Megatron's, `{prefix}_{key}_{document|sentence}`, when
+`megatron_names` is set (the command line sets it when Megatron's `--json-keys` or
+`--tokenizer-type` is used), else `{prefix}` for one key and `{prefix}_{key}` for several.
 Tokenisation runs in worker processes through Hugging Face `datasets` (`map(num_proc=N)`,
 order preserved, so the output is identical for any worker count); writing is a single
-sequential pass with a progress bar. Every document ends with the end-of-document token. With
-`split_sentences=True` (BERT) each document is stored as a list of sentences so the BERT
-dataset can form sentence pairs; the end-of-document token then ends the last sentence.
+sequential pass with a progress bar.
+
+Differences from Megatron's tool, on purpose: the end-of-document token is appended by default
+(`append_eod=True`; Megatron appends it only with `--append-eod`); a document whose text
+tokenises to nothing is skipped (Megatron stores it as a document of no sequence); sentences
+are split by the rule below, not by NLTK's punkt models (no download).
 """
 
 from __future__ import annotations
@@ -14,9 +22,10 @@ import re
 import shutil
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
-from ptdp.data.indexed import IndexedDatasetWriter
+from ptdp.data.indexed import IndexedDatasetWriter, describe, read_index_header
 from ptdp.data.tokenizer import load_tokenizer
 
 # A sentence ends at . ! or ? followed by whitespace and something that starts a sentence;
@@ -34,29 +43,49 @@ def split_sentences(text: str) -> list[str]:
     return sentences
 
 
-class _Encoder:
-    """Picklable batch function for `datasets.map`: loads the tokenizer once per worker."""
+def output_prefix_for(prefix: str | os.PathLike, key: str, keys: list[str], sentences: bool,
+                      megatron_names: bool) -> str:
+    """Where the dataset of JSON field `key` goes (see the module docstring)."""
+    if megatron_names:
+        return f"{prefix}_{key}_{'sentence' if sentences else 'document'}"
+    return str(prefix) if len(keys) == 1 else f"{prefix}_{key}"
 
-    def __init__(self, tokenizer_path: str, json_key: str, sentences: bool):
-        self.tokenizer_path, self.json_key, self.sentences = tokenizer_path, json_key, sentences
-        self._tok = None
+
+class _Encoder:
+    """Picklable batch function for `datasets.map`: token ids of every key, one column each.
+
+    A field holding a list of strings is taken as the document's sentences, as Megatron
+    does with the output of its sentence-splitting pass.
+    """
+
+    def __init__(self, tokenizer, keys: list[str], sentences: bool, append_eod: bool,
+                 prepend_bos: bool = False):
+        self.tokenizer, self.keys = tokenizer, keys
+        self.sentences, self.append_eod, self.prepend_bos = sentences, append_eod, prepend_bos
+
+    def _pieces(self, text) -> list[str]:
+        if isinstance(text, list):
+            return [str(t) for t in text]
+        return split_sentences(text or "") if self.sentences else [text or ""]
 
     def __call__(self, batch: dict) -> dict:
-        if self._tok is None:
-            self._tok = load_tokenizer(self.tokenizer_path)
-        eod = self._tok.eod_id
-        out = []
-        for text in batch[self.json_key]:
-            pieces = split_sentences(text or "") if self.sentences else [text or ""]
-            seqs = [ids for ids in self._tok.encode_batch(pieces) if ids]
-            if seqs:
-                seqs[-1].append(eod)
-            out.append(seqs)
-        return {"ids": out}
+        out = {}
+        for key in self.keys:
+            column = []
+            for text in batch[key]:
+                seqs = [ids for ids in self.tokenizer.encode_batch(self._pieces(text)) if ids]
+                if self.prepend_bos:   # Megatron's Llama2Tokenizer: <s> before every sequence
+                    seqs = [[self.tokenizer.bos_id] + ids for ids in seqs]
+                if seqs and self.append_eod:
+                    seqs[-1].append(self.tokenizer.eod_id)
+                column.append(seqs)
+            out[f"ids:{key}"] = column
+        return out
 
 
-def _load_documents(input_path: Path, json_key: str, cache_dir: str, progress: bool):
-    """Load JSONL (`json_key` field) or plain text (one document per line) as a Dataset."""
+def _load_documents(input_path: Path, keys: list[str], cache_dir: str, progress: bool):
+    """Load JSONL (the `keys` fields) or plain text (one document per line) as a Dataset;
+    returns it and the columns holding the keys' texts."""
     try:
         import datasets
     except ImportError:
@@ -71,11 +100,13 @@ def _load_documents(input_path: Path, json_key: str, cache_dir: str, progress: b
     builder = "json" if input_path.suffix in (".jsonl", ".json") else "text"
     ds = datasets.load_dataset(builder, data_files=str(input_path), split="train",
                                cache_dir=cache_dir)
-    key = json_key if builder == "json" else "text"
-    if key not in ds.column_names:
-        raise ValueError(f"{input_path}: no '{key}' field (columns: {', '.join(ds.column_names)}); "
-                         f"pass --json-key")
-    return ds, key
+    if builder == "text":
+        return ds, ["text"]
+    missing = [k for k in keys if k not in ds.column_names]
+    if missing:
+        raise ValueError(f"{input_path}: no '{missing[0]}' field (columns: "
+                         f"{', '.join(ds.column_names)}); pass --json-keys")
+    return ds, keys
 
 
 def _has_text(path: Path) -> bool:
@@ -84,38 +115,88 @@ def _has_text(path: Path) -> bool:
         return any(line.strip() for line in f)
 
 
+def _meta(tok, input_path, key: str, sentences: bool, append_eod: bool,
+          prepend_bos: bool) -> dict:
+    meta = {"tokenizer": os.path.abspath(tok.path), "tokenizer_fingerprint": tok.fingerprint,
+            "special_ids": tok.special_ids(), "sentences": bool(sentences),
+            "source": os.path.abspath(input_path), "json_key": key,
+            "append_eod": bool(append_eod), "prepend_bos": bool(prepend_bos)}
+    for name in ("merge_file", "lowercase"):   # how a vocabulary-file tokenizer was built
+        if getattr(tok, name, None) is not None:
+            meta[name] = os.path.abspath(tok.merge_file) if name == "merge_file" else tok.lowercase
+    return meta
+
+
 def preprocess(input_path: str | os.PathLike, tokenizer_path: str | os.PathLike,
                output_prefix: str | os.PathLike, workers: int = 1, json_key: str = "text",
-               sentences: bool = False, progress: bool = True) -> dict:
-    """Tokenise `input_path` into `{output_prefix}.bin/.idx`; returns a summary dict."""
+               sentences: bool = False, progress: bool = True, *,
+               json_keys: list[str] | None = None, append_eod: bool = True,
+               megatron_names: bool = False, merge_file: str | None = None,
+               lowercase: bool | None = None, prepend_bos: bool = False) -> dict:
+    """Tokenise `input_path` into one dataset per JSON key (`json_keys`, else `json_key`);
+    returns a summary dict (`outputs`: the prefixes written). `prepend_bos` starts every
+    sequence with the tokenizer's <s>, as Megatron's Llama2Tokenizer does."""
     from tqdm import tqdm
 
     start = time.perf_counter()
-    tok = load_tokenizer(tokenizer_path)
-    _ = tok.eod_id  # fail now, not inside a worker, if the model has no end-of-document token
+    tok = load_tokenizer(tokenizer_path, merge_file, lowercase)
+    if append_eod:
+        _ = tok.eod_id  # fail now, not inside a worker, if the tokenizer has no end-of-document
+    if prepend_bos:
+        _ = tok.bos_id
     cache_dir = tempfile.mkdtemp(prefix="ptdp-preprocess-")
     try:
-        ds, key = _load_documents(Path(input_path), json_key, cache_dir, progress)
-        encoded = ds.map(_Encoder(tok.path, key, sentences), batched=True, batch_size=256,
-                         num_proc=workers if workers > 1 else None,
+        ds, keys = _load_documents(Path(input_path), list(json_keys or [json_key]), cache_dir,
+                                   progress)
+        encoded = ds.map(_Encoder(tok, keys, sentences, append_eod, prepend_bos), batched=True,
+                         batch_size=256, num_proc=workers if workers > 1 else None,
                          remove_columns=ds.column_names, desc="tokenising")
-        meta = {"tokenizer": os.path.abspath(tok.path), "tokenizer_fingerprint": tok.fingerprint,
-                "special_ids": tok.special_ids(), "sentences": bool(sentences),
-                "source": os.path.abspath(input_path)}
-        skipped = 0
-        with IndexedDatasetWriter(output_prefix, tok.vocab_size, meta) as writer, \
-                tqdm(total=len(encoded), desc="writing", unit="doc", disable=not progress) as bar:
-            for batch in encoded.iter(batch_size=1024):
-                for seqs in batch["ids"]:
-                    if seqs:
-                        writer.add_document(seqs)
-                    else:
-                        skipped += 1  # empty text: a document of only <eod> teaches nothing
-                bar.update(len(batch["ids"]))
-            documents = writer.num_documents
-            if documents == 0:  # raised inside the writer: no .bin/.idx is left behind
-                raise ValueError(f"input {input_path}: every document is empty, nothing to write")
+        outputs = {key: output_prefix_for(output_prefix, key, keys, sentences, megatron_names)
+                   for key in keys}
+        metas = {key: _meta(tok, input_path, key, sentences, append_eod, prepend_bos)
+                 for key in keys}
+        counts = _write(encoded, tok, outputs, metas, input_path, progress, tqdm)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
-    return {"documents": documents, "skipped": skipped, "output_prefix": str(output_prefix),
-            "seconds": time.perf_counter() - start}
+    first = counts[keys[0]]
+    return {"documents": first["documents"], "skipped": first["skipped"],
+            "output_prefix": outputs[keys[0]], "outputs": list(outputs.values()),
+            "per_key": counts, "seconds": time.perf_counter() - start}
+
+
+def _write(encoded, tok, outputs: dict, metas: dict, input_path, progress, tqdm) -> dict:
+    """One sequential pass writing every key's dataset; all of them or none are published."""
+    counts = {key: {"documents": 0, "skipped": 0} for key in outputs}
+    with ExitStack() as stack:
+        writers = {key: stack.enter_context(IndexedDatasetWriter(prefix, tok.vocab_size, metas[key]))
+                   for key, prefix in outputs.items()}
+        bar = stack.enter_context(tqdm(total=len(encoded), desc="writing", unit="doc",
+                                       disable=not progress))
+        for batch in encoded.iter(batch_size=1024):
+            for key, writer in writers.items():
+                for seqs in batch[f"ids:{key}"]:
+                    if seqs:
+                        writer.add_document(seqs)
+                    else:   # empty text: a document of nothing (or only <eod>) teaches nothing
+                        counts[key]["skipped"] += 1
+            bar.update(len(next(iter(batch.values()))))
+        for key, writer in writers.items():
+            counts[key]["documents"] = writer.num_documents
+            if writer.num_documents == 0:  # raised inside the writers: nothing is left behind
+                raise ValueError(f"input {input_path}: every document is empty, nothing to "
+                                 f"write (field '{key}')")
+    return counts
+
+
+def describe_dataset(prefix: str | os.PathLike, tokenizer_path: str | os.PathLike,
+                     sentences: bool | None = None, merge_file: str | None = None,
+                     lowercase: bool | None = None) -> Path:
+    """Write the sidecar of a pair Megatron's tools/preprocess_data.py made with this
+    tokenizer, so that ptdp checks it like its own (vocabulary, special ids for BERT)."""
+    tok = load_tokenizer(tokenizer_path, merge_file, lowercase)
+    header = read_index_header(prefix, sidecar=False)
+    meta = {"tokenizer": os.path.abspath(tok.path), "tokenizer_fingerprint": tok.fingerprint,
+            "special_ids": tok.special_ids(),
+            "sentences": header.meta["sentences"] if sentences is None else bool(sentences),
+            "source": "described by `ptdp preprocess --describe`"}
+    return describe(prefix, tok.vocab_size, meta)

@@ -1,20 +1,21 @@
 """Tokenizers: sentencepiece (training with `ptdp tokenizer train`, and a small wrapper class)
-and Hugging Face fast tokenizers (`tokenizer.json`, as a converted model brings one), behind
-one interface; `load_tokenizer(path)` picks by file.
+and Hugging Face fast tokenizers (a `tokenizer.json`, as a converted model brings one, or
+built from Megatron's GPT-2 `vocab.json` + `merges.txt` or WordPiece `vocab.txt` by
+ptdp/data/vocab_tokenizers.py), behind one interface; `load_tokenizer(path)` picks by file.
 
 The special tokens GPT and BERT need are reserved as sentencepiece *control symbols*: they get
 fixed ids, are never produced from raw text (a docstring that says "[MASK]" stays text), and
 decode to nothing. The wrapper exposes their ids plus a fingerprint of the vocabulary, which
-the preprocessor stores in the `.idx` header so training can refuse data tokenised with a
-different vocabulary.
+the preprocessor stores in the dataset's sidecar (ptdp/data/indexed.py) so training can refuse
+data tokenised with a different vocabulary.
 
 A Hugging Face tokenizer (`HFTokenizer`) plays the same roles with its own special tokens: its
 end-of-sequence token is the end-of-document token (<eod>), and its bos, pad, cls, sep and mask
 tokens take the other roles; they are named by the `tokenizer_config.json` beside the
-`tokenizer.json` when there is one, else recognised by their usual spellings. Like
-sentencepiece's, its `encode` adds no special token and `decode` drops them; the fingerprint
-hashes the same ordered token list, so a sentencepiece model and its conversion
-(`ptdp convert --to hf`) share it.
+`tokenizer.json` when there is one, else recognised by their usual spellings (GPT-2's
+`<|endoftext|>`, BERT's `[EOS]` as Megatron adds it). Like sentencepiece's, its `encode` adds
+no special token and `decode` drops them; the fingerprint hashes the same ordered token list,
+so a sentencepiece model and its conversion (`ptdp convert --to hf`) share it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ import json
 import os
 from pathlib import Path
 from typing import Iterable, Iterator
+
+import ptdp.data.vocab_tokenizers as vocab_tokenizers
+from ptdp.data.vocab_tokenizers import vocab_files
 
 EOD = "<eod>"
 CLS, SEP, MASK, PAD = "[CLS]", "[SEP]", "[MASK]", "[PAD]"
@@ -71,6 +75,14 @@ class Tokenizer:
         return pid
 
     eod_id = property(lambda self: self._special_id(EOD))
+
+    @property
+    def bos_id(self) -> int:
+        """The model's <s> (Llama's; `ptdp tokenizer train` reserves none)."""
+        if self._sp.bos_id() < 0:
+            raise TokenizerError(f"{self.path}: has no beginning-of-sequence token")
+        return int(self._sp.bos_id())
+
     cls_id = property(lambda self: self._special_id(CLS))
     sep_id = property(lambda self: self._special_id(SEP))
     mask_id = property(lambda self: self._special_id(MASK))
@@ -113,8 +125,9 @@ class Tokenizer:
 # Hugging Face tokenizer roles: tokenizer_config.json key, and the usual spellings when that
 # file is absent or silent.
 _HF_ROLES = {
-    EOD: ("eos_token", ("<eod>", "<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")),
-    BOS: ("bos_token", ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>")),
+    EOD: ("eos_token", ("<eod>", "<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>",
+                        "[EOS]")),
+    BOS: ("bos_token", ("<s>", "<|begin_of_text|>", "<bos>", "<|startoftext|>", "[BOS]")),
     PAD: ("pad_token", ("[PAD]", "<pad>", "<|pad|>")),
     CLS: ("cls_token", ("[CLS]",)),
     SEP: ("sep_token", ("[SEP]",)),
@@ -123,41 +136,82 @@ _HF_ROLES = {
 
 
 def is_hf_tokenizer(path: str | os.PathLike) -> bool:
-    """A Hugging Face tokenizer path: a `.json` file or a directory (holding tokenizer.json)."""
+    """Read by `HFTokenizer`: a `.json` file (a tokenizer.json or a GPT-2 vocab.json), a
+    WordPiece `vocab.txt`, or a directory holding one of them."""
     path = Path(path)
-    return path.suffix == ".json" or path.is_dir()
+    return path.suffix in (".json", ".txt") or path.is_dir()
 
 
 def hf_tokenizer_files(path: str | os.PathLike) -> dict[str, Path]:
     """The files that make a Hugging Face tokenizer, by their usual names: its tokenizer.json
     (whatever it is called), and the tokenizer_config.json beside it when there is one (it
-    names the special tokens)."""
+    names the special tokens). For a GPT-2 or WordPiece vocabulary, a tokenizer.json written
+    from it (once per process, in a temporary directory), so that copies of the tokenizer
+    (checkpoints, Hugging Face exports) are one self-contained file."""
+    if vocab_files(path) is not None:
+        return {HF_TOKENIZER_FILE: _materialised(str(Path(path).resolve()))}
     path = Path(path)
     file = path / HF_TOKENIZER_FILE if path.is_dir() else path
     config = file.with_name(HF_TOKENIZER_CONFIG)
     return {HF_TOKENIZER_FILE: file, **({HF_TOKENIZER_CONFIG: config} if config.is_file() else {})}
 
 
+@functools.lru_cache(maxsize=None)
+def _materialised(path: str) -> Path:
+    import tempfile
+    out = Path(tempfile.mkdtemp(prefix="ptdp-tokenizer-")) / HF_TOKENIZER_FILE
+    HFTokenizer(path).backend.save(str(out))
+    return out
+
+
 class HFTokenizer:
-    """A Hugging Face fast tokenizer (tokenizer.json) with `Tokenizer`'s interface."""
+    """A Hugging Face fast tokenizer with `Tokenizer`'s interface: from a tokenizer.json, or
+    built from a GPT-2 vocab.json + merges.txt or a WordPiece vocab.txt
+    (ptdp/data/vocab_tokenizers.py)."""
 
-    def __init__(self, path: str | os.PathLike):
-        from tokenizers import Tokenizer as Backend
-
-        files = hf_tokenizer_files(path)
-        self.path = str(files[HF_TOKENIZER_FILE])
-        if not Path(self.path).is_file():
-            raise TokenizerError(f"tokenizer not found: {self.path}")
-        try:
-            self._tok = Backend.from_file(self.path)
-        except Exception as err:  # tokenizers raises a bare Exception for a malformed file
-            raise TokenizerError(f"{self.path}: not a Hugging Face tokenizer.json "
-                                 f"({str(err).splitlines()[0] if str(err) else err})") from err
+    def __init__(self, path: str | os.PathLike, merge_file: str | os.PathLike | None = None,
+                 lowercase: bool | None = None):
+        self.merge_file, self.lowercase = merge_file, lowercase
+        found = vocab_files(path)
+        if found is None:
+            self.kind = "tokenizer.json"
+            files = hf_tokenizer_files(path)
+            self.path = str(files[HF_TOKENIZER_FILE])
+            self._tok = self._load(self.path)
+            config = self._read_config(files[HF_TOKENIZER_CONFIG]) if len(files) > 1 else {}
+        else:
+            self.kind, vocab = found
+            self.path, config = str(vocab), {}
+            if self.kind == vocab_tokenizers.WORDPIECE and lowercase is None:
+                self.lowercase = lowercase = vocab_tokenizers.wordpiece_lowercase(vocab)
+            try:
+                self._tok = (vocab_tokenizers.gpt2_bpe(vocab, merge_file and Path(merge_file))
+                             if self.kind == vocab_tokenizers.GPT2
+                             else vocab_tokenizers.wordpiece(vocab, lowercase))
+            except FileNotFoundError as err:
+                raise TokenizerError(str(err)) from None
+            except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+                raise TokenizerError(f"{vocab}: not a {self.kind} vocabulary "
+                                     f"({str(err).splitlines()[0] if str(err) else err})") from err
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values(), default=-1) + 1
-        config = self._read_config(files[HF_TOKENIZER_CONFIG]) if len(files) > 1 else {}
+        self._special = self._roles(config, vocab)
+
+    @staticmethod
+    def _load(path: str):
+        from tokenizers import Tokenizer as Backend
+
+        if not Path(path).is_file():
+            raise TokenizerError(f"tokenizer not found: {path}")
+        try:
+            return Backend.from_file(path)
+        except Exception as err:  # tokenizers raises a bare Exception for a malformed file
+            raise TokenizerError(f"{path}: not a Hugging Face tokenizer.json "
+                                 f"({str(err).splitlines()[0] if str(err) else err})") from err
+
+    def _roles(self, config: dict, vocab: dict) -> dict[str, int]:
         specials = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
-        self._special = {}
+        roles = {}
         for role, (key, spellings) in _HF_ROLES.items():
             named = config.get(key)   # a string, or an AddedToken as a dict
             named = named.get("content") if isinstance(named, dict) else named
@@ -167,7 +221,13 @@ class HFTokenizer:
                 candidates = [s for s in spellings if s in specials]
             ids = [vocab[c] for c in candidates if c in vocab]
             if ids:
-                self._special[role] = int(ids[0])
+                roles[role] = int(ids[0])
+        return roles
+
+    @property
+    def backend(self):
+        """The `tokenizers.Tokenizer` doing the work."""
+        return self._tok
 
     @staticmethod
     def _read_config(path: Path) -> dict:
@@ -215,23 +275,29 @@ class HFTokenizer:
         return hashlib.sha256(pieces.encode("utf-8")).hexdigest()[:16]
 
     def __repr__(self) -> str:
-        return f"HFTokenizer({self.path!r}, vocab_size={self.vocab_size})"
+        return f"HFTokenizer({self.path!r}, {self.kind}, vocab_size={self.vocab_size})"
 
     def __getstate__(self):
-        return {"path": self.path}
+        return {"path": self.path, "merge_file": self.merge_file, "lowercase": self.lowercase}
 
     def __setstate__(self, state):
-        self.__init__(state["path"])
+        self.__init__(**state)
 
 
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer | HFTokenizer:
-    """The tokenizer at `path`: a sentencepiece `.model` file, or a Hugging Face
-    `tokenizer.json` (or a directory holding one, such as a transformers model directory)."""
+def load_tokenizer(path: str | os.PathLike, merge_file: str | os.PathLike | None = None,
+                   lowercase: bool | None = None) -> Tokenizer | HFTokenizer:
+    """The tokenizer at `path`: a sentencepiece `.model` file, a Hugging Face `tokenizer.json`
+    (or a directory holding one, such as a transformers model directory), a GPT-2 `vocab.json`
+    (its merges: `merge_file`, else the file beside it) or a WordPiece `vocab.txt` (lower-cased
+    when `lowercase`, else as ptdp/data/vocab_tokenizers.py decides)."""
     path = Path(path)
-    if path.is_dir() and not (path / HF_TOKENIZER_FILE).is_file():
-        raise TokenizerError(f"{path} is a directory without a {HF_TOKENIZER_FILE}; point at a "
-                             f"sentencepiece .model file or a Hugging Face {HF_TOKENIZER_FILE}")
-    return HFTokenizer(path) if is_hf_tokenizer(path) else Tokenizer(path)
+    if path.is_dir() and not (path / HF_TOKENIZER_FILE).is_file() and vocab_files(path) is None:
+        raise TokenizerError(f"{path} is a directory without a {HF_TOKENIZER_FILE}, vocab.json or "
+                             f"vocab.txt; point at a sentencepiece .model file or a Hugging Face "
+                             f"{HF_TOKENIZER_FILE}")
+    if not is_hf_tokenizer(path):
+        return Tokenizer(path)
+    return HFTokenizer(path, merge_file, lowercase)
 
 
 def read_texts(path: str | os.PathLike, json_key: str = "text") -> Iterator[str]:

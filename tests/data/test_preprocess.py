@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from ptdp.cli import main
+from ptdp.data.bert_dataset import BertDataset
 from ptdp.data.indexed import IndexedDataset
 from ptdp.data.preprocess import preprocess, split_sentences
+from ptdp.data.tokenizer import load_tokenizer
 
 from .conftest import load_make_corpus
+from .tiny_vocabs import TEXTS, write_gpt2_files, write_wordpiece_vocab
 
 
 def texts(corpus):
@@ -56,7 +60,7 @@ def test_workers_give_identical_output_via_cli(tmp_path, corpus, tokenizer, gpt_
     assert rc == 0
     assert (tmp_path / "w2.bin").read_bytes() == open(f"{gpt_prefix}.bin", "rb").read()
     np.testing.assert_array_equal(IndexedDataset(out).sizes, IndexedDataset(gpt_prefix).sizes)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["w2.bin", "w2.idx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w2.bin", "w2.idx", "w2.ptdp.json"]
 
 
 def test_empty_documents_are_skipped(tmp_path, tokenizer):
@@ -90,3 +94,112 @@ def test_make_corpus_is_deterministic(tmp_path):
 def test_make_corpus_with_nothing_to_read_fails(tmp_path):
     rc = load_make_corpus().main(["--output", str(tmp_path / "c.jsonl"), "--stdlib-dir", str(tmp_path)])
     assert rc == 1 and list(tmp_path.iterdir()) == []  # neither an empty corpus nor a temp file
+
+
+# Megatron's tools/preprocess_data.py command line ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def megatron_inputs(tmp_path_factory):
+    """Tiny GPT-2 and WordPiece vocabularies and a JSONL with two fields per document."""
+    directory = tmp_path_factory.mktemp("megatron_inputs")
+    write_gpt2_files(directory)
+    write_wordpiece_vocab(directory)
+    records = [{"title": f"Title {i}.", "text": TEXTS[i % 3] + f" Number {i}."} for i in range(12)]
+    (directory / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return directory, records
+
+
+def run(*args: str) -> int:
+    return main(["preprocess", "--workers", "1", "--quiet", *map(str, args)])
+
+
+def test_gpt2_bpe_with_megatron_arguments_and_names(tmp_path, megatron_inputs):
+    src, records = megatron_inputs
+    gpt2 = load_tokenizer(src / "gpt2-vocab.json")
+    rc = run("--input", src / "c.jsonl", "--output-prefix", tmp_path / "g",
+             "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", src / "gpt2-vocab.json",
+             "--merge-file", src / "gpt2-merges.txt", "--json-keys", "text", "title", "--append-eod")
+    assert rc == 0
+    for key in ("text", "title"):
+        ds = IndexedDataset(tmp_path / f"g_{key}_document")   # Megatron's naming
+        assert ds.vocab_size == 300 and ds.meta["json_key"] == key and ds.meta["append_eod"]
+        assert ds.meta["tokenizer_fingerprint"] == gpt2.fingerprint
+        assert [ds.document(d).tolist() for d in range(ds.num_documents)] == \
+            [gpt2.encode(r[key]) + [gpt2.eod_id] for r in records]
+
+
+def test_append_eod_can_be_turned_off(tmp_path, megatron_inputs):
+    src, records = megatron_inputs
+    assert run("--input", src / "c.jsonl", "--output-prefix", tmp_path / "n",
+               "--tokenizer", src / "gpt2-vocab.json", "--no-append-eod") == 0
+    ds = IndexedDataset(tmp_path / "n")   # ptdp's naming: --json-key, the prefix as given
+    gpt2 = load_tokenizer(src / "gpt2-vocab.json")
+    assert ds.meta["append_eod"] is False
+    assert ds.document(0).tolist() == gpt2.encode(records[0]["text"])
+
+
+def test_wordpiece_sentences_and_describe(tmp_path, megatron_inputs):
+    src, records = megatron_inputs
+    rc = run("--input", src / "c.jsonl", "--output-prefix", tmp_path / "b", "--tokenizer-type",
+             "BertWordPieceLowerCase", "--vocab-file", src / "vocab.txt", "--split-sentences")
+    assert rc == 0
+    prefix = tmp_path / "b_text_sentence"
+    bert = load_tokenizer(src / "vocab.txt", lowercase=True)
+    ds = IndexedDataset(prefix)
+    assert ds.meta["sentences"] and ds.meta["lowercase"] is True and len(ds) > ds.num_documents
+    sentences = split_sentences(records[1]["text"])
+    assert [ds[i].tolist() for i in range(ds.doc_idx[1], ds.doc_idx[2])] == \
+        [bert.encode(s) for s in sentences[:-1]] + [bert.encode(sentences[-1]) + [bert.eod_id]]
+    # A pair without its sidecar (as Megatron's tool leaves it) gets one back from the tokenizer.
+    sidecar = prefix.with_name(prefix.name + ".ptdp.json")
+    written = json.loads(sidecar.read_text())
+    sidecar.unlink()
+    assert IndexedDataset(prefix).vocab_size is None
+    assert run("--describe", "--output-prefix", prefix, "--vocab-file", src / "vocab.txt") == 0
+    described = IndexedDataset(prefix)
+    assert described.vocab_size == written["vocab_size"] == bert.vocab_size
+    for key in ("tokenizer_fingerprint", "special_ids", "sentences"):
+        assert described.meta[key] == written["meta"][key]
+    sample = BertDataset(described, 0, described.num_documents, 24, seed=1)[0]   # BERT reads it
+    assert sample["tokens"][0] == bert.cls_id and (sample["tokens"] == bert.sep_id).sum() == 2
+
+
+def test_hugging_face_tokenizer_json_gives_the_same_data(tmp_path, megatron_inputs):
+    src, _ = megatron_inputs
+    load_tokenizer(src / "gpt2-vocab.json").backend.save(str(tmp_path / "tokenizer.json"))
+    for name, flags in (("hf", ["--tokenizer-model", tmp_path]), ("bpe", ["--tokenizer", src / "gpt2-vocab.json"])):
+        assert run("--input", src / "c.jsonl", "--output-prefix", tmp_path / name, *flags) == 0
+    assert (tmp_path / "hf.bin").read_bytes() == (tmp_path / "bpe.bin").read_bytes()
+    assert IndexedDataset(tmp_path / "hf").meta["tokenizer_fingerprint"] == \
+        IndexedDataset(tmp_path / "bpe").meta["tokenizer_fingerprint"]
+
+
+def test_llama2_tokenizer_starts_every_sequence_with_bos(tmp_path, megatron_inputs):
+    """Megatron's Llama2Tokenizer: <s> + ids (+ </s> with --append-eod) per document."""
+    import sentencepiece as spm
+
+    src, records = megatron_inputs
+    spm.SentencePieceTrainer.Train(sentence_iterator=iter(TEXTS * 20), model_prefix=str(tmp_path / "llama"),
+                                   vocab_size=120, model_type="bpe", minloglevel=2)
+    assert run("--input", src / "c.jsonl", "--output-prefix", tmp_path / "l", "--tokenizer-type",
+               "Llama2Tokenizer", "--tokenizer-model", tmp_path / "llama.model", "--append-eod") == 0
+    sp = load_tokenizer(tmp_path / "llama.model")
+    ds = IndexedDataset(tmp_path / "l_text_document")
+    assert ds.meta["prepend_bos"] is True and (sp.bos_id, sp.eod_id) == (1, 2)
+    assert ds.document(3).tolist() == [1] + sp.encode(records[3]["text"]) + [2]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{src}/vocab.txt"],
+     "--tokenizer-type GPT2BPETokenizer does not read {src}/vocab.txt (a wordpiece file)"),
+    (["--tokenizer-type", "TikTokenizer", "--tokenizer-model", "x"], "--tokenizer-type TikTokenizer: ptdp reads"),
+    (["--tokenizer-type", "GPT2BPETokenizer"], "no tokenizer: pass --vocab-file"),
+    ([], "no tokenizer: pass --tokenizer"),
+])
+def test_tokenizer_arguments_errors_in_one_line(tmp_path, megatron_inputs, capsys, flags, message):
+    src, _ = megatron_inputs
+    flags, message = [f.format(src=src) for f in flags], message.format(src=src)
+    assert run("--input", src / "c.jsonl", "--output-prefix", tmp_path / "x", *flags) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []

@@ -85,3 +85,64 @@ def test_foreign_model_uses_eos_and_names_missing_specials(tmp_path, corpus):
     assert tok.eod_id == 2  # sentencepiece's default </s>
     with pytest.raises(TokenizerError, match=r"plain\.model: has no special token \[MASK\]"):
         tok.mask_id
+
+
+# Megatron's vocabulary files: GPT-2 BPE and WordPiece ------------------------------------------
+
+@pytest.fixture(scope="module")
+def vocab_dir(tmp_path_factory):
+    from .tiny_vocabs import write_gpt2_files, write_wordpiece_vocab
+
+    directory = tmp_path_factory.mktemp("vocabs")
+    write_gpt2_files(directory)
+    write_wordpiece_vocab(directory)
+    return directory
+
+
+def test_vocabulary_files_encode_like_transformers(vocab_dir):
+    """The ids transformers' GPT2Tokenizer / BertTokenizer give (what Megatron's
+    GPT2BPETokenizer and BertWordPiece* use), with Megatron's special tokens."""
+    transformers = pytest.importorskip("transformers")
+    from ptdp.data.tokenizer import EOD, HFTokenizer, load_tokenizer
+
+    from .tiny_vocabs import TEXTS
+
+    gpt2 = load_tokenizer(vocab_dir / "gpt2-vocab.json")   # gpt2-merges.txt found beside it
+    theirs = transformers.GPT2Tokenizer(str(vocab_dir / "gpt2-vocab.json"),
+                                        str(vocab_dir / "gpt2-merges.txt"))
+    assert isinstance(gpt2, HFTokenizer) and gpt2.kind == "gpt2-bpe"
+    assert gpt2.vocab_size == len(theirs) == 300
+    assert gpt2.eod_id == theirs.convert_tokens_to_ids("<|endoftext|>")
+    bert = load_tokenizer(vocab_dir / "vocab.txt")
+    uncased = transformers.BertTokenizer(str(vocab_dir / "vocab.txt"), do_lower_case=True)
+    assert bert.kind == "wordpiece" and bert.lowercase is True   # no upper-case piece in it
+    assert bert.vocab_size == len(uncased) + 2                   # Megatron adds [BOS], [EOS]
+    assert bert.special_ids()[EOD] == len(uncased) + 1
+    for text in TEXTS:
+        assert gpt2.encode(text) == theirs(text, add_special_tokens=False)["input_ids"]
+        # As in transformers, a special token spelled in the text is that token (then dropped).
+        assert gpt2.decode(gpt2.encode(text)) == text.replace("<|endoftext|>", "")
+        assert bert.encode(text) == uncased(text, add_special_tokens=False)["input_ids"]
+    cased = load_tokenizer(vocab_dir / "vocab.txt", lowercase=False)
+    assert cased.encode("Hello") != bert.encode("Hello")
+
+
+def test_vocabulary_files_pickle_and_become_one_tokenizer_json(vocab_dir, tmp_path):
+    import pickle
+    import shutil
+
+    from ptdp.data.tokenizer import hf_tokenizer_files, load_tokenizer
+
+    shutil.copy(vocab_dir / "gpt2-vocab.json", tmp_path / "v.json")
+    shutil.copy(vocab_dir / "gpt2-merges.txt", tmp_path / "m.txt")
+    with pytest.raises(TokenizerError, match=r"v\.json: no merges file .*--merge-file"):
+        load_tokenizer(tmp_path / "v.json")
+    gpt2 = load_tokenizer(tmp_path / "v.json", merge_file=tmp_path / "m.txt")
+    clone = pickle.loads(pickle.dumps(gpt2))
+    assert clone.encode(TEXT) == gpt2.encode(TEXT) and clone.fingerprint == gpt2.fingerprint
+    # Checkpoints and Hugging Face exports copy a tokenizer as one tokenizer.json.
+    for path in (vocab_dir / "gpt2-vocab.json", vocab_dir / "vocab.txt", vocab_dir):
+        copy = hf_tokenizer_files(path)["tokenizer.json"]
+        assert copy.name == "tokenizer.json" and copy.is_file()
+        assert load_tokenizer(copy).fingerprint == load_tokenizer(path).fingerprint
+        assert load_tokenizer(copy).special_ids() == load_tokenizer(path).special_ids()
