@@ -20,9 +20,9 @@ from ptdp.megatron.converters import (
     APPROXIMATE, EXACT, IGNORED, REFUSED, Default, Differs, Unmapped, attention_dropout_default,
     choice, chunks, chunks_from_layers, const, consumed_by_tokenizer_type, data_paths, fp16_only,
     gelu_fusion_default, global_batch_default, hysteresis_default, ignore, integer, kv_channels,
-    kv_heads, load, max_positions, megatron_ffn_hidden_size, no_position_embedding, number, only,
-    query_groups, recompute_method, refuse, rope_scaling, rope_scaling_factor, seed, split,
-    tokenizer, vocab_size)
+    kv_heads, load, max_positions, megatron_ffn_hidden_size, merge_file, no_position_embedding,
+    number, only, query_groups, recompute_method, refuse, rope_scaling, rope_scaling_factor, seed,
+    split, tokenizer, vocab_size)
 
 
 @dataclass(frozen=True)
@@ -326,11 +326,12 @@ ARGS: tuple[Arg, ...] = (
     Arg("--mask-prob", "data.mask_prob", EXACT, number),
     Arg("--short-seq-prob", None, REFUSED, refuse("ptdp's BERT samples are full length")),
     Arg("--tokenizer-type", "data.tokenizer", EXACT, tokenizer,
-        note="with --vocab-file, --merge-file (data.merge_file) or --tokenizer-model"),
+        note="with --vocab-file or --tokenizer-model"),
     Arg("--vocab-file", "data.tokenizer", EXACT, consumed_by_tokenizer_type,
         note="as --tokenizer-type reads it; without one, the file itself"),
-    Arg("--merge-file", "data.merge_file", EXACT, consumed_by_tokenizer_type,
-        note="as --tokenizer-type reads it; without one, the file itself"),
+    Arg("--merge-file", "data.tokenizer", EXACT, merge_file,
+        note="read beside --vocab-file (NAME-merges.txt for NAME-vocab.json, or merges.txt); "
+             "elsewhere approximate: copy it there"),
     Arg("--tokenizer-model", "data.tokenizer", EXACT, consumed_by_tokenizer_type,
         note="as --tokenizer-type reads it; without one, the file itself"),
     Arg("--vocab-extra-ids", None, EXACT, only(0, "ptdp adds no extra ids"), note="only 0"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any, Callable
 
 from ptdp.config.catalogue import INTERLEAVED
@@ -207,11 +208,29 @@ def consumed_by_tokenizer_type(value, given):
     return {} if "--tokenizer-type" in given else value
 
 
+def merges_beside(vocab: str) -> list[str]:
+    """Where ptdp looks for a GPT-2 vocabulary's merges (ptdp/data/vocab_tokenizers.py
+    `merges_beside`, repeated here so the translator stays torch-free): `NAME-merges.txt` for
+    `NAME-vocab.json` (Megatron's gpt2-vocab.json / gpt2-merges.txt), then `merges.txt`."""
+    path = PurePath(vocab)
+    stem = path.name[:-len("vocab.json")] if path.name.endswith("vocab.json") else None
+    return [str(path.parent / name) for name in ([f"{stem}merges.txt"] if stem else [])
+            + ["merges.txt"]]
+
+
+def merge_file(value, given):
+    """--merge-file: nothing to write when it lies where ptdp finds it from data.tokenizer."""
+    vocab = given.get("--vocab-file")
+    if vocab is None or str(PurePath(value)) in merges_beside(vocab):
+        return {}
+    return Differs({}, f"ptdp reads the merges beside the vocabulary "
+                       f"({' or '.join(merges_beside(vocab))}); copy or link {value} there")
+
+
 def tokenizer(value, given):
-    vocab, merges = given.get("--vocab-file"), given.get("--merge-file")
-    model = given.get("--tokenizer-model")
+    vocab, model = given.get("--vocab-file"), given.get("--tokenizer-model")
     if value == "GPT2BPETokenizer":
-        return {"data.tokenizer": vocab, "data.merge_file": merges}
+        return {"data.tokenizer": vocab}
     if value in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         return Differs({"data.tokenizer": vocab},
                        "the WordPiece vocabulary; Case vs LowerCase is not carried over")

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # in ptdp/config/schema.py a translation that holds them cannot load, so the load test drops
 # exactly these (and nothing else) when the schema lacks them.
 PENDING = {"data.sampling", "data.reset_position_ids", "data.reset_attention_mask",
-           "data.eod_mask_loss", "data.merge_file", "model.attention_dropout",
+           "data.eod_mask_loss", "model.attention_dropout",
            "train.train_samples", "train.lr_warmup_fraction", "train.lr_warmup_samples",
            "train.lr_warmup_init", "train.lr_decay_samples", "train.lr_wsd_decay_style",
            "train.lr_wsd_decay_iters", "train.lr_wsd_decay_samples", "train.rampup_batch_size"}
@@ -61,7 +61,7 @@ GPT3_VALUES = {
     "train.initial_loss_scale": 2.0 ** 32,                  # Megatron's default with --fp16
     "data.source": "indexed", "data.paths": ["/data/gpt_text_document"],
     "data.sampling": "megatron", "data.tokenizer": "/data/gpt2-vocab.json",
-    "data.merge_file": "/data/gpt2-merges.txt", "data.split": "949,50,1",
+    "data.split": "949,50,1",
     "log.interval": 100, "log.tensorboard_dir": "/tb",
     "checkpoint.dir": "/ckpt", "checkpoint.save_interval": 10000, "checkpoint.load": "auto",
 }
@@ -192,6 +192,9 @@ def test_megatrons_defaults_are_written_where_they_differ_from_ptdps():
     (["--not-an-argument", "3"],
      "unknown: --not-an-argument 3: not in ptdp's table of Megatron-LM arguments: not translated"),
     (["stray"], "unknown: stray: a word that is not an argument"),
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/d/v.json", "--merge-file",
+      "/e/m.txt"], "approximate: --merge-file /e/m.txt: ptdp reads the merges beside the "
+     "vocabulary (/d/merges.txt); copy or link /e/m.txt there"),
     (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json", "--merge-file", "m.txt"],
      "note: model.vocab_size: Megatron reads it from the tokenizer; set it (ptdp check names the value)"),
 ])
