@@ -24,7 +24,8 @@ TYPES = torch.cat([torch.zeros(2, mc.SEQ // 2), torch.ones(2, mc.SEQ // 2)], 1).
 
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
-    """Both models, their reference logits and their checkpoints in both formats."""
+    """Both models, their reference logits and their checkpoints in both formats; megatron-core
+    stays set up on CPU (a 1-rank gloo group) for the module's tests."""
     root = tmp_path_factory.mktemp("megatron")
     with pytest.MonkeyPatch.context() as mp, mc.cpu_megatron(mp):
         gpt_args, bert_args = mc.gpt_args(), mc.bert_args()
@@ -66,3 +67,123 @@ def test_bert_logits_equal_megatron_core(megatron, fmt, tmp_path):
     keep = torch.ones_like(TOKENS)
     _close(model.logits(TOKENS, TYPES, keep), lm)
     _close(model.sentence_order_logits(TOKENS, TYPES, keep), binary)
+
+
+def _megatron_split(full: dict, args, tensor: int, pipeline: int) -> dict:
+    """What rank (t, p) of a Megatron-LM job with this split saves, built from megatron-core's
+    (1, 1) state dict by megatron-core's own rules, independently of ptdp/megatron:
+    ColumnParallelLinear and the vocab-parallel tables keep rows [t*n/T, (t+1)*n/T)
+    (output_size_per_partition), RowParallelLinear the same columns; a gated fc1's rank output
+    is chunked into (gate, up) by MLP.forward, so rank t holds [gate rows of t; up rows of t];
+    norms and row-parallel biases are replicated; stage p holds layers [p*L/P, (p+1)*L/P)
+    renamed from 0, the embedding on stage 0 and the head on stage P-1."""
+    column = ("linear_qkv.weight", "linear_fc1.weight", "word_embeddings.weight",
+              "output_layer.weight")
+    per_stage = args.num_layers // pipeline
+    out = {(t, p): {} for t in range(tensor) for p in range(pipeline)}
+    for name, value in full.items():
+        if value is None:
+            continue
+        parts = name.split(".")
+        if parts[1] == "layers":
+            index = int(parts[2])
+            stage, parts[2] = index // per_stage, str(index % per_stage)
+        else:
+            stage = 0 if name.startswith("embedding.") else pipeline - 1
+        for t in range(tensor):
+            if "linear_fc1" in name and args.swiglu:
+                gate, up = value.chunk(2)
+                shard = torch.cat([gate.chunk(tensor)[t], up.chunk(tensor)[t]])
+            elif name.endswith(column):
+                shard = value.chunk(tensor, 0)[t]
+            elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+                shard = value.chunk(tensor, 1)[t]
+            else:
+                shard = value
+            out[t, stage][".".join(parts)] = shard.clone()
+    return out
+
+
+def test_legacy_tensor_and_pipeline_split_reads_as_the_whole_model(megatron, tmp_path):
+    """A (2, 2) legacy checkpoint converts to the same weights as the (1, 1) one."""
+    from ptdp.megatron.checkpoint import read_megatron
+    args = mc.gpt_args(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    shards = _megatron_split(megatron["gpt"].state_dict(), args, 2, 2)
+    root = tmp_path / "split"
+    for (t, p), model in shards.items():
+        sub = root / "iter_0000007" / f"mp_rank_{t:02d}_{p:03d}"
+        sub.mkdir(parents=True)
+        torch.save({"args": args, "iteration": 7, "checkpoint_version": 3.0, "model": model},
+                   sub / "model_optim_rng.pt")
+    whole = read_megatron(megatron["root"] / "gpt_legacy")["state"]
+    split = read_megatron(root / "iter_0000007")
+    assert split["iteration"] == 7 and split["format"] == "legacy"
+    assert split["state"].keys() == whole.keys()
+    for name, value in whole.items():
+        assert torch.equal(split["state"][name], value), name
+
+
+def test_virtual_pipeline_layer_offsets_are_megatron_cores(megatron):
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from ptdp.megatron.legacy import layer_offset
+    config = mc.transformer_config(mc.gpt_args(num_layers=8))   # megatron's state is set up
+    config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size = 2, 2
+    for rank in range(2):
+        for chunk in range(2):
+            assert layer_offset(8, 2, 2, rank, chunk) == get_transformer_layer_offset(
+                config, vp_stage=chunk, pp_rank=rank)
+
+
+def test_to_megatron_loads_in_megatron_core_and_converts_back_bit_identical(megatron, tmp_path):
+    """ptdp -> Megatron (1, 1), local names: megatron-core loads it strictly and computes the
+    same logits; ptdp -> Megatron (2, 2) with TransformerEngine's names -> ptdp: identical."""
+    from ptdp.megatron.checkpoint import from_megatron, read_megatron, to_megatron_checkpoint
+    from_megatron(megatron["root"] / "gpt_dist", tmp_path / "ptdp", ["parallel.tensor=2"])
+    info = to_megatron_checkpoint(tmp_path / "ptdp", tmp_path / "meg", transformer_impl="local")
+    assert info["padded_rows"] == 0 and info["args"].make_vocab_size_divisible_by == 128
+    fresh = mc.build_gpt(mc.gpt_args(), seed=99)
+    mc.load_legacy_into(fresh, info["directory"])
+    _close(mc.gpt_logits(fresh, TOKENS), megatron["gpt_logits"])
+    to_megatron_checkpoint(tmp_path / "ptdp", tmp_path / "meg22", tensor=2, pipeline=2)
+    files = sorted(p.parent.name for p in (tmp_path / "meg22").rglob("model_optim_rng.pt"))
+    assert files == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    back = read_megatron(tmp_path / "meg22")["state"]
+    _, _, ours = read_full_state(tmp_path / "ptdp")
+    assert back.keys() == ours.keys()
+    assert all(torch.equal(back[k], ours[k]) for k in ours)
+
+
+def test_converted_checkpoint_trains_on(megatron, tmp_path):
+    """One iteration of `ptdp train` (single process) continues from Megatron's iteration."""
+    from ptdp.config import load_config
+    from ptdp.megatron.checkpoint import from_megatron
+    from ptdp.training import Trainer
+    final, _, _ = from_megatron(megatron["root"] / "gpt_legacy", tmp_path / "ptdp")
+    cfg = load_config(str(final / "config.yaml"),
+                      [f"checkpoint.load={tmp_path}/ptdp", "train.iters=101",
+                       "train.micro_batch_size=2", "train.global_batch_size=2",
+                       "log.progress=false", "train.timeout_s=60"], world_size=1)
+    trainer = Trainer(cfg)
+    assert trainer.iteration == 100
+    records = trainer.train()
+    assert [r["iter"] for r in records] == [101] and torch.isfinite(torch.tensor(records[0]["loss"]))
+
+
+@pytest.mark.parametrize("setting, words", [
+    (dict(num_experts=8), "--num-experts=8: a mixture of experts"),
+    (dict(normalization="LayerNorm1p"), "--normalization=LayerNorm1p"),
+    (dict(openai_gelu=True, swiglu=False), "--openai-gelu=True"),
+    (dict(rotary_percent=0.5), "--rotary-percent=0.5"),
+])
+def test_what_ptdp_cannot_compute_is_refused_in_one_line(megatron, tmp_path, setting, words):
+    from ptdp.megatron.checkpoint import read_megatron
+    from ptdp.megatron.names import MegatronConversionError
+    src = megatron["root"] / "gpt_legacy" / "iter_0000100" / "mp_rank_00" / "model_optim_rng.pt"
+    saved = torch.load(src, weights_only=False)
+    saved["args"] = mc.gpt_args(**setting)
+    sub = tmp_path / "iter_0000100" / "mp_rank_00"
+    sub.mkdir(parents=True)
+    torch.save(saved, sub / "model_optim_rng.pt")
+    with pytest.raises(MegatronConversionError, match=words) as err:
+        read_megatron(tmp_path / "iter_0000100")
+    assert "\n" not in str(err.value)
