@@ -187,3 +187,21 @@ def test_what_ptdp_cannot_compute_is_refused_in_one_line(megatron, tmp_path, set
     with pytest.raises(MegatronConversionError, match=words) as err:
         read_megatron(tmp_path / "iter_0000100")
     assert "\n" not in str(err.value)
+
+
+def test_command_line_both_ways(megatron, tmp_path, capsys):
+    from ptdp.cli import main
+    src = megatron["root"] / "bert_legacy"
+    assert main(["convert", str(src), "--from", "megatron", "--out", str(tmp_path / "p"),
+                 "parallel.pipeline=2"]) == 0
+    assert "bert from Megatron's legacy checkpoint" in capsys.readouterr().out
+    assert main(["convert", str(tmp_path / "p"), "--to", "megatron", str(tmp_path / "m"),
+                 "parallel.tensor=2"]) == 0
+    assert "--make-vocab-size-divisible-by 64" in capsys.readouterr().out
+    assert (tmp_path / "m" / "iter_0000005" / "mp_rank_01" / "model_optim_rng.pt").is_file()
+    assert main(["convert", str(tmp_path / "p"), "--to", "megatron", str(tmp_path / "x"),
+                 "model.hidden_size=8"]) == 2
+    assert "takes only parallel.tensor=T" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path), "--from", "megatron", "--out", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not a Megatron checkpoint" in err
