@@ -24,9 +24,10 @@ def register(subparsers) -> None:
                     "[overrides]: a Megatron-LM checkpoint of a megatron-core GPT or BERT (legacy "
                     "mp_rank_* files of any tensor/pipeline/virtual split, or torch_dist), "
                     "resuming at its iteration. ptdp convert CHECKPOINT --to megatron OUT_DIR "
-                    "[parallel.tensor=T parallel.pipeline=P] [--transformer-impl local]: a "
-                    "legacy Megatron-LM checkpoint of that split (load it with --ckpt-format "
-                    "torch --no-load-optim --no-load-rng). See docs/migration.md.")
+                    "[parallel.tensor=T parallel.pipeline=P] [--ckpt-format torch] "
+                    "[--transformer-impl local]: a Megatron-LM checkpoint, torch_dist by "
+                    "default or legacy files of that split (load it with --no-load-optim "
+                    "--no-load-rng). See docs/migration.md.")
     parser.add_argument("source", help="a ptdp checkpoint (dir or iter_N) or, with --from, a "
                                        "Hugging Face model directory or a Megatron-LM checkpoint "
                                        "(its dir, iter_NNNNNNN or release)")
@@ -48,6 +49,10 @@ def register(subparsers) -> None:
                         default="transformer_engine",
                         help="--to megatron: name the norms as Megatron-LM's "
                              "--transformer-impl does (its default is transformer_engine)")
+    parser.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                        help="--to megatron: Megatron-LM's --ckpt-format to write: torch_dist "
+                             "(its default; any split loads it) or torch (legacy mp_rank_* "
+                             "files of the parallel.tensor x parallel.pipeline split)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="layout and other config overrides (--from); with --to megatron "
                              "only parallel.tensor and parallel.pipeline, the split to write")
@@ -153,7 +158,8 @@ def _to_megatron(args) -> int:
         split[key] = int(value)
     try:
         info = to_megatron_checkpoint(args.source, args.to[1], split["parallel.tensor"],
-                                      split["parallel.pipeline"], args.transformer_impl)
+                                      split["parallel.pipeline"], args.transformer_impl,
+                                      args.ckpt_format)
     except (CheckpointError, ValueError, FileNotFoundError, KeyError) as err:
         print(f"ptdp convert: {_message(err)}", file=sys.stderr)
         return 2
@@ -162,11 +168,13 @@ def _to_megatron(args) -> int:
         print(f"ptdp convert: note: the vocabulary ({meg.padded_vocab_size - info['padded_rows']}"
               f") is not a multiple of the tensor size; Megatron's {info['padded_rows']} padding "
               f"rows are zeros, whose logits (0) enter its softmax", file=sys.stderr)
+    split_text = ("" if args.ckpt_format == "torch_dist" else
+                  f", tensor {split['parallel.tensor']} x pipeline {split['parallel.pipeline']}")
     print(f"wrote {info['directory']}: {info['arch']}, {info['parameters']:,} parameters, from "
-          f"{info['checkpoint']} (iteration {info['iteration']}), tensor {split['parallel.tensor']}"
-          f" x pipeline {split['parallel.pipeline']}; load it in Megatron-LM with --ckpt-format "
-          f"torch --no-load-optim --no-load-rng --make-vocab-size-divisible-by "
-          f"{meg.make_vocab_size_divisible_by} --transformer-impl {meg.transformer_impl}")
+          f"{info['checkpoint']} (iteration {info['iteration']}){split_text}; load it in "
+          f"Megatron-LM with --ckpt-format {args.ckpt_format} --no-load-optim --no-load-rng "
+          f"--make-vocab-size-divisible-by {meg.make_vocab_size_divisible_by} "
+          f"--transformer-impl {meg.transformer_impl}")
     return 0
 
 

@@ -10,9 +10,9 @@ ask for (ptdp/checkpoint/save.py `save_full_state`) at Megatron's iteration, whi
 `ptdp train ... checkpoint.load=OUT` continues from (fresh optimizer state).
 
 ptdp -> Megatron: the full weights of a checkpoint of any layout
-(ptdp/inference/local_model.py), the vocabulary padded as Megatron pads it, split for the
-requested tensor/pipeline sizes and written in the legacy format with an `args` Namespace
-Megatron-LM's loader accepts.
+(ptdp/inference/local_model.py), the vocabulary padded as Megatron pads it, written as
+torch_dist (Megatron-LM's default format, layout-free) or in the legacy format split for the
+requested tensor/pipeline sizes, with an `args` Namespace Megatron-LM's loader accepts.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import torch
 
 from ptdp.megatron import files, legacy, torch_dist
 from ptdp.megatron.model_args import megatron_args, model_config, notes, vocab_divisor
-from ptdp.megatron.names import VOCAB_ROWS, arch_of, require, to_megatron, to_ptdp
+from ptdp.megatron.names import BLOCK, VOCAB_ROWS, arch_of, require, to_megatron, to_ptdp
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
+FORMATS = ("torch_dist", "torch")   # Megatron-LM's --ckpt-format names; torch = legacy
 
 
 def read_megatron(path: str | os.PathLike) -> dict:
@@ -85,14 +86,18 @@ def _padded(state: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor
 
 def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike,
                            tensor: int = 1, pipeline: int = 1,
-                           transformer_impl: str = "transformer_engine") -> dict:
-    """Write a ptdp checkpoint as a legacy Megatron-LM checkpoint split (tensor, pipeline);
-    returns a short summary."""
+                           transformer_impl: str = "transformer_engine",
+                           ckpt_format: str = "torch_dist") -> dict:
+    """Write a ptdp checkpoint as a Megatron-LM checkpoint: torch_dist (layout-free; the split
+    only goes into the args) or legacy ("torch") split (tensor, pipeline). Returns a short
+    summary."""
     from ptdp.inference.local_model import model_config as ptdp_model_config
     from ptdp.inference.local_model import read_full_state
 
     require(transformer_impl in TRANSFORMER_IMPLS,
             f"--transformer-impl {transformer_impl}: choose {' or '.join(TRANSFORMER_IMPLS)}")
+    require(ckpt_format in FORMATS, f"--ckpt-format {ckpt_format}: choose "
+                                    f"{' or '.join(FORMATS)}")
     require(tensor >= 1 and pipeline >= 1, "tensor and pipeline sizes must be at least 1")
     directory, meta, full = read_full_state(checkpoint)
     cfg = ptdp_model_config(meta)
@@ -105,8 +110,16 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
     args = megatron_args(cfg, tensor, pipeline, padded, meta["iteration"], consumed,
                          transformer_impl)
     state = _padded(to_megatron(cfg, full), padded)
-    final = legacy.write(state, cfg, args, Path(out), meta["iteration"], tensor, pipeline,
-                         fused_norms=transformer_impl == "transformer_engine")
+    fused = transformer_impl == "transformer_engine"
+    args.ckpt_format = ckpt_format
+    if ckpt_format == "torch":
+        final = legacy.write(state, cfg, args, Path(out), meta["iteration"], tensor, pipeline,
+                             fused_norms=fused)
+    else:
+        final = Path(out) / f"iter_{meta['iteration']:07d}"
+        torch_dist.write(state, cfg.num_layers, BLOCK[cfg.arch], args, final,
+                         meta["iteration"], fused_norms=fused)
+        files.write_tracker(Path(out), meta["iteration"])
     extra = padded - cfg.vocab_size
     return {"directory": final, "checkpoint": directory, "iteration": meta["iteration"],
             "arch": cfg.arch, "padded_rows": extra, "args": args,

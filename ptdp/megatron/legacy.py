@@ -10,7 +10,8 @@ gate halves and the up halves are joined apart) and renumbers layers: a chunk's 
 own layers from 0, and chunk k of pipeline rank s holds layers from
 k * L / V + s * L / (P * V) (megatron-core's `get_transformer_layer_offset`, even split).
 Writing does the inverse, with the last stage's copy of a tied word table as
-`output_layer.weight` and `_extra_state: None` beside every linear, as megatron-core saves.
+`output_layer.weight` and `_extra_state: None` for each of a layer's modules that megatron-core
+gives one (names.py `layer_extra_states`).
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import torch
 
 from ptdp.config import ModelConfig
 from ptdp.megatron import files
-from ptdp.megatron.names import (fused_norm_names, is_gated_fc1, local_norm_names,
-                                 partition_dim, require)
+from ptdp.megatron.names import (fused_norm_names, is_gated_fc1, layer_extra_states,
+                                 local_norm_names, partition_dim, require)
 
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
+_LAYER_PREFIX = re.compile(r"^((?:decoder|encoder)\.layers\.\d+\.)")
 _UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
            "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
            "account_for_loss_in_pipeline_split")
@@ -117,14 +119,13 @@ def _split(name: str, value: torch.Tensor, tensor: int, cfg: ModelConfig) -> lis
     return list(value.chunk(tensor, dim=dim))
 
 
-def _stage_of(name: str, cfg: ModelConfig, pipeline: int) -> list[tuple[int, str]]:
-    """[(pipeline rank, local name)] that hold a weight of the full Megatron state."""
+def _stage_of(name: str, cfg: ModelConfig, pipeline: int) -> tuple[int, str]:
+    """(pipeline rank, local name) of a weight of the full Megatron state."""
     if match := _LAYER.match(name):
         per_stage = cfg.num_layers // pipeline
         index = int(match.group(2))
-        return [(index // per_stage, f"{match.group(1)}.layers.{index % per_stage}."
-                                     f"{match.group(3)}")]
-    return [(0 if name.startswith("embedding.") else pipeline - 1, name)]
+        return index // per_stage, f"{match.group(1)}.layers.{index % per_stage}.{match.group(3)}"
+    return (0 if name.startswith("embedding.") else pipeline - 1), name
 
 
 def write(state: dict[str, torch.Tensor], cfg: ModelConfig, args, root: Path, iteration: int,
@@ -139,23 +140,21 @@ def write(state: dict[str, torch.Tensor], cfg: ModelConfig, args, root: Path, it
         state = dict(state, **{"output_layer.weight": state["embedding.word_embeddings.weight"]})
     dicts = {(t, p): {} for t in range(tensor) for p in range(pipeline)}
     for name, value in state.items():
-        for p, local in _stage_of(name, cfg, pipeline):
-            for t, shard in enumerate(_split(name, value, tensor, cfg)):
-                dicts[t, p][local] = shard.clone().contiguous()
+        p, local = _stage_of(name, cfg, pipeline)
+        for t, shard in enumerate(_split(name, value, tensor, cfg)):
+            dicts[t, p][local] = shard.clone().contiguous()
     final = root / f"iter_{iteration:07d}"
     for (t, p), model in dicts.items():
         model = fused_norm_names(model) if fused_norms else model
-        for name in [n for n in model if n.endswith(".weight") and _is_linear(n)]:
-            model[name[:-len("weight")] + "_extra_state"] = None
+        for prefix in {m.group(1) for n in model if (m := _LAYER_PREFIX.match(n))}:
+            for module in layer_extra_states(fused_norms):
+                model[f"{prefix}{module}._extra_state"] = None
+        if p == pipeline - 1:   # the output layer is a ColumnParallelLinear, tied or not
+            model["output_layer._extra_state"] = None
         sub = final / (f"mp_rank_{t:02d}" + (f"_{p:03d}" if pipeline > 1 else ""))
         sub.mkdir(parents=True, exist_ok=True)
         torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION,
                     "iteration": iteration, "model": model}, sub / files.MODEL_FILE)
     files.write_tracker(root, iteration)
     return final
-
-
-def _is_linear(name: str) -> bool:
-    return any(part in name for part in ("linear_qkv.", "linear_proj.", "linear_fc1.",
-                                         "linear_fc2.", "output_layer."))
 

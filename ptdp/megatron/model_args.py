@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from argparse import Namespace
 
+import torch
+
 from ptdp.config import ModelConfig
 from ptdp.megatron.names import require
 
@@ -159,4 +161,4 @@ def megatron_args(cfg: ModelConfig, tensor: int, pipeline: int, padded_vocab: in
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
         transformer_impl=transformer_impl, ckpt_format="torch", iteration=iteration,
         consumed_train_samples=consumed_samples, consumed_valid_samples=0,
-        params_dtype="float32", fp16=False, bf16=False)
+        params_dtype=torch.float32, fp16=False, bf16=False)

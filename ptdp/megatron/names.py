@@ -175,3 +175,13 @@ def to_megatron(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, to
 
 # Split by a vocabulary (rows padded to Megatron's padded_vocab_size).
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
+# The modules of a layer that megatron-core saves an `_extra_state` for (TransformerEngine's
+# fp8 metadata; None with the local spec): its linears, and with TransformerEngine its
+# attention kernel too. A strict load expects them, so a written checkpoint has them (None).
+LAYER_EXTRA_STATES = ("self_attention.linear_qkv", "self_attention.linear_proj",
+                      "mlp.linear_fc1", "mlp.linear_fc2")
+TE_LAYER_EXTRA_STATES = LAYER_EXTRA_STATES + ("self_attention.core_attention",)
+
+
+def layer_extra_states(fused_norms: bool) -> tuple[str, ...]:
+    return TE_LAYER_EXTRA_STATES if fused_norms else LAYER_EXTRA_STATES

@@ -10,6 +10,11 @@ number (`decoder.layers.self_attention.linear_qkv.weight`, [num_layers, 3h, h]) 
 the pipeline split, the norms under TransformerEngine's fused names, SwiGLU's fc1 as
 [gate (f rows); up (f rows)] and the word table padded to padded_vocab_size. Optimizer
 states, RNG states and `_extra_state` objects are other keys, not read.
+
+Writing makes the same keys with `torch.distributed.checkpoint.save` (one process, no group):
+what megatron-core's `dist_checkpointing.load` asks of a model's `sharded_state_dict()`,
+including each layer module's `_extra_state` object (`KEY/shard_I_L` for layer I of L,
+holding [None] as megatron-core stores a list of the shards' objects).
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ from pathlib import Path
 import torch
 
 from ptdp.megatron import files
-from ptdp.megatron.names import local_norm_names, require
+from ptdp.megatron.names import fused_norm_names, layer_extra_states, local_norm_names, require
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "encoder.", "output_layer.", "lm_head.", "pooler.",
                   "binary_head.")
 _STACKED = re.compile(r"^(decoder|encoder)\.layers\.(?!\d+\.)(.*)$")
+_NUMBERED = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
+METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+            "common_backend": "torch", "common_backend_version": 1}
 
 
 def _metadata(directory: Path) -> dict:
@@ -79,3 +87,36 @@ def read(directory: Path) -> tuple[object, dict[str, torch.Tensor]]:
     saved = files.load(common)
     args = saved.get("args") if isinstance(saved, dict) else None
     return args, local_norm_names(_unstacked(_model_tensors(directory)))
+
+
+def _stacked(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """decoder.layers.{i}.X for every layer i -> decoder.layers.X [L, ...]."""
+    layers: dict[str, dict[int, torch.Tensor]] = {}
+    out = {}
+    for key, value in state.items():
+        if match := _NUMBERED.match(key):
+            layers.setdefault(f"{match.group(1)}.layers.{match.group(3)}", {})[
+                int(match.group(2))] = value
+        else:
+            out[key] = value
+    for key, per_layer in layers.items():
+        require(sorted(per_layer) == list(range(num_layers)), f"'{key}' is not in every layer")
+        out[key] = torch.stack([per_layer[i] for i in range(num_layers)])
+    return out
+
+
+def write(state: dict[str, torch.Tensor], num_layers: int, block: str, args, directory: Path,
+          iteration: int, fused_norms: bool) -> None:
+    """A full Megatron state as a torch_dist iteration directory (`directory`)."""
+    import torch.distributed.checkpoint as dcp
+    sharded: dict[str, object] = dict(_stacked(fused_norm_names(state), num_layers))
+    for module in layer_extra_states(fused_norms):
+        for i in range(num_layers):
+            sharded[f"{block}.layers.{module}._extra_state/shard_{i}_{num_layers}"] = [None]
+    # BERT's output layer asks for its own (GPT's does not); an unrequested key is never read
+    sharded["output_layer._extra_state/shard_0_1"] = [None]
+    directory.mkdir(parents=True, exist_ok=True)
+    dcp.save(sharded, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
+    torch.save({"args": args, "iteration": iteration, "checkpoint_version": 3.0},
+               directory / "common.pt")
+    (directory / "metadata.json").write_text(json.dumps(METADATA))

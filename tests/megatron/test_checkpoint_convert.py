@@ -134,23 +134,50 @@ def test_virtual_pipeline_layer_offsets_are_megatron_cores(megatron):
                 config, vp_stage=chunk, pp_rank=rank)
 
 
-def test_to_megatron_loads_in_megatron_core_and_converts_back_bit_identical(megatron, tmp_path):
-    """ptdp -> Megatron (1, 1), local names: megatron-core loads it strictly and computes the
-    same logits; ptdp -> Megatron (2, 2) with TransformerEngine's names -> ptdp: identical."""
+@pytest.mark.parametrize("arch", ["gpt", "bert"])
+def test_to_megatron_loads_in_megatron_core(megatron, arch, tmp_path):
+    """ptdp -> Megatron with the local spec's names, legacy and torch_dist: megatron-core
+    loads each strictly (`load_state_dict`, `dist_checkpointing.load`) and computes the same
+    logits as the model the ptdp checkpoint came from."""
+    from megatron.core import dist_checkpointing
+    from ptdp.megatron.checkpoint import from_megatron, to_megatron_checkpoint
+    from_megatron(megatron["root"] / f"{arch}_dist", tmp_path / "ptdp", ["parallel.tensor=2"])
+    args = mc.gpt_args() if arch == "gpt" else mc.bert_args()
+    build = mc.build_gpt if arch == "gpt" else mc.build_bert
+    for fmt in ("torch", "torch_dist"):
+        info = to_megatron_checkpoint(tmp_path / "ptdp", tmp_path / fmt, transformer_impl="local",
+                                      ckpt_format=fmt)
+        assert info["padded_rows"] == 0 and info["args"].make_vocab_size_divisible_by == 128
+        fresh = build(args, seed=99)
+        if fmt == "torch":
+            mc.load_legacy_into(fresh, info["directory"])
+        else:
+            loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict()},
+                                             str(info["directory"]))   # as Megatron-LM does
+            fresh.load_state_dict(loaded["model"], strict=True)
+        if arch == "gpt":
+            _close(mc.gpt_logits(fresh, TOKENS), megatron["gpt_logits"])
+        else:
+            for ours, theirs in zip(mc.bert_logits(fresh, TOKENS, TYPES), megatron["bert_logits"]):
+                _close(ours, theirs)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_ptdp_megatron_ptdp_is_bit_identical(megatron, fmt, tmp_path):
+    """ptdp -> Megatron (tensor 2, pipeline 2, TransformerEngine's names) -> ptdp."""
     from ptdp.megatron.checkpoint import from_megatron, read_megatron, to_megatron_checkpoint
-    from_megatron(megatron["root"] / "gpt_dist", tmp_path / "ptdp", ["parallel.tensor=2"])
-    info = to_megatron_checkpoint(tmp_path / "ptdp", tmp_path / "meg", transformer_impl="local")
-    assert info["padded_rows"] == 0 and info["args"].make_vocab_size_divisible_by == 128
-    fresh = mc.build_gpt(mc.gpt_args(), seed=99)
-    mc.load_legacy_into(fresh, info["directory"])
-    _close(mc.gpt_logits(fresh, TOKENS), megatron["gpt_logits"])
-    to_megatron_checkpoint(tmp_path / "ptdp", tmp_path / "meg22", tensor=2, pipeline=2)
-    files = sorted(p.parent.name for p in (tmp_path / "meg22").rglob("model_optim_rng.pt"))
-    assert files == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
-    back = read_megatron(tmp_path / "meg22")["state"]
-    _, _, ours = read_full_state(tmp_path / "ptdp")
-    assert back.keys() == ours.keys()
-    assert all(torch.equal(back[k], ours[k]) for k in ours)
+    for arch in ("gpt", "bert"):
+        from_megatron(megatron["root"] / f"{arch}_legacy", tmp_path / arch)
+        to_megatron_checkpoint(tmp_path / arch, tmp_path / f"{arch}_meg", 2, 2, ckpt_format=fmt)
+        if fmt == "torch":
+            files = sorted(p.parent.name for p in (tmp_path / f"{arch}_meg").rglob("*.pt"))
+            assert files == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
+                             "mp_rank_01_001"]
+        back = read_megatron(tmp_path / f"{arch}_meg")
+        assert back["format"] == fmt.replace("torch", "legacy", fmt == "torch")
+        _, _, ours = read_full_state(tmp_path / arch)
+        assert back["state"].keys() == ours.keys()
+        assert all(torch.equal(back["state"][k], ours[k]) for k in ours)
 
 
 def test_converted_checkpoint_trains_on(megatron, tmp_path):
@@ -196,9 +223,12 @@ def test_command_line_both_ways(megatron, tmp_path, capsys):
                  "parallel.pipeline=2"]) == 0
     assert "bert from Megatron's legacy checkpoint" in capsys.readouterr().out
     assert main(["convert", str(tmp_path / "p"), "--to", "megatron", str(tmp_path / "m"),
-                 "parallel.tensor=2"]) == 0
+                 "parallel.tensor=2", "--ckpt-format", "torch"]) == 0
     assert "--make-vocab-size-divisible-by 64" in capsys.readouterr().out
     assert (tmp_path / "m" / "iter_0000005" / "mp_rank_01" / "model_optim_rng.pt").is_file()
+    assert main(["convert", str(tmp_path / "p"), "--to", "megatron", str(tmp_path / "d")]) == 0
+    assert "--ckpt-format torch_dist" in capsys.readouterr().out
+    assert (tmp_path / "d" / "iter_0000005" / "metadata.json").is_file()
     assert main(["convert", str(tmp_path / "p"), "--to", "megatron", str(tmp_path / "x"),
                  "model.hidden_size=8"]) == 2
     assert "takes only parallel.tensor=T" in capsys.readouterr().err
