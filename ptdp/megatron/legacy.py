@@ -89,6 +89,10 @@ def read(directory: Path) -> tuple[object, dict[str, torch.Tensor]]:
     for t in range(tensor):
         for p in range(pipeline):
             saved = files.load(paths[t, p])
+            version = saved.get("checkpoint_version", CHECKPOINT_VERSION)
+            require(version >= CHECKPOINT_VERSION,
+                    f"{paths[t, p]}: checkpoint_version {version}: before 3.0 Megatron ordered "
+                    f"the QKV rows otherwise; re-save it with a current Megatron-LM first")
             args = args if args is not None else saved.get("args")
             chunks = _chunks(saved, paths[t, p])
             if args is not None:

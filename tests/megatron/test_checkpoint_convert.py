@@ -104,19 +104,33 @@ def _megatron_split(full: dict, args, tensor: int, pipeline: int) -> dict:
     return out
 
 
-def test_legacy_tensor_and_pipeline_split_reads_as_the_whole_model(megatron, tmp_path):
-    """A (2, 2) legacy checkpoint converts to the same weights as the (1, 1) one."""
+def _save_split(shards: dict, args, directory, virtual: bool) -> None:
+    """Rank (t, p)'s state dict as Megatron-LM saves it; `virtual`: the two stages are instead
+    the virtual chunks 'model0', 'model1' of one pipeline rank (with one pipeline rank and two
+    chunks of one layer each, chunk k holds what stage k of two does)."""
+    for t in range(args.tensor_model_parallel_size):
+        if virtual:
+            saved = {f"model{k}": shards[t, k] for k in range(2)}
+            files = {f"mp_rank_{t:02d}": saved}
+        else:
+            files = {f"mp_rank_{t:02d}_{p:03d}": {"model": shards[t, p]} for p in range(2)}
+        for name, saved in files.items():
+            (directory / name).mkdir(parents=True)
+            torch.save(dict(saved, args=args, iteration=7, checkpoint_version=3.0),
+                       directory / name / "model_optim_rng.pt")
+
+
+@pytest.mark.parametrize("virtual", [False, True])
+def test_legacy_tensor_and_pipeline_split_reads_as_the_whole_model(megatron, virtual, tmp_path):
+    """(tensor 2, pipeline 2) and (tensor 2, 1 pipeline rank x 2 virtual chunks) legacy
+    checkpoints convert to the same weights as the (1, 1) one, bit for bit."""
     from ptdp.megatron.checkpoint import read_megatron
-    args = mc.gpt_args(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    args = mc.gpt_args(tensor_model_parallel_size=2, pipeline_model_parallel_size=2 - virtual,
+                       virtual_pipeline_model_parallel_size=2 if virtual else None)
     shards = _megatron_split(megatron["gpt"].state_dict(), args, 2, 2)
-    root = tmp_path / "split"
-    for (t, p), model in shards.items():
-        sub = root / "iter_0000007" / f"mp_rank_{t:02d}_{p:03d}"
-        sub.mkdir(parents=True)
-        torch.save({"args": args, "iteration": 7, "checkpoint_version": 3.0, "model": model},
-                   sub / "model_optim_rng.pt")
+    _save_split(shards, args, tmp_path / "iter_0000007", virtual)
     whole = read_megatron(megatron["root"] / "gpt_legacy")["state"]
-    split = read_megatron(root / "iter_0000007")
+    split = read_megatron(tmp_path / "iter_0000007")
     assert split["iteration"] == 7 and split["format"] == "legacy"
     assert split["state"].keys() == whole.keys()
     for name, value in whole.items():
@@ -235,3 +249,18 @@ def test_command_line_both_ways(megatron, tmp_path, capsys):
     assert main(["convert", str(tmp_path), "--from", "megatron", "--out", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a Megatron checkpoint" in err
+
+
+def test_legacy_model_names_and_old_versions_are_refused_naming_the_way_out(tmp_path):
+    from ptdp.megatron.checkpoint import read_megatron
+    from ptdp.megatron.names import MegatronConversionError
+    for name, version, words in [("a", 3.0, "tools/checkpoint/convert.py"),
+                                 ("b", 2.0, "checkpoint_version 2.0")]:
+        sub = tmp_path / name / "release" / "mp_rank_00"
+        sub.mkdir(parents=True)
+        model = {"language_model.embedding.word_embeddings.weight": torch.zeros(mc.VOCAB, 32)}
+        torch.save({"args": mc.gpt_args(), "checkpoint_version": version, "model": model},
+                   sub / "model_optim_rng.pt")
+        (tmp_path / name / "latest_checkpointed_iteration.txt").write_text("release")
+        with pytest.raises(MegatronConversionError, match=words):
+            read_megatron(tmp_path / name)
