@@ -67,7 +67,8 @@ def from_megatron(source: str | os.PathLike, out: str | os.PathLike, overrides=(
     extra = ["data.source=synthetic"] if not any(o.startswith("data.") for o in overrides) else []
     if tokenizer:
         extra.append(f"data.tokenizer={tokenizer}")
-    cfg = load_config(None, model_keys + extra + list(overrides), world_size=math.prod(par.values()))
+    cfg = load_config(None, model_keys + extra + list(overrides),
+                      world_size=math.prod(par.values()))
     step = found["iteration"] if iteration is None else iteration
     final = save_full_state(found["state"], cfg, out, iteration=step, tokenizer=tokenizer)
     return final, cfg, found

@@ -131,9 +131,10 @@ def _pairs(cfg: ModelConfig):
 
 def _fc1_names(cfg: ModelConfig):
     kinds = ("weight", "bias") if cfg.bias else ("weight",)
+    block = BLOCK[cfg.arch]
     for i in range(cfg.num_layers):
         for kind in kinds:
-            yield f"layers.{i}.mlp.fc1.{kind}", f"{BLOCK[cfg.arch]}.layers.{i}.mlp.linear_fc1.{kind}"
+            yield f"layers.{i}.mlp.fc1.{kind}", f"{block}.layers.{i}.mlp.linear_fc1.{kind}"
 
 
 def to_ptdp(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
