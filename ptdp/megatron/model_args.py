@@ -77,9 +77,8 @@ def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
     require(kv * heads == hidden, f"--kv-channels={kv} is not hidden_size/num_attention_heads "
                                   f"({hidden}/{heads}); ptdp's heads split the hidden size")
     gated = bool(_get(args, "swiglu", False))
-    require(not (gated and arch == "bert"), "--swiglu with BERT: ptdp's BERT uses GeLU")
-    require(arch == "gpt" or _get(args, "bert_binary_head", True),
-            "--bert-binary-head=False: ptdp's BERT always has the sentence-order head")
+    if arch == "bert":
+        _refuse_for_bert(args, gated, norm, kind)
     groups = (_get(args, "num_query_groups", heads)
               if _get(args, "group_query_attention", False) else heads)
     bias = bool(_get(args, "add_bias_linear", True))
@@ -106,14 +105,32 @@ def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
         normalization="rmsnorm" if norm == "RMSNorm" else "layernorm",
         activation="swiglu" if gated else "gelu", bias=bias,
         qkv_bias=bias or bool(_get(args, "add_qkv_bias", False)),
-        tie_embeddings=arch == "bert" or not _get(args, "untie_embeddings_and_output_weights",
-                                                   False), **extra)
+        tie_embeddings=not _get(args, "untie_embeddings_and_output_weights", False), **extra)
+
+
+def _refuse_for_bert(args, gated: bool, norm: str, kind: str) -> None:
+    """ptdp's BERT (models/bert.py): GeLU, LayerNorm (its LM head's too), learned positions,
+    the LM head tied to the word table, and always the sentence-order head."""
+    for condition, setting in [
+            (gated, "--swiglu"), (norm != "LayerNorm", f"--normalization={norm}"),
+            (kind != "learned_absolute", f"--position-embedding-type={kind}"),
+            (_get(args, "untie_embeddings_and_output_weights", False),
+             "--untie-embeddings-and-output-weights"),
+            (not _get(args, "bert_binary_head", True), "--bert-binary-head=False")]:
+        require(not condition, f"{setting} with BERT: ptdp's BERT has GeLU, LayerNorm, learned "
+                               f"positions, a tied LM head and the sentence-order head")
 
 
 def notes(args) -> list[str]:
     """What converts but trains differently, one line each (printed by `ptdp convert`)."""
     hidden, attn = _get(args, "hidden_dropout", 0.1), _get(args, "attention_dropout", 0.1)
     out = []
+    seq, table = _get(args, "seq_length"), _get(args, "max_position_embeddings")
+    if _get(args, "position_embedding_type", "learned_absolute") == "learned_absolute" and \
+            seq is not None and table is not None and seq != table:
+        out.append(f"--seq-length={seq} but the position table has max_position_embeddings="
+                   f"{table} rows: ptdp's model.seq_length={table} sizes both (train on "
+                   f"sequences of that length)")
     if hidden != attn:
         out.append(f"--attention-dropout={attn} differs from --hidden-dropout={hidden}; ptdp's "
                    f"model.dropout={hidden} applies to both")

@@ -211,23 +211,28 @@ def test_converted_checkpoint_trains_on(megatron, tmp_path):
     assert torch.isfinite(torch.tensor(records[0]["loss"]))
 
 
-@pytest.mark.parametrize("setting, words", [
-    (dict(num_experts=8), "--num-experts=8: a mixture of experts"),
-    (dict(normalization="LayerNorm1p"), "--normalization=LayerNorm1p"),
-    (dict(openai_gelu=True, swiglu=False), "--openai-gelu=True"),
-    (dict(rotary_percent=0.5), "--rotary-percent=0.5"),
+@pytest.mark.parametrize("arch, setting, words", [
+    ("gpt", dict(num_experts=8), "--num-experts=8: a mixture of experts"),
+    ("gpt", dict(normalization="LayerNorm1p"), "--normalization=LayerNorm1p"),
+    ("gpt", dict(openai_gelu=True, swiglu=False), "--openai-gelu=True"),
+    ("gpt", dict(rotary_percent=0.5), "--rotary-percent=0.5"),
+    ("bert", dict(untie_embeddings_and_output_weights=True),
+     "--untie-embeddings-and-output-weights with BERT"),
 ])
-def test_what_ptdp_cannot_compute_is_refused_in_one_line(megatron, tmp_path, setting, words):
+def test_what_ptdp_cannot_compute_is_refused_in_one_line(megatron, tmp_path, arch, setting,
+                                                         words):
     from ptdp.megatron.checkpoint import read_megatron
     from ptdp.megatron.names import MegatronConversionError
-    src = megatron["root"] / "gpt_legacy" / "iter_0000100" / "mp_rank_00" / "model_optim_rng.pt"
+    iteration = {"gpt": 100, "bert": 5}[arch]
+    name = f"iter_{iteration:07d}"
+    src = megatron["root"] / f"{arch}_legacy" / name / "mp_rank_00" / "model_optim_rng.pt"
     saved = torch.load(src, weights_only=False)
-    saved["args"] = mc.gpt_args(**setting)
-    sub = tmp_path / "iter_0000100" / "mp_rank_00"
+    saved["args"] = (mc.gpt_args if arch == "gpt" else mc.bert_args)(**setting)
+    sub = tmp_path / name / "mp_rank_00"
     sub.mkdir(parents=True)
     torch.save(saved, sub / "model_optim_rng.pt")
     with pytest.raises(MegatronConversionError, match=words) as err:
-        read_megatron(tmp_path / "iter_0000100")
+        read_megatron(tmp_path / name)
     assert "\n" not in str(err.value)
 
 
