@@ -270,3 +270,20 @@ def test_legacy_model_names_and_old_versions_are_refused_naming_the_way_out(tmp_
         (tmp_path / name / "latest_checkpointed_iteration.txt").write_text("release")
         with pytest.raises(MegatronConversionError, match=words):
             read_megatron(tmp_path / name)
+
+
+def test_megatron_classes_in_the_pickles_need_no_megatron(megatron, tmp_path, monkeypatch):
+    """Megatron-LM's args hold its enums; reading them imports nothing of Megatron."""
+    import sys
+    from megatron.core.enums import ModelType
+    from ptdp.megatron.checkpoint import read_megatron
+    from ptdp.megatron.files import Opaque
+    src = megatron["root"] / "gpt_legacy" / "iter_0000100" / "mp_rank_00" / "model_optim_rng.pt"
+    saved = torch.load(src, weights_only=False)
+    saved["args"].model_type = ModelType.encoder_or_decoder
+    sub = tmp_path / "iter_0000100" / "mp_rank_00"
+    sub.mkdir(parents=True)
+    torch.save(saved, sub / "model_optim_rng.pt")
+    monkeypatch.setitem(sys.modules, "megatron", None)   # any import of megatron now fails
+    found = read_megatron(tmp_path / "iter_0000100")
+    assert isinstance(found["args"].model_type, Opaque) and found["model"].num_layers == 2
