@@ -79,38 +79,46 @@ def _merge(name: str, shards: list[torch.Tensor], gated: bool) -> torch.Tensor:
     return torch.cat(shards, dim=dim)
 
 
+def _rank_state(path: Path, args, pipeline: int, rank: int) -> tuple[object, dict]:
+    """(args, {global name: this file's tensor}) of one rank's file; `args`: from an earlier
+    file, else this one's."""
+    saved = files.load(path)
+    version = saved.get("checkpoint_version", CHECKPOINT_VERSION)
+    require(version >= CHECKPOINT_VERSION,
+            f"{path}: checkpoint_version {version}: before 3.0 Megatron ordered the QKV rows "
+            f"otherwise; re-save it with a current Megatron-LM first")
+    args = args if args is not None else saved.get("args")
+    require(args is not None, f"{path} has no 'args': the model's shape comes from them")
+    chunks = _chunks(saved, path)
+    _check_even(args, pipeline, len(chunks))
+    out = {}
+    for k, chunk in enumerate(chunks):
+        offset = layer_offset(args.num_layers, pipeline, len(chunks), rank, k)
+        out.update((name, value) for name, value in
+                   _renumbered(local_norm_names(chunk), offset).items()
+                   if isinstance(value, torch.Tensor))
+    return args, out
+
+
 def read(directory: Path) -> tuple[object, dict[str, torch.Tensor]]:
     """(args, full Megatron state) of a legacy iteration directory of any split."""
     paths = files.rank_files(directory)
     tensor = 1 + max(t for t, _ in paths)
     pipeline = 1 + max(p for _, p in paths)
-    per_rank: dict[str, list[torch.Tensor]] = {}
+    shards: dict[str, list[torch.Tensor]] = {}   # name -> one tensor per tensor rank, in order
     args = None
     for t in range(tensor):
         for p in range(pipeline):
-            saved = files.load(paths[t, p])
-            version = saved.get("checkpoint_version", CHECKPOINT_VERSION)
-            require(version >= CHECKPOINT_VERSION,
-                    f"{paths[t, p]}: checkpoint_version {version}: before 3.0 Megatron ordered "
-                    f"the QKV rows otherwise; re-save it with a current Megatron-LM first")
-            args = args if args is not None else saved.get("args")
-            chunks = _chunks(saved, paths[t, p])
-            if args is not None:
-                _check_even(args, pipeline, len(chunks))
-            for k, chunk in enumerate(chunks):
-                require(args is not None, f"{paths[t, p]} has no 'args': the model's shape "
-                                          f"comes from them")
-                offset = layer_offset(args.num_layers, pipeline, len(chunks), p, k)
-                for name, value in _renumbered(local_norm_names(chunk), offset).items():
-                    if isinstance(value, torch.Tensor):
-                        per_rank.setdefault(name, []).append(value)
+            args, state = _rank_state(paths[t, p], args, pipeline, p)
+            for name, value in state.items():
+                shards.setdefault(name, []).append(value)
     gated = bool(getattr(args, "swiglu", False))
-    state = {}
-    for name, shards in per_rank.items():
-        require(len(shards) == tensor, f"'{name}' is on {len(shards)} of {tensor} tensor ranks "
+    merged = {}
+    for name, values in shards.items():
+        require(len(values) == tensor, f"'{name}' is on {len(values)} of {tensor} tensor ranks "
                                        f"(or on more than one pipeline stage)")
-        state[name] = _merge(name, shards, gated and ".linear_fc1." in name)
-    return args, state
+        merged[name] = _merge(name, values, gated and ".linear_fc1." in name)
+    return args, merged
 
 
 def _split(name: str, value: torch.Tensor, tensor: int, cfg: ModelConfig) -> list[torch.Tensor]:
