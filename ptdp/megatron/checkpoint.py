@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from ptdp.megatron import files, legacy, torch_dist
-from ptdp.megatron.model_args import megatron_args, model_config, notes, vocab_divisor
+from ptdp.megatron.model_args import (megatron_args, model_config, notes, refuse_for_megatron,
+                                      vocab_divisor)
 from ptdp.megatron.names import BLOCK, VOCAB_ROWS, arch_of, require, to_megatron, to_ptdp
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
@@ -102,8 +103,7 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
     require(tensor >= 1 and pipeline >= 1, "tensor and pipeline sizes must be at least 1")
     directory, meta, full = read_full_state(checkpoint)
     cfg = ptdp_model_config(meta)
-    require(cfg.arch == "gpt" or cfg.position_embedding == "learned",
-            "a BERT with rotary positions: Megatron's BERT learns absolute positions")
+    refuse_for_megatron(cfg)
     multiple = vocab_divisor(cfg.vocab_size, tensor) * tensor
     padded = multiple * math.ceil(cfg.vocab_size / multiple)
     train = meta.get("config", {}).get("train", {})

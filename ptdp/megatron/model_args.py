@@ -137,6 +137,20 @@ def notes(args) -> list[str]:
     return out
 
 
+def refuse_for_megatron(cfg: ModelConfig) -> None:
+    """What of ptdp's model Megatron's would compute otherwise (ptdp -> Megatron)."""
+    if cfg.position_embedding == "rope" and cfg.rope_scaling_factor != 1.0:
+        for key, fixed in ROPE_SCALING_FIXED.items():
+            require(getattr(cfg, key) == fixed, f"model.{key}={getattr(cfg, key)}: Megatron's "
+                                                f"rope scaling fixes it at {fixed}")
+    if cfg.arch == "bert":
+        for key, want in [("normalization", "layernorm"), ("activation", "gelu"),
+                          ("position_embedding", "learned"), ("tie_embeddings", True),
+                          ("num_tokentypes", 2)]:
+            require(getattr(cfg, key) == want, f"model.{key}={getattr(cfg, key)}: Megatron's "
+                                               f"BERT (with its binary head) has {key} {want}")
+
+
 def vocab_divisor(vocab: int, tensor: int) -> int:
     """The largest of 128, 64, ..., 1 whose multiple of `tensor` divides `vocab`: Megatron pads
     the vocabulary to a multiple of make_vocab_size_divisible_by * tensor size, and with this

@@ -287,3 +287,15 @@ def test_megatron_classes_in_the_pickles_need_no_megatron(megatron, tmp_path, mo
     monkeypatch.setitem(sys.modules, "megatron", None)   # any import of megatron now fails
     found = read_megatron(tmp_path / "iter_0000100")
     assert isinstance(found["args"].model_type, Opaque) and found["model"].num_layers == 2
+
+
+def test_what_megatron_cannot_compute_is_not_written(megatron, tmp_path, capsys):
+    from ptdp.cli import main
+    assert main(["convert", str(megatron["root"] / "gpt_legacy"), "--from", "megatron", "--out",
+                 str(tmp_path / "p"), "model.rope_scaling_factor=8",
+                 "model.rope_low_freq_factor=2"]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "p"), "--to", "megatron", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert "model.rope_low_freq_factor=2.0: Megatron's rope scaling fixes it at 1.0" in err
+    assert not (tmp_path / "m").exists()
