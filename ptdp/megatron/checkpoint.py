@@ -34,8 +34,9 @@ FORMATS = ("torch_dist", "torch")   # Megatron-LM's --ckpt-format names; torch =
 
 
 def read_megatron(path: str | os.PathLike) -> dict:
-    """{'format', 'directory', 'iteration', 'args', 'arch', 'model' (ModelConfig),
-    'state' (ptdp's full weights), 'notes'} of a Megatron checkpoint."""
+    """{'format', 'directory', 'iteration', 'args', 'arch', 'model' (ModelConfig of the args),
+    'megatron' (the full Megatron state), 'state' (ptdp's full weights of 'model'), 'notes'}
+    of a Megatron checkpoint."""
     directory, iteration = files.iteration_dir(path)
     fmt = "torch_dist" if files.is_torch_dist(directory) else "legacy"
     args, mstate = (torch_dist if fmt == "torch_dist" else legacy).read(directory)
@@ -47,7 +48,8 @@ def read_megatron(path: str | os.PathLike) -> dict:
                 f"the word table has {word.shape[0]} rows but padded_vocab_size is "
                 f"{cfg.vocab_size}")
     return {"format": fmt, "directory": directory, "iteration": iteration, "args": args,
-            "arch": arch, "model": cfg, "state": to_ptdp(cfg, mstate), "notes": notes(args)}
+            "arch": arch, "model": cfg, "megatron": mstate, "state": to_ptdp(cfg, mstate),
+            "notes": notes(args)}
 
 
 def from_megatron(source: str | os.PathLike, out: str | os.PathLike, overrides=(),
@@ -71,7 +73,9 @@ def from_megatron(source: str | os.PathLike, out: str | os.PathLike, overrides=(
     cfg = load_config(None, model_keys + extra + list(overrides),
                       world_size=math.prod(par.values()))
     step = found["iteration"] if iteration is None else iteration
-    final = save_full_state(found["state"], cfg, out, iteration=step, tokenizer=tokenizer)
+    # model.vocab_size / model.seq_length overrides cut the tables (names.py `to_ptdp`)
+    state = to_ptdp(cfg.model, found["megatron"])
+    final = save_full_state(state, cfg, out, iteration=step, tokenizer=tokenizer)
     return final, cfg, found
 
 

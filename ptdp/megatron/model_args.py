@@ -84,6 +84,9 @@ def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
     bias = bool(_get(args, "add_bias_linear", True))
     rope = kind == "rope"
     max_pos = _get(args, "max_position_embeddings", _get(args, "seq_length"))
+    seq = _get(args, "seq_length", max_pos)
+    require(rope or seq <= max_pos, f"--seq-length={seq} is longer than the position table "
+                                    f"(--max-position-embeddings={max_pos})")
     extra = {}
     if rope:
         extra = dict(rope_theta=float(_get(args, "rotary_base", 10000)))
@@ -95,9 +98,10 @@ def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
     return ModelConfig(
         arch=arch, num_layers=args.num_layers, hidden_size=hidden, num_heads=heads,
         num_kv_heads=groups, ffn_hidden_size=_get(args, "ffn_hidden_size", 4 * hidden),
-        # a learned table has max_position_embeddings rows, which ptdp's seq_length sizes
-        seq_length=_get(args, "seq_length", max_pos) if rope else max_pos,
+        # the length Megatron trained at; a longer learned table is cut to it (names.py)
+        seq_length=seq,
         vocab_size=vocab, dropout=float(_get(args, "hidden_dropout", 0.1)),
+        attention_dropout=float(_get(args, "attention_dropout", 0.1)),
         layernorm_eps=float(_get(args, "layernorm_epsilon", 1e-5)),
         init_std=float(_get(args, "init_method_std", 0.02)),
         preset="llama" if rope else "gpt",
@@ -123,17 +127,13 @@ def _refuse_for_bert(args, gated: bool, norm: str, kind: str) -> None:
 
 def notes(args) -> list[str]:
     """What converts but trains differently, one line each (printed by `ptdp convert`)."""
-    hidden, attn = _get(args, "hidden_dropout", 0.1), _get(args, "attention_dropout", 0.1)
     out = []
     seq, table = _get(args, "seq_length"), _get(args, "max_position_embeddings")
     if _get(args, "position_embedding_type", "learned_absolute") == "learned_absolute" and \
-            seq is not None and table is not None and seq != table:
-        out.append(f"--seq-length={seq} but the position table has max_position_embeddings="
-                   f"{table} rows: ptdp's model.seq_length={table} sizes both (train on "
-                   f"sequences of that length)")
-    if hidden != attn:
-        out.append(f"--attention-dropout={attn} differs from --hidden-dropout={hidden}; ptdp's "
-                   f"model.dropout={hidden} applies to both")
+            seq is not None and table is not None and seq < table:
+        out.append(f"the position table's rows from --seq-length={seq} on (of "
+                   f"--max-position-embeddings={table}) are dropped: ptdp's table has "
+                   f"model.seq_length rows, and Megatron trained none beyond {seq}")
     return out
 
 
@@ -183,7 +183,7 @@ def megatron_args(cfg: ModelConfig, tensor: int, pipeline: int, padded_vocab: in
         swiglu=cfg.gated, squared_relu=False, openai_gelu=False,
         add_bias_linear=cfg.bias, add_qkv_bias=cfg.qkv_bias,
         untie_embeddings_and_output_weights=not cfg.tie_embeddings,
-        hidden_dropout=cfg.dropout, attention_dropout=cfg.dropout,
+        hidden_dropout=cfg.dropout, attention_dropout=cfg.attention_dropout_rate,
         init_method_std=cfg.init_std, apply_query_key_layer_scaling=False,
         apply_residual_connection_post_layernorm=False, bert_binary_head=cfg.arch == "bert",
         num_experts=None, padded_vocab_size=padded_vocab,

@@ -161,6 +161,20 @@ def to_ptdp(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise MegatronConversionError(f"the Megatron checkpoint holds '{extra[0]}'{more}, which "
                                       f"ptdp's model has no place for")
+    return _cut_rows(cfg, out)
+
+
+def _cut_rows(cfg: ModelConfig, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The vocabulary tables cut to model.vocab_size rows (Megatron's padded size unless a
+    smaller one was asked for) and a learned position table to model.seq_length rows."""
+    for name, key in [("embedding.word.weight", "vocab_size"), ("heads.lm_bias", "vocab_size"),
+                      ("output_layer.weight", "vocab_size"), ("embedding.position", "seq_length")]:
+        if name in out:
+            count = getattr(cfg, key)
+            require(out[name].shape[0] >= count, f"model.{key}={count} is more than the "
+                                                 f"checkpoint's {out[name].shape[0]} rows of "
+                                                 f"'{name}'")
+            out[name] = out[name][:count].contiguous()
     return out
 
 

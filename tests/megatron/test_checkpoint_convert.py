@@ -299,3 +299,25 @@ def test_what_megatron_cannot_compute_is_not_written(megatron, tmp_path, capsys)
     err = capsys.readouterr().err
     assert "model.rope_low_freq_factor=2.0: Megatron's rope scaling fixes it at 1.0" in err
     assert not (tmp_path / "m").exists()
+
+
+def test_tables_cut_to_seq_length_and_a_smaller_vocabulary(megatron, tmp_path):
+    """A BERT trained at --seq-length 8 with a 16-row position table converts with
+    model.seq_length=8 (the rows Megatron trained); model.vocab_size=100 keeps the first 100
+    rows of its padded vocabulary. The logits that remain are megatron-core's."""
+    from ptdp.megatron.checkpoint import from_megatron
+    name = "iter_0000005"
+    src = megatron["root"] / "bert_legacy" / name / "mp_rank_00" / "model_optim_rng.pt"
+    saved = torch.load(src, weights_only=False)
+    saved["args"] = mc.bert_args(seq_length=8)
+    (tmp_path / name / "mp_rank_00").mkdir(parents=True)
+    torch.save(saved, tmp_path / name / "mp_rank_00" / "model_optim_rng.pt")
+    _, cfg, found = from_megatron(tmp_path / name, tmp_path / "p", ["model.vocab_size=100"])
+    assert (cfg.model.seq_length, cfg.model.vocab_size) == (8, 100)
+    assert "from --seq-length=8 on" in found["notes"][0]
+    tokens, types_ = TOKENS[:, :8] % 100, TYPES[:, :8]
+    lm, binary = mc.bert_logits(megatron["bert"], tokens, types_)
+    model = LocalModel.from_checkpoint(tmp_path / "p")
+    keep = torch.ones_like(tokens)
+    _close(model.logits(tokens, types_, keep), lm[..., :100])
+    _close(model.sentence_order_logits(tokens, types_, keep), binary)
