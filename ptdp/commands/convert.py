@@ -1,4 +1,5 @@
-"""`ptdp convert`: checkpoints to and from Hugging Face `transformers` (ptdp/hf/convert.py)."""
+"""`ptdp convert`: checkpoints to and from Hugging Face `transformers` (ptdp/hf/convert.py) and
+Megatron-LM (ptdp/megatron/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "convert", help="convert a checkpoint to or from Hugging Face transformers",
+        "convert", help="convert a checkpoint to or from Hugging Face transformers or Megatron-LM",
         description="ptdp convert CHECKPOINT --to hf OUT_DIR: a checkpoint of any layout to a "
                     "transformers model directory (GPT with GPT-2's block -> GPT2LMHeadModel, "
                     "with Llama's block -> LlamaForCausalLM, or Qwen2ForCausalLM with q/k/v-only "
@@ -19,36 +20,60 @@ def register(subparsers) -> None:
                     "checkpoint.load=CHECKPOINT` continues from (fresh optimizer state). What a "
                     "model type cannot reproduce exactly (a sliding window, a rope scaling other "
                     "than llama3, ...) is refused in one line. Needs the hf extra: pip install "
-                    "'ptdp[hf]'.")
-    parser.add_argument("source", help="a ptdp checkpoint (dir or iter_N) or, with --from hf, "
-                                       "a Hugging Face model directory")
-    parser.add_argument("--to", nargs=2, metavar=("hf", "OUT_DIR"),
-                        help="convert a ptdp checkpoint to a Hugging Face model directory")
-    parser.add_argument("--from", dest="from_", choices=["hf"],
+                    "'ptdp[hf]'. ptdp convert MEGATRON_DIR --from megatron --out CHECKPOINT "
+                    "[overrides]: a Megatron-LM checkpoint of a megatron-core GPT or BERT (legacy "
+                    "mp_rank_* files of any tensor/pipeline/virtual split, or torch_dist), "
+                    "resuming at its iteration. ptdp convert CHECKPOINT --to megatron OUT_DIR "
+                    "[parallel.tensor=T parallel.pipeline=P] [--ckpt-format torch] "
+                    "[--transformer-impl local]: a Megatron-LM checkpoint, torch_dist by "
+                    "default or legacy files of that split (load it with --no-load-optim "
+                    "--no-load-rng). See docs/migration.md.")
+    parser.add_argument("source", help="a ptdp checkpoint (dir or iter_N) or, with --from, a "
+                                       "Hugging Face model directory or a Megatron-LM checkpoint "
+                                       "(its dir, iter_NNNNNNN or release)")
+    parser.add_argument("--to", nargs=2, metavar=("FORMAT", "OUT_DIR"),
+                        help="convert a ptdp checkpoint to FORMAT hf (a Hugging Face model "
+                             "directory) or megatron (a Megatron-LM checkpoint)")
+    parser.add_argument("--from", dest="from_", choices=FORMATS,
                         help="convert from this format into a ptdp checkpoint")
-    parser.add_argument("--out", help="checkpoint directory to write (with --from hf)")
+    parser.add_argument("--out", help="checkpoint directory to write (with --from)")
     parser.add_argument("--tokenizer", default=None,
-                        help="sentencepiece .model or Hugging Face tokenizer.json (--to hf); "
-                             "default: the checkpoint's copy, else its config's data.tokenizer")
-    parser.add_argument("--iteration", type=int, default=0,
-                        help="iteration the written checkpoint claims (--from hf): the LR "
-                             "schedule and data position resume there")
+                        help="sentencepiece .model or Hugging Face tokenizer.json (--to hf: "
+                             "default the checkpoint's copy, else its config's data.tokenizer; "
+                             "--from megatron: copied into the checkpoint, its data.tokenizer)")
+    parser.add_argument("--iteration", type=int, default=None,
+                        help="iteration the written checkpoint claims (--from): the LR schedule "
+                             "and data position resume there; default 0 (hf) or the Megatron "
+                             "checkpoint's own")
+    parser.add_argument("--transformer-impl", choices=["transformer_engine", "local"],
+                        default="transformer_engine",
+                        help="--to megatron: name the norms as Megatron-LM's "
+                             "--transformer-impl does (its default is transformer_engine)")
+    parser.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                        help="--to megatron: Megatron-LM's --ckpt-format to write: torch_dist "
+                             "(its default; any split loads it) or torch (legacy mp_rank_* "
+                             "files of the parallel.tensor x parallel.pipeline split)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="layout and other config overrides (--from hf)")
+                        help="layout and other config overrides (--from); with --to megatron "
+                             "only parallel.tensor and parallel.pipeline, the split to write")
     parser.set_defaults(func=run)
+
+
+FORMATS = ["hf", "megatron"]
 
 
 def run(args) -> int:
     try:
-        if args.to and args.to[0] != "hf":
-            print(f"ptdp convert: --to {args.to[0]}: the only format is hf", file=sys.stderr)
+        if args.to and args.to[0] not in FORMATS:
+            print(f"ptdp convert: --to {args.to[0]}: the formats are hf and megatron",
+                  file=sys.stderr)
             return 2
         if args.to and not args.from_:
-            return _to_hf(args)
-        if args.from_ == "hf" and not args.to:
-            return _from_hf(args)
-        print("ptdp convert: give either --to hf OUT_DIR or --from hf --out CHECKPOINT",
-              file=sys.stderr)
+            return _to_hf(args) if args.to[0] == "hf" else _to_megatron(args)
+        if args.from_ and not args.to:
+            return _from_hf(args) if args.from_ == "hf" else _from_megatron(args)
+        print("ptdp convert: give either --to hf|megatron OUT_DIR or --from hf|megatron --out "
+              "CHECKPOINT", file=sys.stderr)
         return 2
     except ImportError as err:
         print(f"ptdp convert: {err.name or err} is not installed: pip install 'ptdp[hf]'",
@@ -84,7 +109,7 @@ def _from_hf(args) -> int:
         print("ptdp convert: --from hf needs --out CHECKPOINT", file=sys.stderr)
         return 2
     try:
-        final, cfg = from_hf(args.source, args.out, list(args.overrides), args.iteration)
+        final, cfg = from_hf(args.source, args.out, list(args.overrides), args.iteration or 0)
     except (CheckpointError, ConfigError, ValueError, FileNotFoundError, KeyError) as err:
         for line in getattr(err, "errors", None) or [_message(err)]:   # one line per problem
             print(f"ptdp convert: {line}", file=sys.stderr)
@@ -93,6 +118,63 @@ def _from_hf(args) -> int:
     print(f"wrote {final}: {cfg.model.arch}, layout (p, t, d, v) = ({par.pipeline}, "
           f"{par.tensor}, {par.data}, {par.chunks}); continue with `ptdp train CONFIG "
           f"checkpoint.load={args.out}`")
+    return 0
+
+
+def _from_megatron(args) -> int:
+    from ptdp.checkpoint.layout import CheckpointError
+    from ptdp.config import ConfigError
+    from ptdp.megatron.checkpoint import from_megatron
+    if not args.out:
+        print("ptdp convert: --from megatron needs --out CHECKPOINT", file=sys.stderr)
+        return 2
+    try:
+        final, cfg, found = from_megatron(args.source, args.out, list(args.overrides),
+                                          args.iteration, args.tokenizer)
+    except (CheckpointError, ConfigError, ValueError, FileNotFoundError, KeyError) as err:
+        for line in getattr(err, "errors", None) or [_message(err)]:
+            print(f"ptdp convert: {line}", file=sys.stderr)
+        return 2
+    for note in found["notes"]:
+        print(f"ptdp convert: note: {note}", file=sys.stderr)
+    par = cfg.parallel
+    print(f"wrote {final}: {cfg.model.arch} from Megatron's {found['format']} checkpoint "
+          f"{found['directory']} (iteration {found['iteration']}), layout (p, t, d, v) = "
+          f"({par.pipeline}, {par.tensor}, {par.data}, {par.chunks}); continue with "
+          f"`ptdp train CONFIG checkpoint.load={args.out}`")
+    return 0
+
+
+def _to_megatron(args) -> int:
+    from ptdp.checkpoint.layout import CheckpointError
+    from ptdp.megatron.checkpoint import to_megatron_checkpoint
+    split = {"parallel.tensor": 1, "parallel.pipeline": 1}
+    for item in args.overrides:
+        key, _, value = item.partition("=")
+        if key not in split or not value.isdigit():
+            print(f"ptdp convert: --to megatron takes only parallel.tensor=T and "
+                  f"parallel.pipeline=P (got {item})", file=sys.stderr)
+            return 2
+        split[key] = int(value)
+    try:
+        info = to_megatron_checkpoint(args.source, args.to[1], split["parallel.tensor"],
+                                      split["parallel.pipeline"], args.transformer_impl,
+                                      args.ckpt_format)
+    except (CheckpointError, ValueError, FileNotFoundError, KeyError) as err:
+        print(f"ptdp convert: {_message(err)}", file=sys.stderr)
+        return 2
+    meg = info["args"]
+    if info["padded_rows"]:
+        print(f"ptdp convert: note: the vocabulary ({meg.padded_vocab_size - info['padded_rows']}"
+              f") is not a multiple of the tensor size; Megatron's {info['padded_rows']} padding "
+              f"rows are zeros, whose logits (0) enter its softmax", file=sys.stderr)
+    split_text = ("" if args.ckpt_format == "torch_dist" else
+                  f", tensor {split['parallel.tensor']} x pipeline {split['parallel.pipeline']}")
+    print(f"wrote {info['directory']}: {info['arch']}, {info['parameters']:,} parameters, from "
+          f"{info['checkpoint']} (iteration {info['iteration']}){split_text}; load it in "
+          f"Megatron-LM with --ckpt-format {args.ckpt_format} --no-load-optim --no-load-rng "
+          f"--make-vocab-size-divisible-by {meg.make_vocab_size_divisible_by} "
+          f"--transformer-impl {meg.transformer_impl}")
     return 0
 
 

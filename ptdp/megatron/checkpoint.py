@@ -1,0 +1,131 @@
+"""`ptdp convert --from megatron` / `--to megatron`: Megatron-LM checkpoints of GPT and BERT
+(megatron-core models) <-> ptdp checkpoints, as ptdp/hf/convert.py does for Hugging Face.
+
+Megatron -> ptdp: the format is recognised (legacy `mp_rank_*` files, ptdp/megatron/legacy.py,
+or torch_dist, ptdp/megatron/torch_dist.py), the weights gathered into one full Megatron state,
+the model shape read from the checkpoint's args (ptdp/megatron/model_args.py, refusing in one
+line what ptdp's model cannot compute), the names and SwiGLU rows mapped
+(ptdp/megatron/names.py) and the result written as a checkpoint of the layout the overrides
+ask for (ptdp/checkpoint/save.py `save_full_state`) at Megatron's iteration, which
+`ptdp train ... checkpoint.load=OUT` continues from (fresh optimizer state).
+
+ptdp -> Megatron: the full weights of a checkpoint of any layout
+(ptdp/inference/local_model.py), the vocabulary padded as Megatron pads it, written as
+torch_dist (Megatron-LM's default format, layout-free) or in the legacy format split for the
+requested tensor/pipeline sizes, with an `args` Namespace Megatron-LM's loader accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from ptdp.megatron import files, legacy, torch_dist
+from ptdp.megatron.model_args import (megatron_args, model_config, notes, refuse_for_megatron,
+                                      vocab_divisor)
+from ptdp.megatron.names import BLOCK, VOCAB_ROWS, arch_of, require, to_megatron, to_ptdp
+
+TRANSFORMER_IMPLS = ("transformer_engine", "local")
+FORMATS = ("torch_dist", "torch")   # Megatron-LM's --ckpt-format names; torch = legacy
+
+
+def read_megatron(path: str | os.PathLike) -> dict:
+    """{'format', 'directory', 'iteration', 'args', 'arch', 'model' (ModelConfig of the args),
+    'megatron' (the full Megatron state), 'state' (ptdp's full weights of 'model'), 'notes'}
+    of a Megatron checkpoint."""
+    directory, iteration = files.iteration_dir(path)
+    fmt = "torch_dist" if files.is_torch_dist(directory) else "legacy"
+    args, mstate = (torch_dist if fmt == "torch_dist" else legacy).read(directory)
+    arch = arch_of(mstate)
+    word = mstate.get("embedding.word_embeddings.weight")
+    cfg = model_config(args, arch, None if word is None else word.shape[0])
+    if word is not None:
+        require(word.shape[0] == cfg.vocab_size,
+                f"the word table has {word.shape[0]} rows but padded_vocab_size is "
+                f"{cfg.vocab_size}")
+    return {"format": fmt, "directory": directory, "iteration": iteration, "args": args,
+            "arch": arch, "model": cfg, "megatron": mstate, "state": to_ptdp(cfg, mstate),
+            "notes": notes(args)}
+
+
+def from_megatron(source: str | os.PathLike, out: str | os.PathLike, overrides=(),
+                  iteration: int | None = None, tokenizer: str | None = None):
+    """Write a ptdp checkpoint of the layout in `overrides` from a Megatron checkpoint.
+
+    Returns (iteration directory, resolved Config, what was read)."""
+    from ptdp.checkpoint.save import save_full_state
+    from ptdp.config import load_config
+
+    found = read_megatron(source)
+    model_keys = [f"model.{k}={json.dumps(v)}" for k, v in vars(found["model"]).items()]
+    par = {"tensor": 1, "pipeline": 1, "data": 1, "context": 1}   # the sizes the world needs
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.startswith("parallel.") and key[len("parallel."):] in par and value.isdigit():
+            par[key[len("parallel."):]] = int(value)
+    extra = ["data.source=synthetic"] if not any(o.startswith("data.") for o in overrides) else []
+    if tokenizer:
+        extra.append(f"data.tokenizer={tokenizer}")
+    cfg = load_config(None, model_keys + extra + list(overrides),
+                      world_size=math.prod(par.values()))
+    step = found["iteration"] if iteration is None else iteration
+    # model.vocab_size / model.seq_length overrides cut the tables (names.py `to_ptdp`)
+    state = to_ptdp(cfg.model, found["megatron"])
+    final = save_full_state(state, cfg, out, iteration=step, tokenizer=tokenizer)
+    return final, cfg, found
+
+
+def _padded(state: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """The vocabulary tables with zero rows up to Megatron's padded_vocab_size."""
+    out = dict(state)
+    for name in VOCAB_ROWS:
+        if name in out and out[name].shape[0] < rows:
+            value = out[name]
+            pad = value.new_zeros(rows - value.shape[0], *value.shape[1:])
+            out[name] = torch.cat([value, pad], dim=0)
+    return out
+
+
+def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike,
+                           tensor: int = 1, pipeline: int = 1,
+                           transformer_impl: str = "transformer_engine",
+                           ckpt_format: str = "torch_dist") -> dict:
+    """Write a ptdp checkpoint as a Megatron-LM checkpoint: torch_dist (layout-free; the split
+    only goes into the args) or legacy ("torch") split (tensor, pipeline). Returns a short
+    summary."""
+    from ptdp.inference.local_model import model_config as ptdp_model_config
+    from ptdp.inference.local_model import read_full_state
+
+    require(transformer_impl in TRANSFORMER_IMPLS,
+            f"--transformer-impl {transformer_impl}: choose {' or '.join(TRANSFORMER_IMPLS)}")
+    require(ckpt_format in FORMATS, f"--ckpt-format {ckpt_format}: choose "
+                                    f"{' or '.join(FORMATS)}")
+    require(tensor >= 1 and pipeline >= 1, "tensor and pipeline sizes must be at least 1")
+    directory, meta, full = read_full_state(checkpoint)
+    cfg = ptdp_model_config(meta)
+    refuse_for_megatron(cfg)
+    multiple = vocab_divisor(cfg.vocab_size, tensor) * tensor
+    padded = multiple * math.ceil(cfg.vocab_size / multiple)
+    train = meta.get("config", {}).get("train", {})
+    consumed = meta["iteration"] * int(train.get("global_batch_size", 0) or 0)
+    args = megatron_args(cfg, tensor, pipeline, padded, meta["iteration"], consumed,
+                         transformer_impl)
+    state = _padded(to_megatron(cfg, full), padded)
+    fused = transformer_impl == "transformer_engine"
+    args.ckpt_format = ckpt_format
+    if ckpt_format == "torch":
+        final = legacy.write(state, cfg, args, Path(out), meta["iteration"], tensor, pipeline,
+                             fused_norms=fused)
+    else:
+        final = Path(out) / f"iter_{meta['iteration']:07d}"
+        torch_dist.write(state, cfg.num_layers, BLOCK[cfg.arch], args, final,
+                         meta["iteration"], fused_norms=fused)
+        files.write_tracker(Path(out), meta["iteration"])
+    extra = padded - cfg.vocab_size
+    return {"directory": final, "checkpoint": directory, "iteration": meta["iteration"],
+            "arch": cfg.arch, "padded_rows": extra, "args": args,
+            "parameters": sum(v.numel() for v in full.values())}

@@ -1,0 +1,172 @@
+"""Megatron-LM's legacy checkpoint format (`--ckpt-format torch`) both ways: one
+`model_optim_rng.pt` per (tensor rank, pipeline rank), each a torch.save dict with 'model'
+(or 'model0', 'model1', ... per virtual pipeline chunk), 'args', 'iteration' and
+'checkpoint_version' (ptdp/megatron/files.py has the directory layout).
+
+Reading merges the tensor shards of each weight along its partition dimension
+(ptdp/megatron/names.py `partition_dim`: column-parallel weights and the vocabulary tables on
+dim 0, row-parallel on dim 1, the rest replicated; SwiGLU's fc1 is [gate; up] per rank, so the
+gate halves and the up halves are joined apart) and renumbers layers: a chunk's names count its
+own layers from 0, and chunk k of pipeline rank s holds layers from
+k * L / V + s * L / (P * V) (megatron-core's `get_transformer_layer_offset`, even split).
+Writing does the inverse, with the last stage's copy of a tied word table as
+`output_layer.weight` and `_extra_state: None` for each of a layer's modules that megatron-core
+gives one (names.py `layer_extra_states`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from ptdp.config import ModelConfig
+from ptdp.megatron import files
+from ptdp.megatron.names import (fused_norm_names, is_gated_fc1, layer_extra_states,
+                                 local_norm_names, partition_dim, require)
+
+_LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
+_LAYER_PREFIX = re.compile(r"^((?:decoder|encoder)\.layers\.\d+\.)")
+_UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+           "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+           "account_for_loss_in_pipeline_split")
+CHECKPOINT_VERSION = 3.0
+
+
+def _chunks(saved: dict, path: Path) -> list[dict]:
+    """The model state dict of each virtual pipeline chunk, in chunk order."""
+    if "model" in saved:
+        return [saved["model"]]
+    numbered = sorted((int(k[5:]), v) for k, v in saved.items()
+                      if k.startswith("model") and k[5:].isdigit())
+    require(numbered, f"{path} has no 'model' state dict")
+    return [v for _, v in numbered]
+
+
+def layer_offset(num_layers: int, pipeline: int, chunks: int, rank: int, chunk: int) -> int:
+    per_chunk = num_layers // (pipeline * chunks)
+    return chunk * (num_layers // chunks) + rank * per_chunk
+
+
+def _renumbered(state: dict, offset: int) -> dict:
+    out = {}
+    for name, value in state.items():
+        if match := _LAYER.match(name):
+            name = f"{match.group(1)}.layers.{offset + int(match.group(2))}.{match.group(3)}"
+        out[name] = value
+    return out
+
+
+def _check_even(args, pipeline: int, chunks: int) -> None:
+    for name in _UNEVEN:
+        value = getattr(args, name, None)
+        require(not value, f"--{name.replace('_', '-')}={value}: an uneven pipeline split; "
+                           f"convert a checkpoint whose stages hold equal numbers of layers")
+    layers = args.num_layers
+    require(layers % (pipeline * chunks) == 0,
+            f"num_layers={layers} does not split into {pipeline} pipeline stages x {chunks} "
+            f"virtual chunks evenly")
+
+
+def _merge(name: str, shards: list[torch.Tensor], gated: bool) -> torch.Tensor:
+    dim = partition_dim(name)
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    if gated:   # each rank: [its gate rows; its up rows]
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(shards, dim=dim)
+
+
+def _rank_state(path: Path, args, pipeline: int, rank: int) -> tuple[object, dict]:
+    """(args, {global name: this file's tensor}) of one rank's file; `args`: from an earlier
+    file, else this one's."""
+    saved = files.load(path)
+    version = saved.get("checkpoint_version", CHECKPOINT_VERSION)
+    require(version >= CHECKPOINT_VERSION,
+            f"{path}: checkpoint_version {version}: before 3.0 Megatron ordered the QKV rows "
+            f"otherwise; re-save it with a current Megatron-LM first")
+    args = args if args is not None else saved.get("args")
+    require(args is not None, f"{path} has no 'args': the model's shape comes from them")
+    chunks = _chunks(saved, path)
+    _check_even(args, pipeline, len(chunks))
+    out = {}
+    for k, chunk in enumerate(chunks):
+        offset = layer_offset(args.num_layers, pipeline, len(chunks), rank, k)
+        out.update((name, value) for name, value in
+                   _renumbered(local_norm_names(chunk), offset).items()
+                   if isinstance(value, torch.Tensor))
+    return args, out
+
+
+def read(directory: Path) -> tuple[object, dict[str, torch.Tensor]]:
+    """(args, full Megatron state) of a legacy iteration directory of any split."""
+    paths = files.rank_files(directory)
+    tensor = 1 + max(t for t, _ in paths)
+    pipeline = 1 + max(p for _, p in paths)
+    shards: dict[str, list[torch.Tensor]] = {}   # name -> one tensor per tensor rank, in order
+    args = None
+    for t in range(tensor):
+        for p in range(pipeline):
+            args, state = _rank_state(paths[t, p], args, pipeline, p)
+            for name, value in state.items():
+                shards.setdefault(name, []).append(value)
+    gated = bool(getattr(args, "swiglu", False))
+    merged = {}
+    for name, values in shards.items():
+        require(len(values) == tensor, f"'{name}' is on {len(values)} of {tensor} tensor ranks "
+                                       f"(or on more than one pipeline stage)")
+        merged[name] = _merge(name, values, gated and ".linear_fc1." in name)
+    return args, merged
+
+
+def _split(name: str, value: torch.Tensor, tensor: int, cfg: ModelConfig) -> list[torch.Tensor]:
+    dim = partition_dim(name)
+    if dim is None or tensor == 1:
+        return [value] * tensor
+    if is_gated_fc1(name, cfg):
+        gate, up = (h.chunk(tensor, dim=0) for h in value.chunk(2, dim=0))
+        return [torch.cat([g, u], dim=0) for g, u in zip(gate, up)]
+    return list(value.chunk(tensor, dim=dim))
+
+
+def _stage_of(name: str, cfg: ModelConfig, pipeline: int) -> tuple[int, str]:
+    """(pipeline rank, local name) of a weight of the full Megatron state."""
+    if match := _LAYER.match(name):
+        per_stage = cfg.num_layers // pipeline
+        index = int(match.group(2))
+        return index // per_stage, f"{match.group(1)}.layers.{index % per_stage}.{match.group(3)}"
+    return (0 if name.startswith("embedding.") else pipeline - 1), name
+
+
+def write(state: dict[str, torch.Tensor], cfg: ModelConfig, args, root: Path, iteration: int,
+          tensor: int, pipeline: int, fused_norms: bool) -> Path:
+    """Write a full Megatron state as `root/iter_N/mp_rank_*/model_optim_rng.pt` plus the
+    tracker; returns the iteration directory."""
+    require(cfg.num_layers % pipeline == 0, f"num_layers={cfg.num_layers} does not split into "
+                                            f"{pipeline} pipeline stages")
+    require(cfg.num_kv_heads % tensor == 0, f"{cfg.num_kv_heads} query groups do not split "
+                                            f"over {tensor} tensor ranks")
+    if cfg.tie_embeddings and pipeline > 1:   # the last stage's own copy of the word table
+        state = dict(state, **{"output_layer.weight": state["embedding.word_embeddings.weight"]})
+    dicts = {(t, p): {} for t in range(tensor) for p in range(pipeline)}
+    for name, value in state.items():
+        p, local = _stage_of(name, cfg, pipeline)
+        for t, shard in enumerate(_split(name, value, tensor, cfg)):
+            dicts[t, p][local] = shard.clone().contiguous()
+    final = root / f"iter_{iteration:07d}"
+    for (t, p), model in dicts.items():
+        model = fused_norm_names(model) if fused_norms else model
+        for prefix in {m.group(1) for n in model if (m := _LAYER_PREFIX.match(n))}:
+            for module in layer_extra_states(fused_norms):
+                model[f"{prefix}{module}._extra_state"] = None
+        if p == pipeline - 1:   # the output layer is a ColumnParallelLinear, tied or not
+            model["output_layer._extra_state"] = None
+        sub = final / (f"mp_rank_{t:02d}" + (f"_{p:03d}" if pipeline > 1 else ""))
+        sub.mkdir(parents=True, exist_ok=True)
+        torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION,
+                    "iteration": iteration, "model": model}, sub / files.MODEL_FILE)
+    files.write_tracker(root, iteration)
+    return final
+

@@ -1,0 +1,195 @@
+"""The model shape in a Megatron checkpoint's `args` (its argparse Namespace) <-> ptdp's
+ModelConfig, refusing in one line what ptdp's model would compute differently.
+
+Read: the fields Megatron-LM's `load_args_from_checkpoint` reads (num_layers, hidden_size,
+num_attention_heads, num_query_groups, ffn_hidden_size, max_position_embeddings,
+padded_vocab_size, normalization, swiglu, position_embedding_type, ...). The vocabulary is
+`padded_vocab_size`: Megatron's softmax runs over the padded rows too, so keeping them is
+what reproduces its logits and losses.
+
+Written (ptdp -> Megatron): the same fields, plus what Megatron-LM's `check_checkpoint_args`
+compares (tensor/pipeline sizes, make_vocab_size_divisible_by) and the progress fields its
+loader reads (iteration, consumed_train_samples).
+"""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+import torch
+
+from ptdp.config import ModelConfig
+from ptdp.megatron.names import require
+
+# Megatron's llama3 rope scaling (rotary_pos_embedding.py `_apply_scaling`) fixes these three.
+ROPE_SCALING_FIXED = dict(rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
+                          rope_original_seq_length=8192)
+
+
+def _get(args, name, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def _refusals(args):
+    """(condition, argument, why) for every setting ptdp's block cannot compute."""
+    yield _get(args, "num_experts", 0), "num_experts", "a mixture of experts; ptdp's MLP is dense"
+    yield _get(args, "multi_latent_attention", False), "multi_latent_attention", \
+        "ptdp's attention is multi-head / grouped-query"
+    yield _get(args, "qk_layernorm", False), "qk_layernorm", "ptdp normalises no queries or keys"
+    yield _get(args, "apply_layernorm_1p", False) or _get(
+        args, "layernorm_zero_centered_gamma", False), "apply_layernorm_1p", \
+        "a zero-centred norm gain; ptdp's gain is the weight itself"
+    yield _get(args, "apply_residual_connection_post_layernorm", False), \
+        "apply_residual_connection_post_layernorm", "ptdp's residual adds the layer's input"
+    yield _get(args, "openai_gelu", False), "openai_gelu", \
+        "the tanh approximation; ptdp's GeLU is exact (erf)"
+    yield _get(args, "squared_relu", False), "squared_relu", "ptdp's MLP is GeLU or SwiGLU"
+    yield _get(args, "softmax_scale", None) is not None, "softmax_scale", \
+        "ptdp scales attention by 1/sqrt(head_dim)"
+    yield _get(args, "rotary_interleaved", False), "rotary_interleaved", \
+        "ptdp rotates halves of each head (rotate_half), not interleaved pairs"
+    yield _get(args, "rotary_percent", 1.0) != 1.0, "rotary_percent", \
+        "ptdp rotates the whole head"
+    yield _get(args, "heterogeneous_layers_config_path", None), \
+        "heterogeneous_layers_config_path", "ptdp's layers all have one shape"
+    yield _get(args, "add_position_embedding", True) is False and _get(
+        args, "position_embedding_type", "learned_absolute") == "learned_absolute", \
+        "add_position_embedding", "a model without positions; ptdp's have learned or rotary ones"
+
+
+def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
+    """The ModelConfig of a checkpoint's args (`vocab_rows`: the word table's padded size,
+    when args lack padded_vocab_size)."""
+    require(args is not None, "the checkpoint has no 'args': Megatron-LM saves its arguments "
+                              "in every checkpoint, and the model's shape comes from them")
+    for condition, name, why in _refusals(args):
+        require(not condition, f"--{name.replace('_', '-')}={_get(args, name)}: {why}, so the "
+                               f"logits would differ")
+    norm = _get(args, "normalization", "LayerNorm")
+    require(norm in ("LayerNorm", "RMSNorm"), f"--normalization={norm}: ptdp has LayerNorm and "
+                                              f"RMSNorm")
+    kind = _get(args, "position_embedding_type", "learned_absolute")
+    require(kind in ("learned_absolute", "rope"), f"--position-embedding-type={kind}: ptdp's "
+                                                  f"positions are learned_absolute or rope")
+    heads, hidden = args.num_attention_heads, args.hidden_size
+    kv = _get(args, "kv_channels", hidden // heads)
+    require(kv * heads == hidden, f"--kv-channels={kv} is not hidden_size/num_attention_heads "
+                                  f"({hidden}/{heads}); ptdp's heads split the hidden size")
+    gated = bool(_get(args, "swiglu", False))
+    if arch == "bert":
+        _refuse_for_bert(args, gated, norm, kind)
+    groups = (_get(args, "num_query_groups", heads)
+              if _get(args, "group_query_attention", False) else heads)
+    bias = bool(_get(args, "add_bias_linear", True))
+    rope = kind == "rope"
+    max_pos = _get(args, "max_position_embeddings", _get(args, "seq_length"))
+    seq = _get(args, "seq_length", max_pos)
+    require(rope or seq <= max_pos, f"--seq-length={seq} is longer than the position table "
+                                    f"(--max-position-embeddings={max_pos})")
+    extra = {}
+    if rope:
+        extra = dict(rope_theta=float(_get(args, "rotary_base", 10000)))
+        if _get(args, "use_rope_scaling", False):
+            extra.update(rope_scaling_factor=float(_get(args, "rope_scaling_factor", 8.0)),
+                         **ROPE_SCALING_FIXED)
+    vocab = _get(args, "padded_vocab_size", vocab_rows)
+    require(vocab is not None, "the checkpoint's args have no padded_vocab_size")
+    return ModelConfig(
+        arch=arch, num_layers=args.num_layers, hidden_size=hidden, num_heads=heads,
+        num_kv_heads=groups, ffn_hidden_size=_get(args, "ffn_hidden_size", 4 * hidden),
+        # the length Megatron trained at; a longer learned table is cut to it (names.py)
+        seq_length=seq,
+        vocab_size=vocab, dropout=float(_get(args, "hidden_dropout", 0.1)),
+        attention_dropout=float(_get(args, "attention_dropout", 0.1)),
+        layernorm_eps=float(_get(args, "layernorm_epsilon", 1e-5)),
+        init_std=float(_get(args, "init_method_std", 0.02)),
+        preset="llama" if rope else "gpt",
+        position_embedding="rope" if rope else "learned",
+        normalization="rmsnorm" if norm == "RMSNorm" else "layernorm",
+        activation="swiglu" if gated else "gelu", bias=bias,
+        qkv_bias=bias or bool(_get(args, "add_qkv_bias", False)),
+        tie_embeddings=not _get(args, "untie_embeddings_and_output_weights", False), **extra)
+
+
+def _refuse_for_bert(args, gated: bool, norm: str, kind: str) -> None:
+    """ptdp's BERT (models/bert.py): GeLU, LayerNorm (its LM head's too), learned positions,
+    the LM head tied to the word table, and always the sentence-order head."""
+    for condition, setting in [
+            (gated, "--swiglu"), (norm != "LayerNorm", f"--normalization={norm}"),
+            (kind != "learned_absolute", f"--position-embedding-type={kind}"),
+            (_get(args, "untie_embeddings_and_output_weights", False),
+             "--untie-embeddings-and-output-weights"),
+            (not _get(args, "bert_binary_head", True), "--bert-binary-head=False")]:
+        require(not condition, f"{setting} with BERT: ptdp's BERT has GeLU, LayerNorm, learned "
+                               f"positions, a tied LM head and the sentence-order head")
+
+
+def notes(args) -> list[str]:
+    """What converts but trains differently, one line each (printed by `ptdp convert`)."""
+    out = []
+    seq, table = _get(args, "seq_length"), _get(args, "max_position_embeddings")
+    if _get(args, "position_embedding_type", "learned_absolute") == "learned_absolute" and \
+            seq is not None and table is not None and seq < table:
+        out.append(f"the position table's rows from --seq-length={seq} on (of "
+                   f"--max-position-embeddings={table}) are dropped: ptdp's table has "
+                   f"model.seq_length rows, and Megatron trained none beyond {seq}")
+    return out
+
+
+def refuse_for_megatron(cfg: ModelConfig) -> None:
+    """What of ptdp's model Megatron's would compute otherwise (ptdp -> Megatron)."""
+    if cfg.position_embedding == "rope" and cfg.rope_scaling_factor != 1.0:
+        for key, fixed in ROPE_SCALING_FIXED.items():
+            require(getattr(cfg, key) == fixed, f"model.{key}={getattr(cfg, key)}: Megatron's "
+                                                f"rope scaling fixes it at {fixed}")
+    if cfg.arch == "bert":
+        for key, want in [("normalization", "layernorm"), ("activation", "gelu"),
+                          ("position_embedding", "learned"), ("tie_embeddings", True),
+                          ("num_tokentypes", 2)]:
+            require(getattr(cfg, key) == want, f"model.{key}={getattr(cfg, key)}: Megatron's "
+                                               f"BERT (with its binary head) has {key} {want}")
+
+
+def vocab_divisor(vocab: int, tensor: int) -> int:
+    """The largest of 128, 64, ..., 1 whose multiple of `tensor` divides `vocab`: Megatron pads
+    the vocabulary to a multiple of make_vocab_size_divisible_by * tensor size, and with this
+    divisor it adds no rows (1 when even that pads: vocab not a multiple of the tensor size)."""
+    for divisor in (128, 64, 32, 16, 8, 4, 2, 1):
+        if vocab % (divisor * tensor) == 0:
+            return divisor
+    return 1
+
+
+def megatron_args(cfg: ModelConfig, tensor: int, pipeline: int, padded_vocab: int,
+                  iteration: int, consumed_samples: int, transformer_impl: str) -> Namespace:
+    """The Namespace Megatron-LM's loader reads (`check_checkpoint_args`,
+    `load_args_from_checkpoint`) for ptdp's model on a (tensor, pipeline) split."""
+    rope = cfg.position_embedding == "rope"
+    scaled = rope and cfg.rope_scaling_factor != 1.0
+    return Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=cfg.num_heads,
+        group_query_attention=cfg.num_kv_heads != cfg.num_heads,
+        num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
+        seq_length=cfg.seq_length, max_position_embeddings=cfg.seq_length,
+        position_embedding_type="rope" if rope else "learned_absolute",
+        add_position_embedding=not rope, use_rotary_position_embeddings=rope,
+        rotary_base=int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta,
+        rotary_percent=1.0, rotary_interleaved=False, use_rope_scaling=scaled,
+        rope_scaling_factor=cfg.rope_scaling_factor if scaled else 8.0,
+        normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
+        layernorm_epsilon=cfg.layernorm_eps, apply_layernorm_1p=False,
+        swiglu=cfg.gated, squared_relu=False, openai_gelu=False,
+        add_bias_linear=cfg.bias, add_qkv_bias=cfg.qkv_bias,
+        untie_embeddings_and_output_weights=not cfg.tie_embeddings,
+        hidden_dropout=cfg.dropout, attention_dropout=cfg.attention_dropout_rate,
+        init_method_std=cfg.init_std, apply_query_key_layer_scaling=False,
+        apply_residual_connection_post_layernorm=False, bert_binary_head=cfg.arch == "bert",
+        num_experts=None, padded_vocab_size=padded_vocab,
+        make_vocab_size_divisible_by=vocab_divisor(cfg.vocab_size, tensor),
+        tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,
+        virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
+        transformer_impl=transformer_impl, ckpt_format="torch", iteration=iteration,
+        consumed_train_samples=consumed_samples, consumed_valid_samples=0,
+        params_dtype=torch.float32, fp16=False, bf16=False)

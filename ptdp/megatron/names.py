@@ -1,0 +1,202 @@
+"""Megatron-core's weight names and layouts <-> ptdp's, on full (unsplit) tensors.
+
+A "Megatron state" here is what megatron-core's `GPTModel` / `BertModel` hold on one rank
+with tensor and pipeline size 1: names with global layer numbers, the local (non-fused)
+norm names `input_layernorm` / `pre_mlp_layernorm`, the vocabulary padded to Megatron's
+`padded_vocab_size`. ptdp/megatron/legacy.py and torch_dist.py build it from a checkpoint of
+any split; this module only renames and reorders.
+
+What differs besides the names:
+  * QKV: none. Megatron's rows are per query group [q heads of the group, k, v], each
+    head_dim rows: ptdp's own order (models/transformer.py `qkv_weight`).
+  * SwiGLU's fc1: Megatron's full weight is [gate (f rows); up (f rows)] (what torch_dist
+    stores; a legacy rank holds [its gate rows; its up rows]); ptdp's rows alternate gate and
+    up (`fc1.view(f, 2, h)`, so any tensor split keeps pairs together).
+  * The tied output layer: Megatron's last pipeline stage keeps a copy named
+    `output_layer.weight`; ptdp stores the word table once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ptdp.config import ModelConfig
+
+
+class MegatronConversionError(ValueError):
+    """A Megatron checkpoint, argument or file that cannot be converted faithfully; one line."""
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise MegatronConversionError(message)
+
+
+BLOCK = {"gpt": "decoder", "bert": "encoder"}   # the TransformerBlock's attribute name
+# TransformerEngine fuses each pre-norm into the next linear; torch_dist always uses these names.
+FUSED_NORMS = {".self_attention.linear_qkv.layer_norm_": ".input_layernorm.",
+               ".mlp.linear_fc1.layer_norm_": ".pre_mlp_layernorm."}
+COLUMN_PARALLEL = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.weight",
+                   ".linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight",
+                   "output_layer.bias")
+ROW_PARALLEL = (".linear_proj.weight", ".linear_fc2.weight")
+
+
+def partition_dim(name: str) -> int | None:
+    """The dimension tensor parallelism splits `name` along (None: replicated)."""
+    if name.endswith(COLUMN_PARALLEL):
+        return 0
+    if name.endswith(ROW_PARALLEL):
+        return 1
+    return None
+
+
+def is_gated_fc1(name: str, cfg: ModelConfig) -> bool:
+    return cfg.gated and ".linear_fc1." in name
+
+
+def local_norm_names(state: dict) -> dict:
+    """TransformerEngine's fused norm names -> the local spec's; `_extra_state` dropped."""
+    out = {}
+    for name, value in state.items():
+        if name.endswith("_extra_state"):
+            continue
+        for fused, local in FUSED_NORMS.items():
+            name = name.replace(fused, local)
+        out[name] = value
+    return out
+
+
+def fused_norm_names(state: dict) -> dict:
+    """The local spec's norm names -> TransformerEngine's (--transformer-impl
+    transformer_engine, Megatron-LM's default)."""
+    out = {}
+    for name, value in state.items():
+        for fused, local in FUSED_NORMS.items():
+            name = name.replace(local, fused)
+        out[name] = value
+    return out
+
+
+def arch_of(state: dict) -> str:
+    """BERT has an encoder and an LM head; GPT a decoder."""
+    if any(k.startswith(("encoder.", "lm_head.", "binary_head.")) for k in state):
+        return "bert"
+    require(any(k.startswith("decoder.") for k in state) or "embedding.word_embeddings.weight"
+            in state, _unknown_model(state))
+    return "gpt"
+
+
+def _unknown_model(state: dict) -> str:
+    first = next(iter(state), "nothing")
+    if first.startswith("language_model."):
+        return (f"'{first}' is a Megatron-LM legacy-model name (megatron/legacy/model); only "
+                f"megatron-core models (decoder.layers.N...) convert: re-save it with "
+                f"Megatron-LM's tools/checkpoint/convert.py --saver core first")
+    return f"the checkpoint's weights start with '{first}': not a megatron-core GPT or BERT"
+
+
+def _pairs(cfg: ModelConfig):
+    """(ptdp name, Megatron name) of every weight but a gated fc1."""
+    block, bias = BLOCK[cfg.arch], ("weight", "bias")
+    yield "embedding.word.weight", "embedding.word_embeddings.weight"
+    if cfg.position_embedding == "learned":
+        yield "embedding.position", "embedding.position_embeddings.weight"
+    if cfg.arch == "bert":
+        yield "embedding.tokentype", "embedding.tokentype_embeddings.weight"
+    norm_kinds = bias if cfg.normalization == "layernorm" else ("weight",)
+    for i in range(cfg.num_layers):
+        ours, theirs = f"layers.{i}.", f"{block}.layers.{i}."
+        for a, b, kinds in [
+                ("ln1", "input_layernorm", norm_kinds), ("ln2", "pre_mlp_layernorm", norm_kinds),
+                ("attention.qkv", "self_attention.linear_qkv",
+                 bias if cfg.qkv_bias else ("weight",)),
+                ("attention.proj", "self_attention.linear_proj", bias if cfg.bias else ("weight",)),
+                ("mlp.fc1", "mlp.linear_fc1", bias if cfg.bias else ("weight",)),
+                ("mlp.fc2", "mlp.linear_fc2", bias if cfg.bias else ("weight",))]:
+            for kind in kinds:
+                if not (cfg.gated and a == "mlp.fc1"):
+                    yield f"{ours}{a}.{kind}", f"{theirs}{b}.{kind}"
+    for kind in norm_kinds:
+        yield f"final_ln.{kind}", f"{block}.final_layernorm.{kind}"
+    if not cfg.tie_embeddings:
+        yield "output_layer.weight", "output_layer.weight"
+    if cfg.arch == "bert":
+        for a, b in [("heads.lm_dense", "lm_head.dense"), ("heads.lm_ln", "lm_head.layer_norm"),
+                     ("heads.pooler", "pooler.dense"), ("heads.binary", "binary_head")]:
+            for kind in bias:
+                yield f"{a}.{kind}", f"{b}.{kind}"
+        yield "heads.lm_bias", "output_layer.bias"
+
+
+def _fc1_names(cfg: ModelConfig):
+    kinds = ("weight", "bias") if cfg.bias else ("weight",)
+    block = BLOCK[cfg.arch]
+    for i in range(cfg.num_layers):
+        for kind in kinds:
+            yield f"layers.{i}.mlp.fc1.{kind}", f"{block}.layers.{i}.mlp.linear_fc1.{kind}"
+
+
+def to_ptdp(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full Megatron state -> ptdp's full state, refusing a missing or an unused weight."""
+    state = dict(state)
+    if cfg.tie_embeddings:
+        state.pop("output_layer.weight", None)   # the last stage's copy of the word table
+    out, used = {}, set()
+
+    def take(theirs: str) -> torch.Tensor:
+        require(theirs in state, f"the Megatron checkpoint has no '{theirs}' (its args describe "
+                                 f"a model that has it)")
+        used.add(theirs)
+        return state[theirs].float()
+
+    for ours, theirs in _pairs(cfg):
+        out[ours] = take(theirs).contiguous()
+    if cfg.gated:
+        for ours, theirs in _fc1_names(cfg):
+            gate, up = take(theirs).chunk(2, dim=0)
+            out[ours] = torch.stack([gate, up], dim=1).reshape(-1, *gate.shape[1:]).contiguous()
+    extra = [name for name in state if name not in used]
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise MegatronConversionError(f"the Megatron checkpoint holds '{extra[0]}'{more}, which "
+                                      f"ptdp's model has no place for")
+    return _cut_rows(cfg, out)
+
+
+def _cut_rows(cfg: ModelConfig, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The vocabulary tables cut to model.vocab_size rows (Megatron's padded size unless a
+    smaller one was asked for) and a learned position table to model.seq_length rows."""
+    for name, key in [("embedding.word.weight", "vocab_size"), ("heads.lm_bias", "vocab_size"),
+                      ("output_layer.weight", "vocab_size"), ("embedding.position", "seq_length")]:
+        if name in out:
+            count = getattr(cfg, key)
+            require(out[name].shape[0] >= count, f"model.{key}={count} is more than the "
+                                                 f"checkpoint's {out[name].shape[0]} rows of "
+                                                 f"'{name}'")
+            out[name] = out[name][:count].contiguous()
+    return out
+
+
+def to_megatron(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ptdp's full state -> a full Megatron state (vocabulary not padded yet)."""
+    out = {theirs: full[ours] for ours, theirs in _pairs(cfg)}
+    if cfg.gated:
+        for ours, theirs in _fc1_names(cfg):
+            pairs = full[ours].reshape(cfg.ffn_hidden_size, 2, *full[ours].shape[1:])
+            out[theirs] = torch.cat([pairs[:, 0], pairs[:, 1]], dim=0).contiguous()
+    return out
+
+
+# Split by a vocabulary (rows padded to Megatron's padded_vocab_size).
+VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
+# The modules of a layer that megatron-core saves an `_extra_state` for (TransformerEngine's
+# fp8 metadata; None with the local spec): its linears, and with TransformerEngine its
+# attention kernel too. A strict load expects them, so a written checkpoint has them (None).
+LAYER_EXTRA_STATES = ("self_attention.linear_qkv", "self_attention.linear_proj",
+                      "mlp.linear_fc1", "mlp.linear_fc2")
+TE_LAYER_EXTRA_STATES = LAYER_EXTRA_STATES + ("self_attention.core_attention",)
+
+
+def layer_extra_states(fused_norms: bool) -> tuple[str, ...]:
+    return TE_LAYER_EXTRA_STATES if fused_norms else LAYER_EXTRA_STATES

@@ -1,0 +1,166 @@
+"""Tiny megatron-core GPT and BERT models on CPU, saved the way Megatron-LM saves them.
+
+megatron-core 0.16 assumes CUDA in a few places that a CPU forward or save reaches; the
+`cpu_megatron` context patches exactly those (the rotary table's device, the dropout RNG
+tracker's fork, the pre-save synchronize, the writer's results queue and memory probe) and
+nothing of the model's arithmetic. The models use the local (non-TransformerEngine) layer
+specs in fp32 with dropout 0, on a 1-rank gloo group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import types
+from argparse import Namespace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+VOCAB, SEQ = 128, 16
+
+
+@contextlib.contextmanager
+def cpu_megatron(monkeypatch_context):
+    from megatron.core import parallel_state, tensor_parallel
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as fsa
+
+    mp = monkeypatch_context
+    mp.setattr(torch.cuda, "current_device", lambda: "cpu")
+    mp.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    mp.setattr(tensor_parallel, "get_cuda_rng_tracker",
+               lambda *a, **k: types.SimpleNamespace(fork=contextlib.nullcontext))
+    mp.setattr(fsa, "_results_queue", queue.Queue())
+    mp.setattr(fsa, "_process_memory", lambda: 0)
+    owned = not dist.is_initialized()
+    if owned:
+        from ptdp.runtime.local_ranks import free_port
+        mp.setenv("MASTER_ADDR", "127.0.0.1")
+        mp.setenv("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        if owned:
+            dist.destroy_process_group()
+
+
+def gpt_args(**overrides) -> Namespace:
+    """The Megatron-LM arguments of the tiny GPT (what its checkpoints carry as 'args')."""
+    args = dict(num_layers=2, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
+                group_query_attention=True, num_query_groups=2, kv_channels=8,
+                seq_length=SEQ, max_position_embeddings=SEQ, padded_vocab_size=VOCAB,
+                make_vocab_size_divisible_by=128, position_embedding_type="rope",
+                rotary_base=10000, rotary_percent=1.0, normalization="RMSNorm",
+                layernorm_epsilon=1e-5, swiglu=True, add_bias_linear=False, add_qkv_bias=False,
+                untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                attention_dropout=0.0, init_method_std=0.02, tensor_model_parallel_size=1,
+                pipeline_model_parallel_size=1, apply_query_key_layer_scaling=False)
+    args.update(overrides)
+    return Namespace(**args)
+
+
+def bert_args(**overrides) -> Namespace:
+    return gpt_args(**dict(dict(group_query_attention=False, num_query_groups=None,
+                                position_embedding_type="learned_absolute",
+                                normalization="LayerNorm", swiglu=False, add_bias_linear=True,
+                                untie_embeddings_and_output_weights=False,
+                                bert_binary_head=True, ffn_hidden_size=64), **overrides))
+
+
+def transformer_config(args: Namespace):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    gated = args.swiglu
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        ffn_hidden_size=args.ffn_hidden_size, use_cpu_initialization=True, hidden_dropout=0.0,
+        attention_dropout=0.0, gated_linear_unit=gated,
+        activation_func=torch.nn.functional.silu if gated else torch.nn.functional.gelu,
+        normalization=args.normalization, add_bias_linear=args.add_bias_linear,
+        layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std)
+
+
+def build_gpt(args: Namespace, seed: int = 7):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    torch.manual_seed(seed)
+    model = GPTModel(transformer_config(args), get_gpt_layer_local_spec(
+                         normalization=args.normalization),
+                     vocab_size=args.padded_vocab_size, max_sequence_length=SEQ,
+                     position_embedding_type=args.position_embedding_type,
+                     share_embeddings_and_output_weights=not
+                     args.untie_embeddings_and_output_weights)
+    _randomise_norms(model)
+    return model.eval()
+
+
+def build_bert(args: Namespace, seed: int = 8):
+    from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+    from megatron.core.models.bert.bert_model import BertModel
+    torch.manual_seed(seed)
+    model = BertModel(transformer_config(args), num_tokentypes=2,
+                      transformer_layer_spec=bert_layer_local_spec,
+                      vocab_size=args.padded_vocab_size, max_sequence_length=SEQ,
+                      share_embeddings_and_output_weights=True, add_binary_head=True)
+    _randomise_norms(model)
+    return model.eval()
+
+
+def _randomise_norms(model) -> None:
+    """Norm gains of 1 and zero biases would hide a swapped or missing weight."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+
+
+def gpt_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """[b, s] -> [b, s, vocab]: positions 0..s-1 and the causal mask, as pretrain_gpt.py."""
+    s = tokens.shape[1]
+    mask = torch.triu(torch.ones(1, 1, s, s), diagonal=1).bool()   # True = masked
+    with torch.no_grad():
+        return model(tokens, torch.arange(s).expand_as(tokens), mask).float()
+
+
+def bert_logits(model, tokens, types_) -> tuple[torch.Tensor, torch.Tensor]:
+    """(masked-LM logits [b, s, vocab], binary logits [b, 2]) with no padding."""
+    with torch.no_grad():
+        lm, binary = model(tokens, torch.ones_like(tokens), tokentype_ids=types_)
+    return lm.float(), binary.float()
+
+
+def save_legacy(model, args: Namespace, root: Path, iteration: int) -> Path:
+    """megatron-core's state dict where Megatron-LM's `--ckpt-format torch` puts it: root/
+    latest_checkpointed_iteration.txt and root/iter_N/mp_rank_00/model_optim_rng.pt with
+    'args', 'checkpoint_version', 'iteration' and 'model' (model.state_dict_for_save_checkpoint)."""
+    sub = root / f"iter_{iteration:07d}" / "mp_rank_00"
+    sub.mkdir(parents=True)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                "model": model.state_dict_for_save_checkpoint()}, sub / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return root
+
+
+def save_torch_dist(model, args: Namespace, root: Path, iteration: int) -> Path:
+    """megatron.core.dist_checkpointing.save of Megatron-LM's state dict (the model's sharded
+    state dict under 'model', the args and iteration beside it: they land in common.pt)."""
+    from megatron.core import dist_checkpointing
+    directory = root / f"iter_{iteration:07d}"
+    directory.mkdir(parents=True)
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "args": args,
+                             "iteration": iteration, "checkpoint_version": 3.0}, str(directory))
+    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return root
+
+
+def load_legacy_into(model, directory: Path) -> None:
+    """Megatron-LM's legacy load of a (1, 1) checkpoint: strict load_state_dict of 'model'."""
+    saved = torch.load(directory / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    model.load_state_dict(saved["model"], strict=True)
+
+
