@@ -122,7 +122,7 @@ def register(subparsers) -> None:
         "preprocess", help="tokenise JSONL into Megatron-format .bin/.idx datasets",
         description="Tokenise JSONL (or text, one document per line) into Megatron-LM's indexed "
                     "format plus ptdp's PREFIX.ptdp.json sidecar. Megatron's "
-                    "tools/preprocess_data.py arguments work as they are; with --json-keys or "
+                    "preprocess_data.py arguments work as they are; with --json-keys or "
                     "--tokenizer-type, outputs are named like Megatron's: "
                     "PREFIX_KEY_document (PREFIX_KEY_sentence with --split-sentences).")
     pre.add_argument("--input", help="corpus: .jsonl/.json or text, one doc per line")

@@ -4,7 +4,7 @@ ptdp's metadata in `PREFIX.ptdp.json`.
 A dataset is a list of *documents*, each a list of *sequences* (sentences for BERT, the whole
 document for GPT). `.bin` holds every sequence's tokens back to back. `.idx` is Megatron-LM's
 index (`ptdp/data/megatron_index.py`), so a pair written by Megatron's
-`tools/preprocess_data.py` trains here as it is, and a pair written here opens in
+`preprocess_data.py` trains here as it is, and a pair written here opens in
 megatron-core. Megatron's index knows nothing of the vocabulary, so ptdp writes a *sidecar*
 beside the pair, `PREFIX.ptdp.json`: the vocabulary size, the tokenizer's fingerprint and
 special ids, whether sentences were split, and the pair's counts (a sidecar left over from an
@@ -152,7 +152,7 @@ class IndexHeader:
 
 def _corrupt(idx_path: Path, what: str) -> IndexedDataError:
     return IndexedDataError(f"{idx_path}: {what}; the index is corrupt or incomplete, re-run "
-                            f"`ptdp preprocess` (or Megatron's tools/preprocess_data.py)")
+                            f"`ptdp preprocess` (or Megatron's preprocess_data.py)")
 
 
 def _check_bin_size(bin_path: Path, idx_path: Path, dtype: np.dtype, num_tokens: int) -> None:

@@ -1,5 +1,5 @@
 """Megatron-LM's `.idx` layout, the one megatron-core's `IndexedDataset` reads and
-`tools/preprocess_data.py` writes (read from its source; no Megatron import):
+`preprocess_data.py` writes (read from its source; no Megatron import):
 
     magic        b"MMIDIDX\\0\\0"                 9 bytes
     version      u64, always 1

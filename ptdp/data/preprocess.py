@@ -1,5 +1,5 @@
 """`ptdp preprocess`: JSONL (or text) documents -> tokenised indexed datasets, like
-Megatron-LM's `tools/preprocess_data.py`.
+Megatron-LM's `preprocess_data.py`.
 
 One output per JSON key (`json_keys`): Megatron's `.bin/.idx` pair plus ptdp's sidecar
 (ptdp/data/indexed.py). Names are Megatron's, `{prefix}_{key}_{document|sentence}`, when
@@ -191,7 +191,7 @@ def _write(encoded, tok, outputs: dict, metas: dict, input_path, progress, tqdm)
 def describe_dataset(prefix: str | os.PathLike, tokenizer_path: str | os.PathLike,
                      sentences: bool | None = None, merge_file: str | None = None,
                      lowercase: bool | None = None) -> Path:
-    """Write the sidecar of a pair Megatron's tools/preprocess_data.py made with this
+    """Write the sidecar of a pair Megatron's preprocess_data.py made with this
     tokenizer, so that ptdp checks it like its own (vocabulary, special ids for BERT)."""
     tok = load_tokenizer(tokenizer_path, merge_file, lowercase)
     header = read_index_header(prefix, sidecar=False)
