@@ -7,8 +7,9 @@ import dataclasses
 import math
 
 from ptdp.config.catalogue import Chunks, DEFAULT, NAMES, SCHEDULES, ScheduleSpec, names_where
-from ptdp.config.schema import (AUTO_LOAD, BLOCK_OPTIONS, PRESETS, Config, ConfigError,
-                                DataConfig, ModelConfig, ParallelConfig, TrainConfig, suggest)
+from ptdp.config.schema import (AUTO_LOAD, BLOCK_OPTIONS, LR_DECAY_STYLES, LR_WSD_DECAY_STYLES,
+                                PRESETS, Config, ConfigError, DataConfig, ModelConfig,
+                                ParallelConfig, TrainConfig, schedule_lengths, suggest)
 
 
 def parse_split(split: str) -> list[float]:
@@ -203,11 +204,93 @@ def _check_learning_rate(tr: TrainConfig, out: _Problems) -> None:
     if tr.lr >= 0 and tr.min_lr >= 0:
         out.require(tr.min_lr <= tr.lr,
                     f"train.min_lr ({tr.min_lr}) must not exceed train.lr ({tr.lr})")
-    out.positive(tr.lr_warmup_iters, "train.lr_warmup_iters", strict=False)
-    out.choice(tr.lr_decay_style, ("cosine", "linear", "constant"), "train.lr_decay_style")
-    if tr.lr_decay_iters is not None:
-        out.positive(tr.lr_decay_iters, "train.lr_decay_iters",
-                     hint=" (null means train.iters)")
+    out.require(0.0 <= tr.lr_warmup_init <= max(tr.lr, 0.0),
+                f"train.lr_warmup_init must be in [0, train.lr = {tr.lr}], got {tr.lr_warmup_init}")
+    for key in ("lr_warmup_iters", "lr_warmup_samples"):
+        out.positive(getattr(tr, key), f"train.{key}", strict=False)
+    for key in ("lr_decay_iters", "lr_decay_samples", "lr_wsd_decay_iters", "lr_wsd_decay_samples"):
+        if getattr(tr, key) is not None:
+            out.positive(getattr(tr, key), f"train.{key}", hint=" (null: the default)")
+    styles_ok = all([out.choice(tr.lr_decay_style, LR_DECAY_STYLES, "train.lr_decay_style"),
+                     out.choice(tr.lr_wsd_decay_style, LR_WSD_DECAY_STYLES,
+                                "train.lr_wsd_decay_style")])
+    fraction_ok = _check_warmup_fraction(tr, out)
+    if _check_counting(tr, out) and styles_ok and fraction_ok and tr.iters > 0:
+        _check_lengths(tr, out)
+
+
+def _check_warmup_fraction(tr: TrainConfig, out: _Problems) -> bool:
+    if tr.lr_warmup_fraction is None:
+        return True
+    given = [f"train.{key}" for key in ("lr_warmup_iters", "lr_warmup_samples") if getattr(tr, key)]
+    return all([out.require(0.0 <= tr.lr_warmup_fraction < 1.0,
+                            f"train.lr_warmup_fraction must be in [0, 1) (a fraction of the decay "
+                            f"length), got {tr.lr_warmup_fraction}"),
+                out.require(not given, f"train.lr_warmup_fraction and {given[0] if given else ''} "
+                                       f"both set the warm-up: set one of them")])
+
+
+# The keys that count iterations, and their sample-counting twins (train.train_samples runs).
+_ITERATION_KEYS = {"lr_warmup_iters": "lr_warmup_samples", "lr_decay_iters": "lr_decay_samples",
+                   "lr_wsd_decay_iters": "lr_wsd_decay_samples"}
+
+
+def _check_counting(tr: TrainConfig, out: _Problems) -> bool:
+    """Iteration-based runs take the *_iters keys, sample-based runs (train.train_samples) the
+    *_samples keys (Megatron's rule); fills train.iters of a sample-based run."""
+    by_samples = tr.train_samples is not None
+    run = ("sample-based (train.train_samples is set)" if by_samples
+           else "iteration-based (train.train_samples is null)")
+    ok = True
+    for iters_key, samples_key in _ITERATION_KEYS.items():
+        wrong, right = (iters_key, samples_key) if by_samples else (samples_key, iters_key)
+        ok = out.require(not getattr(tr, wrong), f"train.{wrong} does not apply: this run is "
+                                                 f"{run}; use train.{right}") and ok
+    if by_samples:
+        ok = out.positive(tr.train_samples, "train.train_samples",
+                          hint=" (null: an iteration-based run, train.iters)") \
+            and _derive_iters(tr, out) and ok
+    return ok
+
+
+def _derive_iters(tr: TrainConfig, out: _Problems) -> bool:
+    """train.iters = train_samples // global_batch_size (Megatron's rule without ramp-up)."""
+    if tr.global_batch_size < 1:
+        return False
+    derived = tr.train_samples // tr.global_batch_size
+    if not out.require(tr.iters in (TrainConfig.iters, derived),
+                       f"train.iters ({tr.iters}) and train.train_samples ({tr.train_samples}) "
+                       f"both set the run's length (train_samples // global_batch_size = "
+                       f"{derived} iterations): set one of them"):
+        return False
+    tr.iters = derived
+    return out.require(derived >= 1, f"train.train_samples ({tr.train_samples}) is less than one "
+                                     f"global batch (train.global_batch_size = "
+                                     f"{tr.global_batch_size})")
+
+
+def _check_lengths(tr: TrainConfig, out: _Problems) -> None:
+    """Warm-up shorter than the decay, WSD's anneal inside it (Megatron asserts both)."""
+    span = schedule_lengths(tr)
+    warmup_keys = ("train.lr_warmup_fraction" if tr.lr_warmup_fraction is not None else
+                   "train.lr_warmup_samples" if tr.train_samples is not None else
+                   "train.lr_warmup_iters")
+    decay_keys = ("train.lr_decay_samples or train.train_samples" if tr.train_samples is not None
+                  else "train.lr_decay_iters or train.iters")
+    if tr.lr_decay_style != "constant":
+        out.require(span.warmup < span.decay,
+                    f"{warmup_keys}: the warm-up ({span.warmup:g} samples) must end before the "
+                    f"decay does ({span.decay} samples: {decay_keys})")
+    wsd_key = ("train.lr_wsd_decay_samples" if tr.train_samples is not None
+               else "train.lr_wsd_decay_iters")
+    if tr.lr_decay_style != "wsd":
+        out.require(span.wsd_decay is None, f"{wsd_key} applies only to "
+                                            f"train.lr_decay_style=wsd (got {tr.lr_decay_style})")
+    elif out.require(span.wsd_decay is not None, f"train.lr_decay_style=wsd needs {wsd_key} "
+                                                 f"(the length of the final anneal)"):
+        out.require(span.wsd_decay <= span.decay,
+                    f"{wsd_key}: the anneal ({span.wsd_decay} samples) must fit in the decay "
+                    f"length ({span.decay} samples: {decay_keys})")
 
 
 def _check_optimizer(tr: TrainConfig, out: _Problems) -> None:
