@@ -137,11 +137,11 @@ class TrainConfig:
     micro_batch_size: int = 2            # b
     global_batch_size: int = 8           # B
     iters: int = 10
+    train_samples: int | None = None     # a sample-based run: iters = train_samples // B
     seed: int = 1234
     precision: str = "fp32"              # fp32 | bf16 | fp16
     recompute: str = "none"              # none | full | selective
     recompute_num_layers: int = 1        # layers per checkpointed group with recompute=full
-    train_samples: int | None = None     # a sample-based run: iters = train_samples // B
     # Learning rate (ptdp/optim/lr.py): Megatron-LM's schedule, lengths counted in samples
     lr: float = 1e-3
     min_lr: float = 0.0
