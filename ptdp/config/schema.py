@@ -136,6 +136,8 @@ LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 class TrainConfig:
     micro_batch_size: int = 2            # b
     global_batch_size: int = 8           # B
+    rampup_batch_size: list | None = None  # [start, increment, ramp_samples]: B ramps up
+                                           # (ptdp/config/batches.py); sample-based runs only
     iters: int = 10
     train_samples: int | None = None     # a sample-based run: iters = train_samples // B
     seed: int = 1234

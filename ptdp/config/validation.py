@@ -7,9 +7,10 @@ import dataclasses
 import math
 
 from ptdp.config.catalogue import Chunks, DEFAULT, NAMES, SCHEDULES, ScheduleSpec, names_where
-from ptdp.config.schema import (AUTO_LOAD, BLOCK_OPTIONS, LR_DECAY_STYLES, LR_WSD_DECAY_STYLES,
-                                PRESETS, Config, ConfigError, DataConfig, ModelConfig,
-                                ParallelConfig, TrainConfig, schedule_lengths, suggest)
+from ptdp.config.problems import Problems as _Problems
+from ptdp.config.run_length import check_rampup_layout, check_run_length_and_schedule
+from ptdp.config.schema import (AUTO_LOAD, BLOCK_OPTIONS, PRESETS, Config, ConfigError,
+                                DataConfig, ModelConfig, ParallelConfig, TrainConfig)
 
 
 def parse_split(split: str) -> list[float]:
@@ -45,35 +46,6 @@ def parse_paths(paths: list) -> list[tuple[float, str]]:
     if sum(w for w, _ in pairs) <= 0:
         raise ConfigError(f"data.paths: the weights must not all be zero, got {paths}")
     return pairs
-
-
-class _Problems:
-    """Collects one line per problem, so a user sees every mistake in one go."""
-
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def require(self, cond: bool, message: str) -> bool:
-        if not cond:
-            self.lines.append(message)
-        return bool(cond)
-
-    def choice(self, value: str, options: tuple, key: str) -> bool:
-        return self.require(value in options, f"{key}: '{value}' is not one of {', '.join(options)}"
-                                              f"{suggest(str(value), list(options))}")
-
-    def positive(self, value, key: str, strict: bool = True, hint: str = "") -> bool:
-        ok = value > 0 if strict else value >= 0
-        bound = "positive" if strict else ">= 0"
-        return self.require(ok, f"{key} must be {bound}, got {value}{hint}")
-
-    def parse(self, fn, *args):
-        """fn(*args), recording its ConfigError; None when it failed."""
-        try:
-            return fn(*args)
-        except ConfigError as err:
-            self.lines.extend(err.errors)
-            return None
 
 
 def validate_model(m: ModelConfig) -> None:
@@ -181,7 +153,7 @@ def _check_train(tr: TrainConfig, out: _Problems) -> bool:
     out.choice(tr.recompute, ("none", "full", "selective"), "train.recompute")
     out.require(tr.recompute_num_layers >= 1,
                 f"train.recompute_num_layers must be >= 1, got {tr.recompute_num_layers}")
-    _check_learning_rate(tr, out)
+    ramp_ok = check_run_length_and_schedule(tr, out)
     _check_optimizer(tr, out)
     out.positive(tr.grad_bucket_mb, "train.grad_bucket_mb")
     out.positive(tr.initial_loss_scale, "train.initial_loss_scale",
@@ -195,102 +167,7 @@ def _check_train(tr: TrainConfig, out: _Problems) -> bool:
     out.positive(tr.timeout_s, "train.timeout_s")
     out.positive(tr.startup_timeout_s, "train.startup_timeout_s")
     out.require(tr.fp16_max_skips >= 1, f"train.fp16_max_skips must be >= 1, got {tr.fp16_max_skips}")
-    return batches_ok
-
-
-def _check_learning_rate(tr: TrainConfig, out: _Problems) -> None:
-    out.positive(tr.lr, "train.lr", strict=False)
-    out.positive(tr.min_lr, "train.min_lr", strict=False)
-    if tr.lr >= 0 and tr.min_lr >= 0:
-        out.require(tr.min_lr <= tr.lr,
-                    f"train.min_lr ({tr.min_lr}) must not exceed train.lr ({tr.lr})")
-    out.require(0.0 <= tr.lr_warmup_init <= max(tr.lr, 0.0),
-                f"train.lr_warmup_init must be in [0, train.lr = {tr.lr}], got {tr.lr_warmup_init}")
-    for key in ("lr_warmup_iters", "lr_warmup_samples"):
-        out.positive(getattr(tr, key), f"train.{key}", strict=False)
-    for key in ("lr_decay_iters", "lr_decay_samples", "lr_wsd_decay_iters", "lr_wsd_decay_samples"):
-        if getattr(tr, key) is not None:
-            out.positive(getattr(tr, key), f"train.{key}", hint=" (null: the default)")
-    styles_ok = all([out.choice(tr.lr_decay_style, LR_DECAY_STYLES, "train.lr_decay_style"),
-                     out.choice(tr.lr_wsd_decay_style, LR_WSD_DECAY_STYLES,
-                                "train.lr_wsd_decay_style")])
-    fraction_ok = _check_warmup_fraction(tr, out)
-    if _check_counting(tr, out) and styles_ok and fraction_ok and tr.iters > 0:
-        _check_lengths(tr, out)
-
-
-def _check_warmup_fraction(tr: TrainConfig, out: _Problems) -> bool:
-    if tr.lr_warmup_fraction is None:
-        return True
-    given = [f"train.{key}" for key in ("lr_warmup_iters", "lr_warmup_samples") if getattr(tr, key)]
-    return all([out.require(0.0 <= tr.lr_warmup_fraction < 1.0,
-                            f"train.lr_warmup_fraction must be in [0, 1) (a fraction of the decay "
-                            f"length), got {tr.lr_warmup_fraction}"),
-                out.require(not given, f"train.lr_warmup_fraction and {given[0] if given else ''} "
-                                       f"both set the warm-up: set one of them")])
-
-
-# The keys that count iterations, and their sample-counting twins (train.train_samples runs).
-_ITERATION_KEYS = {"lr_warmup_iters": "lr_warmup_samples", "lr_decay_iters": "lr_decay_samples",
-                   "lr_wsd_decay_iters": "lr_wsd_decay_samples"}
-
-
-def _check_counting(tr: TrainConfig, out: _Problems) -> bool:
-    """Iteration-based runs take the *_iters keys, sample-based runs (train.train_samples) the
-    *_samples keys (Megatron's rule); fills train.iters of a sample-based run."""
-    by_samples = tr.train_samples is not None
-    run = ("sample-based (train.train_samples is set)" if by_samples
-           else "iteration-based (train.train_samples is null)")
-    ok = True
-    for iters_key, samples_key in _ITERATION_KEYS.items():
-        wrong, right = (iters_key, samples_key) if by_samples else (samples_key, iters_key)
-        ok = out.require(not getattr(tr, wrong), f"train.{wrong} does not apply: this run is "
-                                                 f"{run}; use train.{right}") and ok
-    if by_samples:
-        ok = out.positive(tr.train_samples, "train.train_samples",
-                          hint=" (null: an iteration-based run, train.iters)") \
-            and _derive_iters(tr, out) and ok
-    return ok
-
-
-def _derive_iters(tr: TrainConfig, out: _Problems) -> bool:
-    """train.iters = train_samples // global_batch_size (Megatron's rule without ramp-up)."""
-    if tr.global_batch_size < 1:
-        return False
-    derived = tr.train_samples // tr.global_batch_size
-    if not out.require(tr.iters in (TrainConfig.iters, derived),
-                       f"train.iters ({tr.iters}) and train.train_samples ({tr.train_samples}) "
-                       f"both set the run's length (train_samples // global_batch_size = "
-                       f"{derived} iterations): set one of them"):
-        return False
-    tr.iters = derived
-    return out.require(derived >= 1, f"train.train_samples ({tr.train_samples}) is less than one "
-                                     f"global batch (train.global_batch_size = "
-                                     f"{tr.global_batch_size})")
-
-
-def _check_lengths(tr: TrainConfig, out: _Problems) -> None:
-    """Warm-up shorter than the decay, WSD's anneal inside it (Megatron asserts both)."""
-    span = schedule_lengths(tr)
-    warmup_keys = ("train.lr_warmup_fraction" if tr.lr_warmup_fraction is not None else
-                   "train.lr_warmup_samples" if tr.train_samples is not None else
-                   "train.lr_warmup_iters")
-    decay_keys = ("train.lr_decay_samples or train.train_samples" if tr.train_samples is not None
-                  else "train.lr_decay_iters or train.iters")
-    if tr.lr_decay_style != "constant":
-        out.require(span.warmup < span.decay,
-                    f"{warmup_keys}: the warm-up ({span.warmup:g} samples) must end before the "
-                    f"decay does ({span.decay} samples: {decay_keys})")
-    wsd_key = ("train.lr_wsd_decay_samples" if tr.train_samples is not None
-               else "train.lr_wsd_decay_iters")
-    if tr.lr_decay_style != "wsd":
-        out.require(span.wsd_decay is None, f"{wsd_key} applies only to "
-                                            f"train.lr_decay_style=wsd (got {tr.lr_decay_style})")
-    elif out.require(span.wsd_decay is not None, f"train.lr_decay_style=wsd needs {wsd_key} "
-                                                 f"(the length of the final anneal)"):
-        out.require(span.wsd_decay <= span.decay,
-                    f"{wsd_key}: the anneal ({span.wsd_decay} samples) must fit in the decay "
-                    f"length ({span.decay} samples: {decay_keys})")
+    return batches_ok and ramp_ok
 
 
 def _check_optimizer(tr: TrainConfig, out: _Problems) -> None:
@@ -453,6 +330,8 @@ def _check_schedule(cfg: Config, out: _Problems) -> None:
                 f"train.distributed_optimizer=false")
     _check_update_rule(cfg, spec, out)
     _check_chunks(cfg, spec, out)
+    if cfg.train.rampup_batch_size:
+        check_rampup_layout(cfg, spec, out)
     least = spec.min_micro_batches(p, v)
     if least > 1:
         _check_min_micro_batches(cfg, least, out)

@@ -4,7 +4,8 @@
 
 The schedule is a function of *samples*, as Megatron's (its `num_steps` counts samples: every
 iteration adds the global batch). Iteration i (0-based) runs at the rate of the samples consumed
-*before* it, i * B: the first warm-up iteration runs at `lr_warmup_init` (0 by default) and the
+*before* it (i * B, or with a batch ramp-up the sum of the ramp's batches,
+ptdp/config/batches.py): the first warm-up iteration runs at `lr_warmup_init` (0 by default) and the
 last iteration of a decay runs just above `min_lr`, not at it. A run resumed after N iterations
 (a ptdp checkpoint, or a Megatron checkpoint converted at iteration N) therefore continues at
 the rate of N * B samples, where the run it continues left off.
@@ -19,12 +20,14 @@ from __future__ import annotations
 import math
 
 from ptdp.config import TrainConfig
+from ptdp.config.batches import BatchSchedule
 from ptdp.config.schema import ScheduleLengths, schedule_lengths
 
 
-def learning_rate(iteration: int, train: TrainConfig) -> float:
-    """The rate 0-based `iteration` runs at: the schedule after the samples consumed before it."""
-    return learning_rate_at(iteration * train.global_batch_size, train)
+def learning_rate(iteration: int, train: TrainConfig, batches: BatchSchedule | None = None) -> float:
+    """The rate 0-based `iteration` runs at: the schedule after the samples consumed before it
+    (i * B, or the ramp's sum: `batches`, built from `train` when not given)."""
+    return learning_rate_at((batches or BatchSchedule.of(train)).consumed(iteration), train)
 
 
 def learning_rate_at(samples: float, train: TrainConfig) -> float:

@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from ptdp.checkpoint.layout import OPTIMIZER_KEYS
 from ptdp.config import Config
+from ptdp.config.batches import BatchSchedule
 from ptdp.config.catalogue import ScheduleSpec
 from ptdp.kernels import should_compile
 from ptdp.models import ModelContext, build_chunk, named_global_parameters
@@ -56,8 +57,9 @@ from ptdp.pipeline.weights import aliasing_masters
 
 @dataclass
 class Progress:
-    """Iterations done: the next iteration to run, which fixes the data position and the
-    learning rate (both are pure functions of it)."""
+    """Iterations done: the next iteration to run, which fixes the data position, the batch
+    size and the learning rate (pure functions of it: ptdp/config/batches.py, ptdp/optim/lr.py;
+    a checkpoint records the consumed samples too)."""
 
     iteration: int = 0
 
@@ -156,13 +158,18 @@ class TrainingState:
     optimizer: torch.optim.Optimizer
     loss_scaler: LossScaler
     dp_grads: DataParallelGradients
-    m: int                                # micro-batches per data rank and iteration
+    m: int                                # micro-batches per data rank and iteration (at B)
+    batches: BatchSchedule                # each iteration's global batch (ramp-up)
     progress: Progress = field(default_factory=Progress)
     versions: object = None               # a no-flush step's weight versions (state_dict())
 
     @property
     def dtype(self) -> torch.dtype:
         return PRECISIONS[self.cfg.train.precision]
+
+    def micro_batches(self, iteration: int) -> int:
+        """Micro-batches per data rank in `iteration` (m, or fewer while the batch ramps up)."""
+        return self.batches.batch_size(iteration) // (self.cfg.train.micro_batch_size * self.grid.d)
 
     def weight_state(self) -> WeightState:
         return WeightState(self.params, self.master_params, self.weights)
@@ -239,7 +246,7 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
     return TrainingState(cfg, grid, device, tp, rng, ctx, chunks, params, weights, masters,
                          build_optimizer(masters, tr),
                          LossScaler(dynamic=tr.precision == "fp16", initial=tr.initial_loss_scale),
-                         dp_grads, m)
+                         dp_grads, m, BatchSchedule.of(tr))
 
 
 def _master_weights(cfg: Config, grid: RankGrid, params: list, spec: ScheduleSpec) -> tuple:
