@@ -1,7 +1,8 @@
 """The learning-rate schedule is Megatron-LM's: iteration by iteration, ptdp's rate equals the one
 megatron-core's `OptimizerParamScheduler` puts into the optimizer for that iteration, for every
-decay style, iteration- and sample-based runs, warm-up fractions and WSD anneals; a resumed run
-continues on it; and every bad schedule key is refused in one line naming it."""
+decay style, iteration- and sample-based runs, warm-up fractions and WSD anneals; and every bad
+schedule key is refused in one line naming it. (A resumed run continuing on Megatron's schedule:
+tests/test_rampup.py, whose resumed run also counts a ramp's samples.)"""
 
 from __future__ import annotations
 
@@ -92,36 +93,6 @@ def test_a_sample_based_run_derives_its_iterations():
     again = load_config(None, TINY + ["train.train_samples=100", f"train.iters={train.iters}"],
                         world_size=1).train
     assert again.iters == train.iters
-
-
-def _run_and_resume(tmp: str) -> dict:
-    """3 iterations, a checkpoint after 2, then a resumed run of iteration 3; the rates each
-    iteration's optimizer step used, read from the optimizer."""
-    from ptdp.config import load_config as load
-    from ptdp.training import Trainer
-    common = TINY + ["train.lr_warmup_iters=1", "train.lr_decay_iters=3", "train.iters=3",
-                     "log.progress=false", "train.timeout_s=60", f"checkpoint.dir={tmp}/ck"]
-    first = Trainer(load(None, common + ["train.iters=2"], world_size=1))
-    rates = []
-    for it in range(2):
-        first.train_step(it)
-        rates.append(first.state.optimizer.param_groups[0]["lr"])
-    first.state.progress.iteration = 2
-    first.save_checkpoint()
-    resumed = Trainer(load(None, common + [f"checkpoint.load={tmp}/ck/iter_0000002"],
-                           world_size=1))
-    start = resumed.iteration
-    resumed.train_step(start)
-    return {"start": start, "rates": rates + [resumed.state.optimizer.param_groups[0]["lr"]],
-            "train": resumed.cfg.train}
-
-
-def test_a_resumed_run_continues_on_megatrons_schedule(tmp_path):
-    pytest.importorskip("megatron.core")
-    from ptdp.runtime.local_ranks import run_on_ranks
-    out = run_on_ranks(1, _run_and_resume, str(tmp_path), timeout_s=120)[0]
-    assert out["start"] == 2
-    assert out["rates"] == pytest.approx(megatron_rates(out["train"], 3), rel=1e-12)
 
 
 BAD = {
