@@ -92,10 +92,11 @@ class MetricsLog:
         mfu = f" | mfu {r['mfu']:.1%}" if r["mfu"] is not None else ""
         skipped = f" | skipped {r['skipped']} (overflow)" if r["skipped"] else ""
         valid = f" | valid loss {r['valid_loss']:.4f}" if "valid_loss" in r else ""
+        batch = f" | batch {r['global_batch_size']}" if self.cfg.train.rampup_batch_size else ""
         # tflops_per_gpu and mem_gb keep their record names; the values are per rank, and
         # mem_gb is in GiB (2**30 bytes)
         return (f"iter {r['iter']:>6}/{self.cfg.train.iters} | loss {r['loss']:.4f} | "
-                f"lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f} | "
+                f"lr {r['lr']:.2e}{batch} | grad norm {r['grad_norm']:.3f} | "
                 f"{r['step_time_s'] * 1e3:.0f} ms | {r['tokens_per_s']:.0f} tok/s | "
                 f"{format_tflops(r['tflops_per_gpu'])} TFLOP/s per rank{mfu} | "
                 f"{r['mem_gb']:.2f} GiB{valid}{skipped}")
