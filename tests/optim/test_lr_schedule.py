@@ -95,6 +95,18 @@ def test_a_warmup_longer_than_the_run_warms_up_then_holds_min_lr():
     assert learning_rate(5, train) == train.min_lr
 
 
+def test_a_resumed_sample_based_run_says_when_its_decay_stretches():
+    from ptdp.checkpoint.load import schedule_change_warning
+    meta = {"iteration": 5, "train": {"iters": 12, "train_samples": 100, "lr_decay_samples": None}}
+    longer = load_config(None, TINY + ["train.train_samples=200"], world_size=1).train
+    warning = schedule_change_warning(meta, longer)
+    assert "decay length went from 100 to 200 samples" in warning
+    assert "train.lr_decay_samples=100" in warning
+    pinned = load_config(None, TINY + ["train.train_samples=200", "train.lr_decay_samples=100"],
+                         world_size=1).train
+    assert schedule_change_warning(meta, pinned) is None
+
+
 def test_a_sample_based_run_derives_its_iterations():
     train = load_config(None, TINY + ["train.train_samples=100"], world_size=1).train
     assert train.iters == 100 // 8
