@@ -1,7 +1,9 @@
 """Batch-size ramp-up (train.rampup_batch_size), as Megatron-LM's --rampup-batch-size: each
 iteration's batch is megatron-core's calculator's, a sample-based run's length is Megatron's, the
 LR counts the ramp's samples, a ramped run in any flushing layout equals the single-process run
-of the same ramp, a resumed one continues it exactly, and what cannot ramp is refused in one line.
+of the same ramp, a resumed one continues it exactly (at Megatron's rate), and what cannot ramp
+is refused in one line. The same ramped run checks that the schedule, like Megatron's, does not
+advance over an update fp16 skipped.
 """
 
 from __future__ import annotations
@@ -57,9 +59,10 @@ def test_each_iterations_batch_and_the_run_length_are_megatrons(start, increment
         [sum(want[:it]) for it in range(iterations)]
 
 
-def megatron_rates() -> list[float]:
+def megatron_rates(skipped: list[bool] | None = None) -> list[float]:
     """RAMP's rate per iteration under Megatron-LM: warm-up over 6 samples, cosine decay over
-    train_samples = 32, the scheduler stepped by each iteration's ramped batch."""
+    train_samples = 32, the scheduler stepped by each iteration's ramped batch, except after an
+    iteration whose update was `skipped` (fp16 overflow)."""
     scheduler_module = pytest.importorskip("megatron.core.optimizer_param_scheduler")
     import torch
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
@@ -68,9 +71,10 @@ def megatron_rates() -> list[float]:
         lr_decay_steps=32, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0, wd_incr_steps=32,
         wd_incr_style="constant")
     rates = []
-    for size in megatron_ramp(4, 4, 8, 8, 32)[0]:
+    for it, size in enumerate(megatron_ramp(4, 4, 8, 8, 32)[0]):
         rates.append(optimizer.param_groups[0]["lr"])
-        scheduler.step(increment=size)
+        if not (skipped and skipped[it]):
+            scheduler.step(increment=size)
     return rates
 
 
@@ -104,6 +108,11 @@ def _ramped_runs(tmp: str, runs: list) -> dict:
     out = {}
     for name, overrides in runs:
         world = dist.get_world_size()
+        if name == "fp16":   # the first updates overflow: the schedule waits for them
+            trainer = Trainer(load(None, RAMP + overrides, world_size=world))
+            rates = rates_used(trainer)
+            out[name] = ([r["skipped"] for r in trainer.train()], rates)
+            continue
         if name != "resume":
             out[name] = history(Trainer(load(None, RAMP + overrides, world_size=world)))
             continue
@@ -123,7 +132,10 @@ def _ramped_runs(tmp: str, runs: list) -> dict:
 @pytest.fixture(scope="module")
 def ramped(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("ramp"))
-    single = run_on_ranks(1, _ramped_runs, tmp, [("single", []), ("resume", [])], timeout_s=120)[0]
+    single = run_on_ranks(1, _ramped_runs, tmp, [
+        ("single", []), ("resume", []),
+        ("fp16", ["train.precision=fp16", f"train.initial_loss_scale={2 ** 21}"])],
+        timeout_s=120)[0]
     layouts = run_on_ranks(4, _ramped_runs, tmp, [
         ("1f1b", ["parallel.pipeline=2", "parallel.data=2"]),
         ("interleaved", ["parallel.pipeline=2", "parallel.data=2", "schedule.name=interleaved",
@@ -192,3 +204,11 @@ def test_each_iteration_reads_the_samples_after_the_ramps_earlier_batches():
     keys = [(it, mb) for it in range(6) for mb in range(ranks[0].count(it))]
     assert [ranks[0].key_at(ranks[0].order(*key)) for key in keys] == keys
     assert [ranks[0].order(*key) for key in keys] == list(range(len(keys)))
+
+
+def test_the_schedule_stands_still_on_an_update_fp16_skipped(ramped):
+    skipped, rates = ramped["fp16"]
+    assert skipped[:2] == [True, True] and not any(skipped[2:])
+    megatron = megatron_rates(skipped)
+    assert rates == pytest.approx([r for r, s in zip(megatron, skipped) if not s], rel=1e-12)
+    assert rates[0] == 0.0   # still the warm-up's first rate after two skipped iterations

@@ -8,7 +8,9 @@ iteration adds the global batch). Iteration i (0-based) runs at the rate of the 
 ptdp/config/batches.py): the first warm-up iteration runs at `lr_warmup_init` (0 by default) and the
 last iteration of a decay runs just above `min_lr`, not at it. A run resumed after N iterations
 (a ptdp checkpoint, or a Megatron checkpoint converted at iteration N) therefore continues at
-the rate of N * B samples, where the run it continues left off.
+the rate of N * B samples, where the run it continues left off. Like Megatron's scheduler, the
+schedule does not advance on an iteration whose update fp16 skipped for overflow: the training
+progress counts those samples (ptdp/training/state.py, `Progress.skipped_samples`).
 
 Lengths in samples (`schedule_lengths`, ptdp/config/schema.py): iteration-based runs (train.iters) give them in
 iterations, times B; sample-based runs (train.train_samples) in samples. Warm-up is
@@ -24,10 +26,14 @@ from ptdp.config.batches import BatchSchedule
 from ptdp.config.schema import ScheduleLengths, schedule_lengths
 
 
-def learning_rate(iteration: int, train: TrainConfig, batches: BatchSchedule | None = None) -> float:
+def learning_rate(iteration: int, train: TrainConfig, batches: BatchSchedule | None = None,
+                  skipped_samples: int = 0) -> float:
     """The rate 0-based `iteration` runs at: the schedule after the samples consumed before it
-    (i * B, or the ramp's sum: `batches`, built from `train` when not given)."""
-    return learning_rate_at((batches or BatchSchedule.of(train)).consumed(iteration), train)
+    (i * B, or the ramp's sum: `batches`, built from `train` when not given), less the samples
+    of the earlier iterations whose update fp16 skipped (Megatron's scheduler stands still
+    then)."""
+    consumed = (batches or BatchSchedule.of(train)).consumed(iteration)
+    return learning_rate_at(consumed - skipped_samples, train)
 
 
 def learning_rate_at(samples: float, train: TrainConfig) -> float:

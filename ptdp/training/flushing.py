@@ -96,9 +96,10 @@ class FlushingStep:
         """
         state = self.state
         if state.loss_scaler.dynamic and state.loss_scaler.update(float(grad_norm)):
+            state.progress.skip(state.batches.batch_size(iteration))
             return True
         with spans("optimizer step", "optimizer"):
             step_optimizer(state.optimizer, state.master_params, iteration, state.cfg.train,
-                           grad_norm, state.batches)
+                           grad_norm, state.batches, state.progress.skipped_samples)
             state.weights.masters_to_model()
         return False

@@ -17,7 +17,8 @@ optimizer          per parameter, AdamW's moments and step          "exp_avg", "
                                                                    "step"
 loss_scaler        scale and good steps                            metadata "loss_scaler"
 rng                CPU/CUDA and tensor-parallel streams            rng_rank{R}.pt
-progress           iterations done (the data position and LR)      metadata "iteration"
+progress           iterations done (the data position and LR),     metadata "iteration",
+                   samples of fp16-skipped updates (LR)            "skipped_samples"
 versions           2BW: the older live weight version, fp16 scales  "shadow", metadata "two_bw"
 =================  ==============================================  =========================
 
@@ -62,12 +63,19 @@ class Progress:
     a checkpoint records the consumed samples too)."""
 
     iteration: int = 0
+    skipped_samples: int = 0   # samples of iterations whose fp16 update was skipped: the
+                               # learning rate does not advance over them (as Megatron's)
+
+    def skip(self, samples: int) -> None:
+        """An iteration of `samples` whose update fp16 skipped."""
+        self.skipped_samples += samples
 
     def state_dict(self) -> dict:
-        return {"iteration": self.iteration}
+        return {"iteration": self.iteration, "skipped_samples": self.skipped_samples}
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration = state["iteration"]
+        self.skipped_samples = state.get("skipped_samples", 0)   # (older checkpoints: none)
 
 
 class WeightState:

@@ -256,7 +256,10 @@ class Trainer:
         cfg, tr, batches = self.cfg, self.cfg.train, self.state.batches
         batch = batches.batch_size(it)
         tflops = iteration_tflops(cfg, seconds, dist.get_world_size(), batch)
-        record = {"iter": it + 1, "loss": step.loss, "lr": learning_rate(it, tr, batches),
+        # the rate this iteration's update used (or would have: the skips before it count)
+        skipped_before = self.state.progress.skipped_samples - (batch if step.skipped else 0)
+        record = {"iter": it + 1, "loss": step.loss,
+                  "lr": learning_rate(it, tr, batches, skipped_before),
                   "grad_norm": step.grad_norm, "step_time_s": seconds,
                   "global_batch_size": batch,
                   "tokens_per_s": batch * cfg.model.seq_length / seconds,
