@@ -212,3 +212,12 @@ def test_the_schedule_stands_still_on_an_update_fp16_skipped(ramped):
     megatron = megatron_rates(skipped)
     assert rates == pytest.approx([r for r, s in zip(megatron, skipped) if not s], rel=1e-12)
     assert rates[0] == 0.0   # still the warm-up's first rate after two skipped iterations
+
+
+def test_a_resumed_run_says_when_its_batches_would_have_read_other_samples():
+    from ptdp.checkpoint.load import batch_change_warning
+    train = load_config(None, RAMP, world_size=1).train
+    assert batch_change_warning({"iteration": 3, "consumed_samples": 16}, train) is None
+    unramped = {"iteration": 3, "consumed_samples": 24}   # saved by a run of constant B = 8
+    assert "consumed 24 samples in its 3 iterations" in batch_change_warning(unramped, train)
+    assert "continue from 16" in batch_change_warning(unramped, train)

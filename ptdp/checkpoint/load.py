@@ -22,6 +22,7 @@ from ptdp.checkpoint.layout import (OPTIMIZER_KEYS, check_model_config, find_che
                                     layout_text, load_file, read_metadata, rng_file_name)
 from ptdp.checkpoint.reshard import ShardReader, to_local
 from ptdp.checkpoint.safety import on_all_ranks
+from ptdp.config.batches import BatchSchedule
 from ptdp.config.schema import schedule_lengths
 from ptdp.metrics.log import drop_records_after
 
@@ -50,10 +51,24 @@ def load_checkpoint(state, path: str | os.PathLike) -> Path:
     if rank0 and cfg.log.progress:
         print(f"loaded checkpoint {directory} (iteration {meta['iteration']}, saved with layout "
               f"{layout_text(meta['layout'])})", flush=True)
-    warning = schedule_change_warning(meta, cfg.train)
-    if rank0 and warning:
-        print(f"warning: {warning}", flush=True)
+    for warning in (batch_change_warning(meta, cfg.train), schedule_change_warning(meta, cfg.train)):
+        if rank0 and warning:
+            print(f"warning: {warning}", flush=True)
     return directory
+
+
+def batch_change_warning(meta: dict, train) -> str | None:
+    """Say so when this config's batches (train.global_batch_size, train.rampup_batch_size)
+    would have consumed another number of samples in the checkpoint's iterations: the data
+    position and the learning rate follow this config's count (ptdp/config/batches.py), not the
+    checkpoint's."""
+    saved, iteration = meta.get("consumed_samples"), meta["iteration"]
+    now = BatchSchedule.of(train).consumed(iteration)
+    if saved is None or saved == now:
+        return None
+    return (f"the checkpoint consumed {saved} samples in its {iteration} iterations, this "
+            f"config's batches (train.global_batch_size, train.rampup_batch_size) make {now}: "
+            f"the data position and the learning rate continue from {now}")
 
 
 def schedule_change_warning(meta: dict, train) -> str | None:
