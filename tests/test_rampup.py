@@ -221,3 +221,12 @@ def test_a_resumed_run_says_when_its_batches_would_have_read_other_samples():
     unramped = {"iteration": 3, "consumed_samples": 24}   # saved by a run of constant B = 8
     assert "consumed 24 samples in its 3 iterations" in batch_change_warning(unramped, train)
     assert "continue from 16" in batch_change_warning(unramped, train)
+
+
+def test_megatron_sampling_builds_train_samples_for_a_sample_based_run():
+    from ptdp.data.build import num_samples_needed
+    cfg = load_config(None, RAMP, world_size=1)
+    schedule = BatchSchedule.of(cfg.train)
+    assert num_samples_needed(cfg)["train"] == 32 >= schedule.consumed(cfg.train.iters)
+    plain = load_config(None, SHAPE + ["train.iters=3", "train.global_batch_size=8"], world_size=1)
+    assert num_samples_needed(plain)["train"] == 24
