@@ -9,6 +9,7 @@ advance over an update fp16 skipped.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ptdp.config import ConfigError, load_config
 from ptdp.config.batches import BatchSchedule
@@ -64,7 +65,6 @@ def megatron_rates(skipped: list[bool] | None = None) -> list[float]:
     train_samples = 32, the scheduler stepped by each iteration's ramped batch, except after an
     iteration whose update was `skipped` (fp16 overflow)."""
     scheduler_module = pytest.importorskip("megatron.core.optimizer_param_scheduler")
-    import torch
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
     scheduler = scheduler_module.OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=1e-2, min_lr=0.0, lr_warmup_steps=6,
@@ -98,6 +98,12 @@ def _ramped_runs(tmp: str, runs: list) -> dict:
     def history(trainer):
         return [(r["global_batch_size"], r["loss"]) for r in trainer.train()]
 
+    def gradients(trainer, it: int) -> tuple:
+        """Loss and gradients of iteration `it` at the weights the trainer has (no update)."""
+        step = trainer.forward_backward(it)
+        step.grad_norm = trainer.reduce_gradients()
+        return step.resolve().loss, trainer.full_state(grads=True)
+
     def rates_used(trainer) -> list:
         """The learning rate of every optimizer step the trainer takes from now on."""
         rates, optimizer = [], trainer.state.optimizer
@@ -108,6 +114,14 @@ def _ramped_runs(tmp: str, runs: list) -> dict:
     out = {}
     for name, overrides in runs:
         world = dist.get_world_size()
+        if name == "gradients":   # iterations 0 and 2 of the ramp vs runs of constant batch
+            ramped = Trainer(load(None, RAMP, world_size=world))
+            out[name] = [gradients(ramped, 0), gradients(ramped, 2)]
+            for batch, it in ((4, 0), (8, 1)):   # samples 0-3, then 8-15
+                plain = [o for o in RAMP if not o.startswith(("train.rampup", "train.global"))]
+                out[name].append(gradients(Trainer(load(None, plain + [
+                    f"train.global_batch_size={batch}"], world_size=world)), it))
+            continue
         if name == "fp16":   # the first updates overflow: the schedule waits for them
             trainer = Trainer(load(None, RAMP + overrides, world_size=world))
             rates = rates_used(trainer)
@@ -133,13 +147,15 @@ def _ramped_runs(tmp: str, runs: list) -> dict:
 def ramped(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("ramp"))
     single = run_on_ranks(1, _ramped_runs, tmp, [
-        ("single", []), ("resume", []),
+        ("single", []), ("resume", []), ("gradients", []),
         ("fp16", ["train.precision=fp16", f"train.initial_loss_scale={2 ** 21}"])],
         timeout_s=120)[0]
     layouts = run_on_ranks(4, _ramped_runs, tmp, [
-        ("1f1b", ["parallel.pipeline=2", "parallel.data=2"]),
+        ("1f1b", ["parallel.pipeline=2", "parallel.data=2", "train.distributed_optimizer=true"]),
         ("interleaved", ["parallel.pipeline=2", "parallel.data=2", "schedule.name=interleaved",
-                         "parallel.chunks=2"])], timeout_s=120)[0]
+                         "parallel.chunks=2"]),
+        ("zb-h1", ["parallel.pipeline=2", "parallel.tensor=2", "schedule.name=zb-h1"])],
+        timeout_s=120)[0]
     return {**single, **layouts}
 
 
@@ -147,11 +163,22 @@ def test_a_ramped_run_trains_the_batches_of_the_ramp(ramped):
     assert [batch for batch, _ in ramped["single"]] == megatron_ramp(4, 4, 8, 8, 32)[0]
 
 
-@pytest.mark.parametrize("layout", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("layout", ["1f1b", "interleaved", "zb-h1"])
 def test_every_flushing_layout_equals_the_single_process_ramp(ramped, layout):
     want = [loss for _, loss in ramped["single"]]
     assert [batch for batch, _ in ramped[layout]] == [batch for batch, _ in ramped["single"]]
     assert [loss for _, loss in ramped[layout]] == pytest.approx(want, rel=1e-5)
+
+
+def test_a_ramped_iteration_is_the_mean_over_its_own_batch(ramped):
+    """Loss and gradients of the ramp's first iteration (4 samples) equal those of a run whose
+    batch is 4, its third (8 samples, after 8) those of a run of 8 at its second: each
+    iteration averages over the micro-batches it has, not over the full batch's."""
+    first, third, four, eight = ramped["gradients"]
+    for ramp, plain in ((first, four), (third, eight)):
+        assert ramp[0] == pytest.approx(plain[0], rel=1e-6)
+        for name, grad in ramp[1].items():
+            assert torch.allclose(grad, plain[1][name], rtol=1e-5, atol=1e-7), name
 
 
 def test_a_resumed_ramp_continues_exactly_on_megatrons_schedule(ramped):
@@ -189,7 +216,6 @@ def test_what_cannot_ramp_is_refused_in_one_line(overrides):
 
 def test_each_iteration_reads_the_samples_after_the_ramps_earlier_batches():
     import numpy as np
-    import torch
     from ptdp.data.batching import MicroBatches
     schedule = BatchSchedule(8, (4, 2, 10))   # batches 4, 4, 6, then 8
     dataset = [{"tokens": np.array([i])} for i in range(1000)]
