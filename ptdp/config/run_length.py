@@ -114,7 +114,7 @@ def _derive_iters(tr: TrainConfig, out: Problems) -> bool:
     if not out.require(tr.iters in (TrainConfig.iters, derived),
                        f"train.iters ({tr.iters}) and train.train_samples ({tr.train_samples}) "
                        f"both set the run's length (train.train_samples makes it {derived} "
-                       f"iterations): set one of them"):
+                       f"iterations): remove train.iters, or set it to {derived}"):
         return False
     tr.iters = derived
     return out.require(derived >= 1, f"train.train_samples ({tr.train_samples}) is less than one "
