@@ -189,11 +189,13 @@ def test_a_resumed_ramp_continues_exactly_on_megatrons_schedule(ramped):
 
 
 BAD = {
-    "schedule.name=2bw parallel.pipeline=2": "train.rampup_batch_size needs a schedule that flushes",
+    "schedule.name=2bw parallel.pipeline=2":
+        "train.rampup_batch_size needs a schedule that flushes",
     "train.rampup_batch_size=[3,5,8]": "train.rampup_batch_size: every batch of the ramp must be a "
                                        "multiple of train.micro_batch_size * parallel.data = 2",
     "train.rampup_batch_size=[1,1,8] schedule.name=interleaved parallel.pipeline=2 "
-    "parallel.chunks=2": "multiple of train.micro_batch_size * parallel.data * parallel.pipeline = 2",
+    "parallel.chunks=2":
+        "multiple of train.micro_batch_size * parallel.data * parallel.pipeline = 2",
     "train.rampup_batch_size=[4,3,8]": "train.rampup_batch_size: the start (4) must be below "
                                        "train.global_batch_size (8) and reach it in whole "
                                        "increments of 3",

@@ -51,7 +51,8 @@ def load_checkpoint(state, path: str | os.PathLike) -> Path:
     if rank0 and cfg.log.progress:
         print(f"loaded checkpoint {directory} (iteration {meta['iteration']}, saved with layout "
               f"{layout_text(meta['layout'])})", flush=True)
-    for warning in (batch_change_warning(meta, cfg.train), schedule_change_warning(meta, cfg.train)):
+    warnings = (batch_change_warning(meta, cfg.train), schedule_change_warning(meta, cfg.train))
+    for warning in warnings:
         if rank0 and warning:
             print(f"warning: {warning}", flush=True)
     return directory

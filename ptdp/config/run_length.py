@@ -37,8 +37,9 @@ def _check_rampup_shape(tr: TrainConfig, out: Problems) -> bool:
         return False
     tr.rampup_batch_size = values
     start, increment, samples = values
+    reachable = start < tr.global_batch_size and (tr.global_batch_size - start) % increment == 0
     return all([
-        out.require(start < tr.global_batch_size and (tr.global_batch_size - start) % increment == 0,
+        out.require(reachable,
                     f"{key}: the start ({start}) must be below train.global_batch_size "
                     f"({tr.global_batch_size}) and reach it in whole increments of {increment}"),
         out.require(tr.train_samples is None or samples < tr.train_samples,

@@ -64,7 +64,8 @@ class MicroBatches:
                  context_size: int = 1, schedule: BatchSchedule | None = None):
         self.dataset, self.device = dataset, device
         self.schedule = schedule or BatchSchedule(global_batch)
-        self.micro_batch_size, self.data_rank, self.data_size = micro_batch_size, data_rank, data_size
+        self.micro_batch_size = micro_batch_size
+        self.data_rank, self.data_size = data_rank, data_size
         self.context_rank, self.context_size = context_rank, context_size
 
     def count(self, iteration: int) -> int:

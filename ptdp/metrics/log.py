@@ -126,7 +126,8 @@ def interval_average(records: list[dict]) -> dict:
     per_second = lambda key: sum(r[key] * r["step_time_s"] for r in records) / seconds  # noqa: E731
     return {**last, "loss": sum(r["loss"] for r in updated) / len(updated),
             "step_time_s": seconds / len(records),
-            "tokens_per_s": per_second("tokens_per_s"), "tflops_per_gpu": per_second("tflops_per_gpu"),
+            "tokens_per_s": per_second("tokens_per_s"),
+            "tflops_per_gpu": per_second("tflops_per_gpu"),
             "mfu": per_second("mfu") if last["mfu"] is not None else None,
             "skipped": sum(bool(r["skipped"]) for r in records)}
 

@@ -5,16 +5,17 @@
 The schedule is a function of *samples*, as Megatron's (its `num_steps` counts samples: every
 iteration adds the global batch). Iteration i (0-based) runs at the rate of the samples consumed
 *before* it (i * B, or with a batch ramp-up the sum of the ramp's batches,
-ptdp/config/batches.py): the first warm-up iteration runs at `lr_warmup_init` (0 by default) and the
-last iteration of a decay runs just above `min_lr`, not at it. A run resumed after N iterations
-(a ptdp checkpoint, or a Megatron checkpoint converted at iteration N) therefore continues at
-the rate of N * B samples, where the run it continues left off. Like Megatron's scheduler, the
-schedule does not advance on an iteration whose update fp16 skipped for overflow: the training
-progress counts those samples (ptdp/training/state.py, `Progress.skipped_samples`).
+ptdp/config/batches.py): the first warm-up iteration runs at `lr_warmup_init` (0 by default)
+and the last iteration of a decay runs just above `min_lr`, not at it. A run resumed after N
+iterations (a ptdp checkpoint, or a Megatron checkpoint converted at iteration N) therefore
+continues at the rate of N * B samples, where the run it continues left off. Like Megatron's
+scheduler, the schedule does not advance on an iteration whose update fp16 skipped for
+overflow: the training progress counts those samples (ptdp/training/state.py,
+`Progress.skipped_samples`).
 
-Lengths in samples (`schedule_lengths`, ptdp/config/schema.py): iteration-based runs (train.iters) give them in
-iterations, times B; sample-based runs (train.train_samples) in samples. Warm-up is
-`lr_warmup_fraction` of the decay length when that is set.
+Lengths in samples (`schedule_lengths`, ptdp/config/schema.py): iteration-based runs
+(train.iters) give them in iterations, times B; sample-based runs (train.train_samples) in
+samples. Warm-up is `lr_warmup_fraction` of the decay length when that is set.
 """
 
 from __future__ import annotations

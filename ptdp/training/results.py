@@ -54,7 +54,8 @@ def mean_losses(values: torch.Tensor, names: tuple, count: int) -> tuple[torch.T
     return values[0], {n: values[1 + i] for i, n in enumerate(names)}
 
 
-def average_losses(state, losses: list, aux: list, m: int | None = None) -> tuple[torch.Tensor, dict]:
+def average_losses(state, losses: list, aux: list,
+                   m: int | None = None) -> tuple[torch.Tensor, dict]:
     """Mean loss (and aux losses) over the micro-batches of every data rank, known on every rank
     afterwards, on the device. Only the last stage holds losses; the others add zeros. With
     context parallelism each context rank's loss is its share of the micro-batch's: they add up
