@@ -22,6 +22,8 @@ from ptdp.checkpoint.layout import (OPTIMIZER_KEYS, check_model_config, find_che
                                     layout_text, load_file, read_metadata, rng_file_name)
 from ptdp.checkpoint.reshard import ShardReader, to_local
 from ptdp.checkpoint.safety import on_all_ranks
+from ptdp.config.batches import BatchSchedule
+from ptdp.config.schema import schedule_lengths
 from ptdp.metrics.log import drop_records_after
 
 
@@ -49,10 +51,25 @@ def load_checkpoint(state, path: str | os.PathLike) -> Path:
     if rank0 and cfg.log.progress:
         print(f"loaded checkpoint {directory} (iteration {meta['iteration']}, saved with layout "
               f"{layout_text(meta['layout'])})", flush=True)
-    warning = schedule_change_warning(meta, cfg.train)
-    if rank0 and warning:
-        print(f"warning: {warning}", flush=True)
+    warnings = (batch_change_warning(meta, cfg.train), schedule_change_warning(meta, cfg.train))
+    for warning in warnings:
+        if rank0 and warning:
+            print(f"warning: {warning}", flush=True)
     return directory
+
+
+def batch_change_warning(meta: dict, train) -> str | None:
+    """Say so when this config's batches (train.global_batch_size, train.rampup_batch_size)
+    would have consumed another number of samples in the checkpoint's iterations: the data
+    position and the learning rate follow this config's count (ptdp/config/batches.py), not the
+    checkpoint's."""
+    saved, iteration = meta.get("consumed_samples"), meta["iteration"]
+    now = BatchSchedule.of(train).consumed(iteration)
+    if saved is None or saved == now:
+        return None
+    return (f"the checkpoint consumed {saved} samples in its {iteration} iterations, this "
+            f"config's batches (train.global_batch_size, train.rampup_batch_size) make {now}: "
+            f"the data position and the learning rate continue from {now}")
 
 
 def schedule_change_warning(meta: dict, train) -> str | None:
@@ -61,6 +78,8 @@ def schedule_change_warning(meta: dict, train) -> str | None:
     saved = meta.get("train") or {}
     if "iters" not in saved or meta.get("rng") is False or train.lr_decay_style == "constant":
         return None   # (converted checkpoints start a new run; a constant LR has no length)
+    if saved.get("train_samples") is not None or train.train_samples is not None:
+        return _sample_schedule_change(meta, saved, train)
     before = saved.get("lr_decay_iters") or saved["iters"]
     now = train.lr_decay_iters or train.iters
     if before == now:
@@ -72,6 +91,20 @@ def schedule_change_warning(meta: dict, train) -> str | None:
             f"{meta['iteration'] + 1} on it follows a {train.lr_decay_style} decay over {now} "
             f"iterations, not the saved run's {before}. Set train.lr_decay_iters={before} to "
             f"keep the saved run's schedule (the LR then stays at train.min_lr after it)")
+
+
+def _sample_schedule_change(meta: dict, saved: dict, train) -> str | None:
+    """The same for sample-based runs (train.train_samples), whose decay counts samples."""
+    before = saved.get("lr_decay_samples") or saved.get("train_samples") \
+        or (saved.get("lr_decay_iters") or saved["iters"]) * saved.get("global_batch_size", 0)
+    now = schedule_lengths(train).decay
+    if before == now:
+        return None
+    return (f"the decay length went from {before} to {now} samples (train.train_samples or "
+            f"train.lr_decay_samples), so the learning-rate schedule is stretched: from iteration "
+            f"{meta['iteration'] + 1} on it follows a {train.lr_decay_style} decay over {now} "
+            f"samples, not the saved run's {before}. Set train.lr_decay_samples={before} to keep "
+            f"the saved run's schedule (the LR then stays at train.min_lr after it)")
 
 
 def _read_rank_state(state, directory: Path, meta: dict) -> dict:

@@ -220,7 +220,8 @@ def _metadata(state, params: dict, versions: dict) -> dict:
     meta = {
         "format_version": FORMAT_VERSION,
         "iteration": iteration,
-        "consumed_samples": iteration * cfg.train.global_batch_size,
+        "consumed_samples": state.batches.consumed(iteration),   # (ramp-up: the ramp's sum)
+        "skipped_samples": state.progress.skipped_samples,   # LR = f(consumed - skipped)
         "layout": layout_of(cfg),
         "model": dataclasses.asdict(cfg.model),
         "train": dataclasses.asdict(cfg.train),  # for the record; LR is f(iteration, train)

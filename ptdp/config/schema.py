@@ -128,20 +128,36 @@ class ScheduleConfig:
     vertical_sync: bool = False          # pipedream: every stage uses the input stage's version
 
 
+LR_DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root", "wsd")
+LR_WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+
+
 @dataclass
 class TrainConfig:
     micro_batch_size: int = 2            # b
     global_batch_size: int = 8           # B
+    rampup_batch_size: list | None = None  # [start, increment, ramp_samples]: B ramps up
+                                           # (ptdp/config/batches.py); sample-based runs only
     iters: int = 10
+    train_samples: int | None = None     # a sample-based run: iters = train_samples // B
     seed: int = 1234
     precision: str = "fp32"              # fp32 | bf16 | fp16
     recompute: str = "none"              # none | full | selective
     recompute_num_layers: int = 1        # layers per checkpointed group with recompute=full
+    # Learning rate (ptdp/optim/lr.py): Megatron-LM's schedule, lengths counted in samples
     lr: float = 1e-3
     min_lr: float = 0.0
-    lr_warmup_iters: int = 0
-    lr_decay_style: str = "cosine"       # cosine | linear | constant
+    lr_warmup_init: float = 0.0          # the rate the warm-up starts from
+    lr_warmup_iters: int = 0             # iteration-based runs
+    lr_warmup_samples: int = 0           # sample-based runs (train.train_samples)
+    lr_warmup_fraction: float | None = None  # warm-up as a fraction of the decay length
+    lr_decay_style: str = "cosine"       # cosine | linear | constant | inverse-square-root | wsd
     lr_decay_iters: int | None = None    # default: iters
+    lr_decay_samples: int | None = None  # sample-based runs; default: train_samples
+    lr_wsd_decay_style: str = "exponential"  # wsd's anneal: exponential | linear | cosine |
+                                             # minus_sqrt
+    lr_wsd_decay_iters: int | None = None    # wsd: length of the final anneal (iteration-based)
+    lr_wsd_decay_samples: int | None = None  # the same for sample-based runs
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -159,6 +175,34 @@ class TrainConfig:
     startup_timeout_s: float = 600.0     # the same for the first iteration and validation
                                          # (compilation); the backend gives up after the larger
     tf32: bool = True                    # CUDA: TF32 tensor cores for fp32 matmuls/convolutions
+
+
+@dataclass(frozen=True)
+class ScheduleLengths:
+    """The learning-rate schedule's lengths in samples (ptdp/optim/lr.py). Warm-up may be
+    fractional: a fraction of the decay length, as in Megatron-LM."""
+
+    warmup: float
+    decay: int
+    wsd_decay: int | None
+
+
+def schedule_lengths(train: TrainConfig) -> ScheduleLengths:
+    """Warm-up, decay and WSD's anneal in samples, by Megatron-LM's rules
+    (`get_optimizer_param_scheduler`): iteration-based runs give them in iterations, times the
+    global batch; sample-based runs (train.train_samples) in samples."""
+    if train.train_samples is not None:
+        decay = train.lr_decay_samples or train.train_samples
+        warmup = train.lr_warmup_samples
+        wsd = train.lr_wsd_decay_samples
+    else:
+        batch = train.global_batch_size
+        decay = (train.lr_decay_iters or train.iters) * batch
+        warmup = train.lr_warmup_iters * batch
+        wsd = train.lr_wsd_decay_iters * batch if train.lr_wsd_decay_iters is not None else None
+    if train.lr_warmup_fraction is not None:
+        warmup = train.lr_warmup_fraction * decay
+    return ScheduleLengths(warmup, decay, wsd)
 
 
 @dataclass

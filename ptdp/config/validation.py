@@ -7,8 +7,10 @@ import dataclasses
 import math
 
 from ptdp.config.catalogue import Chunks, DEFAULT, NAMES, SCHEDULES, ScheduleSpec, names_where
+from ptdp.config.problems import Problems as _Problems
+from ptdp.config.run_length import check_rampup_layout, check_run_length_and_schedule
 from ptdp.config.schema import (AUTO_LOAD, BLOCK_OPTIONS, PRESETS, Config, ConfigError,
-                                DataConfig, ModelConfig, ParallelConfig, TrainConfig, suggest)
+                                DataConfig, ModelConfig, ParallelConfig, TrainConfig)
 
 
 def parse_split(split: str) -> list[float]:
@@ -44,35 +46,6 @@ def parse_paths(paths: list) -> list[tuple[float, str]]:
     if sum(w for w, _ in pairs) <= 0:
         raise ConfigError(f"data.paths: the weights must not all be zero, got {paths}")
     return pairs
-
-
-class _Problems:
-    """Collects one line per problem, so a user sees every mistake in one go."""
-
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def require(self, cond: bool, message: str) -> bool:
-        if not cond:
-            self.lines.append(message)
-        return bool(cond)
-
-    def choice(self, value: str, options: tuple, key: str) -> bool:
-        return self.require(value in options, f"{key}: '{value}' is not one of {', '.join(options)}"
-                                              f"{suggest(str(value), list(options))}")
-
-    def positive(self, value, key: str, strict: bool = True, hint: str = "") -> bool:
-        ok = value > 0 if strict else value >= 0
-        bound = "positive" if strict else ">= 0"
-        return self.require(ok, f"{key} must be {bound}, got {value}{hint}")
-
-    def parse(self, fn, *args):
-        """fn(*args), recording its ConfigError; None when it failed."""
-        try:
-            return fn(*args)
-        except ConfigError as err:
-            self.lines.extend(err.errors)
-            return None
 
 
 def validate_model(m: ModelConfig) -> None:
@@ -180,7 +153,7 @@ def _check_train(tr: TrainConfig, out: _Problems) -> bool:
     out.choice(tr.recompute, ("none", "full", "selective"), "train.recompute")
     out.require(tr.recompute_num_layers >= 1,
                 f"train.recompute_num_layers must be >= 1, got {tr.recompute_num_layers}")
-    _check_learning_rate(tr, out)
+    ramp_ok = check_run_length_and_schedule(tr, out)
     _check_optimizer(tr, out)
     out.positive(tr.grad_bucket_mb, "train.grad_bucket_mb")
     out.positive(tr.initial_loss_scale, "train.initial_loss_scale",
@@ -194,20 +167,7 @@ def _check_train(tr: TrainConfig, out: _Problems) -> bool:
     out.positive(tr.timeout_s, "train.timeout_s")
     out.positive(tr.startup_timeout_s, "train.startup_timeout_s")
     out.require(tr.fp16_max_skips >= 1, f"train.fp16_max_skips must be >= 1, got {tr.fp16_max_skips}")
-    return batches_ok
-
-
-def _check_learning_rate(tr: TrainConfig, out: _Problems) -> None:
-    out.positive(tr.lr, "train.lr", strict=False)
-    out.positive(tr.min_lr, "train.min_lr", strict=False)
-    if tr.lr >= 0 and tr.min_lr >= 0:
-        out.require(tr.min_lr <= tr.lr,
-                    f"train.min_lr ({tr.min_lr}) must not exceed train.lr ({tr.lr})")
-    out.positive(tr.lr_warmup_iters, "train.lr_warmup_iters", strict=False)
-    out.choice(tr.lr_decay_style, ("cosine", "linear", "constant"), "train.lr_decay_style")
-    if tr.lr_decay_iters is not None:
-        out.positive(tr.lr_decay_iters, "train.lr_decay_iters",
-                     hint=" (null means train.iters)")
+    return batches_ok and ramp_ok
 
 
 def _check_optimizer(tr: TrainConfig, out: _Problems) -> None:
@@ -370,6 +330,8 @@ def _check_schedule(cfg: Config, out: _Problems) -> None:
                 f"train.distributed_optimizer=false")
     _check_update_rule(cfg, spec, out)
     _check_chunks(cfg, spec, out)
+    if cfg.train.rampup_batch_size:
+        check_rampup_layout(cfg, spec, out)
     least = spec.min_micro_batches(p, v)
     if least > 1:
         _check_min_micro_batches(cfg, least, out)

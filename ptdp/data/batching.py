@@ -1,6 +1,7 @@
 """Which samples make up each micro-batch, for any data-parallel layout.
 
-Iteration `it` consumes global samples [it*B, (it+1)*B). Data rank j owns the contiguous
+Iteration `it` consumes global samples [it*B, (it+1)*B) (with a batch ramp-up, the samples
+after those of the iterations before it, ptdp/config/batches.py). Data rank j owns the contiguous
 slice [j*B/d, (j+1)*B/d) of it, cut into micro-batches of b. Concatenating the ranks'
 micro-batches in order gives exactly the single-process micro-batch sequence, which is what
 makes every layout train the same model.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ptdp.config.batches import BatchSchedule
 from ptdp.parallel.context import context_shard
 
 # The [b, s] tensors of a micro-batch, split along the sequence with context parallelism.
@@ -24,9 +26,13 @@ SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "types", "padding_mask", "posi
 
 
 def micro_batch_indices(iteration: int, micro_batch: int, *, global_batch: int,
-                        micro_batch_size: int, data_rank: int, data_size: int) -> range:
+                        micro_batch_size: int, data_rank: int, data_size: int,
+                        consumed: int | None = None) -> range:
+    """The global sample numbers of one micro-batch. `global_batch` is this iteration's batch,
+    `consumed` the samples before it (default: iteration * global_batch, a constant batch)."""
     per_rank = global_batch // data_size
-    start = iteration * global_batch + data_rank * per_rank + micro_batch * micro_batch_size
+    first = iteration * global_batch if consumed is None else consumed
+    start = first + data_rank * per_rank + micro_batch * micro_batch_size
     return range(start, start + micro_batch_size)
 
 
@@ -50,20 +56,41 @@ def to_device(batch: dict, device: torch.device, pinned: bool = False) -> dict:
 class MicroBatches:
     """Builds micro-batch `i` of iteration `it` for this data rank from a map-style dataset:
     `build` on the host (what a data-loader worker runs, ptdp/data/loader.py), `get` on the
-    device."""
+    device. `schedule` gives each iteration's global batch (a ramp-up,
+    ptdp/config/batches.py); by default every iteration has `global_batch`."""
 
     def __init__(self, dataset, *, global_batch: int, micro_batch_size: int, data_rank: int,
                  data_size: int, device: torch.device, context_rank: int = 0,
-                 context_size: int = 1):
+                 context_size: int = 1, schedule: BatchSchedule | None = None):
         self.dataset, self.device = dataset, device
-        self.layout = dict(global_batch=global_batch, micro_batch_size=micro_batch_size,
-                           data_rank=data_rank, data_size=data_size)
+        self.schedule = schedule or BatchSchedule(global_batch)
+        self.micro_batch_size = micro_batch_size
+        self.data_rank, self.data_size = data_rank, data_size
         self.context_rank, self.context_size = context_rank, context_size
+
+    def count(self, iteration: int) -> int:
+        """Micro-batches of this data rank in `iteration`."""
+        return self.schedule.batch_size(iteration) // (self.micro_batch_size * self.data_size)
+
+    def order(self, iteration: int, micro_batch: int) -> int:
+        """Position of (iteration, micro-batch) among this data rank's micro-batches."""
+        return self.schedule.consumed(iteration) // (self.micro_batch_size * self.data_size) \
+            + micro_batch
+
+    def key_at(self, order: int) -> tuple[int, int]:
+        """(iteration, micro-batch) at position `order` (the inverse of `order`)."""
+        sample = order * self.micro_batch_size * self.data_size
+        iteration = self.schedule.iteration_of(sample)
+        return iteration, order - self.order(iteration, 0)
 
     def build(self, iteration: int, micro_batch: int) -> dict:
         """The micro-batch as host tensors (this context rank's part of it)."""
         n = len(self.dataset)
-        idx = micro_batch_indices(iteration, micro_batch, **self.layout)
+        idx = micro_batch_indices(iteration, micro_batch,
+                                  global_batch=self.schedule.batch_size(iteration),
+                                  micro_batch_size=self.micro_batch_size, data_rank=self.data_rank,
+                                  data_size=self.data_size,
+                                  consumed=self.schedule.consumed(iteration))
         batch = collate([self.dataset[i % n] for i in idx])
         return context_split(batch, self.context_rank, self.context_size)
 

@@ -110,12 +110,15 @@ def _split_dataset(cfg: Config, indexed: IndexedDataset, documents: np.ndarray, 
 
 def num_samples_needed(cfg: Config) -> dict[str, int]:
     """Samples the run draws from each split, by Megatron's rule (megatron/training/training.py
-    `get_train_valid_test_num_samples`): every training iteration's global batch; eval_iters
-    batches at each of the iters // eval_interval + 1 evaluations; eval_iters for test."""
+    `get_train_valid_test_num_samples`): train.train_samples in a sample-based run (at least
+    what its iterations read, a ramp-up's included), else every training iteration's global
+    batch; eval_iters batches at each of the iters // eval_interval + 1 evaluations; eval_iters
+    for test."""
     tr = cfg.train
     batch = tr.global_batch_size
+    train = tr.train_samples if tr.train_samples is not None else tr.iters * batch
     evaluations = tr.iters // tr.eval_interval + 1 if tr.eval_interval > 0 else 0
-    return {"train": tr.iters * batch, "valid": evaluations * tr.eval_iters * batch,
+    return {"train": train, "valid": evaluations * tr.eval_iters * batch,
             "test": tr.eval_iters * batch}
 
 

@@ -46,13 +46,12 @@ class _ByPosition(Dataset):
 class _Positions(Sampler):
     """(iteration, micro-batch) from `first` on, in the order the training loop asks."""
 
-    def __init__(self, first: tuple[int, int], micro_batches: int):
-        self.first, self.m = first, micro_batches
+    def __init__(self, first: tuple[int, int], batches: MicroBatches):
+        self.first, self.batches = first, batches
 
     def __iter__(self):
-        iteration, mb = self.first
-        for position in itertools.count(iteration * self.m + mb):
-            yield divmod(position, self.m)
+        for position in itertools.count(self.batches.order(*self.first)):
+            yield self.batches.key_at(position)
 
 
 class PrefetchedBatches:
@@ -62,9 +61,8 @@ class PrefetchedBatches:
     own iteration). `close()` ends them; a job that just exits ends them too.
     """
 
-    def __init__(self, batches: MicroBatches, micro_batches: int, num_workers: int,
-                 prefetch_factor: int = 2):
-        self.batches, self.m = batches, micro_batches
+    def __init__(self, batches: MicroBatches, num_workers: int, prefetch_factor: int = 2):
+        self.batches = batches
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         self.device = batches.device
         self.pinned = batches.device.type == "cuda"
@@ -93,7 +91,7 @@ class PrefetchedBatches:
         self._iterator, self._next = None, None
 
     def _start(self, key: tuple[int, int]) -> None:
-        dataset, positions = _ByPosition(self.batches), _Positions(key, self.m)
+        dataset, positions = _ByPosition(self.batches), _Positions(key, self.batches)
         if multiprocessing.current_process().daemon:
             self._iterator = _Ahead(dataset, positions, self.num_workers * self.prefetch_factor,
                                     self.pinned)
@@ -109,10 +107,10 @@ class PrefetchedBatches:
         self._next = key
 
     def _order(self, key: tuple[int, int]) -> int:
-        return key[0] * self.m + key[1]
+        return self.batches.order(*key)
 
     def _after(self, key: tuple[int, int]) -> tuple[int, int]:
-        return divmod(self._order(key) + 1, self.m)
+        return self.batches.key_at(self._order(key) + 1)
 
 
 class _Ahead:
@@ -152,10 +150,10 @@ class _Ahead:
         self.stopped.set()
 
 
-def micro_batch_source(batches: MicroBatches, micro_batches: int, num_workers: int):
+def micro_batch_source(batches: MicroBatches, num_workers: int):
     """What the training loop reads micro-batches from: `batches` itself (num_workers = 0) or
     workers building them ahead."""
     if num_workers <= 0:
         return batches
-    return PrefetchedBatches(batches, micro_batches, num_workers)
+    return PrefetchedBatches(batches, num_workers)
 

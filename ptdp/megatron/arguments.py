@@ -256,9 +256,7 @@ ARGS: tuple[Arg, ...] = (
     Arg("--lr-warmup-init", "train.lr_warmup_init", EXACT, number),
     Arg("--lr-wsd-decay-style", "train.lr_wsd_decay_style", EXACT,
         choice({s: s for s in ("exponential", "linear", "cosine", "minus_sqrt")},
-               "not a WSD style ptdp has"),
-        default=Default(lambda g: "exponential" if g.get("--lr-decay-style") == "WSD" else None,
-                        "exponential (with WSD)")),
+               "not a WSD style ptdp has")),   # (exponential by default in both)
     Arg("--lr-wsd-decay-iters", "train.lr_wsd_decay_iters", EXACT, integer),
     Arg("--lr-wsd-decay-samples", "train.lr_wsd_decay_samples", EXACT, integer),
     Arg("--warmup", None, REFUSED, refuse("Megatron's obsolete warm-up; use --lr-warmup-iters")),

@@ -111,7 +111,8 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
     multiple = vocab_divisor(cfg.vocab_size, tensor) * tensor
     padded = multiple * math.ceil(cfg.vocab_size / multiple)
     train = meta.get("config", {}).get("train", {})
-    consumed = meta["iteration"] * int(train.get("global_batch_size", 0) or 0)
+    consumed = meta.get("consumed_samples",   # (a batch ramp-up: less than iteration * B)
+                        meta["iteration"] * int(train.get("global_batch_size", 0) or 0))
     args = megatron_args(cfg, tensor, pipeline, padded, meta["iteration"], consumed,
                          transformer_impl)
     state = _padded(to_megatron(cfg, full), padded)

@@ -1,6 +1,10 @@
 """Per-iteration metrics: one JSON object per iteration (one file for the whole job), TensorBoard
 scalars, console lines and the progress bar, written by rank 0; and the resolved config beside
 the metrics file.
+
+The file and TensorBoard keep every iteration; a console line, printed every log.interval
+iterations, averages the interval since the previous line (`interval_average`), as Megatron-LM's
+log lines do.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class MetricsLog:
     def __init__(self, cfg: Config, is_writer: bool):
         self.cfg, self.active = cfg, is_writer
         self.file = self.tensorboard = self.progress = None
+        self.window: list[dict] = []   # the records since the last console line
         if not is_writer:
             return
         if cfg.log.metrics_file:  # its folder may not exist yet (runs/<name>/metrics.jsonl)
@@ -63,6 +68,9 @@ class MetricsLog:
             self.progress = tqdm(total=cfg.train.iters, desc="train", unit="it")
 
     def log(self, record: dict) -> None:
+        """Write `record` to the file and TensorBoard as it is; print the console line at the end
+        of every log.interval iterations (and after a validation), averaged over the iterations
+        since the last line."""
         if not self.active:
             return
         if self.file:
@@ -75,17 +83,20 @@ class MetricsLog:
         if self.progress:
             self.progress.update(1)
             self.progress.set_postfix(loss=f"{record['loss']:.4f}")
+        self.window.append(record)
         if record["iter"] % self.cfg.log.interval == 0 or "valid_loss" in record:
-            self.print(self._line(record))
+            self.print(self._line(interval_average(self.window)))
+            self.window = []
 
     def _line(self, r: dict) -> str:
         mfu = f" | mfu {r['mfu']:.1%}" if r["mfu"] is not None else ""
-        skipped = " | skipped (overflow)" if r["skipped"] else ""
+        skipped = f" | skipped {r['skipped']} (overflow)" if r["skipped"] else ""
         valid = f" | valid loss {r['valid_loss']:.4f}" if "valid_loss" in r else ""
+        batch = f" | batch {r['global_batch_size']}" if self.cfg.train.rampup_batch_size else ""
         # tflops_per_gpu and mem_gb keep their record names; the values are per rank, and
         # mem_gb is in GiB (2**30 bytes)
         return (f"iter {r['iter']:>6}/{self.cfg.train.iters} | loss {r['loss']:.4f} | "
-                f"lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f} | "
+                f"lr {r['lr']:.2e}{batch} | grad norm {r['grad_norm']:.3f} | "
                 f"{r['step_time_s'] * 1e3:.0f} ms | {r['tokens_per_s']:.0f} tok/s | "
                 f"{format_tflops(r['tflops_per_gpu'])} TFLOP/s per rank{mfu} | "
                 f"{r['mem_gb']:.2f} GiB{valid}{skipped}")
@@ -102,6 +113,23 @@ class MetricsLog:
         for handle in (self.file, self.tensorboard, self.progress):
             if handle:
                 handle.close()
+
+
+def interval_average(records: list[dict]) -> dict:
+    """One console line's values for the iterations `records` (as Megatron-LM's `training_log`):
+    the loss averaged over the iterations that updated the weights (all of them if none did),
+    step time averaged, throughput and TFLOP/s over the interval's total time, the number of
+    skipped iterations; the learning rate, gradient norm, loss scale and memory of the last
+    iteration, and its validation loss if it ran one."""
+    last, seconds = records[-1], sum(r["step_time_s"] for r in records)
+    updated = [r for r in records if not r["skipped"]] or records
+    per_second = lambda key: sum(r[key] * r["step_time_s"] for r in records) / seconds  # noqa: E731
+    return {**last, "loss": sum(r["loss"] for r in updated) / len(updated),
+            "step_time_s": seconds / len(records),
+            "tokens_per_s": per_second("tokens_per_s"),
+            "tflops_per_gpu": per_second("tflops_per_gpu"),
+            "mfu": per_second("mfu") if last["mfu"] is not None else None,
+            "skipped": sum(bool(r["skipped"]) for r in records)}
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -43,7 +43,7 @@ def startup_report(cfg: Config, grid, local_params: int, total_params: int,
         *rank_roles(cfg, grid),
         f"batch: {tr.global_batch_size} sequences x {m.seq_length} tokens per iteration = "
         f"{cfg.num_micro_batches} micro-batches of {tr.micro_batch_size} per pipeline x "
-        f"{par.data} data replica(s); {tr.iters} iterations",
+        f"{par.data} data replica(s); {tr.iters} iterations" + _ramp_text(tr),
         f"precision: {tr.precision} on {device.type if device is not None else tr.device}"
         + (" (gloo)" if device is not None and device.type == "cpu" else ""),
         "output: " + outputs_text(cfg),
@@ -110,6 +110,14 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def _ramp_text(tr) -> str:
+    if not tr.rampup_batch_size:
+        return ""
+    start, increment, samples = tr.rampup_batch_size
+    return (f" (ramped up from {start} by {increment} over the first {samples:,} samples, "
+            f"train.rampup_batch_size)")
+
+
 def end_summary(history: list[dict], cfg: Config, seconds: float, device: torch.device,
                 checkpoint: str | None, resume_command: str | None) -> str:
     """What a finished run did, in a few lines (rank 0 prints it)."""
@@ -117,7 +125,7 @@ def end_summary(history: list[dict], cfg: Config, seconds: float, device: torch.
         return f"ptdp: nothing to do: the run was already at train.iters={cfg.train.iters}"
     tr, m = cfg.train, cfg.model
     first, last = history[0]["iter"], history[-1]["iter"]
-    tokens = len(history) * tr.global_batch_size * m.seq_length
+    tokens = sum(r.get("global_batch_size", tr.global_batch_size) for r in history) * m.seq_length
     step_time = sum(r["step_time_s"] for r in history)
     mean_tflops = sum(r["tflops_per_gpu"] * r["step_time_s"] for r in history) / step_time
     valid = [(r["valid_loss"], r["iter"]) for r in history if "valid_loss" in r]

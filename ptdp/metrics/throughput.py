@@ -37,11 +37,13 @@ def peak_tflops(cfg: Config, device: torch.device) -> float | None:
     return peaks.get(cfg.train.precision) or peaks.get("fp32")
 
 
-def iteration_tflops(cfg: Config, seconds: float, world_size: int) -> float:
+def iteration_tflops(cfg: Config, seconds: float, world_size: int,
+                     batch: int | None = None) -> float:
     """Model TFLOP/s per GPU: Eq. 4.2 for GPT, generalised to Llama-style blocks (grouped-query
     attention, SwiGLU: formulas.iteration_flops), BERT's own formula (its LM transform, pooler
-    and binary head) for BERT; the recomputed forward counts only when it runs."""
+    and binary head) for BERT; the recomputed forward counts only when it runs. `batch`: the
+    iteration's global batch when it is not train.global_batch_size (a ramp-up)."""
     tr = cfg.train
-    flops = iteration_flops(ModelShape.from_config(cfg.model), tr.global_batch_size,
+    flops = iteration_flops(ModelShape.from_config(cfg.model), batch or tr.global_batch_size,
                             cfg.padded_vocab_size, recompute_forward=tr.recompute == "full")
     return flops / seconds / world_size / 1e12

@@ -103,7 +103,11 @@ class DataParallelGradients:
         # these parameters' gradients (and alignment padding, which stays zero).
         return _Bucket(params, self.flat.slice_for(params) if self.flat is not None else None)
 
-    def start_iteration(self) -> None:
+    def start_iteration(self, accumulations: int | None = None) -> None:
+        """A new iteration; `accumulations`: its backward passes per parameter when they
+        change between iterations (a batch ramp-up)."""
+        if accumulations is not None:
+            self.accumulations = accumulations
         self.counts.clear()
         self.launched_during_backward = 0
 

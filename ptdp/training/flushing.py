@@ -26,9 +26,22 @@ class FlushingStep:
 
     def __init__(self, state: TrainingState, pipeline: Pipeline, batches: MicroBatches):
         self.state, self.pipeline, self.batches = state, pipeline, batches
-        par = state.cfg.parallel
-        self.steps = pipeline.plan(build_all(state.cfg.schedule.name, par.pipeline, par.chunks,
-                                             state.m))
+        self.steps = self._plan(state.m)   # this rank's steps at the full batch
+        self.ramp_plans: dict[int, list] = {}   # m -> steps while the batch ramps up
+
+    def steps_for(self, m: int) -> list:
+        """This rank's steps for an iteration of m micro-batches (a ramped batch changes m;
+        schedules are pure functions of m, so each is built once)."""
+        if m == self.state.m:
+            return self.steps
+        if m not in self.ramp_plans:
+            self.ramp_plans[m] = self._plan(m)
+        return self.ramp_plans[m]
+
+    def _plan(self, m: int) -> list:
+        par = self.state.cfg.parallel
+        return self.pipeline.plan(build_all(self.state.cfg.schedule.name, par.pipeline,
+                                            par.chunks, m))
 
     def start(self, first_iteration: int) -> None:
         """Nothing carries over between iterations of a flushing schedule."""
@@ -42,14 +55,15 @@ class FlushingStep:
     def forward_backward(self, iteration: int, spans=NO_SPANS) -> StepResult:
         """Every micro-batch's forward and backward; `spans` records their times."""
         state = self.state
+        m = state.micro_batches(iteration)
         state.weights.zero_grads()
         for chunk in state.chunks.values():
             chunk.train()
-        state.dp_grads.start_iteration()
+        state.dp_grads.start_iteration(accumulations=m)
         result = self.pipeline.executor.run(
-            self.steps, lambda mb: self.batches.get(iteration, mb),
-            loss_scale=state.loss_scaler.scale / (state.m * state.grid.d), spans=spans)
-        loss, aux = average_losses(state, result.losses, result.aux)
+            self.steps_for(m), lambda mb: self.batches.get(iteration, mb),
+            loss_scale=state.loss_scaler.scale / (m * state.grid.d), spans=spans)
+        loss, aux = average_losses(state, result.losses, result.aux, m)
         return StepResult(loss, aux)
 
     def reduce_gradients(self, spans=NO_SPANS) -> torch.Tensor:
@@ -82,9 +96,10 @@ class FlushingStep:
         """
         state = self.state
         if state.loss_scaler.dynamic and state.loss_scaler.update(float(grad_norm)):
+            state.progress.skip(state.batches.batch_size(iteration))
             return True
         with spans("optimizer step", "optimizer"):
             step_optimizer(state.optimizer, state.master_params, iteration, state.cfg.train,
-                           grad_norm)
+                           grad_norm, state.batches, state.progress.skipped_samples)
             state.weights.masters_to_model()
         return False

@@ -140,11 +140,13 @@ class NoFlushStep:
     def _step(self, masters, grads, lr_iteration: int, clip_norm=None):
         """An optimizer step over exactly ``masters`` (the others keep no gradient)."""
         state = self.state
+        skipped = state.progress.skipped_samples   # (of the batches before this one)
 
         def step():
             for master, grad in zip(masters, grads):
                 master.grad = grad
-            step_optimizer(state.optimizer, masters, lr_iteration, state.cfg.train, clip_norm)
+            step_optimizer(state.optimizer, masters, lr_iteration, state.cfg.train, clip_norm,
+                           skipped_samples=skipped)
             for master in masters:
                 master.grad = None
         return step

@@ -54,14 +54,16 @@ def mean_losses(values: torch.Tensor, names: tuple, count: int) -> tuple[torch.T
     return values[0], {n: values[1 + i] for i, n in enumerate(names)}
 
 
-def average_losses(state, losses: list, aux: list) -> tuple[torch.Tensor, dict]:
+def average_losses(state, losses: list, aux: list,
+                   m: int | None = None) -> tuple[torch.Tensor, dict]:
     """Mean loss (and aux losses) over the micro-batches of every data rank, known on every rank
     afterwards, on the device. Only the last stage holds losses; the others add zeros. With
     context parallelism each context rank's loss is its share of the micro-batch's: they add up
-    over the replica group (data x context)."""
+    over the replica group (data x context). `m`: the iteration's micro-batches per data rank
+    (default `state.m`; a batch ramp-up changes it)."""
     grid, names = state.grid, aux_loss_names(state.cfg.model.arch)
     values = sum_losses(losses, aux, names, state.device)
     for group, size in ((grid.pipeline_group, grid.p), (grid.replica_group, grid.replicas)):
         if size > 1:
             dist.all_reduce(values, group=group)
-    return mean_losses(values, names, state.m * grid.d)
+    return mean_losses(values, names, (m or state.m) * grid.d)

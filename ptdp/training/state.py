@@ -17,7 +17,8 @@ optimizer          per parameter, AdamW's moments and step          "exp_avg", "
                                                                    "step"
 loss_scaler        scale and good steps                            metadata "loss_scaler"
 rng                CPU/CUDA and tensor-parallel streams            rng_rank{R}.pt
-progress           iterations done (the data position and LR)      metadata "iteration"
+progress           iterations done (the data position and LR),     metadata "iteration",
+                   samples of fp16-skipped updates (LR)            "skipped_samples"
 versions           2BW: the older live weight version, fp16 scales  "shadow", metadata "two_bw"
 =================  ==============================================  =========================
 
@@ -35,6 +36,7 @@ import torch.nn as nn
 
 from ptdp.checkpoint.layout import OPTIMIZER_KEYS
 from ptdp.config import Config
+from ptdp.config.batches import BatchSchedule
 from ptdp.config.catalogue import ScheduleSpec
 from ptdp.kernels import should_compile
 from ptdp.models import ModelContext, build_chunk, named_global_parameters
@@ -56,16 +58,24 @@ from ptdp.pipeline.weights import aliasing_masters
 
 @dataclass
 class Progress:
-    """Iterations done: the next iteration to run, which fixes the data position and the
-    learning rate (both are pure functions of it)."""
+    """Iterations done: the next iteration to run, which fixes the data position, the batch
+    size and the learning rate (pure functions of it: ptdp/config/batches.py, ptdp/optim/lr.py;
+    a checkpoint records the consumed samples too)."""
 
     iteration: int = 0
+    skipped_samples: int = 0   # samples of iterations whose fp16 update was skipped: the
+                               # learning rate does not advance over them (as Megatron's)
+
+    def skip(self, samples: int) -> None:
+        """An iteration of `samples` whose update fp16 skipped."""
+        self.skipped_samples += samples
 
     def state_dict(self) -> dict:
-        return {"iteration": self.iteration}
+        return {"iteration": self.iteration, "skipped_samples": self.skipped_samples}
 
     def load_state_dict(self, state: dict) -> None:
         self.iteration = state["iteration"]
+        self.skipped_samples = state.get("skipped_samples", 0)   # (older checkpoints: none)
 
 
 class WeightState:
@@ -156,13 +166,18 @@ class TrainingState:
     optimizer: torch.optim.Optimizer
     loss_scaler: LossScaler
     dp_grads: DataParallelGradients
-    m: int                                # micro-batches per data rank and iteration
+    m: int                                # micro-batches per data rank and iteration (at B)
+    batches: BatchSchedule                # each iteration's global batch (ramp-up)
     progress: Progress = field(default_factory=Progress)
     versions: object = None               # a no-flush step's weight versions (state_dict())
 
     @property
     def dtype(self) -> torch.dtype:
         return PRECISIONS[self.cfg.train.precision]
+
+    def micro_batches(self, iteration: int) -> int:
+        """Micro-batches per data rank in `iteration` (m, or fewer while the batch ramps up)."""
+        return self.batches.batch_size(iteration) // (self.cfg.train.micro_batch_size * self.grid.d)
 
     def weight_state(self) -> WeightState:
         return WeightState(self.params, self.master_params, self.weights)
@@ -239,7 +254,7 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
     return TrainingState(cfg, grid, device, tp, rng, ctx, chunks, params, weights, masters,
                          build_optimizer(masters, tr),
                          LossScaler(dynamic=tr.precision == "fp16", initial=tr.initial_loss_scale),
-                         dp_grads, m)
+                         dp_grads, m, BatchSchedule.of(tr))
 
 
 def _master_weights(cfg: Config, grid: RankGrid, params: list, spec: ScheduleSpec) -> tuple:

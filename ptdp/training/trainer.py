@@ -70,12 +70,14 @@ class Trainer:
         self.pipeline = Pipeline(self.state)
         tr = cfg.train
         # micro-batches built on this thread, or ahead by data.num_workers processes
+        # (validation batches are whole: only training ramps its batch up)
         self.batches = {split: micro_batch_source(
             MicroBatches(ds, global_batch=tr.global_batch_size,
                          micro_batch_size=tr.micro_batch_size, data_rank=grid.dp_rank,
                          data_size=grid.d, device=device, context_rank=grid.cp_rank,
-                         context_size=grid.c),
-            cfg.num_micro_batches, cfg.data.num_workers if split != "test" else 0)
+                         context_size=grid.c,
+                         schedule=self.state.batches if split == "train" else None),
+            cfg.data.num_workers if split != "test" else 0)
                         for split, ds in build_datasets(cfg).items() if len(ds) > 0}
         self.step = STEP_TYPES[self.spec.family](self.state, self.pipeline, self.batches["train"])
         self.last_checkpoint = None   # path of the newest checkpoint this job saved
@@ -251,11 +253,16 @@ class Trainer:
 
     def _record(self, it: int, step: StepResult, seconds: float, peak: float | None) -> dict:
         """The metrics record of iteration `it` (the public fields: README's metrics table)."""
-        cfg, tr = self.cfg, self.cfg.train
-        tflops = iteration_tflops(cfg, seconds, dist.get_world_size())
-        record = {"iter": it + 1, "loss": step.loss, "lr": learning_rate(it, tr),
+        cfg, tr, batches = self.cfg, self.cfg.train, self.state.batches
+        batch = batches.batch_size(it)
+        tflops = iteration_tflops(cfg, seconds, dist.get_world_size(), batch)
+        # the rate this iteration's update used (or would have: the skips before it count)
+        skipped_before = self.state.progress.skipped_samples - (batch if step.skipped else 0)
+        record = {"iter": it + 1, "loss": step.loss,
+                  "lr": learning_rate(it, tr, batches, skipped_before),
                   "grad_norm": step.grad_norm, "step_time_s": seconds,
-                  "tokens_per_s": tr.global_batch_size * cfg.model.seq_length / seconds,
+                  "global_batch_size": batch,
+                  "tokens_per_s": batch * cfg.model.seq_length / seconds,
                   "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
                   "loss_scale": self.state.loss_scaler.scale, "skipped": step.skipped,
                   "mem_gb": peak_memory_gb(self.state.device)}

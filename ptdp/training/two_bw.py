@@ -69,6 +69,8 @@ class TwoBWStep(NoFlushStep):
             w.wait()
         norm = values[0].sqrt()
         skipped = state.loss_scaler.dynamic and state.loss_scaler.update(float(norm))
+        if skipped:   # W(t) come in order: the count holds the batches before the next one
+            state.progress.skip(state.cfg.train.global_batch_size)
         step = (lambda: None) if skipped else self._step(state.master_params, grads, batch, norm)
         self.store.publish(step, lowest_needed=batch)   # batch's own version is done with
         self.scales[batch + 2] = state.loss_scaler.scale

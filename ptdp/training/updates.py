@@ -7,15 +7,18 @@ import torch
 import torch.distributed as dist
 
 from ptdp.config import TrainConfig
+from ptdp.config.batches import BatchSchedule
 from ptdp.optim.grads import clip_gradients
 from ptdp.optim.lr import learning_rate
 from ptdp.parallel.roles import role_of
 
 
-def set_learning_rate(optimizer: torch.optim.Optimizer, iteration: int,
-                      train: TrainConfig) -> float:
-    """The schedule's LR for 0-based `iteration`, put into every parameter group."""
-    lr = learning_rate(iteration, train)
+def set_learning_rate(optimizer: torch.optim.Optimizer, iteration: int, train: TrainConfig,
+                      batches: BatchSchedule | None = None, skipped_samples: int = 0) -> float:
+    """The schedule's LR for 0-based `iteration` (`batches`: the run's batch sizes, when they
+    ramp up; `skipped_samples`: those of earlier fp16-skipped updates), put into every
+    parameter group."""
+    lr = learning_rate(iteration, train, batches, skipped_samples)
     for group in optimizer.param_groups:
         group["lr"] = lr
     return lr
@@ -29,12 +32,13 @@ def unscale_(grads: list, scale: float) -> None:
 
 
 def step_optimizer(optimizer: torch.optim.Optimizer, masters: list, iteration: int,
-                   train: TrainConfig, clip_norm: torch.Tensor | None = None) -> None:
+                   train: TrainConfig, clip_norm: torch.Tensor | None = None,
+                   batches: BatchSchedule | None = None, skipped_samples: int = 0) -> None:
     """Clip `masters`' gradients by the global `clip_norm` (if given), set the LR of
     `iteration`, step. The caller puts the gradients in place and copies the masters out."""
     if clip_norm is not None:
         clip_gradients(masters, train.clip_grad, clip_norm)
-    set_learning_rate(optimizer, iteration, train)
+    set_learning_rate(optimizer, iteration, train, batches, skipped_samples)
     optimizer.step()
 
 

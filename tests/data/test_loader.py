@@ -31,13 +31,13 @@ def test_batches_are_the_same_whatever_the_number_of_workers():
     for context in ((1, 0), (2, 1)):
         plain = _batches(dataset, *context)
         for workers in (1, 2):
-            loaded = micro_batch_source(_batches(dataset, *context), 4, workers)
+            loaded = micro_batch_source(_batches(dataset, *context), workers)
             for key in keys:
                 x, y = plain.get(*key), loaded.get(*key)
                 assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), key
             assert (loaded.served, loaded.built_here) == (8, 2)
             loaded.close()
-    assert micro_batch_source(plain, 4, 0) is plain
+    assert micro_batch_source(plain, 0) is plain
 
 
 def test_workers_take_data_time_off_the_training_thread():
@@ -51,7 +51,7 @@ def test_workers_take_data_time_off_the_training_thread():
     for mb in range(4):
         on_thread.get(0, mb)
     inline = (time.perf_counter() - start) / 4
-    ahead = PrefetchedBatches(_batches(dataset), 4, num_workers=2)
+    ahead = PrefetchedBatches(_batches(dataset), num_workers=2)
     ahead.get(0, 0)                      # starts the workers
     time.sleep(0.25)                     # the forward and backward of micro-batch 0
     start = time.perf_counter()
@@ -82,7 +82,7 @@ def test_a_daemonic_process_builds_them_on_a_thread():
 def _ahead_in_a_daemon():
     import multiprocessing
     dataset = synthetic_datasets(load_config(None, SHAPE, world_size=1).model, 3)["train"]
-    plain, loaded = _batches(dataset), PrefetchedBatches(_batches(dataset), 4, 2)
+    plain, loaded = _batches(dataset), PrefetchedBatches(_batches(dataset), 2)
     same = all(torch.equal(plain.get(it, mb)["tokens"], loaded.get(it, mb)["tokens"])
                for it in range(2) for mb in range(4))
     daemon = multiprocessing.current_process().daemon

@@ -201,7 +201,7 @@ def test_data_workers_stage_pinned_batches_for_the_gpu(world):
         return MicroBatches(dataset, global_batch=16, micro_batch_size=4, data_rank=0,
                             data_size=1, device=torch.device("cuda", 0))
 
-    plain, ahead = batches(), PrefetchedBatches(batches(), 4, num_workers=2)
+    plain, ahead = batches(), PrefetchedBatches(batches(), num_workers=2)
     for it in range(2):
         for mb in range(4):
             x, y = plain.get(it, mb), ahead.get(it, mb)

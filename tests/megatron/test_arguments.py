@@ -34,13 +34,17 @@ PENDING = {"data.sampling", "data.reset_position_ids", "data.reset_attention_mas
            "train.lr_warmup_init", "train.lr_decay_samples", "train.lr_wsd_decay_style",
            "train.lr_wsd_decay_iters", "train.lr_wsd_decay_samples", "train.rampup_batch_size"}
 
-# Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh, with its paths filled in.
+# Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh, with its paths filled in, made
+# sample-based: the script's --train-iters 500000 and --lr-decay-iters 430000 beside
+# --rampup-batch-size fail Megatron's own validate_args ("expected no batch-size rampup for
+# iteration-based training", megatron/training/arguments.py at core_v0.16.1), and ptdp refuses
+# them the same way (train.rampup_batch_size needs train.train_samples).
 GPT3 = """pretrain_gpt.py --num-layers 96 --hidden-size 12288 --num-attention-heads 96
     --seq-length 2048 --max-position-embeddings 2048 --attention-backend auto
     --micro-batch-size 1 --global-batch-size 1536 --rampup-batch-size 16 16 5859375
-    --train-iters 500000 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
+    --train-samples 146484375 --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95
     --init-method-std 0.006 --clip-grad 1.0 --fp16 --lr 6.0e-5 --lr-decay-style cosine
-    --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-iters 430000
+    --min-lr 6.0e-6 --lr-warmup-fraction .001 --lr-decay-samples 126953125
     --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16
     --data-path /data/gpt_text_document --vocab-file /data/gpt2-vocab.json
     --merge-file /data/gpt2-merges.txt --tokenizer-type GPT2BPETokenizer --split 949,50,1
@@ -53,11 +57,11 @@ GPT3_VALUES = {
     "model.dropout": 0.1,                                   # Megatron's default
     "parallel.tensor": 8, "parallel.pipeline": 16,
     "train.micro_batch_size": 1, "train.global_batch_size": 1536,
-    "train.rampup_batch_size": [16, 16, 5859375], "train.iters": 500000,
+    "train.rampup_batch_size": [16, 16, 5859375], "train.train_samples": 146484375,
     "train.weight_decay": 0.1, "train.adam_beta1": 0.9, "train.adam_beta2": 0.95,
     "train.clip_grad": 1.0, "train.precision": "fp16", "train.lr": 6.0e-5,
     "train.lr_decay_style": "cosine", "train.min_lr": 6.0e-6, "train.lr_warmup_fraction": 0.001,
-    "train.lr_decay_iters": 430000, "train.eval_interval": 1000, "train.eval_iters": 10,
+    "train.lr_decay_samples": 126953125, "train.eval_interval": 1000, "train.eval_iters": 10,
     "train.initial_loss_scale": 2.0 ** 32,                  # Megatron's default with --fp16
     "data.source": "indexed", "data.paths": ["/data/gpt_text_document"],
     "data.sampling": "megatron", "data.tokenizer": "/data/gpt2-vocab.json",
@@ -154,7 +158,7 @@ def test_megatrons_defaults_are_written_where_they_differ_from_ptdps():
     assert v["model.attention_dropout"] == 0.1      # Megatron's 0.1, no longer equal to the hidden
     assert v["model.ffn_hidden_size"] == 128        # int(8 * 64 / 3 / 64) * 64 (ptdp's rule: 256)
     assert v["data.split"] == "969,30,1"             # Megatron's default with --data-path
-    assert v["train.lr_wsd_decay_style"] == "exponential"
+    assert "train.lr_wsd_decay_style" not in v      # exponential in both: nothing to write
     assert "train.weight_decay" not in v and "train.clip_grad" not in v
     assert "data.split" not in values(["--num-layers", "2"])    # only with --data-path
     assert "model.attention_dropout" not in values(["--num-layers", "2"])   # follows model.dropout
