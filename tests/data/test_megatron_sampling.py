@@ -239,17 +239,15 @@ def test_end_to_end_on_ptdp_files(prefixes, tmp_path):
 
 
 def test_end_to_end_with_ptdp_reader(prefixes):
-    """ptdp's own build_datasets over Megatron's files. TO ENABLE after merging the Megatron
-    .idx reader (issue 23, item 1): it skips itself while ptdp rejects Megatron's magic, and
-    runs unchanged once ptdp reads it."""
+    """ptdp's own build_datasets over the files megatron-core wrote, read by ptdp's Megatron
+    .idx reader; the end-of-document id comes from the sidecar `ptdp preprocess --describe`
+    writes (megatron-core ignores it)."""
     from ptdp.data import build_datasets
+    from ptdp.data.indexed import describe
 
-    try:
-        ours = build_datasets(blend_config(prefixes))
-    except IndexedDataError as err:
-        if "magic" not in str(err):
-            raise
-        pytest.skip(f"ptdp does not read Megatron's .idx yet: {err}")
+    for prefix in prefixes:
+        describe(prefix, VOCAB, {"special_ids": {"<eod>": EOD}})
+    ours = build_datasets(blend_config(prefixes))
     theirs = megatron_core_datasets(blend_config(prefixes), prefixes, [0.4, 0.6])
     for name, blend in zip(("train", "valid"), theirs):
         assert len(ours[name]) == len(blend)
