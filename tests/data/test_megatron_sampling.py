@@ -18,7 +18,6 @@ import pytest
 
 from ptdp.data import megatron_sampling as ms
 from ptdp.data.build import _build_megatron, num_samples_needed
-from ptdp.data.indexed import IndexedDataError
 
 from .conftest import make_config
 
