@@ -25,15 +25,6 @@ from ptdp.megatron.translate import TranslationError, is_config_key, to_yaml, tr
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Keys other helpers add in parallel (issue 23): the translator writes them; until they exist
-# in ptdp/config/schema.py a translation that holds them cannot load, so the load test drops
-# exactly these (and nothing else) when the schema lacks them.
-PENDING = {"data.sampling", "data.reset_position_ids", "data.reset_attention_mask",
-           "data.eod_mask_loss", "model.attention_dropout",
-           "train.train_samples", "train.lr_warmup_fraction", "train.lr_warmup_samples",
-           "train.lr_warmup_init", "train.lr_decay_samples", "train.lr_wsd_decay_style",
-           "train.lr_wsd_decay_iters", "train.lr_wsd_decay_samples", "train.rampup_batch_size"}
-
 # Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh, with its paths filled in, made
 # sample-based: the script's --train-iters 500000 and --lr-decay-iters 430000 beside
 # --rampup-batch-size fail Megatron's own validate_args ("expected no batch-size rampup for
@@ -285,31 +276,18 @@ def test_from_megatron_script_writes_yaml_and_lists_what_it_could_not_map(tmp_pa
     assert "  num_layers: 4" in out.read_text() and "# --num-layers 4" in out.read_text()
 
 
-def _loadable(raw: dict) -> dict:
-    """The translation less the keys other helpers are adding, where this tree lacks them (and
-    the decay styles that come with train.lr_wsd_decay_style)."""
-    absent = {f"{s}.{k}" for s, keys in raw.items() for k in keys if not is_config_key(f"{s}.{k}")}
-    assert absent <= PENDING, f"keys ptdp does not have: {sorted(absent - PENDING)}"
-    if not is_config_key("train.lr_wsd_decay_style") and \
-            raw.get("train", {}).get("lr_decay_style") in ("wsd", "inverse-square-root"):
-        absent.add("train.lr_decay_style")
-    return {s: {k: v for k, v in keys.items() if f"{s}.{k}" not in absent} for s, keys in raw.items()}
-
-
 @pytest.mark.parametrize("words, world", [(GPT3, 128), (LLAMA, 8)])
 def test_a_translation_loads_in_ptdps_config_loader_and_validates(words, world, tmp_path, capsys):
     out = tmp_path / "cfg.yaml"
     assert cli.main(["config", "from-megatron", "--out", str(out), "--", *words]) == 0
     raw = yaml.safe_load(out.read_text())
     assert raw == translate(words).nested()
-    path = tmp_path / "loadable.yaml"
-    path.write_text(yaml.safe_dump(_loadable(raw)))
-    cfg = load_config(path, world_size=world)
+    cfg = load_config(out, world_size=world)   # every key it writes is ptdp's
     assert (cfg.parallel.tensor, cfg.train.global_batch_size) == (raw["parallel"]["tensor"],
                                                                  raw["train"]["global_batch_size"])
 
 
-def test_a_translation_without_other_helpers_keys_loads_as_is(tmp_path):
+def test_a_small_translation_loads_with_megatrons_defaults(tmp_path):
     words = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
              "--seq-length", "32", "--tensor-model-parallel-size", "2",
              "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
@@ -323,10 +301,10 @@ def test_a_translation_without_other_helpers_keys_loads_as_is(tmp_path):
     assert (cfg.model.dropout, cfg.train.adam_beta2, cfg.train.eval_iters, cfg.log.interval) == (0.1, 0.999, 100, 100)
 
 
-def test_every_key_the_table_writes_is_ptdps_or_being_added():
+def test_every_key_the_table_writes_is_ptdps():
     keys = {arg.key for arg in ARGS if arg.key}
     keys |= {k for words in (GPT3, LLAMA) for k in translate(words).values}
-    assert sorted(k for k in keys if not is_config_key(k) and k not in PENDING) == []
+    assert sorted(k for k in keys if not is_config_key(k)) == []
 
 
 @pytest.mark.parametrize("argv, line", [
@@ -368,9 +346,9 @@ def test_ptdps_own_keys_that_look_like_megatrons_are_left_alone():
     from ptdp.megatron.translate import command_line_hints, explain_config_errors
     assert is_config_key("train.micro_batch_size") and lookup("--micro-batch-size")
     assert command_line_hints(["train.micro_batch_size=2"], ["train.micro_batch_size=2"]) == []
-    # a key of ptdp's own spelling that this tree lacks (another helper adds it) gets no hint
-    assert command_line_hints(["train.lr_warmup_fraction=0.1"], ["train.lr_warmup_fraction=0.1"]) == []
-    line = "unknown key 'train.lr_warmup_fraction'"
+    # an unknown key that is no Megatron spelling gets no Megatron hint
+    assert command_line_hints(["train.warmup_ratio=0.1"], ["train.warmup_ratio=0.1"]) == []
+    line = "unknown key 'train.warmup_ratio'"
     assert explain_config_errors([line]) == [line]
 
 
