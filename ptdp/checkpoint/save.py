@@ -288,8 +288,13 @@ def _point_latest(target: Path) -> None:
 
 
 def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: int = 0,
-                    tokenizer: str | os.PathLike | None = None) -> Path:
+                    tokenizer: str | os.PathLike | None = None,
+                    consumed_samples: int | None = None, skipped_samples: int = 0) -> Path:
     """Write full (layout-free, vocabulary-trimmed) weights as a checkpoint for cfg's layout.
+
+    The progress is `iteration`, the samples consumed before it (default: iteration x the
+    global batch) and those of updates fp16 skipped (the learning rate stands still over them),
+    as another trainer's run recorded them.
 
     The shards are what the ranks of (p, t, d, v) = cfg.parallel would save: each parameter
     sliced with `local_slice` for every tensor rank, on the pipeline rank whose chunk holds
@@ -338,7 +343,9 @@ def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: in
         cfg.data.tokenizer = str(tokenizer)
     _write_config_and_tokenizer(cfg, tmp)
     meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
-            "consumed_samples": iteration * cfg.train.global_batch_size, "layout": layout_of(cfg),
+            "consumed_samples": (iteration * cfg.train.global_batch_size
+                                 if consumed_samples is None else consumed_samples),
+            "skipped_samples": skipped_samples, "layout": layout_of(cfg),
             "model": dataclasses.asdict(cfg.model), "train": dataclasses.asdict(cfg.train),
             "config": cfg.to_dict(), "rng": False, "params": params,
             "files": sorted([shard_file_name(pp, tr) for pp, tr in shards]

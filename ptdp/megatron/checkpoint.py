@@ -39,7 +39,7 @@ def read_megatron(path: str | os.PathLike) -> dict:
     of a Megatron checkpoint."""
     directory, iteration = files.iteration_dir(path)
     fmt = "torch_dist" if files.is_torch_dist(directory) else "legacy"
-    args, mstate = (torch_dist if fmt == "torch_dist" else legacy).read(directory)
+    args, mstate, scheduler = (torch_dist if fmt == "torch_dist" else legacy).read(directory)
     arch = arch_of(mstate)
     word = mstate.get("embedding.word_embeddings.weight")
     cfg = model_config(args, arch, None if word is None else word.shape[0])
@@ -49,7 +49,19 @@ def read_megatron(path: str | os.PathLike) -> dict:
                 f"{cfg.vocab_size}")
     return {"format": fmt, "directory": directory, "iteration": iteration, "args": args,
             "arch": arch, "model": cfg, "megatron": mstate, "state": to_ptdp(cfg, mstate),
-            "notes": notes(args)}
+            "notes": notes(args), **samples_of(args, scheduler)}
+
+
+def samples_of(args, scheduler: dict) -> dict:
+    """{'consumed_samples', 'skipped_samples'} of the Megatron run, where it recorded them:
+    its scheduler advanced by the samples of every iteration fp16 did not skip (`num_steps`),
+    so a converted run resumes at Megatron's learning rate (ptdp/optim/lr.py)."""
+    consumed = getattr(args, "consumed_train_samples", None)
+    steps = scheduler.get("num_steps")
+    if consumed is None:
+        return {}
+    skipped = consumed - steps if steps is not None and 0 <= steps <= consumed else 0
+    return {"consumed_samples": int(consumed), "skipped_samples": int(skipped)}
 
 
 def from_megatron(source: str | os.PathLike, out: str | os.PathLike, overrides=(),
@@ -75,7 +87,10 @@ def from_megatron(source: str | os.PathLike, out: str | os.PathLike, overrides=(
     step = found["iteration"] if iteration is None else iteration
     # model.vocab_size / model.seq_length overrides cut the tables (names.py `to_ptdp`)
     state = to_ptdp(cfg.model, found["megatron"])
-    final = save_full_state(state, cfg, out, iteration=step, tokenizer=tokenizer)
+    progress = ({"consumed_samples": found["consumed_samples"],
+                 "skipped_samples": found["skipped_samples"]}
+                if iteration is None and "consumed_samples" in found else {})
+    final = save_full_state(state, cfg, out, iteration=step, tokenizer=tokenizer, **progress)
     return final, cfg, found
 
 

@@ -79,9 +79,9 @@ def _merge(name: str, shards: list[torch.Tensor], gated: bool) -> torch.Tensor:
     return torch.cat(shards, dim=dim)
 
 
-def _rank_state(path: Path, args, pipeline: int, rank: int) -> tuple[object, dict]:
-    """(args, {global name: this file's tensor}) of one rank's file; `args`: from an earlier
-    file, else this one's."""
+def _rank_state(path: Path, args, pipeline: int, rank: int) -> tuple[object, dict, dict]:
+    """(args, {global name: this file's tensor}, its learning-rate scheduler state) of one
+    rank's file; `args`: from an earlier file, else this one's."""
     saved = files.load(path)
     version = saved.get("checkpoint_version", CHECKPOINT_VERSION)
     require(version >= CHECKPOINT_VERSION,
@@ -97,19 +97,20 @@ def _rank_state(path: Path, args, pipeline: int, rank: int) -> tuple[object, dic
         out.update((name, value) for name, value in
                    _renumbered(local_norm_names(chunk), offset).items()
                    if isinstance(value, torch.Tensor))
-    return args, out
+    return args, out, saved.get("opt_param_scheduler") or {}
 
 
-def read(directory: Path) -> tuple[object, dict[str, torch.Tensor]]:
-    """(args, full Megatron state) of a legacy iteration directory of any split."""
+def read(directory: Path) -> tuple[object, dict[str, torch.Tensor], dict]:
+    """(args, full Megatron state, learning-rate scheduler state) of a legacy iteration
+    directory of any split."""
     paths = files.rank_files(directory)
     tensor = 1 + max(t for t, _ in paths)
     pipeline = 1 + max(p for _, p in paths)
     shards: dict[str, list[torch.Tensor]] = {}   # name -> one tensor per tensor rank, in order
-    args = None
+    args, scheduler = None, {}
     for t in range(tensor):
         for p in range(pipeline):
-            args, state = _rank_state(paths[t, p], args, pipeline, p)
+            args, state, scheduler = _rank_state(paths[t, p], args, pipeline, p)
             for name, value in state.items():
                 shards.setdefault(name, []).append(value)
     gated = bool(getattr(args, "swiglu", False))
@@ -118,7 +119,7 @@ def read(directory: Path) -> tuple[object, dict[str, torch.Tensor]]:
         require(len(values) == tensor, f"'{name}' is on {len(values)} of {tensor} tensor ranks "
                                        f"(or on more than one pipeline stage)")
         merged[name] = _merge(name, values, gated and ".linear_fc1." in name)
-    return args, merged
+    return args, merged, scheduler
 
 
 def _split(name: str, value: torch.Tensor, tensor: int, cfg: ModelConfig) -> list[torch.Tensor]:

@@ -79,14 +79,16 @@ def _unstacked(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def read(directory: Path) -> tuple[object, dict[str, torch.Tensor]]:
-    """(args, full Megatron state) of a torch_dist iteration directory."""
+def read(directory: Path) -> tuple[object, dict[str, torch.Tensor], dict]:
+    """(args, full Megatron state, learning-rate scheduler state) of a torch_dist iteration
+    directory."""
     _metadata(directory)
     common = directory / "common.pt"
     require(common.is_file(), f"{directory} has no common.pt (where Megatron-LM keeps the args)")
     saved = files.load(common)
     args = saved.get("args") if isinstance(saved, dict) else None
-    return args, local_norm_names(_unstacked(_model_tensors(directory)))
+    scheduler = (saved.get("opt_param_scheduler") if isinstance(saved, dict) else None) or {}
+    return args, local_norm_names(_unstacked(_model_tensors(directory))), scheduler
 
 
 def _stacked(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:

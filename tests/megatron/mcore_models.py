@@ -134,14 +134,18 @@ def bert_logits(model, tokens, types_) -> tuple[torch.Tensor, torch.Tensor]:
     return lm.float(), binary.float()
 
 
-def save_legacy(model, args: Namespace, root: Path, iteration: int) -> Path:
+def save_legacy(model, args: Namespace, root: Path, iteration: int,
+                scheduler: dict | None = None) -> Path:
     """megatron-core's state dict where Megatron-LM's `--ckpt-format torch` puts it: root/
     latest_checkpointed_iteration.txt and root/iter_N/mp_rank_00/model_optim_rng.pt with
-    'args', 'checkpoint_version', 'iteration' and 'model' (model.state_dict_for_save_checkpoint)."""
+    'args', 'checkpoint_version', 'iteration' and 'model' (model.state_dict_for_save_checkpoint),
+    and 'opt_param_scheduler' (its OptimizerParamScheduler.state_dict()) when given."""
     sub = root / f"iter_{iteration:07d}" / "mp_rank_00"
     sub.mkdir(parents=True)
     torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
-                "model": model.state_dict_for_save_checkpoint()}, sub / "model_optim_rng.pt")
+                "model": model.state_dict_for_save_checkpoint(),
+                **({"opt_param_scheduler": scheduler} if scheduler else {})},
+               sub / "model_optim_rng.pt")
     (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return root
 

@@ -211,6 +211,43 @@ def test_converted_checkpoint_trains_on(megatron, tmp_path):
     assert torch.isfinite(torch.tensor(records[0]["loss"]))
 
 
+def test_a_converted_fp16_run_resumes_at_megatrons_learning_rate(megatron, tmp_path):
+    """Megatron's scheduler does not advance over an update fp16 skipped: 3 of 100 iterations
+    skipped leave it 3 batches behind the consumed samples. The converted checkpoint records
+    them, and the resumed run's rate is megatron-core's scheduler's."""
+    from argparse import Namespace
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from ptdp.config import load_config
+    from ptdp.megatron.checkpoint import from_megatron
+    from ptdp.optim.lr import learning_rate
+    from ptdp.training import Trainer
+    batch, skipped = 4, 3
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=3e-4, min_lr=3e-5, lr_warmup_steps=20 * batch,
+        lr_decay_steps=300 * batch, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+        wd_incr_steps=300 * batch, wd_incr_style="constant")
+    for _ in range(100 - skipped):
+        scheduler.step(increment=batch)
+    args = Namespace(**vars(megatron["gpt_args"]), consumed_train_samples=100 * batch)
+    mc.save_legacy(megatron["gpt"], args, tmp_path / "megatron", 100, scheduler.state_dict())
+    final, _, found = from_megatron(tmp_path / "megatron", tmp_path / "ptdp")
+    assert (found["consumed_samples"], found["skipped_samples"]) == (100 * batch, skipped * batch)
+    cfg = load_config(str(final / "config.yaml"),
+                      [f"checkpoint.load={tmp_path}/ptdp", "train.iters=300", "train.lr=3e-4",
+                       "train.min_lr=3e-5", "train.lr_warmup_iters=20", "train.lr_decay_style=cosine",
+                       "train.micro_batch_size=4", f"train.global_batch_size={batch}",
+                       "log.progress=false"], world_size=1)
+    progress = Trainer(cfg).state.progress
+    assert (progress.iteration, progress.skipped_samples) == (100, skipped * batch)
+    megatrons = optimizer.param_groups[0]["lr"]
+    assert learning_rate(100, cfg.train, skipped_samples=progress.skipped_samples) == \
+        pytest.approx(megatrons, rel=1e-12)
+    assert learning_rate(100, cfg.train) != pytest.approx(megatrons, rel=1e-6)   # it matters
+
+
 @pytest.mark.parametrize("arch, setting, words", [
     ("gpt", dict(num_experts=8), "--num-experts=8: a mixture of experts"),
     ("gpt", dict(normalization="LayerNorm1p"), "--normalization=LayerNorm1p"),
