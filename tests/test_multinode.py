@@ -1,10 +1,12 @@
 """Two simulated nodes (tools/simcluster.sh: network namespaces, a 200 Mbit/s link between
-them), launched the way clusters launch: one tools/pretrain_gpt.sh per node with NNODES,
-NODE_RANK, MASTER_ADDR and GPUS_PER_NODE, or tools/slurm_pretrain.sh under a stand-in srun.
+them), launched the way clusters launch: tools/slurm_pretrain.sh under a stand-in srun, which
+runs one tools/pretrain_gpt.sh per node with NNODES, NODE_RANK, MASTER_ADDR and GPUS_PER_NODE
+(the same command a job launched by hand runs on each node).
 
 The tiny GPT in (p, t, d) = (2, 2, 2) over 2 nodes x 4 ranks must reproduce one process's
 loss sequence; a node that dies must end the other node's ranks with one line naming the
 lost ranks, within 60 s. Skipped where namespaces cannot be made (not root, no iproute2).
+`srun` starting one task per rank without torchrun needs no namespaces (the last test).
 """
 
 from __future__ import annotations
@@ -104,21 +106,11 @@ def single_process_losses(tmp_path_factory):
     return _losses(metrics)
 
 
-def test_two_nodes_by_four_ranks_match_one_process(cluster, single_process_losses, tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
-    jobs = [_launch_node(n, [f"train.iters={ITERS}", f"log.metrics_file={metrics}"], logs[n], 29411)
-            for n in (0, 1)]
-    _wait_all(jobs, logs, timeout_s=180)
-    node0 = logs[0].read_text()
-    assert "node 0 of 2, 4 ranks here" in node0 and "world size 8" in node0
-    assert "node 1 of 2, 4 ranks here" in logs[1].read_text()
-    assert _losses(metrics) == pytest.approx(single_process_losses, rel=1e-5)
-
-
 def test_slurm_script_launches_one_node_per_namespace(cluster, single_process_losses, tmp_path):
     """tools/slurm_pretrain.sh with stand-ins for scontrol and srun: srun starts the task on
-    every node at once, each inside its namespace, with SLURM_NODEID set."""
+    every node at once, each inside its namespace, with SLURM_NODEID set; each runs
+    tools/pretrain_gpt.sh with NNODES, NODE_RANK, MASTER_ADDR and GPUS_PER_NODE, exactly as a
+    node of a job launched by hand does, and the 2 x 4 ranks train like one process."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho {NAME}-n0\necho {NAME}-n1\n")
@@ -137,6 +129,9 @@ def test_slurm_script_launches_one_node_per_namespace(cluster, single_process_lo
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"master {NAME}-n0:24242" in res.stderr
+    for node in (0, 1):
+        assert f"pretrain_gpt.sh: node {node} of 2, 4 ranks here" in res.stderr
+    assert "world size 8" in res.stderr
     assert _losses(metrics) == pytest.approx(single_process_losses, rel=1e-5)
 
 
