@@ -89,6 +89,11 @@ class BertDataset:
                              f"([CLS] A [SEP] B [SEP] needs at least 5)")
         special = indexed.meta.get("special_ids", {})
         missing = [t for t in (CLS, SEP, MASK, PAD, EOD) if t not in special]
+        if missing and indexed.vocab_size is None:   # a Megatron pair without ptdp's sidecar
+            raise IndexedDataError(f"{indexed.idx_path}: BERT needs the special-token ids, which "
+                                   f"a Megatron pair does not record; write them once with "
+                                   f"`ptdp preprocess --describe --output-prefix "
+                                   f"{indexed.prefix} --vocab-file VOCAB.txt`")
         if missing:
             raise IndexedDataError(f"{indexed.idx_path}: tokenizer had no {', '.join(missing)}; "
                                    f"train it with `ptdp tokenizer train` and re-run preprocess")

@@ -50,6 +50,8 @@ class GPT2(Family):
                            ffn_hidden_size=config.n_inner or 4 * config.n_embd,
                            seq_length=config.n_positions, vocab_size=config.vocab_size,
                            dropout=config.resid_pdrop, layernorm_eps=config.layer_norm_epsilon,
+                           attention_dropout=(None if config.attn_pdrop == config.resid_pdrop
+                                              else config.attn_pdrop),
                            init_std=config.initializer_range,
                            tie_embeddings=bool(config.tie_word_embeddings))
 
@@ -59,7 +61,7 @@ class GPT2(Family):
             vocab_size=cfg.vocab_size, n_positions=cfg.seq_length, n_embd=cfg.hidden_size,
             n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.ffn_hidden_size,
             activation_function="gelu", resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-            attn_pdrop=cfg.dropout, layer_norm_epsilon=cfg.layernorm_eps,
+            attn_pdrop=cfg.attention_dropout_rate, layer_norm_epsilon=cfg.layernorm_eps,
             initializer_range=cfg.init_std, architectures=[self.hf_class],
             tie_word_embeddings=cfg.tie_embeddings, bos_token_id=special.get(BOS, special.get(EOD)),
             eos_token_id=special.get(EOD), pad_token_id=special.get(PAD))

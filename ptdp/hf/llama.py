@@ -94,7 +94,8 @@ class Llama(Family):
             arch="gpt", preset="llama", num_layers=config.num_hidden_layers, hidden_size=hidden,
             num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             ffn_hidden_size=config.intermediate_size, seq_length=config.max_position_embeddings,
-            vocab_size=config.vocab_size, dropout=float(getattr(config, "attention_dropout", 0.0)),
+            vocab_size=config.vocab_size, dropout=0.0,   # transformers' Llama: attention only
+            attention_dropout=float(getattr(config, "attention_dropout", 0.0)),
             layernorm_eps=config.rms_norm_eps, init_std=config.initializer_range,
             tie_embeddings=bool(config.tie_word_embeddings), bias=False,
             qkv_bias=self.block["qkv_bias"], **rope_settings(config))
@@ -110,7 +111,7 @@ class Llama(Family):
             num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
             hidden_act="silu", max_position_embeddings=cfg.seq_length,
             initializer_range=cfg.init_std, rms_norm_eps=cfg.layernorm_eps,
-            attention_dropout=cfg.dropout, rope_parameters=rope_parameters(cfg),
+            attention_dropout=cfg.attention_dropout_rate, rope_parameters=rope_parameters(cfg),
             tie_word_embeddings=cfg.tie_embeddings, architectures=[self.hf_class],
             bos_token_id=special.get(BOS), eos_token_id=special.get(EOD),
             pad_token_id=special.get(PAD), **self.hf_extra(cfg))

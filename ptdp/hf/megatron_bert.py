@@ -47,6 +47,10 @@ class MegatronBert(Family):
                            ffn_hidden_size=config.intermediate_size,
                            seq_length=config.max_position_embeddings,
                            vocab_size=config.vocab_size, dropout=config.hidden_dropout_prob,
+                           attention_dropout=(
+                               None if config.attention_probs_dropout_prob
+                               == config.hidden_dropout_prob
+                               else config.attention_probs_dropout_prob),
                            layernorm_eps=config.layer_norm_eps,
                            init_std=config.initializer_range,
                            num_tokentypes=config.type_vocab_size)
@@ -57,7 +61,8 @@ class MegatronBert(Family):
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
             num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
             intermediate_size=cfg.ffn_hidden_size, hidden_act="gelu",
-            hidden_dropout_prob=cfg.dropout, attention_probs_dropout_prob=cfg.dropout,
+            hidden_dropout_prob=cfg.dropout,
+            attention_probs_dropout_prob=cfg.attention_dropout_rate,
             max_position_embeddings=cfg.seq_length, type_vocab_size=cfg.num_tokentypes,
             layer_norm_eps=cfg.layernorm_eps, initializer_range=cfg.init_std,
             architectures=[self.hf_class], tie_word_embeddings=True,

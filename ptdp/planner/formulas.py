@@ -29,6 +29,13 @@ from dataclasses import dataclass
 SECONDS_PER_DAY = 86_400.0
 
 
+def _any_dropout(m) -> bool:
+    """Whether a layer keeps dropout masks: hidden or attention dropout (one flag for both, so
+    a model with only one of them is costed with both masks: a slight overestimate)."""
+    attention = getattr(m, "attention_dropout", None)
+    return m.dropout > 0 or (attention is not None and attention > 0)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A model's dimensions and block, as the formulas and the cost model need them (hashable,
@@ -63,7 +70,7 @@ class ModelShape:
     @classmethod
     def from_config(cls, m) -> "ModelShape":
         return cls(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.ffn_hidden_size,
-                   m.seq_length, m.vocab_size, m.dropout > 0, m.num_kv_heads, m.activation,
+                   m.seq_length, m.vocab_size, _any_dropout(m), m.num_kv_heads, m.activation,
                    m.normalization, m.position_embedding, m.bias, m.qkv_bias, m.tie_embeddings,
                    m.num_tokentypes)
 

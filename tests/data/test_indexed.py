@@ -202,3 +202,15 @@ def test_damaged_ptdpidx_names_the_file(legacy):
     idx.write_bytes(idx.read_bytes()[:-4])
     with pytest.raises(IndexedDataError, match=r"old\.idx: file is \d+ bytes but its header describes"):
         IndexedDataset(legacy)
+
+
+def test_bert_on_a_megatron_pair_without_a_sidecar_says_how_to_write_one(tmp_path):
+    from ptdp.data.bert_dataset import BertDataset
+    from ptdp.data.indexed import sidecar_path
+    with IndexedDatasetWriter(tmp_path / "x_text_sentence", 100, {"sentences": True}) as writer:
+        for _ in range(3):
+            writer.add_document([list(range(1, 9)), list(range(1, 9))])
+    sidecar_path(tmp_path / "x_text_sentence").unlink()   # as Megatron's preprocessing leaves it
+    with pytest.raises(IndexedDataError, match="ptdp preprocess --describe --output-prefix"):
+        BertDataset(IndexedDataset(tmp_path / "x_text_sentence"), 0, 0, seq_length=16, seed=1,
+                    mask_prob=0.15, documents=np.arange(3))

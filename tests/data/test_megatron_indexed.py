@@ -146,3 +146,4 @@ def test_ptdp_check_on_megatron_pairs_without_a_sidecar(tmp_path):
     check_data(make_config(*settings, "model.arch=bert"), found)
     assert len(found.errors) == 1 and "m_text_sentence.ptdp.json naming the special tokens" in \
         found.errors[0] and "ptdp preprocess --describe" in found.errors[0]
+

@@ -102,3 +102,17 @@ def test_qkv_layout_is_group_major():
     assert torch.equal(groups[1, 0], q[2 * d:3 * d, 0]) and torch.equal(groups[1, 2], k[d:, 0])
     assert torch.equal(groups[0, 3], v[:d, 0])
     assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, n, g), (q, k, v)))
+
+
+@pytest.mark.parametrize("arch, preset, hidden, attention", [
+    ("gpt", "gpt", 0.1, 0.2), ("gpt", "llama", 0.0, 0.2), ("bert", "gpt", 0.1, 0.3)])
+def test_hidden_and_attention_dropout_map_both_ways(arch, preset, hidden, attention):
+    """Hugging Face keeps the two rates apart (GPT-2's resid/attn_pdrop, BERT's hidden/attention
+    probs, Llama's attention only): model.dropout and model.attention_dropout go to their own."""
+    from ptdp.config import ModelConfig
+    from ptdp.hf.registry import family_of
+
+    cfg = ModelConfig(arch=arch, preset=preset, dropout=hidden, attention_dropout=attention)
+    family = family_of(cfg)
+    back = family.model_config(family.hf_config(cfg, {}))
+    assert (back.dropout, back.attention_dropout_rate) == (hidden, attention)
