@@ -27,7 +27,8 @@ def profile_path(tmp_path_factory):
     out = tmp / "cpu-test.yaml"
     proc = subprocess.run([sys.executable, "-m", "ptdp", "profile", str(model), "--out", str(out),
                            "--micro-batches", "1,2", "--tensor", "1,2", "--ranks", "2",
-                           "--iters", "2"], capture_output=True, text=True, timeout=240)
+                           "--iters", "2", "--memory-repeats", "1"],
+                          capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -133,3 +134,13 @@ def test_bad_profile_arguments(tmp_path):
                            str(tmp_path / "x.yaml"), "--tensor", "3"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--tensor 3" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_memory_repeats_below_one_is_refused_before_any_measurement():
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from ptdp.planner.errors import PlanError
+    from ptdp.profiler.build import _profile_from_args
+    with pytest.raises(PlanError, match="--memory-repeats 0: run each memory calibration"):
+        _profile_from_args(None, SimpleNamespace(memory_repeats=0), Path("x.yaml"))

@@ -32,6 +32,10 @@ def register(subparsers) -> None:
     prof.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     prof.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     prof.add_argument("--iters", type=int, default=5, help="timed repetitions per point")
+    prof.add_argument("--memory-repeats", type=int, default=2,
+                      help="CPU: runs of each memory calibration job, the largest peak kept "
+                           "(a peak varies by a few %% from run to run; 1 is quicker, 2 errs on "
+                           "the safe side)")
     prof.set_defaults(func=run)
 
 

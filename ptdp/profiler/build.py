@@ -9,7 +9,8 @@ from pathlib import Path
 from ptdp.hardware import (Efficiency, HardwareProfile, load_hardware, machine_fingerprint,
                            save_hardware)
 from ptdp.planner.errors import PlanError
-from ptdp.profiler.calibration import calibrate_layer_overhead, calibrate_reserve
+from ptdp.profiler.calibration import (RESERVE_REPEATS, calibrate_layer_overhead,
+                                       calibrate_reserve)
 from ptdp.profiler.collectives import measure_busy_nodes, measure_collectives
 from ptdp.profiler.kernels import measure_device, measure_head, measure_layer
 from ptdp.profiler.tensor_layers import measure_tensor_layers
@@ -32,7 +33,8 @@ def _total_memory_gb() -> float:
 
 def build_profile(model_cfg, *, name: str, micro_batches: list[int], tensors: list[int],
                   ranks: int, ranks_per_node: int, threads: int, precision: str, device_name: str,
-                  iters: int, base: str | None = None, log=print) -> HardwareProfile:
+                  iters: int, base: str | None = None, memory_repeats: int = RESERVE_REPEATS,
+                  log=print) -> HardwareProfile:
     import torch
     torch.set_num_threads(threads)
     device = torch.device("cuda" if device_name == "cuda" or (
@@ -79,7 +81,7 @@ def build_profile(model_cfg, *, name: str, micro_batches: list[int], tensors: li
             f"{overhead['layer_overhead_s'] * 1e3:.2f} ms per layer and micro-batch on top; "
             f"zb-h1's split backward {overhead['split_step_s'] * 1e3:.1f} ms: "
             f"{overhead['split_backward_overhead_s'] * 1e3:.2f} ms per layer and micro-batch more")
-        calibration = calibrate_reserve(profile, model_cfg, precision, threads)
+        calibration = calibrate_reserve(profile, model_cfg, precision, threads, memory_repeats)
         measured["memory_calibration"] = calibration
         measured["heap_retention"] = round(calibration["heap_retention"], 4)
         profile.memory_reserved_gb = round(calibration["reserve_gb"], 4)
@@ -155,6 +157,9 @@ def main(args) -> int:
 
 
 def _profile_from_args(cfg, args, out: Path) -> HardwareProfile:
+    if args.memory_repeats < 1:
+        raise PlanError(f"--memory-repeats {args.memory_repeats}: run each memory calibration "
+                        f"at least once")
     for t in _ints(args.tensor, "--tensor"):   # before any slow import
         if cfg.model.num_heads % t or cfg.model.ffn_hidden_size % t:
             raise PlanError(f"--tensor {t}: model.num_heads ({cfg.model.num_heads}) and "
@@ -163,4 +168,4 @@ def _profile_from_args(cfg, args, out: Path) -> HardwareProfile:
         cfg.model, name=args.name or out.stem, micro_batches=_ints(args.micro_batches, "--micro-batches"),
         tensors=_ints(args.tensor, "--tensor"), ranks=args.ranks, ranks_per_node=args.ranks_per_node,
         threads=args.threads, precision=args.precision, device_name=args.device, iters=args.iters,
-        base=args.base)
+        base=args.base, memory_repeats=args.memory_repeats)

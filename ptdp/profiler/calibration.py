@@ -150,11 +150,11 @@ def calibrate_layer_overhead(profile: HardwareProfile, model_cfg, precision: str
 
 
 def calibrate_reserve(profile: HardwareProfile, model_cfg, precision: str,
-                      threads: int) -> dict:
+                      threads: int, repeats: int = RESERVE_REPEATS) -> dict:
     """The CPU reserve: what a real training rank holds beyond everything the memory model
     counts (interpreter, torch, process groups, the kernels' workspaces for this shape, the
     allocator's retained heap). Each of RESERVE_RUNS gives its peak (the largest of
-    RESERVE_REPEATS) minus the planner's prediction with no reserve; the RETENTION_PAIR's
+    `repeats` runs) minus the planner's prediction with no reserve; the RETENTION_PAIR's
     growth per byte of activations a micro-batch allocates is `heap_retention`, and the
     reserve the largest of what is left."""
     import dataclasses
@@ -170,7 +170,7 @@ def calibrate_reserve(profile: HardwareProfile, model_cfg, precision: str,
         peak = max(max(run_on_ranks(world, _calibration_peak, model, precision, parallel,
                                     schedule, micro_batch, batch, timeout_s=600.0,
                                     threads=threads, fresh_interpreters=True))
-                   for _ in range(RESERVE_REPEATS))
+                   for _ in range(repeats))
         runs[name] = reserve_from_peak(profile, model_cfg, precision, peak, name)
     return {**reserve_and_retention(runs), "runs": runs}
 
