@@ -1,7 +1,7 @@
 """A job that looks after itself: the launch script restarts it after a failure, it resumes from
 its newest checkpoint, and the metrics file ends as if nothing had happened.
 
-* One real job of 4 CPU ranks (p = 2, d = 2, dropout on) under tools/pretrain_gpt.sh with
+* One real job of 2 CPU ranks (p = 2, dropout on) under tools/pretrain_gpt.sh with
   MAX_RESTARTS=2: one rank is killed (SIGKILL), the job restarts, later one rank is stopped
   (SIGSTOP), the hang detector names it, the job restarts again; it ends with exit 0 by itself
   and its per-iteration losses equal an uninterrupted run's.
@@ -44,7 +44,7 @@ JOB = ["parallel.pipeline=2", f"train.iters={ITERS}", "checkpoint.save_interval=
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-                "NPROC": "4", "PYTHON": sys.executable, **extra})
+                "NPROC": "2", "PYTHON": sys.executable, **extra})
     return env
 
 
@@ -75,7 +75,7 @@ def failed_twice(tmp_path_factory):
     metrics, marker = root / "metrics.jsonl", uuid.uuid4().hex
     overrides = JOB + [f"checkpoint.dir={root / 'ck'}", f"log.metrics_file={metrics}"]
     uninterrupted = [o for o in JOB if not o.startswith("checkpoint.")]
-    reference = run_on_ranks(4, _reference_losses, uninterrupted, timeout_s=120)[0]
+    reference = run_on_ranks(2, _reference_losses, uninterrupted, timeout_s=120)[0]
     job = subprocess.Popen(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), *overrides],
                            cwd=root, env=_env(MAX_RESTARTS="2", PTDP_TEST_MARKER=marker),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -85,7 +85,7 @@ def failed_twice(tmp_path_factory):
     reader.start()
     try:
         _wait_for_iteration(metrics, job, 15)
-        os.kill(_pid_of_rank(2, marker), signal.SIGKILL)          # a crash in iteration ~16
+        os.kill(_pid_of_rank(0, marker), signal.SIGKILL)          # a crash in iteration ~16
         _wait_for_iteration(metrics, job, 35)                     # restarted, and past it
         stopped.append(_pid_of_rank(1, marker))
         os.kill(stopped[0], signal.SIGSTOP)                       # a hang in iteration ~36
