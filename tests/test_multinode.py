@@ -169,19 +169,26 @@ def test_a_node_that_dies_ends_the_other_with_a_line_naming_its_ranks(cluster, t
 
 
 def test_srun_one_task_per_rank_without_torchrun_forms_the_job(single_process_losses, tmp_path):
-    """`srun --ntasks-per-node=2 python -m ptdp train ...` (no torchrun, no namespaces needed):
-    each task has only SLURM's variables, and the two ranks train like one process."""
+    """`srun --nodes 2 --ntasks-per-node 1 python -m ptdp train ...` (no torchrun, no namespaces
+    needed; both "nodes" are this host): each task has only SLURM's variables, the two ranks
+    train like one process, and the tensor group that spans the two nodes is warned about once
+    (the node size comes from SLURM_TASKS_PER_NODE, as torchrun's LOCAL_WORLD_SIZE)."""
     metrics = tmp_path / "metrics.jsonl"
-    slurm = dict(SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="2", SLURM_JOB_NODELIST="localhost",
-                 SLURM_JOB_ID=str(os.getpid()), SLURM_NODEID="0")
+    slurm = dict(SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="1(x2)", SLURM_JOB_NODELIST="localhost",
+                 SLURM_JOB_ID=str(os.getpid()))
     logs = [tmp_path / f"task{task}.log" for task in (0, 1)]
     jobs = [subprocess.Popen([sys.executable, "-m", "ptdp", "train", "configs/gpt_tiny.yaml",
                               *LAYOUT[1:], f"train.iters={ITERS}",
                               f"log.metrics_file={metrics}"], cwd=ROOT,
-                             env=_job_env(SLURM_PROCID=str(task), SLURM_LOCALID=str(task),
-                                          **slurm),
+                             env=_job_env(SLURM_PROCID=str(task), SLURM_LOCALID="0",
+                                          SLURM_NODEID=str(task), **slurm),
                              stdout=log.open("w"), stderr=subprocess.STDOUT)
             for task, log in zip((0, 1), logs)]
     _wait_all(jobs, logs, timeout_s=120)
-    assert "(p, t, d) = (1, 2, 1)" in logs[0].read_text()
+    out = [log.read_text() for log in logs]
+    assert "(p, t, d) = (1, 2, 1)" in out[0]
+    warnings = [line for text in out for line in text.splitlines()
+                if line.startswith("ptdp train: warning: ")]
+    assert len(warnings) == 1, out
+    assert "parallel.tensor=2 does not divide the 1 ranks per node" in warnings[0]
     assert _losses(metrics) == pytest.approx(single_process_losses, rel=1e-5)
