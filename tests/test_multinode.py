@@ -3,7 +3,7 @@ them), launched the way clusters launch: tools/slurm_pretrain.sh under a stand-i
 runs one tools/pretrain_gpt.sh per node with NNODES, NODE_RANK, MASTER_ADDR and GPUS_PER_NODE
 (the same command a job launched by hand runs on each node).
 
-The tiny GPT in (p, t, d) = (2, 2, 2) over 2 nodes x 4 ranks must reproduce one process's
+The tiny GPT in (p, t, d) = (2, 2, 1) over 2 nodes x 2 ranks must reproduce one process's
 loss sequence; a node that dies must end the other node's ranks with one line naming the
 lost ranks, within 60 s. Skipped where namespaces cannot be made (not root, no iproute2).
 `srun` starting one task per rank without torchrun needs no namespaces (the last test).
@@ -72,7 +72,7 @@ def _job_env(**extra) -> dict:
 def _launch_node(node: int, overrides: list[str], log: Path, port: int) -> subprocess.Popen:
     """tools/pretrain_gpt.sh on one node, exactly as on a cluster."""
     env = _job_env(NNODES="2", NODE_RANK=str(node), MASTER_ADDR=f"{NAME}-n0",
-                   MASTER_PORT=str(port), GPUS_PER_NODE="4")
+                   MASTER_PORT=str(port), GPUS_PER_NODE="2")
     return subprocess.Popen([str(SIMCLUSTER), "run", str(node), str(ROOT / "tools/pretrain_gpt.sh"),
                              "configs/gpt_tiny.yaml", *LAYOUT, *overrides],
                             cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
@@ -110,7 +110,7 @@ def test_slurm_script_launches_one_node_per_namespace(cluster, single_process_lo
     """tools/slurm_pretrain.sh with stand-ins for scontrol and srun: srun starts the task on
     every node at once, each inside its namespace, with SLURM_NODEID set; each runs
     tools/pretrain_gpt.sh with NNODES, NODE_RANK, MASTER_ADDR and GPUS_PER_NODE, exactly as a
-    node of a job launched by hand does, and the 2 x 4 ranks train like one process."""
+    node of a job launched by hand does, and the 2 x 2 ranks train like one process."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho {NAME}-n0\necho {NAME}-n1\n")
@@ -123,15 +123,15 @@ def test_slurm_script_launches_one_node_per_namespace(cluster, single_process_lo
     metrics = tmp_path / "metrics.jsonl"
     env = _job_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242",
                    SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST=f"{NAME}-n[0-1]",
-                   SLURM_SUBMIT_DIR=str(ROOT), SLURM_GPUS_ON_NODE="4")
+                   SLURM_SUBMIT_DIR=str(ROOT), SLURM_GPUS_ON_NODE="2")
     res = subprocess.run([str(ROOT / "tools/slurm_pretrain.sh"), "configs/gpt_tiny.yaml", *LAYOUT,
                           f"train.iters={ITERS}", f"log.metrics_file={metrics}"],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"master {NAME}-n0:24242" in res.stderr
     for node in (0, 1):
-        assert f"pretrain_gpt.sh: node {node} of 2, 4 ranks here" in res.stderr
-    assert "world size 8" in res.stderr
+        assert f"pretrain_gpt.sh: node {node} of 2, 2 ranks here" in res.stderr
+    assert "world size 4" in res.stderr
     assert _losses(metrics) == pytest.approx(single_process_losses, rel=1e-5)
 
 
@@ -160,10 +160,10 @@ def test_a_node_that_dies_ends_the_other_with_a_line_naming_its_ranks(cluster, t
     ours = [line for line in out.splitlines() if line.startswith("ptdp train: ")]
     assert jobs[0].returncode != 0
     assert len(ours) == 1, out[-3000:]
-    assert ours[0].startswith("ptdp train: lost rank(s): rank 4 (p=1, d=0, t=0) (pid ")
-    for rank in (4, 5, 6, 7):   # node 1's ranks, named with their host
+    assert ours[0].startswith("ptdp train: lost rank(s): rank 2 (p=1, d=0, t=0) (pid ")
+    for rank in (2, 3):   # node 1's ranks, named with their host
         assert f"rank {rank} (p=1, " in ours[0]
-    assert ours[0].count(f"on {NAME}-n1; no heartbeat for") == 4
+    assert ours[0].count(f"on {NAME}-n1; no heartbeat for") == 2
     assert "gloo: " in ours[0] and "Ending the job." in ours[0]
     assert elapsed < 60, elapsed
 
