@@ -2,6 +2,8 @@
 per GPU without torchrun (ptdp/runtime/launch_env.py), and the CUDA settings tensor parallelism
 needs. The end-to-end srun launch is in tests/test_multinode.py."""
 
+import os
+
 import pytest
 
 from ptdp.runtime.launch_env import (LaunchError, cuda_environment, first_host, from_slurm,
@@ -53,3 +55,27 @@ def test_tensor_and_context_parallelism_ask_for_one_cuda_work_queue():
     assert cuda_environment(tensor=1, context=1) == {}
     assert cuda_environment(tensor=2, context=1) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     assert cuda_environment(tensor=1, context=2) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "1"), ("8", "8")])
+def test_startup_sets_it_before_the_first_cuda_call_unless_the_launch_did(monkeypatch, preset,
+                                                                          expected):
+    from ptdp.config import load_config
+    from ptdp.runtime import startup
+    seen = {}
+
+    def pick_device(choice):   # the first CUDA call of start-up: stop there
+        seen["value"] = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+        raise _Stop
+
+    monkeypatch.setattr(startup, "pick_device", pick_device)
+    environ = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    monkeypatch.setattr(os, "environ", environ if preset is None
+                        else dict(environ, CUDA_DEVICE_MAX_CONNECTIONS=preset))   # no leak
+    with pytest.raises(_Stop):
+        startup.init_distributed(load_config(None, ["parallel.tensor=2"], world_size=2))
+    assert seen["value"] == expected
