@@ -52,6 +52,21 @@ class Family:
     def from_hf(self, cfg: ModelConfig, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    @staticmethod
+    def _pairs(cfg: ModelConfig):
+        """(ptdp name, HF name, transposed) of the weights that only change name."""
+        raise NotImplementedError
+
+    def renamed_to_hf(self, cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict:
+        """The weights that only change name, under HF's names."""
+        return renamed(self._pairs(cfg), full)
+
+    def renamed_from_hf(self, cfg: ModelConfig, hf: dict[str, torch.Tensor]):
+        """(the weights that only change name, under ptdp's names; a getter of the HF weights
+        that names a missing one)."""
+        get = getter(hf)
+        return renamed(((hf_name, ours, t) for ours, hf_name, t in self._pairs(cfg)), hf, get), get
+
 
 def _text(value) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)

@@ -20,7 +20,7 @@ import torch
 
 from ptdp.config import ModelConfig
 from ptdp.data.tokenizer import BOS, EOD, PAD
-from ptdp.hf.base import Family, fuse_qkv, getter, renamed, require, split_qkv
+from ptdp.hf.base import Family, fuse_qkv, require, split_qkv
 
 
 class GPT2(Family):
@@ -84,7 +84,7 @@ class GPT2(Family):
             yield "output_layer.weight", "lm_head.weight", False
 
     def to_hf(self, cfg, full):
-        out = renamed(self._pairs(cfg), full)
+        out = self.renamed_to_hf(cfg, full)
         n = cfg.num_heads
         for i in range(cfg.num_layers):
             w = split_qkv(full[f"layers.{i}.attention.qkv.weight"], n, n)
@@ -96,8 +96,7 @@ class GPT2(Family):
         return out
 
     def from_hf(self, cfg, hf):
-        get = getter(hf)
-        out = renamed(((b, a, t) for a, b, t in self._pairs(cfg)), hf, get)
+        out, get = self.renamed_from_hf(cfg, hf)
         n = cfg.num_heads
         for i in range(cfg.num_layers):
             w = get(f"transformer.h.{i}.attn.c_attn.weight").t()

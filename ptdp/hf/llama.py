@@ -23,7 +23,7 @@ import torch
 
 from ptdp.config import ModelConfig
 from ptdp.data.tokenizer import BOS, EOD, PAD
-from ptdp.hf.base import Family, fuse_qkv, getter, renamed, require, split_qkv
+from ptdp.hf.base import Family, fuse_qkv, require, split_qkv
 
 _QKV = ("q_proj", "k_proj", "v_proj")
 
@@ -130,7 +130,7 @@ class Llama(Family):
             yield "output_layer.weight", "lm_head.weight", False
 
     def to_hf(self, cfg, full):
-        out = renamed(self._pairs(cfg), full)
+        out = self.renamed_to_hf(cfg, full)
         n, g, f = cfg.num_heads, cfg.num_kv_heads, cfg.ffn_hidden_size
         for i in range(cfg.num_layers):
             ours, theirs = f"layers.{i}.", f"model.layers.{i}."
@@ -147,8 +147,7 @@ class Llama(Family):
         return out
 
     def from_hf(self, cfg, hf):
-        get = getter(hf)
-        out = renamed(((b, a, t) for a, b, t in self._pairs(cfg)), hf, get)
+        out, get = self.renamed_from_hf(cfg, hf)
         n, g = cfg.num_heads, cfg.num_kv_heads
         for i in range(cfg.num_layers):
             ours, theirs = f"layers.{i}.", f"model.layers.{i}."

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ptdp.config import ModelConfig
 from ptdp.data.tokenizer import PAD
-from ptdp.hf.base import Family, fuse_qkv, getter, renamed, require, split_qkv
+from ptdp.hf.base import Family, fuse_qkv, require, split_qkv
 
 _LAYER = [("ln1", "attention.ln"), ("attention.proj", "attention.output.dense"), ("ln2", "ln"),
           ("mlp.fc1", "intermediate.dense"), ("mlp.fc2", "output.dense")]
@@ -84,7 +84,7 @@ class MegatronBert(Family):
         yield "heads.lm_bias", "cls.predictions.bias", False
 
     def to_hf(self, cfg, full):
-        out = renamed(self._pairs(cfg), full)
+        out = self.renamed_to_hf(cfg, full)
         n = cfg.num_heads
         for i in range(cfg.num_layers):
             prefix = f"bert.encoder.layer.{i}.attention.self."
@@ -97,8 +97,7 @@ class MegatronBert(Family):
         return out
 
     def from_hf(self, cfg, hf):
-        get = getter(hf)
-        out = renamed(((b, a, t) for a, b, t in self._pairs(cfg)), hf, get)
+        out, get = self.renamed_from_hf(cfg, hf)
         n = cfg.num_heads
         for i in range(cfg.num_layers):
             prefix = f"bert.encoder.layer.{i}.attention.self."
