@@ -2,21 +2,11 @@
 run by hand: it spawns fresh interpreters at s = 2k..32k)."""
 
 import argparse
-import importlib.util
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("bench_context", ROOT / "tools" / "bench_context.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import tools.bench_context as tool
 
 
 def test_predictions_fall_by_c_and_the_table_shows_every_row():
-    tool = _tool()
     a = argparse.Namespace(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, vocab=256)
     rows = []
     for c in (1, 2, 4):

@@ -1,21 +1,15 @@
 """tools/gpu_check.sh without a GPU: its dry run (the planner's predictions and the report),
 and the report's verdicts on made-up results of a GPU run."""
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import tools.gpu_check as gpu_check
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_dry_run_predicts_and_reports(tmp_path):
@@ -25,7 +19,7 @@ def test_dry_run_predicts_and_reports(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert set(report["stages"]["stages"]) == {"gpu_tier", "bench_gpt", "bench_bert", "plan"}
-    assert [row["layout"] for row in report["plan"]] == list(_module().LAYOUTS)
+    assert [row["layout"] for row in report["plan"]] == list(gpu_check.LAYOUTS)
     assert all(row["predicted_step_s"] > 0 and row["fits"] for row in report["plan"])
     assert "| gpt-1.3b b=8 m=4 |" in (tmp_path / "gpu_check.md").read_text()
 
@@ -45,7 +39,7 @@ def test_report_judges_each_target(tmp_path):
          "measured_step_s": 1.0, "measured_memory_gb": 50.0},
         {"layout": "L2", "predicted_step_s": 1.5, "predicted_memory_gb": 30.0,
          "measured_step_s": 1.0, "measured_memory_gb": 30.0}]))
-    report = _module().evaluate(tmp_path)
+    report = gpu_check.evaluate(tmp_path)
     met = {check["what"]: check["met"] for check in report["checks"]}
     assert met == {"gpt tokens/s vs reference (x)": True, "gpt MFU (3 passes)": True,
                    "gpt peak memory vs reference": True, "bert tokens/s vs reference (x)": False,
@@ -53,4 +47,4 @@ def test_report_judges_each_target(tmp_path):
                    "planner step time, L1": True, "planner memory, L1": False,
                    "planner step time, L2": False, "planner memory, L2": True}
     assert report["tier"]["passed"] == 2 and report["tier"]["failed"] == ["b"]
-    assert "**no**" in _module().markdown(report)
+    assert "**no**" in gpu_check.markdown(report)

@@ -3,7 +3,6 @@ measures this machine instead, its ranking candidates hold the planner's first c
 writes the JSON rows and the picture."""
 
 import dataclasses
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -14,9 +13,7 @@ import yaml
 from ptdp.hardware import load_hardware, machine_fingerprint, save_hardware
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("validate_planner", ROOT / "tools" / "validate_planner.py")
-vp = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(vp)
+import tools.validate_planner as vp  # noqa: E402 (tools/ is found from the repository root)
 
 
 def test_a_foreign_profile_is_measured_again(tmp_path, monkeypatch):
