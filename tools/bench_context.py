@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:   # run as a script: make the repository importable (spawned ranks too)
     sys.path.insert(0, str(ROOT))
 
+from ptdp.profiler.timing import saved_bytes  # noqa: E402
 from ptdp.runtime.process_memory import process_status_bytes  # noqa: E402
 
 MB = 2**20
@@ -48,7 +49,6 @@ MB = 2**20
 
 def measure(overrides: list[str], iters: int) -> dict:
     """On every rank: bytes saved by the first step's forward, resident-set rise, step time."""
-    import torch
     import torch.distributed as dist
 
     from ptdp.config import load_config
@@ -56,25 +56,16 @@ def measure(overrides: list[str], iters: int) -> dict:
 
     trainer = Trainer(load_config(None, overrides, world_size=dist.get_world_size()))
     params = {p.untyped_storage().data_ptr() for p in trainer.state.params}
-    saved: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved.setdefault(storage.data_ptr(), storage.nbytes())
-        return tensor
-
     before = process_status_bytes("VmRSS")
-    times = []
+    times, saved = [], 0
     for it in range(iters):
         start = time.perf_counter()
         if it == 0:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-                trainer.train_step(it)
+            _, saved = saved_bytes(lambda: trainer.train_step(it), params)
         else:
             trainer.train_step(it)
         times.append(time.perf_counter() - start)
-    return {"rank": trainer.state.grid.rank, "saved_bytes": sum(saved.values()),
+    return {"rank": trainer.state.grid.rank, "saved_bytes": saved,
             "rss_rise_bytes": process_status_bytes("VmHWM") - before,
             "ring_bytes_per_iter": trainer.state.ctx.cp.bytes_sent / iters,
             "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0]}
