@@ -124,6 +124,12 @@ def _check_dataset(cfg: Config, header, found: Findings) -> None:
         found.error(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of "
                     f"{_idx(header)} ({header.vocab_size}); set "
                     f"model.vocab_size={header.vocab_size}")
+    if header.vocab_size is None:
+        found.warn(f"data.paths: {_idx(header)} has no {header.prefix}.ptdp.json, so its token "
+                   f"ids are not checked against model.vocab_size (with parallel.tensor > 1 an id "
+                   f"beyond it would be dropped silently); write it once with `ptdp preprocess "
+                   f"--describe --output-prefix {header.prefix} --tokenizer TOKENIZER`")
+    _check_eod_options(cfg, header, found)
     if cfg.model.arch == "bert":
         if not header.meta.get("sentences"):
             found.error(f"data.paths: {_idx(header)} has no sentence boundaries, which BERT "
@@ -137,6 +143,21 @@ def _check_dataset(cfg: Config, header, found: Findings) -> None:
         elif missing:
             found.error(f"data.paths: {_idx(header)} was tokenised without {', '.join(missing)}; "
                         f"train the tokenizer with `ptdp tokenizer train` and re-run preprocess")
+
+
+def _check_eod_options(cfg: Config, header, found: Findings) -> None:
+    """The end-of-document options need the data's <eod> id, and <eod> tokens in the data."""
+    from ptdp.config.validation import EOD_OPTIONS
+    used = [f"data.{key}" for key in EOD_OPTIONS if getattr(cfg.data, key)]
+    if not used:
+        return
+    if "<eod>" not in header.meta.get("special_ids", {}) and not cfg.data.tokenizer:
+        found.error(f"{', '.join(used)}: the end-of-document id of {_idx(header)} is unknown (no "
+                    f"sidecar naming it); set data.tokenizer, or write the sidecar with `ptdp "
+                    f"preprocess --describe --output-prefix {header.prefix} --tokenizer TOKENIZER`")
+    elif header.meta.get("append_eod") is False:
+        found.warn(f"{', '.join(used)}: {_idx(header)} was preprocessed without end-of-document "
+                   f"tokens (--no-append-eod), so these options change nothing")
 
 
 def _check_enough_tokens(cfg: Config, pairs: list, headers: list, found: Findings) -> None:
@@ -227,8 +248,10 @@ def check_packages(cfg: Config, found: Findings) -> None:
 
 
 def _tokenizer_package(path: str) -> str:
-    """What reads data.tokenizer: `tokenizers` for a tokenizer.json (or a directory holding
-    one; ptdp/data/tokenizer.py `is_hf_tokenizer`), else sentencepiece."""
+    """What reads data.tokenizer: `tokenizers` for a tokenizer.json, a vocab.json or vocab.txt
+    (or a directory holding one), else sentencepiece. The rule of ptdp/data/tokenizer.py
+    `is_hf_tokenizer`, repeated because importing ptdp.data imports torch, which the package
+    check must not need."""
     return "tokenizers" if Path(path).suffix in (".json", ".txt") or Path(path).is_dir() \
         else "sentencepiece"
 

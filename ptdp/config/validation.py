@@ -304,11 +304,12 @@ def _check_context(cfg: Config, out: _Problems) -> None:
     out.require(m.arch == "gpt", f"parallel.context={c} supports model.arch=gpt only (causal "
                                  f"decoders): BERT's padding mask and [CLS] heads are not split "
                                  f"over a context group; set parallel.context=1")
-    out.require(m.dropout == 0.0, f"parallel.context={c} needs model.dropout=0 (got {m.dropout}): "
-                                  f"the ring attention applies no attention dropout")
-    out.require(m.attention_dropout in (None, 0.0),
+    out.require(m.attention_dropout_rate == 0.0,
                 f"parallel.context={c} needs model.attention_dropout=0 (got "
-                f"{m.attention_dropout}): the ring attention applies no attention dropout")
+                f"{m.attention_dropout_rate}; null follows model.dropout): the ring attention "
+                f"applies no attention dropout")
+    out.require(m.dropout == 0.0, f"parallel.context={c} needs model.dropout=0 (got {m.dropout}): "
+                                  f"context parallelism is built and tested without hidden dropout")
     out.require(not cfg.data.reset_attention_mask,
                 f"data.reset_attention_mask=true is not supported with parallel.context={c}: the "
                 f"ring attention takes no per-document mask; set parallel.context=1")

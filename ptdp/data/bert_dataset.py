@@ -93,7 +93,7 @@ class BertDataset:
             raise IndexedDataError(f"{indexed.idx_path}: BERT needs the special-token ids, which "
                                    f"a Megatron pair does not record; write them once with "
                                    f"`ptdp preprocess --describe --output-prefix "
-                                   f"{indexed.prefix} --vocab-file VOCAB.txt`")
+                                   f"{indexed.prefix} --tokenizer TOKENIZER`")
         if missing:
             raise IndexedDataError(f"{indexed.idx_path}: tokenizer had no {', '.join(missing)}; "
                                    f"train it with `ptdp tokenizer train` and re-run preprocess")

@@ -143,7 +143,32 @@ def test_ptdp_check_on_megatron_pairs_without_a_sidecar(tmp_path):
     found = Findings()
     check_data(make_config(*settings), found)
     assert found.errors == []
+    assert len(found.warnings) == 1 and "its token ids are not checked" in found.warnings[0]
     check_data(make_config(*settings, "model.arch=bert"), found)
     assert len(found.errors) == 1 and "m_text_sentence.ptdp.json naming the special tokens" in \
         found.errors[0] and "ptdp preprocess --describe" in found.errors[0]
+    # the end-of-document options need the <eod> id, which only a sidecar or data.tokenizer gives
+    found = Findings()
+    check_data(make_config(*settings, "data.eod_mask_loss=true"), found)
+    assert found.errors == [f"data.eod_mask_loss: the end-of-document id of {tmp_path}/"
+                            f"m_text_sentence.idx is unknown (no sidecar naming it); set "
+                            f"data.tokenizer, or write the sidecar with `ptdp preprocess "
+                            f"--describe --output-prefix {tmp_path}/m_text_sentence --tokenizer "
+                            f"TOKENIZER`"]
+
+
+def test_eod_options_on_data_without_eod_tokens_are_warned_about(tmp_path):
+    from ptdp.checks import Findings, check_data
+    from ptdp.data.indexed import IndexedDatasetWriter
+
+    with IndexedDatasetWriter(tmp_path / "x", 100, {"special_ids": {"<eod>": 0},
+                                                     "append_eod": False}) as writer:
+        for doc in documents(5, 20, 100):
+            writer.add_document(doc)
+    found = Findings()
+    check_data(make_config(f"data.paths=[{tmp_path}/x]", "model.seq_length=8",
+                           "data.reset_position_ids=true"), found)
+    assert found.errors == [] and len(found.warnings) == 1
+    assert "without end-of-document tokens (--no-append-eod), so these options change nothing" \
+        in found.warnings[0]
 

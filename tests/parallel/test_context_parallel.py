@@ -93,8 +93,11 @@ def test_config_errors_name_the_keys():
            "parallel.tensor = 2 * 2 * 2 = 8" in line
     (line,) = _errors(["parallel.context=2", "model.arch=bert"], 2)
     assert line.startswith("parallel.context=2 supports model.arch=gpt only")
-    (line,) = _errors(["parallel.context=2", "model.dropout=0.1"], 2)
-    assert line.startswith("parallel.context=2 needs model.dropout=0")
+    attention, hidden = _errors(["parallel.context=2", "model.dropout=0.1"], 2)   # both rates
+    assert attention.startswith("parallel.context=2 needs model.attention_dropout=0 (got 0.1; ")
+    assert hidden.startswith("parallel.context=2 needs model.dropout=0 (got 0.1): context")
+    (line,) = _errors(["parallel.context=2", "model.attention_dropout=0.1"], 2)
+    assert line.startswith("parallel.context=2 needs model.attention_dropout=0 (got 0.1; ")
     (line,) = _errors(["parallel.context=2", "parallel.tensor=2"], 2)
     assert "parallel.pipeline * parallel.tensor * parallel.context = 1 * 2 * 2" in line
     assert _errors(["parallel.context=0"], 2) == ["parallel.context must be >= 1, got 0"]
