@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def _fail(err: Exception) -> int:
@@ -66,6 +67,9 @@ def _check_kind(kind: str, path: str) -> None:
     from ptdp.data.tokenizer import is_hf_tokenizer
     from ptdp.data.vocab_tokenizers import GPT2, WORDPIECE, vocab_files
 
+    if not Path(path).exists():
+        raise ValueError(f"--tokenizer-type {kind}: {path} not found (a local file or directory "
+                         f"is needed: Hugging Face hub names are not downloaded)")
     found = vocab_files(path)
     actual = found[0] if found else ("tokenizer.json" if is_hf_tokenizer(path) else "sentencepiece")
     expected = {"GPT2BPETokenizer": GPT2, "BertWordPieceLowerCase": WORDPIECE,

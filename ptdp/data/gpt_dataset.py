@@ -33,10 +33,6 @@ class EodOptions:
     reset_attention_mask: bool = False   # no token attends to one before an earlier <eod>
     eod_mask_loss: bool = False          # no loss where the *input* token is <eod>
 
-    @property
-    def active(self) -> bool:
-        return self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss
-
 
 def gpt_sample(text: np.ndarray, eod: EodOptions | None = None) -> dict[str, np.ndarray]:
     """L + 1 tokens -> inputs, labels, loss mask, and with the end-of-document options
@@ -45,7 +41,7 @@ def gpt_sample(text: np.ndarray, eod: EodOptions | None = None) -> dict[str, np.
     tokens, labels = text[:-1], text[1:]
     sample = {"tokens": tokens, "labels": labels,
               "loss_mask": np.ones(tokens.size, dtype=np.float32)}
-    if eod is None or not eod.active:
+    if eod is None:   # no option on (ptdp/data/build.py `eod_options`)
         return sample
     is_eod = tokens == eod.eod_id
     if eod.eod_mask_loss:

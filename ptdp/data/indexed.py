@@ -146,7 +146,6 @@ class IndexHeader:
     num_documents: int
     num_tokens: int
     meta: dict
-    has_sidecar: bool = False
     layout: object = field(default=None, repr=False)   # the format's own header
 
 
@@ -219,7 +218,7 @@ def _megatron_header(prefix, f, idx_size: int, use_sidecar: bool) -> IndexHeader
                            {"sentences": sentences}, layout=h)
     vocab_size, meta = sidecar
     return IndexHeader(str(prefix), "megatron", h.dtype, vocab_size, *counts.values(), meta,
-                       has_sidecar=True, layout=h)
+                       layout=h)
 
 
 def _read_sidecar(prefix, counts: dict) -> tuple[int, dict] | None:
@@ -252,7 +251,7 @@ class IndexedDataset:
         self.prefix = str(prefix)
         self.bin_path, self.idx_path = data_paths(prefix)
         header = read_index_header(prefix, sidecar)
-        self.format, self.has_sidecar = header.format, header.has_sidecar
+        self.format = header.format
         self.meta, self.dtype = header.meta, header.dtype
         self.vocab_size, self.num_tokens = header.vocab_size, header.num_tokens
         self.modes = None   # Megatron's per-sequence modes, multimodal datasets only

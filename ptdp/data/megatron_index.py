@@ -109,9 +109,9 @@ def read_arrays(idx_path: Path, header: MegatronHeader) -> dict[str, np.ndarray]
     return {"lengths": lengths, "pointers": pointers, "doc_idx": doc_idx, "modes": modes}
 
 
-def write_index(f: BinaryIO, dtype: np.dtype, lengths: np.ndarray, doc_idx: np.ndarray,
-                modes: np.ndarray | None = None) -> None:
-    """Write a complete `.idx` for tokens of `dtype` stored back to back in `.bin`."""
+def write_index(f: BinaryIO, dtype: np.dtype, lengths: np.ndarray, doc_idx: np.ndarray) -> None:
+    """Write a complete `.idx` (text: no modes) for tokens of `dtype` stored back to back in
+    `.bin`."""
     lengths = np.asarray(lengths, dtype=np.int32)
     pointers = np.zeros(lengths.size, dtype=np.int64)
     np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
@@ -121,5 +121,3 @@ def write_index(f: BinaryIO, dtype: np.dtype, lengths: np.ndarray, doc_idx: np.n
     f.write(lengths.tobytes())
     f.write(pointers.tobytes())
     f.write(np.asarray(doc_idx, dtype=np.int64).tobytes())
-    if modes is not None:
-        f.write(np.asarray(modes, dtype=np.int8).tobytes())

@@ -28,7 +28,7 @@ def test_hand_built_sample():
     assert s["position_ids"].tolist() == [0, 1, 0, 1, 2, 0, 0]   # restart after each <eod>
     assert s["document_ids"].tolist() == [0, 0, 1, 1, 1, 2, 3]   # the <eod> ends its document
     assert s["loss_mask"].tolist() == [1, 0, 1, 1, 0, 0, 1]      # no loss where the input is <eod>
-    plain = gpt_sample(text, EodOptions(E))
+    plain = gpt_sample(text)   # no option on
     assert set(plain) == {"tokens", "labels", "loss_mask"} and plain["loss_mask"].all()
     mask = document_mask(torch.tensor(s["document_ids"])[None])[0]
     expected = torch.tensor([[1, 0, 0, 0, 0, 0, 0],

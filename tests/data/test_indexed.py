@@ -31,7 +31,7 @@ def test_round_trip(tmp_path, vocab, dtype):
     ds = IndexedDataset(tmp_path / "d")
     flat = [seq for doc in docs for seq in doc]
     assert ds.dtype == dtype and ds.vocab_size == vocab and ds.meta == meta  # Megatron's dtype rule
-    assert ds.format == "megatron" and ds.has_sidecar
+    assert ds.format == "megatron" and ds.vocab_size is not None
     assert ds.num_documents == 50 and len(ds) == len(flat)
     assert ds.num_tokens == sum(len(s) for s in flat)
     for i, seq in enumerate(flat):
@@ -144,7 +144,7 @@ def test_corrupt_document_index(pair):
 def test_without_sidecar_vocab_is_unknown_and_sentences_are_inferred(tmp_path, pair):
     pair.with_suffix(".ptdp.json").unlink()
     ds = IndexedDataset(pair)
-    assert ds.vocab_size is None and not ds.has_sidecar
+    assert ds.vocab_size is None
     assert ds.meta == {"sentences": True}   # random_docs has documents of several sequences
     with IndexedDatasetWriter(tmp_path / "g_text_document", 1000) as writer:
         writer.add_document([[1, 2, 3]])

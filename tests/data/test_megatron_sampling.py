@@ -6,7 +6,7 @@ IndexedDatasetBuilder). Skipped where megatron-core cannot be imported.
 The comparisons go through `_MegatronFiles`, a view of megatron-core's own reader with the
 attributes ptdp's datasets use, so they test ptdp's index building and sample assembly
 without depending on ptdp's reader of Megatron's .idx; `test_end_to_end_with_ptdp_reader`
-uses that reader and skips itself while ptdp cannot open a Megatron .idx.
+uses that reader.
 """
 
 from __future__ import annotations

@@ -195,6 +195,9 @@ def test_llama2_tokenizer_starts_every_sequence_with_bos(tmp_path, megatron_inpu
     (["--tokenizer-type", "TikTokenizer", "--tokenizer-model", "x"], "--tokenizer-type TikTokenizer: ptdp reads"),
     (["--tokenizer-type", "GPT2BPETokenizer"], "no tokenizer: pass --vocab-file"),
     ([], "no tokenizer: pass --tokenizer"),
+    (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "org/model"],
+     "--tokenizer-type HuggingFaceTokenizer: org/model not found (a local file or directory is "
+     "needed: Hugging Face hub names are not downloaded)"),
 ])
 def test_tokenizer_arguments_errors_in_one_line(tmp_path, megatron_inputs, capsys, flags, message):
     src, _ = megatron_inputs
