@@ -9,9 +9,12 @@ import pytest
 from ptdp.runtime.launch_env import (LaunchError, cuda_environment, first_host, from_slurm,
                                      tasks_on_node)
 
-SRUN = dict(SLURM_PROCID="9", SLURM_NTASKS="12", SLURM_LOCALID="1", SLURM_NODEID="2",
-            SLURM_TASKS_PER_NODE="4(x2),4", SLURM_JOB_NODELIST="gpu-[007-009]",
+SRUN = dict(SLURM_PROCID="9", SLURM_STEP_NUM_TASKS="12", SLURM_LOCALID="1", SLURM_NODEID="2",
+            SLURM_STEP_TASKS_PER_NODE="4(x2),4", SLURM_STEP_NODELIST="gpu-[007-009]",
             SLURM_JOB_ID="123456")
+# what an sbatch script itself sees: the allocation, but no job step of srun's
+BATCH = dict(SLURM_PROCID="0", SLURM_NTASKS="12", SLURM_LOCALID="0", SLURM_NODEID="0",
+             SLURM_TASKS_PER_NODE="4(x3)", SLURM_JOB_NODELIST="gpu-[007-009]", SLURM_JOB_ID="1")
 
 
 @pytest.mark.parametrize("nodelist, host", [
@@ -23,7 +26,7 @@ def test_first_host_of_a_slurm_node_list(nodelist, host):
 
 def test_tasks_on_each_node():
     assert [tasks_on_node("8(x2),4", n) for n in range(3)] == [8, 8, 4]
-    with pytest.raises(LaunchError, match="SLURM_NODEID=3 but SLURM_TASKS_PER_NODE='8"):
+    with pytest.raises(LaunchError, match="SLURM_NODEID=3 but SLURM_STEP_TASKS_PER_NODE='8"):
         tasks_on_node("8(x2),4", 3)
     with pytest.raises(LaunchError, match="not SLURM's format"):
         tasks_on_node("eight", 0)
@@ -42,6 +45,7 @@ def test_srun_one_task_per_gpu_gives_torchruns_variables():
 
 def test_torchrun_ranks_and_plain_processes_keep_their_environment():
     assert from_slurm(dict(SRUN, RANK="3")) == {}   # torchrun inside an srun task
+    assert from_slurm(BATCH) == {}   # a plain `ptdp train` in an sbatch script: one process
     assert from_slurm({"PATH": "/bin"}) == {}
 
 
@@ -49,6 +53,8 @@ def test_an_incomplete_srun_environment_is_one_line_naming_the_variable():
     partial = {k: v for k, v in SRUN.items() if k != "SLURM_LOCALID"}
     with pytest.raises(LaunchError, match="SLURM_LOCALID is not"):
         from_slurm(partial)
+    with pytest.raises(LaunchError, match="SLURM_STEP_NODELIST is not"):
+        from_slurm({k: v for k, v in SRUN.items() if k != "SLURM_STEP_NODELIST"})
 
 
 def test_tensor_and_context_parallelism_ask_for_one_cuda_work_queue():

@@ -62,8 +62,8 @@ def cluster():
 
 
 def _job_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", SIMCLUSTER_NAME=NAME,
                PYTHON=sys.executable, **extra)
     return env
@@ -174,8 +174,8 @@ def test_srun_one_task_per_rank_without_torchrun_forms_the_job(single_process_lo
     train like one process, and the tensor group that spans the two nodes is warned about once
     (the node size comes from SLURM_TASKS_PER_NODE, as torchrun's LOCAL_WORLD_SIZE)."""
     metrics = tmp_path / "metrics.jsonl"
-    slurm = dict(SLURM_NTASKS="2", SLURM_TASKS_PER_NODE="1(x2)", SLURM_JOB_NODELIST="localhost",
-                 SLURM_JOB_ID=str(os.getpid()))
+    slurm = dict(SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="1(x2)",
+                 SLURM_STEP_NODELIST="localhost", SLURM_JOB_ID=str(os.getpid()))
     logs = [tmp_path / f"task{task}.log" for task in (0, 1)]
     jobs = [subprocess.Popen([sys.executable, "-m", "ptdp", "train", "configs/gpt_tiny.yaml",
                               *LAYOUT[1:], f"train.iters={ITERS}",

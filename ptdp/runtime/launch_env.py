@@ -3,7 +3,7 @@ one task per GPU without torchrun, and the CUDA settings tensor parallelism want
 
 torchrun gives every rank RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
 MASTER_PORT. `srun --ntasks-per-node=G python -m ptdp train ...` gives SLURM_PROCID,
-SLURM_NTASKS, SLURM_LOCALID, the task counts per node and the node list instead;
+SLURM_LOCALID and the job step's task count, tasks per node and node list (SLURM_STEP_*);
 `from_slurm` derives torchrun's names from them (the master is the step's first host, the
 port 20000 + job id mod 20000 as in tools/slurm_pretrain.sh), so the same code forms the job.
 Torch-free: `ptdp train` adopts it before its checks read WORLD_SIZE.
@@ -35,23 +35,26 @@ def first_host(nodelist: str) -> str:
 
 
 def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
-    """Tasks on node `node_id` from SLURM_TASKS_PER_NODE, e.g. '8(x2),4' -> 8, 8, 4."""
+    """Tasks on node `node_id` from SLURM's tasks per node, e.g. '8(x2),4' -> 8, 8, 4."""
     counts = []
     for part in tasks_per_node.split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if not match:
-            raise LaunchError(f"SLURM_TASKS_PER_NODE='{tasks_per_node}' is not SLURM's format")
+            raise LaunchError(f"SLURM_STEP_TASKS_PER_NODE='{tasks_per_node}' is not SLURM's format")
         counts += [int(match.group(1))] * int(match.group(2) or 1)
     if node_id >= len(counts):
-        raise LaunchError(f"SLURM_NODEID={node_id} but SLURM_TASKS_PER_NODE='{tasks_per_node}' "
-                          f"lists {len(counts)} node(s)")
+        raise LaunchError(f"SLURM_NODEID={node_id} but SLURM_STEP_TASKS_PER_NODE="
+                          f"'{tasks_per_node}' lists {len(counts)} node(s)")
     return counts[node_id]
 
 
 def from_slurm(environ: dict) -> dict:
     """torchrun's variables from SLURM's, for a rank `srun` started directly; {} when torchrun
-    (or anything else) already set RANK, or when not under srun."""
-    if "RANK" in environ or "SLURM_PROCID" not in environ:
+    (or anything else) already set RANK, or when not in a job step started by srun. (An sbatch
+    script itself also has SLURM_PROCID=0 and the allocation's SLURM_NTASKS, but no
+    SLURM_STEP_* variables: a plain `ptdp train` there is one process, not rank 0 of many.)"""
+    if "RANK" in environ or "SLURM_PROCID" not in environ \
+            or "SLURM_STEP_NUM_TASKS" not in environ:
         return {}
 
     def need(name: str) -> str:
@@ -60,12 +63,12 @@ def from_slurm(environ: dict) -> dict:
                               f"with srun inside an allocation, or with torchrun")
         return environ[name]
 
-    nodelist = environ.get("SLURM_STEP_NODELIST") or need("SLURM_JOB_NODELIST")
+    nodelist = need("SLURM_STEP_NODELIST")
     node_id = int(environ.get("SLURM_NODEID", "0"))
-    per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or need("SLURM_TASKS_PER_NODE")
+    per_node = need("SLURM_STEP_TASKS_PER_NODE")
     return {
         "RANK": need("SLURM_PROCID"),
-        "WORLD_SIZE": environ.get("SLURM_STEP_NUM_TASKS") or need("SLURM_NTASKS"),
+        "WORLD_SIZE": need("SLURM_STEP_NUM_TASKS"),
         "LOCAL_RANK": need("SLURM_LOCALID"),
         "LOCAL_WORLD_SIZE": str(tasks_on_node(per_node, node_id)),
         "MASTER_ADDR": environ.get("MASTER_ADDR") or first_host(nodelist),
