@@ -98,6 +98,16 @@ def _ramped_runs(tmp: str, runs: list) -> dict:
     def history(trainer):
         return [(r["global_batch_size"], r["loss"]) for r in trainer.train()]
 
+    def under_nccl_rules(trainer) -> list:
+        """history() with the pipeline's exchanges under NCCL's rules (tags ignored, in-order
+        completion), as the batch and so m change between iterations."""
+        from tests.pipeline.nccl_rules import InOrderTransport
+        transport = InOrderTransport(trainer.state.grid.pipeline_group)
+        trainer.pipeline.p2p.transport = transport
+        records = history(trainer)
+        assert transport.batches > 0
+        return records
+
     def gradients(trainer, it: int) -> tuple:
         """Loss and gradients of iteration `it` at the weights the trainer has (no update)."""
         step = trainer.forward_backward(it)
@@ -128,7 +138,8 @@ def _ramped_runs(tmp: str, runs: list) -> dict:
             out[name] = ([r["skipped"] for r in trainer.train()], rates)
             continue
         if name != "resume":
-            out[name] = history(Trainer(load(None, RAMP + overrides, world_size=world)))
+            trainer = Trainer(load(None, RAMP + overrides, world_size=world))
+            out[name] = (under_nccl_rules if world > 1 else history)(trainer)
             continue
         ck = [f"checkpoint.dir={tmp}/ck"]
         first = Trainer(load(None, RAMP + ck, world_size=world))

@@ -44,10 +44,6 @@ class BatchSchedule:
         (validated: ptdp/config/validation.py)."""
         return cls(train.global_batch_size, train.rampup_batch_size)
 
-    @property
-    def ramped(self) -> bool:
-        return self.ramp is not None
-
     def ramped_batch(self, consumed: int) -> int:
         """Megatron's batch size after `consumed` samples (its calculator's `update`)."""
         start, increment, samples = self.ramp

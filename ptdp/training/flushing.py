@@ -26,17 +26,11 @@ class FlushingStep:
 
     def __init__(self, state: TrainingState, pipeline: Pipeline, batches: MicroBatches):
         self.state, self.pipeline, self.batches = state, pipeline, batches
-        self.steps = self._plan(state.m)   # this rank's steps at the full batch
-        self.ramp_plans: dict[int, list] = {}   # m -> steps while the batch ramps up
-
-    def steps_for(self, m: int) -> list:
-        """This rank's steps for an iteration of m micro-batches (a ramped batch changes m;
-        schedules are pure functions of m, so each is built once)."""
-        if m == self.state.m:
-            return self.steps
-        if m not in self.ramp_plans:
-            self.ramp_plans[m] = self._plan(m)
-        return self.ramp_plans[m]
+        # m -> this rank's steps, for every m the run goes through (a ramped batch changes m),
+        # all built and checked under NCCL's rules at start-up, before the first iteration
+        per_rank = state.cfg.train.micro_batch_size * state.grid.d
+        self.plans = {batch // per_rank: self._plan(batch // per_rank)
+                      for batch in state.batches.batch_sizes()}
 
     def _plan(self, m: int) -> list:
         par = self.state.cfg.parallel
@@ -61,7 +55,7 @@ class FlushingStep:
             chunk.train()
         state.dp_grads.start_iteration(accumulations=m)
         result = self.pipeline.executor.run(
-            self.steps_for(m), lambda mb: self.batches.get(iteration, mb),
+            self.plans[m], lambda mb: self.batches.get(iteration, mb),
             loss_scale=state.loss_scaler.scale / (m * state.grid.d), spans=spans)
         loss, aux = average_losses(state, result.losses, result.aux, m)
         return StepResult(loss, aux)

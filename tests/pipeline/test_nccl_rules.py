@@ -138,7 +138,8 @@ def _train_with_naive_plan(overrides):
     cfg = load_config(None, TINY + overrides, world_size=dist.get_world_size())
     trainer = Trainer(cfg)
     trainer.pipeline.p2p.transport = InOrderTransport(trainer.state.grid.pipeline_group, timeout_s=3)
-    trainer.step.steps = naive_plans("interleaved", 2, 2, cfg.num_micro_batches)[trainer.state.grid.pp_rank]
+    trainer.step.plans[trainer.state.m] = naive_plans("interleaved", 2, 2, cfg.num_micro_batches)[
+        trainer.state.grid.pp_rank]
     return trainer.train_step(0).loss
 
 
