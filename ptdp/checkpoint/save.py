@@ -219,9 +219,8 @@ def _metadata(state, params: dict, versions: dict) -> dict:
     cfg, grid, iteration = state.cfg, state.grid, state.progress.iteration
     meta = {
         "format_version": FORMAT_VERSION,
-        "iteration": iteration,
+        **state.progress.state_dict(),   # iteration, skipped_samples: LR = f(consumed - skipped)
         "consumed_samples": state.batches.consumed(iteration),   # (ramp-up: the ramp's sum)
-        "skipped_samples": state.progress.skipped_samples,   # LR = f(consumed - skipped)
         "layout": layout_of(cfg),
         "model": dataclasses.asdict(cfg.model),
         "train": dataclasses.asdict(cfg.train),  # for the record; LR is f(iteration, train)

@@ -137,9 +137,11 @@ def _check_lengths(tr: TrainConfig, out: Problems) -> None:
                                             f"train.lr_decay_style=wsd (got {tr.lr_decay_style})")
     elif out.require(span.wsd_decay is not None, f"train.lr_decay_style=wsd needs {wsd_key} "
                                                  f"(the length of the final anneal)"):
+        unit, per = ("samples", 1) if tr.train_samples is not None \
+            else ("iterations", tr.global_batch_size)   # say it in the keys' own unit
         out.require(span.wsd_decay <= span.decay,
-                    f"{wsd_key}: the anneal ({span.wsd_decay} samples) must fit in the decay "
-                    f"length ({span.decay} samples: {decay_keys})")
+                    f"{wsd_key}: the anneal ({span.wsd_decay // per} {unit}) must fit in the "
+                    f"decay length ({span.decay // per} {unit}: {decay_keys})")
 
 
 def check_rampup_layout(cfg: Config, spec: ScheduleSpec, out: Problems) -> None:

@@ -139,7 +139,7 @@ class TrainConfig:
     rampup_batch_size: list | None = None  # [start, increment, ramp_samples]: B ramps up
                                            # (ptdp/config/batches.py); sample-based runs only
     iters: int = 10
-    train_samples: int | None = None     # a sample-based run: iters = train_samples // B
+    train_samples: int | None = None     # a sample-based run: iters from it (and the ramp)
     seed: int = 1234
     precision: str = "fp32"              # fp32 | bf16 | fp16
     recompute: str = "none"              # none | full | selective

@@ -68,10 +68,6 @@ class MicroBatches:
         self.data_rank, self.data_size = data_rank, data_size
         self.context_rank, self.context_size = context_rank, context_size
 
-    def count(self, iteration: int) -> int:
-        """Micro-batches of this data rank in `iteration`."""
-        return self.schedule.batch_size(iteration) // (self.micro_batch_size * self.data_size)
-
     def order(self, iteration: int, micro_batch: int) -> int:
         """Position of (iteration, micro-batch) among this data rank's micro-batches."""
         return self.schedule.consumed(iteration) // (self.micro_batch_size * self.data_size) \

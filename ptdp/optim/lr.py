@@ -50,8 +50,8 @@ def learning_rate_at(samples: float, train: TrainConfig) -> float:
         return low
     if style == "inverse-square-root":
         return max(low, top * max(span.warmup, 1) ** 0.5 / max(samples, 1) ** 0.5)
-    # (a decay no longer than the warm-up: validation refuses it; guard the division anyway)
-    ratio = (samples - span.warmup) / max(span.decay - span.warmup, 1e-12)
+    # here warmup < samples <= decay, so the decay is longer than the warm-up
+    ratio = (samples - span.warmup) / (span.decay - span.warmup)
     return low + (top - low) * _decay_coefficient(style, ratio, samples, span, train)
 
 

@@ -146,7 +146,7 @@ class NoFlushStep:
             for master, grad in zip(masters, grads):
                 master.grad = grad
             step_optimizer(state.optimizer, masters, lr_iteration, state.cfg.train, clip_norm,
-                           skipped_samples=skipped)
+                           state.batches, skipped)
             for master in masters:
                 master.grad = None
         return step

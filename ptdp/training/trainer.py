@@ -236,7 +236,8 @@ class Trainer:
     def _tracer(self) -> TraceRecorder:
         cfg, grid, par = self.cfg, self.state.grid, self.cfg.parallel
         layout = {"p": par.pipeline, "t": par.tensor, "d": par.data, "v": par.chunks,
-                  "schedule": cfg.schedule.name, "m": self.state.m}
+                  "schedule": cfg.schedule.name,
+                  "m": self.state.micro_batches(self.iteration + 1)}   # the first traced one's m
         if par.context > 1:   # only then, as in checkpoints: c = 1 traces read as before
             layout["c"] = par.context
         return TraceRecorder(cfg.log.trace_file, grid.rank, grid.coords, self.state.device,
