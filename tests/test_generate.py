@@ -79,7 +79,8 @@ def test_generate_command_reads_a_two_by_two_checkpoint(model, tmp_path, capsys)
     tok = train_tokenizer(corpus, tmp_path / "tok", CFG.vocab_size, "bpe")
     cfg = load_config(None, [f"model.{k}={v}" for k, v in vars(CFG).items()]
                       + ["parallel.pipeline=3", "parallel.tensor=2"], world_size=6)
-    save_full_state(model.full_state(), cfg, tmp_path / "ckpt", tokenizer=tok.path)
+    cfg.data.tokenizer = str(tok.path)
+    save_full_state(model.full_state(), cfg, tmp_path / "ckpt")
     capsys.readouterr()
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Return the value\n\nThe file\n")

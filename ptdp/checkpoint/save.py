@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from ptdp.checkpoint.layout import (CONFIG_FILE, CheckpointError, FORMAT_VERSION
 from ptdp.checkpoint.reshard import param_metadata
 from ptdp.checkpoint.safety import (all_gather, fsync_dir, on_all_ranks, remove, save_durably,
                                     write_text_durably)
+from ptdp.config.batches import BatchSchedule
 from ptdp.parallel.roles import role_of
 from ptdp.parallel.sharding import local_slice
 
@@ -286,14 +288,32 @@ def _point_latest(target: Path) -> None:
     _reached("latest")
 
 
-def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: int = 0,
-                    tokenizer: str | os.PathLike | None = None,
-                    consumed_samples: int | None = None, skipped_samples: int = 0) -> Path:
-    """Write full (layout-free, vocabulary-trimmed) weights as a checkpoint for cfg's layout.
+def conversion_config(model_cfg, overrides=(), tokenizer: str | os.PathLike | None = None):
+    """The Config a converted checkpoint is written for (`ptdp convert --from ...`): the model
+    read from the source, then the overrides (the layout, and anything else), synthetic data
+    unless they name data, `tokenizer` as data.tokenizer."""
+    from ptdp.config import load_config
 
-    The progress is `iteration`, the samples consumed before it (default: iteration x the
-    global batch) and those of updates fp16 skipped (the learning rate stands still over them),
-    as another trainer's run recorded them.
+    model_keys = [f"model.{k}={json.dumps(v)}" for k, v in vars(model_cfg).items()]
+    world = {"tensor": 1, "pipeline": 1, "data": 1, "context": 1}   # the sizes the world needs
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if key.startswith("parallel.") and key[len("parallel."):] in world and value.isdigit():
+            world[key[len("parallel."):]] = int(value)
+    extra = ["data.source=synthetic"] if not any(o.startswith("data.") for o in overrides) else []
+    extra += [f"data.tokenizer={tokenizer}"] if tokenizer else []
+    return load_config(None, model_keys + extra + list(overrides),
+                       world_size=math.prod(world.values()))
+
+
+def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: int = 0,
+                    consumed_samples: int | None = None, skipped_samples: int = 0) -> Path:
+    """Write full (layout-free, vocabulary-trimmed) weights as a checkpoint for cfg's layout,
+    with cfg's data.tokenizer copied in.
+
+    The progress is `iteration`, the samples consumed before it (default: what cfg's batches,
+    ramp-up included, consume in `iteration` iterations) and those of updates fp16 skipped (the
+    learning rate stands still over them), as another trainer's run recorded them.
 
     The shards are what the ranks of (p, t, d, v) = cfg.parallel would save: each parameter
     sliced with `local_slice` for every tensor rank, on the pipeline rank whose chunk holds
@@ -305,6 +325,8 @@ def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: in
     from ptdp.parallel.rng import TensorParallelRNG
     from ptdp.pipeline.actions import rank_stages
 
+    if iteration < 0:
+        raise CheckpointError(f"iteration {iteration}: a checkpoint's iteration is 0 or more")
     par = cfg.parallel
     root = Path(directory)
     final = root / iteration_dir_name(iteration)
@@ -338,11 +360,9 @@ def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: in
             del chunk
     for (pp, tr), shard in shards.items():
         save_durably(shard, tmp / shard_file_name(pp, tr))
-    if tokenizer:
-        cfg.data.tokenizer = str(tokenizer)
     _write_config_and_tokenizer(cfg, tmp)
     meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
-            "consumed_samples": (iteration * cfg.train.global_batch_size
+            "consumed_samples": (BatchSchedule.of(cfg.train).consumed(iteration)
                                  if consumed_samples is None else consumed_samples),
             "skipped_samples": skipped_samples, "layout": layout_of(cfg),
             "model": dataclasses.asdict(cfg.model), "train": dataclasses.asdict(cfg.train),

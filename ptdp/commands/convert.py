@@ -174,7 +174,8 @@ def _to_megatron(args) -> int:
           f"{info['checkpoint']} (iteration {info['iteration']}){split_text}; load it in "
           f"Megatron-LM with --ckpt-format {args.ckpt_format} --no-load-optim --no-load-rng "
           f"--make-vocab-size-divisible-by {meg.make_vocab_size_divisible_by} "
-          f"--transformer-impl {meg.transformer_impl}")
+          f"--transformer-impl {meg.transformer_impl}"
+          + (" --no-bias-gelu-fusion (exact GeLU, as ptdp's)" if info["gelu_with_bias"] else ""))
     return 0
 
 

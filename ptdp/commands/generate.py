@@ -80,7 +80,7 @@ def _prompts(args) -> list[str]:
 
 def run(args) -> int:
     from ptdp.checkpoint.layout import CheckpointError, find_checkpoint, read_metadata
-    from ptdp.data.tokenizer import TokenizerError, load_tokenizer
+    from ptdp.data.tokenizer import TokenizerError, checked_tokenizer
     from ptdp.inference.generate import Sampling, generate
     from ptdp.inference.local_model import LocalModel, checkpoint_tokenizer
     from ptdp.runtime.startup import pick_device
@@ -92,11 +92,8 @@ def run(args) -> int:
         if path is None:
             raise FileNotFoundError(f"{directory} names no tokenizer; pass --tokenizer FILE.model "
                                     f"or tokenizer.json")
-        tok = load_tokenizer(path)
         model = LocalModel.from_checkpoint(directory).to(pick_device(args.device))
-        if tok.vocab_size > model.cfg.vocab_size:
-            raise ValueError(f"tokenizer {path} has {tok.vocab_size} tokens but the model's "
-                             f"vocabulary is {model.cfg.vocab_size}")
+        tok = checked_tokenizer(path, model.cfg.vocab_size)
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         stop = tok.special_ids().get("<eod>")
         for i, text in enumerate(prompts):

@@ -300,6 +300,18 @@ def load_tokenizer(path: str | os.PathLike, merge_file: str | os.PathLike | None
     return HFTokenizer(path, merge_file, lowercase)
 
 
+def checked_tokenizer(path: str | os.PathLike, vocab_size: int) -> Tokenizer | HFTokenizer:
+    """load_tokenizer(path), refused in one line when the file is missing or holds more tokens
+    than a model of `vocab_size` can embed (conversion and generation)."""
+    if not Path(path).exists():
+        raise TokenizerError(f"tokenizer {path} not found")
+    tok = load_tokenizer(path)
+    if tok.vocab_size > vocab_size:
+        raise TokenizerError(f"tokenizer {path} has {tok.vocab_size} tokens but the model's "
+                             f"vocabulary is model.vocab_size={vocab_size}")
+    return tok
+
+
 def read_texts(path: str | os.PathLike, json_key: str = "text") -> Iterator[str]:
     """Yield documents from JSONL (one JSON object per line) or plain text (one per line)."""
     path = Path(path)

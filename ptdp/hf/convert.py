@@ -21,11 +21,11 @@ continues from it (with fresh optimizer state).
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from pathlib import Path
 
+from ptdp.data.tokenizer import checked_tokenizer
 from ptdp.hf.base import ConversionError, Family
 from ptdp.hf.registry import family_of, family_of_model_type
 from ptdp.hf.tokenizer import directory_tokenizer, write_tokenizer
@@ -47,15 +47,6 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
-def _checked_tokenizer(path, vocab_size: int):
-    from ptdp.data.tokenizer import load_tokenizer
-    tok = load_tokenizer(path)
-    if tok.vocab_size > vocab_size:
-        raise ConversionError(f"tokenizer {path} has {tok.vocab_size} tokens but the model's "
-                              f"vocabulary is model.vocab_size={vocab_size}")
-    return tok
-
-
 def to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
           tokenizer: str | None = None) -> dict:
     """Write the HF model (and tokenizer, when known) to out_dir; returns a short summary."""
@@ -66,7 +57,7 @@ def to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     cfg = model_config(meta)
     family = family_of(cfg)
     tok_path = checkpoint_tokenizer(directory, meta, tokenizer)
-    special = _checked_tokenizer(tok_path, cfg.vocab_size).special_ids() if tok_path else {}
+    special = checked_tokenizer(tok_path, cfg.vocab_size).special_ids() if tok_path else {}
     config = family.hf_config(cfg, special)
     config.ptdp = {"checkpoint": str(directory), "iteration": meta["iteration"]}
     model = getattr(transformers, family.hf_class)(config)
@@ -140,23 +131,13 @@ def from_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overrides: list[s
     """Write a ptdp checkpoint of the layout in `overrides` from an HF model directory.
 
     Returns (iteration directory, resolved Config)."""
-    from ptdp.checkpoint.save import save_full_state
-    from ptdp.config import load_config
+    from ptdp.checkpoint.save import conversion_config, save_full_state
 
     _quiet_transformers()
     family, config, model_cfg = read_hf_config(hf_dir)
-    model_keys = [f"model.{k}={json.dumps(v)}" for k, v in vars(model_cfg).items()]
-    par = {"tensor": 1, "pipeline": 1, "data": 1, "context": 1}   # the sizes the world needs
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key.startswith("parallel.") and key[len("parallel."):] in par and value.isdigit():
-            par[key[len("parallel."):]] = int(value)
-    world = math.prod(par.values())
-    extra = ["data.source=synthetic"] if not any(o.startswith("data.") for o in overrides) else []
-    cfg = load_config(None, model_keys + extra + list(overrides), world_size=world)
     tokenizer = directory_tokenizer(hf_dir)
     if tokenizer:
-        _checked_tokenizer(tokenizer, model_cfg.vocab_size)
+        checked_tokenizer(tokenizer, model_cfg.vocab_size)
+    cfg = conversion_config(model_cfg, overrides, tokenizer)
     state = family.from_hf(model_cfg, load_hf_weights(hf_dir, family, config))
-    final = save_full_state(state, cfg, out, iteration=iteration, tokenizer=tokenizer)
-    return final, cfg
+    return save_full_state(state, cfg, out, iteration=iteration), cfg

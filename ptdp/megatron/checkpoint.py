@@ -17,7 +17,6 @@ requested tensor/pipeline sizes, with an `args` Namespace Megatron-LM's loader a
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 
 from ptdp.megatron import files, legacy, torch_dist
 from ptdp.megatron.model_args import (megatron_args, model_config, notes, refuse_for_megatron,
-                                      vocab_divisor)
+                                      gelu_with_bias, vocab_divisor)
 from ptdp.megatron.names import BLOCK, VOCAB_ROWS, arch_of, require, to_megatron, to_ptdp
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
@@ -69,28 +68,24 @@ def from_megatron(source: str | os.PathLike, out: str | os.PathLike, overrides=(
     """Write a ptdp checkpoint of the layout in `overrides` from a Megatron checkpoint.
 
     Returns (iteration directory, resolved Config, what was read)."""
-    from ptdp.checkpoint.save import save_full_state
-    from ptdp.config import load_config
+    from ptdp.checkpoint.save import conversion_config, save_full_state
+    from ptdp.data.tokenizer import checked_tokenizer
 
     found = read_megatron(source)
-    model_keys = [f"model.{k}={json.dumps(v)}" for k, v in vars(found["model"]).items()]
-    par = {"tensor": 1, "pipeline": 1, "data": 1, "context": 1}   # the sizes the world needs
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key.startswith("parallel.") and key[len("parallel."):] in par and value.isdigit():
-            par[key[len("parallel."):]] = int(value)
-    extra = ["data.source=synthetic"] if not any(o.startswith("data.") for o in overrides) else []
     if tokenizer:
-        extra.append(f"data.tokenizer={tokenizer}")
-    cfg = load_config(None, model_keys + extra + list(overrides),
-                      world_size=math.prod(par.values()))
+        checked_tokenizer(tokenizer, found["model"].vocab_size)
+    cfg = conversion_config(found["model"], overrides, tokenizer)
+    require(cfg.model.tie_embeddings == found["model"].tie_embeddings,
+            f"model.tie_embeddings={str(cfg.model.tie_embeddings).lower()}: the checkpoint's "
+            f"output layer is {'tied to' if found['model'].tie_embeddings else 'separate from'} "
+            f"the word table (untie_embeddings_and_output_weights), and converting keeps it so")
     step = found["iteration"] if iteration is None else iteration
     # model.vocab_size / model.seq_length overrides cut the tables (names.py `to_ptdp`)
     state = to_ptdp(cfg.model, found["megatron"])
     progress = ({"consumed_samples": found["consumed_samples"],
                  "skipped_samples": found["skipped_samples"]}
                 if iteration is None and "consumed_samples" in found else {})
-    final = save_full_state(state, cfg, out, iteration=step, tokenizer=tokenizer, **progress)
+    final = save_full_state(state, cfg, out, iteration=step, **progress)
     return final, cfg, found
 
 
@@ -123,6 +118,10 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
     directory, meta, full = read_full_state(checkpoint)
     cfg = ptdp_model_config(meta)
     refuse_for_megatron(cfg)
+    for what, size in (("model.ffn_hidden_size", cfg.ffn_hidden_size),
+                       ("model.num_kv_heads (query groups)", cfg.num_kv_heads)):
+        require(size % tensor == 0, f"{what}={size} does not split over parallel.tensor={tensor} "
+                                    f"ranks, as Megatron-LM's split needs")
     multiple = vocab_divisor(cfg.vocab_size, tensor) * tensor
     padded = multiple * math.ceil(cfg.vocab_size / multiple)
     train = meta.get("config", {}).get("train", {})
@@ -144,4 +143,5 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
     extra = padded - cfg.vocab_size
     return {"directory": final, "checkpoint": directory, "iteration": meta["iteration"],
             "arch": cfg.arch, "padded_rows": extra, "args": args,
+            "gelu_with_bias": gelu_with_bias(args),
             "parameters": sum(v.numel() for v in full.values())}

@@ -134,7 +134,19 @@ def notes(args) -> list[str]:
         out.append(f"the position table's rows from --seq-length={seq} on (of "
                    f"--max-position-embeddings={table}) are dropped: ptdp's table has "
                    f"model.seq_length rows, and Megatron trained none beyond {seq}")
+    if gelu_with_bias(args) and _get(args, "bias_gelu_fusion", False):
+        out.append("the run used Megatron's fused bias-GeLU (--bias-gelu-fusion, its default), "
+                   "the tanh approximation; ptdp's GeLU is exact, so logits differ slightly")
     return out
+
+
+def gelu_with_bias(args) -> bool:
+    """A GeLU MLP with biases: the model Megatron-LM computes, by default
+    (--bias-gelu-fusion), with its fused kernel, the tanh approximation
+    (megatron/core/fusions/fused_bias_gelu.py) instead of the exact GeLU ptdp computes."""
+    gelu = not (_get(args, "swiglu", False) or _get(args, "squared_relu", False)
+                or _get(args, "openai_gelu", False))
+    return gelu and _get(args, "add_bias_linear", True)
 
 
 def refuse_for_megatron(cfg: ModelConfig) -> None:

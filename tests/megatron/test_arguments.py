@@ -141,7 +141,8 @@ def test_megatrons_defaults_are_written_where_they_differ_from_ptdps():
     v = values(["--num-layers", "2"])
     assert v == {"model.arch": "gpt", "model.num_layers": 2, "model.dropout": 0.1,
                  "train.lr_decay_style": "linear", "train.adam_beta2": 0.999,
-                 "train.eval_iters": 100, "log.interval": 100}
+                 "train.eval_interval": 1000, "train.eval_iters": 100,
+                 "log.interval": 100}
     # given arguments win; defaults equal to ptdp's (weight decay 0.01, clip 1.0) are not written
     v = values(["--adam-beta2", "0.95", "--hidden-dropout", "0", "--swiglu", "--hidden-size", "64",
                 "--fp16", "--data-path", "/d/x", "--lr-decay-style", "WSD"])
@@ -262,7 +263,7 @@ def test_from_megatron_script_writes_yaml_and_lists_what_it_could_not_map(tmp_pa
     out = tmp_path / "gpt.yaml"
     assert cli.main(["config", "from-megatron", "--script", str(path), "--out", str(out)]) == 0
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == f"ptdp config from-megatron: wrote {out} (20 keys)"
+    assert err[0] == f"ptdp config from-megatron: wrote {out} (21 keys)"
     assert err[1:] == [
         "  ignored: --use-flash-attn: a kernel choice; ptdp picks its own fused kernels",
         "  unknown: --world-size $WORLD_SIZE: not in ptdp's table of Megatron-LM arguments: not translated",

@@ -281,7 +281,8 @@ def test_command_line_both_ways(megatron, tmp_path, capsys):
     assert "bert from Megatron's legacy checkpoint" in capsys.readouterr().out
     assert main(["convert", str(tmp_path / "p"), "--to", "megatron", str(tmp_path / "m"),
                  "parallel.tensor=2", "--ckpt-format", "torch"]) == 0
-    assert "--make-vocab-size-divisible-by 64" in capsys.readouterr().out
+    out = capsys.readouterr().out   # BERT's MLP is GeLU with biases: Megatron's default fuses
+    assert "--make-vocab-size-divisible-by 64" in out and "--no-bias-gelu-fusion" in out
     assert (tmp_path / "m" / "iter_0000005" / "mp_rank_01" / "model_optim_rng.pt").is_file()
     assert main(["convert", str(tmp_path / "p"), "--to", "megatron", str(tmp_path / "d")]) == 0
     assert "--ckpt-format torch_dist" in capsys.readouterr().out
@@ -292,6 +293,33 @@ def test_command_line_both_ways(megatron, tmp_path, capsys):
     assert main(["convert", str(tmp_path), "--from", "megatron", "--out", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a Megatron checkpoint" in err
+
+
+def test_converting_refuses_what_would_be_wrong_in_one_line(megatron, tmp_path, capsys):
+    from ptdp.cli import main
+    from ptdp.megatron.model_args import notes
+    src, out = megatron["root"] / "gpt_legacy", str(tmp_path / "p")
+    for extra, message in [
+            (["model.tie_embeddings=true"], "model.tie_embeddings=true: the checkpoint's output "
+                                            "layer is separate from the word table"),
+            (["--tokenizer", str(tmp_path / "no.model")], f"tokenizer {tmp_path}/no.model not "
+                                                         f"found"),
+            (["--iteration", "-5"], "iteration -5: a checkpoint's iteration is 0 or more")]:
+        assert main(["convert", str(src), "--from", "megatron", "--out", out, *extra]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+        assert not (tmp_path / "p").exists()
+    # ffn 48 rows do not split over 5 tensor ranks (torch.chunk would drop a rank's share)
+    assert main(["convert", str(src), "--from", "megatron", "--out", out]) == 0
+    capsys.readouterr()
+    assert main(["convert", out, "--to", "megatron", str(tmp_path / "m"), "parallel.tensor=5",
+                 "--ckpt-format", "torch"]) == 2
+    assert "model.ffn_hidden_size=48 does not split over parallel.tensor=5" in \
+        capsys.readouterr().err
+    # a run with Megatron's fused bias-GeLU (tanh) is noted; one without it is not
+    args = mc.bert_args(bias_gelu_fusion=True)
+    assert any("fused bias-GeLU" in line for line in notes(args))
+    assert not any("fused bias-GeLU" in line for line in notes(mc.bert_args(bias_gelu_fusion=False)))
 
 
 def test_legacy_model_names_and_old_versions_are_refused_naming_the_way_out(tmp_path):
