@@ -46,12 +46,11 @@ def register(subparsers) -> None:
                              "and data position resume there; default 0 (hf) or the Megatron "
                              "checkpoint's own")
     parser.add_argument("--transformer-impl", choices=["transformer_engine", "local"],
-                        default="transformer_engine",
                         help="--to megatron: name the norms as Megatron-LM's "
                              "--transformer-impl does (its default is transformer_engine)")
-    parser.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+    parser.add_argument("--ckpt-format", choices=["torch_dist", "torch"],
                         help="--to megatron: Megatron-LM's --ckpt-format to write: torch_dist "
-                             "(its default; any split loads it) or torch (legacy mp_rank_* "
+                             "(the default, as Megatron-LM's; any split loads it) or torch (legacy mp_rank_* "
                              "files of the parallel.tensor x parallel.pipeline split)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="layout and other config overrides (--from); with --to megatron "
@@ -62,11 +61,29 @@ def register(subparsers) -> None:
 FORMATS = ["hf", "megatron"]
 
 
+def _misplaced(args) -> str | None:
+    """The first option given where it does nothing, as `--flag applies only to ...`."""
+    to = args.to[0] if args.to else None
+    where = {"--out": (args.out, args.from_, "--from"),
+             "--iteration": (args.iteration, args.from_, "--from"),
+             "--tokenizer": (args.tokenizer, to == "hf" or args.from_ == "megatron",
+                             "--to hf and --from megatron"),
+             "--transformer-impl": (args.transformer_impl, to == "megatron", "--to megatron"),
+             "--ckpt-format": (args.ckpt_format, to == "megatron", "--to megatron")}
+    for flag, (value, applies, modes) in where.items():
+        if value is not None and not applies:
+            return f"{flag} applies only to {modes}"
+    return None
+
+
 def run(args) -> int:
     try:
         if args.to and args.to[0] not in FORMATS:
             print(f"ptdp convert: --to {args.to[0]}: the formats are hf and megatron",
                   file=sys.stderr)
+            return 2
+        if (args.to or args.from_) and _misplaced(args):
+            print(f"ptdp convert: {_misplaced(args)}", file=sys.stderr)
             return 2
         if args.to and not args.from_:
             return _to_hf(args) if args.to[0] == "hf" else _to_megatron(args)
@@ -157,9 +174,10 @@ def _to_megatron(args) -> int:
             return 2
         split[key] = int(value)
     try:
+        ckpt_format = args.ckpt_format or "torch_dist"
         info = to_megatron_checkpoint(args.source, args.to[1], split["parallel.tensor"],
-                                      split["parallel.pipeline"], args.transformer_impl,
-                                      args.ckpt_format)
+                                      split["parallel.pipeline"],
+                                      args.transformer_impl or "transformer_engine", ckpt_format)
     except (CheckpointError, ValueError, FileNotFoundError, KeyError) as err:
         print(f"ptdp convert: {_message(err)}", file=sys.stderr)
         return 2
@@ -168,11 +186,11 @@ def _to_megatron(args) -> int:
         print(f"ptdp convert: note: the vocabulary ({meg.padded_vocab_size - info['padded_rows']}"
               f") is not a multiple of the tensor size; Megatron's {info['padded_rows']} padding "
               f"rows are zeros, whose logits (0) enter its softmax", file=sys.stderr)
-    split_text = ("" if args.ckpt_format == "torch_dist" else
+    split_text = ("" if ckpt_format == "torch_dist" else
                   f", tensor {split['parallel.tensor']} x pipeline {split['parallel.pipeline']}")
     print(f"wrote {info['directory']}: {info['arch']}, {info['parameters']:,} parameters, from "
           f"{info['checkpoint']} (iteration {info['iteration']}){split_text}; load it in "
-          f"Megatron-LM with --ckpt-format {args.ckpt_format} --no-load-optim --no-load-rng "
+          f"Megatron-LM with --ckpt-format {ckpt_format} --no-load-optim --no-load-rng "
           f"--make-vocab-size-divisible-by {meg.make_vocab_size_divisible_by} "
           f"--transformer-impl {meg.transformer_impl}"
           + (" --no-bias-gelu-fusion (exact GeLU, as ptdp's)" if info["gelu_with_bias"] else ""))

@@ -293,6 +293,12 @@ def test_command_line_both_ways(megatron, tmp_path, capsys):
     assert main(["convert", str(tmp_path), "--from", "megatron", "--out", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a Megatron checkpoint" in err
+    for argv, line in [(["--to", "hf", str(tmp_path / "h"), "--ckpt-format", "torch"],
+                        "--ckpt-format applies only to --to megatron"),
+                       (["--to", "megatron", str(tmp_path / "e"), "--iteration", "3"],
+                        "--iteration applies only to --from")]:
+        assert main(["convert", str(tmp_path / "p"), *argv]) == 2
+        assert capsys.readouterr().err == f"ptdp convert: {line}\n"
 
 
 def test_converting_refuses_what_would_be_wrong_in_one_line(megatron, tmp_path, capsys):
