@@ -133,6 +133,7 @@ _HF_ROLES = {
     SEP: ("sep_token", ("[SEP]",)),
     MASK: ("mask_token", ("[MASK]", "<mask>")),
 }
+HF_ROLE_KEYS = {role: key for role, (key, _) in _HF_ROLES.items()}   # <eod> -> eos_token, ...
 
 
 def is_hf_tokenizer(path: str | os.PathLike) -> bool:

@@ -29,9 +29,8 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
-from ptdp.data.tokenizer import (BOS, CLS, EOD, HF_TOKENIZER_CONFIG, HF_TOKENIZER_FILE, MASK, PAD,
-                                 SEP, Tokenizer, hf_tokenizer_files, is_hf_tokenizer,
-                                 load_tokenizer)
+from ptdp.data.tokenizer import (CLS, HF_ROLE_KEYS, HF_TOKENIZER_CONFIG, HF_TOKENIZER_FILE, SEP,
+                                 Tokenizer, hf_tokenizer_files, is_hf_tokenizer, load_tokenizer)
 
 SPM_FILE = "ptdp_tokenizer.model"   # the original sentencepiece model, beside its conversion
 
@@ -76,7 +75,7 @@ def save_hf_tokenizer(model_file: str | os.PathLike, out_dir: str | os.PathLike,
     ours = Tokenizer(model_file)
     special = ours.special_ids()
     tok = _converted(str(model_file))
-    kwargs = {_ROLE_KEYS[token]: token for token in special if token in _ROLE_KEYS}
+    kwargs = {HF_ROLE_KEYS[token]: token for token in special if token in HF_ROLE_KEYS}
     if arch == "bert" and CLS in special and SEP in special:
         tok.post_processor = TemplateProcessing(
             single=f"{CLS} $A {SEP}", pair=f"{CLS} $A:0 {SEP}:0 $B:1 {SEP}:1",
@@ -86,10 +85,6 @@ def save_hf_tokenizer(model_file: str | os.PathLike, out_dir: str | os.PathLike,
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=ours.unk_piece,
                                    model_max_length=max_length, **kwargs)
     fast.save_pretrained(str(out_dir))
-
-
-_ROLE_KEYS = {EOD: "eos_token", BOS: "bos_token", CLS: "cls_token", SEP: "sep_token",
-              MASK: "mask_token", PAD: "pad_token"}
 
 
 def write_tokenizer(path: str | os.PathLike, out_dir: str | os.PathLike, arch: str,
@@ -104,7 +99,7 @@ def write_tokenizer(path: str | os.PathLike, out_dir: str | os.PathLike, arch: s
     if HF_TOKENIZER_CONFIG not in files:   # name the special tokens for AutoTokenizer
         from transformers import PreTrainedTokenizerFast
         tok = load_tokenizer(path)
-        roles = {_ROLE_KEYS[role]: token for role, token in tok.special_tokens().items()}
+        roles = {HF_ROLE_KEYS[role]: token for role, token in tok.special_tokens().items()}
         PreTrainedTokenizerFast(tokenizer_file=str(files[HF_TOKENIZER_FILE]),
                                 model_max_length=max_length, **roles).save_pretrained(str(out_dir))
     for name, source in files.items():    # the original bytes, not a re-serialisation
