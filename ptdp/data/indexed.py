@@ -257,20 +257,18 @@ class IndexedDataset:
         self.modes = None   # Megatron's per-sequence modes, multimodal datasets only
         if header.format == "ptdpidx":
             self.doc_idx, self.sizes = legacy_index.read_arrays(self.idx_path, header.layout)
+            self._check_arrays(header)
         else:
             self._read_megatron(header)
-        self._check_arrays(header)
         self.tokens = (np.memmap(self.bin_path, dtype=self.dtype, mode="r") if self.num_tokens
                        else np.empty(0, self.dtype))
 
     def _read_megatron(self, header: IndexHeader) -> None:
         arrays = megatron_index.read_arrays(self.idx_path, header.layout)
         self.doc_idx, self.sizes, self.modes = arrays["doc_idx"], arrays["lengths"], arrays["modes"]
+        self._check_arrays(header)
         # ptdp reads sequences by token offset; megatron-core always writes them back to back.
-        stored = arrays["pointers"]
-        expected = np.zeros_like(stored)
-        np.cumsum(self.sizes[:-1], dtype=np.int64, out=expected[1:])
-        if not np.array_equal(stored, expected * self.dtype.itemsize):
+        if not np.array_equal(arrays["pointers"], self.pointers[:-1] * self.dtype.itemsize):
             raise _corrupt(self.idx_path, "sequence pointers are not the running sum of the "
                                           "lengths (sequences not stored back to back)")
 

@@ -165,7 +165,9 @@ def preprocess(input_path: str | os.PathLike, tokenizer_path: str | os.PathLike,
 
 
 def _write(encoded, tok, outputs: dict, metas: dict, input_path, progress, tqdm) -> dict:
-    """One sequential pass writing every key's dataset; all of them or none are published."""
+    """One sequential pass writing every key's dataset. Each is published when complete (a
+    failure while writing publishes none; one in a later key's publishing leaves the earlier
+    keys' datasets in place)."""
     counts = {key: {"documents": 0, "skipped": 0} for key in outputs}
     with ExitStack() as stack:
         writers = {key: stack.enter_context(IndexedDatasetWriter(prefix, tok.vocab_size, metas[key]))

@@ -121,13 +121,19 @@ def test_mismatched_pair(tmp_path, pair):
 
 
 def test_corrupt_lengths(pair):
-    """A length changed in the index no longer matches the pointers Megatron stores."""
+    """Lengths changed in the index no longer match the header's total, or (total kept) the
+    pointers Megatron stores."""
     idx = pair.with_suffix(".idx")
-    raw = bytearray(idx.read_bytes())
-    raw[34:38] = (123456).to_bytes(4, "little")   # the first sequence's length
-    idx.write_bytes(bytes(raw))
-    with pytest.raises(IndexedDataError, match=r"d\.idx: sequence pointers are not the running sum"):
-        IndexedDataset(pair)
+    good = bytes(idx.read_bytes())
+    first, second = (int.from_bytes(good[at:at + 4], "little") for at in (34, 38))
+    for new_first, new_second, message in [
+            (123456, second, r"d\.idx: sequence sizes do not add up to the"),
+            (first + 1, second - 1, r"d\.idx: sequence pointers are not the running sum")]:
+        raw = bytearray(good)
+        raw[34:38], raw[38:42] = new_first.to_bytes(4, "little"), new_second.to_bytes(4, "little")
+        idx.write_bytes(bytes(raw))
+        with pytest.raises(IndexedDataError, match=message):
+            IndexedDataset(pair)
 
 
 def test_corrupt_document_index(pair):
