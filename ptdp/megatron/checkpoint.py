@@ -128,10 +128,9 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
     consumed = meta.get("consumed_samples",   # (a batch ramp-up: less than iteration * B)
                         meta["iteration"] * int(train.get("global_batch_size", 0) or 0))
     args = megatron_args(cfg, tensor, pipeline, padded, meta["iteration"], consumed,
-                         transformer_impl)
+                         transformer_impl, ckpt_format)
     state = _padded(to_megatron(cfg, full), padded)
     fused = transformer_impl == "transformer_engine"
-    args.ckpt_format = ckpt_format
     if ckpt_format == "torch":
         final = legacy.write(state, cfg, args, Path(out), meta["iteration"], tensor, pipeline,
                              fused_norms=fused)

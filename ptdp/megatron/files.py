@@ -33,6 +33,8 @@ _ITER_DIR = re.compile(r"iter_(\d{7})$")
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _OPAQUE_PACKAGES = ("megatron", "transformer_engine", "apex", "modelopt", "nvidia_resiliency_ext")
 
+CHECKPOINT_VERSION = 3.0
+
 
 class Opaque:
     """Stands in for a class of a package this process does not import."""

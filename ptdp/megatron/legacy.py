@@ -31,7 +31,6 @@ _LAYER_PREFIX = re.compile(r"^((?:decoder|encoder)\.layers\.\d+\.)")
 _UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
            "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
            "account_for_loss_in_pipeline_split")
-CHECKPOINT_VERSION = 3.0
 
 
 def _chunks(saved: dict, path: Path) -> list[dict]:
@@ -83,8 +82,8 @@ def _rank_state(path: Path, args, pipeline: int, rank: int) -> tuple[object, dic
     """(args, {global name: this file's tensor}, its learning-rate scheduler state) of one
     rank's file; `args`: from an earlier file, else this one's."""
     saved = files.load(path)
-    version = saved.get("checkpoint_version", CHECKPOINT_VERSION)
-    require(version >= CHECKPOINT_VERSION,
+    version = saved.get("checkpoint_version", files.CHECKPOINT_VERSION)
+    require(version >= files.CHECKPOINT_VERSION,
             f"{path}: checkpoint_version {version}: before 3.0 Megatron ordered the QKV rows "
             f"otherwise; re-save it with a current Megatron-LM first")
     args = args if args is not None else saved.get("args")
@@ -166,7 +165,7 @@ def write(state: dict[str, torch.Tensor], cfg: ModelConfig, args, root: Path, it
             model["output_layer._extra_state"] = None
         sub = final / (f"mp_rank_{t:02d}" + (f"_{p:03d}" if pipeline > 1 else ""))
         sub.mkdir(parents=True, exist_ok=True)
-        torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION,
+        torch.save({"args": args, "checkpoint_version": files.CHECKPOINT_VERSION,
                     "iteration": iteration, "model": model}, sub / files.MODEL_FILE)
     files.write_tracker(root, iteration)
     return final

@@ -174,7 +174,8 @@ def vocab_divisor(vocab: int, tensor: int) -> int:
 
 
 def megatron_args(cfg: ModelConfig, tensor: int, pipeline: int, padded_vocab: int,
-                  iteration: int, consumed_samples: int, transformer_impl: str) -> Namespace:
+                  iteration: int, consumed_samples: int, transformer_impl: str,
+                  ckpt_format: str) -> Namespace:
     """The Namespace Megatron-LM's loader reads (`check_checkpoint_args`,
     `load_args_from_checkpoint`) for ptdp's model on a (tensor, pipeline) split."""
     rope = cfg.position_embedding == "rope"
@@ -202,6 +203,6 @@ def megatron_args(cfg: ModelConfig, tensor: int, pipeline: int, padded_vocab: in
         make_vocab_size_divisible_by=vocab_divisor(cfg.vocab_size, tensor),
         tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
-        transformer_impl=transformer_impl, ckpt_format="torch", iteration=iteration,
+        transformer_impl=transformer_impl, ckpt_format=ckpt_format, iteration=iteration,
         consumed_train_samples=consumed_samples, consumed_valid_samples=0,
         params_dtype=torch.float32, fp16=False, bf16=False)

@@ -119,6 +119,7 @@ def write(state: dict[str, torch.Tensor], num_layers: int, block: str, args, dir
     sharded["output_layer._extra_state/shard_0_1"] = [None]
     directory.mkdir(parents=True, exist_ok=True)
     dcp.save(sharded, storage_writer=dcp.FileSystemWriter(str(directory)), no_dist=True)
-    torch.save({"args": args, "iteration": iteration, "checkpoint_version": 3.0},
+    torch.save({"args": args, "iteration": iteration,
+                "checkpoint_version": files.CHECKPOINT_VERSION},
                directory / "common.pt")
     (directory / "metadata.json").write_text(json.dumps(METADATA))
