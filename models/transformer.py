@@ -166,6 +166,17 @@ def _attention_with_dropout(rng: TensorParallelRNG, q, k, v, mask, dropout: floa
         return attention(q, k, v, mask, causal, dropout)
 
 
+def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's fc1 as ptdp stores it, from separate gate and up rows: the rows alternate."""
+    return torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], *gate.shape[1:]).contiguous()
+
+
+def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up rows of ptdp's SwiGLU fc1 (the inverse of fuse_gate_up)."""
+    pairs = fc1.reshape(fc1.shape[0] // 2, 2, *fc1.shape[1:])
+    return pairs[:, 0].contiguous(), pairs[:, 1].contiguous()
+
+
 class ParallelMLP(nn.Module):
     """h -> f, GeLU, f -> h; or SwiGLU: h -> 2f whose rows alternate gate and up (so a contiguous
     row slice holds matching pairs on every tensor rank), SiLU(gate) * up, f -> h."""

@@ -19,11 +19,10 @@ Qwen2's use_sliding_window), a partial rotary factor.
 
 from __future__ import annotations
 
-import torch
-
 from ptdp.config import ModelConfig
 from ptdp.data.tokenizer import BOS, EOD, PAD
 from ptdp.hf.base import Family, fuse_qkv, require, split_qkv
+from ptdp.models.transformer import fuse_gate_up, split_gate_up
 
 _QKV = ("q_proj", "k_proj", "v_proj")
 
@@ -131,7 +130,7 @@ class Llama(Family):
 
     def to_hf(self, cfg, full):
         out = self.renamed_to_hf(cfg, full)
-        n, g, f = cfg.num_heads, cfg.num_kv_heads, cfg.ffn_hidden_size
+        n, g = cfg.num_heads, cfg.num_kv_heads
         for i in range(cfg.num_layers):
             ours, theirs = f"layers.{i}.", f"model.layers.{i}."
             kinds = ("weight", "bias") if cfg.qkv_bias else ("weight",)
@@ -139,9 +138,8 @@ class Llama(Family):
                 parts = split_qkv(full[f"{ours}attention.qkv.{kind}"], n, g)
                 for proj, value in zip(_QKV, parts):
                     out[f"{theirs}self_attn.{proj}.{kind}"] = value
-            fc1 = full[f"{ours}mlp.fc1.weight"].reshape(f, 2, -1)
-            out[f"{theirs}mlp.gate_proj.weight"] = fc1[:, 0].contiguous()
-            out[f"{theirs}mlp.up_proj.weight"] = fc1[:, 1].contiguous()
+            gate, up = split_gate_up(full[f"{ours}mlp.fc1.weight"])
+            out[f"{theirs}mlp.gate_proj.weight"], out[f"{theirs}mlp.up_proj.weight"] = gate, up
         if cfg.tie_embeddings:
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
         return out
@@ -155,9 +153,8 @@ class Llama(Family):
             for kind in kinds:
                 parts = [get(f"{theirs}self_attn.{p}.{kind}") for p in _QKV]
                 out[f"{ours}attention.qkv.{kind}"] = fuse_qkv(*parts, n, g)
-            gate, up = get(f"{theirs}mlp.gate_proj.weight"), get(f"{theirs}mlp.up_proj.weight")
-            out[f"{ours}mlp.fc1.weight"] = torch.stack([gate, up], dim=1).reshape(
-                2 * gate.shape[0], -1).contiguous()
+            out[f"{ours}mlp.fc1.weight"] = fuse_gate_up(get(f"{theirs}mlp.gate_proj.weight"),
+                                                        get(f"{theirs}mlp.up_proj.weight"))
         return out
 
 

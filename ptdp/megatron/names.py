@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ptdp.config import ModelConfig
+from ptdp.models.transformer import fuse_gate_up, split_gate_up
 
 
 class MegatronConversionError(ValueError):
@@ -154,8 +155,7 @@ def to_ptdp(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch
         out[ours] = take(theirs).contiguous()
     if cfg.gated:
         for ours, theirs in _fc1_names(cfg):
-            gate, up = take(theirs).chunk(2, dim=0)
-            out[ours] = torch.stack([gate, up], dim=1).reshape(-1, *gate.shape[1:]).contiguous()
+            out[ours] = fuse_gate_up(*take(theirs).chunk(2, dim=0))   # Megatron: [gate; up]
     extra = [name for name in state if name not in used]
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
@@ -183,8 +183,7 @@ def to_megatron(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, to
     out = {theirs: full[ours] for ours, theirs in _pairs(cfg)}
     if cfg.gated:
         for ours, theirs in _fc1_names(cfg):
-            pairs = full[ours].reshape(cfg.ffn_hidden_size, 2, *full[ours].shape[1:])
-            out[theirs] = torch.cat([pairs[:, 0], pairs[:, 1]], dim=0).contiguous()
+            out[theirs] = torch.cat(split_gate_up(full[ours]), dim=0)
     return out
 
 
