@@ -115,16 +115,21 @@ def _has_text(path: Path) -> bool:
         return any(line.strip() for line in f)
 
 
-def _meta(tok, input_path, key: str, sentences: bool, append_eod: bool,
-          prepend_bos: bool) -> dict:
+def _tokenizer_meta(tok) -> dict:
+    """What the sidecar records of the tokenizer (checked against data.tokenizer later)."""
     meta = {"tokenizer": os.path.abspath(tok.path), "tokenizer_fingerprint": tok.fingerprint,
-            "special_ids": tok.special_ids(), "sentences": bool(sentences),
-            "source": os.path.abspath(input_path), "json_key": key,
-            "append_eod": bool(append_eod), "prepend_bos": bool(prepend_bos)}
+            "special_ids": tok.special_ids()}
     for name in ("merge_file", "lowercase"):   # how a vocabulary-file tokenizer was built
         if getattr(tok, name, None) is not None:
             meta[name] = os.path.abspath(tok.merge_file) if name == "merge_file" else tok.lowercase
     return meta
+
+
+def _meta(tok, input_path, key: str, sentences: bool, append_eod: bool,
+          prepend_bos: bool) -> dict:
+    return {**_tokenizer_meta(tok), "sentences": bool(sentences),
+            "source": os.path.abspath(input_path), "json_key": key,
+            "append_eod": bool(append_eod), "prepend_bos": bool(prepend_bos)}
 
 
 def preprocess(input_path: str | os.PathLike, tokenizer_path: str | os.PathLike,
@@ -197,8 +202,7 @@ def describe_dataset(prefix: str | os.PathLike, tokenizer_path: str | os.PathLik
     tokenizer, so that ptdp checks it like its own (vocabulary, special ids for BERT)."""
     tok = load_tokenizer(tokenizer_path, merge_file, lowercase)
     header = read_index_header(prefix, sidecar=False)
-    meta = {"tokenizer": os.path.abspath(tok.path), "tokenizer_fingerprint": tok.fingerprint,
-            "special_ids": tok.special_ids(),
+    meta = {**_tokenizer_meta(tok),
             "sentences": header.meta["sentences"] if sentences is None else bool(sentences),
             "source": "described by `ptdp preprocess --describe`"}
     return describe(prefix, tok.vocab_size, meta)
