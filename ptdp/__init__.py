@@ -7,9 +7,11 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 
-# models/ stays at the repository root and is the package ptdp.models. Installs map it there
-# themselves (pyproject.toml, package-dir); this finder serves a source checkout that is run
-# without installing (PYTHONPATH=the repository), and only when no other finder knows it.
+# models/ stays at the repository root and is the package ptdp.models. A wheel install maps it
+# into the package (pyproject.toml, package-dir), where no ../models exists. In a checkout this
+# finder goes first, so ptdp.models always comes from the checkout whose ptdp was imported: an
+# editable install of another checkout (a second worktree run with PYTHONPATH=it) would
+# otherwise mix one checkout's ptdp with another's models.
 _CHECKOUT_MODELS = Path(__file__).resolve().parent.parent / "models"
 
 
@@ -24,4 +26,4 @@ class _CheckoutModels(importlib.abc.MetaPathFinder):
 
 if (_CHECKOUT_MODELS / "__init__.py").is_file() and not any(
         isinstance(f, _CheckoutModels) for f in sys.meta_path):
-    sys.meta_path.append(_CheckoutModels())
+    sys.meta_path.insert(0, _CheckoutModels())
