@@ -111,9 +111,11 @@ def hardware_name() -> str:
                 return "a100-80gb" if gib > 60 else "a100-40gb"
             if "v100" in gpu:
                 return "v100-32gb"
+            if "h200" in gpu:
+                return "h200-141gb"
     except Exception:
         pass
-    return "h100-80gb"   # H100, and H200 (the same compute; more memory and bandwidth)
+    return "h100-80gb"
 
 
 def plan_command(args) -> int:

@@ -17,7 +17,8 @@ def test_catalogue_has_the_datasheet_gpus():
     assert load_hardware("h100-80gb").peak_flops("bf16") > 3 * 312e12 * 0.9
 
 
-@pytest.mark.parametrize("name", ["v100-16gb", "v100-32gb", "a100-40gb", "a100-80gb", "h100-80gb"])
+@pytest.mark.parametrize("name", ["v100-16gb", "v100-32gb", "a100-40gb", "a100-80gb", "h100-80gb",
+                                  "h200-141gb"])
 def test_every_profile_is_complete(name):
     hw = load_hardware(name)
     assert hw.peak_flops(hw.default_precision) > 0
