@@ -63,15 +63,21 @@ def _losses(trainer) -> list[float]:
 
 @pytest.mark.parametrize("arch", ["gpt", "bert"])
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_one_rank_trains_on_cuda_and_the_loss_falls(world, arch, precision):
-    trainer = _trainer(f"model.arch={arch}", f"train.precision={precision}", "train.iters=30",
-                       "train.compile=false")
+def test_one_rank_trains_on_cuda_in_half_precision_like_fp32(world, arch, precision):
+    """Half precision follows the fp32 run of the same model and data. (BERT's synthetic
+    tokens and sentence pairs are uniformly random: its loss has nothing to learn and stays
+    at ln V + ln 2, so "the loss falls" is checked for GPT only.)"""
+    run = ["model.arch=" + arch, "train.iters=30", "train.compile=false"]
+    trainer = _trainer(*run, f"train.precision={precision}")
     assert trainer.state.device.type == "cuda"
     assert trainer.state.params[0].dtype == getattr(torch, {"bf16": "bfloat16",
                                                             "fp16": "float16"}[precision])
     losses = _losses(trainer)
+    reference = _losses(_trainer(*run, *EXACT))
     assert all(math.isfinite(x) for x in losses)
-    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05, losses
+    assert max(abs(a - b) for a, b in zip(losses, reference)) < 0.05, (losses, reference)
+    if arch == "gpt":
+        assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.05, losses
 
 
 def test_fp16_overflow_skips_steps_and_halves_the_scale(world):
@@ -116,9 +122,10 @@ def test_flat_buffers_and_fused_adamw_on_cuda(world):
 
 
 def test_distributed_optimizer_at_world_size_one_equals_the_plain_one(world):
-    plain = [_trainer(*EXACT, "train.iters=3").train_step(it).loss for it in range(3)]
+    plain = _trainer(*EXACT, "train.iters=3")   # one trainer for all steps, as the sharded one
     sharded = _trainer(*EXACT, "train.iters=3", "train.distributed_optimizer=true")
-    assert [sharded.train_step(it).loss for it in range(3)] == pytest.approx(plain, rel=1e-6)
+    assert ([sharded.train_step(it).loss for it in range(3)]
+            == pytest.approx([plain.train_step(it).loss for it in range(3)], rel=1e-6))
 
 
 @pytest.fixture(scope="module")
