@@ -194,7 +194,10 @@ def test_a_ramped_iteration_is_the_mean_over_its_own_batch(ramped):
 
 def test_a_resumed_ramp_continues_exactly_on_megatrons_schedule(ramped):
     assert ramped["consumed_at_2"] == 8   # 4 + 4, not 2 * 8
-    assert ramped["resume"] == pytest.approx(ramped["single"][2:], rel=1e-5)
+    resumed, uninterrupted = ramped["resume"], ramped["single"][2:]
+    assert [batch for batch, _ in resumed] == [batch for batch, _ in uninterrupted]
+    assert ([loss for _, loss in resumed]
+            == pytest.approx([loss for _, loss in uninterrupted], rel=1e-5))
     # the rates the resumed optimizer stepped with: Megatron's after 8, 16 and 24 samples
     assert ramped["resumed_rates"] == pytest.approx(megatron_rates()[2:], rel=1e-12)
 
