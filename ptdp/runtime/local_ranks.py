@@ -1,9 +1,9 @@
 """Run a function on N local ranks (one process each, gloo), for tests, tools and benchmarks.
 
-Processes are forked from a server process that has imported torch and nothing else
-(multiprocessing's `forkserver`, torch preloaded): forking the caller after torch has run a
-threaded op can deadlock in OpenMP, and `spawn` makes every rank import torch again (seconds
-of CPU per rank on a small machine). The server starts once per calling process. Each rank
+Processes are forked from a server process that has imported torch, torch.distributed and the
+trainer (`ptdp.training`, `PRELOAD`) and run nothing (multiprocessing's `forkserver`): forking
+the caller after torch has run a threaded op can deadlock in OpenMP, and `spawn` makes every
+rank import torch and the trainer again (seconds of CPU per rank on a small machine). The server starts once per calling process. Each rank
 gets the caller's environment as it is at the call, as with `spawn`. A forked rank shares the
 server's pages, which its resident set does not count until it touches them: measurements of a
 rank's own memory (the profiler, tools/validate_planner.py) ask for `fresh_interpreters`, ranks

@@ -112,7 +112,7 @@ class Watchdog:
         self.what, self.waiting, self.moved_at = what, False, self.clock()
 
     def track(self, spans):
-        """Wrap a `spans` recorder (ptdp.trace) so every executor action also counts as
+        """Wrap a `spans` recorder (ptdp/runtime/trace.py) so every executor action also counts as
         progress (and, on a GPU, records a device event after it); the wrapped recorder
         still records."""
         return _Tracked(self, spans)
