@@ -38,11 +38,22 @@ def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin tables for given positions; the frequencies are a (non-saved) buffer."""
+    """cos and sin tables for given positions; the frequencies are a (non-saved) fp32 buffer.
+
+    The buffer stays fp32 whatever the module is cast to: training casts each chunk with
+    `nn.Module.to(device, bf16)`, which casts float buffers too, and bf16 frequencies put the
+    angles off by more than a radian at position 1,024 (cos and sin then mean nothing). So
+    every cast or move recomputes them from the config in fp32 on the buffer's new device."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.cfg = cfg
         self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.inv_freq = inverse_frequencies(self.cfg).to(self.inv_freq.device)
+        return self
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [s] or [b, s] (integers) -> cos, sin [..., head_dim] in fp32."""
