@@ -3,7 +3,7 @@
 Training casts every chunk with `nn.Module.to(device, bf16)`, which casts float buffers too;
 bf16 frequencies turned position 1,024's angles into noise (cos off by more than 1). The tables
 must equal fp32's whatever the module was cast to, and a Llama-style model trained in bf16 on
-long sequences must follow the fp32 run of the same model and data.
+long sequences must follow the fp32 one.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def _first_gradients(precisions: list[str]) -> dict:
 
 def test_llama_in_bf16_follows_fp32_on_long_sequences():
     """The first step's query/key/value gradients of a bf16 Llama on 1,024-token sequences
-    equal fp32's to bf16's round-off. The rotation is where positions enter them: measured
-    relative errors %s with fp32 frequencies, %s with the bf16 ones a cast used to leave."""
+    follow fp32's. The rotation is where positions enter them; weights drawn with std 0.2 make
+    attention sharp enough for positions to matter. Measured relative errors: at most 0.036
+    with fp32 frequencies, 0.11 with the bf16 ones a cast used to leave."""
     grads = run_on_ranks(1, _first_gradients, ["fp32", "bf16"], timeout_s=240)[0]
     errors = {name: ((grads["bf16"][name] - want).norm() / want.norm()).item()
               for name, want in grads["fp32"].items()}
-    print(errors)
-    assert errors and max(errors.values()) < 0.05, errors
+    assert errors and max(errors.values()) < 0.06, errors
