@@ -163,7 +163,7 @@ class TrainingState:
     m: int                                # micro-batches per data rank and iteration (at B)
     batches: BatchSchedule                # each iteration's global batch (ramp-up)
     progress: Progress = field(default_factory=Progress)
-    versions: object = None               # a no-flush step's weight versions (state_dict())
+    versions: object = None               # a no-flush step's weight versions (state_part())
 
     @property
     def dtype(self) -> torch.dtype:
