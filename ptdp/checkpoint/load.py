@@ -8,8 +8,8 @@ iteration, so restoring the iteration restores both.
 Each of the state's parts (`state.parts()`, ptdp/training/state.py) is handed what the
 checkpoint holds of it, where its `StatePart` says (ptdp/checkpoint/layout.py): its metadata,
 its per-parameter entries resharded for this layout, its rank file when the layout is the
-saved one; {} when the checkpoint holds nothing of it (the part then keeps or makes a fresh
-state: ptdp/training/state.py and ptdp/training/two_bw.py say how).
+saved one; {} when the checkpoint holds nothing of it (a converted checkpoint, another layout
+or schedule): the part then keeps or makes a fresh state, as its own load_state_dict says.
 """
 
 from __future__ import annotations
