@@ -24,6 +24,13 @@ A checkpoint written by `save_full_state` (`ptdp convert --from hf`) has no RNG 
 no optimizer state and no loss scale: a job loading it starts fresh RNG streams, fresh AdamW
 moments and the configured loss scale.
 
+What goes where comes from the training state's parts (`StatePart`, listed by
+`TrainingState.parts()` in ptdp/training/state.py): a part's per-parameter entries join the
+shard files under each parameter's global name (the keys above are those of the weights, the
+optimizer and 2BW's versions), its other state goes into metadata.json under the part's key
+("loss_scaler", "two_bw"; the progress at the top level: "iteration", "skipped_samples",
+"consumed_samples"), and a per-rank part (the random streams) is a file per world rank.
+
 A directory is a complete checkpoint when its metadata.json reads and every file it lists is
 there. When `latest` is missing or names an incomplete directory, the newest complete
 checkpoint in the folder is found instead, with a one-line note (ptdp/checkpoint/save.py says
@@ -36,7 +43,9 @@ import dataclasses
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,13 +60,36 @@ CONFIG_FILE = "config.yaml"
 TOKENIZER_FILE = "tokenizer.model"
 # Directory names a checkpoint can be loaded from: iter_N, or iter_N.new mid-way in a re-save.
 CHECKPOINT_NAME = re.compile(r"iter_(\d+)(\.new)?")
-OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq")
+RANK_FILE = re.compile(r"\w+_rank\d{5}\.pt")
+PARAMETERS = "parameters"   # the key of a part's per-parameter entries in its state_dict()
 # Model keys that do not change what the saved weights mean; a resumed job may change them.
 NON_STRUCTURAL_MODEL_KEYS = ("dropout", "init_std")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message names the path or parameter."""
+
+
+@dataclass(frozen=True)
+class StatePart:
+    """A saveable part of the training state, and where a checkpoint keeps it.
+
+    `state` has `state_dict()` / `load_state_dict()` (the Stateful pattern). Its state_dict()
+    is a dict: JSON values, kept in metadata.json under `key` (None: at the top level), and, if
+    `per_parameter`, under PARAMETERS one dict of tensors per parameter of this rank (aligned
+    with TrainingState.named_parameters(), whole local tensors of this layout), kept in the
+    shard files and resharded on load. A `per_rank` part's whole state_dict() is this rank's
+    own file (`rank_file_name`), loaded only into the same layout.
+
+    Loading hands each part what was saved of it, {} when nothing was (a converted checkpoint,
+    another schedule or layout, or a part that saved {}): it then keeps or makes a fresh state.
+    Parts load in their order in the list.
+    """
+
+    key: str | None
+    state: Any
+    per_parameter: bool = False
+    per_rank: bool = False
 
 
 def iteration_dir_name(iteration: int) -> str:
@@ -68,8 +100,9 @@ def shard_file_name(pp_rank: int, tp_rank: int) -> str:
     return f"model_pp{pp_rank:03d}_tp{tp_rank:03d}.pt"
 
 
-def rng_file_name(rank: int) -> str:
-    return f"rng_rank{rank:05d}.pt"
+def rank_file_name(key: str, rank: int) -> str:
+    """The file of a per-rank part (`StatePart.per_rank`): `rng_rank00003.pt`."""
+    return f"{key}_rank{rank:05d}.pt"
 
 
 def latest_name(root: Path) -> str | None:
@@ -222,7 +255,7 @@ def check_files_readable(directory: Path, meta: dict) -> None:
                 raise CheckpointError(f"{path} has no entry for parameter '{missing[0]}'{more} "
                                       f"(the metadata says it is there)")
     for name in meta["files"]:
-        if name.startswith("rng_rank"):
+        if RANK_FILE.fullmatch(name):
             load_file(directory / name, mmap=False)
 
 

@@ -5,10 +5,11 @@ succeeded on every rank (failures are shared, ptdp/checkpoint/safety.py), otherw
 raises CheckpointError. The learning rate and the data position are pure functions of the
 iteration, so restoring the iteration restores both.
 
-PipeDream-2BW without a saved shadow (a checkpoint of another schedule) starts as at iteration
-0: its first two batches use the loaded weights. PipeDream async saves its newest weights; a
-resumed run refills the pipeline, so its first p-1 inputs see fresher weights than they would
-have without the interruption.
+Each of the state's parts (`state.parts()`, ptdp/training/state.py) is handed what the
+checkpoint holds of it, where its `StatePart` says (ptdp/checkpoint/layout.py): its metadata,
+its per-parameter entries resharded for this layout, its rank file when the layout is the
+saved one; {} when the checkpoint holds nothing of it (a converted checkpoint, another layout
+or schedule): the part then keeps or makes a fresh state, as its own load_state_dict says.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ptdp.checkpoint.layout import (OPTIMIZER_KEYS, check_model_config, find_checkpoint, layout_of,
-                                    layout_text, load_file, read_metadata, rng_file_name)
+from ptdp.checkpoint.layout import (PARAMETERS, check_model_config, find_checkpoint, layout_of,
+                                    layout_text, load_file, rank_file_name, read_metadata)
 from ptdp.checkpoint.reshard import ShardReader, to_local
 from ptdp.checkpoint.safety import on_all_ranks
 from ptdp.config.batches import BatchSchedule
@@ -38,8 +39,9 @@ def load_checkpoint(state, path: str | os.PathLike) -> Path:
         check_model_config(meta, cfg.model, directory)
         return directory, note, meta, _read_rank_state(state, directory, meta)
 
-    directory, note, meta, parts = on_all_ranks(f"loading checkpoint {path}", read)
-    _apply(state, meta, parts)
+    directory, note, meta, loaded = on_all_ranks(f"loading checkpoint {path}", read)
+    for part, saved in loaded:   # (cannot fail on shapes: all checked already)
+        part.state.load_state_dict(saved)
     rank0 = dist.get_rank() == 0
     if rank0 and note:
         print(f"checkpoint.load: {note}", flush=True)
@@ -107,43 +109,38 @@ def _sample_schedule_change(meta: dict, saved: dict, train) -> str | None:
             f"the saved run's schedule (the LR then stays at train.min_lr after it)")
 
 
-def _read_rank_state(state, directory: Path, meta: dict) -> dict:
-    """Everything this rank's state parts load, read, resharded and shape-checked, per
-    parameter; nothing applied yet."""
+def _read_rank_state(state, directory: Path, meta: dict) -> list:
+    """(part, what it loads) for every part of this rank's state, read, resharded and
+    shape-checked; nothing applied yet."""
+    entries = _parameter_entries(state, directory, meta)
+    loaded = []
+    for part in state.parts():
+        if part.per_rank:
+            saved = _rank_file(state, directory, meta, part.key)
+        else:
+            saved = dict(meta if part.key is None else meta.get(part.key) or {})
+            if part.per_parameter:
+                saved[PARAMETERS] = entries
+        loaded.append((part, saved))
+    return loaded
+
+
+def _parameter_entries(state, directory: Path, meta: dict) -> list[dict]:
+    """Per parameter of this rank, every saved entry as a whole local tensor of this layout
+    ("step" as saved)."""
     shards = ShardReader(directory, meta)
-    values, optimizer, shadow = [], [], []
+    entries = []
     for name, param in state.named_parameters():
         entry = shards.full(name)
-        local = {key: to_local(param, full, state.tp, state.cfg.padded_vocab_size, name, key)
-                 for key, full in entry.items() if key != "step"}
-        values.append(local["value"])
-        optimizer.append({**{key: local[key] for key in OPTIMIZER_KEYS if key in local},
-                          **({"step": entry["step"]} if "step" in entry else {})})
-        shadow.append(local.get("shadow"))
-    return {"values": values, "optimizer": optimizer,
-            "shadow": shadow if all(s is not None for s in shadow) else None,
-            "rng": _rng_to_restore(state, directory, meta)}
+        entries.append({key: full if key == "step" else
+                        to_local(param, full, state.tp, state.cfg.padded_vocab_size, name, key)
+                        for key, full in entry.items()})
+    return entries
 
 
-def _rng_to_restore(state, directory: Path, meta: dict) -> dict | None:
-    """The saved RNG state of this rank if the layout is unchanged (and was saved), else None."""
-    if meta["layout"] != layout_of(state.cfg) or not meta.get("rng", True):
-        return None
-    return load_file(directory / rng_file_name(state.grid.rank), mmap=False)
-
-
-def _apply(state, meta: dict, parts: dict) -> None:
-    """Load every part of the state (cannot fail on shapes: all checked already)."""
-    state.weight_state().load_state_dict(parts["values"])
-    state.optimizer_state().load_state_dict(parts["optimizer"])
-    if "loss_scaler" in meta:   # absent from converted checkpoints: keep the configured scale
-        state.loss_scaler.load_state_dict(meta["loss_scaler"])
-    state.progress.load_state_dict(meta)   # first: 2BW's versions are numbered from it
-    if state.versions is not None:   # 2BW: the older version the next batch uses
-        state.versions.load_state_dict({"shadow": parts["shadow"], "loss_scales": meta.get(
-            "two_bw", {}).get("loss_scales", {})})
-    if parts["rng"] is not None:
-        state.rng.load_state_dict(parts["rng"])
-    else:   # a rank's stream has no counterpart in another layout, and reusing the
-        # start-of-training seeds would repeat the first iterations' dropout masks
-        state.rng.reseed(state.cfg.train.seed + 1_000_003 * meta["iteration"])
+def _rank_file(state, directory: Path, meta: dict, key: str) -> dict:
+    """This rank's saved file of a per-rank part if the layout is unchanged (and it was
+    saved: converted checkpoints mark `key: false`), else {}."""
+    if meta["layout"] != layout_of(state.cfg) or meta.get(key, True) is False:
+        return {}
+    return load_file(directory / rank_file_name(key, state.grid.rank), mmap=False)

@@ -11,15 +11,12 @@ deleted, then `iter_N.new` becomes `iter_N` and `latest` follows. The one moment
 loader's fallback (ptdp/checkpoint/layout.py). Each save starts by removing leftovers of
 crashed saves (`*.tmp`, and `*.new` that `latest` does not name).
 
-PipeDream-2BW: after N iterations the masters are W(N) and batch N still runs with W(N-1), the
-shadow version; it is saved beside each value (and the fp16 loss scales fixed for batches N and
-N+1, in the metadata), so a resumed 2BW run recomputes batch N with W(N-1) and continues the
-loss sequence of the uninterrupted run exactly.
-
-Distributed optimizer (ptdp/optim/distributed.py): each data rank holds the masters and Adam
-moments of its shard of every bucket only. At a save the data ranks all-gather them into whole
-tensors and data rank 0 writes the same entries as without it, so the files do not depend on
-whether it was on.
+What is saved is the training state's parts (`state.parts()`, ptdp/training/state.py), each
+kept where its `StatePart` says (ptdp/checkpoint/layout.py): this module knows no schedule and
+no kind of master weights. Every rank asks every part for its state_dict() (some are
+collective: the distributed optimizer's ranks assemble whole tensors from their shards,
+ptdp/optim/distributed.py); data rank 0 of each model-parallel rank writes the per-parameter
+entries, so the files do not depend on how the masters were held.
 """
 
 from __future__ import annotations
@@ -36,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from ptdp.checkpoint.layout import (CONFIG_FILE, CheckpointError, FORMAT_VERSION, LATEST, METADATA,
-                                    RESAVE_SUFFIX, TMP_SUFFIX, TOKENIZER_FILE, incomplete,
-                                    iteration_dir_name, latest_name, layout_of, rng_file_name,
-                                    shard_file_name)
+                                    PARAMETERS, RESAVE_SUFFIX, TMP_SUFFIX, TOKENIZER_FILE,
+                                    incomplete, iteration_dir_name, latest_name, layout_of,
+                                    rank_file_name, shard_file_name)
 from ptdp.checkpoint.reshard import param_metadata
 from ptdp.checkpoint.safety import (all_gather, fsync_dir, on_all_ranks, remove, save_durably,
                                     write_text_durably)
@@ -93,13 +90,13 @@ def start_save(state, directory: str | os.PathLike, timing: dict | None = None) 
     tmp = final.with_name(final.name + TMP_SUFFIX)
     rank0 = dist.get_rank() == 0
     on_all_ranks(f"preparing checkpoint {tmp}", lambda: _prepare(root, tmp) if rank0 else None)
-    parts = _parameter_parts(state)
+    parts = [(part, part.state.state_dict()) for part in state.parts()]
     files, info = on_all_ranks(f"copying the state for checkpoint {tmp}",
                                lambda: _snapshot_rank_files(state, tmp, parts))
     params = {}
     for part in all_gather(info):
         params.update(part)
-    metadata = _metadata(state, params, parts["versions"])
+    metadata = _metadata(state, params, parts)
     if timing:
         metadata["timing"] = timing
     return PendingSave(final, files, metadata, state.cfg)
@@ -122,17 +119,6 @@ def finish_save(pending: PendingSave) -> Path:
     on_all_ranks(f"publishing checkpoint {pending.final}",
                  lambda: publish() if dist.get_rank() == 0 else None)
     return pending.final
-
-
-def _parameter_parts(state) -> dict:
-    """What the state's parts save per parameter (and the versions' own state). With the
-    distributed optimizer every data rank takes part in assembling the whole tensors (a
-    collective); otherwise only replica 0 asks, since replicas (data x context) hold the same."""
-    versions = state.versions.state_dict() if state.versions is not None else {}
-    if state.grid.replica_rank != 0 and not state.weights.sharded:
-        return {"versions": versions}
-    return {"values": state.weight_state().state_dict(),
-            "optimizer": state.optimizer_state().state_dict(), "versions": versions}
 
 
 def _write_config_and_tokenizer(cfg, tmp: Path) -> None:
@@ -176,31 +162,30 @@ def _prepare(root: Path, tmp: Path) -> None:
     _reached("tmp_dir")
 
 
-def _snapshot_rank_files(state, tmp: Path, parts: dict) -> tuple[dict, dict]:
+def _snapshot_rank_files(state, tmp: Path, parts: list) -> tuple[dict, dict]:
     """({path: object} of this rank's files, metadata of the parameters it saves ({} if
-    none)), every tensor copied to host memory."""
+    none)), every tensor copied to host memory. `parts`: (StatePart, its state_dict())."""
     grid = state.grid
-    files = {tmp / rng_file_name(grid.rank): state.rng.state_dict()}
+    files = {tmp / rank_file_name(part.key, grid.rank): saved
+             for part, saved in parts if part.per_rank}
     if grid.replica_rank != 0:  # data and context replicas hold the same model and optimizer
         return files, {}
-    shards, info = _model_shards(state, parts)
+    shards, info = _model_shards(state, [saved[PARAMETERS] for part, saved in parts
+                                         if part.per_parameter and PARAMETERS in saved])
     files[tmp / shard_file_name(grid.pp_rank, grid.tp_rank)] = shards
     if state.device.type == "cuda":   # the pinned copies were made without waiting
         torch.cuda.synchronize(state.device)
     return files, info
 
 
-def _model_shards(state, parts: dict) -> tuple[dict, dict]:
-    """({name: saved tensors}, {name: metadata}) for this rank's unique parameters: the
-    master's "value", AdamW's moments and "step", 2BW's "shadow" (CPU copies)."""
-    shadow = parts["versions"].get("shadow")
+def _model_shards(state, per_parameter: list[list[dict]]) -> tuple[dict, dict]:
+    """({name: saved tensors}, {name: metadata}) for this rank's unique parameters: every
+    part's entries of it, in the parts' order (CPU copies)."""
     shards, info = {}, {}
     for i, (name, param) in enumerate(state.named_parameters()):
         if role_of(param).duplicate:  # the tied head's copy; the original is saved
             continue
-        entry = {"value": parts["values"][i], **parts["optimizer"][i]}
-        if shadow is not None:
-            entry["shadow"] = shadow[i].float()
+        entry = {key: value for entries in per_parameter for key, value in entries[i].items()}
         shards[name] = {key: _host_copy(value) for key, value in entry.items()}
         info[name] = param_metadata(param, state.tp.size, state.cfg.model.vocab_size,
                                     state.grid.pp_rank)
@@ -217,25 +202,29 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return copy.copy_(tensor, non_blocking=True)
 
 
-def _metadata(state, params: dict, versions: dict) -> dict:
-    cfg, grid, iteration = state.cfg, state.grid, state.progress.iteration
-    meta = {
-        "format_version": FORMAT_VERSION,
-        **state.progress.state_dict(),   # iteration, skipped_samples: LR = f(consumed - skipped)
-        "consumed_samples": state.batches.consumed(iteration),   # (ramp-up: the ramp's sum)
+def _metadata(state, params: dict, parts: list) -> dict:
+    """The format version, every part's JSON state (under its key, or at the top level), the
+    run's layout, model and config, the parameters' layout-free metadata, the file list."""
+    cfg, grid = state.cfg, state.grid
+    meta = {"format_version": FORMAT_VERSION}
+    for part, saved in parts:
+        if part.per_rank:
+            continue
+        saved = {key: value for key, value in saved.items() if key != PARAMETERS}
+        if part.key is None:
+            meta.update(saved)
+        elif saved:
+            meta[part.key] = saved
+    meta.update({
         "layout": layout_of(cfg),
         "model": dataclasses.asdict(cfg.model),
         "train": dataclasses.asdict(cfg.train),  # for the record; LR is f(iteration, train)
         "config": cfg.to_dict(),                 # the whole resolved config, for the record
-        "loss_scaler": state.loss_scaler.state_dict(),
-    }
-    if versions.get("shadow") is not None:   # 2BW (ptdp/training/two_bw.py)
-        meta["two_bw"] = {"shadow_version": versions["shadow_version"],
-                          "loss_scales": {str(b): s for b, s in versions["loss_scales"].items()}}
-    meta["params"] = params
+        "params": params})
+    rank_files = [rank_file_name(part.key, r) for part, _ in parts if part.per_rank
+                  for r in range(dist.get_world_size())]
     meta["files"] = sorted([shard_file_name(pp, tp) for pp in range(grid.p) for tp in range(grid.t)]
-                           + [rng_file_name(r) for r in range(dist.get_world_size())]
-                           + _config_and_tokenizer_files(cfg))
+                           + rank_files + _config_and_tokenizer_files(cfg))
     return meta
 
 

@@ -20,6 +20,10 @@ distributed optimizer:
 
 Optimizer state per rank drops from 8 (fp32) or 12 (bf16/fp16) bytes per parameter to that
 over d; the gradient buffer stays whole (backward accumulates into all of it).
+
+`ShardedMasterWeights` is the sharded kind of the master weights interface
+(ptdp/optim/weights.py). Its whole-tensor views (`state_dict`, `optimizer_state_dict`,
+`full_grads`) are collective over the data group: each data rank contributes its shard.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch.nn as nn
 from ptdp.optim.buffers import FlatGrads, FlatLayout, bucket_indices
 from ptdp.optim.mixed_precision import _add_to_main_grad, _master_copy
 from ptdp.optim.optimizer import optimizer_moment_bytes
+from ptdp.optim.weights import MOMENTS, has_moments, load_optimizer_states
 from ptdp.parallel.roles import role_of
 
 
@@ -48,9 +53,7 @@ class ShardedBucket:
 
 
 class ShardedMasterWeights:
-    """MasterWeights' interface (ptdp/optim/mixed_precision.py) with the masters sharded."""
-
-    sharded = True
+    """The master weights interface (ptdp/optim/weights.py) with the masters sharded."""
 
     def __init__(self, params: list[nn.Parameter], precision: str, group, rank: int, size: int,
                  bucket_mb: float):
@@ -118,6 +121,17 @@ class ShardedMasterWeights:
                 pieces.append(piece)
         return pieces
 
+    @property
+    def shard_layout(self) -> "ShardedMasterWeights":
+        """Its buckets fix the data-parallel reduction's (ptdp/optim/grads.py), each
+        reduce-scattered into this rank's shard."""
+        return self
+
+    @property
+    def norm_group(self):
+        """Each data rank holds the gradients of its shard: the norm sums over the group."""
+        return self.group
+
     # The iteration ------------------------------------------------------------------------
     def zero_grads(self) -> None:
         self.flat_grads.buffer.zero_()
@@ -148,6 +162,40 @@ class ShardedMasterWeights:
                 work.wait()
 
     # Whole tensors, for tests and checkpoints (collective over the data group) -------------
+    def master_param_indices(self) -> list[int]:
+        return [piece.param_index for piece in self.masters]
+
+    def state_dict(self) -> list[torch.Tensor]:
+        return self.gather(self.piece_values(lambda piece: piece.detach()))
+
+    @torch.no_grad()
+    def load_state_dict(self, values: list[torch.Tensor]) -> None:
+        """Whole local tensors into the model, their ranges into the pieces."""
+        for param, value in zip(self.params, values):
+            param.copy_(value.view(param.shape))
+        for piece in self.masters:
+            piece.copy_(self.range_of(piece, values[piece.param_index]))
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> list[dict]:
+        step = self.optimizer_step_count(optimizer)   # collective
+        if step is None:
+            return [{} for _ in self.params]
+        whole = {key: self.gather(self.piece_values(
+            lambda piece, key=key: optimizer.state[piece][key])) for key in MOMENTS}
+        return [{**{key: whole[key][i] for key in MOMENTS}, "step": step}
+                for i in range(len(self.params))]
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
+                                  per_param: list[dict]) -> None:
+        """Each piece's range of the whole moments."""
+        by_piece = {}
+        for piece in self.masters:
+            saved = per_param[piece.param_index]
+            if has_moments(saved):
+                by_piece[id(piece)] = {"step": saved["step"].clone(), **{
+                    key: self.range_of(piece, saved[key]).clone() for key in MOMENTS}}
+        load_optimizer_states(optimizer, by_piece)
+
     def gather(self, shard: torch.Tensor) -> list[torch.Tensor]:
         """Per parameter, the whole tensor assembled from every rank's `shard` (shaped like
         the master shard: this rank's bucket shards in order)."""

@@ -41,4 +41,6 @@ class LossScaler:
         return {"scale": self.scale, "good_steps": self.good_steps}
 
     def load_state_dict(self, state: dict) -> None:
+        if not state:   # none saved (a converted checkpoint): keep the configured scale
+            return
         self.scale, self.good_steps = state["scale"], state["good_steps"]

@@ -12,16 +12,21 @@ copying the masters into the model are then one kernel each, and the data-parall
 all-reduce slices of the gradient buffer in place. The masters' `.grad` are bound to
 the gradient views once, so `grads_to_masters` has nothing left to do. `contiguous=False`
 keeps one storage per tensor: the same arithmetic, the reference the tests compare with.
+
+`MasterWeights` is the replicated kind of the master weights interface (ptdp/optim/weights.py):
+every data rank holds all of them.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from ptdp.optim.buffers import FlatGrads, FlatLayout
 from ptdp.optim.optimizer import optimizer_moment_bytes
-from ptdp.parallel.roles import copy_role
+from ptdp.optim.weights import MOMENTS, has_moments, load_optimizer_states
+from ptdp.parallel.roles import copy_role, role_of
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -45,15 +50,25 @@ def _master_copy(param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
 
 
 class MasterWeights:
-    """Pairs each model parameter with the fp32 tensor the optimizer updates."""
+    """Pairs each model parameter with the fp32 tensor the optimizer updates.
+
+    `versioned`: the schedule keeps weight versions (ptdp/pipeline/weights.py), which point
+    the parameters at tensors of their own, and 2BW holds one batch's gradients while the next
+    accumulates: one storage per tensor then, not flat buffers; and in fp32 the optimizer
+    steps master objects of their own over the parameters' storage, not the parameter
+    objects autograd saved.
+    """
 
     contiguous_default = True   # tests flip it to compare with one storage per tensor
-    sharded = False             # ptdp/optim/distributed.py shards them over the data group
+    shard_layout = None         # the data-parallel reduction all-reduces whole gradients
+    norm_group = None           # every replica holds every master
 
-    def __init__(self, params: list[nn.Parameter], precision: str, contiguous: bool | None = None):
+    def __init__(self, params: list[nn.Parameter], precision: str, contiguous: bool | None = None,
+                 versioned: bool = False):
         self.params = params
         self.half = precision != "fp32"
-        self.contiguous = self.contiguous_default if contiguous is None else contiguous
+        self.contiguous = (False if versioned else
+                           self.contiguous_default if contiguous is None else contiguous)
         self.flat_grads: FlatGrads | None = None
         if self.contiguous and params:
             self._build_flat()
@@ -61,6 +76,9 @@ class MasterWeights:
             self.masters = [_master_copy(p, p.detach().float().clone()) for p in params]
             for p in params:
                 p.main_grad = None
+        elif versioned:   # the same storage, other objects
+            self.masters = [copy_role(p, nn.Parameter(p.data, requires_grad=p.requires_grad))
+                            for p in params]
         else:
             self.masters = params
         if self.half:
@@ -109,6 +127,16 @@ class MasterWeights:
             for p, master in zip(self.params, self.masters):
                 master.grad = p.main_grad if p.main_grad is not None else torch.zeros_like(master)
 
+    def sync_shared_embeddings(self, group, size: int) -> None:
+        """Sum the gradients of the word embedding's two copies (first and last stage)."""
+        if size <= 1:
+            return
+        for master in self.masters:
+            if role_of(master).shared_embedding:
+                if master.grad is None:
+                    master.grad = torch.zeros_like(master)
+                dist.all_reduce(master.grad, group=group)
+
     @torch.no_grad()
     def masters_to_model(self) -> None:
         if not self.half:
@@ -118,6 +146,36 @@ class MasterWeights:
         else:
             torch._foreach_copy_(self.params, self.masters)
 
+    # Whole tensors: the masters are whole already --------------------------------------------
+    def master_param_indices(self) -> list[int]:
+        return list(range(len(self.params)))
+
+    def full_grads(self) -> list[torch.Tensor | None]:
+        return [master.grad for master in self.masters]
+
+    def state_dict(self) -> list[torch.Tensor]:
+        return [master.detach() for master in self.masters]
+
+    @torch.no_grad()
+    def load_state_dict(self, values: list[torch.Tensor]) -> None:
+        for param, master, value in zip(self.params, self.masters, values):
+            master.copy_(value)
+            if param is not master:
+                param.copy_(master)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> list[dict]:
+        out = []
+        for master in self.masters:
+            state = optimizer.state.get(master, {})
+            out.append({key: torch.as_tensor(state[key]) for key in (*MOMENTS, "step")
+                        if key in state})
+        return out
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
+                                  per_param: list[dict]) -> None:
+        load_optimizer_states(optimizer, {
+            id(master): {"step": saved["step"].clone(), **{key: saved[key] for key in MOMENTS}}
+            for master, saved in zip(self.masters, per_param) if has_moments(saved)})
 
     def state_bytes(self, optimizer) -> int:
         """Bytes of fp32 state kept for the optimizer: masters held apart from the model

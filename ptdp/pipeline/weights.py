@@ -10,8 +10,9 @@ forward inside it, sees exactly the tensors its forward saw:
 * autograd saves a parameter as the parameter object, whose data is switched back before the
   backward; views saved in the forward (a transposed weight) refer to the version's storage,
   which is never written while any micro-batch uses it;
-* the optimizer steps separate master objects, so the parameters' version counters never move
-  and autograd's in-place checks stay quiet.
+* the optimizer steps separate master objects (`MasterWeights(versioned=True)`,
+  ptdp/optim/mixed_precision.py), so the parameters' version counters never move and
+  autograd's in-place checks stay quiet.
 
 Writing a new version never touches one in use. In fp32 the masters *are* the newest version
 (no third copy): a step copies the newest into a free buffer, points the masters at it and
@@ -32,22 +33,6 @@ import torch
 import torch.nn as nn
 
 from ptdp.optim.mixed_precision import grad_of
-from ptdp.parallel.roles import copy_role
-
-
-def aliasing_masters(params: list[nn.Parameter], masters: list[nn.Parameter]) -> list[nn.Parameter]:
-    """Masters the optimizer can step without touching the model's parameter objects.
-
-    fp32 training makes each model parameter its own master; a version store needs a separate
-    object over the same storage (the newest version), so each such master is replaced by a
-    new Parameter sharing its data. Separate (mixed-precision) masters are kept as they are.
-    """
-    out = []
-    for param, master in zip(params, masters):
-        if master is param:
-            master = copy_role(param, nn.Parameter(param.data, requires_grad=param.requires_grad))
-        out.append(master)
-    return out
 
 
 def take_gradients(params: list[nn.Parameter]) -> list[torch.Tensor | None]:

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from ptdp.data.batching import MicroBatches
-from ptdp.optim.grads import (global_grad_norm, reduce_sequence_parallel_grads,
-                              sync_shared_embeddings)
+from ptdp.optim.grads import global_grad_norm, reduce_sequence_parallel_grads
 from ptdp.pipeline.schedules import build_all
 from ptdp.runtime.trace import NO_SPANS
 from ptdp.training.pipeline import Pipeline
@@ -63,23 +62,17 @@ class FlushingStep:
     def reduce_gradients(self, spans=NO_SPANS) -> torch.Tensor:
         """Data-parallel and tied-embedding sums, loss-scale removal; returns the global norm
         (a device tensor: nothing here waits for the device)."""
-        state, grid = self.state, self.state.grid
-        sharded = state.weights.sharded
+        state, grid, weights = self.state, self.state.grid, self.state.weights
         with spans("data-parallel reduce", "reduce"):
             state.dp_grads.finish()
-            state.weights.grads_to_masters()
+            weights.grads_to_masters()
         with spans("embedding reduce + norm", "reduce"):
-            if sharded:
-                state.weights.sync_shared_embeddings(grid.embedding_group,
-                                                     len(grid.embedding_ranks))
-            else:
-                sync_shared_embeddings(state.master_params, grid.embedding_group,
-                                       len(grid.embedding_ranks))
+            weights.sync_shared_embeddings(grid.embedding_group, len(grid.embedding_ranks))
             if state.tp.sequence_parallel:
                 reduce_sequence_parallel_grads(state.master_params, grid.tensor_group, grid.t)
             unscale_([m.grad for m in state.master_params], state.loss_scaler.scale)
             return global_grad_norm(state.master_params, grid.model_group, grid.tp_rank,
-                                    data_group=grid.replica_group if sharded else None,
+                                    data_group=weights.norm_group,
                                     device=state.device)
 
     def optimizer_step(self, iteration: int, grad_norm: torch.Tensor, spans=NO_SPANS) -> bool:

@@ -11,7 +11,8 @@ checkpoints happen between iterations, where no exchange is in flight.
 The executor hands the rank actions (R, W, U, T, E) to ``on_action``; the subclasses say what
 they do (ptdp/training/two_bw.py, ptdp/training/pipedream.py). A no-flush step keeps the weight
 versions, so it is also the training state's ``versions`` part: ``activate_newest()``, and what
-a checkpoint saves of them (``state_dict()`` / ``load_state_dict()``).
+a checkpoint saves of them (``state_dict()`` / ``load_state_dict()``, kept where
+``state_part()`` says).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ptdp.checkpoint.layout import StatePart
 from ptdp.data.batching import MicroBatches
 from ptdp.optim.grads import counts_in_norm
 from ptdp.pipeline.actions import END, REDUCE, TIED, UPDATE, WEIGHTS
@@ -31,6 +33,8 @@ from ptdp.training.updates import step_optimizer
 
 class NoFlushStep:
     """The stream of iterations; subclasses say what the rank actions do."""
+
+    CHECKPOINT_KEY = "versions"   # metadata.json's key for the versions' state (if any)
 
     def __init__(self, state: TrainingState, pipeline: Pipeline, batches: MicroBatches):
         self.state, self.pipeline, self.batches = state, pipeline, batches
@@ -92,6 +96,11 @@ class NoFlushStep:
     def activate_newest(self) -> None:
         """Point every parameter at the newest weights (validation, saving, reports)."""
         self.versions.activate_newest()
+
+    def state_part(self) -> StatePart:
+        """The versions as a checkpoint keeps them: per parameter (a version's weights) and in
+        the metadata under CHECKPOINT_KEY."""
+        return StatePart(self.CHECKPOINT_KEY, self, per_parameter=True)
 
     def state_dict(self) -> dict:
         """Nothing beyond the newest weights (the masters) by default."""

@@ -7,23 +7,29 @@ rank builds the same objects for its coordinates, and nothing is global. The ste
 
 Each part that a checkpoint saves says what it saves and how it loads, with
 `state_dict()` / `load_state_dict()` (the Stateful pattern of torch.distributed.checkpoint);
-ptdp/checkpoint/ turns these into files and back, resharding in between:
+`TrainingState.parts()` lists them in load order, each as a `StatePart`
+(ptdp/checkpoint/layout.py) saying where the format keeps it, and ptdp/checkpoint/ iterates
+that list, turning parts into files and back, resharding in between:
 
-=================  ==============================================  =========================
-part               state_dict()                                    in the checkpoint
-=================  ==============================================  =========================
-weights            per parameter, its fp32 master (local shard)     "value" of each parameter
-optimizer          per parameter, AdamW's moments and step          "exp_avg", "exp_avg_sq",
-                                                                   "step"
-loss_scaler        scale and good steps                            metadata "loss_scaler"
-rng                CPU/CUDA and tensor-parallel streams            rng_rank{R}.pt
-progress           iterations done (the data position and LR),     metadata "iteration",
-                   samples of fp16-skipped updates (LR)            "skipped_samples"
-versions           2BW: the older live weight version, fp16 scales  "shadow", metadata "two_bw"
-=================  ==============================================  =========================
+===========  ===================================================  ============================
+part         state_dict()                                         in the checkpoint
+===========  ===================================================  ============================
+progress     iterations done (the data position and LR),          metadata "iteration",
+             samples of fp16-skipped updates (LR), samples read   "skipped_samples",
+                                                                  "consumed_samples"
+weights      per parameter, its fp32 master (local shard)         "value" of each parameter
+optimizer    per parameter, AdamW's moments and step              "exp_avg", "exp_avg_sq",
+                                                                  "step"
+loss_scaler  scale and good steps                                 metadata "loss_scaler"
+rng          CPU/CUDA and tensor-parallel streams                 rng_rank{R}.pt
+versions     a no-flush step's weight versions; 2BW: the older    "shadow", metadata "two_bw"
+             live version and its fixed fp16 scales
+             (ptdp/training/two_bw.py)
+===========  ===================================================  ============================
 
-With the distributed optimizer the weights' and optimizer's state_dict() are collective over
-the data group (each data rank holds a shard; ptdp/optim/distributed.py).
+The weights and the optimizer part ask the master weights (ptdp/optim/weights.py) for whole
+local tensors per parameter; with the distributed optimizer that is collective over the data
+group (each data rank holds a shard; ptdp/optim/distributed.py).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ptdp.checkpoint.layout import OPTIMIZER_KEYS
+from ptdp.checkpoint.layout import PARAMETERS, StatePart
 from ptdp.config import Config
 from ptdp.config.batches import BatchSchedule
 from ptdp.config.catalogue import ScheduleSpec
@@ -45,6 +51,7 @@ from ptdp.optim.grads import DataParallelGradients, counts_in_norm
 from ptdp.optim.loss_scale import LossScaler
 from ptdp.optim.mixed_precision import MasterWeights, PRECISIONS
 from ptdp.optim.optimizer import build_optimizer
+from ptdp.optim.weights import Weights
 from ptdp.parallel.context import ContextParallel
 from ptdp.parallel.grid import RankGrid
 from ptdp.parallel.mappings import TensorParallel
@@ -53,7 +60,6 @@ from ptdp.parallel.roles import role_of
 from ptdp.parallel.sharding import gather_full_state
 from ptdp.parallel.weight_grad import STORE as WEIGHT_GRADS
 from ptdp.pipeline.actions import rank_stages
-from ptdp.pipeline.weights import aliasing_masters
 
 
 @dataclass
@@ -78,75 +84,64 @@ class Progress:
         self.skipped_samples = state.get("skipped_samples", 0)   # (older checkpoints: none)
 
 
+class ProgressState:
+    """The progress as a checkpoint holds it: with the samples consumed, for the record and
+    for a resumed job's check of its batch sizes (ptdp/checkpoint/load.py)."""
+
+    def __init__(self, progress: Progress, batches: BatchSchedule):
+        self.progress, self.batches = progress, batches
+
+    def state_dict(self) -> dict:
+        return {**self.progress.state_dict(),
+                "consumed_samples": self.batches.consumed(self.progress.iteration)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.progress.load_state_dict(state)
+
+
 class WeightState:
-    """The model's weights as a checkpoint holds them: per parameter, its fp32 master."""
+    """The model's weights as a checkpoint holds them: per parameter, its fp32 "value"."""
 
-    def __init__(self, params: list, masters: list, weights):
-        self.params, self.masters, self.weights = params, masters, weights
+    def __init__(self, weights: Weights):
+        self.weights = weights
 
-    def state_dict(self) -> list[torch.Tensor]:
-        """Per parameter, its fp32 value, shaped like the parameter (this rank's shard)."""
-        if self.weights.sharded:
-            return self.weights.gather(self.weights.piece_values(lambda piece: piece.detach()))
-        return [master.detach() for master in self.masters]
+    def state_dict(self) -> dict:
+        return {PARAMETERS: [{"value": v} for v in self.weights.state_dict()]}
 
-    @torch.no_grad()
-    def load_state_dict(self, values: list[torch.Tensor]) -> None:
-        """Masters from `values`; the model's (maybe low-precision) weights follow them."""
-        if self.weights.sharded:   # whole local tensors into the model, ranges into the pieces
-            for param, value in zip(self.params, values):
-                param.copy_(value.view(param.shape))
-            for piece in self.masters:
-                piece.copy_(self.weights.range_of(piece, values[piece.param_index]))
-            return
-        for param, master, value in zip(self.params, self.masters, values):
-            master.copy_(value)
-            if param is not master:
-                param.copy_(master)
+    def load_state_dict(self, state: dict) -> None:
+        self.weights.load_state_dict([entry["value"] for entry in state[PARAMETERS]])
 
 
 class OptimizerState:
     """AdamW's state as a checkpoint holds it: per parameter its two moments and the step."""
 
-    MOMENTS = OPTIMIZER_KEYS
+    def __init__(self, optimizer: torch.optim.Optimizer, weights: Weights):
+        self.optimizer, self.weights = optimizer, weights
 
-    def __init__(self, optimizer: torch.optim.Optimizer, masters: list, weights):
-        self.optimizer, self.masters, self.weights = optimizer, masters, weights
+    def state_dict(self) -> dict:
+        return {PARAMETERS: self.weights.optimizer_state_dict(self.optimizer)}
 
-    def state_dict(self) -> list[dict]:
-        """Per parameter {"exp_avg", "exp_avg_sq", "step"} (empty before the first step)."""
-        if self.weights.sharded:
-            step = self.weights.optimizer_step_count(self.optimizer)   # collective
-            if step is None:
-                return [{} for _ in self.weights.params]
-            whole = {key: self.weights.gather(self.weights.piece_values(
-                lambda piece, key=key: self.optimizer.state[piece][key])) for key in self.MOMENTS}
-            return [{**{key: whole[key][i] for key in self.MOMENTS}, "step": step}
-                    for i in range(len(self.weights.params))]
-        out = []
-        for master in self.masters:
-            state = self.optimizer.state.get(master, {})
-            out.append({key: torch.as_tensor(state[key]) for key in (*self.MOMENTS, "step")
-                        if key in state})
-        return out
+    def load_state_dict(self, state: dict) -> None:
+        """A parameter without saved moments (a converted checkpoint) keeps a fresh state."""
+        self.weights.load_optimizer_state_dict(self.optimizer, state[PARAMETERS])
 
-    def load_state_dict(self, per_param: list[dict]) -> None:
-        """Moments (whole local tensors per parameter) and step; a parameter without them keeps
-        a fresh state. Through Optimizer.load_state_dict, so torch places and casts them."""
-        sharded = self.weights.sharded
-        by_master = {}
-        for i, master in enumerate(self.masters):
-            saved = per_param[master.param_index if sharded else i]
-            if "step" not in saved or not all(key in saved for key in self.MOMENTS):
-                continue
-            moments = {key: (self.weights.range_of(master, saved[key]).clone()
-                             if sharded else saved[key]) for key in self.MOMENTS}
-            by_master[id(master)] = {"step": saved["step"].clone(), **moments}
-        sd = self.optimizer.state_dict()
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        sd["state"] = {index: by_master[id(p)] for index, p in enumerate(params)
-                       if id(p) in by_master}
-        self.optimizer.load_state_dict(sd)
+
+class StreamsState:
+    """The random streams; a checkpoint of another layout (or without them) has no stream for
+    this rank, and reusing the start-of-training seeds would repeat the first iterations'
+    dropout masks: they are reseeded from the iteration instead."""
+
+    def __init__(self, rng: RandomStreams, progress: Progress, seed: int):
+        self.rng, self.progress, self.seed = rng, progress, seed
+
+    def state_dict(self) -> dict:
+        return self.rng.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            self.rng.load_state_dict(state)
+        else:   # (the progress part loads first)
+            self.rng.reseed(self.seed + 1_000_003 * self.progress.iteration)
 
 
 @dataclass
@@ -161,29 +156,42 @@ class TrainingState:
     ctx: ModelContext
     chunks: dict[int, nn.Module]          # global virtual stage -> model chunk
     params: list[nn.Parameter]            # this rank's parameters, chunk by chunk
-    weights: MasterWeights | ShardedMasterWeights
-    master_params: list[nn.Parameter]     # what the optimizer steps (same order as params)
+    weights: Weights                      # their fp32 masters (ptdp/optim/weights.py)
     optimizer: torch.optim.Optimizer
     loss_scaler: LossScaler
     dp_grads: DataParallelGradients
     m: int                                # micro-batches per data rank and iteration (at B)
     batches: BatchSchedule                # each iteration's global batch (ramp-up)
     progress: Progress = field(default_factory=Progress)
-    versions: object = None               # a no-flush step's weight versions (state_dict())
+    versions: object = None               # a no-flush step's weight versions (state_part())
 
     @property
     def dtype(self) -> torch.dtype:
         return PRECISIONS[self.cfg.train.precision]
 
+    @property
+    def master_params(self) -> list[nn.Parameter]:
+        """What the optimizer steps: one master per parameter, or the distributed optimizer's
+        pieces of this rank's shard."""
+        return self.weights.masters
+
     def micro_batches(self, iteration: int) -> int:
         """Micro-batches per data rank in `iteration` (m, or fewer while the batch ramps up)."""
         return self.batches.batch_size(iteration) // (self.cfg.train.micro_batch_size * self.grid.d)
 
-    def weight_state(self) -> WeightState:
-        return WeightState(self.params, self.master_params, self.weights)
-
-    def optimizer_state(self) -> OptimizerState:
-        return OptimizerState(self.optimizer, self.master_params, self.weights)
+    def parts(self) -> list[StatePart]:
+        """What a checkpoint saves of this state, in load order: the progress first (the
+        random streams and the weight versions are numbered from it)."""
+        parts = [StatePart(None, ProgressState(self.progress, self.batches)),
+                 StatePart("weights", WeightState(self.weights), per_parameter=True),
+                 StatePart("optimizer", OptimizerState(self.optimizer, self.weights),
+                           per_parameter=True),
+                 StatePart("loss_scaler", self.loss_scaler),
+                 StatePart("rng", StreamsState(self.rng, self.progress, self.cfg.train.seed),
+                           per_rank=True)]
+        if self.versions is not None:
+            parts.append(self.versions.state_part())
+        return parts
 
     # Whole-model views (reports, tests, conversion) -----------------------------------------
     def named_parameters(self):
@@ -196,9 +204,8 @@ class TrainingState:
         """(global name of the model parameter, master) for each tensor the optimizer steps:
         one per parameter, or the distributed optimizer's pieces of this rank's shard."""
         names = [name for name, _ in self.named_parameters()]
-        if self.weights.sharded:
-            return [(names[m.param_index], m) for m in self.master_params]
-        return list(zip(names, self.master_params))
+        return [(names[i], master) for i, master
+                in zip(self.weights.master_param_indices(), self.master_params)]
 
     def full_state(self, grads: bool = False) -> dict:
         """Full fp32 weights (or the master weights' gradients) by global name, on every rank.
@@ -206,14 +213,10 @@ class TrainingState:
         if self.versions is not None:   # the newest version (the masters'), not the one in use
             self.versions.activate_newest()
         vocab = self.cfg.model.vocab_size
-        if grads and self.weights.sharded:   # each data rank holds the sums of its shard only
+        if grads:   # (sharded masters: each data rank holds the sums of its shard only)
             full = dict(zip(map(id, self.params), self.weights.full_grads()))
             return gather_full_state(self.named_parameters(), self.tp, vocab,
                                      value_of=lambda p: full[id(p)])
-        if grads:
-            pairs = [(name, master) for (name, _), master
-                     in zip(self.named_parameters(), self.master_params)]
-            return gather_full_state(pairs, self.tp, vocab, grads=True)
         return gather_full_state(self.named_parameters(), self.tp, vocab)
 
     def local_parameter_count(self) -> int:
@@ -243,36 +246,29 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
     chunks = {s: build_chunk(ctx, s, num_stages).to(device, PRECISIONS[tr.precision])
               for s in rank_stages(grid.pp_rank, par.pipeline, par.chunks)}
     params = [p for c in chunks.values() for p in c.parameters()]
-    weights, masters = _master_weights(cfg, grid, params, spec)
+    weights = _master_weights(cfg, grid, params, spec)
     m = cfg.num_micro_batches
     # PipeDream updates after every input: each parameter accumulates once per reduction.
     # Summed over the replicas: data ranks saw other sequences, context ranks other tokens.
     dp_grads = DataParallelGradients(
         params, grid.replica_group, grid.replicas, 1 if spec.update_per_input else m,
         tr.grad_bucket_mb,
-        flat=weights.flat_grads, sharded=weights if weights.sharded else None)
-    return TrainingState(cfg, grid, device, tp, rng, ctx, chunks, params, weights, masters,
-                         build_optimizer(masters, tr),
+        flat=weights.flat_grads, sharded=weights.shard_layout)
+    return TrainingState(cfg, grid, device, tp, rng, ctx, chunks, params, weights,
+                         build_optimizer(weights.masters, tr),
                          LossScaler(dynamic=tr.precision == "fp16", initial=tr.initial_loss_scale),
                          dp_grads, m, BatchSchedule.of(tr))
 
 
-def _master_weights(cfg: Config, grid: RankGrid, params: list, spec: ScheduleSpec) -> tuple:
-    """(MasterWeights or its sharded form, the masters the optimizer steps).
+def _master_weights(cfg: Config, grid: RankGrid, params: list, spec: ScheduleSpec) -> Weights:
+    """Replicated master weights, or sharded with the distributed optimizer.
 
     Master weights come before the data-parallel reduction: their fp32-accumulation hook must
-    run before the data-parallel one. Weight versions point parameters at tensors of their own,
-    and 2BW holds one batch's gradients while the next accumulates: one storage per tensor
-    then, not flat buffers; and in fp32 the optimizer must not step the parameter objects
-    autograd saved (`aliasing_masters`).
+    run before the data-parallel one. A schedule that keeps weight versions needs one storage
+    per tensor and masters apart from the parameter objects (`versioned`).
     """
     tr = cfg.train
     if tr.distributed_optimizer:   # (config refuses it with the no-flush schedules)
-        weights = ShardedMasterWeights(params, tr.precision, grid.replica_group,
-                                       grid.replica_rank, grid.replicas, tr.grad_bucket_mb)
-        return weights, weights.masters
-    weights = MasterWeights(params, tr.precision,
-                            contiguous=False if spec.weight_versions else None)
-    if spec.weight_versions:
-        return weights, aliasing_masters(params, weights.masters)
-    return weights, weights.masters
+        return ShardedMasterWeights(params, tr.precision, grid.replica_group, grid.replica_rank,
+                                    grid.replicas, tr.grad_bucket_mb)
+    return MasterWeights(params, tr.precision, versioned=spec.weight_versions)

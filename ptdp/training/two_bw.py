@@ -24,12 +24,15 @@ uninterrupted run exactly.
 
 from __future__ import annotations
 
+from ptdp.checkpoint.layout import PARAMETERS
 from ptdp.pipeline.weights import StashedVersions, WeightVersions
 from ptdp.training.no_flush import NoFlushStep
 from ptdp.training.updates import start_tied_embedding_sum, unscale_
 
 
 class TwoBWStep(NoFlushStep):
+    CHECKPOINT_KEY = "two_bw"
+
     def __init__(self, state, pipeline, batches):
         super().__init__(state, pipeline, batches)
         self.store = WeightVersions(state.params, state.master_params)
@@ -81,20 +84,23 @@ class TwoBWStep(NoFlushStep):
 
     # Checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The older of the two live versions (per parameter, aligned with the state's params)
-        and the fp16 loss scales already fixed for the coming batches; {} with one version."""
+        """The older of the two live versions (per parameter, fp32 "shadow") and the fp16 loss
+        scales already fixed for the coming batches; {} with one version."""
         versions = sorted(self.store.buffers)
         if len(versions) < 2:
             return {}
         first = self.state.progress.iteration
-        return {"shadow_version": versions[0], "shadow": self.store.values(versions[0]),
-                "loss_scales": {b: s for b, s in self.scales.items() if b >= first}}
+        return {"shadow_version": versions[0],
+                "loss_scales": {str(b): s for b, s in self.scales.items() if b >= first},
+                PARAMETERS: [{"shadow": t.float()} for t in self.store.values(versions[0])]}
 
     def load_state_dict(self, state: dict) -> None:
         """State after `progress.iteration` = N iterations: the masters are W(N); the shadow,
-        if saved, is W(N - 1), which the next batch still uses."""
+        if saved, is W(N - 1), which the next batch still uses (a checkpoint of another
+        schedule has none: the first two batches then use the loaded weights)."""
         iteration = self.state.progress.iteration
         self.store.renumber(iteration)
-        if state.get("shadow") is not None and iteration > 0:
-            self.store.install(iteration - 1, state["shadow"])
+        shadow = [entry.get("shadow") for entry in state.get(PARAMETERS, [])]
+        if shadow and all(s is not None for s in shadow) and iteration > 0:
+            self.store.install(iteration - 1, shadow)
         self.scales.update({int(k): v for k, v in state.get("loss_scales", {}).items()})

@@ -1,0 +1,90 @@
+"""Checkpoints written by older code still load: the files in tests/checkpoint_v1 were saved by
+the code of commit ca907fd (tests/checkpoint_v1/make.py), for 1F1B with and without the
+distributed optimizer, in fp32, bf16 and fp16, PipeDream-2BW (its shadow weights and fixed loss
+scales) and PipeDream.
+
+Each is loaded by today's code and (1) saved again at once: every file holds the same tensors
+and the metadata the same entries, so the format is unchanged on disk; (2) resumed: the losses
+are exactly those the old code's resumed run printed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import yaml
+
+from ptdp.runtime.local_ranks import run_on_ranks
+
+FIXTURES = Path(__file__).resolve().parent / "checkpoint_v1"
+CASES = json.loads((FIXTURES / "cases.json").read_text())
+
+
+def _resume_job(root: str) -> dict:
+    from ptdp.checkpoint.save import save_checkpoint
+    from ptdp.config import load_config
+    from ptdp.training import Trainer
+    out = {}
+    for case, spec in CASES.items():
+        saved = FIXTURES / case / f"iter_{spec['saved']:07d}"
+        overrides = spec["overrides"] + [f"train.iters={spec['iters']}", f"checkpoint.load={saved}"]
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            trainer = Trainer(load_config(None, overrides, world_size=dist.get_world_size()))
+            again = save_checkpoint(trainer.state, Path(root) / case)
+            out[case] = {"again": str(again), "losses": [r["loss"] for r in trainer.train()]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v1")
+    return run_on_ranks(2, _resume_job, str(root), timeout_s=300)[0]
+
+
+def _same(a, b, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
+        for key in a:
+            _same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _without_paths(meta: dict) -> dict:
+    """The metadata less what names this run (the config's checkpoint paths, the save times)."""
+    meta = {key: value for key, value in meta.items() if key != "timing"}
+    meta["config"] = {key: value for key, value in meta["config"].items() if key != "checkpoint"}
+    return meta
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_checkpoint_of_the_old_code_is_saved_again_unchanged(resumed, case):
+    old = FIXTURES / case / f"iter_{CASES[case]['saved']:07d}"
+    new = Path(resumed[case]["again"])
+    assert sorted(p.name for p in new.iterdir()) == sorted(p.name for p in old.iterdir())
+    for path in sorted(old.glob("*.pt")):
+        _same(torch.load(path, weights_only=True), torch.load(new / path.name, weights_only=True),
+              path.name)
+    assert (_without_paths(json.loads((old / "metadata.json").read_text()))
+            == _without_paths(json.loads((new / "metadata.json").read_text())))
+    old_cfg, new_cfg = (yaml.safe_load((d / "config.yaml").read_text()) for d in (old, new))
+    old_cfg.pop("checkpoint"), new_cfg.pop("checkpoint")
+    assert old_cfg == new_cfg
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_checkpoint_of_the_old_code_resumes_with_the_old_codes_losses(resumed, case):
+    assert resumed[case]["losses"] == CASES[case]["resumed"]
