@@ -40,10 +40,10 @@ class Family:
     def mismatches(self, cfg: ModelConfig) -> list[str]:
         """What of `cfg` this family's HF class cannot compute: another model family, as
         'model.arch=WANTED', then the block options, as 'model.KEY=WANTED (not GOT)'."""
-        arch = self.model_family.name
-        return ([] if cfg.arch == arch else [f"model.arch={arch}"]) + [
-            f"model.{key}={_text(want)} (not {_text(getattr(cfg, key))})"
-            for key, want in self.block.items() if getattr(cfg, key) != want]
+        ours = self.model_family
+        family = [] if cfg.family is ours else [f"model.arch={ours.name}"]
+        return family + [f"model.{key}={_text(want)} (not {_text(getattr(cfg, key))})"
+                         for key, want in self.block.items() if getattr(cfg, key) != want]
 
     def model_config(self, config) -> ModelConfig:
         raise NotImplementedError
