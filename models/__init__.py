@@ -1,5 +1,6 @@
 """GPT and BERT built only from ptdp.parallel layers."""
 
+from ptdp.config.models import BERT, FAMILY_NAMES, GPT
 from ptdp.models.bert import BertChunk
 from ptdp.models.gpt import GPTChunk
 from ptdp.models.transformer import ModelContext
@@ -8,10 +9,14 @@ __all__ = ["BertChunk", "GPTChunk", "ModelContext", "build_chunk", "global_param
            "named_global_parameters"]
 
 
+# The model catalogue's families (ptdp/config/models.py) bound to their chunks.
+_CHUNKS = {GPT.name: GPTChunk, BERT.name: BertChunk}
+assert tuple(_CHUNKS) == FAMILY_NAMES, "every family of the catalogue has a chunk, and only those"
+
+
 def build_chunk(ctx: ModelContext, stage: int, num_stages: int):
     """Virtual pipeline stage `stage` of `num_stages` for ctx.model.arch."""
-    cls = {"gpt": GPTChunk, "bert": BertChunk}[ctx.model.arch]
-    return cls(ctx, stage, num_stages)
+    return _CHUNKS[ctx.model.arch](ctx, stage, num_stages)
 
 
 def global_parameter_name(chunk, local_name: str) -> str:

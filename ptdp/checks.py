@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ptdp.config import Config, ConfigError, parse_config, parse_paths, parse_split, validate
+from ptdp.config.models import DEFAULT_PRESET, Samples
 
 
 @dataclass
@@ -130,7 +131,7 @@ def _check_dataset(cfg: Config, header, found: Findings) -> None:
                    f"beyond it would be dropped silently); write it once with `ptdp preprocess "
                    f"--describe --output-prefix {header.prefix} --tokenizer TOKENIZER`")
     _check_eod_options(cfg, header, found)
-    if cfg.model.arch == "bert":
+    if cfg.model.family.samples is Samples.SENTENCE_PAIRS:
         if not header.meta.get("sentences"):
             found.error(f"data.paths: {_idx(header)} has no sentence boundaries, which BERT "
                         f"needs; re-run `ptdp preprocess --split-sentences`")
@@ -442,12 +443,12 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     mb = cfg.num_micro_batches
     shape = ModelShape.from_config(m)
-    if m.arch == "bert" or shape.dissertation_block:
+    if shape.bert_heads or shape.dissertation_block:
         formula = "Eq. 4.3"
         params = parameter_count(m.num_layers, m.hidden_size, cfg.padded_vocab_size, m.seq_length)
     else:   # Llama-style and other blocks: counted exactly (ptdp/planner/formulas.py)
         formula, params = "Eq. 4.3 generalised", decoder_parameters(shape, cfg.padded_vocab_size)
-    block = f" ({m.preset} block)" if m.preset != "gpt" else ""
+    block = f" ({m.preset} block)" if m.preset != DEFAULT_PRESET else ""
     kv = f" ({m.num_kv_heads} K/V)" if m.num_kv_heads != m.num_heads else ""
     lines = [
         f"model: {m.arch}{block}, {m.num_layers} layers, h={m.hidden_size}, {m.num_heads} heads"

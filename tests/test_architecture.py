@@ -210,3 +210,30 @@ def test_a_source_checkout_imports_ptdp_models_without_an_install(tmp_path):
                          timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(ROOT / "models" / "gpt.py")
+
+
+def _reads_arch(node: ast.AST) -> bool:
+    """`x.arch` or a variable named `arch`: model.arch's value, a family's name."""
+    return (isinstance(node, ast.Attribute) and node.attr == "arch") or \
+        (isinstance(node, ast.Name) and node.id == "arch")
+
+
+def test_model_family_names_are_spelled_only_in_the_model_catalogue():
+    """Code asks a family's traits (`cfg.model.family.causal`, `.samples`, `.heads`, ...) or
+    names a catalogue entry (`GPT.name`, `DEFAULT_PRESET`); it never spells a family's name nor
+    compares model.arch. Outside ptdp/config/models.py, in ptdp/ and models/, a literal is a
+    string constant equal to a name of `FAMILY_NAMES` ('gpt', 'bert'); text that only contains
+    one (messages, docstrings, the text parts of f-strings) is not. A comparison is ==, !=, in
+    or not in with `x.arch` or `arch` on either side."""
+    from ptdp.config.models import FAMILY_NAMES
+    found = []
+    for module, path in MODULES.items():
+        if module == "ptdp.config.models":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in FAMILY_NAMES:
+                found.append(f"{module}:{node.lineno} {node.value!r}")
+            if isinstance(node, ast.Compare) and \
+                    any(_reads_arch(side) for side in (node.left, *node.comparators)):
+                found.append(f"{module}:{node.lineno} compares model.arch")
+    assert found == []

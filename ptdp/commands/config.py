@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ptdp.config.models import FAMILY_NAMES
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -36,7 +38,7 @@ def register(subparsers) -> None:
                                     "the variables and arrays the script sets expanded")
     from_megatron.add_argument("--out", metavar="FILE.yaml",
                                help="write the YAML here (default: stdout)")
-    from_megatron.add_argument("--arch", choices=("gpt", "bert"),
+    from_megatron.add_argument("--arch", choices=FAMILY_NAMES,
                                help="model.arch (default: bert for pretrain_bert.py, else gpt)")
     from_megatron.add_argument("--table", action="store_true",
                                help="print the whole argument table (Markdown) and exit")

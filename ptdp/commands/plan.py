@@ -14,6 +14,7 @@ import yaml
 
 from ptdp.config import ConfigError, config_from_dict, load_model_yaml, validate
 from ptdp.config.catalogue import Planner, names_where, schedule_spec
+from ptdp.config.models import DEFAULT_PRESET
 from ptdp.hardware import HardwareError, foreign_profile, load_hardware
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.cost_model import SCHEDULES, Workload
@@ -141,7 +142,7 @@ def _plan(args) -> int:
                   "global_batch_size": batch}
         print(json.dumps(result_dict(result, header, precision, args.top), indent=2))
     else:
-        block = f" ({m.preset} block)" if m.preset != "gpt" else ""
+        block = f" ({m.preset} block)" if m.preset != DEFAULT_PRESET else ""
         kv = f" ({m.num_kv_heads} K/V)" if m.num_kv_heads != m.num_heads else ""
         title = (f"{m.arch}{block} {params / 1e9:.1f}B parameters ({m.num_layers} layers, "
                  f"h={m.hidden_size}, {m.num_heads} heads{kv}, f={m.ffn_hidden_size}, "

@@ -1,5 +1,6 @@
 """The job's configuration: its schema (ptdp/config/schema.py), loading with overrides
-(loading.py), validation (validation.py) and the schedule catalogue (catalogue.py). Torch-free.
+(loading.py), validation (validation.py), the schedule catalogue (catalogue.py) and the model
+catalogue (models.py). Torch-free.
 """
 
 from ptdp.config.loading import (config_from_dict, load_config, load_model_yaml, parse_config,

@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from ptdp.config.schema import BLOCK_OPTIONS, Config, ConfigError, suggest
+from ptdp.config.models import BLOCK_OPTIONS
+from ptdp.config.schema import Config, ConfigError, suggest
 from ptdp.config.validation import validate, validate_model
 
 

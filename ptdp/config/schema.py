@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 
 from ptdp.config.catalogue import DEFAULT
+from ptdp.config.models import (BLOCK_OPTIONS, DEFAULT_FAMILY, DEFAULT_PRESET, PRESETS,
+                                ModelFamily, model_family)
 
 
 class ConfigError(ValueError):
@@ -34,21 +36,9 @@ def suggest(word: str, options: list[str]) -> str:
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
-# What `model.preset` fills in for every block option left unset (null). "gpt" is GPT-2's
-# block (the dissertation's); "llama" is the Llama-style decoder (Touvron et al. 2023):
-# rotary positions, RMSNorm, SwiGLU, bias-free linears, untied input and output embeddings.
-PRESETS = {
-    "gpt": dict(position_embedding="learned", normalization="layernorm", activation="gelu",
-                bias=True, tie_embeddings=True),
-    "llama": dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu",
-                  bias=False, tie_embeddings=False),
-}
-BLOCK_OPTIONS = tuple(PRESETS["gpt"])
-
-
 @dataclass
 class ModelConfig:
-    arch: str = "gpt"                    # gpt | bert
+    arch: str = DEFAULT_FAMILY.name      # gpt | bert (ptdp/config/models.py)
     num_layers: int = 2
     hidden_size: int = 64
     num_heads: int = 4
@@ -60,8 +50,8 @@ class ModelConfig:
     layernorm_eps: float = 1e-5          # epsilon of LayerNorm or RMSNorm
     init_std: float = 0.02
     num_tokentypes: int = 2              # BERT segment embeddings
-    # The block (null = the preset's choice; ptdp/config/schema.py PRESETS)
-    preset: str = "gpt"                  # gpt | llama
+    # The block (null = the preset's choice; ptdp/config/models.py PRESETS)
+    preset: str = DEFAULT_PRESET         # gpt | llama
     position_embedding: str | None = None  # learned | rope
     normalization: str | None = None     # layernorm | rmsnorm
     activation: str | None = None        # gelu | swiglu
@@ -76,7 +66,8 @@ class ModelConfig:
     rope_original_seq_length: int = 8192  # the context the scaled frequencies were trained at
 
     def __post_init__(self):
-        preset = PRESETS.get(self.preset, PRESETS["gpt"])  # an unknown preset: validation says so
+        # an unknown preset: validation says so
+        preset = PRESETS.get(self.preset, PRESETS[DEFAULT_PRESET])
         for key in BLOCK_OPTIONS:
             if getattr(self, key) is None:
                 setattr(self, key, preset[key])
@@ -86,6 +77,11 @@ class ModelConfig:
             self.num_kv_heads = self.num_heads
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.activation)
+
+    @property
+    def family(self) -> ModelFamily:
+        """The traits of model.arch's family (ptdp/config/models.py)."""
+        return model_family(self.arch)
 
     @property
     def attention_dropout_rate(self) -> float:

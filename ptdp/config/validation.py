@@ -7,10 +7,12 @@ import dataclasses
 import math
 
 from ptdp.config.catalogue import Chunks, DEFAULT, NAMES, SCHEDULES, ScheduleSpec, names_where
+from ptdp.config.models import (DEFAULT_PRESET, FAMILY_NAMES, MODEL_FAMILIES, PRESETS, Samples,
+                                family_names)
 from ptdp.config.problems import Problems as _Problems
 from ptdp.config.run_length import check_rampup_layout, check_run_length_and_schedule
-from ptdp.config.schema import (AUTO_LOAD, BLOCK_OPTIONS, PRESETS, Config, ConfigError,
-                                DataConfig, ModelConfig, ParallelConfig, TrainConfig)
+from ptdp.config.schema import (AUTO_LOAD, Config, ConfigError, DataConfig, ModelConfig,
+                                ParallelConfig, TrainConfig)
 
 
 def parse_split(split: str) -> list[float]:
@@ -64,7 +66,7 @@ def validate(cfg: Config, world_size: int) -> None:
     model_ok = _check_model(cfg.model, problems)
     train_ok = _check_train(cfg.train, problems)
     _check_data(cfg.data, problems)
-    _check_gpt_data_options(cfg, problems)
+    _check_document_options(cfg, problems)
     _check_log_and_checkpoint(cfg, problems)
     # The layout divides model and batch sizes: only meaningful once those are sane.
     if _check_parallel_sizes(cfg.parallel, problems) and model_ok and train_ok:
@@ -75,7 +77,8 @@ def validate(cfg: Config, world_size: int) -> None:
 
 def _check_model(m: ModelConfig, out: _Problems) -> bool:
     before = len(out.lines)
-    out.choice(m.arch, ("gpt", "bert"), "model.arch")
+    out.choice(m.arch, FAMILY_NAMES, "model.arch")
+    family = MODEL_FAMILIES.get(m.arch)   # None when unknown: the line above says so
     sizes_ok = all([out.positive(getattr(m, key), f"model.{key}") for key in
                     ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size",
                      "ffn_hidden_size")])
@@ -90,7 +93,7 @@ def _check_model(m: ModelConfig, out: _Problems) -> bool:
     out.positive(m.layernorm_eps, "model.layernorm_eps")
     out.positive(m.init_std, "model.init_std")
     out.positive(m.num_tokentypes, "model.num_tokentypes")
-    if m.arch == "bert":
+    if family and family.samples is Samples.SENTENCE_PAIRS:
         out.require(m.seq_length >= 5, f"model.seq_length={m.seq_length} is too short for BERT "
                                        f"([CLS] A [SEP] B [SEP] needs at least 5)")
     _check_block(m, out, sizes_ok)
@@ -99,18 +102,19 @@ def _check_model(m: ModelConfig, out: _Problems) -> bool:
 
 def _check_block(m: ModelConfig, out: _Problems, sizes_ok: bool) -> None:
     """The block options (preset, positions, norm, activation, grouped-query attention)."""
+    family = MODEL_FAMILIES.get(m.arch)
     out.choice(m.preset, tuple(PRESETS), "model.preset")
     out.choice(m.position_embedding, ("learned", "rope"), "model.position_embedding")
     out.choice(m.normalization, ("layernorm", "rmsnorm"), "model.normalization")
     out.choice(m.activation, ("gelu", "swiglu"), "model.activation")
-    if m.arch == "bert":
-        gpt_block = {key: PRESETS["gpt"][key] for key in BLOCK_OPTIONS}
-        changed = [k for k, v in gpt_block.items() if getattr(m, k) != v]
+    if family and not family.block_options:
+        block = PRESETS[DEFAULT_PRESET]
+        changed = [k for k, v in block.items() if getattr(m, k) != v]
         changed += ["qkv_bias"] if m.qkv_bias != m.bias else []
         changed += ["num_kv_heads"] if m.num_kv_heads != m.num_heads else []
-        out.require(not changed, f"model.arch=bert uses the GPT-2 block (Megatron-BERT); "
+        out.require(not changed, f"model.arch={m.arch} uses the GPT-2 block (Megatron-BERT); "
                                  f"{', '.join('model.' + k for k in changed)} apply to "
-                                 f"model.arch=gpt only")
+                                 f"model.arch={family_names(lambda f: f.block_options)} only")
     if m.position_embedding == "rope":
         _check_rope(m, out, sizes_ok)
     else:   # rotary keys would do nothing: say so rather than ignore them
@@ -197,17 +201,21 @@ def _check_data(data: DataConfig, out: _Problems) -> None:
 EOD_OPTIONS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
 
 
-def _check_gpt_data_options(cfg: Config, out: _Problems) -> None:
-    """Megatron's sample order and the end-of-document options exist for GPT on indexed data."""
+def _check_document_options(cfg: Config, out: _Problems) -> None:
+    """Megatron's sample order and the end-of-document options exist for documents (GPT) on
+    indexed data."""
     data, arch = cfg.data, cfg.model.arch
+    family = MODEL_FAMILIES.get(arch)   # None when unknown (_check_model says so)
+    documents = family is not None and family.samples is Samples.DOCUMENTS
+    which = family_names(lambda f: f.samples is Samples.DOCUMENTS)
     used = [f"data.{key}=true" for key in EOD_OPTIONS if getattr(data, key)]
     if data.sampling == "megatron":
-        out.require(data.source == "indexed" and arch == "gpt",
-                    f"data.sampling=megatron needs data.source=indexed and model.arch=gpt (got "
-                    f"{data.source}, {arch}): it is Megatron's GPTDataset order")
+        out.require(data.source == "indexed" and documents,
+                    f"data.sampling=megatron needs data.source=indexed and model.arch={which} "
+                    f"(got {data.source}, {arch}): it is Megatron's GPTDataset order")
     if used:
-        out.require(data.source == "indexed" and arch == "gpt",
-                    f"{', '.join(used)} needs data.source=indexed and model.arch=gpt (got "
+        out.require(data.source == "indexed" and documents,
+                    f"{', '.join(used)} needs data.source=indexed and model.arch={which} (got "
                     f"{data.source}, {arch}): the options act on the <eod> tokens of real documents")
 
 
@@ -301,7 +309,8 @@ def _check_context(cfg: Config, out: _Problems) -> None:
            else f"2 * parallel.context = {cuts} (2c chunks: rank i holds chunks i and 2c-1-i)")
     out.require(s % cuts == 0, f"parallel.context={c} needs model.seq_length ({s}) divisible by "
                                f"{how}")
-    out.require(m.arch == "gpt", f"parallel.context={c} supports model.arch=gpt only (causal "
+    out.require(m.family.causal, f"parallel.context={c} supports model.arch="
+                                 f"{family_names(lambda f: f.causal)} only (causal "
                                  f"decoders): BERT's padding mask and [CLS] heads are not split "
                                  f"over a context group; set parallel.context=1")
     out.require(m.attention_dropout_rate == 0.0,

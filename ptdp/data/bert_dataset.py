@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ptdp.config.models import Samples
 from ptdp.data.index_cache import cache_key, cached_arrays
 from ptdp.data.indexed import IndexedDataError, IndexedDataset
 from ptdp.data.tokenizer import CLS, EOD, MASK, PAD, SEP
@@ -110,8 +111,9 @@ class BertDataset:
         # the split's sentences, document after document: sample rows index into this
         self._sentences = np.repeat(first - doc_idx[:-1], counts) + np.arange(doc_idx[-1])
         sizes = indexed.sizes[self._sentences]
-        key = cache_key(sizes=sizes, doc_idx=doc_idx, seq_length=seq_length, seed=seed, kind="bert")
-        index = cached_arrays(indexed.prefix, f"{name}-bert", key,
+        kind = Samples.SENTENCE_PAIRS.value
+        key = cache_key(sizes=sizes, doc_idx=doc_idx, seq_length=seq_length, seed=seed, kind=kind)
+        index = cached_arrays(indexed.prefix, f"{name}-{kind}", key,
                               lambda: build_bert_index(sizes, doc_idx, seq_length - 3, seed))
         self.samples = index["samples"]
 

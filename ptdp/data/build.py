@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from ptdp.config import Config, ConfigError, parse_paths, parse_split  # noqa: F401 (re-exported)
+from ptdp.config.models import Samples
 from ptdp.data.bert_dataset import BertDataset
 from ptdp.data.blend import BlendedDataset, MegatronBlendedDataset
 from ptdp.data.gpt_dataset import EodOptions, GPTDataset, MegatronGPTDataset
@@ -101,7 +102,7 @@ def eod_options(cfg: Config, indexed: IndexedDataset) -> EodOptions | None:
 def _split_dataset(cfg: Config, indexed: IndexedDataset, documents: np.ndarray, name: str,
                    eod: EodOptions | None):
     m = cfg.model
-    if m.arch == "bert":
+    if m.family.samples is Samples.SENTENCE_PAIRS:
         return BertDataset(indexed, 0, 0, seq_length=m.seq_length, seed=cfg.train.seed,
                            mask_prob=cfg.data.mask_prob, name=name, documents=documents)
     return GPTDataset(indexed, 0, 0, seq_length=m.seq_length, seed=cfg.train.seed, name=name,

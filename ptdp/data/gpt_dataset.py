@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ptdp.config.models import Samples
 from ptdp.data.index_cache import cache_key, cached_arrays
 from ptdp.data.indexed import IndexedDataset
 from ptdp.data.megatron_sampling import build_gpt_indices
@@ -86,8 +87,9 @@ class GPTDataset:
         bounds = indexed.document_bounds()
         self.doc_starts = bounds[docs]
         doc_sizes = bounds[docs + 1] - bounds[docs]
-        key = cache_key(doc_sizes=doc_sizes, seq_length=seq_length, seed=seed, kind="gpt")
-        index = cached_arrays(indexed.prefix, f"{name}-gpt", key,
+        kind = Samples.DOCUMENTS.value
+        key = cache_key(doc_sizes=doc_sizes, seq_length=seq_length, seed=seed, kind=kind)
+        index = cached_arrays(indexed.prefix, f"{name}-{kind}", key,
                               lambda: build_gpt_index(doc_sizes, seq_length, seed))
         self.doc_order, self.shuffle = index["doc_order"], index["shuffle"]
         self.sample_doc, self.sample_offset = index["sample_doc"], index["sample_offset"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ptdp.config import ModelConfig
+from ptdp.config.models import Samples
 
 # BERT special tokens in synthetic data.
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
@@ -79,6 +80,8 @@ class SyntheticBERT:
 
 def synthetic_datasets(model: ModelConfig, seed: int, mask_prob: float = 0.15) -> dict:
     """train / valid / test streams drawn with different seeds."""
-    make = (lambda s: SyntheticGPT(model, s)) if model.arch == "gpt" else (
-        lambda s: SyntheticBERT(model, s, mask_prob))
+    pairs = model.family.samples is Samples.SENTENCE_PAIRS
+
+    def make(s):
+        return SyntheticBERT(model, s, mask_prob) if pairs else SyntheticGPT(model, s)
     return {"train": make(seed), "valid": make(seed + 1), "test": make(seed + 2)}

@@ -5,7 +5,8 @@ A family (ptdp/hf/gpt2.py, megatron_bert.py, llama.py) maps one transformers `mo
   * `model_config(config)`: the transformers config -> ptdp's ModelConfig, refusing (one
     `ConversionError` line naming the setting) anything ptdp's model would compute differently;
   * `hf_config(cfg, special)`: ptdp's ModelConfig -> a transformers config;
-  * `block`: the ptdp block options the HF class computes (ptdp -> HF picks the family whose
+  * `model_family`: the ptdp model family it converts (ptdp/config/models.py), and `block`:
+    the ptdp block options the HF class computes (ptdp -> HF picks the family whose family and
     block the model has; ptdp/hf/registry.py);
   * `to_hf(cfg, full)` / `from_hf(cfg, hf)`: full (layout-free) state dicts both ways.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ptdp.config import ModelConfig
+from ptdp.config.models import ModelFamily
 
 
 class ConversionError(ValueError):
@@ -32,13 +34,16 @@ class Family:
     model_type: str = ""
     hf_class: str = ""
     config_class: str = ""
+    model_family: ModelFamily
     block: dict = {}
 
     def mismatches(self, cfg: ModelConfig) -> list[str]:
-        """The block options of `cfg` this family's HF class cannot compute, as
-        'model.KEY=WANTED (not GOT)'."""
-        return [f"model.{key}={_text(want)} (not {_text(getattr(cfg, key))})"
-                for key, want in self.block.items() if getattr(cfg, key) != want]
+        """What of `cfg` this family's HF class cannot compute: another model family, as
+        'model.arch=WANTED', then the block options, as 'model.KEY=WANTED (not GOT)'."""
+        ours = self.model_family
+        family = [] if cfg.family is ours else [f"model.arch={ours.name}"]
+        return family + [f"model.{key}={_text(want)} (not {_text(getattr(cfg, key))})"
+                         for key, want in self.block.items() if getattr(cfg, key) != want]
 
     def model_config(self, config) -> ModelConfig:
         raise NotImplementedError

@@ -19,19 +19,21 @@ from __future__ import annotations
 import torch
 
 from ptdp.config import ModelConfig
+from ptdp.config.models import GPT, GPT2_BLOCK
 from ptdp.data.tokenizer import BOS, EOD, PAD
 from ptdp.hf.base import Family, fuse_qkv, require, split_qkv
 
 
 class GPT2(Family):
     model_type, hf_class, config_class = "gpt2", "GPT2LMHeadModel", "GPT2Config"
+    model_family = GPT
     block = dict(position_embedding="learned", normalization="layernorm", activation="gelu",
                  bias=True, qkv_bias=True)
 
     def mismatches(self, cfg: ModelConfig) -> list[str]:
         grouped = ([f"model.num_kv_heads={cfg.num_heads} (not {cfg.num_kv_heads})"]
                    if cfg.num_kv_heads != cfg.num_heads else [])
-        return ([] if cfg.arch == "gpt" else ["model.arch=gpt"]) + super().mismatches(cfg) + grouped
+        return super().mismatches(cfg) + grouped
 
     def model_config(self, config) -> ModelConfig:
         require(config.activation_function == "gelu",
@@ -45,7 +47,7 @@ class GPT2(Family):
                 "divides them by sqrt(head_dim)")
         require(not getattr(config, "add_cross_attention", False),
                 "add_cross_attention=True adds encoder-decoder attention, which ptdp's GPT has not")
-        return ModelConfig(arch="gpt", preset="gpt", num_layers=config.n_layer,
+        return ModelConfig(arch=GPT.name, preset=GPT2_BLOCK, num_layers=config.n_layer,
                            hidden_size=config.n_embd, num_heads=config.n_head,
                            ffn_hidden_size=config.n_inner or 4 * config.n_embd,
                            seq_length=config.n_positions, vocab_size=config.vocab_size,

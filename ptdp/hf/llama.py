@@ -20,6 +20,7 @@ Qwen2's use_sliding_window), a partial rotary factor.
 from __future__ import annotations
 
 from ptdp.config import ModelConfig
+from ptdp.config.models import GPT, LLAMA_BLOCK
 from ptdp.data.tokenizer import BOS, EOD, PAD
 from ptdp.hf.base import Family, fuse_qkv, require, split_qkv
 from ptdp.models.transformer import fuse_gate_up, split_gate_up
@@ -59,11 +60,9 @@ def rope_parameters(cfg: ModelConfig) -> dict:
 
 class Llama(Family):
     model_type, hf_class, config_class = "llama", "LlamaForCausalLM", "LlamaConfig"
+    model_family = GPT
     block = dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu",
                  bias=False, qkv_bias=False)
-
-    def mismatches(self, cfg: ModelConfig) -> list[str]:
-        return ([] if cfg.arch == "gpt" else ["model.arch=gpt"]) + super().mismatches(cfg)
 
     def refuse(self, config) -> None:
         """What this family's config can set that ptdp's block cannot compute."""
@@ -90,7 +89,8 @@ class Llama(Family):
                 f"head_dim={head_dim} is not hidden_size/num_attention_heads ({hidden}/{heads}); "
                 f"ptdp's heads split the hidden size")
         return ModelConfig(
-            arch="gpt", preset="llama", num_layers=config.num_hidden_layers, hidden_size=hidden,
+            arch=GPT.name, preset=LLAMA_BLOCK, num_layers=config.num_hidden_layers,
+            hidden_size=hidden,
             num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             ffn_hidden_size=config.intermediate_size, seq_length=config.max_position_embeddings,
             vocab_size=config.vocab_size, dropout=0.0,   # transformers' Llama: attention only

@@ -14,6 +14,7 @@ value linears.
 from __future__ import annotations
 
 from ptdp.config import ModelConfig
+from ptdp.config.models import BERT
 from ptdp.data.tokenizer import PAD
 from ptdp.hf.base import Family, fuse_qkv, require, split_qkv
 
@@ -29,9 +30,7 @@ _QKV = ("query", "key", "value")
 class MegatronBert(Family):
     model_type, hf_class, config_class = "megatron-bert", "MegatronBertForPreTraining", \
         "MegatronBertConfig"
-
-    def mismatches(self, cfg: ModelConfig) -> list[str]:
-        return [] if cfg.arch == "bert" else ["model.arch=bert"]
+    model_family = BERT   # its block is GPT-2's, the only one BERT has (ptdp/config/models.py)
 
     def model_config(self, config) -> ModelConfig:
         require(config.hidden_act == "gelu",
@@ -42,7 +41,7 @@ class MegatronBert(Family):
         require(not getattr(config, "add_cross_attention", False),
                 "add_cross_attention=True adds encoder-decoder attention, which ptdp's BERT "
                 "has not")
-        return ModelConfig(arch="bert", num_layers=config.num_hidden_layers,
+        return ModelConfig(arch=BERT.name, num_layers=config.num_hidden_layers,
                            hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
                            ffn_hidden_size=config.intermediate_size,
                            seq_length=config.max_position_embeddings,

@@ -29,6 +29,7 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+from ptdp.config.models import Samples, model_family
 from ptdp.data.tokenizer import (CLS, HF_ROLE_KEYS, HF_TOKENIZER_CONFIG, HF_TOKENIZER_FILE, SEP,
                                  Tokenizer, hf_tokenizer_files, is_hf_tokenizer, load_tokenizer)
 
@@ -76,11 +77,12 @@ def save_hf_tokenizer(model_file: str | os.PathLike, out_dir: str | os.PathLike,
     special = ours.special_ids()
     tok = _converted(str(model_file))
     kwargs = {HF_ROLE_KEYS[token]: token for token in special if token in HF_ROLE_KEYS}
-    if arch == "bert" and CLS in special and SEP in special:
+    pairs = model_family(arch).samples is Samples.SENTENCE_PAIRS   # [CLS] A [SEP] B [SEP]
+    if pairs and CLS in special and SEP in special:
         tok.post_processor = TemplateProcessing(
             single=f"{CLS} $A {SEP}", pair=f"{CLS} $A:0 {SEP}:0 $B:1 {SEP}:1",
             special_tokens=[(CLS, special[CLS]), (SEP, special[SEP])])
-    if arch == "bert":
+    if pairs:
         kwargs["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=ours.unk_piece,
                                    model_max_length=max_length, **kwargs)

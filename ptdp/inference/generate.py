@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ptdp.config.models import family_names
 from ptdp.inference.local_model import LocalModel
 from ptdp.kernels import bias_dropout_add
 from ptdp.models.transformer import attention
@@ -112,9 +113,9 @@ def generate(model: LocalModel, prompt: list[int], max_new_tokens: int, sampling
              stop_id: int | None = None, use_cache: bool = True) -> list[int]:
     """The new token ids after `prompt` (at most max_new_tokens; fewer at stop_id, which is
     kept, or at model.seq_length)."""
-    if model.cfg.arch != "gpt":
-        raise ValueError("generation needs a GPT checkpoint (model.arch=gpt); this one is "
-                         f"{model.cfg.arch}")
+    if not model.cfg.family.generates:
+        raise ValueError(f"generation needs a GPT checkpoint (model.arch="
+                         f"{family_names(lambda f: f.generates)}); this one is {model.cfg.arch}")
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token (e.g. some text)")
     sampling.check()

@@ -21,6 +21,7 @@ import torch
 from ptdp.checkpoint.layout import find_checkpoint, read_metadata
 from ptdp.checkpoint.reshard import ShardReader
 from ptdp.config import ModelConfig, padded_vocab_size
+from ptdp.config.models import Heads
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import TensorParallelRNG
 from ptdp.parallel.roles import role_of
@@ -122,7 +123,7 @@ class LocalModel(torch.nn.Module):
         from ptdp.models.embedding import logits
         chunk, v = self.chunk, self.cfg.vocab_size
         h = self.hidden(tokens, types, padding_mask)
-        if self.cfg.arch == "bert":
+        if self.cfg.family.heads is Heads.BERT:   # the masked-LM transform before the logits
             heads = chunk.heads
             lm = heads.lm_ln(torch.nn.functional.gelu(heads.lm_dense(h)))
             out = logits(lm, chunk.output_table(), chunk.ctx, heads.lm_bias)

@@ -26,7 +26,7 @@ import torch
 from ptdp.megatron import files, legacy, torch_dist
 from ptdp.megatron.model_args import (megatron_args, model_config, notes, refuse_for_megatron,
                                       gelu_with_bias, vocab_divisor)
-from ptdp.megatron.names import BLOCK, VOCAB_ROWS, arch_of, require, to_megatron, to_ptdp
+from ptdp.megatron.names import VOCAB_ROWS, arch_of, block_name, require, to_megatron, to_ptdp
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 FORMATS = ("torch_dist", "torch")   # Megatron-LM's --ckpt-format names; torch = legacy
@@ -136,7 +136,7 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
                              fused_norms=fused)
     else:
         final = Path(out) / f"iter_{meta['iteration']:07d}"
-        torch_dist.write(state, cfg.num_layers, BLOCK[cfg.arch], args, final,
+        torch_dist.write(state, cfg.num_layers, block_name(cfg), args, final,
                          meta["iteration"], fused_norms=fused)
         files.write_tracker(Path(out), meta["iteration"])
     extra = padded - cfg.vocab_size

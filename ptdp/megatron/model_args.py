@@ -19,6 +19,7 @@ from argparse import Namespace
 import torch
 
 from ptdp.config import ModelConfig
+from ptdp.config.models import GPT2_BLOCK, LLAMA_BLOCK, Heads, model_family
 from ptdp.megatron.names import require
 
 # Megatron's llama3 rope scaling (rotary_pos_embedding.py `_apply_scaling`) fixes these three.
@@ -77,7 +78,7 @@ def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
     require(kv * heads == hidden, f"--kv-channels={kv} is not hidden_size/num_attention_heads "
                                   f"({hidden}/{heads}); ptdp's heads split the hidden size")
     gated = bool(_get(args, "swiglu", False))
-    if arch == "bert":
+    if model_family(arch).heads is Heads.BERT:   # Megatron's BertModel
         _refuse_for_bert(args, gated, norm, kind)
     groups = (_get(args, "num_query_groups", heads)
               if _get(args, "group_query_attention", False) else heads)
@@ -104,7 +105,7 @@ def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
         attention_dropout=float(_get(args, "attention_dropout", 0.1)),
         layernorm_eps=float(_get(args, "layernorm_epsilon", 1e-5)),
         init_std=float(_get(args, "init_method_std", 0.02)),
-        preset="llama" if rope else "gpt",
+        preset=LLAMA_BLOCK if rope else GPT2_BLOCK,
         position_embedding="rope" if rope else "learned",
         normalization="rmsnorm" if norm == "RMSNorm" else "layernorm",
         activation="swiglu" if gated else "gelu", bias=bias,
@@ -155,7 +156,7 @@ def refuse_for_megatron(cfg: ModelConfig) -> None:
         for key, fixed in ROPE_SCALING_FIXED.items():
             require(getattr(cfg, key) == fixed, f"model.{key}={getattr(cfg, key)}: Megatron's "
                                                 f"rope scaling fixes it at {fixed}")
-    if cfg.arch == "bert":
+    if cfg.family.heads is Heads.BERT:
         for key, want in [("normalization", "layernorm"), ("activation", "gelu"),
                           ("position_embedding", "learned"), ("tie_embeddings", True),
                           ("num_tokentypes", 2)]:
@@ -198,7 +199,8 @@ def megatron_args(cfg: ModelConfig, tensor: int, pipeline: int, padded_vocab: in
         untie_embeddings_and_output_weights=not cfg.tie_embeddings,
         hidden_dropout=cfg.dropout, attention_dropout=cfg.attention_dropout_rate,
         init_method_std=cfg.init_std, apply_query_key_layer_scaling=False,
-        apply_residual_connection_post_layernorm=False, bert_binary_head=cfg.arch == "bert",
+        apply_residual_connection_post_layernorm=False,
+        bert_binary_head=cfg.family.heads is Heads.BERT,
         num_experts=None, padded_vocab_size=padded_vocab,
         make_vocab_size_divisible_by=vocab_divisor(cfg.vocab_size, tensor),
         tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,

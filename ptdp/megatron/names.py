@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ptdp.config import ModelConfig
+from ptdp.config.models import BERT, GPT, Heads
 from ptdp.models.transformer import fuse_gate_up, split_gate_up
 
 
@@ -33,7 +34,6 @@ def require(condition: bool, message: str) -> None:
         raise MegatronConversionError(message)
 
 
-BLOCK = {"gpt": "decoder", "bert": "encoder"}   # the TransformerBlock's attribute name
 # TransformerEngine fuses each pre-norm into the next linear; torch_dist always uses these names.
 FUSED_NORMS = {".self_attention.linear_qkv.layer_norm_": ".input_layernorm.",
                ".mlp.linear_fc1.layer_norm_": ".pre_mlp_layernorm."}
@@ -41,6 +41,11 @@ COLUMN_PARALLEL = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.weight
                    ".linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight",
                    "output_layer.bias")
 ROW_PARALLEL = (".linear_proj.weight", ".linear_fc2.weight")
+
+
+def block_name(cfg: ModelConfig) -> str:
+    """The TransformerBlock's attribute name: GPTModel's `decoder`, BertModel's `encoder`."""
+    return "decoder" if cfg.family.causal else "encoder"
 
 
 def partition_dim(name: str) -> int | None:
@@ -80,12 +85,13 @@ def fused_norm_names(state: dict) -> dict:
 
 
 def arch_of(state: dict) -> str:
-    """BERT has an encoder and an LM head; GPT a decoder."""
+    """The model family (model.arch) of a Megatron state: BERT has an encoder and an LM head;
+    GPT a decoder."""
     if any(k.startswith(("encoder.", "lm_head.", "binary_head.")) for k in state):
-        return "bert"
+        return BERT.name
     require(any(k.startswith("decoder.") for k in state) or "embedding.word_embeddings.weight"
             in state, _unknown_model(state))
-    return "gpt"
+    return GPT.name
 
 
 def _unknown_model(state: dict) -> str:
@@ -99,11 +105,11 @@ def _unknown_model(state: dict) -> str:
 
 def _pairs(cfg: ModelConfig):
     """(ptdp name, Megatron name) of every weight but a gated fc1."""
-    block, bias = BLOCK[cfg.arch], ("weight", "bias")
+    block, bias = block_name(cfg), ("weight", "bias")
     yield "embedding.word.weight", "embedding.word_embeddings.weight"
     if cfg.position_embedding == "learned":
         yield "embedding.position", "embedding.position_embeddings.weight"
-    if cfg.arch == "bert":
+    if cfg.family.token_types:
         yield "embedding.tokentype", "embedding.tokentype_embeddings.weight"
     norm_kinds = bias if cfg.normalization == "layernorm" else ("weight",)
     for i in range(cfg.num_layers):
@@ -122,7 +128,7 @@ def _pairs(cfg: ModelConfig):
         yield f"final_ln.{kind}", f"{block}.final_layernorm.{kind}"
     if not cfg.tie_embeddings:
         yield "output_layer.weight", "output_layer.weight"
-    if cfg.arch == "bert":
+    if cfg.family.heads is Heads.BERT:
         for a, b in [("heads.lm_dense", "lm_head.dense"), ("heads.lm_ln", "lm_head.layer_norm"),
                      ("heads.pooler", "pooler.dense"), ("heads.binary", "binary_head")]:
             for kind in bias:
@@ -132,7 +138,7 @@ def _pairs(cfg: ModelConfig):
 
 def _fc1_names(cfg: ModelConfig):
     kinds = ("weight", "bias") if cfg.bias else ("weight",)
-    block = BLOCK[cfg.arch]
+    block = block_name(cfg)
     for i in range(cfg.num_layers):
         for kind in kinds:
             yield f"layers.{i}.mlp.fc1.{kind}", f"{block}.layers.{i}.mlp.linear_fc1.{kind}"

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from ptdp.config.models import DEFAULT_FAMILY, MODEL_FAMILIES
 from ptdp.config.schema import Config
 from ptdp.megatron.arguments import ARGS, Arg, lookup
 from ptdp.megatron.converters import (APPROXIMATE, EXACT, IGNORED, REFUSED, Default, Differs,
@@ -126,6 +127,14 @@ def _values_for(flag: str, arg: Arg | None, values: list[str], positional: list[
 
 # Applying the table --------------------------------------------------------------------------
 
+def _script_family(script: str | None) -> str:
+    """The model family a Megatron script's name names (pretrain_bert.py -> bert), else the
+    default one (ptdp/config/models.py)."""
+    name = script.rsplit("/", 1)[-1] if script else ""
+    named = [f.name for f in MODEL_FAMILIES.values() if f is not DEFAULT_FAMILY and f.name in name]
+    return named[0] if named else DEFAULT_FAMILY.name
+
+
 def translate(words: list[str], arch: str | None = None, defaults: bool = True) -> Translation:
     """A ptdp config from Megatron-LM's arguments (`pretrain_gpt.py ARGS`, or ARGS alone).
     `arch` (gpt | bert) defaults to the script's name (pretrain_bert.py -> bert), else gpt;
@@ -133,8 +142,7 @@ def translate(words: list[str], arch: str | None = None, defaults: bool = True) 
     script, argv = split_invocation(words)
     given, positional = parse_arguments(argv)
     out = Translation()
-    bert = script is not None and "bert" in script.rsplit("/", 1)[-1]
-    out.set("model.arch", arch or ("bert" if bert else "gpt"),
+    out.set("model.arch", arch or _script_family(script),
             "--arch" if arch else f"the script ({script})" if script else "ptdp's default")
     out.lines += [Line(UNKNOWN, w, "a word that is not an argument") for w in positional]
     for flag, value in given.items():

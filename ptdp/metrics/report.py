@@ -7,6 +7,7 @@ import torch
 import yaml
 
 from ptdp.config import Config
+from ptdp.config.models import DEFAULT_PRESET
 from ptdp.metrics.log import config_path, format_tflops
 from ptdp.planner.formulas import ModelShape, decoder_parameters, parameter_count
 
@@ -19,12 +20,12 @@ def startup_report(cfg: Config, grid, local_params: int, total_params: int,
     """
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     shape = ModelShape.from_config(m)
-    if shape.arch == "bert" or shape.dissertation_block:   # the dissertation's formula
+    if shape.bert_heads or shape.dissertation_block:   # the dissertation's formula
         formula = "Eq. 4.3"
         eq43 = parameter_count(m.num_layers, m.hidden_size, cfg.padded_vocab_size, m.seq_length)
     else:   # Llama-style blocks: counted exactly (ptdp/planner/formulas.py)
         formula, eq43 = "Eq. 4.3 generalised", decoder_parameters(shape, cfg.padded_vocab_size)
-    name = m.arch.upper() + (f" ({m.preset} block)" if m.preset != "gpt" else "")
+    name = m.arch.upper() + (f" ({m.preset} block)" if m.preset != DEFAULT_PRESET else "")
     heads = f"{m.num_heads} heads" + (f" ({m.num_kv_heads} K/V)" if m.num_kv_heads != m.num_heads
                                       else "")
     world = grid.p * grid.t * par.context * grid.d

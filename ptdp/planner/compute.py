@@ -127,7 +127,7 @@ def _analytic_head(hw, precision, shape: ModelShape, b: int, t: int, vocab_padde
     layer_norm = elementwise_time(hw, 2 * tokens * h * e, 1)
     head_fwd = logits + layer_norm + elementwise_time(hw, 3 * ce_bytes, 4)
     head_bwd = logits_bwd + 2 * layer_norm + elementwise_time(hw, 2 * ce_bytes, 2)
-    if shape.arch == "bert":  # LM transform (dense h x h, GeLU, LayerNorm) before the logits
+    if shape.bert_heads:  # LM transform (dense h x h, GeLU, LayerNorm) before the logits
         dense = gemm_time(hw, precision, tokens, h, h)
         head_fwd += dense + elementwise_time(hw, 4 * tokens * h * e, 2)
         head_bwd += 2 * dense + elementwise_time(hw, 8 * tokens * h * e, 4)

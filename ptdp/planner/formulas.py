@@ -13,7 +13,8 @@ conventions here are the paper's, not a hardware FLOP count:
 BERT is not a GPT: its loss runs a dense + GeLU + LayerNorm transform before the tied logits
 (with a vocabulary bias), a pooler and a binary head, and it embeds token types
 (models/bert.py). `bert_flops_per_iteration` and `bert_parameter_count` count those;
-`model_flops` and `model_parameters` pick the formula by architecture.
+`model_flops` and `model_parameters` pick the formula by the family's heads (the model
+catalogue, ptdp/config/models.py).
 
 Llama-style blocks (the model.* options of ptdp/config/schema.py: grouped-query attention,
 SwiGLU, bias-free linears, RMSNorm, rotary positions, an untied output layer) change both
@@ -25,6 +26,8 @@ numbers bit for bit for its GPT block and BERT.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ptdp.config.models import Heads, ModelFamily, model_family
 
 SECONDS_PER_DAY = 86_400.0
 
@@ -44,7 +47,7 @@ class ModelShape:
 
     `vocab` is the tokenizer's vocabulary; callers pass the padded one where GEMMs see it."""
 
-    arch: str
+    arch: str                            # model.arch: its family's name
     layers: int
     hidden: int
     heads: int
@@ -73,6 +76,16 @@ class ModelShape:
                    m.seq_length, m.vocab_size, _any_dropout(m), m.num_kv_heads, m.activation,
                    m.normalization, m.position_embedding, m.bias, m.qkv_bias, m.tie_embeddings,
                    m.num_tokentypes)
+
+    @property
+    def family(self) -> ModelFamily:
+        return model_family(self.arch)
+
+    @property
+    def bert_heads(self) -> bool:
+        """BERT's heads and token types on top of the layers (models/bert.py), counted by the
+        bert_* formulas, instead of a decoder's output layer."""
+        return self.family.heads is Heads.BERT
 
     @property
     def kv_hidden(self) -> int:
@@ -163,17 +176,18 @@ def bert_parameter_count(layers: int, hidden: int, vocab: int, seq: int,
 
 def model_flops(arch: str, batch: int, seq: int, layers: int, hidden: int, vocab: int,
                 recompute_forward: bool = True) -> float:
-    """Model FLOPs of one iteration for `arch` ('gpt': Eq. 4.2; 'bert': its own heads), for
-    the dissertation's block; `iteration_flops` counts any block."""
-    formula = bert_flops_per_iteration if arch == "bert" else model_flops_per_iteration
+    """Model FLOPs of one iteration for the family `arch` (a decoder: Eq. 4.2; BERT: with its
+    own heads), for the dissertation's block; `iteration_flops` counts any block."""
+    bert = model_family(arch).heads is Heads.BERT
+    formula = bert_flops_per_iteration if bert else model_flops_per_iteration
     return formula(batch, seq, layers, hidden, vocab, recompute_forward)
 
 
 def model_parameters(arch: str, layers: int, hidden: int, vocab: int, seq: int,
                      tokentypes: int = 2) -> float:
-    """Parameters for `arch` ('gpt': Eq. 4.3; 'bert': bert_parameter_count), for the
-    dissertation's block; `parameter_total` counts any block."""
-    if arch == "bert":
+    """Parameters for the family `arch` (a decoder: Eq. 4.3; BERT: bert_parameter_count), for
+    the dissertation's block; `parameter_total` counts any block."""
+    if model_family(arch).heads is Heads.BERT:
         return bert_parameter_count(layers, hidden, vocab, seq, tokentypes)
     return parameter_count(layers, hidden, vocab, seq)
 
@@ -201,7 +215,7 @@ def iteration_flops(shape: ModelShape, batch: int, vocab: int | None = None,
     elementwise and, as in Eq. 4.2, not counted.
     """
     vocab = shape.vocab if vocab is None else vocab
-    if shape.arch == "bert":
+    if shape.bert_heads:
         return bert_flops_per_iteration(batch, shape.seq, shape.layers, shape.hidden, vocab,
                                         recompute_forward)
     b, s, l, h, v = (float(batch), float(shape.seq), float(shape.layers), float(shape.hidden),
@@ -252,7 +266,7 @@ def parameter_total(shape: ModelShape, vocab: int | None = None) -> float:
     block (so every GPT number stays the paper's), BERT's own count for BERT, and the exact
     `decoder_parameters` for every other block."""
     vocab = shape.vocab if vocab is None else vocab
-    if shape.arch == "bert":
+    if shape.bert_heads:
         return bert_parameter_count(shape.layers, shape.hidden, vocab, shape.seq,
                                     shape.tokentypes)
     if shape.dissertation_block:

@@ -96,7 +96,7 @@ def layer_parameters(shape: ModelShape, t: int) -> float:
 def embedding_parameters(shape: ModelShape, t: int, vocab_padded: int) -> float:
     """Word table shard plus replicated learned positions (none with rotary ones) on the first
     stage; BERT adds token types."""
-    extra = shape.tokentypes * shape.hidden if shape.arch == "bert" else 0
+    extra = shape.tokentypes * shape.hidden if shape.family.token_types else 0
     positions = 0 if shape.rope else shape.seq * shape.hidden
     return vocab_padded * shape.hidden / t + positions + extra
 
@@ -117,7 +117,7 @@ def stage_parameters(shape: ModelShape, t: int, p: int, vocab_padded: int, first
         params += shape.norm_parameters * shape.hidden   # final norm
         if not first or not shape.tie_embeddings:        # the last stage's copy of the table,
             params += vocab_padded * shape.hidden / t    # or the untied output layer
-        if shape.arch == "bert":
+        if shape.bert_heads:
             params += bert_head_parameters(shape, t, vocab_padded)
     return params
 
@@ -318,7 +318,7 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     transient += ring_working_bytes(whole, b, t, c, precision)
     if last:   # the logits, their one fp32 copy (exp, then softmax) and the gradient
         transient += shape.seq * b * vocab_padded / t * (2 * e + 4)   # (ptdp/parallel/cross_entropy.py)
-        if shape.arch == "bert":  # the LM transform's dense output, GeLU and LayerNorm inputs
+        if shape.bert_heads:  # the LM transform's dense output, GeLU and LayerNorm inputs
             transient += 3 * sbh * e
     if spec.split_backward:   # a W pass computes all the stage's weight gradients of one
         transient = max(transient, params * e)   # micro-batch before accumulating them

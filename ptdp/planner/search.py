@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from ptdp.config.catalogue import Chunks, DEFAULT, Planner, names_where, schedule_spec
+from ptdp.config.models import family_names
 from ptdp.hardware import HardwareProfile
 from ptdp.planner.cost_model import Layout, Prediction, RECOMPUTE, SCHEDULES, Workload, predict
 from ptdp.planner.errors import PlanError
@@ -168,8 +169,9 @@ def _context_reason(work: Workload, c: int) -> str | None:
     s = work.shape
     if c == 1:
         return None
-    if s.arch != "gpt":
-        return f"c={c}: context parallelism supports model.arch=gpt only"
+    if not s.family.causal:
+        causal = family_names(lambda f: f.causal)
+        return f"c={c}: context parallelism supports model.arch={causal} only"
     if s.dropout:
         return f"c={c}: context parallelism needs model.dropout=0"
     if s.seq % (2 * c):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from ptdp.config.catalogue import INTERLEAVED, ONE_F_ONE_B, TWO_BW, ZERO_BUBBLE_H1
+from ptdp.config.models import GPT
 from ptdp.hardware import HardwareProfile
 from ptdp.profiler.kernels import measure_layer
 from ptdp.profiler.timing import ensure_process_group
@@ -32,7 +33,7 @@ def framework_baseline(world: int) -> tuple[float, float]:
     trainer: interpreter, torch, process groups, data and allocator memory (on CPU the
     counterpart of a GPU's CUDA context reserve) and the per-iteration host overhead, which
     the planner adds to every layout."""
-    tiny = {"arch": "gpt", "num_layers": 1, "hidden_size": 8, "num_heads": 2, "seq_length": 8,
+    tiny = {"arch": GPT.name, "num_layers": 1, "hidden_size": 8, "num_heads": 2, "seq_length": 8,
             "vocab_size": 64}
     history = train_quietly(tiny, {"micro_batch_size": 1, "global_batch_size": world,
                                     "iters": 4}, world, parallel={"data": world})

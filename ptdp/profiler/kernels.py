@@ -18,7 +18,7 @@ def measure_layer(model_cfg, t: int, b: int, precision: str, device, iters: int)
     from ptdp.kernels import should_compile
     from ptdp.models.transformer import TransformerStack
     dtype = getattr(torch, DTYPES[precision])
-    causal = model_cfg.arch == "gpt"
+    causal = model_cfg.family.causal
     m = model_cfg
     row = dict(hidden=m.hidden_size, heads=m.num_heads, ffn=m.ffn_hidden_size, seq=m.seq_length,
                tensor=t, precision=precision, micro_batch=b,

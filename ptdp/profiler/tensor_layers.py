@@ -53,7 +53,7 @@ def _stack_pass(model_cfg, tp, b: int, precision: str):
     dtype = getattr(torch, DTYPES[precision])
     m, cpu = model_cfg, torch.device("cpu")
     ctx = dataclasses.replace(layer_context(m, tp.size, cpu), tp=tp)
-    stack = TransformerStack(ctx, 0, LAYERS, m.arch == "gpt").to(cpu, dtype)
+    stack = TransformerStack(ctx, 0, LAYERS, m.family.causal).to(cpu, dtype)
     stack.train()
     seq = m.seq_length // tp.size if tp.sequence_parallel else m.seq_length
     x = torch.randn(seq, b, m.hidden_size, dtype=dtype, requires_grad=True)

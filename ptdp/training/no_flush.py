@@ -26,7 +26,7 @@ from ptdp.optim.grads import counts_in_norm
 from ptdp.pipeline.actions import END, REDUCE, TIED, UPDATE, WEIGHTS
 from ptdp.pipeline.weights import StashedVersions, take_gradients
 from ptdp.training.pipeline import Pipeline
-from ptdp.training.results import StepResult, aux_loss_names, mean_losses, sum_losses
+from ptdp.training.results import StepResult, mean_losses, sum_losses
 from ptdp.training.state import TrainingState
 from ptdp.training.updates import step_optimizer
 
@@ -39,7 +39,7 @@ class NoFlushStep:
     def __init__(self, state: TrainingState, pipeline: Pipeline, batches: MicroBatches):
         self.state, self.pipeline, self.batches = state, pipeline, batches
         self.m, self.d = state.m, state.grid.d
-        self.names = aux_loss_names(state.cfg.model.arch)
+        self.names = state.cfg.model.family.losses
         self.results: dict = {}      # iteration -> StepResult
         self.pending: dict = {}      # batch -> what R launched and W/E waits for
         self.plan = self.stream = None

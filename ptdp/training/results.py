@@ -7,13 +7,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# The losses a model reports besides the total, by architecture (the chunks' `aux` dicts).
-AUX_LOSSES = {"gpt": ("lm_loss",), "bert": ("lm_loss", "sop_loss")}
-
-
-def aux_loss_names(arch: str) -> tuple[str, ...]:
-    return AUX_LOSSES[arch]
-
 
 @dataclass
 class StepResult:
@@ -61,7 +54,7 @@ def average_losses(state, losses: list, aux: list,
     context parallelism each context rank's loss is its share of the micro-batch's: they add up
     over the replica group (data x context). `m`: the iteration's micro-batches per data rank
     (default `state.m`; a batch ramp-up changes it)."""
-    grid, names = state.grid, aux_loss_names(state.cfg.model.arch)
+    grid, names = state.grid, state.cfg.model.family.losses
     values = sum_losses(losses, aux, names, state.device)
     for group, size in ((grid.pipeline_group, grid.p), (grid.replica_group, grid.replicas)):
         if size > 1:

@@ -267,8 +267,7 @@ class Trainer:
                   "tflops_per_gpu": tflops, "mfu": tflops / peak if peak else None,
                   "loss_scale": self.state.loss_scaler.scale, "skipped": step.skipped,
                   "mem_gb": peak_memory_gb(self.state.device)}
-        if cfg.model.arch == "bert":   # the two losses BERT adds up
-            record.update(step.aux)
+        record.update({name: step.aux[name] for name in cfg.model.family.logged_losses})
         return record
 
     def _checkpoint_due(self) -> bool:
