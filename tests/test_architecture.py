@@ -210,3 +210,31 @@ def test_a_source_checkout_imports_ptdp_models_without_an_install(tmp_path):
                          timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(ROOT / "models" / "gpt.py")
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+            if isinstance(n, (ast.Name, ast.Attribute))}
+
+
+def test_stage_placement_is_computed_only_by_the_stage_map():
+    """Which rank holds a stage is the schedule's placement (`ScheduleSpec.stage_map`,
+    ptdp/config/stages.py); nothing else works it out with `stage % p`, `stage // p` or
+    `rank + chunk * p`, which would silently assume the round-robin placement."""
+    pipeline = {"p", "pipeline", "pp"}
+    found = []
+    files = {**MODULES, **{f"tools.{p.stem}": p for p in (ROOT / "tools").glob("*.py")}}
+    for module, path in files.items():
+        if module == "ptdp.config.stages":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.BinOp):
+                continue
+            left, right = _names(node.left), _names(node.right)
+            by_stage = (isinstance(node.op, (ast.Mod, ast.FloorDiv))
+                        and any("stage" in n for n in left) and right & pipeline)
+            by_chunk = isinstance(node.op, ast.Mult) and (
+                "chunk" in left and right & pipeline or "chunk" in right and left & pipeline)
+            if by_stage or by_chunk:
+                found.append(f"{module}:{node.lineno} {ast.unparse(node)}")
+    assert found == []
