@@ -61,11 +61,11 @@ class StageMap:
 
     def rank_of(self, stage: int) -> int:
         """The pipeline rank that holds global virtual stage ``stage``."""
-        return self._homes[stage][0]
+        return self.ranks[self._checked(stage)]
 
     def chunk_of(self, stage: int) -> int:
         """Which of its rank's chunks global virtual stage ``stage`` is."""
-        return self._homes[stage][1]
+        return self.chunks[self._checked(stage)]
 
     def first_and_last_ranks(self) -> tuple[int, ...]:
         """The ranks holding the first and the last stage, ascending and without repeats: the
@@ -74,7 +74,22 @@ class StageMap:
         return tuple(sorted({self.rank_of(0), self.rank_of(self.num_stages - 1)}))
 
     @cached_property
+    def ranks(self) -> tuple[int, ...]:
+        """The rank of every stage, indexed by stage, unchecked (the simulator's hot path)."""
+        return tuple(rank for rank, _ in self._homes)
+
+    @cached_property
+    def chunks(self) -> tuple[int, ...]:
+        """The chunk of every stage, indexed by stage."""
+        return tuple(chunk for _, chunk in self._homes)
+
+    def _checked(self, stage: int) -> int:
+        if not 0 <= stage < self.num_stages:
+            raise ValueError(f"no stage {stage} with p={self.p}, v={self.v}")
+        return stage
+
+    @cached_property
     def _homes(self) -> tuple[tuple[int, int], ...]:
-        """(rank, chunk) of every stage, indexed by stage (the simulator asks it per action)."""
+        """(rank, chunk) of every stage, indexed by stage: ``stage`` inverted."""
         homes = {self.stage(r, c): (r, c) for r in range(self.p) for c in range(self.v)}
         return tuple(homes[s] for s in range(self.num_stages))

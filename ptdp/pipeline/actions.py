@@ -47,9 +47,9 @@ class Action:
 
 
 def action_rank(action: Action, stages: StageMap) -> int:
-    """The pipeline rank that runs ``action``: a rank action names its rank, the others run
-    where their stage is placed."""
-    return action.stage if action.kind in RANK_ACTIONS else stages.rank_of(action.stage)
+    """The pipeline rank that runs ``action`` (its stage in range): a rank action names its
+    rank, the others run where their stage is placed."""
+    return action.stage if action.kind in RANK_ACTIONS else stages.ranks[action.stage]
 
 
 def stage_layers(stage: int, p: int, v: int, num_layers: int) -> range:

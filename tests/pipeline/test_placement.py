@@ -50,6 +50,8 @@ def test_looped_and_v_placements():
     assert StageMap(3, 1, Placement.V).stages_of(2) == StageMap(3, 1).stages_of(2) == (2,)
     with pytest.raises(ValueError, match="no chunk 2 on rank 0"):
         v.stage(0, 2)
+    with pytest.raises(ValueError, match="no stage -1 with p=4, v=2"):
+        v.rank_of(-1)
 
 
 def test_every_catalogued_schedule_keeps_round_robin_and_the_first_and_last_rank():
