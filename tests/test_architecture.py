@@ -236,4 +236,31 @@ def test_model_family_names_are_spelled_only_in_the_model_catalogue():
             if isinstance(node, ast.Compare) and \
                     any(_reads_arch(side) for side in (node.left, *node.comparators)):
                 found.append(f"{module}:{node.lineno} compares model.arch")
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+            if isinstance(n, (ast.Name, ast.Attribute))}
+
+
+def test_stage_placement_is_computed_only_by_the_stage_map():
+    """Which rank holds a stage is the schedule's placement (`ScheduleSpec.stage_map`,
+    ptdp/config/stages.py); nothing else works it out with `stage % p`, `stage // p` or
+    `rank + chunk * p`, which would silently assume the round-robin placement."""
+    pipeline = {"p", "pipeline", "pp"}
+    found = []
+    files = {**MODULES, **{f"tools.{p.stem}": p for p in (ROOT / "tools").glob("*.py")}}
+    for module, path in files.items():
+        if module == "ptdp.config.stages":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.BinOp):
+                continue
+            left, right = _names(node.left), _names(node.right)
+            by_stage = (isinstance(node.op, (ast.Mod, ast.FloorDiv))
+                        and any("stage" in n for n in left) and right & pipeline)
+            by_chunk = isinstance(node.op, ast.Mult) and (
+                "chunk" in left and right & pipeline or "chunk" in right and left & pipeline)
+            if by_stage or by_chunk:
+                found.append(f"{module}:{node.lineno} {ast.unparse(node)}")
     assert found == []

@@ -312,7 +312,7 @@ def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: in
     from ptdp.models import ModelContext, build_chunk, named_global_parameters
     from ptdp.parallel.mappings import TensorParallel
     from ptdp.parallel.rng import TensorParallelRNG
-    from ptdp.pipeline.actions import rank_stages
+    from ptdp.config.catalogue import schedule_spec
 
     if iteration < 0:
         raise CheckpointError(f"iteration {iteration}: a checkpoint's iteration is 0 or more")
@@ -326,8 +326,9 @@ def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: in
     ctx = ModelContext(cfg.model, TensorParallel(None, 0, par.tensor), cfg.train.seed,
                        TensorParallelRNG(cfg.train.seed, 0, torch.device("cpu")),
                        cfg.padded_vocab_size)
+    stages = schedule_spec(cfg.schedule.name).stage_map(par.pipeline, par.chunks)
     for pp in range(par.pipeline):
-        for stage in rank_stages(pp, par.pipeline, par.chunks):
+        for stage in stages.stages_of(pp):
             chunk = build_chunk(ctx, stage, par.pipeline * par.chunks)  # names and split dims
             for name, param in named_global_parameters(chunk):
                 if role_of(param).duplicate:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from ptdp.config.catalogue import NAMES
+from ptdp.config.catalogue import DEFAULT, NAMES, schedule_spec
 
 
 def register(subparsers) -> None:
@@ -60,7 +60,8 @@ def _recorded(args):
         raise gantt.TraceError(f"{args.trace} holds no traced iterations")
     iteration = args.iteration if args.iteration is not None else iterations[-1]
     p, v = layout.get("p", 1), layout.get("v", 1)
-    lanes = gantt.lanes_from_trace(trace, iteration, chunks_of=lambda stage: stage // p)
+    stages = schedule_spec(layout.get("schedule", DEFAULT.name)).stage_map(p, v)
+    lanes = gantt.lanes_from_trace(trace, iteration, chunks_of=stages.chunk_of)
     title = (f"{layout.get('schedule', '?')}: p={p} t={layout.get('t', '?')} "
              f"d={layout.get('d', '?')} v={v} m={layout.get('m', '?')}, iteration {iteration}")
     return lanes, title, "s", v
@@ -68,7 +69,6 @@ def _recorded(args):
 
 def _simulated(args):
     from ptdp.pipeline import gantt
-    from ptdp.config.catalogue import schedule_spec
     from ptdp.pipeline.timeline import simulate
     if not args.schedule:
         raise ValueError("give a TRACE file, or --schedule NAME to draw a simulated schedule")

@@ -2,10 +2,15 @@
 
 One table, read by config validation, `ptdp check`, the planner, the pipeline builders and the
 trainer; code asks a spec what a schedule does (`spec.flushing`, `spec.split_backward`,
-`spec.allows_fp16`, ...) instead of comparing its name. Torch-free and import-free, so every
-floor of the house can read it. The schedules themselves (the per-rank action lists) are built
-in ptdp/pipeline/schedules.py; SPEC.md and the dissertation's
-chapters 3-4 describe them.
+`spec.allows_fp16`, ...) instead of comparing its name. Torch-free, importing only its
+sibling ptdp/config/stages.py, so every floor of the house can read it. The schedules themselves
+(the per-rank action lists) are built in ptdp/pipeline/schedules.py; the dissertation's
+chapters 3-4 and docs/architecture.md describe them.
+
+Placement (`spec.placement`, ptdp/config/stages.py): which pipeline rank holds each virtual
+stage. Every schedule here is `LOOPED` (Megatron's round-robin); `spec.stage_map(p, v)` answers
+for the trainer, the checkpoint, the metrics, the timeline and the pipeline's builders, and
+`embedding_pipeline_ranks` names the ranks whose tied embedding copies sum gradients.
 
 Families (`Family`): how a schedule updates the weights, which decides the trainer's step type
 (ptdp/training/):
@@ -22,6 +27,8 @@ import difflib
 import enum
 from dataclasses import dataclass
 from typing import Callable
+
+from ptdp.config.stages import Placement, StageMap
 
 
 class Family(enum.Enum):
@@ -68,6 +75,11 @@ class ScheduleSpec:
     all_forwards_first: bool = False  # GPipe: every forward of the batch before any backward
     planner: Planner = Planner.SEARCHED
     min_micro_batches: Callable[[int, int], int] = _one   # (p, v) -> fewest m per batch
+    placement: Placement = Placement.LOOPED   # which rank holds each virtual stage
+
+    def stage_map(self, p: int, v: int) -> StageMap:
+        """Where this schedule puts the p*v virtual stages (ptdp/config/stages.py)."""
+        return StageMap(p, v, self.placement)
 
     # What the family implies -------------------------------------------------------------
     @property
@@ -175,6 +187,13 @@ def schedule_spec(name: str) -> ScheduleSpec:
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ValueError(f"unknown schedule {name!r}; expected one of {', '.join(NAMES)}{hint}")
     return spec
+
+
+def embedding_pipeline_ranks(spec: ScheduleSpec, p: int, v: int) -> tuple[int, ...]:
+    """The pipeline ranks holding the first and the last virtual stage under `spec`: the
+    embedding group's (its tied word-embedding copies sum their gradients). (0, p-1) for every
+    schedule in the catalogue when p > 1; one rank when it holds both."""
+    return spec.stage_map(p, v).first_and_last_ranks()
 
 
 def names_where(predicate: Callable[[ScheduleSpec], bool]) -> tuple[str, ...]:

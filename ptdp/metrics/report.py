@@ -59,13 +59,15 @@ def rank_roles(cfg: Config, grid) -> list[str]:
     """One line per rank (the first MAX_ROLE_LINES): its pipeline stage(s) with their layers,
     its tensor shard and its data replica."""
     from ptdp.parallel.grid import coordinates_of
-    from ptdp.pipeline.actions import rank_stages, stage_layers
+    from ptdp.config.catalogue import schedule_spec
+    from ptdp.pipeline.actions import stage_layers
     par = cfg.parallel
+    placed = schedule_spec(cfg.schedule.name).stage_map(par.pipeline, par.chunks)
     world = grid.p * grid.t * par.context * grid.d
     lines = []
     for rank in range(min(world, MAX_ROLE_LINES)):
         c = coordinates_of(rank, grid.p, grid.d, grid.t, par.context)
-        stages = rank_stages(c.pipeline, par.pipeline, par.chunks)
+        stages = placed.stages_of(c.pipeline)
         last = par.pipeline * par.chunks - 1
         parts = []
         for s in stages:

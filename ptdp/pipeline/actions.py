@@ -2,9 +2,10 @@
 actions must finish before another can start. Pure Python, no torch.
 
 Stages. The layer stack is cut into ``p * v`` *virtual stages*; global virtual stage ``s`` holds
-layers ``[s * L/(p*v), (s+1) * L/(p*v))`` and runs on rank ``s % p`` as that rank's chunk
-``s // p`` (round-robin by chunk, as in the dissertation §4.2.2: with p=4, v=2, rank 0 holds
-stages 0 and 4). With ``v == 1`` a stage is simply a rank.
+layers ``[s * L/(p*v), (s+1) * L/(p*v))`` (``stage_layers``). Which rank runs it, as which of
+its chunks, is the schedule's placement (``ScheduleSpec.stage_map``, ptdp/config/stages.py:
+Megatron's round-robin for every schedule today, with p=4, v=2 rank 0 holding stages 0 and 4).
+With ``v == 1`` a stage is simply a rank.
 
 Dependencies (``dependencies()``). ``F(mb, s)`` needs ``F(mb, s-1)``; ``B(mb, s)`` needs
 ``F(mb, s)`` (same rank, for the stashed activations) and ``B(mb, s+1)``; the last stage's
@@ -18,6 +19,8 @@ ranks together too: W and E wait for every rank's R, T for rank 0's U.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ptdp.config.stages import StageMap
 
 FORWARD = "F"
 BACKWARD = "B"    # the whole backward, or with zb-h1 only the input gradient
@@ -43,19 +46,10 @@ class Action:
         return f"{self.kind}{self.mb}@s{self.stage}"
 
 
-def stage_rank(stage: int, p: int) -> int:
-    """The pipeline rank that runs global virtual stage ``stage``."""
-    return stage % p
-
-
-def local_chunk(stage: int, p: int) -> int:
-    """Which of its rank's ``v`` model chunks global virtual stage ``stage`` is."""
-    return stage // p
-
-
-def rank_stages(rank: int, p: int, v: int) -> list[int]:
-    """Global virtual stages held by ``rank``, by chunk: ``[rank, rank+p, ..., rank+(v-1)p]``."""
-    return [rank + chunk * p for chunk in range(v)]
+def action_rank(action: Action, stages: StageMap) -> int:
+    """The pipeline rank that runs ``action`` (its stage in range): a rank action names its
+    rank, the others run where their stage is placed."""
+    return action.stage if action.kind in RANK_ACTIONS else stages.ranks[action.stage]
 
 
 def stage_layers(stage: int, p: int, v: int, num_layers: int) -> range:

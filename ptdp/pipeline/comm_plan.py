@@ -56,8 +56,8 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Callable
 
-from ptdp.pipeline.actions import (Action, BACKWARD, END, FORWARD, RANK_ACTIONS, dependencies,
-                                   stage_rank)
+from ptdp.config.stages import Placement
+from ptdp.pipeline.actions import Action, BACKWARD, END, FORWARD, RANK_ACTIONS, dependencies
 from ptdp.pipeline.simulation import exact_times, simulate_lists
 
 ACTIVATION, GRADIENT = "act", "grad"
@@ -121,7 +121,8 @@ def needed_message(action: Action, num_stages: int) -> Message | None:
 
 
 def plan_exchanges(schedule: list[list[Action]], p: int, v: int,
-                   shape_of: Callable[[Message], tuple] = lambda message: ()) -> list[list[Step]]:
+                   shape_of: Callable[[Message], tuple] = lambda message: (),
+                   placement: Placement = Placement.LOOPED) -> list[list[Step]]:
     """Every rank's steps: its actions with the exchange to post before each (see module doc).
 
     ``schedule`` is every rank's action list (``build_all``); ``shape_of`` gives each message's
@@ -129,7 +130,9 @@ def plan_exchanges(schedule: list[list[Action]], p: int, v: int,
     """
     num_stages = p * v
     micro_batches = len({a.mb for row in schedule for a in row}) or 1
-    timeline = simulate_lists(schedule, p, v, micro_batches, **exact_times(v))
+    timeline = simulate_lists(schedule, p, v, micro_batches, **exact_times(v),
+                              placement=placement)
+    rank_of = timeline.stages.rank_of   # the schedule's placement (spec.placement)
     produced_at = {}   # message -> (simulated time, iteration of the producing action)
     for row in timeline.ranks:
         for slot, segment in zip(row, _iterations(row)):
@@ -144,10 +147,10 @@ def plan_exchanges(schedule: list[list[Action]], p: int, v: int,
         pending: list[list[tuple]] = [[] for _ in times]
         for k, slot in enumerate(row):
             sent = produced_message(slot.action, num_stages)
-            if sent is not None and stage_rank(sent.dst, p) != rank:
+            if sent is not None and rank_of(sent.dst) != rank:
                 pending[k + 1].append((produced_at[sent][0], True, sent))
             needed = needed_message(slot.action, num_stages)
-            if needed is not None and stage_rank(needed.src, p) != rank:
+            if needed is not None and rank_of(needed.src) != rank:
                 at, segment = produced_at[needed]
                 # times only grow, and times[k] >= at since action k needs the message
                 natural = bisect_left(times, at, hi=k)
@@ -156,7 +159,7 @@ def plan_exchanges(schedule: list[list[Action]], p: int, v: int,
         steps = []
         for k, ops in enumerate(pending):
             ops.sort(key=lambda op: (op[0], op[2], op[1]))
-            exchange = tuple(Transfer(send, stage_rank(msg.dst if send else msg.src, p), msg,
+            exchange = tuple(Transfer(send, rank_of(msg.dst if send else msg.src), msg,
                                       tuple(shape_of(msg))) for _, send, msg in ops)
             steps.append(Step(exchange, row[k].action if k < len(row) else None))
         plans.append(steps)
@@ -278,7 +281,7 @@ class _Gates:
         if action is None or action.kind not in RANK_ACTIONS:
             return True
         for dep in dependencies(action, self.p, 1):
-            dep_rank = stage_rank(dep.stage, self.p)
+            dep_rank = dep.stage   # a rank action's dependencies are rank actions (their rank)
             if dep_rank != rank and at[dep_rank] <= self.position[(dep_rank, dep)]:
                 return False
         if self.barriers and action.kind == END:

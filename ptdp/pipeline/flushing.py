@@ -1,5 +1,6 @@
 """The flushing schedules' action lists: GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B and
-zero bubble (ZB-H1). Pure functions of ``(p, v, m, rank)``; no torch.
+zero bubble (ZB-H1). Pure functions of ``(stages, m, rank)``, ``stages`` the schedule's
+``StageMap`` (its ``p``, ``v`` and which stages each rank holds: ptdp/config/stages.py); no torch.
 
 Schedules. All three are one shape, ``_one_f_one_b(forwards, backwards, warmup)``: ``warmup``
 forwards, then alternate one forward and one backward, then drain the remaining backwards. They
@@ -40,7 +41,8 @@ chunks they visit the chunks in reverse, since gradients flow from the last stag
 
 from __future__ import annotations
 
-from ptdp.pipeline.actions import Action, BACKWARD, FORWARD, WEIGHT_GRAD, rank_stages
+from ptdp.config.stages import StageMap
+from ptdp.pipeline.actions import Action, BACKWARD, FORWARD, WEIGHT_GRAD
 
 
 def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
@@ -68,49 +70,53 @@ def _megatron_order(p: int, v: int, m: int) -> list[tuple[int, int]]:
     return order
 
 
-def _gpipe(p: int, v: int, m: int, rank: int) -> list[Action]:
+def _gpipe(stages: StageMap, m: int, rank: int) -> list[Action]:
     # Chunk-major forwards keep each chunk busy on m micro-batches before the next chunk needs
     # the first of them back from the other ranks; backwards mirror that, last chunk first.
-    stages = rank_stages(rank, p, v)
-    forwards = [Action(FORWARD, mb, s) for s in stages for mb in range(m)]
-    backwards = [Action(BACKWARD, mb, s) for s in reversed(stages) for mb in range(m)]
+    held = stages.stages_of(rank)
+    forwards = [Action(FORWARD, mb, s) for s in held for mb in range(m)]
+    backwards = [Action(BACKWARD, mb, s) for s in reversed(held) for mb in range(m)]
     return _one_f_one_b(forwards, backwards, warmup=len(forwards))
 
 
-def _flush_1f1b(p: int, v: int, m: int, rank: int) -> list[Action]:
+def _flush_1f1b(stages: StageMap, m: int, rank: int) -> list[Action]:
     # PipeDream-Flush: rank r runs p-r-1 forwards before its first backward can arrive, which
     # caps its activation stashes at p - r (§3.2.2, Fig. 4.4 top).
-    if v != 1:
-        raise ValueError(f"schedule '1f1b' needs v=1 (got v={v}); use 'interleaved' for v > 1")
-    forwards = [Action(FORWARD, mb, rank) for mb in range(m)]
-    backwards = [Action(BACKWARD, mb, rank) for mb in range(m)]
-    return _one_f_one_b(forwards, backwards, warmup=p - rank - 1)
+    if stages.v != 1:
+        raise ValueError(f"schedule '1f1b' needs v=1 (got v={stages.v}); use 'interleaved' "
+                         f"for v > 1")
+    stage = stages.stage(rank, 0)
+    forwards = [Action(FORWARD, mb, stage) for mb in range(m)]
+    backwards = [Action(BACKWARD, mb, stage) for mb in range(m)]
+    return _one_f_one_b(forwards, backwards, warmup=stages.p - rank - 1)
 
 
-def _interleaved(p: int, v: int, m: int, rank: int) -> list[Action]:
+def _interleaved(stages: StageMap, m: int, rank: int) -> list[Action]:
+    p, v = stages.p, stages.v
     if v == 1:  # one chunk per rank: nothing to interleave, and no m % p constraint
-        return _flush_1f1b(p, v, m, rank)
+        return _flush_1f1b(stages, m, rank)
     if m % p:
         raise ValueError(
             f"schedule 'interleaved' needs the number of micro-batches m to be a multiple of "
             f"the pipeline size p (got m={m}, p={p}); micro-batches go through in groups of p"
         )
     order = _megatron_order(p, v, m)
-    forwards = [Action(FORWARD, mb, rank + chunk * p) for mb, chunk in order]
-    backwards = [Action(BACKWARD, mb, rank + (v - 1 - chunk) * p) for mb, chunk in order]
+    forwards = [Action(FORWARD, mb, stages.stage(rank, chunk)) for mb, chunk in order]
+    backwards = [Action(BACKWARD, mb, stages.stage(rank, v - 1 - chunk)) for mb, chunk in order]
     # Megatron's warm-up: the first backward reaches rank r only after the first p micro-batches
     # went through all (v-1) earlier chunks of every rank, plus the round trip to the last rank.
     warmup = 2 * (p - rank - 1) + (v - 1) * p
     return _one_f_one_b(forwards, backwards, warmup)
 
 
-def _zb_h1(p: int, v: int, m: int, rank: int) -> list[Action]:
+def _zb_h1(stages: StageMap, m: int, rank: int) -> list[Action]:
     """1F1B's F and B order; ``Wg(mb - rank)`` after ``B(mb)``, the last ``rank`` at the end."""
-    if v != 1:
-        raise ValueError(f"schedule 'zb-h1' needs v=1 (got v={v})")
+    if stages.v != 1:
+        raise ValueError(f"schedule 'zb-h1' needs v=1 (got v={stages.v})")
+    stage = stages.stage(rank, 0)
     out = []
-    for a in _flush_1f1b(p, 1, m, rank):
+    for a in _flush_1f1b(stages, m, rank):
         out.append(a)
         if a.kind == BACKWARD and a.mb >= rank:
-            out.append(Action(WEIGHT_GRAD, a.mb - rank, rank))
-    return out + [Action(WEIGHT_GRAD, mb, rank) for mb in range(max(m - rank, 0), m)]
+            out.append(Action(WEIGHT_GRAD, a.mb - rank, stage))
+    return out + [Action(WEIGHT_GRAD, mb, stage) for mb in range(max(m - rank, 0), m)]

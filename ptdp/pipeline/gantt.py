@@ -57,7 +57,8 @@ def traced_iterations(trace: dict) -> list[int]:
 def lanes_from_trace(trace: dict, iteration: int, chunks_of=None) -> list[Lane]:
     """One lane per rank for `iteration`, times in seconds from the iteration's first event.
 
-    `chunks_of(stage)` maps a global stage to its chunk (for labels when v > 1).
+    `chunks_of(stage)` maps a global stage to its chunk (for labels when v > 1): the traced
+    schedule's `StageMap.chunk_of` (ptdp/config/stages.py).
     """
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("ph") == "M"}
     events = [e for e in trace["traceEvents"]
@@ -86,7 +87,8 @@ def lanes_from_simulation(timeline) -> list[Lane]:
     """Lanes of a simulated `ptdp.pipeline.timeline.Timeline` (time in its own units)."""
     kinds = {FORWARD: "forward", BACKWARD: "backward", WEIGHT_GRAD: "backward"}
     return [Lane(f"rank {rank}", [Box(str(s.action), kinds[s.action.kind], float(s.start),
-                                      float(s.end), s.action.mb, s.action.stage // timeline.p)
+                                      float(s.end), s.action.mb,
+                                      timeline.stages.chunk_of(s.action.stage))
                                   for s in row if s.action.kind in kinds])   # not rank actions
             for rank, row in enumerate(timeline.ranks)]
 

@@ -39,6 +39,7 @@ t+2, which needs the new version. ``dependencies()`` holds the rules that tie ra
 from __future__ import annotations
 
 from ptdp.config.catalogue import two_bw_min_micro_batches
+from ptdp.config.stages import StageMap
 from ptdp.pipeline.actions import Action, BACKWARD, END, FORWARD, REDUCE, TIED, UPDATE, WEIGHTS
 from ptdp.pipeline.flushing import _flush_1f1b, _interleaved, _one_f_one_b
 from ptdp.pipeline.simulation import Slot, exact_times, simulate_lists
@@ -56,8 +57,9 @@ def _rank_action(kind: str, mb: int, rank: int) -> Action:
     return Action(kind, mb, rank)
 
 
-def _two_bw_skeleton(p: int, v: int, m: int, rank: int, batches: int) -> list[Action]:
+def _two_bw_skeleton(stages: StageMap, m: int, rank: int, batches: int) -> list[Action]:
     """1F1B (interleaved when v > 1) over the window, ``R`` after each batch's last backward."""
+    p, v = stages.p, stages.v
     least = two_bw_min_micro_batches(p, v)
     if m < least:
         why = ("m >= p" if v == 1 else
@@ -68,21 +70,23 @@ def _two_bw_skeleton(p: int, v: int, m: int, rank: int, batches: int) -> list[Ac
                          f"before batch t+2's first forward on every rank, which needs {why}")
     n = m * batches
     if v == 1:
-        actions = _flush_1f1b(p, 1, n, rank)
+        actions = _flush_1f1b(stages, n, rank)
     else:
-        actions = _interleaved(p, v, n, rank)
+        actions = _interleaved(stages, n, rank)
     return _insert_rank_actions(actions, m, rank, after_kind=BACKWARD, kind=REDUCE)
 
 
-def _pipedream_skeleton(p: int, v: int, m: int, rank: int, batches: int) -> list[Action]:
+def _pipedream_skeleton(stages: StageMap, m: int, rank: int, batches: int) -> list[Action]:
     """NOAM start-up, then 1F1B with ``U`` after every backward; ``R`` after each batch's last
     ``U``; on the last rank ``T(j)`` right before ``F(j + NOAM)`` (the rest at the end)."""
+    p, v = stages.p, stages.v
     if v != 1:
         raise ValueError(f"schedule 'pipedream' needs v=1 (got v={v}): PipeDream gives each "
                          f"worker one stage; interleaving is supported with '2bw'")
     n, admitted = m * batches, noam(p, 1)
-    forwards = [Action(FORWARD, mb, rank) for mb in range(n)]
-    backwards = [Action(BACKWARD, mb, rank) for mb in range(n)]
+    stage = stages.stage(rank, 0)
+    forwards = [Action(FORWARD, mb, stage) for mb in range(n)]
+    backwards = [Action(BACKWARD, mb, stage) for mb in range(n)]
     actions = []
     for a in _one_f_one_b(forwards, backwards, warmup=admitted - rank - 1):
         actions.append(a)
@@ -138,7 +142,7 @@ def weight_updates_before_forwards(actions: list[Action]) -> dict[int, int]:
     return tags
 
 
-def place_iteration_ends(rows: list[list[Action]], p: int, v: int, m: int, *,
+def place_iteration_ends(rows: list[list[Action]], stages: StageMap, m: int, *,
                          weights: bool) -> list[list[Action]]:
     """Insert ``E`` of every batch into each rank's list (and ``W`` right before it if
     ``weights``), at the first action boundary no earlier than the simulated moment the last
@@ -146,7 +150,8 @@ def place_iteration_ends(rows: list[list[Action]], p: int, v: int, m: int, *,
     reduction already launched everywhere and never waits. A ``W`` is moved earlier if needed
     so that it precedes the rank's first forward of batch t+2, which uses its version.
     """
-    timeline = simulate_lists(rows, p, v, m, **exact_times(v))
+    timeline = simulate_lists(rows, stages.p, stages.v, m, **exact_times(stages.v),
+                              placement=stages.placement)
     done = {}  # batch -> when its last R ends
     for row in timeline.ranks:
         for slot in row:

@@ -9,8 +9,9 @@ estimate and the timeline picture (``ptdp.pipeline.timeline``). Nothing here imp
 The catalogue (ptdp/config/catalogue.py) names the schedules and their traits; this module
 binds each name to its builder: the flushing ones (ptdp/pipeline/flushing.py) repeat one
 iteration's list, the no-flush ones (ptdp/pipeline/no_flush.py) are one stream whose iteration
-ends are placed by simulating every rank. The vocabulary of actions and stages is
-ptdp/pipeline/actions.py.
+ends are placed by simulating every rank. Each builder gets the schedule's ``StageMap``
+(``spec.stage_map(p, v)``: which stages each rank holds, ptdp/config/stages.py). The vocabulary
+of actions and stages is ptdp/pipeline/actions.py.
 """
 
 from __future__ import annotations
@@ -20,20 +21,21 @@ from typing import Callable
 
 from ptdp.config.catalogue import (GPIPE, INTERLEAVED, NAMES, ONE_F_ONE_B, PIPEDREAM, TWO_BW,
                                    ZERO_BUBBLE_H1, schedule_spec)
+from ptdp.config.stages import StageMap
 from ptdp.pipeline.actions import Action, BACKWARD, FORWARD, RANK_ACTIONS, WEIGHT_GRAD
 from ptdp.pipeline.flushing import _flush_1f1b, _gpipe, _interleaved, _zb_h1
 from ptdp.pipeline.no_flush import _pipedream_skeleton, _two_bw_skeleton, place_iteration_ends
 
 
-def _repeat(builder: Callable[[int, int, int, int], list[Action]]):
+def _repeat(builder: Callable[[StageMap, int, int], list[Action]]):
     """A flushing schedule over ``batches`` consecutive iterations: one after the other."""
-    def window(p: int, v: int, m: int, rank: int, batches: int) -> list[Action]:
-        one = builder(p, v, m, rank)
+    def window(stages: StageMap, m: int, rank: int, batches: int) -> list[Action]:
+        one = builder(stages, m, rank)
         return [Action(a.kind, a.mb + t * m, a.stage) for t in range(batches) for a in one]
     return window
 
 
-_BUILDERS: dict[str, Callable[[int, int, int, int, int], list[Action]]] = {
+_BUILDERS: dict[str, Callable[[StageMap, int, int, int], list[Action]]] = {
     GPIPE.name: _repeat(_gpipe),
     ONE_F_ONE_B.name: _repeat(_flush_1f1b),
     INTERLEAVED.name: _repeat(_interleaved),
@@ -70,9 +72,10 @@ def _build_all_cached(name: str, p: int, v: int, m: int, batches: int) -> tuple:
     for key, value in (("p", p), ("v", v), ("m", m), ("batches", batches)):
         if value < 1:
             raise ValueError(f"schedule {name!r}: {key} must be >= 1 (got {key}={value})")
-    rows = [_BUILDERS[name](p, v, m, rank, batches) for rank in range(p)]
+    stages = spec.stage_map(p, v)
+    rows = [_BUILDERS[name](stages, m, rank, batches) for rank in range(p)]
     if not spec.flushing:
-        rows = place_iteration_ends(rows, p, v, m, weights=not spec.update_per_input)
+        rows = place_iteration_ends(rows, stages, m, weights=not spec.update_per_input)
     return tuple(tuple(row) for row in rows)
 
 

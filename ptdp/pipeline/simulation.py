@@ -3,7 +3,8 @@
 ``simulate_lists`` plays every rank's action list against the dependency rule
 (``ptdp.pipeline.actions.dependencies``): a rank runs its list strictly in order; an action
 starts once the rank is free and the actions it depends on have finished, plus ``t_comm`` when
-the input comes from another rank. Sends never block. Because each start time depends only on
+the input comes from another rank (``placement`` says which rank holds each stage: the
+schedule's, ptdp/config/stages.py). Sends never block. Because each start time depends only on
 the end times of earlier actions, scheduling them in any order that respects those dependencies
 gives the same timeline as an event queue would; when no rank can take its next step the
 schedule would deadlock, and ``DeadlockError`` says which rank waits for what.
@@ -22,8 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ptdp.config.stages import Placement, StageMap
 from ptdp.pipeline.actions import (Action, BACKWARD, FORWARD, RANK_ACTIONS, TIED, UPDATE, WEIGHTS,
-                                   WEIGHT_GRAD, dependencies, stage_rank)
+                                   WEIGHT_GRAD, action_rank, dependencies)
 
 
 def exact_times(v: int) -> dict:
@@ -54,6 +56,7 @@ class Timeline:
     t_b: float
     t_comm: float
     ranks: list[list[Slot]]  # per rank, its slots in execution order
+    stages: StageMap         # which rank holds each virtual stage
 
     @property
     def makespan(self) -> float:
@@ -79,13 +82,16 @@ def simulate_lists(
     name: str = "custom",
     t_update=0,
     t_w=None,
+    placement: Placement = Placement.LOOPED,
 ) -> Timeline:
     """Simulate explicit per-rank action lists (e.g. a hand-written or broken schedule).
 
     ``t_update``: how long a rank's optimizer step (W, U, T) takes; other rank actions take no
-    time."""
+    time. ``placement``: the schedule's (``spec.placement``); an action on a stage its rank does
+    not hold is an error."""
     if len(schedule) != p:
         raise ValueError(f"expected one action list per rank (p={p}), got {len(schedule)}")
+    stages = StageMap(p, v, placement)
     # Rank actions take no simulated time: the optimizer and reductions are outside the
     # (p-1)/m accounting, and W/E still wait for every rank's R through their dependencies.
     duration = {FORWARD: t_f / v, BACKWARD: t_b / v, **{kind: 0 * t_f for kind in RANK_ACTIONS},
@@ -103,7 +109,7 @@ def simulate_lists(
             if dep not in finished:
                 return None
             # `and t_comm` keeps exact (Fraction) arithmetic when the default 0.0 is used
-            latency = t_comm if stage_rank(dep.stage, p) != rank and t_comm else 0
+            latency = t_comm if t_comm and action_rank(dep, stages) != rank else 0
             ready = max(ready, finished[dep] + latency)
         return ready
 
@@ -113,7 +119,7 @@ def simulate_lists(
         if len(row) == len(schedule[rank]):
             return False
         action = schedule[rank][len(row)]
-        _check_action(action, rank, p, duration, finished)
+        _check_action(action, rank, stages, duration, finished)
         ready = ready_time(action, rank)
         if ready is None:
             return False
@@ -130,14 +136,17 @@ def simulate_lists(
                 progressed = True
         if not progressed:
             raise DeadlockError(_deadlock_report(schedule, rows, finished, p, v))
-    return Timeline(name, p, v, m, t_f, t_b, t_comm, rows)
+    return Timeline(name, p, v, m, t_f, t_b, t_comm, rows, stages)
 
 
-def _check_action(action: Action, rank: int, p: int, duration: dict, finished: dict) -> None:
+def _check_action(action: Action, rank: int, stages: StageMap, duration: dict,
+                  finished: dict) -> None:
     if action.kind not in duration:
         raise ValueError(f"rank {rank}: cannot simulate action kind {action.kind!r} ({action})")
-    if stage_rank(action.stage, p) != rank:
-        raise ValueError(f"rank {rank}: {action} belongs to rank {stage_rank(action.stage, p)}")
+    if action.kind not in RANK_ACTIONS and not 0 <= action.stage < stages.num_stages:
+        raise ValueError(f"rank {rank}: {action} is on no stage of p={stages.p}, v={stages.v}")
+    if action_rank(action, stages) != rank:
+        raise ValueError(f"rank {rank}: {action} belongs to rank {action_rank(action, stages)}")
     if action in finished:
         raise ValueError(f"rank {rank}: {action} is scheduled twice")
 

@@ -5,7 +5,8 @@ ptdp/pipeline/simulation.py; pictures of recorded or simulated runs are ptdp/pip
 
 from __future__ import annotations
 
-from ptdp.pipeline.actions import Action, local_chunk
+from ptdp.config.catalogue import schedule_spec
+from ptdp.pipeline.actions import Action
 from ptdp.pipeline.schedules import build_all
 from ptdp.pipeline.simulation import Timeline, simulate_lists
 
@@ -15,7 +16,7 @@ def simulate(name: str, p: int, v: int, m: int, t_f=1.0, t_b=2.0, t_comm=0.0,
     """Simulate schedule ``name`` on ``p`` ranks with ``v`` chunks each and ``m`` micro-batches
     per batch, over ``batches`` consecutive batches (the timeline's ``m`` is all of them)."""
     return simulate_lists(build_all(name, p, v, m, batches), p, v, m * batches, t_f, t_b, t_comm,
-                          name=name, t_w=t_w)
+                          name=name, t_w=t_w, placement=schedule_spec(name).placement)
 
 
 def render_ascii(timeline: Timeline, width: int | None = None) -> str:
@@ -31,7 +32,7 @@ def render_ascii(timeline: Timeline, width: int | None = None) -> str:
         return ""
 
     def label(a: Action) -> str:
-        chunk = "" if timeline.v == 1 else f".{local_chunk(a.stage, timeline.p)}"
+        chunk = "" if timeline.v == 1 else f".{timeline.stages.chunk_of(a.stage)}"
         return f"{a.kind}{a.mb}{chunk}"
 
     if width is None:

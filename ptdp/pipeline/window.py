@@ -70,7 +70,7 @@ class NoFlushPlan:
         self.first, self.iterations = first, iterations
         self.window = min(iterations, WINDOW)
         self.schedule = build_all(name, p, v, m, self.window)
-        plans = plan_exchanges(self.schedule, p, v, shape_of)
+        plans = plan_exchanges(self.schedule, p, v, shape_of, schedule_spec(name).placement)
         check_plans(plans)
         self.segments = [split_iterations(steps) for steps in plans]
         if iterations > self.window:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ptdp.config.catalogue import FORWARD_ONLY
+from ptdp.config.catalogue import FORWARD_ONLY, schedule_spec
 from ptdp.pipeline.actions import FORWARD
 from ptdp.pipeline.comm_plan import check_plans, plan_exchanges
 from ptdp.pipeline.executor import PipelineExecutor
@@ -46,7 +46,8 @@ class Pipeline:
         """This rank's steps of `schedule` (every rank's action lists), after checking every
         rank's exchanges under NCCL's rules."""
         wire = self.wire_shape
-        plans = plan_exchanges(schedule, self.p, self.v, lambda message: wire)
+        plans = plan_exchanges(schedule, self.p, self.v, lambda message: wire,
+                               schedule_spec(self.state.cfg.schedule.name).placement)
         check_plans(plans)
         return plans[self.state.grid.pp_rank]
 

@@ -59,7 +59,6 @@ from ptdp.parallel.rng import RandomStreams
 from ptdp.parallel.roles import role_of
 from ptdp.parallel.sharding import gather_full_state
 from ptdp.parallel.weight_grad import STORE as WEIGHT_GRADS
-from ptdp.pipeline.actions import rank_stages
 
 
 @dataclass
@@ -244,7 +243,7 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
     WEIGHT_GRADS.clear()   # nothing deferred survives a previous trainer in this process
     num_stages = par.pipeline * par.chunks
     chunks = {s: build_chunk(ctx, s, num_stages).to(device, PRECISIONS[tr.precision])
-              for s in rank_stages(grid.pp_rank, par.pipeline, par.chunks)}
+              for s in spec.stage_map(par.pipeline, par.chunks).stages_of(grid.pp_rank)}
     params = [p for c in chunks.values() for p in c.parameters()]
     weights = _master_weights(cfg, grid, params, spec)
     m = cfg.num_micro_batches

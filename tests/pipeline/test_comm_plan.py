@@ -14,7 +14,7 @@ from ptdp.pipeline.comm_plan import (ACTIVATION, GRADIENT, Message, PlanError, S
                                      produced_message)
 from ptdp.config.catalogue import names_where
 from ptdp.pipeline.schedules import build_all
-from ptdp.pipeline.actions import stage_rank
+from ptdp.config.stages import StageMap
 
 FLUSHING = names_where(lambda spec: spec.flushing)
 
@@ -57,11 +57,12 @@ def _assert_covers_every_boundary(plans, schedule, p, v):
     for rank, (steps, actions) in enumerate(zip(plans, schedule)):
         assert [s.action for s in steps] == actions + [None]
         produced, needed = {}, {}   # message crossing ranks -> position of its action
+        rank_of = StageMap(p, v).rank_of   # every flushing schedule's: round-robin
         for i, a in enumerate(actions):
             out, need = produced_message(a, p * v), needed_message(a, p * v)
-            if out and stage_rank(out.dst, p) != rank:
+            if out and rank_of(out.dst) != rank:
                 produced[out] = i
-            if need and stage_rank(need.src, p) != rank:
+            if need and rank_of(need.src) != rank:
                 needed[need] = i
         sends = Counter(t.message for s in steps for t in s.exchange if t.send)
         receives = Counter(t.message for s in steps for t in s.exchange if not t.send)

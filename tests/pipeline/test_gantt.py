@@ -7,6 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from ptdp.cli import main
+from ptdp.config.catalogue import INTERLEAVED
 from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.pipeline import gantt
 from ptdp.pipeline.schedules import build_schedule
@@ -50,7 +51,7 @@ def test_recorded_order_is_the_schedule(traces):
 
 def test_interleaved_order_and_chunks(traces):
     trace = gantt.read_trace(traces / "interleaved.json")
-    lanes = gantt.lanes_from_trace(trace, 3, chunks_of=lambda stage: stage // 4)
+    lanes = gantt.lanes_from_trace(trace, 3, chunks_of=INTERLEAVED.stage_map(4, 2).chunk_of)
     for rank, lane in enumerate(lanes):
         assert gantt.compute_order(lane) == [str(a) for a in
                                              build_schedule("interleaved", 4, 2, M, rank)]

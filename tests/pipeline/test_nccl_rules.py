@@ -16,7 +16,7 @@ import torch
 from ptdp.runtime.local_ranks import RankFailure, run_on_ranks
 from ptdp.pipeline.comm_plan import PlanError, Step, Transfer, check_plans, needed_message, produced_message
 from ptdp.pipeline.schedules import build_all
-from ptdp.pipeline.actions import stage_rank
+from ptdp.config.catalogue import schedule_spec
 from tests.equivalence import LAYOUTS, TINY, assert_equivalent, reference, run_layouts
 
 # every layout of the equivalence tests with p > 1; GPT in all, BERT in the richest one
@@ -112,16 +112,17 @@ def test_no_flush_schedules_train_the_same_under_nccl_rules_with_checkpoints(tmp
 def naive_plans(name: str, p: int, v: int, m: int) -> list[list[Step]]:
     """Receive each tensor right before the action that needs it, send right after."""
     plans, last = [], p * v
+    rank_of = schedule_spec(name).stage_map(p, v).rank_of
     for rank, actions in enumerate(build_all(name, p, v, m)):
         steps, previous = [], None
         for action in actions + [None]:
             ops = []
             sent = previous and produced_message(previous, last)
             if sent:
-                ops.append(Transfer(True, stage_rank(sent.dst, p), sent, (16, 2, 32)))
+                ops.append(Transfer(True, rank_of(sent.dst), sent, (16, 2, 32)))
             needed = action and needed_message(action, last)
             if needed:
-                ops.append(Transfer(False, stage_rank(needed.src, p), needed, (16, 2, 32)))
+                ops.append(Transfer(False, rank_of(needed.src), needed, (16, 2, 32)))
             steps.append(Step(tuple(ops), action))
             previous = action
         plans.append(steps)

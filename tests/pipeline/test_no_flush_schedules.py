@@ -7,11 +7,11 @@ from fractions import Fraction
 import pytest
 
 from ptdp.pipeline.comm_plan import PlanError, check_plans, plan_exchanges
-from ptdp.pipeline.actions import (BACKWARD, END, FORWARD, REDUCE, TIED, UPDATE, WEIGHTS, Action,
-                                   rank_stages)
+from ptdp.pipeline.actions import (BACKWARD, END, FORWARD, REDUCE, TIED, UPDATE, WEIGHTS,
+                                   Action)
 from ptdp.pipeline.schedules import build_all, build_schedule, format_schedule, max_in_flight
 from ptdp.pipeline.no_flush import noam, weight_updates_before_forwards
-from ptdp.config.catalogue import two_bw_min_micro_batches
+from ptdp.config.catalogue import TWO_BW as TWO_BW_SPEC, two_bw_min_micro_batches
 from ptdp.pipeline.timeline import simulate
 from ptdp.pipeline.window import NoFlushPlan, shift_steps, split_iterations
 
@@ -45,7 +45,7 @@ def test_two_bw_window_runs_everything_once_and_updates_between_batches(p, v, m)
         for kind in (FORWARD, BACKWARD):
             pairs = Counter((a.mb, a.stage) for a in actions if a.kind == kind)
             assert set(pairs) == {(mb, s) for mb in range(BATCHES * m)
-                                  for s in rank_stages(rank, p, v)}
+                                  for s in TWO_BW_SPEC.stage_map(p, v).stages_of(rank)}
         for t in range(BATCHES):
             last = t * m + m - 1
             reduce, weights, end = (at[Action(k, last, rank)] for k in (REDUCE, WEIGHTS, END))

@@ -3,7 +3,7 @@ single-process run, and scatter/gather sends 1/t of the boundary bytes."""
 
 import pytest
 
-from ptdp.pipeline.actions import rank_stages
+from ptdp.config.stages import StageMap
 from tests.equivalence import ARCHS, assert_equivalent, layout_result, reference
 
 PIPELINE_LAYOUTS = ["p2-gpipe", "p2-1f1b", "p4-v2-interleaved", "p2-t2-v2-sg", "p2-t2-v2",
@@ -20,7 +20,7 @@ def test_pipeline_layouts_match_single_process(arch, layout):
 def boundary_sends(pp_rank: int, p: int, v: int, m: int) -> int:
     """Messages a pipeline rank sends per iteration: activations forward, gradients back."""
     last = p * v - 1
-    return m * sum((s < last) + (s > 0) for s in rank_stages(pp_rank, p, v))
+    return m * sum((s < last) + (s > 0) for s in StageMap(p, v).stages_of(pp_rank))
 
 
 @pytest.mark.parametrize("layout,t", [("p2-t2-v2-sg", 2), ("p2-t2-v2", 1)])

@@ -4,9 +4,9 @@ from collections import Counter
 
 import pytest
 
-from ptdp.config.catalogue import names_where
-from ptdp.pipeline.actions import (Action, dependencies, local_chunk, rank_stages, stage_layers,
-                                   stage_rank)
+from ptdp.config.catalogue import names_where, schedule_spec
+from ptdp.config.stages import StageMap
+from ptdp.pipeline.actions import Action, dependencies, stage_layers
 from ptdp.pipeline.schedules import build_all, build_schedule, format_schedule, max_in_flight
 from ptdp.pipeline.timeline import simulate
 
@@ -37,8 +37,9 @@ def _id(case):
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_every_forward_and_backward_once_forward_first(case):
     name, p, v, m = case
+    stages = schedule_spec(name).stage_map(p, v)
     for rank, actions in enumerate(build_all(name, p, v, m)):
-        expected = {(mb, s) for mb in range(m) for s in rank_stages(rank, p, v)}
+        expected = {(mb, s) for mb in range(m) for s in stages.stages_of(rank)}
         kinds = ("F", "B", "Wg") if name == "zb-h1" else ("F", "B")
         for kind in kinds:
             pairs = Counter((a.mb, a.stage) for a in actions if a.kind == kind)
@@ -122,12 +123,13 @@ def test_interleaved_with_one_chunk_is_1f1b(p):
 
 
 def test_stage_placement_round_robin_by_chunk():
-    assert rank_stages(0, 4, 2) == [0, 4]
-    assert rank_stages(3, 4, 2) == [3, 7]
-    assert [stage_rank(s, 4) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
-    assert [local_chunk(s, 4) for s in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    stages = StageMap(4, 2)
+    assert stages.stages_of(0) == (0, 4)
+    assert stages.stages_of(3) == (3, 7)
+    assert [stages.rank_of(s) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [stages.chunk_of(s) for s in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     # the dissertation's example: 16 layers, p=4, v=2 -> device 1 holds layers 1, 2, 9, 10
-    assert [list(stage_layers(s, 4, 2, 16)) for s in rank_stages(0, 4, 2)] == [[0, 1], [8, 9]]
+    assert [list(stage_layers(s, 4, 2, 16)) for s in stages.stages_of(0)] == [[0, 1], [8, 9]]
     with pytest.raises(ValueError, match="divisible"):
         stage_layers(0, 4, 2, 12)
 
