@@ -148,8 +148,8 @@ def probe_worker(model: dict) -> dict:
 
 def speed_probe() -> dict:
     from ptdp.runtime.local_ranks import run_on_ranks
-    return run_on_ranks(1, probe_worker, MODEL, timeout_s=300.0, threads=1,
-                        fresh_interpreters=True)[0]
+    # A time, not a memory: a rank forked from the server will do (ptdp/runtime/local_ranks.py).
+    return run_on_ranks(1, probe_worker, MODEL, timeout_s=300.0, threads=1)[0]
 
 
 def profile_reference(hw) -> dict:
