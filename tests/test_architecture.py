@@ -210,3 +210,18 @@ def test_a_source_checkout_imports_ptdp_models_without_an_install(tmp_path):
                          timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(ROOT / "models" / "gpt.py")
+
+
+def test_tools_stay_under_500_lines_and_leave_sys_path_alone():
+    """tools/*.py: no module over 500 lines, and none touches sys.path (they import the installed
+    ptdp, and their siblings as tools/harness.py's docstring says)."""
+    long, touches = {}, []
+    for path in sorted((ROOT / "tools").glob("*.py")):
+        text = path.read_text()
+        if (n := len(text.splitlines())) > 500:
+            long[path.name] = n
+        touches += [f"{path.name}:{node.lineno}" for node in ast.walk(ast.parse(text))
+                    if isinstance(node, ast.Attribute) and node.attr == "path"
+                    and isinstance(node.value, ast.Name) and node.value.id == "sys"]
+    assert long == {}
+    assert touches == []
