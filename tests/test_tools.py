@@ -24,6 +24,10 @@ import tools.bench_zero_bubble as bench_zero_bubble
 import tools.validate_planner as validate_planner
 from tools import harness
 
+# Each test runs in seconds; a hung rank ends it (the tools' own run_on_ranks limits are meant
+# for full-size runs).
+pytestmark = pytest.mark.timeout(240)
+
 TINY = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.seq_length=16",
         "model.vocab_size=128", "model.dropout=0.0", "parallel.pipeline=2",
         "train.micro_batch_size=1", "train.global_batch_size=2", "log.progress=false",
