@@ -85,7 +85,17 @@ def test_harness_json_carries_the_environment(tmp_path):
 
 
 # ------------------------------------------------------------------------------ one process
-def test_bench_data_loading_waits_for_the_whole_data_time_without_workers(tmp_path, capsys):
+@pytest.fixture
+def torch_threads():
+    """bench_data_loading sets this process's torch threads (--threads): put them back."""
+    import torch
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bench_data_loading_waits_for_the_whole_data_time_without_workers(tmp_path, capsys,
+                                                                           torch_threads):
     out = tmp_path / "dl.json"
     world = {name: os.environ.get(name) for name in harness.WORLD_VARIABLES}
     assert bench_data_loading.main(["--workers", "0", "--sample-ms", "2", "--micro-batch", "1",
