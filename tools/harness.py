@@ -34,7 +34,7 @@ from pathlib import Path
 
 @dataclass
 class Timings:
-    seconds: list[float]   # each timed call's wall seconds (the warm-up calls are not in it)
+    seconds: list[float]   # each timed call's seconds (the warm-up calls are not in it)
     results: list          # every call's return value, the warm-up calls' included
 
     @property
