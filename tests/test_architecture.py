@@ -264,3 +264,18 @@ def test_stage_placement_is_computed_only_by_the_stage_map():
             if by_stage or by_chunk:
                 found.append(f"{module}:{node.lineno} {ast.unparse(node)}")
     assert found == []
+
+
+def test_tools_stay_under_500_lines_and_leave_sys_path_alone():
+    """tools/*.py: no module over 500 lines, and none touches sys.path (they import the installed
+    ptdp, and their siblings as tools/harness.py's docstring says)."""
+    long, touches = {}, []
+    for path in sorted((ROOT / "tools").glob("*.py")):
+        text = path.read_text()
+        if (n := len(text.splitlines())) > 500:
+            long[path.name] = n
+        touches += [f"{path.name}:{node.lineno}" for node in ast.walk(ast.parse(text))
+                    if isinstance(node, ast.Attribute) and node.attr == "path"
+                    and isinstance(node.value, ast.Name) and node.value.id == "sys"]
+    assert long == {}
+    assert touches == []

@@ -17,13 +17,14 @@ ROW_FIELDS = {"model", "micro_batch", "micro_batches", "step_ms", "step_ms_all",
               "parameters", "vocab"}
 
 
-@pytest.mark.parametrize("arch,extra", [("gpt", ["--no-tf32", "--data-workers", "1"]),
-                                        ("bert", [])])
-def test_bench_gpu_tiny_on_cpu(tmp_path, arch, extra):
+@pytest.mark.parametrize("arch,extra,program", [
+    ("gpt", ["--no-tf32", "--data-workers", "1"], [str(ROOT / "tools" / "bench_gpu.py")]),
+    ("bert", [], ["-m", "tools.bench_gpu"])])   # both ways of running a tool (tools/harness.py)
+def test_bench_gpu_tiny_on_cpu(tmp_path, arch, extra, program):
     """Like with like: the same TF32 setting for both (ptdp's train.tf32), and both take each
     micro-batch from host memory during the step (ptdp's built ahead by data.num_workers)."""
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, str(ROOT / "tools" / "bench_gpu.py"), "--device", "cpu", "--tiny",
+    cmd = [sys.executable, *program, "--device", "cpu", "--tiny",
            "--arch", arch, "--steps", "2", "--warmup", "1", "--json", str(out), *extra]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -31,6 +32,7 @@ def test_bench_gpu_tiny_on_cpu(tmp_path, arch, extra):
         assert heading in run.stdout
     result = json.loads(out.read_text())
     assert result["device"] == "cpu" and result["compile"] is False
+    assert result["environment"]["command"].startswith("python tools/bench_gpu.py --device cpu")
     assert (result["tf32"], result["data_workers"]) == ((False, 1) if extra else (True, 0))
     assert f"TF32 {'off' if extra else 'on'}, {1 if extra else 0} data worker(s)" in run.stdout
     ours, ref = result["rows"]

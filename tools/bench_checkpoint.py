@@ -20,16 +20,15 @@ rank; the JSON has every save. Both modes write the same files (tests/test_resta
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:   # run as a script: make the repository importable (spawned ranks too)
-    sys.path.insert(0, str(ROOT))
+if __package__:      # python -m tools.bench_checkpoint, or imported by a test
+    from . import harness
+else:                # python tools/bench_checkpoint.py (tools/harness.py says why)
+    import harness
 
 MODEL = ["model.num_layers=12", "model.hidden_size=768", "model.num_heads=12",
          "model.seq_length=128", "model.vocab_size=32000", "model.dropout=0.0",
@@ -50,16 +49,19 @@ def _timed(obj, name: str, sink: list):
     setattr(obj, name, wrapper)
 
 
-def measure(mode: str, directory: str, iters: int, interval: int) -> dict:
+def job_overrides(mode: str, directory: str, iters: int, interval: int) -> list[str]:
+    return MODEL + [f"train.iters={iters}", f"checkpoint.dir={directory}/{mode}",
+                    f"checkpoint.save_interval={interval}",
+                    f"checkpoint.async_save={str(mode == 'async').lower()}"]
+
+
+def measure(mode: str, overrides: list[str]) -> dict:
     """On every rank: train with saves; per-save stalls and per-iteration step times."""
     import torch.distributed as dist
 
     from ptdp.config import load_config
     from ptdp.training import Trainer
 
-    overrides = MODEL + [f"train.iters={iters}", f"checkpoint.dir={directory}/{mode}",
-                         f"checkpoint.save_interval={interval}",
-                         f"checkpoint.async_save={str(mode == 'async').lower()}"]
     trainer = Trainer(load_config(None, overrides, world_size=dist.get_world_size()))
     stalls, publishes, waits, in_flight = [], [], [], []
     _timed(trainer, "save_checkpoint", stalls)
@@ -100,7 +102,8 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="ptdp-bench-ckpt-") as directory:
         for mode in ("sync", "async"):
-            rows += run_on_ranks(2, measure, mode, directory, args.iters, args.interval,
+            rows += run_on_ranks(2, measure, mode,
+                                 job_overrides(mode, directory, args.iters, args.interval),
                                  timeout_s=3600, fresh_interpreters=True)
     print(f"{'mode':6} {'params':>8} {'saves':>5} {'stall/save s (median)':>22} "
           f"{'publish s':>10} {'step s writing':>15} {'step s quiet':>13} {'wall s':>7}")
@@ -118,10 +121,9 @@ def main(argv=None) -> int:
                          "wall_s": worst["wall_s"]}
     ratio = summary["sync"]["stall_s_median"] / max(summary["async"]["stall_s_median"], 1e-9)
     print(f"training stands still {ratio:.1f}x less per save with checkpoint.async_save=true")
-    out = Path(args.out + ".json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"summary": summary, "ratio": ratio, "ranks": rows,
-                               "iters": args.iters, "interval": args.interval}, indent=1))
+    out = harness.write_json(args.out + ".json", {
+        "summary": summary, "ratio": ratio, "ranks": rows, "iters": args.iters,
+        "interval": args.interval}, tool=__file__, argv=argv)
     print(f"wrote {out}")
     return 0
 

@@ -30,19 +30,17 @@ predicted ratio; the JSON has every rank.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:   # run as a script: make the repository importable (spawned ranks too)
-    sys.path.insert(0, str(ROOT))
+from ptdp.profiler.timing import saved_bytes
+from ptdp.runtime.process_memory import process_status_bytes
 
-from ptdp.profiler.timing import saved_bytes  # noqa: E402
-from ptdp.runtime.process_memory import process_status_bytes  # noqa: E402
+if __package__:      # python -m tools.bench_context, or imported by a test
+    from . import harness
+else:                # python tools/bench_context.py (tools/harness.py says why)
+    import harness
 
 MB = 2**20
 
@@ -57,18 +55,19 @@ def measure(overrides: list[str], iters: int) -> dict:
     trainer = Trainer(load_config(None, overrides, world_size=dist.get_world_size()))
     params = {p.untyped_storage().data_ptr() for p in trainer.state.params}
     before = process_status_bytes("VmRSS")
-    times, saved = [], 0
-    for it in range(iters):
-        start = time.perf_counter()
+    saved = {}
+
+    def step(it: int) -> None:   # the first step also counts what its forward saves
         if it == 0:
-            _, saved = saved_bytes(lambda: trainer.train_step(it), params)
+            _, saved["bytes"] = saved_bytes(lambda: trainer.train_step(it), params)
         else:
             trainer.train_step(it)
-        times.append(time.perf_counter() - start)
-    return {"rank": trainer.state.grid.rank, "saved_bytes": saved,
+    warmup = min(1, iters - 1)   # the first step is timed only when it is the only one
+    timed = harness.time_steps(step, iters - warmup, warmup)
+    return {"rank": trainer.state.grid.rank, "saved_bytes": saved["bytes"],
             "rss_rise_bytes": process_status_bytes("VmHWM") - before,
             "ring_bytes_per_iter": trainer.state.ctx.cp.bytes_sent / iters,
-            "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0]}
+            "step_s": timed.median}
 
 
 def model_overrides(a, seq: int) -> list[str]:
@@ -142,12 +141,10 @@ def table(rows: list[dict]) -> str:
               f"{r['rss_rise_bytes'] / r['pred_step_bytes']:.3f}",
               f"{r['ring_bytes_per_iter'] / MB:.1f}", f"{r['pred_ring_bytes'] / MB:.1f}",
               f"{r['step_s']:.2f}", f"{r['pred_step_s']:.2f}"] for r in rows]
-    widths = [max(len(x[i]) for x in lines + [header]) for i in range(len(header))]
-    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(x) for x in lines])
+    return harness.table(header, lines)
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/context", help="folder for the JSON")
     ap.add_argument("--seqs", default="2048,8192,32768", help="sequence lengths s")
@@ -160,18 +157,18 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--iters", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=1800.0)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")   # read by each spawned rank's glibc
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = run(a)
     print(f"Llama-style {a.layers} layers, h={a.hidden}, {a.heads} heads ({a.kv_heads} K/V), "
           f"f={a.ffn}, V={a.vocab}, b=1, fp32, p=t=d=1; per rank (worst rank)")
     print(table(rows))
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "context.json").write_text(json.dumps({"args": vars(a), "rows": rows}, indent=1))
-    print(f"wrote {out / 'context.json'}")
+    out = harness.write_json(Path(a.out) / "context.json", {"args": vars(a), "rows": rows},
+                             tool=__file__, argv=argv)
+    print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,18 +15,16 @@ the step time to the compute time.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-import torch.distributed as dist
+
+if __package__:      # python -m tools.bench_data_loading, or imported by a test
+    from . import harness
+else:                # python tools/bench_data_loading.py (tools/harness.py says why)
+    import harness
 
 
 class SlowSamples:
@@ -72,16 +70,13 @@ def run(workers: int, args, device: str) -> dict:
     inner.dataset = SlowSamples(inner.dataset, args.sample_ms / 1e3)
     timed = TimedSource(source)
     trainer.step.batches = timed
-    steps, waits = [], []
-    for it in range(args.warmup + args.steps):
+
+    def step(it: int) -> float:   # the seconds this step waited for its micro-batches
         timed.seconds = 0.0
-        start = time.perf_counter()
         trainer.train_step(it)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if it >= args.warmup:
-            steps.append(time.perf_counter() - start)
-            waits.append(timed.seconds)
+        return timed.seconds
+    timings = harness.time_steps(step, args.steps, args.warmup, device)
+    steps, waits = timings.seconds, timings.results[args.warmup:]
     getattr(source, "close", lambda: None)()
     data_per_step = args.micro_batches * args.micro_batch * args.sample_ms / 1e3
     return {"workers": workers, "step_ms": statistics.median(steps) * 1e3,
@@ -104,12 +99,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from ptdp.runtime.local_ranks import free_port
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
-    rows = [run(w, args, args.device) for w in args.workers]
-    dist.destroy_process_group()
+    with harness.world_of_one(args.device):
+        rows = [run(w, args, args.device) for w in args.workers]
     print(f"data.num_workers on {args.device}: {args.micro_batches} micro-batches of "
           f"{args.micro_batch} samples per step, {args.sample_ms:g} ms per sample "
           f"({rows[0]['data_time_ms']:.0f} ms of data per step); median of {args.steps} steps")
@@ -117,9 +108,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['workers']:>7}  {r['step_ms']:>8.1f}  {r['data_wait_ms']:>12.1f}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": {k: v for k, v in vars(args).items()},
-                                               "rows": rows}, indent=2))
+        harness.write_json(args.json, {"args": vars(args), "rows": rows}, tool=__file__,
+                           argv=argv, device=args.device)
     return 0
 
 

@@ -24,18 +24,16 @@ The table shows the worst rank; the JSON has every rank.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:   # run as a script: make the repository importable (spawned ranks too)
-    sys.path.insert(0, str(ROOT))
+from ptdp.runtime.process_memory import process_status_bytes
 
-from ptdp.runtime.process_memory import process_status_bytes  # noqa: E402
+if __package__:      # python -m tools.bench_distributed_optimizer, or imported by a test
+    from . import harness
+else:                # python tools/bench_distributed_optimizer.py (tools/harness.py says why)
+    import harness
 
 MB = 2**20
 
@@ -50,28 +48,30 @@ def measure(overrides: list[str], iters: int) -> dict:
 
     cfg = load_config(None, overrides, world_size=dist.get_world_size())
     trainer = Trainer(cfg)
-    times = []
-    for it in range(iters):
-        start = time.perf_counter()
-        if it == 0:   # the first step allocates Adam's moments: watch the resident set
-            trainer.state.weights.zero_grads()
-            step = trainer.forward_backward(0)
-            norm = trainer.reduce_gradients()
-            before = process_status_bytes("VmRSS")
-            trainer.optimizer_step(0, norm)
-            rss_step = process_status_bytes("VmRSS") - before
-            step.grad_norm = norm
-            step.resolve()
-        else:
+    rss_step = {}
+
+    def step(it: int) -> None:
+        if it > 0:
             trainer.train_step(it)
-        times.append(time.perf_counter() - start)
+            return
+        # the first step allocates Adam's moments: watch the resident set
+        trainer.state.weights.zero_grads()
+        result = trainer.forward_backward(0)
+        norm = trainer.reduce_gradients()
+        before = process_status_bytes("VmRSS")
+        trainer.optimizer_step(0, norm)
+        rss_step["bytes"] = process_status_bytes("VmRSS") - before
+        result.grad_norm = norm
+        result.resolve()
+    warmup = min(1, iters - 1)   # the first step is timed only when it is the only one
+    timed = harness.time_steps(step, iters - warmup, warmup)
     params = sum(p.numel() for p in trainer.state.params)
     return {"rank": trainer.state.grid.rank, "params": params,
             "state_bytes": trainer.state.weights.state_bytes(trainer.state.optimizer),
-            "rss_step_bytes": rss_step, "peak_rss_bytes": process_status_bytes("VmHWM"),
+            "rss_step_bytes": rss_step["bytes"], "peak_rss_bytes": process_status_bytes("VmHWM"),
             "predicted_bytes": optimizer_state_bytes(params, cfg.train.precision, trainer.state.grid.d,
                                                      cfg.train.distributed_optimizer),
-            "step_s": statistics.median(times[1:]) if len(times) > 1 else times[0]}
+            "step_s": timed.median}
 
 
 def model_overrides(a) -> list[str]:
@@ -116,12 +116,10 @@ def table(rows: list[dict]) -> str:
               f"{r['state_bytes_max'] / MB:.1f}", f"{r['state_ratio_vs_d1']:.3f}",
               f"{r['predicted_bytes'] / MB:.1f}", f"{r['rss_step_bytes_max'] / MB:.1f}",
               f"{r['peak_rss_bytes_max'] / MB:.1f}", f"{r['step_s']:.3f}"] for r in rows]
-    widths = [max(len(x[i]) for x in lines + [header]) for i in range(len(header))]
-    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(x) for x in lines])
+    return harness.table(header, lines)
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/distributed_optimizer", help="folder for the JSON")
     ap.add_argument("--data", default="1,2,4", help="data-parallel sizes")
@@ -134,18 +132,17 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=600.0)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")   # read by each spawned rank's glibc
     rows = run(a)
     print(f"GPT {a.layers} layers, h={a.hidden}, s={a.seq}, V={a.vocab}, B={a.global_batch}, "
           f"b=1, p=t=1; optimizer state per rank (worst rank)")
     print(table(rows))
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "distributed_optimizer.json").write_text(json.dumps(
-        {"args": vars(a), "rows": rows}, indent=1))
-    print(f"wrote {out / 'distributed_optimizer.json'}")
+    out = harness.write_json(Path(a.out) / "distributed_optimizer.json",
+                             {"args": vars(a), "rows": rows}, tool=__file__, argv=argv)
+    print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,7 +5,7 @@ CUDA), it times a training step of
 
 * **ptdp**: the model built and trained through the real `ptdp.training.Trainer` path
   (synthetic data, AdamW, clipping at 1.0, the configured precision with fp32 master weights);
-* **reference**: the same shape written as plain PyTorch in this file, nanoGPT style: fp32
+* **reference**: the same shape written as plain PyTorch (tools/gpu_reference.py), nanoGPT style: fp32
   parameters under bf16/fp16 autocast, fused AdamW (CUDA), `clip_grad_norm_`, whole-model
   `torch.compile` with `--compile`. GPT is pre-LN with learned positions, tied embeddings,
   causal SDPA and a GeLU MLP. BERT is Hugging Face's `BertForPreTraining` (SDPA attention)
@@ -19,7 +19,7 @@ during the step, ptdp's built ahead by `--data-workers` processes (`data.num_wor
 on CUDA), the reference's built once before timing and kept in (pinned) host memory, as a
 `DataLoader` with `pin_memory` would hand them over; after
 `--warmup` untimed steps (compilation happens there). A step's time is the median over
-`--steps` steps, by CUDA events on GPU and perf_counter on CPU. The table gives tokens/s,
+`--steps` steps, by CUDA events on GPU and perf_counter on CPU (tools/harness.py). The table gives tokens/s,
 model TFLOP/s by Eq. 4.2 (ptdp/planner/formulas.py) with 3 passes per layer (forward and
 backward: the model's FLOPs) and with the 4 passes the formula counts as written (one more
 forward for recomputation), MFU = 3-pass TFLOP/s / the hardware's peak for the precision
@@ -55,20 +55,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-import torch.utils.checkpoint
+
+if __package__:      # python -m tools.bench_gpu, or imported by a test
+    from . import harness
+    from .gpu_reference import DTYPES, PlainRunner
+else:                # python tools/bench_gpu.py (tools/harness.py says why)
+    import harness
+    from gpu_reference import DTYPES, PlainRunner
 
 SHAPES = {  # layers, hidden, heads, seq, vocab, micro-batch
     "gpt": dict(layers=24, hidden=2048, heads=16, seq=2048, vocab=51200, micro_batch=8),
@@ -79,189 +76,6 @@ TARGETS = {  # on one H100 80GB, against the compiled reference
     "gpt": {"speedup": 1.10, "mfu": 0.58, "memory_ratio": 1.10},
     "bert": {"speedup": 1.25, "mfu": 0.40, "memory_ratio": 1.10},
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-# ------------------------------------------------------------------------ plain PyTorch models
-class Block(nn.Module):
-    """Pre-LN transformer block on [b, s, h]: x + Attn(LN(x)), then x + MLP(LN(x))."""
-
-    def __init__(self, hidden: int, heads: int, causal: bool, recompute: bool):
-        super().__init__()
-        self.heads, self.causal, self.recompute = heads, causal, recompute
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
-        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-
-    def attention(self, x, mask):
-        b, s, h = x.shape
-        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(h, -1))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal)
-        return self.proj(y.transpose(1, 2).reshape(b, s, h))
-
-    def layer(self, x, mask):
-        x = x + self.attention(self.ln1(x), mask)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-    def forward(self, x, mask=None):
-        if self.recompute and self.training:
-            return torch.utils.checkpoint.checkpoint(self.layer, x, mask, use_reentrant=False)
-        return self.layer(x, mask)
-
-
-class Encoder(nn.Module):
-    """Word + position (+ token type) embeddings, blocks, final LayerNorm."""
-
-    def __init__(self, s: dict, causal: bool, recompute: bool, tokentypes: int = 0):
-        super().__init__()
-        h = s["hidden"]
-        self.wte, self.wpe = nn.Embedding(s["vocab"], h), nn.Embedding(s["seq"], h)
-        self.wtt = nn.Embedding(tokentypes, h) if tokentypes else None
-        self.blocks = nn.ModuleList(Block(h, s["heads"], causal, recompute)
-                                    for _ in range(s["layers"]))
-        self.ln_f = nn.LayerNorm(h)
-        for name, p in self.named_parameters():
-            if p.ndim == 2:
-                nn.init.normal_(p, std=0.02)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-
-    def forward(self, tokens, types=None, mask=None):
-        x = self.wte(tokens) + self.wpe.weight[: tokens.shape[1]]
-        if self.wtt is not None:
-            x = x + self.wtt(types)
-        for block in self.blocks:
-            x = block(x, mask)
-        return self.ln_f(x)
-
-
-class PlainGPT(nn.Module):
-    """nanoGPT's GPT: the logits are x @ wte^T (tied), the loss torch's cross-entropy."""
-
-    def __init__(self, s: dict, recompute: bool):
-        super().__init__()
-        self.encoder = Encoder(s, causal=True, recompute=recompute)
-
-    def forward(self, batch):
-        x = self.encoder(batch["tokens"])
-        logits = F.linear(x, self.encoder.wte.weight)
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), batch["labels"].view(-1))
-
-
-class PlainBert(nn.Module):
-    """ptdp's BERT (models/bert.py) in plain PyTorch: masked-LM head (dense, GeLU, LN, tied
-    logits + bias) on the masked positions and a sentence-order head on [CLS]."""
-
-    def __init__(self, s: dict, recompute: bool):
-        super().__init__()
-        h = s["hidden"]
-        self.encoder = Encoder(s, causal=False, recompute=recompute, tokentypes=2)
-        self.lm_dense, self.lm_ln = nn.Linear(h, h), nn.LayerNorm(h)
-        self.lm_bias = nn.Parameter(torch.zeros(s["vocab"]))
-        self.pooler, self.binary = nn.Linear(h, h), nn.Linear(h, 2)
-
-    def forward(self, batch):
-        keep = batch["attention_mask"].bool()[:, None, None, :]
-        x = self.encoder(batch["tokens"], batch["types"], keep)
-        lm = self.lm_ln(F.gelu(self.lm_dense(x)))
-        logits = F.linear(lm, self.encoder.wte.weight, self.lm_bias)
-        lm_loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(),
-                                  batch["mlm_labels"].view(-1), ignore_index=-100)
-        sop = self.binary(torch.tanh(self.pooler(x[:, 0])))
-        return lm_loss + F.cross_entropy(sop.float(), batch["sop_label"])
-
-
-class HFBert(nn.Module):
-    """transformers.BertForPreTraining (post-LN, as published), SDPA attention, dropout 0."""
-
-    def __init__(self, s: dict, recompute: bool):
-        super().__init__()
-        from transformers import BertConfig, BertForPreTraining
-        config = BertConfig(vocab_size=s["vocab"], hidden_size=s["hidden"],
-                            num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-                            intermediate_size=4 * s["hidden"], max_position_embeddings=s["seq"],
-                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                            attn_implementation="sdpa")
-        self.model = BertForPreTraining(config)
-        if recompute:
-            self.model.gradient_checkpointing_enable()
-
-    def forward(self, batch):
-        return self.model(input_ids=batch["tokens"], token_type_ids=batch["types"],
-                          attention_mask=batch["attention_mask"], labels=batch["mlm_labels"],
-                          next_sentence_label=batch["sop_label"]).loss
-
-
-def plain_batch(arch: str, s: dict, b: int, device, generator) -> dict:
-    """One random micro-batch; BERT masks 15% of positions and pads the last eighth of half
-    the sequences (so the padding mask is real)."""
-    shape = (b, s["seq"])
-    tokens = torch.randint(0, s["vocab"], shape, generator=generator)
-    batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1)}
-    if arch == "bert":
-        masked = torch.rand(shape, generator=generator) < 0.15
-        batch["mlm_labels"] = torch.where(masked, tokens, torch.full_like(tokens, -100))
-        batch["types"] = (torch.arange(s["seq"]) >= s["seq"] // 2).long().expand(shape).clone()
-        attention = torch.ones(shape, dtype=torch.long)
-        attention[::2, -max(1, s["seq"] // 8):] = 0
-        batch["attention_mask"] = attention
-        batch["sop_label"] = torch.randint(0, 2, (b,), generator=generator)
-    return {k: v.to(device) for k, v in batch.items()}
-
-
-class PlainRunner:
-    """A plain training step: m micro-batches under autocast, clip, fused AdamW."""
-
-    def __init__(self, args, s: dict, device):
-        self.device, self.m = device, args.micro_batches
-        recompute = args.recompute != "none"
-        if args.arch == "gpt":
-            model, self.name = PlainGPT(s, recompute), "reference (plain GPT)"
-        elif args.reference == "hf" or (args.reference == "auto" and _has_transformers()):
-            model, self.name = HFBert(s, recompute), "reference (HF BertForPreTraining)"
-        else:
-            model, self.name = PlainBert(s, recompute), "reference (plain BERT)"
-        self.model = model.to(device).train()
-        self.parameters = sum(p.numel() for p in self.model.parameters())
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.01},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=1e-4, betas=(0.9, 0.95),
-                                           fused=device.type == "cuda" or None)
-        self.forward = torch.compile(self.model) if args.compile else self.model
-        self.dtype = DTYPES[args.precision]
-        self.scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
-        generator = torch.Generator().manual_seed(1234)
-        cpu = torch.device("cpu")
-        # host batches, copied to the device every micro-batch as ptdp's are (like with like)
-        self.batches = [plain_batch(args.arch, s, args.micro_batch, cpu, generator)
-                        for _ in range(self.m)]
-        if device.type == "cuda":
-            self.batches = [{k: v.pin_memory() for k, v in b.items()} for b in self.batches]
-
-    def step(self, iteration: int) -> float:
-        self.optimizer.zero_grad(set_to_none=True)
-        total = torch.zeros((), device=self.device)
-        for host in self.batches:
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
-            with torch.autocast(self.device.type, dtype=self.dtype,
-                                enabled=self.dtype != torch.float32):
-                loss = self.forward(batch) / self.m
-            self.scaler.scale(loss).backward()
-            total += loss.detach()
-        self.scaler.unscale_(self.optimizer)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=True)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        return total.item()  # one host sync per step, as ptdp's loss logging
-
-
-def _has_transformers() -> bool:
-    try:
-        import transformers  # noqa: F401
-        return True
-    except ImportError:
-        return False
 
 
 # ------------------------------------------------------------------------ ptdp through Trainer
@@ -294,18 +108,7 @@ class PtdpRunner:
         return self.trainer.train_step(iteration).loss
 
 
-# ------------------------------------------------------------------------ timing
-def init_process_group(device) -> None:
-    """A 1-rank world on a free port (the Trainer would default to 29500, maybe taken)."""
-    from ptdp.runtime.local_ranks import free_port
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    import torch.distributed as dist
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
-                                **({"device_id": device} if device.type == "cuda" else {}))
-
-
+# ------------------------------------------------------------------------ measuring
 def reset_peak_memory(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -331,32 +134,12 @@ def peak_memory_gb(device) -> float | None:
     return process_peak(device)
 
 
-def time_steps(runner, args, device) -> tuple[list[float], list[float]]:
-    """(seconds of each timed step, every step's loss)."""
-    losses, seconds = [], []
-    for it in range(args.warmup + args.steps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            losses.append(runner.step(it))
-            end.record()
-            end.synchronize()
-            elapsed = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            losses.append(runner.step(it))
-            elapsed = time.perf_counter() - t0
-        if it >= args.warmup:
-            seconds.append(elapsed)
-    return seconds, losses
-
-
 def run_one(make, args, s: dict, device, vocab: int, peak: float | None) -> dict:
     from ptdp.planner.formulas import model_flops_per_iteration
     reset_peak_memory(device)
     runner = make(args, s, device)
-    seconds, losses = time_steps(runner, args, device)
-    step = statistics.median(seconds)
+    timed = harness.time_steps(runner.step, args.steps, args.warmup, device)
+    seconds, losses, step = timed.seconds, timed.results, timed.median
     batch = args.micro_batch * args.micro_batches
     flops = {passes: model_flops_per_iteration(batch, s["seq"], s["layers"], s["hidden"], vocab,
                                                recompute_forward=passes == 4) for passes in (3, 4)}
@@ -398,9 +181,7 @@ def table(rows: list[dict]) -> str:
              fmt(r["tokens_per_s"], ",.0f"), fmt(r["tflops"], ".3f"), fmt(r["tflops_eq42"], ".3f"),
              fmt(r["mfu"], ".1%"), fmt(r["peak_memory_gb"], ".2f"), fmt(r["loss_first"], ".4f"),
              f"{r['parameters']:,}") for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+    return harness.table(head, body, align="<")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -468,13 +249,13 @@ def main(argv=None) -> int:
         set_tf32(args.tf32)   # the reference's; ptdp's Trainer sets the same from train.tf32
     else:
         torch.set_num_threads(args.threads)
-    init_process_group(device)
     s = args.shape
     from ptdp.config import padded_vocab_size
     from ptdp.metrics.throughput import peak_tflops
     peak = peak_tflops(peak_config(args), device)
-    rows = [run_one(PtdpRunner, args, s, device, padded_vocab_size(s["vocab"], 1), peak),
-            run_one(PlainRunner, args, s, device, s["vocab"], peak)]
+    with harness.world_of_one(device):
+        rows = [run_one(PtdpRunner, args, s, device, padded_vocab_size(s["vocab"], 1), peak),
+                run_one(PlainRunner, args, s, device, s["vocab"], peak)]
     summary = compare(rows, args.arch, device)
     print(f"{args.arch}: {s['layers']} layers, h {s['hidden']}, {s['heads']} heads, s {s['seq']}, "
           f"V {s['vocab']}, {args.precision}, recompute {args.recompute}, compile "
@@ -492,13 +273,13 @@ def main(argv=None) -> int:
     else:
         print("CPU: a smoke test of both paths; these numbers say nothing about GPU speed")
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"arch": args.arch, "device": str(device), "shape": s, "precision": args.precision,
-             "compile": args.compile, "recompute": args.recompute, "steps": args.steps,
-             "tf32": args.tf32, "data_workers": args.data_workers,
-             "warmup": args.warmup, "peak_tflops": peak, "rows": rows, **summary}, indent=2))
-    import torch.distributed as dist
-    dist.destroy_process_group()
+        harness.write_json(
+            args.json, {"arch": args.arch, "device": str(device), "shape": s,
+                        "precision": args.precision, "compile": args.compile,
+                        "recompute": args.recompute, "steps": args.steps, "tf32": args.tf32,
+                        "data_workers": args.data_workers, "warmup": args.warmup,
+                        "peak_tflops": peak, "rows": rows, **summary},
+            tool=__file__, argv=argv, device=device)
     return 0
 
 

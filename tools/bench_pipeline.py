@@ -1,6 +1,6 @@
 """Benchmark (not a test): the same small GPT under each pipeline schedule on local CPU ranks.
 
-One gloo job of p*t local ranks (``ptdp.local_ranks.run_on_ranks``) runs every schedule in turn
+One gloo job of p*t local ranks (``ptdp.runtime.local_ranks.run_on_ranks``) runs every schedule in turn
 (gpipe, 1f1b and 2bw with v=1, interleaved with v=--chunks). Per schedule it reports
 
 * ``ours step s``: median wall time of one training step (forward_backward + reduce_gradients
@@ -8,8 +8,8 @@ One gloo job of p*t local ranks (``ptdp.local_ranks.run_on_ranks``) runs every s
   last rank finishing (ranks share CLOCK_MONOTONIC on one machine);
 * ``torch step s``: the same for ``torch.distributed.pipelining`` (PipelineStage +
   ScheduleGPipe / Schedule1F1B / ScheduleInterleaved1F1B) running the same GPT written as plain
-  nn.Modules, loaded with our initial weights, on the same data, p, v, m, loss, tied-embedding
-  gradient sum, clipping and AdamW; timed steps alternate ours/theirs so load drifts hit both.
+  nn.Modules (tools/pipeline_reference.py), loaded with our initial weights, on the same data,
+  p, v, m, loss, tied-embedding gradient sum, clipping and AdamW; timed steps alternate ours/theirs so load drifts hit both.
   2bw is compared with torch's Schedule1F1B (the same p and m; torch has no 2BW). Its
   iterations run back to back, as in training (a barrier between them would be a flush): its
   step is the time between consecutive iterations' ends (the last rank's), over the timed
@@ -38,120 +38,23 @@ model's cost from the engine's. ``--tensor``/``--scatter-gather`` check the /t b
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repository importable (also in spawned ranks)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
+
+if __package__:      # python -m tools.bench_pipeline, or imported by a test
+    from . import harness
+    from .pipeline_reference import TorchSide, lm_loss
+else:                # python tools/bench_pipeline.py (tools/harness.py says why)
+    import harness
+    from pipeline_reference import TorchSide, lm_loss
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
 THEIRS = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "2bw": "1f1b"}
-
-
-# ------------------------------------------------------------------------ the torch-side GPT
-class _Embedding(nn.Module):
-    def __init__(self, vocab: int, seq: int, hidden: int):
-        super().__init__()
-        self.word = nn.Embedding(vocab, hidden)
-        self.position = nn.Parameter(torch.zeros(seq, hidden))
-
-    def forward(self, tokens):  # [b, s] -> [s, b, h]
-        tokens = tokens.t()
-        return self.word(tokens) + self.position[: tokens.shape[0]].unsqueeze(1)
-
-
-class _Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(hidden, 3 * hidden)   # rows ordered [head, (q, k, v), head_dim]
-        self.proj = nn.Linear(hidden, hidden)
-
-    def forward(self, x):
-        s, b, _ = x.shape
-        qkv = self.qkv(x).view(s, b, self.heads, 3, -1)
-        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
-
-
-class _MLP(nn.Module):
-    def __init__(self, hidden: int, ffn: int):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(hidden, ffn), nn.Linear(ffn, hidden)
-
-    def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
-class _Layer(nn.Module):
-    def __init__(self, hidden: int, heads: int, ffn: int, eps: float):
-        super().__init__()
-        self.ln1, self.attention = nn.LayerNorm(hidden, eps=eps), _Attention(hidden, heads)
-        self.ln2, self.mlp = nn.LayerNorm(hidden, eps=eps), _MLP(hidden, ffn)
-
-    def forward(self, x):
-        x = x + self.attention(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class _Stack(nn.Module):
-    def __init__(self, count: int, *shape):
-        super().__init__()
-        self.layers = nn.ModuleList(_Layer(*shape) for _ in range(count))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-class _OutputTable(nn.Module):
-    def __init__(self, vocab: int, hidden: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(vocab, hidden))
-
-
-class PlainGPTStage(nn.Module):
-    """Virtual stage ``stage`` of ``num_stages`` of the same GPT as ptdp.models.gpt, in plain torch.
-
-    Parameter names equal GPTChunk's, so ``load_state_dict(chunk.state_dict())`` copies ours
-    (and checks every shape). The last stage returns logits [s, b, V]; the loss is outside.
-    """
-
-    def __init__(self, model, vocab: int, stage: int, num_stages: int):
-        super().__init__()
-        h = model.hidden_size
-        self.is_first, self.is_last = stage == 0, stage == num_stages - 1
-        self.embedding = _Embedding(vocab, model.seq_length, h) if self.is_first else None
-        self.stack = _Stack(model.num_layers // num_stages, h, model.num_heads,
-                            model.ffn_hidden_size, model.layernorm_eps)
-        if self.is_last:
-            self.final_ln = nn.LayerNorm(h, eps=model.layernorm_eps)
-            self.output = None if self.is_first else _OutputTable(vocab, h)
-
-    def forward(self, x):
-        if self.is_first:
-            x = self.embedding(x)
-        x = self.stack(x)
-        if not self.is_last:
-            return x
-        table = self.embedding.word.weight if self.output is None else self.output.weight
-        return F.linear(self.final_ln(x), table)
-
-
-def _lm_loss(logits, target):
-    """Mean token cross-entropy; logits [s, b, V], target [b, s] (as ptdp.models.gpt, all-ones mask)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.t().reshape(-1))
 
 
 # ------------------------------------------------------------------------ per-rank benchmark
@@ -176,77 +79,6 @@ def _trace_and_waits(spans) -> tuple[list, list]:
     return trace, waits
 
 
-class _TorchSide:
-    """torch.distributed.pipelining running the same GPT, weights copied from `trainer`."""
-
-    def __init__(self, s: dict, name: str, trainer, embedding_group):
-        import torch.distributed as dist
-        from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B)
-
-        from ptdp.optim.optimizer import build_optimizer
-
-        self.s, self.trainer, self.cfg = s, trainer, trainer.cfg
-        p, v = s["p"], trainer.cfg.parallel.chunks
-        self.rank, self.num_stages = dist.get_rank(), p * v
-        self.modules, stages = {}, []
-        for stage in list(trainer.state.chunks):
-            mod = PlainGPTStage(trainer.cfg.model, trainer.cfg.padded_vocab_size, stage,
-                                self.num_stages)
-            mod.load_state_dict(trainer.state.chunks[stage].state_dict())
-            mod.train()
-            self.modules[stage] = mod
-            stages.append(PipelineStage(mod, stage, self.num_stages, torch.device("cpu")))
-        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-               "interleaved": ScheduleInterleaved1F1B}[name]
-        self.schedule = cls(stages if name == "interleaved" else stages[0], n_microbatches=s["m"],
-                            loss_fn=_lm_loss)
-        self.params = [q for mod in self.modules.values() for q in mod.parameters()]
-        self.shared = [mod.embedding.word.weight for st, mod in self.modules.items()
-                       if st == 0 and self.num_stages > 1]
-        self.shared += [mod.output.weight for st, mod in self.modules.items()
-                        if st == self.num_stages - 1 and mod.output is not None]
-        self.duplicate = {id(mod.output.weight) for mod in self.modules.values()
-                          if mod.is_last and mod.output is not None}
-        self.embedding_group = embedding_group
-        self.optimizer = build_optimizer(self.params, trainer.cfg.train)
-        self.holds_first = 0 in self.modules
-        self.holds_last = self.num_stages - 1 in self.modules
-
-    def batch(self, iteration: int) -> dict:
-        mbs = [self.trainer.batches["train"].get(iteration, mb) for mb in range(self.s["m"])]
-        return {k: torch.cat([mb[k] for mb in mbs]) for k in ("tokens", "labels")}
-
-    def step(self, iteration: int, batch: dict) -> float:
-        import torch.distributed as dist
-
-        from ptdp.optim.grads import clip_gradients
-        from ptdp.training.updates import set_learning_rate
-        for q in self.params:
-            q.grad = None
-        args = (batch["tokens"],) if self.holds_first else ()
-        losses = [] if self.holds_last else None
-        kwargs = {"target": batch["labels"], "losses": losses} if self.holds_last else {}
-        self.schedule.step(*args, return_outputs=False, **kwargs)
-        if self.shared:  # the tied word table: first- and last-stage copies sum gradients
-            for q in self.shared:
-                if q.grad is None:
-                    q.grad = torch.zeros_like(q)
-                dist.all_reduce(q.grad, group=self.embedding_group)
-        total = torch.zeros((), dtype=torch.float64)
-        for q in self.params:
-            if q.grad is not None and id(q) not in self.duplicate:
-                total += q.grad.double().pow(2).sum()
-        dist.all_reduce(total)
-        norm = math.sqrt(total.item())
-        clip_gradients(self.params, self.cfg.train.clip_grad, norm)
-        set_learning_rate(self.optimizer, iteration, self.cfg.train)
-        self.optimizer.step()
-        if losses:
-            return float(torch.stack([x.detach() for x in losses]).mean())
-        return float("nan")
-
-
 def bench_rank(s: dict) -> list[dict]:
     """Runs on every rank: all schedules, ours and (t == 1) torch's, alternating timed steps."""
     import torch.distributed as dist
@@ -267,7 +99,7 @@ def bench_rank(s: dict) -> list[dict]:
         theirs, error = None, None
         if s["torch"]:
             try:
-                theirs = _TorchSide(s, THEIRS[name], trainer, emb_group)
+                theirs = TorchSide(s, THEIRS[name], trainer, emb_group)
             except Exception as exc:  # report exactly what failed, keep benchmarking ours
                 error = f"{type(exc).__name__}: {exc}"
         row = {"schedule": name, "v": v, "ours": [], "theirs": [], "ours_loss": [],
@@ -379,7 +211,7 @@ def _model_only(trainer, theirs, s: dict, reps: int = 5) -> dict:
         else:
             out = module(batch["tokens"] if stage == 0 else x)
             if module.is_last:
-                out = _lm_loss(out, batch["labels"])
+                out = lm_loss(out, batch["labels"])
         if out.dim() == 0:
             out.backward()
         else:
@@ -502,9 +334,7 @@ def format_table(rows: list[dict]) -> str:
              _fmt(r["torch_step_s"], ".4f"), _fmt(r["ratio"], ".3f"),
              _fmt(r["measured_bubble"], ".3f"), _fmt(r["formula_bubble"], ".3f"),
              _fmt(r["bytes_per_msg"], ".0f"), str(r["bytes_per_msg_formula"])] for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    line = lambda cells: " | ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([line(head), "-+-".join("-" * w for w in widths)] + [line(b) for b in body])
+    return harness.table(head, body, sep=" | ")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -594,7 +424,7 @@ def main(argv=None) -> int:
                   f"without the flush the best is m/(m+p-1) = {bound:.3f} of a flushing step "
                   f"as fast per micro-batch)")
     if a.json:
-        Path(a.json).write_text(json.dumps({"settings": s, "rows": rows}, indent=1) + "\n")
+        harness.write_json(a.json, {"settings": s, "rows": rows}, tool=__file__, argv=argv)
     return 0
 
 

@@ -20,15 +20,17 @@ demo/gpt_demo.{bin,idx}) is built first if missing, as `tools/demo.sh` does.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:   # run as a script: make the repository importable (spawned ranks too)
-    sys.path.insert(0, str(ROOT))
+if __package__:      # python -m tools.bench_schedules, or imported by a test
+    from . import harness
+else:                # python tools/bench_schedules.py (tools/harness.py says why)
+    import harness
+
+ROOT = Path(__file__).resolve().parents[1]   # the checkout: configs/, tools/make_corpus.py, demo/
 
 SCHEDULES = ("1f1b", "interleaved", "2bw", "pipedream")
 TAIL = 10          # iterations averaged for the final loss
@@ -132,9 +134,7 @@ def table(rows: list[dict]) -> str:
              f"{r.get('loss_vs_1f1b', 0):+.2%}" if "loss_vs_1f1b" in r else "-",
              f"{1e3 * r['median_step_s']:.1f}",
              f"{r['step_vs_1f1b']:.3f}x" if "step_vs_1f1b" in r else "-"] for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    line = lambda cells: " | ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([line(head), "-+-".join("-" * w for w in widths)] + [line(b) for b in body])
+    return harness.table(head, body, sep=" | ")
 
 
 def main(argv=None) -> int:
@@ -179,7 +179,8 @@ def main(argv=None) -> int:
                 "iters": a.iters, "micro_batch": a.micro_batch, "lr": a.lr, "warmup": a.warmup,
                 "final_loss_over": TAIL,
                 "step_time_skips": SKIP}
-    (out / "schedules.json").write_text(json.dumps({"settings": settings, "rows": rows}) + "\n")
+    harness.write_json(out / "schedules.json", {"settings": settings, "rows": rows},
+                       tool=__file__, argv=argv)
     print(table(rows))
     lr = f"lr {a.lr if a.lr is not None else 'as configured'}, warm-up {a.warmup if a.warmup is not None else 'as configured'}"
     title = f"gpt_demo on {a.p} CPU ranks, {a.iters} iterations, {lr}"

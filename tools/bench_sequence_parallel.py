@@ -22,13 +22,13 @@ backward instead; not done here), so those stay as they are.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if __package__:      # python -m tools.bench_sequence_parallel, or imported by a test
+    from . import harness
+else:                # python tools/bench_sequence_parallel.py (tools/harness.py says why)
+    import harness
 
 SHARDED = ("layernorm", "dropout+add", "layer input")
 REGIONS = SHARDED + ("attention", "mlp")
@@ -86,7 +86,7 @@ def measure(args: dict, sequence_parallel: bool) -> dict:
     return row
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tensor", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--hidden", type=int, default=256)
@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--out", default="bench/sequence_parallel")
-    a = parser.parse_args()
+    a = parser.parse_args(argv)
     from ptdp.runtime.local_ranks import run_on_ranks
     shape = {"hidden": a.hidden, "heads": a.heads, "seq": a.seq, "batch": a.batch}
     rows = []
@@ -115,11 +115,11 @@ def main() -> None:
         print(f"{row['t']:>2} {'yes' if row['sequence_parallel'] else 'no':>3} "
               + " ".join(f"{row['rank0'][r]:>12,}" for r in REGIONS)
               + f" {sharded:>10,} {row['sharded_ratio']:>6.2f}")
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "activation_memory.json").write_text(json.dumps({"shape": shape, "rows": rows}, indent=1))
-    print(f"wrote {out / 'activation_memory.json'}")
+    out = harness.write_json(Path(a.out) / "activation_memory.json",
+                             {"shape": shape, "rows": rows}, tool=__file__, argv=argv)
+    print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,15 +16,15 @@ prints the tables and writes startup.json.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from fractions import Fraction
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if __package__:      # python -m tools.bench_startup, or imported by a test
+    from . import harness
+else:                # python tools/bench_startup.py (tools/harness.py says why)
+    import harness
 
 
 def rank_job() -> float:
@@ -36,12 +36,7 @@ def rank_job() -> float:
 
 
 def _median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return harness.time_steps(lambda _: fn(), repeats).median
 
 
 def bench_ranks(worlds: list[int], repeats: int) -> list[dict]:
@@ -76,12 +71,12 @@ def bench_simulation(cases: list[tuple], repeats: int) -> list[dict]:
     return rows
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/startup", help="folder for startup.json")
     parser.add_argument("--ranks", default="1,2,4,8", help="world sizes to start")
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     worlds = [int(w) for w in args.ranks.split(",")]
     ranks = bench_ranks(worlds, args.repeats)
     print("starting local ranks that import the trainer (median of "
@@ -101,10 +96,9 @@ def main() -> int:
     for r in sims:
         print(f"{r['schedule']:>11}  {r['p']:>2} {r['v']:>2} {r['m']:>3} {r['batches']:>7}  "
               f"{r['exact_s']:>7.3f}  {r['fraction_s']:>8.3f}  {r['speedup']:>7.1f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "startup.json").write_text(json.dumps({"ranks": ranks, "simulation": sims}, indent=1))
-    print(f"wrote {out / 'startup.json'}")
+    out = harness.write_json(Path(args.out) / "startup.json",
+                             {"ranks": ranks, "simulation": sims}, tool=__file__, argv=argv)
+    print(f"wrote {out}")
     return 0
 
 

@@ -40,9 +40,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if __package__:      # python -m tools.bench_topology, or imported by a test
+    from . import harness
+else:                # python tools/bench_topology.py (tools/harness.py says why)
+    import harness
+
+ROOT = Path(__file__).resolve().parents[1]   # the checkout: tools/simcluster.sh, configs/
 
 SIMCLUSTER = ROOT / "tools/simcluster.sh"
 NAME = "ptdpsimbench"
@@ -307,13 +310,12 @@ def main(argv=None) -> int:
     print(f"\nworst |error| {worst:.1%} (goal {TOLERANCE:.0%}); load average {start_load} at the "
           f"start, {end_load} at the end, {os.cpu_count()} cores on {platform.node()}")
     if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({
+        harness.write_json(a.json, {
             "settings": {"rate": a.rate, "iters": a.iters, "repeat": a.repeat, "model": MODEL,
                          "global_batch": GLOBAL_BATCH, "micro_batch": MICRO_BATCH,
                          "nodes": NODES, "ranks_per_node": PER_NODE,
                          "load_average": [start_load, end_load], "cores": os.cpu_count()},
-            "link": link, "profile": hw.to_dict(), "rows": rows}, indent=1, default=str) + "\n")
+            "link": link, "profile": hw.to_dict(), "rows": rows}, tool=__file__, argv=argv)
     return 0
 
 

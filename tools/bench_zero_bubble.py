@@ -15,14 +15,14 @@ median over rounds and traced iterations, per rank, and the median step time.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if __package__:      # python -m tools.bench_zero_bubble, or imported by a test
+    from . import harness
+else:                # python tools/bench_zero_bubble.py (tools/harness.py says why)
+    import harness
 
 SCHEDULES = ("1f1b", "zb-h1")
 
@@ -44,7 +44,7 @@ def bubbles(trace_file: Path) -> list[list[float]]:
             for it in gantt.traced_iterations(trace)]
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--p", type=int, default=2)
     ap.add_argument("--m", type=int, default=8, help="micro-batches per iteration")
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="bench/zero_bubble")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     from ptdp.runtime.local_ranks import run_on_ranks
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -85,9 +85,11 @@ def main() -> None:
                          "step_time_s": step, "samples": res}
         print(f"{name:>9} " + " ".join(f"{b:>8.3f}" for b in per_rank)
               + f" {summary[name]['bubble_mean']:>6.3f} {step:>7.3f}")
-    (out / "zero_bubble.json").write_text(json.dumps({"args": vars(a), "results": summary}, indent=1))
+    harness.write_json(out / "zero_bubble.json", {"args": vars(a), "results": summary},
+                       tool=__file__, argv=argv)
     print(f"wrote {out / 'zero_bubble.json'}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,7 +7,7 @@
 `plan` predicts, with `ptdp.planner` (torch-free), the step time and peak memory of the two
 layouts below on one GPU, and with `--measure` trains each a few iterations through the real
 `Trainer` on CUDA (a world of one, NCCL) and measures them: the median step after warm-up
-(the device synchronised around each step) and the peak memory the caching allocator held
+(timed by CUDA events, tools/harness.py) and the peak memory the caching allocator held
 (`max_memory_reserved`, what the GPU really gives up; `max_memory_allocated` is recorded too).
 The first layout is the configuration `tools/bench_gpu.py` times for GPT-1.3B; when its JSON
 is in DIR (`bench_gpt.json`) its ptdp row is used instead of training it again. Writes
@@ -25,16 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
-import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if __package__:      # python -m tools.gpu_check, or imported by a test
+    from . import harness
+else:                # python tools/gpu_check.py (tools/harness.py says why)
+    import harness
 
 GPT_13B = {"arch": "gpt", "num_layers": 24, "hidden_size": 2048, "num_heads": 16,
            "seq_length": 2048, "vocab_size": 51200, "dropout": 0.0}
@@ -67,37 +65,24 @@ def predict(name: str, hardware: str) -> dict:
 def measure(name: str, steps: int, warmup: int) -> dict:
     """Train `name` on CUDA through the Trainer; median step seconds and peak memory."""
     import torch
-    import torch.distributed as dist
 
     from ptdp.config import load_config
-    from ptdp.runtime.local_ranks import free_port
     from ptdp.training import Trainer
     model, b, m, recompute = LAYOUTS[name]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
-    try:
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    with harness.world_of_one(device):
         overrides = [f"model.{k}={v}" for k, v in model.items()] + [
             f"train.micro_batch_size={b}", f"train.global_batch_size={b * m}",
             f"train.recompute={recompute}", "train.precision=bf16", "train.device=cuda",
             f"train.iters={warmup + steps}", "log.progress=false", "data.num_workers=2"]
         trainer = Trainer(load_config(None, overrides, world_size=1))
         torch.cuda.reset_peak_memory_stats()
-        seconds = []
-        for it in range(warmup + steps):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            trainer.train_step(it)
-            torch.cuda.synchronize()
-            if it >= warmup:
-                seconds.append(time.perf_counter() - start)
-        return {"measured_step_s": statistics.median(seconds),
+        timed = harness.time_steps(trainer.train_step, steps, warmup, device)
+        return {"measured_step_s": timed.median,
                 "measured_memory_gb": torch.cuda.max_memory_reserved() / 2**30,
                 "measured_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
                 "source": "Trainer"}
-    finally:
-        dist.destroy_process_group()
 
 
 def hardware_name() -> str:
@@ -118,7 +103,7 @@ def hardware_name() -> str:
     return "h100-80gb"
 
 
-def plan_command(args) -> int:
+def plan_command(args, argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     hardware = args.hardware or hardware_name()
@@ -247,10 +232,16 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report_command(args) -> int:
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def report_command(args, argv=None) -> int:
     directory = Path(args.dir)
     report = evaluate(directory)
-    (directory / "gpu_check.json").write_text(json.dumps(report, indent=2, default=str))
+    harness.write_json(directory / "gpu_check.json", report, tool=__file__, argv=argv,
+                       device="cuda" if _cuda() else "cpu")
     text = markdown(report)
     (directory / "gpu_check.md").write_text(text)
     print(text)
@@ -271,7 +262,7 @@ def main(argv=None) -> int:
     report.add_argument("--dir", required=True)
     report.set_defaults(func=report_command)
     args = parser.parse_args(argv)
-    return args.func(args)
+    return args.func(args, argv)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import subprocess
@@ -45,14 +44,18 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from ptdp.config import config_from_dict, validate
+from ptdp.hardware import foreign_profile, load_hardware, machine_fingerprint
+from ptdp.planner.compute import ModelShape
+from ptdp.planner.cost_model import Layout, Workload, predict
+from ptdp.planner.search import search
 
-from ptdp.config import config_from_dict, validate  # noqa: E402
-from ptdp.hardware import foreign_profile, load_hardware, machine_fingerprint  # noqa: E402
-from ptdp.planner.compute import ModelShape  # noqa: E402
-from ptdp.planner.cost_model import Layout, Workload, predict  # noqa: E402
-from ptdp.planner.search import search  # noqa: E402
+if __package__:      # python -m tools.validate_planner, or imported by a test
+    from . import harness
+else:                # python tools/validate_planner.py (tools/harness.py says why)
+    import harness
+
+ROOT = Path(__file__).resolve().parents[1]   # the checkout: bench/planner/ by default
 
 MODEL = {"arch": "gpt", "num_layers": 4, "hidden_size": 512, "num_heads": 8,
          "seq_length": 128, "vocab_size": 1000, "dropout": 0.0, "ffn_hidden_size": 2048}
@@ -137,18 +140,16 @@ PROBE_BATCHES = (1, 2, 4)
 def probe_worker(model: dict) -> dict:
     """b -> one layer's forward + backward at t = 1, timed as `ptdp profile` times it."""
     import torch
-    from ptdp.profiler.timing import _ensure_process_group
     from ptdp.profiler.kernels import measure_layer
-    cfg = config_from_dict({"model": model}).model
-    _ensure_process_group()
+    cfg = config_from_dict({"model": model}).model   # run_on_ranks gives the rank its gloo world
     rows = (measure_layer(cfg, 1, b, "fp32", torch.device("cpu"), 5) for b in PROBE_BATCHES)
     return {row["micro_batch"]: row["forward_s"] + row["backward_s"] for row in rows}
 
 
 def speed_probe() -> dict:
     from ptdp.runtime.local_ranks import run_on_ranks
-    return run_on_ranks(1, probe_worker, MODEL, timeout_s=300.0, threads=1,
-                        fresh_interpreters=True)[0]
+    # A time, not a memory: a rank forked from the server will do (ptdp/runtime/local_ranks.py).
+    return run_on_ranks(1, probe_worker, MODEL, timeout_s=300.0, threads=1)[0]
 
 
 def profile_reference(hw) -> dict:
@@ -306,13 +307,13 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.ranking:
-        return rank_check(hw, args, out)
+        return rank_check(hw, args, out, argv)
     names = [n for n in args.layouts.split(",") if n]
     unknown = [n for n in names if n not in LAYOUTS]
     if unknown:
         parser.error(f"unknown layout(s) {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
     rows = compare(hw, {n: LAYOUTS[n] for n in names}, args)
-    write(rows, out / "validate_planner", hw)
+    write(rows, out / "validate_planner", hw, argv)
     worst_step = max(abs(r["step_error"]) for r in rows)
     worst_under = -min(min(r["mem_error"] for r in rows), 0.0)
     return 1 if args.check and (worst_step > TOLERANCE or worst_under > MEMORY_UNDER) else 0
@@ -360,16 +361,17 @@ def compare(hw, layouts: dict, args) -> list[dict]:
     return rows
 
 
-def write(rows: list[dict], stem: Path, hw) -> None:
+def write(rows: list[dict], stem: Path, hw, argv=None) -> None:
     meta = {"profile": hw.name, "fingerprint": machine_fingerprint(), "model": MODEL,
             "global_batch": GLOBAL_BATCH, "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                     time.gmtime())}
-    stem.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
+    harness.write_json(stem.with_suffix(".json"), {**meta, "rows": rows}, tool=__file__,
+                       argv=argv)
     plot(rows, stem.with_suffix(".png"))
     print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
 
 
-def rank_check(hw, args, out: Path) -> int:
+def rank_check(hw, args, out: Path, argv=None) -> int:
     first, candidates = ranking_layouts(hw, args.ranks)
     rows = compare(hw, candidates, args)
     fastest = min(rows, key=lambda r: r["measured_step"])
@@ -382,9 +384,9 @@ def rank_check(hw, args, out: Path) -> int:
           f"({gap:+.1%}; target within 10%)")
     for row in rows:
         row["describe"] = candidates[row["layout"]].describe()
-    (out / "ranking.json").write_text(json.dumps(
-        {"first_choice": first.describe(), "fastest_measured": fastest["layout"], "gap": gap,
-         "fingerprint": machine_fingerprint(), "rows": rows}, indent=2))
+    harness.write_json(out / "ranking.json", {
+        "first_choice": first.describe(), "fastest_measured": fastest["layout"], "gap": gap,
+        "fingerprint": machine_fingerprint(), "rows": rows}, tool=__file__, argv=argv)
     plot(rows, out / "ranking.png")
     return 1 if args.check and gap > 0.10 else 0
 
