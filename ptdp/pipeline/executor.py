@@ -40,8 +40,10 @@ The stashed output's data is then swapped for one element, and its backward is r
 autograd engine directly (torch.autograd.backward would compare the gradient's shape with
 the emptied tensor's). The send keeps the values alive until the transport reports it
 complete (`P2P.exchange` drops completed sends: at once under NCCL's completion; with gloo's
-batches only at the end of the iteration). A saved reference to the output elsewhere in the
-graph would keep its own copy of the storage, so freeing never changes a result.
+batches only at the end of the iteration). Only a stage that returns one boundary tensor and no
+aux losses frees it: nothing else it computed from its output reaches the backward then. (A
+second boundary tensor or an aux loss computed from the output may have saved it for its own
+backward, as `h.pow(2)` saves `h`, and would see the emptied tensor: those outputs are kept.)
 """
 
 from __future__ import annotations
@@ -276,7 +278,8 @@ class _Run:
             outputs = self._boundary(action, out)
             messages = self._produced(action, outputs)
             if not self.forward_only:
-                self.unsent.update(zip(messages, outputs))
+                if len(outputs) == 1 and not aux:   # nothing else may have saved it (module doc)
+                    self.unsent.update(zip(messages, outputs))
                 side = sum(aux.values()) * self.scale(action.mb) if aux else None
         if not self.forward_only:
             self.stash[(action.mb, action.stage)] = (inputs, outputs, side, ids)
