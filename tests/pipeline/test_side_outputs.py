@@ -14,7 +14,11 @@ import functools
 import pytest
 import torch
 
+from ptdp.config import load_config
 from ptdp.config.catalogue import names_where
+from ptdp.metrics.log import (MetricsLog, aux_loss_fields, aux_loss_text, interval_average,
+                              read_metrics)
+from ptdp.metrics.report import end_summary
 from ptdp.parallel.stage_output import StageOutput
 from ptdp.pipeline.comm_plan import PlanError, check_plans, plan_exchanges
 from ptdp.pipeline.executor import PipelineExecutor
@@ -144,3 +148,37 @@ def test_no_flush_streams_refuse_aux_losses():
                                          r"flushing schedule"):
         _one_stage_executor(SideChunk(0, 1)).stream(lambda mb: batch(0, mb), 1.0,
                                                      rank_actions=lambda action, stream: None)
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def _record(it: int, loss: float, skipped: bool = False, **aux) -> dict:
+    return {"iter": it, "loss": loss, "lr": 1e-3, "grad_norm": 0.5, "step_time_s": 0.1,
+            "tokens_per_s": 1280.0, "tflops_per_gpu": 0.04, "mfu": None, "loss_scale": 1.0,
+            "skipped": skipped, "mem_gb": 0.1, **aux_loss_fields(aux)}
+
+
+def test_aux_losses_are_record_fields_averaged_and_printed_after_the_loss(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    cfg = load_config(None, ["train.iters=3", "log.interval=3", f"log.metrics_file={path}"],
+                      world_size=1)
+    records = [_record(1, 4.0, act_l2=0.02), _record(2, 9.0, skipped=True, act_l2=0.5),
+               _record(3, 2.0, act_l2=0.04)]
+    assert "aux/act_l2" in records[0]
+    assert interval_average(records)["aux/act_l2"] == pytest.approx(0.03)   # as the loss
+    log = MetricsLog(cfg, is_writer=True)
+    for r in records:
+        log.log(r)
+    log.close()
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("iter      3/3 | loss 3.0000 | aux act_l2 0.03 | lr 1.00e-03 | ")
+    assert read_metrics(path) == records
+    summary = end_summary(records, cfg, 1.0, torch.device("cpu"), None, None)
+    assert "loss: final train 2.0000 | aux act_l2 0.04" in summary
+
+
+def test_without_aux_losses_the_record_and_line_are_as_before():
+    plain = _record(1, 4.0)
+    assert aux_loss_fields({}) == {} and aux_loss_text(plain) == ""
+    assert set(interval_average([plain])) == set(plain)
