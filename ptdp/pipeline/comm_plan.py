@@ -156,7 +156,8 @@ def needed_messages(action: Action, num_stages: int,
 def _boundary_messages(first: Message | None, tensors: Callable[[int], int]) -> tuple:
     if first is None:
         return ()
-    return tuple(replace(first, index=i) for i in range(tensors(first.boundary)))
+    count = tensors(first.boundary)
+    return (first,) if count == 1 else tuple(replace(first, index=i) for i in range(count))
 
 
 def plan_exchanges(schedule: list[list[Action]], p: int, v: int,
