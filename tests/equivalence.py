@@ -80,7 +80,7 @@ def _probe_held_outputs() -> dict:
     def probe(run, action):
         if "held_per_mb" not in seen:
             storages = {out.untyped_storage().data_ptr(): out.untyped_storage().nbytes()
-                        for _, out, _ in run.stash.values()}
+                        for _, outputs, _, _ in run.stash.values() for out in outputs}
             storages.update((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
                             for _, t in run.ex.p2p.pending_sends)
             seen["held_per_mb"] = sum(storages.values()) / len(run.stash)

@@ -5,6 +5,10 @@ the metrics file.
 The file and TensorBoard keep every iteration; a console line, printed every log.interval
 iterations, averages the interval since the previous line (`interval_average`), as Megatron-LM's
 log lines do.
+
+Auxiliary losses (the ones pipeline stages add to the objective, ptdp/pipeline/executor.py)
+are fields `aux/<name>` of the record, averaged like the loss, and shown on the console line
+after it (`aux <name> <value>`); a run without them writes exactly the fields it always did.
 """
 
 from __future__ import annotations
@@ -34,6 +38,20 @@ def write_config(cfg: Config) -> Path | None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     return path
+
+
+AUX_PREFIX = "aux/"
+
+
+def aux_loss_fields(aux_losses: dict) -> dict:
+    """The record's fields for the iteration's aux losses: {"aux/<name>": value}."""
+    return {AUX_PREFIX + name: value for name, value in aux_losses.items()}
+
+
+def aux_loss_text(record: dict) -> str:
+    """" | aux <name> <value>" for each aux loss in `record` ("" without any)."""
+    return "".join(f" | aux {key[len(AUX_PREFIX):]} {value:.4g}" for key, value in record.items()
+                   if key.startswith(AUX_PREFIX))
 
 
 def format_tflops(value: float) -> str:
@@ -95,8 +113,8 @@ class MetricsLog:
         batch = f" | batch {r['global_batch_size']}" if self.cfg.train.rampup_batch_size else ""
         # tflops_per_gpu and mem_gb keep their record names; the values are per rank, and
         # mem_gb is in GiB (2**30 bytes)
-        return (f"iter {r['iter']:>6}/{self.cfg.train.iters} | loss {r['loss']:.4f} | "
-                f"lr {r['lr']:.2e}{batch} | grad norm {r['grad_norm']:.3f} | "
+        return (f"iter {r['iter']:>6}/{self.cfg.train.iters} | loss {r['loss']:.4f}"
+                f"{aux_loss_text(r)} | lr {r['lr']:.2e}{batch} | grad norm {r['grad_norm']:.3f} | "
                 f"{r['step_time_s'] * 1e3:.0f} ms | {r['tokens_per_s']:.0f} tok/s | "
                 f"{format_tflops(r['tflops_per_gpu'])} TFLOP/s per rank{mfu} | "
                 f"{r['mem_gb']:.2f} GiB{valid}{skipped}")
@@ -117,14 +135,16 @@ class MetricsLog:
 
 def interval_average(records: list[dict]) -> dict:
     """One console line's values for the iterations `records` (as Megatron-LM's `training_log`):
-    the loss averaged over the iterations that updated the weights (all of them if none did),
-    step time averaged, throughput and TFLOP/s over the interval's total time, the number of
+    the loss (and each aux loss) averaged over the iterations that updated the weights (all of
+    them if none did), step time averaged, throughput and TFLOP/s over the interval's total time, the number of
     skipped iterations; the learning rate, gradient norm, loss scale and memory of the last
     iteration, and its validation loss if it ran one."""
     last, seconds = records[-1], sum(r["step_time_s"] for r in records)
     updated = [r for r in records if not r["skipped"]] or records
     per_second = lambda key: sum(r[key] * r["step_time_s"] for r in records) / seconds  # noqa: E731
-    return {**last, "loss": sum(r["loss"] for r in updated) / len(updated),
+    aux = {key: sum(r[key] for r in updated) / len(updated)
+           for key in last if key.startswith(AUX_PREFIX)}
+    return {**last, **aux, "loss": sum(r["loss"] for r in updated) / len(updated),
             "step_time_s": seconds / len(records),
             "tokens_per_s": per_second("tokens_per_s"),
             "tflops_per_gpu": per_second("tflops_per_gpu"),

@@ -8,7 +8,7 @@ import yaml
 
 from ptdp.config import Config
 from ptdp.config.models import DEFAULT_PRESET
-from ptdp.metrics.log import config_path, format_tflops
+from ptdp.metrics.log import aux_loss_text, config_path, format_tflops
 from ptdp.planner.formulas import ModelShape, decoder_parameters, parameter_count
 
 
@@ -134,7 +134,7 @@ def end_summary(history: list[dict], cfg: Config, seconds: float, device: torch.
     valid = [(r["valid_loss"], r["iter"]) for r in history if "valid_loss" in r]
     lines = [f"ptdp: done: iterations {first}-{last} ({len(history)}) in {seconds:.1f} s, "
              f"{tokens:,} tokens",
-             f"  loss: final train {history[-1]['loss']:.4f}"]
+             f"  loss: final train {history[-1]['loss']:.4f}{aux_loss_text(history[-1])}"]
     if valid:
         best = min(valid)
         lines[-1] += (f", final validation {valid[-1][0]:.4f} (iteration {valid[-1][1]}), best "

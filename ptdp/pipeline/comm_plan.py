@@ -18,7 +18,8 @@ stricter than gloo's:
 Placement rule. Every message is produced by one action and consumed by one action on another
 rank (or the same rank: a chunk boundary inside one rank with p = 1 never crosses the wire,
 since p = 1 has no pipeline). The schedules are played once on the timeline simulator
-(``timeline.simulate_lists``, forward 1, backward 2 time units per whole stage); then
+(``ptdp.pipeline.simulation.simulate_lists`` with ``exact_times``: forward 1, backward 2 time
+units per whole stage); then
 
 * the producer sends the message in the exchange right after the producing action, and
 * the consumer receives it in its first exchange whose simulated time is no earlier than the
@@ -27,7 +28,14 @@ since p = 1 has no pipeline). The schedules are played once on the timeline simu
 
 Both sides thus place each message at the same logical moment, so an exchange's partners are
 exchanges of the same moment, and within an exchange operations are ordered by (production
-time, message), which both sides compute identically. A received tensor may wait in a buffer
+time, message), which both sides compute identically.
+
+Several tensors per boundary. A stage may hand the next one more than one tensor (a hidden state
+and a second output); ``tensors(boundary)`` says how many cross the boundary between stages
+``boundary`` and ``boundary + 1``, and each is a message of its own (``Message.index``), with its
+own shape, produced and consumed by the same actions: both sides derive the count and the
+shapes from the same function, so the rules above hold for each, and the checker below sees
+every one of them. A received tensor may wait in a buffer
 until its action runs (posting early costs one boundary tensor of memory and lets the
 transfer overlap compute). Naive placement (receive just before use) deadlocks under rule 2:
 with GPipe and v = 2 rank 1 sends its first chunk-1 activation while rank 0, still pushing
@@ -53,7 +61,7 @@ with and without scatter/gather. Nothing here imports torch.
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from ptdp.config.stages import Placement
@@ -70,15 +78,23 @@ class PlanError(RuntimeError):
 @dataclass(frozen=True, order=True)
 class Message:
     """One boundary tensor: an activation (forward) or gradient (backward) of micro-batch ``mb``
-    from global virtual stage ``src`` to the adjacent stage ``dst``."""
+    from global virtual stage ``src`` to the adjacent stage ``dst``; ``index``: which of the
+    boundary's tensors (0 when it carries one)."""
 
     kind: str
     mb: int
     src: int
     dst: int
+    index: int = 0
+
+    @property
+    def boundary(self) -> int:
+        """The boundary it crosses: the one between stages ``boundary`` and ``boundary + 1``."""
+        return min(self.src, self.dst)
 
     def __str__(self) -> str:
-        return f"{self.kind} mb{self.mb} s{self.src}->s{self.dst}"
+        tensor = f"#{self.index}" if self.index else ""
+        return f"{self.kind}{tensor} mb{self.mb} s{self.src}->s{self.dst}"
 
 
 @dataclass(frozen=True)
@@ -102,8 +118,13 @@ class Step:
     action: Action | None
 
 
+def one_tensor(boundary: int) -> int:
+    """Every boundary carries one tensor (the hidden state)."""
+    return 1
+
+
 def produced_message(action: Action, num_stages: int) -> Message | None:
-    """The tensor ``action`` hands to the adjacent stage, if any."""
+    """The (first) tensor ``action`` hands to the adjacent stage, if any."""
     if action.kind == FORWARD and action.stage < num_stages - 1:
         return Message(ACTIVATION, action.mb, action.stage, action.stage + 1)
     if action.kind == BACKWARD and action.stage > 0:
@@ -112,7 +133,7 @@ def produced_message(action: Action, num_stages: int) -> Message | None:
 
 
 def needed_message(action: Action, num_stages: int) -> Message | None:
-    """The tensor ``action`` needs from the adjacent stage, if any."""
+    """The (first) tensor ``action`` needs from the adjacent stage, if any."""
     if action.kind == FORWARD and action.stage > 0:
         return Message(ACTIVATION, action.mb, action.stage - 1, action.stage)
     if action.kind == BACKWARD and action.stage < num_stages - 1:
@@ -120,13 +141,34 @@ def needed_message(action: Action, num_stages: int) -> Message | None:
     return None
 
 
+def produced_messages(action: Action, num_stages: int,
+                      tensors: Callable[[int], int] = one_tensor) -> tuple[Message, ...]:
+    """Every tensor ``action`` hands to the adjacent stage (``tensors``: see module doc)."""
+    return _boundary_messages(produced_message(action, num_stages), tensors)
+
+
+def needed_messages(action: Action, num_stages: int,
+                    tensors: Callable[[int], int] = one_tensor) -> tuple[Message, ...]:
+    """Every tensor ``action`` needs from the adjacent stage."""
+    return _boundary_messages(needed_message(action, num_stages), tensors)
+
+
+def _boundary_messages(first: Message | None, tensors: Callable[[int], int]) -> tuple:
+    if first is None:
+        return ()
+    count = tensors(first.boundary)
+    return (first,) if count == 1 else tuple(replace(first, index=i) for i in range(count))
+
+
 def plan_exchanges(schedule: list[list[Action]], p: int, v: int,
                    shape_of: Callable[[Message], tuple] = lambda message: (),
+                   tensors: Callable[[int], int] = one_tensor,
                    placement: Placement = Placement.LOOPED) -> list[list[Step]]:
     """Every rank's steps: its actions with the exchange to post before each (see module doc).
 
     ``schedule`` is every rank's action list (``build_all``); ``shape_of`` gives each message's
-    shape, recorded in its transfers so that both sides' shapes can be checked.
+    shape, recorded in its transfers so that both sides' shapes can be checked; ``tensors``
+    how many tensors cross each stage boundary.
     """
     num_stages = p * v
     micro_batches = len({a.mb for row in schedule for a in row}) or 1
@@ -136,8 +178,7 @@ def plan_exchanges(schedule: list[list[Action]], p: int, v: int,
     produced_at = {}   # message -> (simulated time, iteration of the producing action)
     for row in timeline.ranks:
         for slot, segment in zip(row, _iterations(row)):
-            message = produced_message(slot.action, num_stages)
-            if message is not None:
+            for message in produced_messages(slot.action, num_stages, tensors):
                 produced_at[message] = (slot.end, segment)
     plans = []
     for rank, row in enumerate(timeline.ranks):
@@ -146,11 +187,12 @@ def plan_exchanges(schedule: list[list[Action]], p: int, v: int,
         bounds = _iteration_bounds(row)
         pending: list[list[tuple]] = [[] for _ in times]
         for k, slot in enumerate(row):
-            sent = produced_message(slot.action, num_stages)
-            if sent is not None and rank_of(sent.dst) != rank:
-                pending[k + 1].append((produced_at[sent][0], True, sent))
-            needed = needed_message(slot.action, num_stages)
-            if needed is not None and rank_of(needed.src) != rank:
+            for sent in produced_messages(slot.action, num_stages, tensors):
+                if rank_of(sent.dst) != rank:
+                    pending[k + 1].append((produced_at[sent][0], True, sent))
+            for needed in needed_messages(slot.action, num_stages, tensors):
+                if rank_of(needed.src) == rank:
+                    continue
                 at, segment = produced_at[needed]
                 # times only grow, and times[k] >= at since action k needs the message
                 natural = bisect_left(times, at, hi=k)
@@ -292,13 +334,3 @@ class _Gates:
                     return False
         return True
 
-
-def format_plan(steps: list[Step]) -> str:
-    """One line per step: the exchange, then the action (for debugging and docs)."""
-    lines = []
-    for step in steps:
-        if step.exchange:
-            lines.append("  [" + ", ".join(map(str, step.exchange)) + "]")
-        if step.action is not None:
-            lines.append(str(step.action))
-    return "\n".join(lines)

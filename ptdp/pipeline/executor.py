@@ -4,8 +4,24 @@ The schedule (`ptdp.pipeline.schedules`) says *what* to run and in which order; 
 communication plan (`ptdp.pipeline.comm_plan`) says which boundary tensors to send and
 receive before each action. This module only knows how to run a forward or a backward of a
 model chunk, where its input comes from and where its output goes. It knows nothing about GPT
-or BERT: a chunk is any module called as `chunk(hidden_or_None, batch)` that returns a hidden
-tensor, or `(loss, aux)` on the last stage.
+or BERT.
+
+The chunk contract. A chunk is any module called as `chunk(inputs, batch)`:
+
+* `inputs` is None on stage 0; otherwise what the previous stage handed on: one tensor, or a
+  tuple when the boundary carries several (`boundary_shapes(stage)` gives the shapes of the
+  tensors stage `stage` hands to `stage + 1`; both sides, and the plan, read the same function).
+* It returns, on every stage but the last, its boundary: a tensor, or a tuple of as many tensors
+  as `boundary_shapes` declares; on the last stage `(loss, parts)`: the micro-batch's loss and a
+  dict of detached values it reports (BERT's `lm_loss`, `sop_loss`; they are not added to it).
+* Any stage may wrap that return in `StageOutput(output, aux_losses)`
+  (ptdp/parallel/stage_output.py): named scalar auxiliary losses, coefficients applied. They are
+  added to what the stage backpropagates (so the gradients are those of loss + sum of aux losses,
+  each scaled like the loss), and summed per name over this rank's micro-batches and stages
+  into `IterationResult.aux_losses` for the report. Their names are declared up front
+  (`aux_loss_names`, the same on every rank, so every rank reduces the same vector); an
+  undeclared name is an error naming the stage. No-flush streams refuse them (their update
+  rules and reports are not extended to side outputs).
 
 No-flush schedules (2BW, PipeDream) never drain between iterations: `stream()` returns a
 `Stream` whose `run(steps)` runs one iteration's steps and keeps what is in flight (stashed
@@ -24,8 +40,10 @@ The stashed output's data is then swapped for one element, and its backward is r
 autograd engine directly (torch.autograd.backward would compare the gradient's shape with
 the emptied tensor's). The send keeps the values alive until the transport reports it
 complete (`P2P.exchange` drops completed sends: at once under NCCL's completion; with gloo's
-batches only at the end of the iteration). A saved reference to the output elsewhere in the
-graph would keep its own copy of the storage, so freeing never changes a result.
+batches only at the end of the iteration). Only a stage that returns one boundary tensor and no
+aux losses frees it: nothing else it computed from its output reaches the backward then. (A
+second boundary tensor or an aux loss computed from the output may have saved it for its own
+backward, as `h.pow(2)` saves `h`, and would see the emptied tensor: those outputs are kept.)
 """
 
 from __future__ import annotations
@@ -38,39 +56,56 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import _engine_run_backward
 
+from ptdp.parallel.stage_output import StageOutput
 from ptdp.parallel.weight_grad import STORE as WEIGHT_GRADS
 from ptdp.pipeline.actions import BACKWARD, END, FORWARD, REDUCE, WEIGHT_GRAD
-from ptdp.pipeline.comm_plan import Step, needed_message, produced_message
+from ptdp.pipeline.comm_plan import Message, Step, needed_messages, produced_messages
 from ptdp.pipeline.p2p import P2P
 from ptdp.runtime.trace import NO_SPANS
+
 
 @dataclass
 class IterationResult:
     losses: list[torch.Tensor] = field(default_factory=list)   # unscaled, last stage only
-    aux: list[dict] = field(default_factory=list)
+    parts: list[dict] = field(default_factory=list)            # each loss's reported parts
     micro_batches: list[int] = field(default_factory=list)     # whose losses these are
+    # every declared aux loss: its sum over this rank's micro-batches and stages (float64)
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class PipelineExecutor:
     """Executes a rank's steps over `chunks` ({global stage: module}).
 
-    `loss_scale` multiplies each micro-batch's loss before backward: 1/(m*d) averages over the
-    micro-batches of the whole data-parallel batch (times the fp16 loss scale, if any).
-    It may also be a function of the micro-batch (2BW's fp16 scale is fixed per batch).
-    `activation_shape` is the [s, b, h] shape of every boundary tensor.
+    `loss_scale` multiplies each micro-batch's loss (and aux losses) before backward: 1/(m*d)
+    averages over the micro-batches of the whole data-parallel batch (times the fp16 loss
+    scale, if any). It may also be a function of the micro-batch (2BW's fp16 scale is fixed per
+    batch). `boundary_shapes(stage)`: the shapes of the tensors stage `stage` hands to the next
+    (their gradients come back with the same shapes), in `activation_dtype`. `aux_loss_names`:
+    the aux losses any stage may return (module doc).
     """
 
     def __init__(self, chunks: dict[int, nn.Module], num_stages: int, p2p: P2P, *,
-                 activation_shape: tuple, activation_dtype: torch.dtype, device: torch.device):
+                 boundary_shapes: Callable[[int], tuple[tuple, ...]],
+                 activation_dtype: torch.dtype, device: torch.device,
+                 aux_loss_names: tuple[str, ...] = ()):
         self.chunks, self.num_stages, self.p2p = chunks, num_stages, p2p
-        self.activation_shape, self.dtype, self.device = activation_shape, activation_dtype, device
+        self.boundary_shapes, self.dtype, self.device = boundary_shapes, activation_dtype, device
+        self.aux_loss_names = tuple(aux_loss_names)
         self.last_stage = num_stages - 1
+
+    def tensors(self, boundary: int) -> int:
+        """How many tensors cross the boundary between stages `boundary` and `boundary + 1`."""
+        return len(self.boundary_shapes(boundary))
+
+    def full_shape(self, message: Message) -> tuple:
+        return tuple(self.boundary_shapes(message.boundary)[message.index])
 
     def run(self, steps: list[Step], get_batch: Callable[[int], dict], loss_scale,
             spans=NO_SPANS, forward_only: bool = False) -> IterationResult:
         """Run `steps` in order. `forward_only` (validation): no graph, nothing stashed.
 
-        `spans` records each action and each wait for a received tensor (`ptdp.trace`).
+        `spans` records each action and each wait for a received tensor
+        (ptdp/runtime/trace.py).
         """
         with torch.no_grad() if forward_only else contextlib.nullcontext():
             run = _Run(self, get_batch, loss_scale, forward_only=forward_only)
@@ -84,6 +119,9 @@ class PipelineExecutor:
         """A no-flush run: iterations' steps, one `Stream.run` each, on one shared state.
         `versions`: the weight versions every forward and backward activates
         (ptdp.pipeline.weights.StashedVersions; None: the parameters as they are)."""
+        if self.aux_loss_names:
+            raise ValueError(f"auxiliary losses {list(self.aux_loss_names)} need a flushing "
+                             f"schedule: no-flush schedules do not apply them")
         return Stream(_Run(self, get_batch, loss_scale, forward_only=False,
                            rank_actions=rank_actions, versions=versions))
 
@@ -93,14 +131,14 @@ class Stream:
 
     def __init__(self, run: "_Run"):
         self._run = run
-        self.losses: dict[int, tuple[torch.Tensor, dict]] = {}   # mb -> (loss, aux), not yet taken
+        self.losses: dict[int, tuple[torch.Tensor, dict]] = {}   # mb -> (loss, parts), not yet taken
 
     def run(self, steps: list[Step], spans=NO_SPANS) -> None:
         self._run.run(steps, spans, stream=self)
         self._run.ex.p2p.release_completed_sends()
 
     def take_losses(self, micro_batches) -> list[tuple[torch.Tensor, dict]]:
-        """The (loss, aux) of these micro-batches (last stage), forgotten afterwards."""
+        """The (loss, parts) of these micro-batches (last stage), forgotten afterwards."""
         return [self.losses.pop(mb) for mb in micro_batches if mb in self.losses]
 
     def close(self) -> None:
@@ -127,7 +165,7 @@ class _Run:
         self.posted: set = set()   # receives posted ahead of their step and not yet used
         self.unsent: dict = {}     # message -> stashed output to free once it is sent
         self.split = False         # the steps hold Wg actions: B defers weight gradients
-        self.result = IterationResult()
+        self.result = self._new_result()
         self.spans = NO_SPANS
 
     def run(self, steps: list[Step], spans, stream: Stream | None = None) -> None:
@@ -135,8 +173,8 @@ class _Run:
         self.split = any(s.action is not None and s.action.kind == WEIGHT_GRAD for s in steps)
         for k, step in enumerate(steps):
             transfers = self._to_post(steps, k)
-            self.inbox.update(ex.p2p.exchange(transfers, self.outbox, ex.activation_shape,
-                                              ex.dtype, ex.device))
+            self.inbox.update(ex.p2p.exchange(transfers, self.outbox, ex.full_shape, ex.dtype,
+                                              ex.device))
             for t in transfers:
                 if t.send and t.message in self.unsent:
                     _free_data(self.unsent.pop(t.message))
@@ -181,24 +219,31 @@ class _Run:
         return tuple(now)
 
     def take_result(self) -> IterationResult:
-        result, self.result = self.result, IterationResult()
+        result, self.result = self.result, self._new_result()
         return result
 
-    def _received(self, action):
-        message = needed_message(action, self.ex.num_stages)
-        if message is None:
-            return None
-        if message not in self.inbox:
-            raise RuntimeError(f"{action} needs {message}, but no exchange before it received it")
-        self.posted.discard(message)
-        with self.spans(f"wait {message}", "wait", mb=action.mb, stage=action.stage):
-            return self.inbox.pop(message).wait()
+    def _new_result(self) -> IterationResult:
+        zeros = lambda: torch.zeros((), dtype=torch.float64, device=self.ex.device)  # noqa: E731
+        return IterationResult(aux_losses={name: zeros() for name in self.ex.aux_loss_names})
 
-    def _produced(self, action, tensor):
-        message = produced_message(action, self.ex.num_stages)
-        if message is not None:
-            self.outbox[message] = tensor
-        return message
+    def _received(self, action) -> tuple | None:
+        """The tensors `action` needs from the adjacent stage (None: it needs none)."""
+        messages = needed_messages(action, self.ex.num_stages, self.ex.tensors)
+        if not messages:
+            return None
+        for message in messages:
+            if message not in self.inbox:
+                raise RuntimeError(f"{action} needs {message}, but no exchange before it "
+                                   f"received it")
+            self.posted.discard(message)
+        with self.spans(f"wait {messages[0]}", "wait", mb=action.mb, stage=action.stage):
+            return tuple(self.inbox.pop(message).wait() for message in messages)
+
+    def _produced(self, action, tensors: tuple) -> tuple:
+        """Put `action`'s tensors for the adjacent stage in the outbox; returns their messages."""
+        messages = produced_messages(action, self.ex.num_stages, self.ex.tensors)
+        self.outbox.update(zip(messages, tensors))
+        return messages
 
     def _batch(self, mb: int) -> dict:
         """The micro-batch's tensors, built once and dropped after its last forward here."""
@@ -211,48 +256,90 @@ class _Run:
         return entry[0]
 
     def _forward(self, action, stream) -> None:
-        inp = self._received(action)
-        if inp is not None and not self.forward_only:
-            inp.requires_grad_()
+        inputs = self._received(action)
+        if inputs is not None and not self.forward_only:
+            for tensor in inputs:
+                tensor.requires_grad_()
         ids = self.versions.forward(action.mb) if self.versions is not None else None
-        out = self.ex.chunks[action.stage](inp, self._batch(action.mb))
+        out = self.ex.chunks[action.stage](_unpacked(inputs), self._batch(action.mb))
+        out, aux = (out.output, out.aux_losses) if isinstance(out, StageOutput) else (out, {})
+        self._add_aux_losses(action, aux)
+        side = None   # a middle stage's aux losses, scaled, backpropagated with its outputs
         if action.stage == self.ex.last_stage:
-            loss, aux = out
+            loss, parts = out
             if stream is not None:   # a no-flush stream hands losses out per micro-batch
-                stream.losses[action.mb] = (loss.detach(), aux)
+                stream.losses[action.mb] = (loss.detach(), parts)
             else:
                 self.result.losses.append(loss.detach())
-                self.result.aux.append(aux)
+                self.result.parts.append(parts)
                 self.result.micro_batches.append(action.mb)
-            out = loss * self.scale(action.mb)
+            outputs = ((loss + sum(aux.values()) if aux else loss) * self.scale(action.mb),)
         else:
-            message = self._produced(action, out)
-            if message is not None and not self.forward_only:
-                self.unsent[message] = out
+            outputs = self._boundary(action, out)
+            messages = self._produced(action, outputs)
+            if not self.forward_only:
+                if len(outputs) == 1 and not aux:   # nothing else may have saved it (module doc)
+                    self.unsent.update(zip(messages, outputs))
+                side = sum(aux.values()) * self.scale(action.mb) if aux else None
         if not self.forward_only:
-            self.stash[(action.mb, action.stage)] = (inp, out, ids)
+            self.stash[(action.mb, action.stage)] = (inputs, outputs, side, ids)
             self._log(action, ids)
 
+    def _boundary(self, action, out) -> tuple:
+        """A middle stage's return as the tuple of tensors its boundary carries."""
+        outputs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        expected = self.ex.tensors(action.stage)
+        if len(outputs) != expected:
+            raise ValueError(f"stage {action.stage} returned {len(outputs)} boundary tensor(s); "
+                             f"its boundary carries {expected} (boundary_shapes)")
+        return outputs
+
+    def _add_aux_losses(self, action, aux: dict) -> None:
+        unknown = sorted(set(aux) - set(self.result.aux_losses))
+        if unknown:
+            raise ValueError(f"stage {action.stage} returned aux losses {unknown} that are not "
+                             f"declared (aux_loss_names: {list(self.ex.aux_loss_names)})")
+        for name, value in aux.items():
+            self.result.aux_losses[name] += value.detach().double()
+
     def _backward(self, action) -> None:
-        inp, out, ids = self.stash.pop((action.mb, action.stage))
+        inputs, outputs, side, ids = self.stash.pop((action.mb, action.stage))
         if ids is not None:
             self.versions.backward(ids)
-        grad = None if action.stage == self.ex.last_stage else self._received(action)
+        last = action.stage == self.ex.last_stage
+        grads = None if last else self._received(action)
         with WEIGHT_GRADS.defer((action.mb, action.stage)) if self.split else contextlib.nullcontext():
-            if grad is None:   # the last stage's loss
-                torch.autograd.backward(out)
-            else:              # the output may have been freed (_free_data): the engine itself
-                _engine_run_backward((out,), (grad,), False, False, (), allow_unreachable=True,
-                                     accumulate_grad=True)
-        if action.stage > 0:
-            self._produced(action, inp.grad)
+            if last:   # the loss (with its stage's aux losses)
+                torch.autograd.backward(outputs[0])
+            else:
+                self._backward_outputs(outputs, grads, side)
+        if action.stage > 0:   # an input the chunk did not use gets a zero gradient
+            self._produced(action, tuple(t.grad if t.grad is not None else torch.zeros_like(t)
+                                         for t in inputs))
         if ids is not None:
             self.versions.done(ids)
             self._log(action, ids)
 
+    @staticmethod
+    def _backward_outputs(outputs: tuple, grads: tuple, side) -> None:
+        """Backpropagate the received gradients of the outputs (and the stage's own aux
+        losses). The outputs may have been freed (_free_data): the engine itself runs it."""
+        pairs = [(out, grad) for out, grad in zip(outputs, grads) if out.requires_grad]
+        if side is not None:
+            pairs.append((side, torch.ones_like(side)))
+        if pairs:
+            tensors, grads = zip(*pairs)
+            _engine_run_backward(tensors, grads, False, False, (), allow_unreachable=True,
+                                 accumulate_grad=True)
+
     def _log(self, action, ids) -> None:
         if ids is not None:
             self.versions.log.append((action.kind, action.mb, action.stage, ids))
+
+
+def _unpacked(inputs: tuple | None):
+    """What a chunk receives: None, the one tensor of its boundary, or the tuple of them."""
+    return inputs[0] if inputs is not None and len(inputs) == 1 else inputs
 
 
 def _free_data(out: torch.Tensor) -> None:

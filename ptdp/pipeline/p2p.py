@@ -1,7 +1,8 @@
 """Point-to-point exchange of activations and gradients between pipeline stages.
 
 The executor hands over one *exchange* at a time (``ptdp.pipeline.comm_plan``): the sends and
-receives a rank posts together between two compute actions. They go out as one
+receives a rank posts together between two compute actions (one message per boundary tensor:
+a boundary that carries several tensors sends each as its own message, shapes from the plan). They go out as one
 ``batch_isend_irecv`` on the pipeline group, in the plan's order and without tags: messages
 match by order alone, as NCCL requires, so the same code path is correct on NCCL and gloo.
 Nothing waits for a send until the end of the iteration; a receive is waited for only when
@@ -19,6 +20,7 @@ in-order completion on gloo (``tests/pipeline/nccl_rules.py``).
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -76,10 +78,12 @@ class P2P:
                              f"to divide by parallel.tensor={self.tp_size}")
         return (numel // self.tp_size,)
 
-    def exchange(self, transfers: tuple[Transfer, ...], outbox: dict, full_shape: tuple,
-                 dtype: torch.dtype, device: torch.device) -> dict[Message, "PendingRecv"]:
+    def exchange(self, transfers: tuple[Transfer, ...], outbox: dict,
+                 full_shape: Callable[[Message], tuple], dtype: torch.dtype,
+                 device: torch.device) -> dict[Message, "PendingRecv"]:
         """Post ``transfers`` as one batch. Sends take their tensor from ``outbox`` (removed);
-        returns {message: PendingRecv} for the receives."""
+        returns {message: PendingRecv} for the receives, each assembled to
+        ``full_shape(message)`` (the wire may carry a slice, see ``wire_shape``)."""
         if not transfers:
             return {}
         ops, received = [], {}
@@ -98,7 +102,7 @@ class P2P:
             if t.send:
                 self.pending_sends.append((work, tensor))  # keep the buffer alive until sent
             else:
-                received[t.message] = PendingRecv(self, work, tensor, full_shape)
+                received[t.message] = PendingRecv(self, work, tensor, full_shape(t.message))
         # Sends the transport reports complete release their buffers (the pipeline outputs
         # the executor frees); gloo reports a send complete only once waited for, so with
         # gloo's batches they wait for the end of the iteration.

@@ -22,7 +22,7 @@ from typing import Callable
 
 from ptdp.config.catalogue import schedule_spec
 from ptdp.pipeline.actions import END
-from ptdp.pipeline.comm_plan import Message, Step, check_plans, plan_exchanges
+from ptdp.pipeline.comm_plan import Message, Step, check_plans, one_tensor, plan_exchanges
 from ptdp.pipeline.schedules import build_all
 
 WINDOW = 6   # batches planned explicitly: start-up, 4 steady iterations, drain
@@ -57,11 +57,13 @@ class NoFlushPlan:
     """Every rank's steps for iterations ``first .. first+iterations-1`` of a no-flush run.
 
     Micro-batch ids are global (batch t holds ``t*m .. t*m+m-1``), as the data loader and the
-    weight-version rules use them.
+    weight-version rules use them. ``shape_of`` and ``tensors``: as for
+    ``comm_plan.plan_exchanges``.
     """
 
     def __init__(self, name: str, p: int, v: int, m: int, *, first: int, iterations: int,
-                 shape_of: Callable[[Message], tuple] = lambda message: ()):
+                 shape_of: Callable[[Message], tuple] = lambda message: (),
+                 tensors: Callable[[int], int] = one_tensor):
         if schedule_spec(name).flushing:
             raise ValueError(f"{name!r} flushes: plan it per iteration (comm_plan.plan_exchanges)")
         if iterations < 1:
@@ -70,7 +72,8 @@ class NoFlushPlan:
         self.first, self.iterations = first, iterations
         self.window = min(iterations, WINDOW)
         self.schedule = build_all(name, p, v, m, self.window)
-        plans = plan_exchanges(self.schedule, p, v, shape_of, schedule_spec(name).placement)
+        plans = plan_exchanges(self.schedule, p, v, shape_of, tensors,
+                               placement=schedule_spec(name).placement)
         check_plans(plans)
         self.segments = [split_iterations(steps) for steps in plans]
         if iterations > self.window:

@@ -56,8 +56,7 @@ class FlushingStep:
         result = self.pipeline.executor.run(
             self.plans[m], lambda mb: self.batches.get(iteration, mb),
             loss_scale=state.loss_scaler.scale / (m * state.grid.d), spans=spans)
-        loss, aux = average_losses(state, result.losses, result.aux, m)
-        return StepResult(loss, aux)
+        return average_losses(state, result, m)
 
     def reduce_gradients(self, spans=NO_SPANS) -> torch.Tensor:
         """Data-parallel and tied-embedding sums, loss-scale removal; returns the global norm

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from ptdp.config.catalogue import FORWARD_ONLY, schedule_spec
 from ptdp.pipeline.actions import FORWARD
-from ptdp.pipeline.comm_plan import check_plans, plan_exchanges
+from ptdp.pipeline.comm_plan import Message, check_plans, plan_exchanges
 from ptdp.pipeline.executor import PipelineExecutor
 from ptdp.pipeline.p2p import P2P
 from ptdp.pipeline.schedules import build_all
@@ -24,14 +24,18 @@ class Pipeline:
         self.p2p = P2P(grid.pipeline_ranks, group=grid.pipeline_group,
                        tensor_group=grid.tensor_group, tp_rank=grid.tp_rank, tp_size=grid.t,
                        scatter_gather=par.scatter_gather)
-        # with sequence parallelism each tensor rank holds (and sends) its 1/t of the sequence,
-        # with context parallelism each context rank its 2 of 2c chunks
-        activation_shape = (cfg.local_seq_length, cfg.train.micro_batch_size,
-                            cfg.model.hidden_size)
+        # What crosses a stage boundary (the executor's chunk contract): every model family
+        # hands on one [s, b, h] hidden state and returns no aux losses. A family with side
+        # outputs declares its boundary tensors and aux-loss names here, from the config, so
+        # that every rank derives the same. With sequence parallelism each tensor rank holds
+        # (and sends) its 1/t of the sequence, with context parallelism each context rank its
+        # 2 of 2c chunks.
+        boundary = ((cfg.local_seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size),)
         self.executor = PipelineExecutor(state.chunks, self.p * self.v, self.p2p,
-                                         activation_shape=activation_shape,
+                                         boundary_shapes=lambda stage: boundary,
                                          activation_dtype=state.dtype, device=state.device)
-        self.wire_shape = self.p2p.wire_shape(activation_shape)
+        # each boundary tensor's shape on the wire (1/t of it with scatter/gather)
+        self.wire_shapes = tuple(self.p2p.wire_shape(shape) for shape in boundary)
         # Validation runs the forwards of a forward-only schedule, nothing to backward.
         forwards = [[a for a in row if a.kind == FORWARD]
                     for row in build_all(FORWARD_ONLY.name, self.p, self.v, state.m)]
@@ -45,14 +49,16 @@ class Pipeline:
     def plan(self, schedule: list) -> list:
         """This rank's steps of `schedule` (every rank's action lists), after checking every
         rank's exchanges under NCCL's rules."""
-        wire = self.wire_shape
-        plans = plan_exchanges(schedule, self.p, self.v, lambda message: wire,
-                               schedule_spec(self.state.cfg.schedule.name).placement)
+        plans = plan_exchanges(schedule, self.p, self.v, self._wire_shape, self.executor.tensors,
+                               placement=schedule_spec(self.state.cfg.schedule.name).placement)
         check_plans(plans)
         return plans[self.state.grid.pp_rank]
 
     def no_flush_plan(self, name: str, first: int, iterations: int) -> NoFlushPlan:
         """Every rank's steps for iterations first .. first+iterations-1 of a no-flush run."""
-        wire = self.wire_shape
         return NoFlushPlan(name, self.p, self.v, self.state.m, first=first,
-                           iterations=iterations, shape_of=lambda message: wire)
+                           iterations=iterations, shape_of=self._wire_shape,
+                           tensors=self.executor.tensors)
+
+    def _wire_shape(self, message: Message) -> tuple:
+        return self.wire_shapes[message.index]

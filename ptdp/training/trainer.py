@@ -31,7 +31,7 @@ from ptdp.config.catalogue import Family, schedule_spec
 from ptdp.data.batching import MicroBatches
 from ptdp.data.loader import micro_batch_source
 from ptdp.data.synthetic import synthetic_datasets
-from ptdp.metrics.log import MetricsLog, write_config
+from ptdp.metrics.log import MetricsLog, aux_loss_fields, write_config
 from ptdp.metrics.report import SaveTiming, end_summary, format_bytes, startup_report
 from ptdp.metrics.throughput import iteration_tflops, peak_memory_gb, peak_tflops
 from ptdp.optim.lr import learning_rate
@@ -167,7 +167,7 @@ class Trainer:
             result = self.pipeline.executor.run(self.pipeline.eval_steps,
                                                 lambda mb: batches.get(it, mb),
                                                 loss_scale=1.0, spans=spans, forward_only=True)
-            total += average_losses(self.state, result.losses, result.aux)[0]
+            total += average_losses(self.state, result).loss
         return total.item() / eval_iters
 
     # The loop ----------------------------------------------------------------------------------
@@ -268,6 +268,7 @@ class Trainer:
                   "loss_scale": self.state.loss_scaler.scale, "skipped": step.skipped,
                   "mem_gb": peak_memory_gb(self.state.device)}
         record.update({name: step.aux[name] for name in cfg.model.family.logged_losses})
+        record.update(aux_loss_fields(step.aux_losses))   # none: the record is as before
         return record
 
     def _checkpoint_due(self) -> bool:

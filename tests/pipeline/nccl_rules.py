@@ -47,11 +47,12 @@ class _Done:
 
 
 def _header(transfer, numel: int) -> torch.Tensor:
-    """(kind, mb, src, dst, numel) of a pipeline message; a message that names its own four
-    fields (the context-parallel ring's, ptdp/parallel/context.py) gives them itself."""
+    """(kind, mb, src, dst, numel) of a pipeline message (kind: 0 activation, 1 gradient, plus
+    2 x the tensor's index on its boundary); a message that names its own four fields (the
+    context-parallel ring's, ptdp/parallel/context.py) gives them itself."""
     m = transfer.message
     fields = (m.header() if hasattr(m, "header")
-              else [0 if m.kind == ACTIVATION else 1, m.mb, m.src, m.dst])
+              else [(0 if m.kind == ACTIVATION else 1) + 2 * m.index, m.mb, m.src, m.dst])
     return torch.tensor([*fields, numel])
 
 
