@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ptdp.parallel.stage_output import StageOutput
-from ptdp.pipeline.actions import rank_stages
+from ptdp.config.catalogue import schedule_spec
 from ptdp.pipeline.comm_plan import check_plans, plan_exchanges
 from ptdp.pipeline.executor import PipelineExecutor
 from ptdp.pipeline.p2p import P2P
@@ -103,7 +103,8 @@ def train_pipelined(runs: list[tuple], iters: int, nccl_rules: bool) -> list[dic
     p, rank = dist.get_world_size(), dist.get_rank()
     out = []
     for schedule, v, m in runs:
-        chunks = {s: SideChunk(s, p * v) for s in rank_stages(rank, p, v)}
+        chunks = {s: SideChunk(s, p * v)
+                  for s in schedule_spec(schedule).stage_map(p, v).stages_of(rank)}
         transport = InOrderTransport() if nccl_rules else None
         executor = PipelineExecutor(chunks, p * v, P2P(list(range(p)), transport=transport),
                                     boundary_shapes=boundary_shapes,
