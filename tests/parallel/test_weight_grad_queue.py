@@ -1,7 +1,7 @@
-"""Deferred weight gradients as zb-h1 uses them: a chunk's own queue (ptdp/parallel/weight_grad.py),
-bound after construction to every layer that owns weights. B leaves them all to W (but the
-fused chains' biases and the position table), W then equals a plain backward to the bit,
-and chunks on one rank defer into separate queues."""
+"""Deferred weight gradients as zb-h1 uses them: a chunk's own queue
+(ptdp/parallel/weight_grad.py), bound after construction to every layer that owns weights.
+B leaves them all to W (but the fused chains' biases and the position table), W then equals
+a plain backward to the bit, and chunks on one rank defer into separate queues."""
 
 import pytest
 import torch
