@@ -11,36 +11,39 @@ from ptdp.models.chunk import ModelChunk
 from ptdp.models.embedding import logits
 from ptdp.models.norms import layer_norm
 from ptdp.models.transformer import ModelContext
-from ptdp.parallel import weight_grad
 from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
 from ptdp.parallel.layers import full_normal, shard_param
 from ptdp.parallel.roles import declare_role
 from ptdp.parallel.sequence import gather_from_sequence_region
+from ptdp.parallel.weight_grad import PLAIN
 
 
 class Linear(nn.Module):
     """A small replicated linear layer initialised from its global name (layout-free)."""
+
+    weight_ops = PLAIN
 
     def __init__(self, ctx: ModelContext, n_in: int, n_out: int, key: str):
         super().__init__()
         self.weight = shard_param(full_normal((n_out, n_in), ctx.model.init_std, ctx.seed,
                                               f"{key}.weight"), None, ctx.tp)
         self.bias = nn.Parameter(torch.zeros(n_out))
-        self.linear = weight_grad.linear if ctx.split_backward else F.linear
 
     def forward(self, x):
-        return self.linear(x, self.weight, self.bias)
+        return self.weight_ops.linear(x, self.weight, self.bias)
 
 
 class BertHeads(nn.Module):
     """Masked-LM head (dense, GeLU, LN, tied logits + vocab-parallel bias) and binary head."""
+
+    weight_ops = PLAIN   # the tied logits
 
     def __init__(self, ctx: ModelContext):
         super().__init__()
         h = ctx.model.hidden_size
         self.ctx = ctx
         self.lm_dense = Linear(ctx, h, h, "heads.lm_dense")
-        self.lm_ln = layer_norm(h, ctx.model.layernorm_eps, split_backward=ctx.split_backward)
+        self.lm_ln = layer_norm(h, ctx.model.layernorm_eps)
         self.lm_bias = shard_param(torch.zeros(ctx.padded_vocab_size), 0, ctx.tp)
         declare_role(self.lm_bias, vocab_padded=True)
         self.pooler = Linear(ctx, h, h, "heads.pooler")
@@ -48,7 +51,8 @@ class BertHeads(nn.Module):
 
     def forward(self, hidden, table, batch):
         lm = self.lm_ln(F.gelu(self.lm_dense(hidden)))
-        per_token = vocab_parallel_cross_entropy(logits(lm, table, self.ctx, self.lm_bias),
+        per_token = vocab_parallel_cross_entropy(logits(lm, table, self.ctx, self.lm_bias,
+                                                        ops=self.weight_ops),
                                                  batch["labels"].t(), self.ctx.model.vocab_size,
                                                  self.ctx.tp)
         mask = batch["loss_mask"].t().to(per_token.dtype)

@@ -13,9 +13,12 @@ import torch.nn as nn
 from ptdp.models.embedding import Embedding, OutputEmbedding, OutputLayer, mark_shared
 from ptdp.models.norms import norm
 from ptdp.models.transformer import ModelContext, TransformerStack
+from ptdp.parallel.weight_grad import PLAIN
 
 
 class ModelChunk(nn.Module):
+    weight_ops = PLAIN   # the last stage's logits (ptdp/parallel/weight_grad.py)
+
     def __init__(self, ctx: ModelContext, stage: int, num_stages: int, *, causal: bool,
                  num_tokentypes: int = 0):
         super().__init__()
@@ -29,7 +32,7 @@ class ModelChunk(nn.Module):
             mark_shared(self.embedding.word.weight)
         self.stack = TransformerStack(ctx, stage * per_stage, per_stage, causal=causal)
         if self.is_last:
-            self.final_ln = norm(cfg, ctx.tp, ctx.split_backward)
+            self.final_ln = norm(cfg, ctx.tp)
             self.output = None if self.is_first or not tied else OutputEmbedding(ctx)
             self.output_layer = None if tied else OutputLayer(ctx)
 

@@ -7,10 +7,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ptdp.models.transformer import ModelContext, _sequence_parallel_dropout
-from ptdp.parallel import weight_grad
 from ptdp.parallel.layers import VocabParallelEmbedding, full_normal, parallel_logits, shard_param
 from ptdp.parallel.roles import declare_role
 from ptdp.parallel.sequence import mark_sequence_parallel, sequence_shard
+from ptdp.parallel.weight_grad import PLAIN, WeightOps
 
 WORD_EMBEDDING_KEY = "embedding.word"
 OUTPUT_LAYER_KEY = "output_layer"
@@ -21,8 +21,7 @@ def word_embedding(ctx: ModelContext) -> VocabParallelEmbedding:
     key, so input and output embeddings start identical and stay tied by gradient all-reduce."""
     cfg = ctx.model
     return VocabParallelEmbedding(cfg.vocab_size, ctx.padded_vocab_size, cfg.hidden_size, ctx.tp,
-                                  seed=ctx.seed, key=WORD_EMBEDDING_KEY, std=cfg.init_std,
-                                  defer_weight_grad=ctx.split_backward)
+                                  seed=ctx.seed, key=WORD_EMBEDDING_KEY, std=cfg.init_std)
 
 
 class Embedding(nn.Module):
@@ -37,6 +36,8 @@ class Embedding(nn.Module):
     context parallelism they arrive already cut to my chunks (ptdp/data/batching.py).
     """
 
+    weight_ops = PLAIN   # the position and token-type lookups by index
+
     def __init__(self, ctx: ModelContext, num_tokentypes: int = 0):
         super().__init__()
         cfg = ctx.model
@@ -49,7 +50,6 @@ class Embedding(nn.Module):
                           if num_tokentypes else None)
         self.dropout = cfg.dropout
         self.tp, self.cp = ctx.tp, ctx.cp
-        self.lookup = weight_grad.embedding if ctx.split_backward else F.embedding
 
     def _positions(self, length: int) -> torch.Tensor:
         """The position table's rows of my tokens: the first `length`, or with context
@@ -64,11 +64,11 @@ class Embedding(nn.Module):
         mine = lambda x: sequence_shard(x, self.tp)  # noqa: E731 - my tokens' rows (SP)
         x = self.word(tokens)
         if self.position is not None and positions is not None:
-            x = x + self.lookup(mine(positions.t()), self.position)   # [s, b, h]
+            x = x + self.weight_ops.embedding(mine(positions.t()), self.position)   # [s, b, h]
         elif self.position is not None:
             x = x + mine(self._positions(tokens.shape[0])).unsqueeze(1)
         if self.tokentype is not None:
-            x = x + self.lookup(mine(types.t()), self.tokentype)
+            x = x + self.weight_ops.embedding(mine(types.t()), self.tokentype)
         if self.dropout == 0 or not self.training:
             return x
         if self.tp.sequence_parallel:
@@ -107,5 +107,6 @@ def mark_shared(weight: torch.Tensor) -> None:
 
 
 def logits(hidden: torch.Tensor, table: torch.Tensor, ctx: ModelContext, bias=None,
-           sequence_sharded: bool = False) -> torch.Tensor:
-    return parallel_logits(hidden, table, ctx.tp, bias, sequence_sharded, ctx.split_backward)
+           sequence_sharded: bool = False, ops: WeightOps = PLAIN) -> torch.Tensor:
+    """`ops`: the weight ops of the module computing them (its deferred weight gradients)."""
+    return parallel_logits(hidden, table, ctx.tp, bias, sequence_sharded, ops)

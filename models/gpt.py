@@ -34,7 +34,7 @@ class GPTChunk(ModelChunk):
             return hidden
         # with sequence parallelism the logits GEMM all-gathers the final hidden state
         out = logits(self.final_ln(hidden), self.output_table(), self.ctx,
-                     sequence_sharded=self.ctx.tp.sequence_parallel)
+                     sequence_sharded=self.ctx.tp.sequence_parallel, ops=self.weight_ops)
         per_token = vocab_parallel_cross_entropy(out, batch["labels"].t(), self.ctx.model.vocab_size,
                                                  self.ctx.tp)
         mask = batch["loss_mask"].t().to(per_token.dtype)

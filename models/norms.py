@@ -2,8 +2,8 @@
 
 Their weights are replicated across tensor ranks (ones and zeros: layout-free). They run on the
 hidden state between tensor regions, which with sequence parallelism is 1/t of the tokens, so
-their weights are marked for the tensor-group gradient sum. With `split_backward` (zb-h1) their
-weight gradients may wait for the W pass (ptdp/parallel/weight_grad.py).
+their weights are marked for the tensor-group gradient sum. Under zb-h1 their weight gradients
+may wait for the W pass (their `weight_ops`, ptdp/parallel/weight_grad.py).
 """
 
 from __future__ import annotations
@@ -12,41 +12,51 @@ import torch
 import torch.nn as nn
 
 from ptdp.config import ModelConfig
-from ptdp.parallel import weight_grad
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.sequence import mark_sequence_parallel
+from ptdp.parallel.weight_grad import PLAIN
 
 
 class RMSNorm(nn.Module):
     """x / RMS(x) * weight, the RMS taken in fp32 whatever the training precision, the gain
     applied in the input's precision: what Hugging Face's `LlamaRMSNorm` computes."""
 
-    def __init__(self, hidden: int, eps: float, split_backward: bool = False):
+    weight_ops = PLAIN
+
+    def __init__(self, hidden: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden))
         self.eps = eps
-        self.scale = weight_grad.scale if split_backward else torch.mul
 
     def forward(self, x):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.scale(normed.to(x.dtype), self.weight)
+        return self.weight_ops.scale(normed.to(x.dtype), self.weight)
 
 
-def layer_norm(hidden: int, eps: float, tp: TensorParallel | None = None,
-               split_backward: bool = False) -> nn.LayerNorm:
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (same parameters, state dict and computation) through its `weight_ops`."""
+
+    weight_ops = PLAIN
+
+    def forward(self, x):
+        return self.weight_ops.layer_norm(x, self.normalized_shape, self.weight, self.bias,
+                                          self.eps)
+
+
+def layer_norm(hidden: int, eps: float, tp: TensorParallel | None = None) -> LayerNorm:
     """A LayerNorm; `tp`: marked for sequence parallelism's tensor-group gradient sum."""
-    norm = (weight_grad.LayerNorm if split_backward else nn.LayerNorm)(hidden, eps=eps)
+    norm = LayerNorm(hidden, eps=eps)
     if tp is not None:
         mark_sequence_parallel(norm.weight, tp)
         mark_sequence_parallel(norm.bias, tp)
     return norm
 
 
-def norm(cfg: ModelConfig, tp: TensorParallel, split_backward: bool = False) -> nn.Module:
+def norm(cfg: ModelConfig, tp: TensorParallel) -> nn.Module:
     """The block's normalisation (model.normalization) on the hidden state."""
     if cfg.normalization == "layernorm":
-        return layer_norm(cfg.hidden_size, cfg.layernorm_eps, tp, split_backward)
-    rms = RMSNorm(cfg.hidden_size, cfg.layernorm_eps, split_backward)
+        return layer_norm(cfg.hidden_size, cfg.layernorm_eps, tp)
+    rms = RMSNorm(cfg.hidden_size, cfg.layernorm_eps)
     mark_sequence_parallel(rms.weight, tp)
     return rms

@@ -58,7 +58,6 @@ class ModelContext:
     recompute: str = "none"          # none | full | selective
     recompute_num_layers: int = 1
     compile: bool = False            # torch.compile each TransformerLayer (train.compile)
-    split_backward: bool = False     # weight gradients deferrable to a W pass (zb-h1)
     cp: ContextParallel = field(default_factory=ContextParallel)   # the context ring (c)
 
 
@@ -99,12 +98,10 @@ class ParallelAttention(nn.Module):
         width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden_size, width, tp, seed=ctx.seed,
                                         key=f"{key}.qkv", std=cfg.init_std, bias=cfg.qkv_bias,
-                                        full_weight=qkv_weight(cfg, ctx.seed, f"{key}.qkv"),
-                                        defer_weight_grad=ctx.split_backward)
+                                        full_weight=qkv_weight(cfg, ctx.seed, f"{key}.qkv"))
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
                                       key=f"{key}.proj", skip_bias_add=True, bias=cfg.bias,
-                                      std=scaled_std(cfg.init_std, cfg.num_layers),
-                                      defer_weight_grad=ctx.split_backward)
+                                      std=scaled_std(cfg.init_std, cfg.num_layers))
         self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding == "rope" else None
 
     def core_attention(self, q, k, v, mask):
@@ -189,11 +186,10 @@ class ParallelMLP(nn.Module):
         self.activation = bias_swiglu if cfg.gated else bias_gelu
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp, seed=ctx.seed,
                                         key=f"{key}.fc1", std=cfg.init_std, skip_bias_add=True,
-                                        bias=cfg.bias, defer_weight_grad=ctx.split_backward)
+                                        bias=cfg.bias)
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
                                      key=f"{key}.fc2", std=scaled_std(cfg.init_std, cfg.num_layers),
-                                     skip_bias_add=True, bias=cfg.bias,
-                                     defer_weight_grad=ctx.split_backward)
+                                     skip_bias_add=True, bias=cfg.bias)
 
     def forward(self, x):
         """-> (output without fc2's bias, that bias)."""
@@ -207,9 +203,9 @@ class TransformerLayer(nn.Module):
         super().__init__()
         cfg = ctx.model
         self.tp = ctx.tp
-        self.ln1 = norm(cfg, ctx.tp, ctx.split_backward)
+        self.ln1 = norm(cfg, ctx.tp)
         self.attention = ParallelAttention(ctx, layer, causal)
-        self.ln2 = norm(cfg, ctx.tp, ctx.split_backward)
+        self.ln2 = norm(cfg, ctx.tp)
         self.mlp = ParallelMLP(ctx, layer)
         self.dropout = cfg.dropout
 

@@ -19,14 +19,13 @@ import zlib
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from ptdp.parallel import weight_grad
 from ptdp.parallel.mappings import (TensorParallel, copy_to_tensor_region,
                                     gather_from_tensor_region, scatter_to_tensor_region)
 from ptdp.parallel.roles import declare_role
 from ptdp.parallel.sequence import (enter_tensor_region, gather_from_sequence_region,
                                     leave_tensor_region, mark_sequence_parallel)
+from ptdp.parallel.weight_grad import PLAIN, WeightOps
 
 
 def stable_seed(seed: int, key: str) -> int:
@@ -59,14 +58,14 @@ class ColumnParallelLinear(nn.Module):
     and the caller adds the bias inside a fused elementwise chain (ptdp/kernels/fused.py).
     """
 
+    weight_ops = PLAIN   # zb-h1 rebinds it (ptdp/parallel/weight_grad.py), as every layer's below
+
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel, *, seed: int,
                  key: str, std: float, bias: bool = True, gather_output: bool = False,
-                 full_weight: torch.Tensor | None = None, skip_bias_add: bool = False,
-                 defer_weight_grad: bool = False):
+                 full_weight: torch.Tensor | None = None, skip_bias_add: bool = False):
         super().__init__()
         assert not (gather_output and skip_bias_add), "a gathered output needs its bias added"
         self.tp, self.gather_output, self.skip_bias_add = tp, gather_output, skip_bias_add
-        self.linear = weight_grad.linear if defer_weight_grad else F.linear
         full = full_weight if full_weight is not None else full_normal(
             (out_features, in_features), std, seed, f"{key}.weight")
         self.weight = shard_param(full, 0, tp)
@@ -74,7 +73,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         bias = None if self.skip_bias_add else self.bias
-        y = self.linear(enter_tensor_region(x, self.tp), self.weight, bias)
+        y = self.weight_ops.linear(enter_tensor_region(x, self.tp), self.weight, bias)
         if self.skip_bias_add:
             return y, self.bias
         return gather_from_tensor_region(y, self.tp) if self.gather_output else y
@@ -88,12 +87,13 @@ class RowParallelLinear(nn.Module):
     `skip_bias_add` returned as (Y without bias, b) for the caller's fused chain.
     """
 
+    weight_ops = PLAIN
+
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel, *, seed: int,
                  key: str, std: float, bias: bool = True, input_is_parallel: bool = True,
-                 skip_bias_add: bool = False, defer_weight_grad: bool = False):
+                 skip_bias_add: bool = False):
         super().__init__()
         self.tp, self.input_is_parallel, self.skip_bias_add = tp, input_is_parallel, skip_bias_add
-        self.linear = weight_grad.linear if defer_weight_grad else F.linear
         full = full_normal((out_features, in_features), std, seed, f"{key}.weight")
         self.weight = shard_param(full, 1, tp)
         self.bias = (mark_sequence_parallel(shard_param(torch.zeros(out_features), None, tp), tp)
@@ -102,7 +102,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tensor_region(x, self.tp)
-        y = leave_tensor_region(self.linear(x, self.weight), self.tp)
+        y = leave_tensor_region(self.weight_ops.linear(x, self.weight), self.tp)
         if self.skip_bias_add:
             return y, self.bias
         return y + self.bias if self.bias is not None else y
@@ -115,11 +115,12 @@ class VocabParallelEmbedding(nn.Module):
     looked up; the loss masks them, so they stay zero and the model is layout-independent.
     """
 
+    weight_ops = PLAIN
+
     def __init__(self, vocab_size: int, padded_vocab_size: int, hidden: int, tp: TensorParallel,
-                 *, seed: int, key: str, std: float, defer_weight_grad: bool = False):
+                 *, seed: int, key: str, std: float):
         super().__init__()
         self.tp, self.vocab_size = tp, vocab_size
-        self.embedding = weight_grad.embedding if defer_weight_grad else F.embedding
         full = torch.zeros(padded_vocab_size, hidden)
         full[:vocab_size] = full_normal((vocab_size, hidden), std, seed, f"{key}.weight")
         self.weight = shard_param(full, 0, tp)
@@ -129,23 +130,23 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self.embedding(ids, self.weight)
+            return self.weight_ops.embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.per_rank)
-        out = self.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.weight_ops.embedding(local.masked_fill(outside, 0), self.weight)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         return leave_tensor_region(out, self.tp)  # [s/t, b, h] with sequence parallelism
 
 
 def parallel_logits(hidden: torch.Tensor, embedding_weight: torch.Tensor, tp: TensorParallel,
                     bias: torch.Tensor | None = None, sequence_sharded: bool = False,
-                    defer_weight_grad: bool = False) -> torch.Tensor:
+                    ops: WeightOps = PLAIN) -> torch.Tensor:
     """[s, b, h] x [V/t, h]^T -> this rank's [s, b, V/t] slice of the logits.
 
     `sequence_sharded`: `hidden` is my [s/t, b, h] slice; it is all-gathered (reduce-scatter
-    backward) instead of going through f.
+    backward) instead of going through f. `ops`: the calling module's `weight_ops`.
     """
-    linear = weight_grad.linear if defer_weight_grad else F.linear
+    linear = ops.linear
     if sequence_sharded:
         return linear(gather_from_sequence_region(hidden, tp), embedding_weight, bias)
     return linear(copy_to_tensor_region(hidden, tp), embedding_weight, bias)

@@ -5,15 +5,19 @@ waits for (the pass called B), and the gradients of its weights, which nothing w
 the optimizer step (W). ZB-H1 (ptdp/pipeline/schedules.py) runs B as soon as it can and moves
 W into what would otherwise be the pipeline's bubbles.
 
-The weighted operations below (linear, LayerNorm, embedding lookup, an RMSNorm's gain) are
-autograd Functions whose backward returns the input gradient and, while a B pass is open
-(`STORE.defer(key)`), hands the weight gradient over as a closure instead of computing it.
-`STORE.run(key)` (the W pass) evaluates the closures of that micro-batch and stage, sums them
-per weight and accumulates them through autograd (`torch.autograd.backward` on the weights),
-so the hooks that
-follow an accumulation fire as after a plain backward: fp32 gradient accumulation and the
-data-parallel buckets, which therefore launch after the last W of the iteration. Outside a
-B pass the same Functions compute both gradients at once.
+Every layer that owns weights computes its weighted products (linear, LayerNorm, embedding
+lookup, an RMSNorm's gain) through its `weight_ops`: `PLAIN`, torch's own functions, unless
+`defer_weight_grads(chunk)` binds the chunk's layers to a `WeightGradQueue`, the chunk's own
+(kept as `chunk.weight_grads`). The queue's ops are autograd Functions whose backward returns
+the input gradient and, while a B pass of the queue is open (`queue.defer(mb)`), hands the
+weight gradient over as a closure instead of computing it. `queue.run(mb)` (the W pass)
+evaluates the closures of that micro-batch, sums them per weight and accumulates them through
+autograd (`torch.autograd.backward` on the weights), so the hooks that follow an accumulation
+fire as after a plain backward: fp32 gradient accumulation and the data-parallel buckets,
+which therefore launch after the last W of the iteration. Outside a B pass the same Functions
+compute both gradients at once. The pipeline executor (ptdp/pipeline/executor.py) opens the B
+pass and runs the W pass on the queue of the stage it executes; a new chunk has a new queue,
+so nothing deferred outlives the model it belongs to.
 
 The gradients come from the kernels autograd itself uses (the GEMMs, aten's LayerNorm and
 embedding backward), so a split backward equals a plain one to round-off. The elementwise
@@ -30,46 +34,118 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
-class WeightGradStore:
-    """Deferred weight gradients by (micro-batch, stage), one store per process (rank)."""
+class WeightOps:
+    """The weighted products a layer computes, its weight gradients in the backward itself.
+
+    A layer that owns weights declares `weight_ops = PLAIN` and calls `self.weight_ops.linear`
+    (and so on); `defer_weight_grads` rebinds it to a queue with the same four ops."""
+
+    linear = staticmethod(F.linear)
+    embedding = staticmethod(F.embedding)
+    layer_norm = staticmethod(F.layer_norm)
+    scale = staticmethod(torch.mul)   # x * weight broadcast over the last dimension
+
+
+PLAIN = WeightOps()
+
+
+class WeightGradQueue(WeightOps):
+    """One chunk's deferred weight gradients by micro-batch, and the ops that defer them."""
 
     def __init__(self):
         self._open: list | None = None
         self._pending: dict = {}
-
-    @property
-    def deferring(self) -> bool:
-        return self._open is not None
+        self._triggers: dict = {}
 
     @contextlib.contextmanager
-    def defer(self, key):
-        """Run a B pass: weight gradients produced inside are kept for `run(key)`."""
+    def defer(self, mb):
+        """Run a B pass: weight gradients produced inside are kept for `run(mb)`."""
         if self._open is not None:
-            raise RuntimeError(f"a B pass is already open while starting {key}")
+            raise RuntimeError(f"a B pass is already open while starting {mb}")
         self._open = []
         try:
             yield
         finally:
-            self._pending.setdefault(key, []).extend(self._open)
+            self._pending.setdefault(mb, []).extend(self._open)
             self._open = None
 
-    def add(self, params: list, compute: Callable[[], list]) -> None:
-        self._open.append((params, compute))
-
-    def run(self, key) -> None:
-        """The W pass of `key`: compute its weight gradients and accumulate them."""
-        if key not in self._pending:
-            raise RuntimeError(f"W pass of {key} without its B pass")
-        _accumulate([(params, compute()) for params, compute in self._pending.pop(key)])
+    def run(self, mb) -> None:
+        """The W pass of `mb`: compute its weight gradients and accumulate them."""
+        if mb not in self._pending:
+            raise RuntimeError(f"W pass of {mb} without its B pass")
+        _accumulate([(params, compute()) for params, compute in self._pending.pop(mb)])
 
     def pending(self) -> list:
+        """The micro-batches whose B pass ran and whose W pass did not."""
         return sorted(self._pending, key=str)
 
-    def clear(self) -> None:
-        self._open, self._pending = None, {}
+    def collect(self, params: list, compute: Callable[[], list]) -> None:
+        """Called from a backward: defer `compute` (inside a B pass), or accumulate it now."""
+        if self._open is not None:
+            self._open.append((params, compute))
+        else:
+            _accumulate([(params, compute())])
+
+    # The weights enter the Functions detached (the parameters themselves ride along in a
+    # tuple, which autograd does not treat as an input), so autograd holds no edge to them: a
+    # B pass neither accumulates into them nor fires their accumulation hooks (it would, with
+    # a None gradient, if they were inputs). Their gradients reach them only through
+    # `_accumulate`. An empty tensor that requires grad goes in as well, so that autograd calls
+    # the backward even when no other input needs a gradient (an embedding lookup of integer
+    # ids). The ops run eagerly (a graph break in a compiled layer): a compiled backward would
+    # fix the B-or-not branch at trace time.
+
+    def _trigger(self, device) -> torch.Tensor:
+        if device not in self._triggers:
+            self._triggers[device] = torch.empty(0, device=device, requires_grad=True)
+        return self._triggers[device]
+
+    @torch.compiler.disable
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        return _Linear.apply(x, weight.detach(), None if bias is None else bias.detach(),
+                             (weight, bias), self, self._trigger(x.device))
+
+    @torch.compiler.disable
+    def embedding(self, ids: torch.Tensor, weight: torch.Tensor):
+        return _Embedding.apply(ids, weight.detach(), (weight,), self, self._trigger(ids.device))
+
+    @torch.compiler.disable
+    def layer_norm(self, x: torch.Tensor, shape, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float):
+        assert tuple(shape) == tuple(weight.shape), "the normalised shape is the weight's"
+        return _LayerNorm.apply(x, weight.detach(), bias.detach(), eps, (weight, bias), self,
+                                self._trigger(x.device))
+
+    @torch.compiler.disable
+    def scale(self, x: torch.Tensor, weight: torch.Tensor):
+        return _Scale.apply(x, weight.detach(), (weight,), self, self._trigger(x.device))
 
 
-STORE = WeightGradStore()
+def defer_weight_grads(chunk: nn.Module) -> WeightGradQueue:
+    """Bind every layer of `chunk` that owns weights (has `weight_ops`) to a new queue, kept as
+    `chunk.weight_grads`: the chunk's B passes then leave their weight gradients to its W."""
+    queue = WeightGradQueue()
+    for module in chunk.modules():
+        if hasattr(module, "weight_ops"):
+            module.weight_ops = queue
+    chunk.weight_grads = queue
+    return queue
+
+
+def weight_grads_of(chunk: nn.Module) -> WeightGradQueue:
+    """The queue `defer_weight_grads` gave `chunk`, for the executor's B and W passes."""
+    queue = getattr(chunk, "weight_grads", None)
+    if queue is None:
+        raise RuntimeError("the steps split the backward (Wg actions), but this chunk defers no "
+                           "weight gradients: build it with defer_weight_grads")
+    return queue
+
+
+def pending_weight_grads(chunks: dict) -> list:
+    """(micro-batch, stage) of every B pass whose W pass has not run, over {stage: chunk}."""
+    queues = {stage: getattr(chunk, "weight_grads", None) for stage, chunk in chunks.items()}
+    return [(mb, stage) for stage, queue in sorted(queues.items()) if queue is not None
+            for mb in queue.pending()]
 
 
 def _accumulate(results: list[tuple[list, list]]) -> None:
@@ -87,37 +163,15 @@ def _accumulate(results: list[tuple[list, list]]) -> None:
         torch.autograd.backward(list(params), list(grads))
 
 
-def _weight_grads(params: list, compute: Callable[[], list]) -> None:
-    """Defer `compute` (inside a B pass), or compute and accumulate now."""
-    if STORE.deferring:
-        STORE.add(params, compute)
-    else:
-        _accumulate([(params, compute())])
-
-
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-# The weights enter these Functions detached (the parameters themselves ride along in a tuple,
-# which autograd does not treat as an input), so autograd holds no edge to them: a B pass
-# neither accumulates into them nor fires their accumulation hooks (it would, with a None
-# gradient, if they were inputs). Their gradients reach them only through `_accumulate`.
-# An empty tensor that requires grad goes in as well, so that autograd calls the backward
-# even when no other input needs a gradient (an embedding lookup of integer ids).
-_TRIGGERS: dict = {}
-
-
-def _trigger(device) -> torch.Tensor:
-    if device not in _TRIGGERS:
-        _TRIGGERS[device] = torch.empty(0, device=device, requires_grad=True)
-    return _TRIGGERS[device]
-
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, params, trigger):
+    def forward(ctx, x, weight, bias, params, queue, trigger):
         ctx.save_for_backward(x, weight)
-        ctx.params, ctx.has_bias = params, bias is not None
+        ctx.params, ctx.queue, ctx.has_bias = params, queue, bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -129,25 +183,16 @@ class _Linear(torch.autograd.Function):
             g = _flat(grad)
             return [g.t().matmul(_flat(x)), g.sum(0) if ctx.has_bias else None]
 
-        _weight_grads(list(ctx.params), compute)
-        return grad_x, None, None, None, None
-
-
-# Eager (a graph break in a compiled layer): a compiled backward would fix the B-or-not branch
-# at trace time.
-@torch.compiler.disable
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear whose weight (and bias) gradients may be deferred to the W pass."""
-    return _Linear.apply(x, weight.detach(), None if bias is None else bias.detach(), (weight, bias),
-                         _trigger(x.device))
+        ctx.queue.collect(list(ctx.params), compute)
+        return grad_x, None, None, None, None, None
 
 
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps: float, params, trigger):
+    def forward(ctx, x, weight, bias, eps: float, params, queue, trigger):
         out, mean, rstd = torch.native_layer_norm(x, weight.shape, weight, bias, eps)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.params = params
+        ctx.params, ctx.queue = params, queue
         return out
 
     @staticmethod
@@ -158,60 +203,39 @@ class _LayerNorm(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = backward(grad, x, weight.shape, mean, rstd, weight, bias,
                               [True, False, False])[0]
-        _weight_grads(list(ctx.params), lambda: list(backward(
+        ctx.queue.collect(list(ctx.params), lambda: list(backward(
             grad, x, weight.shape, mean, rstd, weight, bias, [False, True, True])[1:]))
-        return grad_x, None, None, None, None, None
-
-
-class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm (same parameters and state dict) with a deferrable weight gradient."""
-
-    @torch.compiler.disable
-    def forward(self, x):
-        return _LayerNorm.apply(x, self.weight.detach(), self.bias.detach(), self.eps,
-                                (self.weight, self.bias), _trigger(x.device))
+        return grad_x, None, None, None, None, None, None
 
 
 class _Embedding(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, weight, params, trigger):
+    def forward(ctx, ids, weight, params, queue, trigger):
         ctx.save_for_backward(ids)
-        ctx.num_weights, ctx.params = weight.shape[0], params
+        ctx.num_weights, ctx.params, ctx.queue = weight.shape[0], params, queue
         return F.embedding(ids, weight)
 
     @staticmethod
     def backward(ctx, grad):
         (ids,) = ctx.saved_tensors
         n = ctx.num_weights
-        _weight_grads(list(ctx.params), lambda: [torch.ops.aten.embedding_dense_backward(
+        ctx.queue.collect(list(ctx.params), lambda: [torch.ops.aten.embedding_dense_backward(
             grad, ids, n, -1, False)])
-        return None, None, None, None
-
-
-@torch.compiler.disable
-def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.embedding whose weight gradient may be deferred to the W pass."""
-    return _Embedding.apply(ids, weight.detach(), (weight,), _trigger(ids.device))
+        return None, None, None, None, None
 
 
 class _Scale(torch.autograd.Function):
     """x * weight broadcast over the last dimension (an RMSNorm's gain)."""
 
     @staticmethod
-    def forward(ctx, x, weight, params, trigger):
+    def forward(ctx, x, weight, params, queue, trigger):
         ctx.save_for_backward(x, weight)
-        ctx.params = params
+        ctx.params, ctx.queue = params, queue
         return x * weight
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad * weight if ctx.needs_input_grad[0] else None
-        _weight_grads(list(ctx.params), lambda: [(_flat(grad) * _flat(x)).sum(0)])
-        return grad_x, None, None, None
-
-
-@torch.compiler.disable
-def scale(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x * weight whose weight gradient may be deferred to the W pass."""
-    return _Scale.apply(x, weight.detach(), (weight,), _trigger(x.device))
+        ctx.queue.collect(list(ctx.params), lambda: [(_flat(grad) * _flat(x)).sum(0)])
+        return grad_x, None, None, None, None

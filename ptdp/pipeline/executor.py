@@ -32,7 +32,8 @@ U, T, E) are handed to the trainer's `rank_actions(action, stream)`: the optimiz
 reductions are the trainer's business.
 
 Split backwards (zb-h1): when the steps hold weight-gradient actions (`Wg`), a `B` runs with
-the weight gradients deferred (`ptdp.parallel.weight_grad`) and its `Wg` computes them later.
+the weight gradients deferred to its chunk's queue (`ptdp.parallel.weight_grad`) and its `Wg`
+computes them later.
 
 Freed outputs (Megatron's `deallocate_output_tensor`): once a stage's output is posted to the
 next stage, its backward needs only the autograd graph behind it, not its [s, b, h] values.
@@ -57,7 +58,7 @@ import torch.nn as nn
 from torch.autograd.graph import _engine_run_backward
 
 from ptdp.parallel.stage_output import StageOutput
-from ptdp.parallel.weight_grad import STORE as WEIGHT_GRADS
+from ptdp.parallel.weight_grad import pending_weight_grads, weight_grads_of
 from ptdp.pipeline.actions import BACKWARD, END, FORWARD, REDUCE, WEIGHT_GRAD
 from ptdp.pipeline.comm_plan import Message, Step, needed_messages, produced_messages
 from ptdp.pipeline.p2p import P2P
@@ -188,18 +189,18 @@ class _Run:
                 elif action.kind == BACKWARD:
                     self._backward(action)
                 elif action.kind == WEIGHT_GRAD:
-                    WEIGHT_GRADS.run((action.mb, action.stage))
+                    weight_grads_of(self.ex.chunks[action.stage]).run(action.mb)
                 elif self.rank_actions is not None:
                     self.rank_actions(action, stream)
                 else:
                     raise ValueError(f"executor cannot run action kind {action.kind!r} ({action})")
 
     def check_drained(self) -> None:
+        deferred = pending_weight_grads(self.ex.chunks)
         leftovers = [f"unused receives {sorted(map(str, self.inbox))}" if self.inbox else "",
                      f"unsent outputs {sorted(map(str, self.outbox))}" if self.outbox else "",
                      f"forwards without backwards {sorted(self.stash)}" if self.stash else "",
-                     f"backwards without weight-gradient passes {WEIGHT_GRADS.pending()}"
-                     if WEIGHT_GRADS.pending() else ""]
+                     f"backwards without weight-gradient passes {deferred}" if deferred else ""]
         if any(leftovers):
             raise RuntimeError("pipeline steps are inconsistent: " + "; ".join(filter(None, leftovers)))
 
@@ -308,7 +309,8 @@ class _Run:
             self.versions.backward(ids)
         last = action.stage == self.ex.last_stage
         grads = None if last else self._received(action)
-        with WEIGHT_GRADS.defer((action.mb, action.stage)) if self.split else contextlib.nullcontext():
+        chunk = self.ex.chunks[action.stage]
+        with weight_grads_of(chunk).defer(action.mb) if self.split else contextlib.nullcontext():
             if last:   # the loss (with its stage's aux losses)
                 torch.autograd.backward(outputs[0])
             else:

@@ -3,8 +3,6 @@ GEMM rate and memory bandwidth, and the optimizer step."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from ptdp.planner.formulas import ModelShape
 from ptdp.profiler.timing import DTYPES, best_time, layer_context, param_storages, saved_bytes
 
@@ -17,6 +15,7 @@ def measure_layer(model_cfg, t: int, b: int, precision: str, device, iters: int)
     import torch
     from ptdp.kernels import should_compile
     from ptdp.models.transformer import TransformerStack
+    from ptdp.parallel.weight_grad import defer_weight_grads
     dtype = getattr(torch, DTYPES[precision])
     causal = model_cfg.family.causal
     m = model_cfg
@@ -50,33 +49,30 @@ def measure_layer(model_cfg, t: int, b: int, precision: str, device, iters: int)
     fwd_bwd = best_time(lambda: (forward(), backward()), device, iters)
     row["backward_s"] = max(fwd_bwd - row["forward_s"], 1e-9)
     row["attention_forward_s"] = _attention_time(layer.layers[0].attention, x, device, iters)
-    split = TransformerStack(dataclasses.replace(layer_context(m, t, device), split_backward=True),
-                             0, 2, causal).to(device, dtype)   # per layer: 2 layers, halved
-    row["backward_split_s"] = _split_backward_time(
-        lambda: split(x), lambda out: out.backward(grad), device, iters) / 2
+    split = TransformerStack(layer_context(m, t, device), 0, 2, causal).to(device, dtype)
+    row["backward_split_s"] = _split_backward_time(   # per layer: 2 layers, halved
+        defer_weight_grads(split), lambda: split(x), lambda out: out.backward(grad), device,
+        iters) / 2
     return row
 
 
-def _split_backward_time(forward, backward, device, iters: int, deferred: int = 4) -> float:
+def _split_backward_time(queue, forward, backward, device, iters: int,
+                         deferred: int = 4) -> float:
     """Seconds of one micro-batch's backward split in two, B now and W later (zb-h1):
-    `forward()` returns what `backward(out)` back-propagates; the `deferred` micro-batches'
-    B passes all run before their W passes, as when a rank holds W back for a bubble. The W
-    pass then finds its inputs gone from the caches, which costs more than the split itself
-    (on a CPU core: ~10-25 % over a plain backward)."""
-    from ptdp.parallel.weight_grad import STORE
+    `forward()` returns what `backward(out)` back-propagates, its weight gradients deferred to
+    `queue`; the `deferred` micro-batches' B passes all run before their W passes, as when a
+    rank holds W back for a bubble. The W pass then finds its inputs gone from the caches,
+    which costs more than the split itself (on a CPU core: ~10-25 % over a plain backward)."""
     forwards = best_time(lambda: [forward() for _ in range(deferred)], device, iters)
 
     def split_passes():
-        for key, out in enumerate([forward() for _ in range(deferred)]):
-            with STORE.defer(("profile", key)):
+        for mb, out in enumerate([forward() for _ in range(deferred)]):
+            with queue.defer(mb):
                 backward(out)
-        for key in range(deferred):
-            STORE.run(("profile", key))
+        for mb in range(deferred):
+            queue.run(mb)
 
-    try:
-        total = best_time(split_passes, device, iters)
-    finally:
-        STORE.clear()
+    total = best_time(split_passes, device, iters)
     return max(total - forwards, 1e-9) / deferred
 
 
@@ -95,6 +91,7 @@ def measure_head(model_cfg, t: int, b: int, precision: str, device, iters: int) 
     from ptdp.models.embedding import Embedding, logits
     from ptdp.models.norms import layer_norm
     from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
+    from ptdp.parallel.weight_grad import defer_weight_grads
     m = model_cfg
     dtype = getattr(torch, DTYPES[precision])
     ctx = layer_context(m, t, device)
@@ -121,13 +118,13 @@ def measure_head(model_cfg, t: int, b: int, precision: str, device, iters: int) 
     row["head_forward_s"] = best_time(head, device, iters)
     both = best_time(lambda: (head(), state["h"].backward()), device, iters)
     row["head_backward_s"] = max(both - row["head_forward_s"], 1e-9)
-    split_ctx = dataclasses.replace(ctx, split_backward=True)
-    split_embedding = Embedding(split_ctx).to(device, dtype)
+    split_embedding = Embedding(ctx).to(device, dtype)
+    queue = defer_weight_grads(split_embedding)
     row["embed_backward_split_s"] = _split_backward_time(
-        lambda: split_embedding(tokens), lambda out: out.backward(grad), device, iters)
+        queue, lambda: split_embedding(tokens), lambda out: out.backward(grad), device, iters)
     row["head_backward_split_s"] = _split_backward_time(
-        lambda: vocab_parallel_cross_entropy(
-            logits(final_ln(hidden), split_embedding.word.weight, split_ctx), tokens.t(),
+        queue, lambda: vocab_parallel_cross_entropy(
+            logits(final_ln(hidden), split_embedding.word.weight, ctx, ops=queue), tokens.t(),
             m.vocab_size, ctx.tp).mean(),
         lambda loss: loss.backward(), device, iters)
     return row

@@ -58,7 +58,7 @@ from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import RandomStreams
 from ptdp.parallel.roles import role_of
 from ptdp.parallel.sharding import gather_full_state
-from ptdp.parallel.weight_grad import STORE as WEIGHT_GRADS
+from ptdp.parallel.weight_grad import defer_weight_grads
 
 
 @dataclass
@@ -239,11 +239,13 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
     ctx = ModelContext(cfg.model, tp, tr.seed, rng.tensor_parallel, cfg.padded_vocab_size,
                        tr.recompute, tr.recompute_num_layers,
                        compile=should_compile(tr.compile, device),
-                       split_backward=spec.split_backward, cp=ContextParallel.from_grid(grid))
-    WEIGHT_GRADS.clear()   # nothing deferred survives a previous trainer in this process
+                       cp=ContextParallel.from_grid(grid))
     num_stages = par.pipeline * par.chunks
     chunks = {s: build_chunk(ctx, s, num_stages).to(device, PRECISIONS[tr.precision])
               for s in spec.stage_map(par.pipeline, par.chunks).stages_of(grid.pp_rank)}
+    if spec.split_backward:   # zb-h1: a chunk's B passes leave its weight gradients to its Wg
+        for chunk in chunks.values():
+            defer_weight_grads(chunk)
     params = [p for c in chunks.values() for p in c.parameters()]
     weights = _master_weights(cfg, grid, params, spec)
     m = cfg.num_micro_batches

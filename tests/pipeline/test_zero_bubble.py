@@ -56,19 +56,19 @@ def test_zero_bubble_layouts_match_single_process(arch, feature, layout):
 def _where_weights_get_gradients() -> dict:
     """Which pass (B or Wg) accumulated each parameter's gradient, on pipeline rank 0 of a
     (p=2, t=1) zb-h1 GPT run, and how many data-parallel buckets launched inside a Wg."""
-    from ptdp.parallel import weight_grad
     trainer = _trainer(["parallel.pipeline=2", "parallel.data=2", *ZB])
     inside = [False]
-    run = weight_grad.STORE.run
+    (queue,) = [chunk.weight_grads for chunk in trainer.state.chunks.values()]
+    run = queue.run
 
-    def traced_run(key):
+    def traced_run(mb):
         inside[0] = True
         try:
-            run(key)
+            run(mb)
         finally:
             inside[0] = False
 
-    weight_grad.STORE.run = traced_run
+    queue.run = traced_run
     seen: dict[str, set] = {}
     for name, param in trainer.named_parameters():
         param.register_post_accumulate_grad_hook(
@@ -78,10 +78,7 @@ def _where_weights_get_gradients() -> dict:
     for bucket in trainer.state.dp_grads.buckets:
         bucket.launch = lambda group, b=bucket: (launches.append(inside[0]),
                                                  bucket_launch(b, group))
-    try:
-        trainer.train_step(0)
-    finally:
-        weight_grad.STORE.run = run
+    trainer.train_step(0)
     return {"seen": seen, "launches": launches, "rank": trainer.state.grid.coords.pipeline}
 
 

@@ -12,7 +12,7 @@ from ptdp.config import ModelConfig, padded_vocab_size
 from ptdp.optim.distributed import ShardedMasterWeights
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import TensorParallelRNG
-from ptdp.parallel.weight_grad import STORE
+from ptdp.parallel.weight_grad import defer_weight_grads
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.memory import (gloo_sharding_staging_bytes, gpu_memory, layer_parameters,
                                  optimizer_state_bytes, pending_weight_grad_bytes,
@@ -24,9 +24,9 @@ SHAPE = ModelShape.from_config(CFG)
 B = 2
 
 
-def _context(split_backward: bool = False) -> ModelContext:
+def _context() -> ModelContext:
     return ModelContext(CFG, TensorParallel(), 1234, TensorParallelRNG(1234, 0, torch.device("cpu")),
-                        padded_vocab_size(CFG.vocab_size, 1), split_backward=split_backward)
+                        padded_vocab_size(CFG.vocab_size, 1))
 
 
 def _tensors_in(obj, seen: set, depth: int = 0):
@@ -47,16 +47,14 @@ def _tensors_in(obj, seen: set, depth: int = 0):
 @pytest.fixture
 def pending_layer():
     """One layer after its B pass: (layer, the pending closures of its micro-batch)."""
-    STORE.clear()
     torch.manual_seed(0)
-    layer = TransformerLayer(_context(split_backward=True), 0, causal=True)
+    layer = TransformerLayer(_context(), 0, causal=True)
+    queue = defer_weight_grads(layer)
     x = torch.randn(CFG.seq_length, B, CFG.hidden_size, requires_grad=True)
     grad = torch.randn_like(x)
-    with STORE.defer("mb"):
+    with queue.defer("mb"):
         layer(x).backward(grad)
-    pending = STORE._pending["mb"]
-    yield layer, pending
-    STORE.clear()
+    return layer, queue._pending["mb"]
 
 
 def test_pending_weight_gradients_hold_what_the_model_counts(pending_layer):
@@ -77,7 +75,7 @@ def test_pending_weight_gradients_hold_what_the_model_counts(pending_layer):
 
 
 def test_w_pass_materializes_the_layers_weight_gradients_at_once(pending_layer):
-    """STORE.run computes every closure of the micro-batch before accumulating: one copy of
+    """The W pass (WeightGradQueue.run) computes every closure of the micro-batch before accumulating: one copy of
     the layer's weight gradients (all but the biases of fc1, the projection and fc2, added in
     the fused bias-GeLU and bias-dropout-add chains, which B computes), the term gpu_memory
     adds for zb-h1."""
