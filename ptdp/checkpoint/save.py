@@ -43,7 +43,7 @@ from ptdp.checkpoint.reshard import param_metadata
 from ptdp.checkpoint.safety import (all_gather, fsync_dir, on_all_ranks, remove, save_durably,
                                     write_text_durably)
 from ptdp.config.batches import BatchSchedule
-from ptdp.parallel.roles import role_of
+from ptdp.parallel.roles import role_of, writes
 from ptdp.parallel.sharding import local_slice
 
 
@@ -127,12 +127,17 @@ def finish_save(pending: PendingSave) -> Path:
 def _parameter_parts(state) -> dict:
     """What the state's parts save per parameter (and the versions' own state). With the
     distributed optimizer every data rank takes part in assembling the whole tensors (a
-    collective); otherwise only replica 0 asks, since replicas (data x context) hold the same."""
+    collective); otherwise only the ranks that write a parameter (ptdp/parallel/roles.py
+    `writes`: the first of the replicas holding the same) ask."""
     versions = state.versions.state_dict() if state.versions is not None else {}
-    if state.grid.replica_rank != 0 and not state.weights.sharded:
+    if not state.weights.sharded and not _writes_any(state):
         return {"versions": versions}
     return {"values": state.weight_state().state_dict(),
             "optimizer": state.optimizer_state().state_dict(), "versions": versions}
+
+
+def _writes_any(state) -> bool:
+    return any(writes(p, state.grid) for p in state.params)
 
 
 def _write_config_and_tokenizer(cfg, tmp: Path) -> None:
@@ -181,7 +186,7 @@ def _snapshot_rank_files(state, tmp: Path, parts: dict) -> tuple[dict, dict]:
     none)), every tensor copied to host memory."""
     grid = state.grid
     files = {tmp / rng_file_name(grid.rank): state.rng.state_dict()}
-    if grid.replica_rank != 0:  # data and context replicas hold the same model and optimizer
+    if not _writes_any(state):  # the replicas holding the same parameters write nothing
         return files, {}
     shards, info = _model_shards(state, parts)
     files[tmp / shard_file_name(grid.pp_rank, grid.tp_rank)] = shards
@@ -197,6 +202,8 @@ def _model_shards(state, parts: dict) -> tuple[dict, dict]:
     shards, info = {}, {}
     for i, (name, param) in enumerate(state.named_parameters()):
         if role_of(param).duplicate:  # the tied head's copy; the original is saved
+            continue
+        if not writes(param, state.grid):   # another replica writes it
             continue
         entry = {"value": parts["values"][i], **parts["optimizer"][i]}
         if shadow is not None:

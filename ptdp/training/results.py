@@ -63,7 +63,7 @@ def average_losses(state, losses: list, aux: list,
     (default `state.m`; a batch ramp-up changes it)."""
     grid, names = state.grid, aux_loss_names(state.cfg.model.arch)
     values = sum_losses(losses, aux, names, state.device)
-    for group, size in ((grid.pipeline_group, grid.p), (grid.replica_group, grid.replicas)):
-        if size > 1:
-            dist.all_reduce(values, group=group)
+    for axes in (("pipeline",), ("data", "context")):
+        if grid.size(*axes) > 1:
+            dist.all_reduce(values, group=grid.group(*axes))
     return mean_losses(values, names, (m or state.m) * grid.d)
