@@ -111,8 +111,8 @@ class DataParallelGradients:
     def _make_buckets(self, params: list[nn.Parameter], group,
                       limit_bytes: float) -> list[_Bucket]:
         # Reverse registration order approximates the order gradients become ready.
-        groups = bucket_indices([p.numel() * p.element_size() for p in params], limit_bytes)
-        return [self._bucket([params[i] for i in group], group) for group in groups]
+        indices = bucket_indices([p.numel() * p.element_size() for p in params], limit_bytes)
+        return [self._bucket([params[i] for i in bucket], group) for bucket in indices]
 
     def _bucket(self, params: list[nn.Parameter], group) -> _Bucket:
         # The flat buffer is laid out in the same reversed order, so the slice holds exactly
