@@ -130,6 +130,13 @@ def embedding_rows(p: int, d: int, t: int, c: int = 1,
     return chosen.t().tolist()
 
 
+def new_groups(rows: list[list[int]], timeout: timedelta | None = None) -> list:
+    """One process group per row, created in order (every rank must call this with the same
+    rows): the only place ptdp creates process groups (tests/test_architecture.py)."""
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    return [dist.new_group(row, **kwargs) for row in rows]
+
+
 class RankGrid:
     """This rank's place in the grid of a (p, t, c, d) job, and its process groups.
 
@@ -161,8 +168,7 @@ class RankGrid:
     def _build(self, rows: list[list[int]], timeout: timedelta):
         """Create one group per row; return (group, ranks) of mine, (None, []) if none is."""
         mine = (None, [])
-        for row in rows:
-            group = dist.new_group(row, timeout=timeout)
+        for row, group in zip(rows, new_groups(rows, timeout)):
             if self.rank in row:
                 mine = (group, row)
         return mine
