@@ -40,9 +40,10 @@ tuple of (name, size) over the same rank order,
 appended to `RankGrid.layouts`, and its sets ("expert",), ("expert_data",) to `GROUPS`.
 `group()`, `ranks()`, `size()` and `coordinate()` then answer for the new names from the first
 layout holding all the names asked; a parameter's role (ptdp/parallel/roles.py) names the
-axes its gradient is reduced over. torch's DeviceMesh is not used: its flattened dimensions
-(`_flatten`) are a private API, it has no per-group timeout, and the embedding group would
-still sit beside it; a layout plus one permute per set is all the grid needs.
+axes its gradient is reduced over. torch's DeviceMesh is not used: a group over several axes
+(data x context, pipeline x tensor) needs its private `_flatten`, a timeout goes through
+backend-specific options per dimension, and the embedding group would still sit beside it;
+a layout plus one permute per set is all the grid needs.
 """
 
 from __future__ import annotations
@@ -94,12 +95,6 @@ def axis_rows(layout: Layout, names: Iterable[str]) -> list[list[int]]:
     sizes = [size for _, size in layout]
     ranks = torch.arange(math.prod(sizes)).reshape(sizes).permute(others + asked)
     return ranks.reshape(-1, math.prod(sizes[i] for i in asked)).tolist()
-
-
-def rank_layout(p: int, d: int, t: int, c: int = 1) -> torch.Tensor:
-    """World ranks arranged as a [p, d, c, t] array (c = 1: effectively [p, d, t])."""
-    layout = torch.arange(p * d * c * t).reshape(p, d, c, t)
-    return layout if c > 1 else layout.reshape(p, d, t)
 
 
 def group_rows(p: int, d: int, t: int, c: int = 1) -> dict[str, list[list[int]]]:
@@ -229,8 +224,3 @@ class RankGrid:
     @property
     def cp_rank(self) -> int:
         return self.coords.context
-
-    def describe(self) -> str:
-        ring = f", context group {self.ranks('context')}" if self.c > 1 else ""
-        return (f"rank {self.rank} {self.coords}: tensor group {self.ranks('tensor')}{ring}, "
-                f"data group {self.ranks('data')}, pipeline group {self.ranks('pipeline')}")
