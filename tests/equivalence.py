@@ -48,9 +48,9 @@ def train_and_collect(runs: list[list[str]], iters: int = 3,
         trainer = Trainer(cfg)
         grid, cp = trainer.state.grid, trainer.state.ctx.cp
         if nccl_rules:
-            trainer.pipeline.p2p.transport = InOrderTransport(grid.pipeline_group)
+            trainer.pipeline.p2p.transport = InOrderTransport(grid.group("pipeline"))
             if grid.c > 1:   # the context ring's exchanges under the same rules
-                cp.transport = InOrderTransport(grid.context_group)
+                cp.transport = InOrderTransport(grid.group("context"))
         first = trainer.forward_backward(0)
         norm = trainer.reduce_gradients()
         grads = trainer.full_state(grads=True)

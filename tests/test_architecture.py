@@ -162,7 +162,8 @@ def test_architecture_doc_names_every_package():
 def test_schedule_names_and_role_attributes_are_spelled_in_one_place():
     """Code asks the catalogue and `role_of`; names appear only as user-facing text."""
     from ptdp.config.catalogue import NAMES
-    roles = ("tp_split_dim", "vocab_padded", "shared_embedding", "duplicate", "sequence_parallel")
+    roles = ("tp_split_dim", "vocab_padded", "shared_embedding", "duplicate", "sequence_parallel",
+             "reduce_axes")
     found = []
     for module, path in MODULES.items():
         if module == "ptdp.config.catalogue":
@@ -279,3 +280,21 @@ def test_tools_stay_under_500_lines_and_leave_sys_path_alone():
                     and isinstance(node.value, ast.Name) and node.value.id == "sys"]
     assert long == {}
     assert touches == []
+
+
+def test_process_groups_are_built_only_by_the_grid():
+    """Every process group comes from ptdp/parallel/grid.py (named axes, one creation order
+    on every rank); nothing else calls torch's group constructors."""
+    builders = {"new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
+                "init_device_mesh", "DeviceMesh"}
+    found = []
+    for module, path in MODULES.items():
+        if module == "ptdp.parallel.grid":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = (getattr(node, "attr", None) if isinstance(node, ast.Attribute)
+                    else getattr(node, "id", None) if isinstance(node, ast.Name)
+                    else node.name if isinstance(node, ast.alias) else None)
+            if name in builders:
+                found.append(f"{module}:{getattr(node, 'lineno', '?')} {name}")
+    assert found == []

@@ -1,6 +1,8 @@
 """One GPU per rank: a node cannot start more GPU ranks than it has visible GPUs, and says so
 in one line before any process group; CPU training never needs a GPU."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -53,8 +55,8 @@ def test_a_rank_without_parameters_puts_no_cpu_tensor_into_a_collective(monkeypa
     seen = []
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: seen.append(tensor.device))
-    norm = global_grad_norm([], "model group", 0, data_group="data group",
-                            device=torch.device("meta"))
+    grid = SimpleNamespace(tp_rank=0, size=lambda *axes: 2, group=lambda *axes: axes)
+    norm = global_grad_norm([], grid, sharded=True, device=torch.device("meta"))
     assert seen == [torch.device("meta")] * 2 and norm.device == torch.device("meta")
 
 

@@ -102,7 +102,7 @@ def _ramped_runs(tmp: str, runs: list) -> dict:
         """history() with the pipeline's exchanges under NCCL's rules (tags ignored, in-order
         completion), as the batch and so m change between iterations."""
         from tests.pipeline.nccl_rules import InOrderTransport
-        transport = InOrderTransport(trainer.state.grid.pipeline_group)
+        transport = InOrderTransport(trainer.state.grid.group("pipeline"))
         trainer.pipeline.p2p.transport = transport
         records = history(trainer)
         assert transport.batches > 0

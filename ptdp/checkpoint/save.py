@@ -40,7 +40,7 @@ from ptdp.checkpoint.reshard import param_metadata
 from ptdp.checkpoint.safety import (all_gather, fsync_dir, on_all_ranks, remove, save_durably,
                                     write_text_durably)
 from ptdp.config.batches import BatchSchedule
-from ptdp.parallel.roles import role_of
+from ptdp.parallel.roles import role_of, writes
 from ptdp.parallel.sharding import local_slice
 
 
@@ -121,6 +121,12 @@ def finish_save(pending: PendingSave) -> Path:
     return pending.final
 
 
+def _writes_any(state) -> bool:
+    """Whether this rank writes any parameter (ptdp/parallel/roles.py `writes`: the first of
+    the replicas holding the same); the others write only their per-rank files."""
+    return any(writes(p, state.grid) for p in state.params)
+
+
 def _write_config_and_tokenizer(cfg, tmp: Path) -> None:
     """The resolved config as YAML, and a copy of the tokenizer, beside the shards."""
     import yaml
@@ -168,7 +174,7 @@ def _snapshot_rank_files(state, tmp: Path, parts: list) -> tuple[dict, dict]:
     grid = state.grid
     files = {tmp / rank_file_name(part.key, grid.rank): saved
              for part, saved in parts if part.per_rank}
-    if grid.replica_rank != 0:  # data and context replicas hold the same model and optimizer
+    if not _writes_any(state):  # the replicas holding the same parameters write nothing
         return files, {}
     shards, info = _model_shards(state, [saved[PARAMETERS] for part, saved in parts
                                          if part.per_parameter and PARAMETERS in saved])
@@ -184,6 +190,8 @@ def _model_shards(state, per_parameter: list[list[dict]]) -> tuple[dict, dict]:
     shards, info = {}, {}
     for i, (name, param) in enumerate(state.named_parameters()):
         if role_of(param).duplicate:  # the tied head's copy; the original is saved
+            continue
+        if not writes(param, state.grid):   # another replica writes it
             continue
         entry = {key: value for entries in per_parameter for key, value in entries[i].items()}
         shards[name] = {key: _host_copy(value) for key, value in entry.items()}

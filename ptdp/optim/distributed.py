@@ -1,5 +1,6 @@
 """The distributed optimizer (ZeRO stage 1): fp32 master weights and Adam moments sharded
-over the data-parallel group.
+over the parameters' reduce group (their role's `reduce_axes`, ptdp/parallel/roles.py: data x
+context for a dense model), called the data group below.
 
 Every data rank holds the same model weights and, after the reduction, would hold the same
 summed gradients; each then ran the same AdamW step on the same fp32 state, d times over.
@@ -38,7 +39,18 @@ from ptdp.optim.buffers import FlatGrads, FlatLayout, bucket_indices
 from ptdp.optim.mixed_precision import _add_to_main_grad, _master_copy
 from ptdp.optim.optimizer import optimizer_moment_bytes
 from ptdp.optim.weights import MOMENTS, has_moments, load_optimizer_states
-from ptdp.parallel.roles import role_of
+from ptdp.parallel.roles import reduce_sets, role_of
+
+
+def shard_group(params: list[nn.Parameter], grid) -> tuple[object, int, int]:
+    """(group, this rank's index in it, its size) to shard `params` over: the group their
+    gradients are summed over (their role's `reduce_axes`), which must be one for all."""
+    sets = list(reduce_sets(params))
+    if len(sets) > 1:
+        raise ValueError(f"the distributed optimizer shards over one reduce group, but the "
+                         f"parameters are reduced over {sets}")
+    axes = sets[0]
+    return grid.group(*axes), grid.index(*axes), grid.size(*axes)
 
 
 @dataclass
@@ -127,10 +139,7 @@ class ShardedMasterWeights:
         reduce-scattered into this rank's shard."""
         return self
 
-    @property
-    def norm_group(self):
-        """Each data rank holds the gradients of its shard: the norm sums over the group."""
-        return self.group
+    masters_are_pieces = True   # each data rank holds the gradients of its shard only
 
     # The iteration ------------------------------------------------------------------------
     def zero_grads(self) -> None:

@@ -1,5 +1,9 @@
 """Gradient communication after backward: data-parallel reduction, tied embeddings, clipping.
 
+Each parameter's gradient is summed over its own reduce group, the grid axes its role names
+(ptdp/parallel/roles.py; data x context for every dense parameter): one set of buckets per
+distinct group.
+
 Data-parallel reduction is bucketed and overlapped with the backward pass: each parameter
 counts its gradient accumulations; when it has received all `m` of the iteration, its bucket
 is one step closer to ready, and a ready bucket's all-reduce is launched at once (async)
@@ -24,15 +28,16 @@ import torch.nn as nn
 
 from ptdp.optim.buffers import FlatGrads, bucket_indices
 from ptdp.optim.mixed_precision import grad_of, set_grad
-from ptdp.parallel.roles import role_of
+from ptdp.parallel.roles import reduce_sets, role_of, writes
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], in_place: torch.Tensor | None = None,
-                 shard: torch.Tensor | None = None):
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], group, in_place: torch.Tensor | None = None,
+                 shard: torch.Tensor | None = None, copy_back: bool = False):
+        self.params, self.group = params, group   # group: the params' reduce group
         self.in_place = in_place     # the bucket's slice of the flat gradient buffer, if any
         self.shard = shard           # this rank's part of in_place, when reduce-scattered
+        self.copy_back = copy_back   # the sums go back into the gradients (flat buffer views)
         self.ready = 0
         self.work = None
         self.flat = None
@@ -59,14 +64,20 @@ class _Bucket:
         offset = 0
         for p in self.params:
             n = p.numel()
-            set_grad(p, self.flat[offset: offset + n].view(p.shape))  # views keep flat alive
+            summed = self.flat[offset: offset + n].view(p.shape)
+            if self.copy_back:
+                grad_of(p).copy_(summed)
+            else:
+                set_grad(p, summed)   # views keep flat alive
             offset += n
         self.work = self.flat = None
         self.ready = 0
 
 
 class DataParallelGradients:
-    """Sums gradients over the data group in buckets launched during the last backward.
+    """Sums each parameter's gradient over its reduce group (its role's `reduce_axes`,
+    ptdp/parallel/roles.py), in buckets launched during the last backward: one set of buckets
+    per distinct group.
 
     `accumulations` is how many backward passes each parameter sees per iteration (m).
     `flat`: the gradient buffer the parameters' gradients are views of, if there is one.
@@ -74,34 +85,52 @@ class DataParallelGradients:
     fixes the buckets and which part of each this rank receives.
     """
 
-    def __init__(self, params: list[nn.Parameter], group, size: int, accumulations: int,
+    def __init__(self, params: list[nn.Parameter], grid, accumulations: int,
                  bucket_mb: float = 25.0, flat: FlatGrads | None = None, sharded=None):
-        self.group, self.size, self.accumulations = group, size, accumulations
+        self.accumulations = accumulations
         self.params = [p for p in params if p.requires_grad]
         self.flat = flat
-        if size <= 1:
-            self.buckets = []
-        elif sharded is not None:
-            self.buckets = [_Bucket(b.params, b.grads, None if b.all_reduce else b.own_grads)
-                            for b in sharded.buckets]
+        self.buckets: list[_Bucket] = []
+        if sharded is not None:   # one reduce group, the one the weights are sharded over
+            if sharded.size > 1:
+                self.buckets = [_Bucket(b.params, sharded.group, b.grads,
+                                        None if b.all_reduce else b.own_grads)
+                                for b in sharded.buckets]
         else:
-            self.buckets = self._make_buckets(bucket_mb * 2**20)
+            for axes, members in reduce_sets(self.params).items():
+                if grid.size(*axes) > 1:
+                    self.buckets += self._make_buckets(members, grid.group(*axes),
+                                                       bucket_mb * 2**20)
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.counts: dict[int, int] = {}
         self.launched_during_backward = 0   # buckets whose all-reduce overlapped backward
-        if size > 1:
-            for p in self.params:
+        for p in self.params:
+            if id(p) in self.bucket_of:
                 p.register_post_accumulate_grad_hook(self._on_accumulated)
 
-    def _make_buckets(self, limit_bytes: float) -> list[_Bucket]:
+    def _make_buckets(self, params: list[nn.Parameter], group,
+                      limit_bytes: float) -> list[_Bucket]:
         # Reverse registration order approximates the order gradients become ready.
-        groups = bucket_indices([p.numel() * p.element_size() for p in self.params], limit_bytes)
-        return [self._bucket([self.params[i] for i in group]) for group in groups]
+        indices = bucket_indices([p.numel() * p.element_size() for p in params], limit_bytes)
+        return [self._bucket([params[i] for i in bucket], group) for bucket in indices]
 
-    def _bucket(self, params: list[nn.Parameter]) -> _Bucket:
+    def _bucket(self, params: list[nn.Parameter], group) -> _Bucket:
         # The flat buffer is laid out in the same reversed order, so the slice holds exactly
-        # these parameters' gradients (and alignment padding, which stays zero).
-        return _Bucket(params, self.flat.slice_for(params) if self.flat is not None else None)
+        # these parameters' gradients (and alignment padding, which stays zero) unless
+        # parameters of another reduce group sit between them: those buckets are copied.
+        if self.flat is None:
+            return _Bucket(params, group)
+        alone = self._slice_of_only(params)
+        return _Bucket(params, group, alone, copy_back=alone is None)
+
+    def _slice_of_only(self, params: list[nn.Parameter]) -> torch.Tensor | None:
+        """The flat buffer's slice spanning `params`, None if it spans other tensors too."""
+        mine = {self.flat.index_of[id(p)] for p in params}
+        start, end = self.flat.layout.span(list(mine))
+        others = (offset for i, offset in enumerate(self.flat.layout.offsets) if i not in mine)
+        if any(start <= offset < end for offset in others):
+            return None
+        return self.flat.buffer[start:end]
 
     def start_iteration(self, accumulations: int | None = None) -> None:
         """A new iteration; `accumulations`: its backward passes per parameter when they
@@ -118,14 +147,14 @@ class DataParallelGradients:
             bucket = self.bucket_of[id(param)]
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
-                bucket.launch(self.group)
+                bucket.launch(bucket.group)
                 self.launched_during_backward += 1
 
     def finish(self) -> None:
         """Launch buckets whose parameters got no gradient, then wait for all of them."""
         for bucket in self.buckets:
             if bucket.work is None:
-                bucket.launch(self.group)
+                bucket.launch(bucket.group)
         for bucket in self.buckets:
             bucket.finish()
 
@@ -166,24 +195,28 @@ def counts_in_norm(param: nn.Parameter, tp_rank: int) -> bool:
     return role.tp_split_dim is not None or tp_rank == 0
 
 
-def global_grad_norm(params: list[nn.Parameter], model_group, tp_rank: int,
-                     data_group=None, *, device: torch.device) -> torch.Tensor:
+def global_grad_norm(params: list[nn.Parameter], grid, *, sharded: bool = False,
+                     device: torch.device) -> torch.Tensor:
     """The gradient norm of the whole model, as a float64 tensor on `device` (no host sync).
 
+    Each parameter counts once: on the first rank of its reduce group (`writes`), or with the
+    distributed optimizer (`sharded`) on every rank for its own pieces. The squares are summed
+    over data x context, inside which every reduce group lies, then over the model's pipeline
+    and tensor ranks. (A dense model sums zeros from all but one replica, the same bits.)
     `device` is the rank's own, given rather than read from `params`: with the distributed
     optimizer a rank may hold no piece at all, and its (zero) share must still reach the
-    collectives on the device (NCCL takes no CPU tensor).
-    `data_group`: the gradients are sharded over it (distributed optimizer), so the squares
-    are summed over it too. A non-finite element on any rank makes the norm non-finite on
-    every rank: fp16's overflow check and skip are then common to all shards.
+    collectives on the device (NCCL takes no CPU tensor). A non-finite element on any rank
+    makes the norm non-finite on every rank: fp16's overflow check and skip are then common to
+    all shards.
     """
-    grads = [p.grad.detach() for p in params if p.grad is not None and counts_in_norm(p, tp_rank)]
+    grads = [p.grad.detach() for p in params if p.grad is not None
+             and counts_in_norm(p, grid.tp_rank) and (sharded or writes(p, grid))]
     total = torch.zeros((), dtype=torch.float64, device=device)  # NCCL needs device tensors
     if grads:
         total += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
-    for group in (data_group, model_group):
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(total, group=group)
+    for axes in (("data", "context"), ("pipeline", "tensor")):
+        if grid.size(*axes) > 1:
+            dist.all_reduce(total, group=grid.group(*axes))
     return total.sqrt()
 
 

@@ -61,7 +61,7 @@ class MasterWeights:
 
     contiguous_default = True   # tests flip it to compare with one storage per tensor
     shard_layout = None         # the data-parallel reduction all-reduces whole gradients
-    norm_group = None           # every replica holds every master
+    masters_are_pieces = False  # every replica holds every master whole
 
     def __init__(self, params: list[nn.Parameter], precision: str, contiguous: bool | None = None,
                  versioned: bool = False):

@@ -30,8 +30,9 @@ class Weights(Protocol):
     flat_grads: FlatGrads | None     # the gradient buffer the reduction slices, if one
     shard_layout: object | None      # the buckets the data-parallel reduction
                                      # reduce-scatters (ptdp/optim/grads.py); None: all-reduced
-    norm_group: object | None        # the group the masters are split over: the gradient
-                                     # norm sums its squares over it too (None: not split)
+    masters_are_pieces: bool         # each master is this rank's own piece of a parameter
+                                     # (sharded): the norm counts every piece where it is,
+                                     # not a whole tensor once per replica group
 
     # The iteration ---------------------------------------------------------------------------
     def zero_grads(self) -> None: ...

@@ -79,7 +79,7 @@ class ContextParallel:
 
     @classmethod
     def from_grid(cls, grid) -> "ContextParallel":
-        return cls(grid.context_group, grid.cp_rank, grid.c, list(grid.context_ranks))
+        return cls(grid.group("context"), grid.cp_rank, grid.c, grid.ranks("context"))
 
     def chunks(self) -> tuple[int, int]:
         """The two chunks (of 2c) this rank holds, in its local order."""

@@ -1,31 +1,68 @@
-"""The (p, t, c, d) rank grid and its process groups.
+"""The rank grid: named axes, and every process group asked for by axis names.
 
-Ranks are laid out with t varying fastest, then c (context), then d, then p (Megatron's order:
-tensor, context, data, pipeline):
+The world's ranks are laid out over named axes, outermost first (Megatron's order):
 
-    rank = ((p_idx * d + d_idx) * c + c_idx) * t + t_idx
+    pipeline, data, context, tensor      rank = ((p_idx * d + d_idx) * c + c_idx) * t + t_idx
 
 so the t ranks of a tensor group are adjacent (on a cluster they share a node and NVLink), the
 c ranks of a context ring come next (their ring traffic is per layer, so they too should share
-a node where possible), and a pipeline stage's d*c*t ranks are contiguous. Groups are derived
-from one rank array reshaped to (p, d, c, t), never from module globals: a `RankGrid` object
-is passed to whatever needs to communicate. With c = 1 (the default) the layout and the groups
-are exactly those of the (p, d, t) grid.
+a node where possible), and a pipeline stage's d*c*t ranks are contiguous. With c = 1 (the
+default) the layout and the groups are exactly those of the (p, d, t) grid.
 
-Groups: tensor (same p, d, c), context (same p, d, t: the ring of context parallelism), data
-(same p, c, t), pipeline (same d, c, t), model (same d, c: one whole model), embedding (first
-and last stage, same d, c, t), and the replica group (same p, t: every rank that holds the same
-weights, data x context). Gradients are summed over the replica group: each context rank saw
-different tokens of the same sequences, each data rank different sequences.
+A group is a set of axes: `grid.group("data", "context")` holds the ranks that differ from
+this one only along data and context (every rank holding the same weights: gradients are
+summed over it, each data rank having seen other sequences, each context rank other tokens of
+the same ones). `grid.ranks(...)` lists them, ordered along the named axes outermost first;
+`grid.size(...)` counts them; `grid.index(...)` is this rank's place among them and
+`grid.coordinate(axis)` along one axis. Which axes are named, and in what order, does not
+matter: a set is a set. `axis_rows` computes every group of a set from the layout alone, with
+no process group, for placement checks and tests (ptdp/parallel/placement.py).
+
+The groups the trainer uses (`GROUPS`) are created once, eagerly, in `RankGrid.__init__`, in
+that fixed order on every rank (a torch.distributed requirement: every rank takes part in
+creating every group, in the same order). Asking for a set that is not in `GROUPS` is an error
+rather than a lazy creation, which one rank could reach without the others. Each set gets its
+own process group even where two sets have the same members (tensor and pipeline x tensor with
+p = 1): a communicator orders its work by issue order, and keeping sets apart keeps the
+asynchronous gradient buckets of one from queueing behind the other's traffic. Sets of one
+rank are real groups too; callers skip communication on them by `size()`.
+
+Beside the axes is the one group that is not a slice of them: the embedding group, the
+pipeline stages holding a copy of the tied word embedding (first and last stage by default,
+`embedding_pipeline_ranks`), same data, context and tensor coordinates.
+
+Adding an axis (the next one: expert, folded out of data x context as Megatron's expert
+groups sit inside its data-parallel ranks) is adding a layout, not reshaping code: a second
+tuple of (name, size) over the same rank order,
+
+    (("pipeline", p), ("expert_data", d * c // e), ("expert", e), ("tensor", t))
+
+appended to `RankGrid.layouts`, and its sets ("expert",), ("expert_data",) to `GROUPS`.
+`group()`, `ranks()`, `size()` and `coordinate()` then answer for the new names from the first
+layout holding all the names asked; a parameter's role (ptdp/parallel/roles.py) names the
+axes its gradient is reduced over. torch's DeviceMesh is not used: a group over several axes
+(data x context, pipeline x tensor) needs its private `_flatten`, a timeout goes through
+backend-specific options per dimension, and the embedding group would still sit beside it;
+a layout plus one permute per set is all the grid needs.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+
+Layout = tuple[tuple[str, int], ...]   # (axis name, size), outermost first
+
+# The axis sets the trainer communicates over, created in this order on every rank:
+# tensor-parallel layers, the gradient sum and norm over the replicas, the pipeline's
+# point-to-point and its loss/norm sums, the whole model (pipeline x tensor), the context ring.
+GROUPS = (("tensor",), ("data",), ("pipeline",), ("pipeline", "tensor"), ("context",),
+          ("data", "context"))
 
 
 @dataclass(frozen=True)
@@ -41,23 +78,33 @@ class Coordinates:
         return f"(p={self.pipeline}, d={self.data}{c}, t={self.tensor})"
 
 
-def rank_layout(p: int, d: int, t: int, c: int = 1) -> torch.Tensor:
-    """World ranks arranged as a [p, d, c, t] array (c = 1: effectively [p, d, t])."""
-    layout = torch.arange(p * d * c * t).reshape(p, d, c, t)
-    return layout if c > 1 else layout.reshape(p, d, t)
+def grid_layout(p: int, d: int, t: int, c: int = 1) -> Layout:
+    """The four axes of a (p, t, c, d) job, outermost first."""
+    return (("pipeline", p), ("data", d), ("context", c), ("tensor", t))
+
+
+def axis_rows(layout: Layout, names: Iterable[str]) -> list[list[int]]:
+    """Every group of the axes `names`: the ranks differing only along those axes, each group
+    ordered along them (outermost first), the groups ordered along the other axes."""
+    order = [name for name, _ in layout]
+    names = set(names)
+    if not names <= set(order):
+        raise ValueError(f"no axis {sorted(names - set(order))} in {order}")
+    asked = [i for i, name in enumerate(order) if name in names]
+    others = [i for i in range(len(order)) if i not in asked]
+    sizes = [size for _, size in layout]
+    ranks = torch.arange(math.prod(sizes)).reshape(sizes).permute(others + asked)
+    return ranks.reshape(-1, math.prod(sizes[i] for i in asked)).tolist()
 
 
 def group_rows(p: int, d: int, t: int, c: int = 1) -> dict[str, list[list[int]]]:
     """Every tensor, data and pipeline group (and context and replica group when c > 1) as a
     list of world ranks, in creation order."""
-    grid = torch.arange(p * d * c * t).reshape(p, d, c, t)
-    rows = {"tensor": grid.reshape(-1, t).tolist(),
-            "data": grid.permute(0, 2, 3, 1).reshape(-1, d).tolist(),
-            "pipeline": grid.permute(1, 2, 3, 0).reshape(-1, p).tolist()}
+    layout = grid_layout(p, d, t, c)
+    kinds = {"tensor": ("tensor",), "data": ("data",), "pipeline": ("pipeline",)}
     if c > 1:
-        rows["context"] = grid.permute(0, 1, 3, 2).reshape(-1, c).tolist()
-        rows["replica"] = grid.permute(0, 3, 1, 2).reshape(-1, d * c).tolist()
-    return rows
+        kinds |= {"context": ("context",), "replica": ("data", "context")}
+    return {kind: axis_rows(layout, names) for kind, names in kinds.items()}
 
 
 def coordinates_of(rank: int, p: int, d: int, t: int, c: int = 1) -> Coordinates:
@@ -67,16 +114,33 @@ def coordinates_of(rank: int, p: int, d: int, t: int, c: int = 1) -> Coordinates
     return Coordinates(pi, di, ti, ci, c)
 
 
-class RankGrid:
-    """Process groups for one rank of a (p, t, c, d) job.
+def embedding_rows(p: int, d: int, t: int, c: int = 1,
+                   stages: Sequence[int] | None = None) -> list[list[int]]:
+    """The embedding groups: for each (data, context, tensor) coordinate, the ranks of the
+    pipeline stages `stages` (default: first and last)."""
+    stages = tuple(dict.fromkeys((0, p - 1) if stages is None else stages))
+    if not stages or any(not 0 <= s < p for s in stages):
+        raise ValueError(f"embedding pipeline ranks {stages} are not stages of {p}")
+    chosen = torch.arange(p * d * c * t).reshape(p, d * c * t)[list(stages)]
+    return chosen.t().tolist()
 
-    Every rank creates every group in the same order (a torch.distributed requirement) and
-    keeps the ones it belongs to. Groups of size 1 are kept too; callers skip communication
-    on them via `size()`.
+
+def new_groups(rows: list[list[int]], timeout: timedelta | None = None) -> list:
+    """One process group per row, created in order (every rank must call this with the same
+    rows): the only place ptdp creates process groups (tests/test_architecture.py)."""
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    return [dist.new_group(row, **kwargs) for row in rows]
+
+
+class RankGrid:
+    """This rank's place in the grid of a (p, t, c, d) job, and its process groups.
+
+    Every rank creates every group of `GROUPS` and the embedding groups, in the same order,
+    and keeps the ones it belongs to (module docstring).
     """
 
     def __init__(self, pipeline: int, tensor: int, data: int, timeout_s: float = 600.0,
-                 context: int = 1):
+                 context: int = 1, embedding_pipeline_ranks: tuple[int, ...] | None = None):
         if not dist.is_initialized():
             raise RuntimeError("RankGrid needs torch.distributed to be initialised first")
         world = dist.get_world_size()
@@ -86,36 +150,65 @@ class RankGrid:
         self.p, self.t, self.d, self.c = pipeline, tensor, data, context
         self.rank = dist.get_rank()
         self.coords = coordinates_of(self.rank, pipeline, data, tensor, context)
+        self.layouts: list[Layout] = [grid_layout(pipeline, data, tensor, context)]
         timeout = timedelta(seconds=timeout_s)
-        grid = torch.arange(world).reshape(pipeline, data, context, tensor)
-        rows = group_rows(pipeline, data, tensor, context)
-        self.tensor_group, self.tensor_ranks = self._build(rows["tensor"], timeout)
-        self.data_group, self.data_ranks = self._build(rows["data"], timeout)
-        self.pipeline_group, self.pipeline_ranks = self._build(rows["pipeline"], timeout)
-        self.model_group, self.model_ranks = self._build(
-            grid.permute(1, 2, 0, 3).reshape(data * context, -1).tolist(), timeout)
-        first_last = grid[[0, -1]] if pipeline > 1 else grid[[0]]
+        self._groups: dict[tuple[str, ...], tuple[object, list[int]]] = {}
+        for names in GROUPS:
+            key = self._key(names)
+            self._groups[key] = self._build(axis_rows(self._layout_of(key), key), timeout)
+        # the only groups that leave ranks out: the middle pipeline stages hold no embedding
         self.embedding_group, self.embedding_ranks = self._build(
-            first_last.permute(1, 2, 3, 0).reshape(-1, first_last.shape[0]).tolist(), timeout)
-        if context > 1:
-            self.context_group, self.context_ranks = self._build(rows["context"], timeout)
-            self.replica_group, self.replica_ranks = self._build(rows["replica"], timeout)
-        else:   # no new groups: the ring is this rank alone, the replicas are the data group
-            self.context_group, self.context_ranks = None, [self.rank]
-            self.replica_group, self.replica_ranks = self.data_group, self.data_ranks
+            embedding_rows(pipeline, data, tensor, context, embedding_pipeline_ranks), timeout)
 
     def _build(self, rows: list[list[int]], timeout: timedelta):
-        """Create one group per row; return (group, ranks) of mine, (None, []) if none is.
-
-        Only the embedding groups leave ranks out (middle pipeline stages)."""
+        """Create one group per row; return (group, ranks) of mine, (None, []) if none is."""
         mine = (None, [])
-        for row in rows:
-            group = dist.new_group(row, timeout=timeout)
+        for row, group in zip(rows, new_groups(rows, timeout)):
             if self.rank in row:
                 mine = (group, row)
         return mine
 
-    # Coordinates --------------------------------------------------------------------------
+    # Asked by names -----------------------------------------------------------------------
+    def _layout_of(self, names: Iterable[str]) -> Layout:
+        names = set(names)
+        for layout in self.layouts:
+            if names <= {name for name, _ in layout}:
+                return layout
+        raise ValueError(f"no layout of the grid has the axes {sorted(names)}")
+
+    def _key(self, names: Iterable[str]) -> tuple[str, ...]:
+        """`names` in their layout's order (outermost first): one key per set."""
+        names = set(names)
+        return tuple(name for name, _ in self._layout_of(names) if name in names)
+
+    def group(self, *names: str):
+        """The process group over the axes `names` holding this rank."""
+        key = self._key(names)
+        if key not in self._groups:
+            raise ValueError(f"no group over {key}: the grid creates the sets of GROUPS "
+                             f"(ptdp/parallel/grid.py) at construction; add it there")
+        return self._groups[key][0]
+
+    def ranks(self, *names: str) -> list[int]:
+        """World ranks of the group over `names` holding this rank, outermost axis first."""
+        key = self._key(names)
+        if key in self._groups:
+            return list(self._groups[key][1])
+        return next(row for row in axis_rows(self._layout_of(key), key) if self.rank in row)
+
+    def size(self, *names: str) -> int:
+        sizes = dict(self._layout_of(names))
+        return math.prod(sizes[name] for name in set(names))
+
+    def index(self, *names: str) -> int:
+        """This rank's place in its group over `names` (0 .. size - 1)."""
+        return self.ranks(*names).index(self.rank)
+
+    def coordinate(self, name: str) -> int:
+        """This rank's index along the axis `name`."""
+        return self.index(name)
+
+    # The four axes' coordinates, as most callers want them --------------------------------
     @property
     def tp_rank(self) -> int:
         return self.coords.tensor
@@ -131,19 +224,3 @@ class RankGrid:
     @property
     def cp_rank(self) -> int:
         return self.coords.context
-
-    @property
-    def replica_rank(self) -> int:
-        """This rank's place among the ranks holding the same weights (data-major)."""
-        return self.coords.data * self.c + self.coords.context
-
-    @property
-    def replicas(self) -> int:
-        """How many ranks hold the same weights: d * c (the gradient reduction's size)."""
-        return self.d * self.c
-
-    def describe(self) -> str:
-        ring = f", context group {self.context_ranks}" if self.c > 1 else ""
-        return (f"rank {self.rank} {self.coords}: tensor group {self.tensor_ranks}{ring}, "
-                f"data group {self.data_ranks}, pipeline group {self.pipeline_ranks}")
-

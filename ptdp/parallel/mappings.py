@@ -31,7 +31,7 @@ class TensorParallel:
 
     @classmethod
     def from_grid(cls, grid, sequence_parallel: bool = False) -> "TensorParallel":
-        return cls(grid.tensor_group, grid.tp_rank, grid.t, sequence_parallel and grid.t > 1)
+        return cls(grid.group("tensor"), grid.tp_rank, grid.t, sequence_parallel and grid.t > 1)
 
     def shard(self, n: int) -> int:
         assert n % self.size == 0, f"{n} is not divisible by tensor parallel size {self.size}"

@@ -5,6 +5,13 @@ ptdp/parallel/sequence.py, models/embedding.py, models/bert.py); everything that
 parameters differently (gradient reductions and norms in ptdp/optim/, sharding and
 checkpoints, weight versions) reads it through `role_of`. A master copy of a parameter
 carries the same role (`copy_role`).
+
+A role also says where the parameter lives on the grid (ptdp/parallel/grid.py): the axes its
+gradient is summed over (`reduce_axes`: the ranks holding the same tensor and seeing other
+data), which the distributed optimizer shards it over too. The ranks of one such group hold
+one copy; the first of them (index 0 in the group) writes it in a checkpoint and counts it in
+the gradient norm (`writes`). A dense parameter is the same on every data and context rank;
+an expert's is reduced over fewer axes, the others telling experts apart.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ class ParamRole:
     duplicate: bool = False           # the last stage's copy of it: counted and saved once
     sequence_parallel: bool = False   # replicated, but applied to 1/t of the tokens (SP): its
     #                                   gradient is summed over the tensor group
+    reduce_axes: tuple[str, ...] = ("data", "context")   # grid axes its gradient is summed over
 
 
 REPLICATED = ParamRole()
@@ -42,3 +50,18 @@ def copy_role(source, target):
     """`target` (a master copy, a version's parameter) takes `source`'s role; returns it."""
     setattr(target, ROLE_ATTRIBUTE, role_of(source))
     return target
+
+
+def writes(param, grid) -> bool:
+    """Whether this rank holds the copy of `param` that is written and counted once: the first
+    rank of its reduce group (every rank of which holds the same tensor)."""
+    return grid.index(*role_of(param).reduce_axes) == 0
+
+
+def reduce_sets(params) -> dict[tuple[str, ...], list]:
+    """`params` grouped by the axes their gradients are summed over, in order of first
+    appearance (each group keeping the parameters' order)."""
+    sets: dict[tuple[str, ...], list] = {}
+    for param in params:
+        sets.setdefault(role_of(param).reduce_axes, []).append(param)
+    return sets

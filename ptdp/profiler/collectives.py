@@ -105,6 +105,8 @@ def _bench_busy_node(sizes, iters: int, threads: int) -> dict:
       for descheduled peers is part of what ranks on oversubscribed cores see."""
     import torch
     import torch.distributed as dist
+
+    from ptdp.parallel.grid import axis_rows, grid_layout, new_groups
     rank, world = dist.get_rank(), dist.get_world_size()
     work = _contention_work()
     alone = 0.0
@@ -120,7 +122,7 @@ def _bench_busy_node(sizes, iters: int, threads: int) -> dict:
     over = time_slicing > 1.0
     n = 2
     while n <= world:
-        groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
+        groups = new_groups(axis_rows(grid_layout(1, world // n, n), ["tensor"]))
         mine = groups[rank // n]
         for kind in COLLECTIVES:
             samples = []

@@ -76,13 +76,14 @@ def bench_tensor_layers(model: dict, tensors: list[int], micro_batches: list[int
     """Runs on every rank of a run_on_ranks world; rank 0's rows are the result."""
     import torch.distributed as dist
     from ptdp.config import ModelConfig
+    from ptdp.parallel.grid import axis_rows, grid_layout, new_groups
     from ptdp.parallel.mappings import TensorParallel
     rank, world = dist.get_rank(), dist.get_world_size()
     model_cfg = ModelConfig(**model)
-    alone_groups = [dist.new_group([r]) for r in range(world)]   # every rank makes every group
+    alone_groups = new_groups([[r] for r in range(world)])   # every rank makes every group
     rows = []
     for t in (t for t in tensors if t > 1 and world % t == 0):
-        groups = [dist.new_group(list(range(g, g + t))) for g in range(0, world, t)]
+        groups = new_groups(axis_rows(grid_layout(1, world // t, t), ["tensor"]))
         alone = TensorParallel(alone_groups[rank], 0, t)
         for sequence_parallel in (False, True):
             real = TensorParallel(groups[rank // t], rank % t, t, sequence_parallel)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ptdp.config import Config
+from ptdp.config.catalogue import embedding_pipeline_ranks, schedule_spec
 from ptdp.parallel.grid import RankGrid
 from ptdp.runtime.launch_env import cuda_environment
 
@@ -63,8 +64,12 @@ def init_distributed(cfg: Config) -> tuple[RankGrid, torch.device]:
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                                 **({"device_id": device} if device.type == "cuda" else {}))
     par = cfg.parallel
+    # The tied embedding's group: the pipeline ranks holding the first and the last stage,
+    # as the schedule places them.
+    first_and_last = embedding_pipeline_ranks(schedule_spec(cfg.schedule.name), par.pipeline,
+                                              par.chunks)
     grid = RankGrid(par.pipeline, par.tensor, par.data, timeout_s=timeout_s,
-                    context=par.context)
+                    context=par.context, embedding_pipeline_ranks=first_and_last)
     return grid, device
 
 

@@ -68,10 +68,10 @@ class FlushingStep:
         with spans("embedding reduce + norm", "reduce"):
             weights.sync_shared_embeddings(grid.embedding_group, len(grid.embedding_ranks))
             if state.tp.sequence_parallel:
-                reduce_sequence_parallel_grads(state.master_params, grid.tensor_group, grid.t)
+                reduce_sequence_parallel_grads(state.master_params, grid.group("tensor"), grid.t)
             unscale_([m.grad for m in state.master_params], state.loss_scaler.scale)
-            return global_grad_norm(state.master_params, grid.model_group, grid.tp_rank,
-                                    data_group=weights.norm_group,
+            return global_grad_norm(state.master_params, grid,
+                                    sharded=weights.masters_are_pieces,
                                     device=state.device)
 
     def optimizer_step(self, iteration: int, grad_norm: torch.Tensor, spans=NO_SPANS) -> bool:

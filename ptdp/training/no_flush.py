@@ -23,6 +23,7 @@ import torch.distributed as dist
 from ptdp.checkpoint.layout import StatePart
 from ptdp.data.batching import MicroBatches
 from ptdp.optim.grads import counts_in_norm
+from ptdp.parallel.roles import writes
 from ptdp.pipeline.actions import END, REDUCE, TIED, UPDATE, WEIGHTS
 from ptdp.pipeline.weights import StashedVersions, take_gradients
 from ptdp.training.pipeline import Pipeline
@@ -119,13 +120,15 @@ class NoFlushStep:
         return grads
 
     def _norm_squared(self, grads) -> torch.Tensor:
-        """This rank's share of the model's gradient norm^2 (replica 0 only: data and context
-        replicas hold the same gradients, and the report sums over every rank)."""
+        """This rank's share of the model's gradient norm^2 (each parameter on the first rank
+        of its reduce group only: the others hold the same gradient, and the report sums over
+        every rank)."""
         state = self.state
         total = torch.zeros((), dtype=torch.float64, device=state.device)
         counted = [g.detach() for g, p in zip(grads, state.params)
-                   if g is not None and counts_in_norm(p, state.grid.tp_rank)]
-        if counted and state.grid.replica_rank == 0:
+                   if g is not None and counts_in_norm(p, state.grid.tp_rank)
+                   and writes(p, state.grid)]
+        if counted:
             total += torch.stack(torch._foreach_norm(counted)).double().pow(2).sum()
         return total
 

@@ -21,8 +21,8 @@ class Pipeline:
     def __init__(self, state: TrainingState):
         cfg, grid, par = state.cfg, state.grid, state.cfg.parallel
         self.state, self.p, self.v = state, par.pipeline, par.chunks
-        self.p2p = P2P(grid.pipeline_ranks, group=grid.pipeline_group,
-                       tensor_group=grid.tensor_group, tp_rank=grid.tp_rank, tp_size=grid.t,
+        self.p2p = P2P(grid.ranks("pipeline"), group=grid.group("pipeline"),
+                       tensor_group=grid.group("tensor"), tp_rank=grid.tp_rank, tp_size=grid.t,
                        scatter_gather=par.scatter_gather)
         # What crosses a stage boundary (the executor's chunk contract): every model family
         # hands on one [s, b, h] hidden state and returns no aux losses. A family with side
@@ -42,9 +42,9 @@ class Pipeline:
         self.eval_steps = self.plan(forwards)
         if grid.p > 1:  # NCCL: a group's first operation must involve all of its ranks, which
             # a batch of point-to-point operations does not (see dist.batch_isend_irecv)
-            dist.all_reduce(torch.zeros(1, device=state.device), group=grid.pipeline_group)
+            dist.all_reduce(torch.zeros(1, device=state.device), group=grid.group("pipeline"))
         if grid.c > 1:  # the same for the context ring's batches (every member is in each)
-            dist.all_reduce(torch.zeros(1, device=state.device), group=grid.context_group)
+            dist.all_reduce(torch.zeros(1, device=state.device), group=grid.group("context"))
 
     def plan(self, schedule: list) -> list:
         """This rank's steps of `schedule` (every rank's action lists), after checking every

@@ -61,7 +61,8 @@ def average_losses(state, result, m: int | None = None) -> StepResult:
     `state.m`; a batch ramp-up changes it)."""
     grid = state.grid
     return average_over(result, state.cfg.model.family.losses,
-                        ((grid.pipeline_group, grid.p), (grid.replica_group, grid.replicas)),
+                        [(grid.group(*axes), grid.size(*axes))
+                         for axes in (("pipeline",), ("data", "context"))],
                         (m or state.m) * grid.d, state.device)
 
 

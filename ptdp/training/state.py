@@ -46,7 +46,7 @@ from ptdp.config.batches import BatchSchedule
 from ptdp.config.catalogue import ScheduleSpec
 from ptdp.kernels import should_compile
 from ptdp.models import ModelContext, build_chunk, named_global_parameters
-from ptdp.optim.distributed import ShardedMasterWeights
+from ptdp.optim.distributed import ShardedMasterWeights, shard_group
 from ptdp.optim.grads import DataParallelGradients, counts_in_norm
 from ptdp.optim.loss_scale import LossScaler
 from ptdp.optim.mixed_precision import MasterWeights, PRECISIONS
@@ -56,7 +56,7 @@ from ptdp.parallel.context import ContextParallel
 from ptdp.parallel.grid import RankGrid
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import RandomStreams
-from ptdp.parallel.roles import role_of
+from ptdp.parallel.roles import role_of, writes
 from ptdp.parallel.sharding import gather_full_state
 from ptdp.parallel.weight_grad import defer_weight_grads
 
@@ -223,10 +223,11 @@ class TrainingState:
 
     def total_parameter_count(self) -> int:
         """Whole-model parameters (padded vocabulary included), each weight counted once."""
-        local = sum(p.numel() for p in self.params if counts_in_norm(p, self.grid.tp_rank))
+        local = sum(p.numel() for p in self.params
+                    if counts_in_norm(p, self.grid.tp_rank) and writes(p, self.grid))
         total = torch.tensor(local, dtype=torch.float64, device=self.device)
-        if self.grid.model_group is not None and len(self.grid.model_ranks) > 1:
-            dist.all_reduce(total, group=self.grid.model_group)
+        if dist.get_world_size() > 1:   # (whole numbers: exact in any order)
+            dist.all_reduce(total)
         return int(total.item())
 
 
@@ -250,9 +251,10 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
     weights = _master_weights(cfg, grid, params, spec)
     m = cfg.num_micro_batches
     # PipeDream updates after every input: each parameter accumulates once per reduction.
-    # Summed over the replicas: data ranks saw other sequences, context ranks other tokens.
+    # Each summed over its role's axes (data ranks saw other sequences, context ranks other
+    # tokens).
     dp_grads = DataParallelGradients(
-        params, grid.replica_group, grid.replicas, 1 if spec.update_per_input else m,
+        params, grid, 1 if spec.update_per_input else m,
         tr.grad_bucket_mb,
         flat=weights.flat_grads, sharded=weights.shard_layout)
     return TrainingState(cfg, grid, device, tp, rng, ctx, chunks, params, weights,
@@ -270,6 +272,6 @@ def _master_weights(cfg: Config, grid: RankGrid, params: list, spec: ScheduleSpe
     """
     tr = cfg.train
     if tr.distributed_optimizer:   # (config refuses it with the no-flush schedules)
-        return ShardedMasterWeights(params, tr.precision, grid.replica_group, grid.replica_rank,
-                                    grid.replicas, tr.grad_bucket_mb)
+        return ShardedMasterWeights(params, tr.precision, *shard_group(params, grid),
+                                    tr.grad_bucket_mb)
     return MasterWeights(params, tr.precision, versioned=spec.weight_versions)

@@ -83,8 +83,7 @@ def precision_job() -> dict:
         trainer.state.master_params[0].grad[0] = float("inf")
     out["own_shard_finite"] = all(torch.isfinite(m.grad).all() for m in trainer.state.master_params)
     from ptdp.optim.grads import global_grad_norm
-    norm = global_grad_norm(trainer.state.master_params, trainer.state.grid.model_group, trainer.state.grid.tp_rank,
-                            data_group=trainer.state.grid.data_group,
+    norm = global_grad_norm(trainer.state.master_params, trainer.state.grid, sharded=True,
                             device=trainer.state.device)
     scale = trainer.state.loss_scaler.scale
     out["skipped"] = trainer.optimizer_step(0, norm)

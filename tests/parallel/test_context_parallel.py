@@ -218,9 +218,9 @@ def _trainer(overrides: list[str]):
     from tests.pipeline.nccl_rules import InOrderTransport
     trainer = Trainer(load_config(None, TINY + overrides, world_size=dist.get_world_size()))
     grid = trainer.state.grid
-    trainer.pipeline.p2p.transport = InOrderTransport(grid.pipeline_group)
+    trainer.pipeline.p2p.transport = InOrderTransport(grid.group("pipeline"))
     if grid.c > 1:
-        trainer.state.ctx.cp.transport = InOrderTransport(grid.context_group)
+        trainer.state.ctx.cp.transport = InOrderTransport(grid.group("context"))
     return trainer
 
 

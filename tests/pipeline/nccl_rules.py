@@ -15,9 +15,9 @@ takes those freedoms away (tests/pipeline/nccl_rules.py imposes them on gloo):
    `ptdp.pipeline.comm_plan.check_plans` proves a plan deadlock-free; the host blocks where
    NCCL would block the communication stream, which only removes freedom.
 
-Use: `trainer.pipeline.p2p.transport = InOrderTransport(trainer.state.grid.pipeline_group)`;
+Use: `trainer.pipeline.p2p.transport = InOrderTransport(trainer.state.grid.group("pipeline"))`;
 for the context-parallel ring, `trainer.state.ctx.cp.transport =
-InOrderTransport(trainer.state.grid.context_group)` (the same rules, the ring's messages).
+InOrderTransport(trainer.state.grid.group("context"))` (the same rules, the ring's messages).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def _no_flush_both_ways(directory: str) -> list:
                               world_size=dist.get_world_size())
             trainer = Trainer(cfg)
             if strict:
-                trainer.pipeline.p2p.transport = InOrderTransport(trainer.state.grid.pipeline_group)
+                trainer.pipeline.p2p.transport = InOrderTransport(trainer.state.grid.group("pipeline"))
             with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
                 history = trainer.train()
             runs.append(([r["loss"] for r in history], trainer.full_state(),
@@ -138,7 +138,7 @@ def _train_with_naive_plan(overrides):
 
     cfg = load_config(None, TINY + overrides, world_size=dist.get_world_size())
     trainer = Trainer(cfg)
-    trainer.pipeline.p2p.transport = InOrderTransport(trainer.state.grid.pipeline_group, timeout_s=3)
+    trainer.pipeline.p2p.transport = InOrderTransport(trainer.state.grid.group("pipeline"), timeout_s=3)
     trainer.step.plans[trainer.state.m] = naive_plans("interleaved", 2, 2, cfg.num_micro_batches)[
         trainer.state.grid.pp_rank]
     return trainer.train_step(0).loss

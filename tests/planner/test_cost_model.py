@@ -254,10 +254,9 @@ def test_a_straddling_tensor_group_slows_the_prediction(a100):
 @pytest.mark.parametrize("p,d,t,gpus_per_node", [(2, 2, 6, 8), (1, 4, 6, 8), (4, 2, 4, 8),
                                                  (2, 3, 2, 4), (3, 2, 8, 8), (2, 8, 1, 8)])
 def test_node_crossing_agrees_with_the_trainers_rank_grid(p, d, t, gpus_per_node):
-    # The planner's placement against ptdp.parallel.grid's [p, d, t] rank array: a tensor
-    # group is a row along t, a data-parallel group a row along d.
-    from ptdp.parallel.grid import rank_layout
-    grid = rank_layout(p, d, t)
+    # The planner's placement against ptdp.parallel.grid's tensor and data groups.
+    from ptdp.parallel.grid import axis_rows, grid_layout
+    layout = grid_layout(p, d, t)
 
     def fewest_on_a_node(groups):
         fewest = None
@@ -267,7 +266,7 @@ def test_node_crossing_agrees_with_the_trainers_rank_grid(p, d, t, gpus_per_node
                 fewest = min(min(nodes.count(n) for n in set(nodes)), fewest or gpus_per_node)
         return fewest
 
-    tensor_groups = grid.reshape(-1, t).tolist()
-    data_groups = grid.permute(0, 2, 1).reshape(-1, d).tolist()
+    tensor_groups = axis_rows(layout, ["tensor"])
+    data_groups = axis_rows(layout, ["data"])
     assert comm.crossing_members(t, 1, gpus_per_node, True) == fewest_on_a_node(tensor_groups)
     assert comm.crossing_members(t, d, gpus_per_node, False) == fewest_on_a_node(data_groups)
