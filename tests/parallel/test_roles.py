@@ -38,6 +38,7 @@ def roles_on_a_rank(flat: bool):
     import torch.distributed as dist
 
     from ptdp.checkpoint import save
+    from ptdp.checkpoint.layout import PARAMETERS, StatePart
     from ptdp.optim.distributed import ShardedMasterWeights, shard_group
     from ptdp.optim.grads import DataParallelGradients, global_grad_norm
     from ptdp.optim.mixed_precision import MasterWeights
@@ -60,7 +61,8 @@ def roles_on_a_rank(flat: bool):
         cfg=SimpleNamespace(model=SimpleNamespace(vocab_size=8)),
         rng=SimpleNamespace(state_dict=lambda: {}),
         named_parameters=lambda: zip(("dense_a", "expert", "dense_b"), params))
-    parts = {"values": [p.detach() for p in params], "optimizer": [{}] * 3, "versions": {}}
+    weight_part = StatePart("weights", None, per_parameter=True)
+    parts = [(weight_part, {PARAMETERS: [{"value": p.detach()} for p in params]})]
     files, _ = save._snapshot_rank_files(state, Path("ckpt"), parts)
     out["written"] = {path.name: sorted(shards) for path, shards in files.items()
                       if path.name.startswith("model_")}
