@@ -51,10 +51,10 @@ def train_and_collect(runs: list[list[str]], iters: int = 3,
             trainer.pipeline.p2p.transport = InOrderTransport(grid.group("pipeline"))
             if grid.c > 1:   # the context ring's exchanges under the same rules
                 cp.transport = InOrderTransport(grid.group("context"))
-        first = trainer.forward_backward(0)
-        norm = trainer.reduce_gradients()
+        first = trainer.step.forward_backward(0)
+        norm = trainer.step.reduce_gradients()
         grads = trainer.full_state(grads=True)
-        trainer.optimizer_step(0, norm)
+        trainer.step.optimizer_step(0, norm)
         first.grad_norm = norm
         norm = first.resolve().grad_norm
         losses = [first.loss] + [trainer.train_step(it).loss for it in range(1, iters)]

@@ -110,8 +110,8 @@ def _ramped_runs(tmp: str, runs: list) -> dict:
 
     def gradients(trainer, it: int) -> tuple:
         """Loss and gradients of iteration `it` at the weights the trainer has (no update)."""
-        step = trainer.forward_backward(it)
-        step.grad_norm = trainer.reduce_gradients()
+        step = trainer.step.forward_backward(it)
+        step.grad_norm = trainer.step.reduce_gradients()
         return step.resolve().loss, trainer.full_state(grads=True)
 
     def rates_used(trainer) -> list:

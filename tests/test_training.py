@@ -38,15 +38,15 @@ def run_jobs(metrics_dir: str) -> dict:
     out["fp16"] = [fp16.train_step(it).loss for it in range(3)]
 
     buckets = trainer("parallel.pipeline=2", "parallel.data=2", "train.grad_bucket_mb=0.02")
-    buckets.forward_backward(0)
+    buckets.step.forward_backward(0)
     out["buckets"] = len(buckets.state.dp_grads.buckets)
     out["buckets_launched_in_backward"] = buckets.state.dp_grads.launched_during_backward
 
     for mode in ("none", "full", "selective"):  # dropout on: recomputation must replay both streams
         run = trainer("parallel.tensor=2", "parallel.data=2", "model.dropout=0.1",
                       f"train.recompute={mode}", "train.recompute_num_layers=3")
-        step = run.forward_backward(0)
-        run.reduce_gradients()
+        step = run.step.forward_backward(0)
+        run.step.reduce_gradients()
         out[f"dropout_{mode}"] = (step.loss, run.full_state(grads=True))
 
     path = f"{metrics_dir}/metrics.jsonl"

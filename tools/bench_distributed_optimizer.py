@@ -56,10 +56,10 @@ def measure(overrides: list[str], iters: int) -> dict:
             return
         # the first step allocates Adam's moments: watch the resident set
         trainer.state.weights.zero_grads()
-        result = trainer.forward_backward(0)
-        norm = trainer.reduce_gradients()
+        result = trainer.step.forward_backward(0)
+        norm = trainer.step.reduce_gradients()
         before = process_status_bytes("VmRSS")
-        trainer.optimizer_step(0, norm)
+        trainer.step.optimizer_step(0, norm)
         rss_step["bytes"] = process_status_bytes("VmRSS") - before
         result.grad_norm = norm
         result.resolve()

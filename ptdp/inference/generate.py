@@ -1,6 +1,6 @@
 """Text generation from a GPT checkpoint of any layout, in one process (CPU or GPU).
 
-The model is `ptdp.local_model.LocalModel` (the training code's own modules, full weights).
+The model is `LocalModel` (ptdp/inference/local_model.py) (the training code's own modules, full weights).
 Decoding keeps a key/value cache: the prompt runs once, then each new token runs one
 position through every layer, attending to the cached keys and values of all earlier
 positions. `use_cache=False` recomputes the whole sequence with the model's training forward

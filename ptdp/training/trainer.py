@@ -111,22 +111,6 @@ class Trainer:
         self._check_finite(iteration, step)
         return step
 
-    # The flushing step's three parts, for tests that look between them
-    def forward_backward(self, iteration: int, spans=NO_SPANS) -> StepResult:
-        return self._flushing("forward_backward").forward_backward(iteration, spans)
-
-    def reduce_gradients(self, spans=NO_SPANS) -> torch.Tensor:
-        return self._flushing("reduce_gradients").reduce_gradients(spans)
-
-    def optimizer_step(self, iteration: int, grad_norm: torch.Tensor, spans=NO_SPANS) -> bool:
-        return self._flushing("optimizer_step").optimizer_step(iteration, grad_norm, spans)
-
-    def _flushing(self, what: str) -> FlushingStep:
-        if not self.spec.flushing:
-            raise RuntimeError(f"schedule {self.cfg.schedule.name} runs whole iterations: call "
-                               f"train_step, not {what}")
-        return self.step
-
     def _check_finite(self, iteration: int, step: StepResult) -> None:
         """Stop on a non-finite loss or gradient (fp32/bf16), or when fp16 keeps overflowing
         at the smallest loss scale: never train on, never checkpoint, diverged weights."""

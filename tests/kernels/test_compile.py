@@ -88,8 +88,8 @@ def tensor_parallel_runs() -> list:
         overrides = TINY + ["model.num_layers=2", "parallel.tensor=2", "train.recompute=full",
                             f"train.compile={str(compile).lower()}"]
         trainer = Trainer(load_config(None, overrides, world_size=dist.get_world_size()))
-        step = trainer.forward_backward(0)
-        trainer.reduce_gradients()
+        step = trainer.step.forward_backward(0)
+        trainer.step.reduce_gradients()
         out.append((step.loss, trainer.full_state(grads=True)))
     return out
 

@@ -76,8 +76,8 @@ def precision_job() -> dict:
             out["padded"] = trainer.state.weights.layout.numel
     # An overflow (inf) in a gradient only data rank 1's shard holds: both ranks skip.
     trainer = _trainer(["parallel.data=2", "train.precision=fp16"] + DISTOPT)
-    trainer.forward_backward(0)
-    out["finite_before"] = bool(torch.isfinite(trainer.reduce_gradients()))
+    trainer.step.forward_backward(0)
+    out["finite_before"] = bool(torch.isfinite(trainer.step.reduce_gradients()))
     before = trainer.state.weights.master_shard.clone()
     if trainer.state.grid.dp_rank == 1:
         trainer.state.master_params[0].grad[0] = float("inf")
@@ -86,7 +86,7 @@ def precision_job() -> dict:
     norm = global_grad_norm(trainer.state.master_params, trainer.state.grid, sharded=True,
                             device=trainer.state.device)
     scale = trainer.state.loss_scaler.scale
-    out["skipped"] = trainer.optimizer_step(0, norm)
+    out["skipped"] = trainer.step.optimizer_step(0, norm)
     out["scale_halved"] = trainer.state.loss_scaler.scale == scale / 2
     out["masters_unchanged"] = torch.equal(before, trainer.state.weights.master_shard)
     return out

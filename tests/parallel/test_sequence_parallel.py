@@ -37,8 +37,8 @@ def _dropout_job() -> dict:
     for name, extra in {"plain": [], "sp": SP, "sp-full": SP + ["train.recompute=full"],
                         "sp-selective": SP + ["train.recompute=selective"]}.items():
         trainer = _trainer(base + extra)
-        step = trainer.forward_backward(0)
-        trainer.reduce_gradients()
+        step = trainer.step.forward_backward(0)
+        trainer.step.reduce_gradients()
         out[name] = (float(step.resolve().loss), trainer.full_state(grads=True))
     return out if dist.get_rank() == 0 else {}
 
@@ -58,7 +58,7 @@ def test_dropout_masks_equal_those_without_sequence_parallelism():
 
 def _single_loss() -> float:
     trainer = _trainer([])
-    return float(trainer.forward_backward(0).resolve().loss)
+    return float(trainer.step.forward_backward(0).resolve().loss)
 
 
 RESUME = {"sp": ["parallel.pipeline=2", "parallel.tensor=2", "model.dropout=0.1", *SP],

@@ -40,10 +40,10 @@ def simulate_two_bw(overrides: list[str], iters: int) -> dict:
     for t in range(iters):
         current = _snapshot(trainer)
         _load(trainer, history[max(t - 1, 0)])
-        step = trainer.forward_backward(t)
-        norm = trainer.reduce_gradients()
+        step = trainer.step.forward_backward(t)
+        norm = trainer.step.reduce_gradients()
         _load(trainer, current)              # the gradients stay where they are
-        trainer.optimizer_step(t, norm)
+        trainer.step.optimizer_step(t, norm)
         history.append(_snapshot(trainer))
         step.grad_norm = norm
         step.resolve()
@@ -89,7 +89,7 @@ def simulate_pipedream(overrides: list[str], iters: int, p: int, d: int, stage_o
                 (loss / d).backward()
                 total += loss.item()
             _load(trainer, current)
-            trainer.optimizer_step(t, torch.zeros((), dtype=torch.float64))
+            trainer.step.optimizer_step(t, torch.zeros((), dtype=torch.float64))
             history.append(_snapshot(trainer))
         losses.append(total / (m * d))
     return {"losses": losses, "weights": trainer.full_state()}
