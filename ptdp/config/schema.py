@@ -94,6 +94,11 @@ class ModelConfig:
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether transformer layer `layer` (0-based) has a mixture of experts as its MLP."""
+        after = layer - self.moe_first_dense_layers
+        return self.num_experts > 0 and after >= 0 and after % self.moe_layer_freq == 0
+
     @property
     def family(self) -> ModelFamily:
         """The traits of model.arch's family (ptdp/config/models.py)."""
