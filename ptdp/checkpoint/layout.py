@@ -225,7 +225,11 @@ def read_metadata(directory: Path) -> dict:
 def check_model_config(meta: dict, model, directory: Path) -> None:
     """The model must be the checkpoint's (the layout may differ); name every differing key."""
     current = json.loads(json.dumps(dataclasses.asdict(model)))  # same types as the saved JSON
-    saved = meta["model"]
+    saved = dict(meta["model"])
+    fields = {f.name for f in dataclasses.fields(model)}
+    if fields - set(saved):   # saved before those keys existed: they hold what the rest implies
+        implied = dataclasses.asdict(type(model)(**{k: v for k, v in saved.items() if k in fields}))
+        saved.update(json.loads(json.dumps({k: implied[k] for k in fields - set(saved)})))
     differ = [k for k in sorted(set(saved) | set(current))
               if k not in NON_STRUCTURAL_MODEL_KEYS and saved.get(k) != current.get(k)]
     if differ:
