@@ -25,6 +25,8 @@ rng          CPU/CUDA and tensor-parallel streams                 rng_rank{R}.pt
 versions     a no-flush step's weight versions; 2BW: the older    "shadow", metadata "two_bw"
              live version and its fixed fp16 scales
              (ptdp/training/two_bw.py)
+moe          an MoE model's expert selection biases by layer      metadata "moe"
+             (ptdp/training/experts.py)
 ===========  ===================================================  ============================
 
 The weights and the optimizer part ask the master weights (ptdp/optim/weights.py) for whole
@@ -59,6 +61,7 @@ from ptdp.parallel.rng import RandomStreams
 from ptdp.parallel.roles import role_of, writes
 from ptdp.parallel.sharding import gather_full_state
 from ptdp.parallel.weight_grad import defer_weight_grads
+from ptdp.training.experts import ExpertBiasState, ExpertLoads
 
 
 @dataclass
@@ -163,6 +166,7 @@ class TrainingState:
     batches: BatchSchedule                # each iteration's global batch (ramp-up)
     progress: Progress = field(default_factory=Progress)
     versions: object = None               # a no-flush step's weight versions (state_part())
+    experts: ExpertLoads | None = None    # an MoE model's loads and selection biases
 
     @property
     def dtype(self) -> torch.dtype:
@@ -190,6 +194,8 @@ class TrainingState:
                            per_rank=True)]
         if self.versions is not None:
             parts.append(self.versions.state_part())
+        if self.experts is not None:
+            parts.append(StatePart("moe", ExpertBiasState(self.experts)))
         return parts
 
     # Whole-model views (reports, tests, conversion) -----------------------------------------
@@ -257,10 +263,13 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
         params, grid, 1 if spec.update_per_input else m,
         tr.grad_bucket_mb,
         flat=weights.flat_grads, sharded=weights.shard_layout)
-    return TrainingState(cfg, grid, device, tp, rng, ctx, chunks, params, weights,
-                         build_optimizer(weights.masters, tr),
-                         LossScaler(dynamic=tr.precision == "fp16", initial=tr.initial_loss_scale),
-                         dp_grads, m, BatchSchedule.of(tr))
+    state = TrainingState(cfg, grid, device, tp, rng, ctx, chunks, params, weights,
+                          build_optimizer(weights.masters, tr),
+                          LossScaler(dynamic=tr.precision == "fp16", initial=tr.initial_loss_scale),
+                          dp_grads, m, BatchSchedule.of(tr))
+    if cfg.model.num_experts:
+        state.experts = ExpertLoads(state)
+    return state
 
 
 def _master_weights(cfg: Config, grid: RankGrid, params: list, spec: ScheduleSpec) -> Weights:

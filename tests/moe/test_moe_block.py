@@ -35,7 +35,8 @@ def _loop_reference(block: MoEMLP, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_grouped_dispatch_equals_a_per_token_loop(activation):
-    ctx = _ctx(f"model.activation={activation}", "model.moe_shared_ffn_hidden_size=0")
+    ctx = _ctx(f"model.activation={activation}", "model.moe_shared_ffn_hidden_size=0",
+               "model.moe_shared_expert_gate=false")
     block = MoEMLP(ctx, 1, ParallelMLP)
     x = torch.randn(16, 2, ctx.model.hidden_size, generator=torch.Generator().manual_seed(0))
     out, bias = block(x)

@@ -44,5 +44,6 @@ def test_moe_layout_equals_one_process(layout):
     for rank, got in enumerate(_results(LAYOUTS[layout][0])[layout]):
         what = f"moe {layout} rank {rank}"
         assert_equivalent(got, ref, what)
+        assert got["expert_loads"].equal(ref["expert_loads"]), what   # whole numbers: exact
         for name, value in ref["aux_losses"].items():
             assert abs(got["aux_losses"][name] - value) <= RTOL * abs(value), (what, name)
