@@ -44,7 +44,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ptdp.kernels import bias_gelu, bias_swiglu
+from ptdp.parallel.experts import all_to_all, by_local_expert, exchange_counts
 from ptdp.parallel.layers import full_normal, scaled_std, shard_param
+from ptdp.parallel.roles import declare_role
 from ptdp.parallel.sequence import (enter_tensor_region, leave_tensor_region,
                                     mark_sequence_parallel)
 from ptdp.parallel.weight_grad import PLAIN
@@ -222,11 +224,14 @@ class MoEMLP(nn.Module):
         cfg = ctx.model
         key = f"layers.{layer}.mlp"
         self.tp = ctx.tp
-        self.E, self.k = cfg.num_experts, cfg.moe_top_k
+        self.E, self.k, self.ep = cfg.num_experts, cfg.moe_top_k, ctx.ep
         self.router = Router(ctx, f"{key}.router")
         self.experts = nn.ModuleDict({str(i): Expert(ctx, f"{key}.experts.{i}",
                                                      cfg.moe_ffn_hidden_size)
-                                      for i in range(cfg.num_experts)})
+                                      for i in ctx.ep.held(cfg.num_experts)})
+        if ctx.ep.size > 1:   # the ranks holding the same experts: their gradients' group
+            for param in self.experts.parameters():
+                declare_role(param, reduce_axes=("expert_data",))
         self.shared = (SharedExperts(ctx, layer, mlp_type) if cfg.moe_shared_ffn_hidden_size
                        else None)
         self.aux_losses: dict = {}
@@ -246,9 +251,29 @@ class MoEMLP(nn.Module):
 
     def route(self, x, chosen, gates):
         """x [N, h] (inside the tensor region), chosen and gates [N, k] -> [N, h], this tensor
-        rank's partial sums: one GEMM pair per expert on its contiguous rows."""
+        rank's partial sums: one GEMM pair per expert on its contiguous rows, the rows of
+        other ranks' experts sent there and back with expert parallelism."""
         order, sizes = expert_rows(chosen, self.E)
         rows = x.index_select(0, order // self.k)
-        out = torch.cat([expert(part) for expert, part
-                         in zip(self.experts.values(), rows.split(sizes))])
-        return combine(out, order, gates)
+        if self.ep.size == 1:
+            return combine(self._experts(rows, sizes), order, gates)
+        return combine(self._expert_parallel(rows, sizes), order, gates)
+
+    def _experts(self, rows, sizes: list[int]):
+        """Rows grouped by this rank's experts, `sizes` rows each -> their outputs."""
+        return torch.cat([expert(part) for expert, part
+                          in zip(self.experts.values(), rows.split(sizes))])
+
+    def _expert_parallel(self, rows, sizes: list[int]):
+        """Rows sorted by global expert -> their outputs, via the ranks holding the experts
+        (ptdp/parallel/experts.py)."""
+        ep, per_rank = self.ep, self.E // self.ep.size
+        received = exchange_counts(torch.tensor(sizes, device=rows.device), ep).tolist()
+        send = [sum(sizes[r * per_rank:(r + 1) * per_rank]) for r in range(ep.size)]
+        receive = [sum(row) for row in received]
+        arrived = all_to_all(rows, ep, send, receive)
+        order, local_sizes = by_local_expert(received)
+        order = order.to(rows.device)
+        out = self._experts(arrived.index_select(0, order), local_sizes)
+        out = out.index_select(0, torch.argsort(order))   # back in arrival order
+        return all_to_all(out, ep, receive, send)

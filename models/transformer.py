@@ -40,6 +40,7 @@ from ptdp.models.moe import MoEMLP
 from ptdp.models.norms import norm
 from ptdp.models.rotary import RotaryEmbedding, rotate
 from ptdp.parallel.context import ContextParallel
+from ptdp.parallel.experts import ExpertParallel
 from ptdp.parallel.layers import ColumnParallelLinear, RowParallelLinear, full_normal, scaled_std
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.ring_attention import ring_attention
@@ -60,6 +61,7 @@ class ModelContext:
     recompute_num_layers: int = 1
     compile: bool = False            # torch.compile each TransformerLayer (train.compile)
     cp: ContextParallel = field(default_factory=ContextParallel)   # the context ring (c)
+    ep: ExpertParallel = field(default_factory=ExpertParallel)      # the expert group (e)
 
 
 def hidden_dropout_add(x, bias, residual, p: float, training: bool, tp: TensorParallel):

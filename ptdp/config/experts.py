@@ -68,11 +68,22 @@ def check_moe_layout(cfg: Config, out: Problems) -> None:
                              f"of them)")
     out.require(m.num_experts % e == 0, f"model.num_experts ({m.num_experts}) must be divisible "
                                         f"by parallel.expert ({e}): each expert rank holds E/e")
-    out.require(e == 1, f"parallel.expert={e} is not supported yet (expert parallelism); set "
-                        f"parallel.expert=1: every rank then holds all experts")
+    if e > 1:
+        _check_expert_parallel(cfg, out)
     spec = SCHEDULES.get(cfg.schedule.name)
     out.require(spec is None or spec.flushing,
                 f"model.num_experts > 0 needs a flushing schedule "
                 f"({', '.join(names_where(lambda s: s.flushing))}), not schedule.name="
                 f"{cfg.schedule.name}: the router's aux losses are side outputs and the expert "
                 f"loads and biases are settled at a flush")
+
+
+def _check_expert_parallel(cfg: Config, out: Problems) -> None:
+    """What expert parallelism does not combine with yet."""
+    e = cfg.parallel.expert
+    out.require(not cfg.train.distributed_optimizer,
+                f"parallel.expert={e} with train.distributed_optimizer=true is not supported yet "
+                f"(expert and dense parameters are sharded over different groups); set one off")
+    out.require(not cfg.checkpoint.dir and not cfg.checkpoint.load,
+                f"parallel.expert={e} cannot save or load checkpoints yet (several ranks of a "
+                f"stage hold other experts); unset checkpoint.dir and checkpoint.load")

@@ -55,6 +55,7 @@ from ptdp.optim.mixed_precision import MasterWeights, PRECISIONS
 from ptdp.optim.optimizer import build_optimizer
 from ptdp.optim.weights import Weights
 from ptdp.parallel.context import ContextParallel
+from ptdp.parallel.experts import ExpertParallel
 from ptdp.parallel.grid import RankGrid
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import RandomStreams
@@ -246,7 +247,7 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
     ctx = ModelContext(cfg.model, tp, tr.seed, rng.tensor_parallel, cfg.padded_vocab_size,
                        tr.recompute, tr.recompute_num_layers,
                        compile=should_compile(tr.compile, device),
-                       cp=ContextParallel.from_grid(grid))
+                       cp=ContextParallel.from_grid(grid), ep=ExpertParallel.from_grid(grid))
     num_stages = par.pipeline * par.chunks
     chunks = {s: build_chunk(ctx, s, num_stages).to(device, PRECISIONS[tr.precision])
               for s in spec.stage_map(par.pipeline, par.chunks).stages_of(grid.pp_rank)}

@@ -21,6 +21,14 @@ LAYOUTS = {
     "p2-recompute-full": (2, ["parallel.pipeline=2", "train.recompute=full"]),
     "p2-zb-h1": (2, ["parallel.pipeline=2", "schedule.name=zb-h1"]),
     "d2-distopt": (2, ["parallel.data=2", "train.distributed_optimizer=true"]),
+    # expert parallelism (parallel.expert), folded out of data x context
+    "e2-d2": (2, ["parallel.data=2", "parallel.expert=2"]),
+    "e2-c2": (2, ["parallel.context=2", "parallel.expert=2"]),
+    "e2-d2-t2-sp": (4, ["parallel.data=2", "parallel.expert=2", "parallel.tensor=2",
+                        "parallel.sequence_parallel=true"]),
+    "e2-d2-p2-interleaved": (4, ["parallel.data=2", "parallel.expert=2", "parallel.pipeline=2",
+                                 "parallel.chunks=2", "schedule.name=interleaved"]),
+    "e4-c2-d2": (4, ["parallel.context=2", "parallel.data=2", "parallel.expert=4"]),
     "p2-t2-sp-c2-interleaved": (8, ["parallel.pipeline=2", "parallel.chunks=2",
                                     "schedule.name=interleaved", "parallel.tensor=2",
                                     "parallel.sequence_parallel=true", "parallel.context=2"]),
@@ -41,8 +49,13 @@ def _results(world: int) -> dict:
 def test_moe_layout_equals_one_process(layout):
     ref = _results(1)["single"][0]
     assert set(ref["aux_losses"]) == {"moe_aux_loss", "moe_z_loss"}
+    overrides = LAYOUTS[layout][1]
+    e = next((int(o.split("=")[1]) for o in overrides if o.startswith("parallel.expert=")), 1)
     for rank, got in enumerate(_results(LAYOUTS[layout][0])[layout]):
         what = f"moe {layout} rank {rank}"
+        held = {name.split(".experts.")[1].split(".")[0]
+                for name in got["shards"] if name.startswith("layers.1.mlp.experts.")}
+        assert len(held) in (0, 4 // e), (what, held)   # E/e experts (none off layer 1's stage)
         assert_equivalent(got, ref, what)
         assert got["expert_loads"].equal(ref["expert_loads"]), what   # whole numbers: exact
         for name, value in ref["aux_losses"].items():
