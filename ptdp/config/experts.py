@@ -81,9 +81,6 @@ def check_moe_layout(cfg: Config, out: Problems) -> None:
 def _check_expert_parallel(cfg: Config, out: Problems) -> None:
     """What expert parallelism does not combine with yet."""
     e = cfg.parallel.expert
-    out.require(not cfg.train.distributed_optimizer,
-                f"parallel.expert={e} with train.distributed_optimizer=true is not supported yet "
-                f"(expert and dense parameters are sharded over different groups); set one off")
     out.require(not cfg.checkpoint.dir and not cfg.checkpoint.load,
                 f"parallel.expert={e} cannot save or load checkpoints yet (several ranks of a "
                 f"stage hold other experts); unset checkpoint.dir and checkpoint.load")

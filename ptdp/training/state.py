@@ -53,13 +53,14 @@ from ptdp.optim.grads import DataParallelGradients, counts_in_norm
 from ptdp.optim.loss_scale import LossScaler
 from ptdp.optim.mixed_precision import MasterWeights, PRECISIONS
 from ptdp.optim.optimizer import build_optimizer
+from ptdp.optim.sharded_sets import ShardedSets
 from ptdp.optim.weights import Weights
 from ptdp.parallel.context import ContextParallel
 from ptdp.parallel.experts import ExpertParallel
 from ptdp.parallel.grid import RankGrid
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import RandomStreams
-from ptdp.parallel.roles import role_of, writes
+from ptdp.parallel.roles import reduce_sets, role_of, writes
 from ptdp.parallel.sharding import gather_full_state
 from ptdp.parallel.weight_grad import defer_weight_grads
 from ptdp.training.experts import ExpertBiasState, ExpertLoads
@@ -281,6 +282,8 @@ def _master_weights(cfg: Config, grid: RankGrid, params: list, spec: ScheduleSpe
     per tensor and masters apart from the parameter objects (`versioned`).
     """
     tr = cfg.train
+    if tr.distributed_optimizer and len(reduce_sets(params)) > 1:   # experts apart (e > 1)
+        return ShardedSets(params, tr.precision, grid, tr.grad_bucket_mb)
     if tr.distributed_optimizer:   # (config refuses it with the no-flush schedules)
         return ShardedMasterWeights(params, tr.precision, *shard_group(params, grid),
                                     tr.grad_bucket_mb)
