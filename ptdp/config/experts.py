@@ -68,8 +68,6 @@ def check_moe_layout(cfg: Config, out: Problems) -> None:
                              f"of them)")
     out.require(m.num_experts % e == 0, f"model.num_experts ({m.num_experts}) must be divisible "
                                         f"by parallel.expert ({e}): each expert rank holds E/e")
-    if e > 1:
-        _check_expert_parallel(cfg, out)
     spec = SCHEDULES.get(cfg.schedule.name)
     out.require(spec is None or spec.flushing,
                 f"model.num_experts > 0 needs a flushing schedule "
@@ -77,10 +75,3 @@ def check_moe_layout(cfg: Config, out: Problems) -> None:
                 f"{cfg.schedule.name}: the router's aux losses are side outputs and the expert "
                 f"loads and biases are settled at a flush")
 
-
-def _check_expert_parallel(cfg: Config, out: Problems) -> None:
-    """What expert parallelism does not combine with yet."""
-    e = cfg.parallel.expert
-    out.require(not cfg.checkpoint.dir and not cfg.checkpoint.load,
-                f"parallel.expert={e} cannot save or load checkpoints yet (several ranks of a "
-                f"stage hold other experts); unset checkpoint.dir and checkpoint.load")

@@ -44,6 +44,28 @@ def save_job(root: str) -> dict:
     return {"saved": saved, "resumed": resumed, "refused": refused}
 
 
+def expert_job(root: str) -> dict:
+    """e=2 (d=4) saves at iteration 2 and finishes; e=4 (c=2 x d=2) resumes from it."""
+    ckpt = [f"checkpoint.dir={root}/ckpt", "checkpoint.save_interval=2"]
+    saved = _run(["parallel.data=4", "parallel.expert=2", *ckpt])
+    resumed = _run(["parallel.data=2", "parallel.context=2", "parallel.expert=4",
+                    f"checkpoint.load={root}/ckpt/iter_0000002"])
+    files = sorted(p.name for p in Path(f"{root}/ckpt/iter_0000002").glob("model_*"))
+    return {"saved": saved, "resumed": resumed, "files": files}
+
+
+@pytest.fixture(scope="module")
+def expert_checkpoint(tmp_path_factory):
+    return run_on_ranks(4, expert_job, str(tmp_path_factory.mktemp("moe_ep")), timeout_s=400)[0]
+
+
+def test_a_checkpoint_saved_at_e2_resumes_at_e4(expert_checkpoint):
+    saved, resumed = expert_checkpoint["saved"], expert_checkpoint["resumed"]
+    assert expert_checkpoint["files"] == ["model_pp000_tp000.pt", "model_pp000_tp000_ep001.pt"]
+    assert resumed["losses"] == pytest.approx(saved["losses"][2:], rel=1e-5, abs=0)
+    torch.testing.assert_close(resumed["biases"], saved["biases"], rtol=0, atol=1e-7)
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
