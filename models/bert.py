@@ -74,9 +74,9 @@ class BertChunk(ModelChunk):
             hidden = self.embedding(batch["tokens"], batch["types"])
         hidden = self.stack(hidden, batch["padding_mask"])
         if not self.is_last:
-            return hidden
+            return self.with_aux_losses(hidden)
         hidden = self.final_ln(hidden)
         if self.ctx.tp.sequence_parallel:  # the heads (and the [CLS] pooler) see every token;
             # they are replicated, so each rank's gradient of the gathered tensor is whole
             hidden = gather_from_sequence_region(hidden, self.ctx.tp, reduce_grad=False)
-        return self.heads(hidden, self.output_table(), batch)
+        return self.with_aux_losses(self.heads(hidden, self.output_table(), batch))

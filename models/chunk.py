@@ -13,6 +13,7 @@ import torch.nn as nn
 from ptdp.models.embedding import Embedding, OutputEmbedding, OutputLayer, mark_shared
 from ptdp.models.norms import norm
 from ptdp.models.transformer import ModelContext, TransformerStack
+from ptdp.parallel.stage_output import StageOutput
 from ptdp.parallel.weight_grad import PLAIN
 
 
@@ -35,6 +36,12 @@ class ModelChunk(nn.Module):
             self.final_ln = norm(cfg, ctx.tp)
             self.output = None if self.is_first or not tied else OutputEmbedding(ctx)
             self.output_layer = None if tied else OutputLayer(ctx)
+
+    def with_aux_losses(self, output):
+        """`output` wrapped with the MoE layers' aux losses (ptdp/parallel/stage_output.py), or
+        as it is when there are none."""
+        aux = self.stack.aux_losses()
+        return StageOutput(output, aux) if aux else output
 
     def output_table(self) -> torch.Tensor:
         """The table the logits use: the untied output layer, the embedding itself, or this

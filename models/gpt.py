@@ -31,7 +31,7 @@ class GPTChunk(ModelChunk):
             hidden = self.embedding(batch["tokens"], positions=positions)
         hidden = self.stack(hidden, document_mask(batch.get("document_ids")), positions)
         if not self.is_last:
-            return hidden
+            return self.with_aux_losses(hidden)
         # with sequence parallelism the logits GEMM all-gathers the final hidden state
         out = logits(self.final_ln(hidden), self.output_table(), self.ctx,
                      sequence_sharded=self.ctx.tp.sequence_parallel, ops=self.weight_ops)
@@ -42,7 +42,7 @@ class GPTChunk(ModelChunk):
         # micro-batch's mean, over the whole sequence's mask count (the batch carries it)
         count = batch["loss_count"].to(per_token.dtype) if "loss_count" in batch else mask.sum()
         loss = (per_token * mask).sum() / count.clamp(min=1.0)
-        return loss, {"lm_loss": loss.detach()}
+        return self.with_aux_losses((loss, {"lm_loss": loss.detach()}))
 
 
 def document_mask(document_ids: torch.Tensor | None) -> torch.Tensor | None:

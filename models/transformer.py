@@ -36,9 +36,11 @@ from torch.utils.checkpoint import checkpoint
 
 from ptdp.config import ModelConfig
 from ptdp.kernels import bias_dropout_add, bias_gelu, bias_swiglu
+from ptdp.models.moe import MoEMLP
 from ptdp.models.norms import norm
 from ptdp.models.rotary import RotaryEmbedding, rotate
 from ptdp.parallel.context import ContextParallel
+from ptdp.parallel.experts import ExpertParallel
 from ptdp.parallel.layers import ColumnParallelLinear, RowParallelLinear, full_normal, scaled_std
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.ring_attention import ring_attention
@@ -59,6 +61,7 @@ class ModelContext:
     recompute_num_layers: int = 1
     compile: bool = False            # torch.compile each TransformerLayer (train.compile)
     cp: ContextParallel = field(default_factory=ContextParallel)   # the context ring (c)
+    ep: ExpertParallel = field(default_factory=ExpertParallel)      # the expert group (e)
 
 
 def hidden_dropout_add(x, bias, residual, p: float, training: bool, tp: TensorParallel):
@@ -178,16 +181,18 @@ class ParallelMLP(nn.Module):
     """h -> f, GeLU, f -> h; or SwiGLU: h -> 2f whose rows alternate gate and up (so a contiguous
     row slice holds matching pairs on every tensor rank), SiLU(gate) * up, f -> h."""
 
-    def __init__(self, ctx: ModelContext, layer: int):
+    def __init__(self, ctx: ModelContext, layer: int, hidden: int | None = None,
+                 key: str | None = None):
         super().__init__()
         cfg, tp = ctx.model, ctx.tp
-        key = f"layers.{layer}.mlp"
-        width = 2 * cfg.ffn_hidden_size if cfg.gated else cfg.ffn_hidden_size
+        key = key or f"layers.{layer}.mlp"
+        hidden = hidden or cfg.ffn_hidden_size     # (an MoE layer's shared experts: their own)
+        width = 2 * hidden if cfg.gated else hidden
         self.activation = bias_swiglu if cfg.gated else bias_gelu
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp, seed=ctx.seed,
                                         key=f"{key}.fc1", std=cfg.init_std, skip_bias_add=True,
                                         bias=cfg.bias)
-        self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
+        self.fc2 = RowParallelLinear(hidden, cfg.hidden_size, tp, seed=ctx.seed,
                                      key=f"{key}.fc2", std=scaled_std(cfg.init_std, cfg.num_layers),
                                      skip_bias_add=True, bias=cfg.bias)
 
@@ -197,7 +202,8 @@ class ParallelMLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """x + Dropout(Attn(Norm(x))), then x + Dropout(MLP(Norm(x)))."""
+    """x + Dropout(Attn(Norm(x))), then x + Dropout(MLP(Norm(x))); the MLP is a mixture of
+    experts in the layers `ModelConfig.is_moe_layer` names (models/moe.py)."""
 
     def __init__(self, ctx: ModelContext, layer: int, causal: bool):
         super().__init__()
@@ -206,7 +212,8 @@ class TransformerLayer(nn.Module):
         self.ln1 = norm(cfg, ctx.tp)
         self.attention = ParallelAttention(ctx, layer, causal)
         self.ln2 = norm(cfg, ctx.tp)
-        self.mlp = ParallelMLP(ctx, layer)
+        self.mlp = (MoEMLP(ctx, layer, ParallelMLP) if cfg.is_moe_layer(layer)
+                    else ParallelMLP(ctx, layer))
         self.dropout = cfg.dropout
 
     def forward(self, x, mask=None, positions=None):
@@ -228,9 +235,19 @@ class TransformerStack(nn.Module):
         super().__init__()
         self.ctx, self.first = ctx, first
         self.layers = nn.ModuleList(TransformerLayer(ctx, first + i, causal) for i in range(count))
+        self.moe = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEMLP)]
         if ctx.compile:  # in place: parameter names and state_dict keys stay the same
             for layer in self.layers:
                 layer.compile()
+
+    def aux_losses(self) -> dict:
+        """The MoE layers' aux losses of the latest forward, summed per name. (Read right after
+        the forward: a recomputation during backward overwrites them with equal values.)"""
+        total: dict = {}
+        for mlp in self.moe:
+            for name, value in mlp.aux_losses.items():
+                total[name] = total[name] + value if name in total else value
+        return total
 
     def _run(self, start: int, end: int, x, mask, positions):
         for layer in self.layers[start:end]:

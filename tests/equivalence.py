@@ -61,7 +61,9 @@ def train_and_collect(runs: list[list[str]], iters: int = 3,
         weights = trainer.full_state()
         held.pop("restore")()
         collected.append({**held, "losses": losses, "grad_norm": norm, "grads": grads, "weights": weights,
-                          "aux": first.aux, "bytes_sent": trainer.pipeline.p2p.bytes_sent,
+                          "aux": first.aux, "aux_losses": first.aux_losses,
+                          "expert_loads": getattr(trainer.state.experts, "total", None),
+                          "bytes_sent": trainer.pipeline.p2p.bytes_sent,
                           "shards": {n: tuple(p.shape) for n, p in trainer.named_parameters()},
                           "coords": trainer.state.grid.coords,
                           "batches": getattr(trainer.pipeline.p2p.transport, "batches", None),
@@ -138,6 +140,13 @@ MODELS = {
               "model.ffn_hidden_size=64"],
 }
 ARCHS = tuple(MODELS)
+# A Llama-style mixture of experts (models/moe.py): 4 experts, top 2, every layer but the first,
+# with both router losses, a gated shared expert and selection biases; its layouts are tests/test_moe.py's.
+MOE = [*MODELS["llama"], "model.num_experts=4", "model.moe_top_k=2",
+       "model.moe_ffn_hidden_size=32", "model.moe_first_dense_layers=1",
+       "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001",
+       "model.moe_shared_ffn_hidden_size=16", "model.moe_shared_expert_gate=true",
+       "model.moe_expert_bias_rate=0.01"]
 
 
 def archs_for(layout: str) -> tuple[str, ...]:

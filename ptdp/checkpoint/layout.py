@@ -96,8 +96,17 @@ def iteration_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def shard_file_name(pp_rank: int, tp_rank: int) -> str:
-    return f"model_pp{pp_rank:03d}_tp{tp_rank:03d}.pt"
+def shard_file_name(pp_rank: int, tp_rank: int, expert_rank: int = 0) -> str:
+    """A model shard file; with expert parallelism expert rank r > 0 of a stage writes its
+    experts into a file of its own (`..._ep001.pt`; rank 0's go with the dense weights)."""
+    suffix = f"_ep{expert_rank:03d}" if expert_rank else ""
+    return f"model_pp{pp_rank:03d}_tp{tp_rank:03d}{suffix}.pt"
+
+
+def param_file_name(info: dict, tp_rank: int) -> str:
+    """The shard file holding tensor rank `tp_rank`'s shard of a parameter (its metadata
+    `info`: the pipeline rank, and the expert rank for an expert held by rank r > 0)."""
+    return shard_file_name(info["pipeline_rank"], tp_rank, info.get("expert_rank", 0))
 
 
 def rank_file_name(key: str, rank: int) -> str:
@@ -118,6 +127,8 @@ def layout_of(cfg) -> dict:
               "chunks": par.chunks}
     if par.context > 1:   # only then: older checkpoints (and c = 1) keep their four keys
         layout["context"] = par.context
+    if par.expert > 1:    # the same for expert parallelism
+        layout["expert"] = par.expert
     return layout
 
 
@@ -225,7 +236,11 @@ def read_metadata(directory: Path) -> dict:
 def check_model_config(meta: dict, model, directory: Path) -> None:
     """The model must be the checkpoint's (the layout may differ); name every differing key."""
     current = json.loads(json.dumps(dataclasses.asdict(model)))  # same types as the saved JSON
-    saved = meta["model"]
+    saved = dict(meta["model"])
+    fields = {f.name for f in dataclasses.fields(model)}
+    if fields - set(saved):   # saved before those keys existed: they hold what the rest implies
+        implied = dataclasses.asdict(type(model)(**{k: v for k, v in saved.items() if k in fields}))
+        saved.update(json.loads(json.dumps({k: implied[k] for k in fields - set(saved)})))
     differ = [k for k in sorted(set(saved) | set(current))
               if k not in NON_STRUCTURAL_MODEL_KEYS and saved.get(k) != current.get(k)]
     if differ:
@@ -240,20 +255,22 @@ def check_files_readable(directory: Path, meta: dict) -> None:
 
     What `ptdp check` uses: a truncated or garbage file fails here, before any rank starts.
     """
-    by_stage: dict[int, list[str]] = {}
-    for name, info in meta["params"].items():
-        by_stage.setdefault(info["pipeline_rank"], []).append(name)
     layout = meta["layout"]
-    for pp in range(layout["pipeline"]):
+    by_file: dict[str, list[str]] = {shard_file_name(pp, tp): []
+                                     for pp in range(layout["pipeline"])
+                                     for tp in range(layout["tensor"])}
+    for name, info in meta["params"].items():
         for tp in range(layout["tensor"]):
-            path = directory / shard_file_name(pp, tp)
-            shard = load_file(path, mmap=True)
-            missing = [n for n in by_stage.get(pp, [])
-                       if not isinstance(shard, dict) or "value" not in (shard.get(n) or {})]
-            if missing:
-                more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-                raise CheckpointError(f"{path} has no entry for parameter '{missing[0]}'{more} "
-                                      f"(the metadata says it is there)")
+            by_file.setdefault(param_file_name(info, tp), []).append(name)
+    for file, names in by_file.items():
+        path = directory / file
+        shard = load_file(path, mmap=True)
+        missing = [n for n in names
+                   if not isinstance(shard, dict) or "value" not in (shard.get(n) or {})]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise CheckpointError(f"{path} has no entry for parameter '{missing[0]}'{more} "
+                                  f"(the metadata says it is there)")
     for name in meta["files"]:
         if RANK_FILE.fullmatch(name):
             load_file(directory / name, mmap=False)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ptdp.checkpoint.layout import CheckpointError, load_file, shard_file_name
+from ptdp.checkpoint.layout import CheckpointError, load_file, param_file_name
 from ptdp.parallel.roles import role_of
 from ptdp.parallel.sharding import local_slice
 
@@ -38,14 +38,14 @@ class ShardReader:
         self.directory, self.meta = directory, meta
         self.tensor = meta["layout"]["tensor"]
         self.vocab_size = meta["model"]["vocab_size"]
-        self._files: dict[tuple[int, int], dict] = {}
+        self._files: dict[str, dict] = {}
 
     def full(self, name: str) -> dict:
         """{"value", "exp_avg", "exp_avg_sq": full tensors, "step"} for global `name`."""
         info = self.meta["params"].get(name)
         if info is None:
             raise CheckpointError(f"{self.directory} has no parameter '{name}'")
-        parts = [self._shard(info["pipeline_rank"], tp, name) for tp in range(self.tensor)]
+        parts = [self._shard(param_file_name(info, tp), name) for tp in range(self.tensor)]
         entry = {key: self._unshard([p[key] for p in parts], info)
                  for key in parts[0] if key != "step"}
         if "step" in parts[0]:
@@ -61,17 +61,16 @@ class ShardReader:
         full = torch.cat(parts, dim=dim) if dim is not None else parts[0]
         return full[: self.vocab_size] if info["vocab_padded"] else full
 
-    def _shard(self, pp: int, tp: int, name: str) -> dict:
-        shard = self._file(pp, tp).get(name)
+    def _shard(self, file: str, name: str) -> dict:
+        shard = self._file(file).get(name)
         if shard is None:
-            raise CheckpointError(f"{self.directory / shard_file_name(pp, tp)} has no entry for "
+            raise CheckpointError(f"{self.directory / file} has no entry for "
                                   f"parameter '{name}' (the metadata says it is there)")
         return shard
 
-    def _file(self, pp: int, tp: int) -> dict:
-        key = (pp, tp)
+    def _file(self, key: str) -> dict:
         if key not in self._files:
-            path = self.directory / shard_file_name(pp, tp)
+            path = self.directory / key
             # mmap: only the tensors this rank asks for are read from disk
             self._files[key] = load_file(path, mmap=True)
         return self._files[key]

@@ -178,7 +178,7 @@ def _snapshot_rank_files(state, tmp: Path, parts: list) -> tuple[dict, dict]:
         return files, {}
     shards, info = _model_shards(state, [saved[PARAMETERS] for part, saved in parts
                                          if part.per_parameter and PARAMETERS in saved])
-    files[tmp / shard_file_name(grid.pp_rank, grid.tp_rank)] = shards
+    files[tmp / shard_file_name(grid.pp_rank, grid.tp_rank, _expert_rank(grid))] = shards
     if state.device.type == "cuda":   # the pinned copies were made without waiting
         torch.cuda.synchronize(state.device)
     return files, info
@@ -197,7 +197,14 @@ def _model_shards(state, per_parameter: list[list[dict]]) -> tuple[dict, dict]:
         shards[name] = {key: _host_copy(value) for key, value in entry.items()}
         info[name] = param_metadata(param, state.tp.size, state.cfg.model.vocab_size,
                                     state.grid.pp_rank)
+        if _expert_rank(state.grid):   # (only expert parameters: ptdp/checkpoint/layout.py)
+            info[name]["expert_rank"] = _expert_rank(state.grid)
     return shards, info
+
+
+def _expert_rank(grid) -> int:
+    """This rank's index in its expert group (0 without expert parallelism)."""
+    return grid.index("expert") if grid.e > 1 else 0
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -231,7 +238,8 @@ def _metadata(state, params: dict, parts: list) -> dict:
         "params": params})
     rank_files = [rank_file_name(part.key, r) for part, _ in parts if part.per_rank
                   for r in range(dist.get_world_size())]
-    meta["files"] = sorted([shard_file_name(pp, tp) for pp in range(grid.p) for tp in range(grid.t)]
+    meta["files"] = sorted([shard_file_name(pp, tp, ep) for pp in range(grid.p)
+                            for tp in range(grid.t) for ep in range(grid.e)]
                            + rank_files + _config_and_tokenizer_files(cfg))
     return meta
 

@@ -64,6 +64,20 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_seq_length: int = 8192  # the context the scaled frequencies were trained at
+    # Mixture of experts (0 experts = a dense MLP in every layer; docs/moe.md)
+    num_experts: int = 0                 # E, routed experts per MoE layer
+    moe_top_k: int = 2                   # k, experts each token is routed to
+    moe_ffn_hidden_size: int | None = None  # each expert's hidden size; null = ffn_hidden_size
+    moe_shared_ffn_hidden_size: int = 0  # shared experts' hidden size (every token); 0 = none
+    moe_shared_expert_gate: bool = False  # a sigmoid gate on the shared expert (Qwen2-MoE)
+    moe_layer_freq: int = 1              # every n-th layer is MoE (counted after the dense ones)
+    moe_first_dense_layers: int = 0      # the first layers stay dense (DeepSeek-V3: 3)
+    moe_score_function: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    moe_renormalize: bool = True         # top-k weights renormalised to sum 1 (Mixtral, Qwen3)
+    moe_routed_scaling_factor: float = 1.0  # the routed experts' weights times this (DeepSeek)
+    moe_aux_loss_coeff: float = 0.0      # Switch/GShard load-balancing loss E * sum_i f_i * P_i
+    moe_z_loss_coeff: float = 0.0        # router z-loss: mean of logsumexp(scores)^2
+    moe_expert_bias_rate: float = 0.0    # aux-loss-free balancing: per-expert bias update rate
 
     def __post_init__(self):
         # an unknown preset: validation says so
@@ -77,6 +91,13 @@ class ModelConfig:
             self.num_kv_heads = self.num_heads
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.activation)
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether transformer layer `layer` (0-based) has a mixture of experts as its MLP."""
+        after = layer - self.moe_first_dense_layers
+        return self.num_experts > 0 and after >= 0 and after % self.moe_layer_freq == 0
 
     @property
     def family(self) -> ModelFamily:
@@ -115,6 +136,9 @@ class ParallelConfig:
     context: int = 1                     # c, ranks splitting each sequence (ring attention)
     scatter_gather: bool = False         # send 1/t of each boundary tensor, all-gather after
     sequence_parallel: bool = False      # LayerNorm/dropout regions split along the sequence
+    expert: int = 1                      # e, expert parallelism: folded out of d x c (e | d*c)
+    stage_layers: list | None = None     # transformer layers of each virtual stage, in order
+                                         # (p*v entries summing to model.num_layers); null = even
 
 
 @dataclass

@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 from ptdp.config.catalogue import Chunks, DEFAULT, NAMES, SCHEDULES, ScheduleSpec, names_where
+from ptdp.config.experts import check_moe_layout, check_moe_model
 from ptdp.config.models import (DEFAULT_PRESET, FAMILY_NAMES, MODEL_FAMILIES, PRESETS, Samples,
                                 family_names)
 from ptdp.config.problems import Problems as _Problems
@@ -97,6 +98,7 @@ def _check_model(m: ModelConfig, out: _Problems) -> bool:
         out.require(m.seq_length >= 5, f"model.seq_length={m.seq_length} is too short for BERT "
                                        f"([CLS] A [SEP] B [SEP] needs at least 5)")
     _check_block(m, out, sizes_ok)
+    check_moe_model(m, out)
     return len(out.lines) == before
 
 
@@ -234,7 +236,7 @@ def _check_log_and_checkpoint(cfg: Config, out: _Problems) -> None:
 def _check_parallel_sizes(par: ParallelConfig, out: _Problems) -> bool:
     ok = all([out.require(getattr(par, key) >= 1, f"parallel.{key} must be >= 1, got "
                                                   f"{getattr(par, key)}")
-              for key in ("tensor", "pipeline", "chunks", "context")])
+              for key in ("tensor", "pipeline", "chunks", "context", "expert")])
     if par.data is not None:
         ok = out.require(par.data >= 1, f"parallel.data must be >= 1, got {par.data}") and ok
     return ok
@@ -271,6 +273,7 @@ def _check_layout(cfg: Config, world_size: int, out: _Problems) -> None:
         _check_sequence_parallel(cfg, out)
     if c > 1:
         _check_context(cfg, out)
+    check_moe_layout(cfg, out)
     if out.require(tr.global_batch_size % (tr.micro_batch_size * d) == 0,
                    f"train.global_batch_size ({tr.global_batch_size}) must be divisible by "
                    f"train.micro_batch_size * parallel.data = {tr.micro_batch_size} * {d} = "

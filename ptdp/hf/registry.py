@@ -27,6 +27,9 @@ def family_of_model_type(model_type) -> Family:
 def family_of(cfg: ModelConfig) -> Family:
     """The family whose HF class computes ptdp's model `cfg`, or a one-line refusal naming
     what keeps it from GPT-2's block and from Llama's."""
+    if cfg.num_experts:
+        raise ConversionError(f"model.num_experts={cfg.num_experts}: ptdp does not convert "
+                              f"mixtures of experts to Hugging Face yet (docs/moe.md)")
     for name in TARGETS:
         if not FAMILIES[name].mismatches(cfg):
             return FAMILIES[name]

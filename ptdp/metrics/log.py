@@ -54,6 +54,14 @@ def aux_loss_text(record: dict) -> str:
                    if key.startswith(AUX_PREFIX))
 
 
+LOAD_FIELD = "moe/load_max_over_mean"
+
+
+def load_text(record: dict) -> str:
+    """" | load max/mean <x>" for an MoE model's record ("" without experts)."""
+    return f" | load max/mean {record[LOAD_FIELD]:.2f}" if LOAD_FIELD in record else ""
+
+
 def format_tflops(value: float) -> str:
     """Three significant digits, never '0.000': CPU ranks do ~1e-3 TFLOP/s."""
     return f"{value:.3g}"
@@ -114,7 +122,7 @@ class MetricsLog:
         # tflops_per_gpu and mem_gb keep their record names; the values are per rank, and
         # mem_gb is in GiB (2**30 bytes)
         return (f"iter {r['iter']:>6}/{self.cfg.train.iters} | loss {r['loss']:.4f}"
-                f"{aux_loss_text(r)} | lr {r['lr']:.2e}{batch} | grad norm {r['grad_norm']:.3f} | "
+                f"{aux_loss_text(r)}{load_text(r)} | lr {r['lr']:.2e}{batch} | grad norm {r['grad_norm']:.3f} | "
                 f"{r['step_time_s'] * 1e3:.0f} ms | {r['tokens_per_s']:.0f} tok/s | "
                 f"{format_tflops(r['tflops_per_gpu'])} TFLOP/s per rank{mfu} | "
                 f"{r['mem_gb']:.2f} GiB{valid}{skipped}")

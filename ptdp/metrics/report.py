@@ -209,3 +209,18 @@ class SaveTiming:
             return None
         now = f"checkpoint.save_interval={current}" if current else "saving only at the end"
         return f"{text}; {now} is far from it: consider checkpoint.save_interval={best}"
+
+
+def expert_load_summary(layers: list[int], totals) -> str | None:
+    """The run's most and least loaded experts: `totals` [MoE layers, E] tokens routed to each
+    expert of each MoE layer (`layers`, global indices) over the run (ptdp/training/experts.py),
+    each as its share of its layer's choices."""
+    shares = totals / totals.sum(1, keepdim=True).clamp(min=1)
+    if not layers or not float(totals.sum()):
+        return None
+    where = lambda flat: divmod(int(flat), shares.shape[1])   # noqa: E731
+    (hi_layer, hi), (lo_layer, lo) = where(shares.argmax()), where(shares.argmin())
+    fair = 1 / shares.shape[1]
+    return (f"  experts: most loaded layer {layers[hi_layer]} expert {hi} "
+            f"({shares[hi_layer, hi]:.1%} of its layer's choices), least loaded layer "
+            f"{layers[lo_layer]} expert {lo} ({shares[lo_layer, lo]:.1%}); balanced: {fair:.1%}")

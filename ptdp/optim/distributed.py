@@ -134,10 +134,11 @@ class ShardedMasterWeights:
         return pieces
 
     @property
-    def shard_layout(self) -> "ShardedMasterWeights":
+    def shard_layout(self) -> list["ShardedMasterWeights"]:
         """Its buckets fix the data-parallel reduction's (ptdp/optim/grads.py), each
-        reduce-scattered into this rank's shard."""
-        return self
+        reduce-scattered into this rank's shard (one sharded set; ptdp/optim/sharded_sets.py
+        gives several)."""
+        return [self]
 
     masters_are_pieces = True   # each data rank holds the gradients of its shard only
 
@@ -197,13 +198,17 @@ class ShardedMasterWeights:
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer,
                                   per_param: list[dict]) -> None:
         """Each piece's range of the whole moments."""
+        load_optimizer_states(optimizer, self.states_by_piece(per_param))
+
+    def states_by_piece(self, per_param: list[dict]) -> dict[int, dict]:
+        """{id(piece): its step and its range of the saved moments} (pieces with any)."""
         by_piece = {}
         for piece in self.masters:
             saved = per_param[piece.param_index]
             if has_moments(saved):
                 by_piece[id(piece)] = {"step": saved["step"].clone(), **{
                     key: self.range_of(piece, saved[key]).clone() for key in MOMENTS}}
-        load_optimizer_states(optimizer, by_piece)
+        return by_piece
 
     def gather(self, shard: torch.Tensor) -> list[torch.Tensor]:
         """Per parameter, the whole tensor assembled from every rank's `shard` (shaped like

@@ -81,8 +81,8 @@ class DataParallelGradients:
 
     `accumulations` is how many backward passes each parameter sees per iteration (m).
     `flat`: the gradient buffer the parameters' gradients are views of, if there is one.
-    `sharded`: the distributed optimizer's weights (ptdp/optim/distributed.py), whose layout
-    fixes the buckets and which part of each this rank receives.
+    `sharded`: the distributed optimizer's sharded sets (ptdp/optim/distributed.py, one per
+    reduce group), whose layouts fix the buckets and which part of each this rank receives.
     """
 
     def __init__(self, params: list[nn.Parameter], grid, accumulations: int,
@@ -91,11 +91,10 @@ class DataParallelGradients:
         self.params = [p for p in params if p.requires_grad]
         self.flat = flat
         self.buckets: list[_Bucket] = []
-        if sharded is not None:   # one reduce group, the one the weights are sharded over
-            if sharded.size > 1:
-                self.buckets = [_Bucket(b.params, sharded.group, b.grads,
-                                        None if b.all_reduce else b.own_grads)
-                                for b in sharded.buckets]
+        if sharded is not None:   # each set over the reduce group it is sharded over
+            self.buckets = [_Bucket(b.params, part.group, b.grads,
+                                    None if b.all_reduce else b.own_grads)
+                            for part in sharded if part.size > 1 for b in part.buckets]
         else:
             for axes, members in reduce_sets(self.params).items():
                 if grid.size(*axes) > 1:

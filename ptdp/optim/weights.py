@@ -2,7 +2,9 @@
 
 Two kinds implement it: replicated masters, every data rank holding all of them
 (`MasterWeights`, ptdp/optim/mixed_precision.py), and masters sharded over the data group
-with the distributed optimizer (`ShardedMasterWeights`, ptdp/optim/distributed.py). A fully
+with the distributed optimizer (`ShardedMasterWeights`, ptdp/optim/distributed.py; with
+parameters of several reduce groups, experts beside dense ones, one per group:
+`ShardedSets`, ptdp/optim/sharded_sets.py). A fully
 sharded kind (the model weights sharded too, gathered per layer) would be a third. Callers
 never ask which kind they hold: each kind says how its gradients are reduced, what the
 gradient norm sums over, and how it saves and loads its masters and optimizer moments.
@@ -28,8 +30,9 @@ class Weights(Protocol):
     params: list[nn.Parameter]       # the model's parameters of this rank
     masters: list[nn.Parameter]      # what the optimizer steps
     flat_grads: FlatGrads | None     # the gradient buffer the reduction slices, if one
-    shard_layout: object | None      # the buckets the data-parallel reduction
-                                     # reduce-scatters (ptdp/optim/grads.py); None: all-reduced
+    shard_layout: list | None        # the sharded sets whose buckets the data-parallel
+                                     # reduction reduce-scatters, one per reduce group
+                                     # (ptdp/optim/grads.py); None: all-reduced
     masters_are_pieces: bool         # each master is this rank's own piece of a parameter
                                      # (sharded): the norm counts every piece where it is,
                                      # not a whole tensor once per replica group

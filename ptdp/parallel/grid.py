@@ -31,14 +31,17 @@ Beside the axes is the one group that is not a slice of them: the embedding grou
 pipeline stages holding a copy of the tied word embedding (first and last stage by default,
 `embedding_pipeline_ranks`), same data, context and tensor coordinates.
 
-Adding an axis (the next one: expert, folded out of data x context as Megatron's expert
-groups sit inside its data-parallel ranks) is adding a layout, not reshaping code: a second
-tuple of (name, size) over the same rank order,
+Expert parallelism (e > 1) adds an axis the way any axis is added: a second layout over the
+same rank order, the data x context ranks of a stage (data-major, as the first layout
+flattens them) cut into expert_data x expert, expert innermost,
 
     (("pipeline", p), ("expert_data", d * c // e), ("expert", e), ("tensor", t))
 
-appended to `RankGrid.layouts`, and its sets ("expert",), ("expert_data",) to `GROUPS`.
-`group()`, `ranks()`, `size()` and `coordinate()` then answer for the new names from the first
+so an expert group is e consecutive data x context ranks (context ranks first: near each
+other), as Megatron's expert groups sit inside its data-parallel ranks; its sets
+(`EXPERT_GROUPS`: ("expert",), the all-to-all's, and ("expert_data",), the ranks holding the
+same experts, over which their gradients are summed) are created after `GROUPS`, only when
+e > 1. `group()`, `ranks()`, `size()` and `coordinate()` answer for any names from the first
 layout holding all the names asked; a parameter's role (ptdp/parallel/roles.py) names the
 axes its gradient is reduced over. torch's DeviceMesh is not used: a group over several axes
 (data x context, pipeline x tensor) needs its private `_flatten`, a timeout goes through
@@ -63,6 +66,8 @@ Layout = tuple[tuple[str, int], ...]   # (axis name, size), outermost first
 # point-to-point and its loss/norm sums, the whole model (pipeline x tensor), the context ring.
 GROUPS = (("tensor",), ("data",), ("pipeline",), ("pipeline", "tensor"), ("context",),
           ("data", "context"))
+# With expert parallelism (e > 1), after those: the all-to-all's group, the experts' replicas.
+EXPERT_GROUPS = (("expert",), ("expert_data",))
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,11 @@ class Coordinates:
 def grid_layout(p: int, d: int, t: int, c: int = 1) -> Layout:
     """The four axes of a (p, t, c, d) job, outermost first."""
     return (("pipeline", p), ("data", d), ("context", c), ("tensor", t))
+
+
+def expert_layout(p: int, d: int, t: int, c: int, e: int) -> Layout:
+    """The expert layout of a (p, t, c, d) job with e expert ranks (module docstring)."""
+    return (("pipeline", p), ("expert_data", d * c // e), ("expert", e), ("tensor", t))
 
 
 def axis_rows(layout: Layout, names: Iterable[str]) -> list[list[int]]:
@@ -140,20 +150,25 @@ class RankGrid:
     """
 
     def __init__(self, pipeline: int, tensor: int, data: int, timeout_s: float = 600.0,
-                 context: int = 1, embedding_pipeline_ranks: tuple[int, ...] | None = None):
+                 context: int = 1, embedding_pipeline_ranks: tuple[int, ...] | None = None,
+                 expert: int = 1):
         if not dist.is_initialized():
             raise RuntimeError("RankGrid needs torch.distributed to be initialised first")
         world = dist.get_world_size()
         if pipeline * tensor * context * data != world:
             raise ValueError(f"p*t*c*d = {pipeline}*{tensor}*{context}*{data} != world size "
                              f"{world}")
-        self.p, self.t, self.d, self.c = pipeline, tensor, data, context
+        if (data * context) % expert:
+            raise ValueError(f"e = {expert} does not divide d*c = {data}*{context}")
+        self.p, self.t, self.d, self.c, self.e = pipeline, tensor, data, context, expert
         self.rank = dist.get_rank()
         self.coords = coordinates_of(self.rank, pipeline, data, tensor, context)
         self.layouts: list[Layout] = [grid_layout(pipeline, data, tensor, context)]
         timeout = timedelta(seconds=timeout_s)
         self._groups: dict[tuple[str, ...], tuple[object, list[int]]] = {}
-        for names in GROUPS:
+        if expert > 1:
+            self.layouts.append(expert_layout(pipeline, data, tensor, context, expert))
+        for names in GROUPS + (EXPERT_GROUPS if expert > 1 else ()):
             key = self._key(names)
             self._groups[key] = self._build(axis_rows(self._layout_of(key), key), timeout)
         # the only groups that leave ranks out: the middle pipeline stages hold no embedding

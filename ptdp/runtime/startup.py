@@ -69,7 +69,8 @@ def init_distributed(cfg: Config) -> tuple[RankGrid, torch.device]:
     first_and_last = embedding_pipeline_ranks(schedule_spec(cfg.schedule.name), par.pipeline,
                                               par.chunks)
     grid = RankGrid(par.pipeline, par.tensor, par.data, timeout_s=timeout_s,
-                    context=par.context, embedding_pipeline_ranks=first_and_last)
+                    context=par.context, embedding_pipeline_ranks=first_and_last,
+                    expert=par.expert)
     return grid, device
 
 

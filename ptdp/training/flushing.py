@@ -81,11 +81,15 @@ class FlushingStep:
         on the device and a non-finite norm is caught once per iteration by the trainer.
         """
         state = self.state
-        if state.loss_scaler.dynamic and state.loss_scaler.update(float(grad_norm)):
+        skipped = state.loss_scaler.dynamic and state.loss_scaler.update(float(grad_norm))
+        if skipped:
             state.progress.skip(state.batches.batch_size(iteration))
-            return True
-        with spans("optimizer step", "optimizer"):
-            step_optimizer(state.optimizer, state.master_params, iteration, state.cfg.train,
-                           grad_norm, state.batches, state.progress.skipped_samples)
-            state.weights.masters_to_model()
-        return False
+        else:
+            with spans("optimizer step", "optimizer"):
+                step_optimizer(state.optimizer, state.master_params, iteration,
+                               state.cfg.train, grad_norm, state.batches,
+                               state.progress.skipped_samples)
+                state.weights.masters_to_model()
+        if state.experts is not None:   # the global batch's expert loads; the biases move
+            state.experts.settle(stepped=not skipped)
+        return skipped

@@ -25,6 +25,8 @@ rng          CPU/CUDA and tensor-parallel streams                 rng_rank{R}.pt
 versions     a no-flush step's weight versions; 2BW: the older    "shadow", metadata "two_bw"
              live version and its fixed fp16 scales
              (ptdp/training/two_bw.py)
+moe          an MoE model's expert selection biases by layer      metadata "moe"
+             (ptdp/training/experts.py)
 ===========  ===================================================  ============================
 
 The weights and the optimizer part ask the master weights (ptdp/optim/weights.py) for whole
@@ -51,14 +53,17 @@ from ptdp.optim.grads import DataParallelGradients, counts_in_norm
 from ptdp.optim.loss_scale import LossScaler
 from ptdp.optim.mixed_precision import MasterWeights, PRECISIONS
 from ptdp.optim.optimizer import build_optimizer
+from ptdp.optim.sharded_sets import ShardedSets
 from ptdp.optim.weights import Weights
 from ptdp.parallel.context import ContextParallel
+from ptdp.parallel.experts import ExpertParallel
 from ptdp.parallel.grid import RankGrid
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import RandomStreams
-from ptdp.parallel.roles import role_of, writes
+from ptdp.parallel.roles import reduce_sets, role_of, writes
 from ptdp.parallel.sharding import gather_full_state
 from ptdp.parallel.weight_grad import defer_weight_grads
+from ptdp.training.experts import ExpertBiasState, ExpertLoads
 
 
 @dataclass
@@ -163,6 +168,7 @@ class TrainingState:
     batches: BatchSchedule                # each iteration's global batch (ramp-up)
     progress: Progress = field(default_factory=Progress)
     versions: object = None               # a no-flush step's weight versions (state_part())
+    experts: ExpertLoads | None = None    # an MoE model's loads and selection biases
 
     @property
     def dtype(self) -> torch.dtype:
@@ -190,6 +196,8 @@ class TrainingState:
                            per_rank=True)]
         if self.versions is not None:
             parts.append(self.versions.state_part())
+        if self.experts is not None:
+            parts.append(StatePart("moe", ExpertBiasState(self.experts)))
         return parts
 
     # Whole-model views (reports, tests, conversion) -----------------------------------------
@@ -240,7 +248,7 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
     ctx = ModelContext(cfg.model, tp, tr.seed, rng.tensor_parallel, cfg.padded_vocab_size,
                        tr.recompute, tr.recompute_num_layers,
                        compile=should_compile(tr.compile, device),
-                       cp=ContextParallel.from_grid(grid))
+                       cp=ContextParallel.from_grid(grid), ep=ExpertParallel.from_grid(grid))
     num_stages = par.pipeline * par.chunks
     chunks = {s: build_chunk(ctx, s, num_stages).to(device, PRECISIONS[tr.precision])
               for s in spec.stage_map(par.pipeline, par.chunks).stages_of(grid.pp_rank)}
@@ -257,10 +265,13 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
         params, grid, 1 if spec.update_per_input else m,
         tr.grad_bucket_mb,
         flat=weights.flat_grads, sharded=weights.shard_layout)
-    return TrainingState(cfg, grid, device, tp, rng, ctx, chunks, params, weights,
-                         build_optimizer(weights.masters, tr),
-                         LossScaler(dynamic=tr.precision == "fp16", initial=tr.initial_loss_scale),
-                         dp_grads, m, BatchSchedule.of(tr))
+    state = TrainingState(cfg, grid, device, tp, rng, ctx, chunks, params, weights,
+                          build_optimizer(weights.masters, tr),
+                          LossScaler(dynamic=tr.precision == "fp16", initial=tr.initial_loss_scale),
+                          dp_grads, m, BatchSchedule.of(tr))
+    if cfg.model.num_experts:
+        state.experts = ExpertLoads(state)
+    return state
 
 
 def _master_weights(cfg: Config, grid: RankGrid, params: list, spec: ScheduleSpec) -> Weights:
@@ -271,6 +282,8 @@ def _master_weights(cfg: Config, grid: RankGrid, params: list, spec: ScheduleSpe
     per tensor and masters apart from the parameter objects (`versioned`).
     """
     tr = cfg.train
+    if tr.distributed_optimizer and len(reduce_sets(params)) > 1:   # experts apart (e > 1)
+        return ShardedSets(params, tr.precision, grid, tr.grad_bucket_mb)
     if tr.distributed_optimizer:   # (config refuses it with the no-flush schedules)
         return ShardedMasterWeights(params, tr.precision, *shard_group(params, grid),
                                     tr.grad_bucket_mb)

@@ -32,7 +32,8 @@ from ptdp.data.batching import MicroBatches
 from ptdp.data.loader import micro_batch_source
 from ptdp.data.synthetic import synthetic_datasets
 from ptdp.metrics.log import MetricsLog, aux_loss_fields, write_config
-from ptdp.metrics.report import SaveTiming, end_summary, format_bytes, startup_report
+from ptdp.metrics.report import (SaveTiming, end_summary, expert_load_summary, format_bytes,
+                                 startup_report)
 from ptdp.metrics.throughput import iteration_tflops, peak_memory_gb, peak_tflops
 from ptdp.optim.lr import learning_rate
 from ptdp.parallel.grid import coordinates_of
@@ -206,6 +207,8 @@ class Trainer:
             tracer.write()
             log.print(end_summary(history, cfg, time.perf_counter() - started, state.device,
                                   self.last_checkpoint, resume_command))
+            if state.experts is not None:
+                log.print(expert_load_summary(state.experts.layers, state.experts.total))
         except RuntimeError as err:
             if is_communication_error(err):
                 watchdog.lost_peer(err)   # names the ranks that stopped; ends this process
@@ -253,6 +256,8 @@ class Trainer:
                   "mem_gb": peak_memory_gb(self.state.device)}
         record.update({name: step.aux[name] for name in cfg.model.family.logged_losses})
         record.update(aux_loss_fields(step.aux_losses))   # none: the record is as before
+        if self.state.experts is not None:
+            record.update(self.state.experts.metrics())
         return record
 
     def _checkpoint_due(self) -> bool:

@@ -70,7 +70,7 @@ def roles_on_a_rank(flat: bool):
     expert = _params()[1]
     group, index, size = shard_group([expert], grid)
     sharded = ShardedMasterWeights([expert], "fp32", group, index, size, bucket_mb=1.0)
-    reduction = DataParallelGradients([expert], grid, 1, sharded=sharded)
+    reduction = DataParallelGradients([expert], grid, 1, sharded=sharded.shard_layout)
     _backward([expert], rank)
     reduction.finish()
     out["sharded"] = (index, size, sharded.full_grads()[0].tolist())

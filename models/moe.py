@@ -1,0 +1,286 @@
+"""The mixture-of-experts MLP: a router, E routed experts, optional shared experts (docs/moe.md).
+
+A token's MLP output is sum_j gate_j * expert_{i_j}(x) over its k chosen experts i_j, plus the
+shared experts' output that every token gets. Routing is dropless: every token reaches its k
+experts, so no layout changes what a token computes.
+
+Router (`Router`): scores = x W_r^T in fp32, softmax or sigmoid; the k best experts by score
+(plus the per-expert selection bias of auxiliary-loss-free balancing, which picks but never
+weighs), ties broken towards the lower expert index (a stable sort); the chosen scores,
+renormalised to sum 1 if `moe_renormalize`, times `moe_routed_scaling_factor`, are the gates.
+Its losses, over the micro-batch's N tokens and their N k choices:
+
+    moe_aux_loss = coeff * E * sum_i f_i P_i     f_i = (choices of expert i) / (N k),
+                                                 P_i = mean score of expert i
+    moe_z_loss   = coeff * mean_tokens logsumexp(x W_r^T)^2
+
+Where a layout splits a micro-batch's tokens over ranks (the sequence-parallel tensor group,
+the context ring), f_i is summed over those ranks first, and each rank's loss is its tokens'
+share; with sequence parallelism the reported value is completed over the tensor group while
+the gradient stays each rank's share (the router weight's gradient is then summed over the
+group, as sequence-parallel weights' are). So every layout computes the single process's loss.
+
+Experts (`Expert`, `MoEMLP.route`): the model's activation (GeLU, or SwiGLU with fc1's rows alternating
+gate and up as the dense MLP's), hidden size `moe_ffn_hidden_size`, no biases (as Mixtral,
+Qwen3 and DeepSeek-V3), fc1 column- and fc2 row-split over the tensor group like the dense MLP.
+One parameter per expert, named by its global index (`mlp.experts.{i}.fc1.weight`), so a
+checkpoint is the same whoever holds which experts. The (token, choice) pairs are sorted by
+expert (a stable argsort), each expert runs one GEMM pair on its contiguous rows (every local
+expert runs, with zero rows if it got none, so every weight gets its gradient each
+micro-batch), and the rows are put back in token order and summed with their gates.
+
+Tensor parallelism: the router sees the MLP input as the layer has it (replicated, or this
+rank's 1/t of the sequence); its gates and choices enter the tensor region like the experts'
+input does (`enter_tensor_region`: f, or the sequence all-gather), so the gates' gradients,
+partial per tensor rank, are summed there, and the routed output leaves it like a row-parallel
+GEMM's (g, or the reduce-scatter).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ptdp.kernels import bias_gelu, bias_swiglu
+from ptdp.parallel.experts import all_to_all, by_local_expert, exchange_counts
+from ptdp.parallel.layers import full_normal, scaled_std, shard_param
+from ptdp.parallel.roles import declare_role
+from ptdp.parallel.sequence import (enter_tensor_region, leave_tensor_region,
+                                    mark_sequence_parallel)
+from ptdp.parallel.weight_grad import PLAIN
+
+AUX_LOSS, Z_LOSS = "moe_aux_loss", "moe_z_loss"
+
+
+def moe_aux_loss_names(model) -> tuple[str, ...]:
+    """The side outputs an MoE model's stages return (ptdp/training/pipeline.py declares them):
+    those with a coefficient above 0."""
+    if not model.num_experts:
+        return ()
+    return tuple(name for name, coeff in ((AUX_LOSS, model.moe_aux_loss_coeff),
+                                          (Z_LOSS, model.moe_z_loss_coeff)) if coeff > 0)
+
+
+def counting() -> bool:
+    """Whether this forward is a training forward to count loads in: not validation (no
+    gradients) and not a recomputation (it runs inside a backward pass)."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
+class Router(nn.Module):
+    """x [.., h] -> (chosen experts [.., k], their gates [.., k] fp32, {aux loss name: value}).
+
+    `expert_bias` (fp32, [E]) is the selection bias of auxiliary-loss-free balancing and
+    `loads` (fp64, [E]) the choices counted since the last optimizer step; both are state of
+    the trainer (ptdp/training/experts.py), kept off the module's buffers so that casting the
+    model to bf16 leaves them alone.
+    """
+
+    def __init__(self, ctx, key: str):
+        super().__init__()
+        cfg, tp = ctx.model, ctx.tp
+        self.ctx, self.E, self.k = ctx, cfg.num_experts, cfg.moe_top_k
+        self.weight = mark_sequence_parallel(shard_param(
+            full_normal((self.E, cfg.hidden_size), cfg.init_std, ctx.seed, f"{key}.weight"),
+            None, tp), tp)
+        self.expert_bias = torch.zeros(self.E)
+        self.loads = torch.zeros(self.E, dtype=torch.float64)
+        self.aux_names = moe_aux_loss_names(cfg)
+
+    def forward(self, x):
+        cfg = self.ctx.model
+        # fp32 scores: the router's weight gradient stays in B with zb-h1 (a tiny GEMM)
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.softmax(-1) if cfg.moe_score_function == "softmax" else logits.sigmoid()
+        select = scores
+        if cfg.moe_expert_bias_rate > 0:
+            self.expert_bias = self.expert_bias.to(x.device)
+            select = scores.detach() + self.expert_bias
+        chosen = torch.sort(select.detach(), dim=-1, descending=True, stable=True)[1][..., :self.k]
+        gates = scores.gather(-1, chosen)
+        if cfg.moe_renormalize:
+            gates = gates / gates.sum(-1, keepdim=True).clamp(min=1e-20)
+        gates = gates * cfg.moe_routed_scaling_factor
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.E).to(torch.float64)
+        if self.training and counting():
+            self.loads = self.loads.to(x.device) + counts
+        return chosen, gates, self._losses(logits, scores, counts)
+
+    def _losses(self, logits, scores, counts) -> dict:
+        """This rank's share of the micro-batch's aux losses (module docstring)."""
+        if not self.aux_names:
+            return {}
+        cfg, tp, cp = self.ctx.model, self.ctx.tp, self.ctx.cp
+        local = scores.reshape(-1, self.E)
+        tokens = local.shape[0] * (tp.size if tp.sequence_parallel else 1) * cp.size
+        losses = {}
+        if AUX_LOSS in self.aux_names:
+            counts = _sum_over_token_ranks(counts, self.ctx)
+            f = (counts / (tokens * self.k)).to(local.dtype)
+            losses[AUX_LOSS] = cfg.moe_aux_loss_coeff * self.E * (f * local.sum(0)).sum() / tokens
+        if Z_LOSS in self.aux_names:
+            lse = torch.logsumexp(logits.reshape(-1, self.E), dim=-1)
+            losses[Z_LOSS] = cfg.moe_z_loss_coeff * lse.square().sum() / tokens
+        if tp.sequence_parallel:
+            losses = _completed_over_tensor(losses, tp)
+        return losses
+
+
+def _sum_over_token_ranks(counts: torch.Tensor, ctx) -> torch.Tensor:
+    """`counts` summed over the ranks holding other tokens of the same micro-batch: the
+    sequence-parallel tensor group and the context ring."""
+    counts = counts.clone()
+    if ctx.tp.sequence_parallel:
+        dist.all_reduce(counts, group=ctx.tp.group)
+    if ctx.cp.size > 1:
+        dist.all_reduce(counts, group=ctx.cp.group)
+    return counts
+
+
+def _completed_over_tensor(losses: dict, tp) -> dict:
+    """Each value summed over the tensor group, each gradient still this rank's share's."""
+    values = torch.stack(list(losses.values())).detach()
+    total = values.clone()
+    dist.all_reduce(total, group=tp.group)
+    return {name: loss + (total[i] - values[i]) for i, (name, loss) in enumerate(losses.items())}
+
+
+class _Weight(nn.Module):
+    """A weight under its own name (`fc1.weight`), as the dense MLP's linears name theirs."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+
+class Expert(nn.Module):
+    """One routed expert: tokens [n, h] -> this tensor rank's partial output [n, h]."""
+
+    weight_ops = PLAIN   # zb-h1 rebinds it (ptdp/parallel/weight_grad.py)
+
+    def __init__(self, ctx, key: str, hidden: int):
+        super().__init__()
+        cfg, tp = ctx.model, ctx.tp
+        width = 2 * hidden if cfg.gated else hidden
+        self.activation = bias_swiglu if cfg.gated else bias_gelu
+        self.fc1 = _Weight(shard_param(full_normal((width, cfg.hidden_size), cfg.init_std,
+                                                   ctx.seed, f"{key}.fc1.weight"), 0, tp))
+        self.fc2 = _Weight(shard_param(full_normal((cfg.hidden_size, hidden),
+                                                   scaled_std(cfg.init_std, cfg.num_layers),
+                                                   ctx.seed, f"{key}.fc2.weight"), 1, tp))
+
+    def forward(self, x):
+        """(The block runs its experts together: MoEMLP._experts; this is one on its own.)"""
+        hidden = self.activation(self.weight_ops.linear(x, self.fc1.weight), None)
+        return self.weight_ops.linear(hidden, self.fc2.weight)
+
+
+def expert_rows(chosen: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """The (token, choice) pairs of `chosen` [N, k] sorted by expert (a stable argsort: within
+    an expert, in token order), and how many each expert got."""
+    flat = chosen.reshape(-1)
+    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts).tolist()
+
+
+def combine(out: torch.Tensor, order: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """Expert outputs in `order`'s rows [N k, h] -> sum_j gate_j * output_j per token [N, h]."""
+    n, k = gates.shape
+    out = out.index_select(0, torch.argsort(order))   # back in (token, choice) order
+    return (out.view(n, k, -1) * gates.to(out.dtype).unsqueeze(-1)).sum(1)
+
+
+class SharedExperts(nn.Module):
+    """The shared experts as one MLP every token passes through, optionally gated by
+    sigmoid(x w_g) per token (Qwen2-MoE)."""
+
+    def __init__(self, ctx, layer: int, mlp_type):
+        super().__init__()
+        cfg, tp = ctx.model, ctx.tp
+        key = f"layers.{layer}.mlp.shared"
+        self.mlp = mlp_type(ctx, layer, hidden=cfg.moe_shared_ffn_hidden_size, key=key)
+        self.gate = None
+        if cfg.moe_shared_expert_gate:
+            self.gate = mark_sequence_parallel(shard_param(
+                full_normal((1, cfg.hidden_size), cfg.init_std, ctx.seed, f"{key}.gate.weight"),
+                None, tp), tp)
+
+    def forward(self, x):
+        out, bias = self.mlp(x)
+        if bias is not None:
+            out = out + bias
+        if self.gate is not None:
+            out = out * torch.sigmoid(F.linear(x, self.gate))
+        return out
+
+
+class MoEMLP(nn.Module):
+    """The MoE block in a layer's MLP place: x [s, b, h] (or [s/t, b, h] with sequence
+    parallelism) -> (output, None: no bias left to add). Its aux losses of the latest forward
+    are `aux_losses` (models/transformer.py's stack collects them)."""
+
+    def __init__(self, ctx, layer: int, mlp_type):
+        super().__init__()
+        cfg = ctx.model
+        key = f"layers.{layer}.mlp"
+        self.tp = ctx.tp
+        self.E, self.k, self.ep = cfg.num_experts, cfg.moe_top_k, ctx.ep
+        self.router = Router(ctx, f"{key}.router")
+        self.experts = nn.ModuleDict({str(i): Expert(ctx, f"{key}.experts.{i}",
+                                                     cfg.moe_ffn_hidden_size)
+                                      for i in ctx.ep.held(cfg.num_experts)})
+        if ctx.ep.size > 1:   # the ranks holding the same experts: their gradients' group
+            for param in self.experts.parameters():
+                declare_role(param, reduce_axes=("expert_data",))
+        self.shared = (SharedExperts(ctx, layer, mlp_type) if cfg.moe_shared_ffn_hidden_size
+                       else None)
+        self.aux_losses: dict = {}
+
+    @torch.compiler.disable   # data-dependent sizes: the block runs eagerly in a compiled layer
+    def forward(self, x):
+        s, b, h = x.shape
+        chosen, gates, self.aux_losses = self.router(x)
+        tokens = enter_tensor_region(x, self.tp)           # [s, b, h] on every tensor rank
+        chosen, gates = enter_tensor_region(chosen, self.tp), enter_tensor_region(gates, self.tp)
+        routed = self.route(tokens.reshape(-1, h), chosen.reshape(-1, self.k),
+                            gates.reshape(-1, self.k))
+        out = leave_tensor_region(routed.view(tokens.shape), self.tp)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out, None
+
+    def route(self, x, chosen, gates):
+        """x [N, h] (inside the tensor region), chosen and gates [N, k] -> [N, h], this tensor
+        rank's partial sums: one GEMM pair per expert on its contiguous rows, the rows of
+        other ranks' experts sent there and back with expert parallelism."""
+        order, sizes = expert_rows(chosen, self.E)
+        rows = x.index_select(0, order // self.k)
+        if self.ep.size == 1:
+            return combine(self._experts(rows, sizes), order, gates)
+        return combine(self._expert_parallel(rows, sizes), order, gates)
+
+    def _experts(self, rows, sizes: list[int]):
+        """Rows grouped by this rank's experts, `sizes` rows each -> their outputs: fc1 per
+        expert, the activation once over all rows (one call instead of one per expert: ~25%
+        faster on CPU), fc2 per expert."""
+        experts = list(self.experts.values())
+        hidden = torch.cat([e.weight_ops.linear(part, e.fc1.weight)
+                            for e, part in zip(experts, rows.split(sizes))])
+        hidden = experts[0].activation(hidden, None)
+        return torch.cat([e.weight_ops.linear(part, e.fc2.weight)
+                          for e, part in zip(experts, hidden.split(sizes))])
+
+    def _expert_parallel(self, rows, sizes: list[int]):
+        """Rows sorted by global expert -> their outputs, via the ranks holding the experts
+        (ptdp/parallel/experts.py)."""
+        ep, per_rank = self.ep, self.E // self.ep.size
+        received = exchange_counts(torch.tensor(sizes, device=rows.device), ep).tolist()
+        send = [sum(sizes[r * per_rank:(r + 1) * per_rank]) for r in range(ep.size)]
+        receive = [sum(row) for row in received]
+        arrived = all_to_all(rows, ep, send, receive)
+        order, local_sizes = by_local_expert(received)
+        order = order.to(rows.device)
+        out = self._experts(arrived.index_select(0, order), local_sizes)
+        out = out.index_select(0, torch.argsort(order))   # back in arrival order
+        return all_to_all(out, ep, receive, send)
