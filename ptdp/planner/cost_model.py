@@ -466,9 +466,7 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     if lay.distributed_optimizer:
         dp_total, param_gather = _distributed_optimizer_comm(hw, work, lay, params - experts,
                                                              busy)
-    expert_reduce, expert_gather = expert_gradient_comm(
-        hw, t, replicas, lay.expert, experts, work.gpus_per_node, busy,
-        lay.distributed_optimizer, work.precision)
+    expert_reduce, expert_gather = expert_gradient_comm(hw, work, lay, experts, busy)
     dp_total, param_gather = dp_total + expert_reduce, param_gather + expert_gather
     hidden = slowest.backward if dp_overlap and hw.overlap_communication else 0.0
     dp_exposed = max(0.0, dp_total - hidden) + param_gather
@@ -491,7 +489,8 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     mem = _worst_memory(hw, work, lay, attention)
     time = {"compute": m * slowest.compute, "recompute": m * slowest.recompute,
             "tensor_comm": m * slowest.tensor_comm, "pipeline_p2p": m * slowest.p2p,
-            "context_ring": m * slowest.ring, "expert_all_to_all": m * slowest.all_to_all,
+            "context_ring": m * slowest.ring, **({"expert_all_to_all": m * slowest.all_to_all}
+                                                 if shape.experts else {}),   # MoE only
             "bubble": flush, "dp_allreduce": dp_total, "dp_exposed": dp_exposed,
             "embedding_sync": embedding_sync, "optimizer": optimizer}
     return Prediction(layout=lay, step_time_s=step, tflops_per_gpu=tflops,

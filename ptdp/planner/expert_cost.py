@@ -70,17 +70,16 @@ def all_to_all_seconds(hw, precision: str, shape, b: int, t: int, e: int, recomp
     return all_to_alls_per_layer(recompute) * one
 
 
-def expert_gradient_comm(hw, t: int, replicas: int, e: int, expert_params: float,
-                         gpus_per_node: int, busy: int,
-                         distributed_optimizer: bool, precision: str) -> tuple[float, float]:
+def expert_gradient_comm(hw, work, lay, expert_params: float, busy: int) -> tuple[float, float]:
     """(reduction, all-gather) seconds for the routed experts' fp32 gradients and, with the
     distributed optimizer, their updated weights, over the d*c/e ranks holding the same
-    experts."""
-    n = replicas // e
+    experts (cost_model's Workload `work` and Layout `lay`)."""
+    n = lay.replicas // lay.expert
     if n <= 1 or expert_params <= 0:
         return 0.0, 0.0
-    link = lambda kind: comm.data_link(hw, t, replicas, gpus_per_node, busy, kind)  # noqa: E731
-    if not distributed_optimizer:
+    link = lambda kind: comm.data_link(hw, lay.tensor, lay.replicas,  # noqa: E731
+                                       work.gpus_per_node, busy, kind)
+    if not lay.distributed_optimizer:
         return comm.all_reduce_time(n, expert_params * 4, link("all_reduce")), 0.0
     return (comm.reduce_scatter_time(n, expert_params * 4, link("reduce_scatter")),
-            comm.all_gather_time(n, expert_params * BYTES[precision], link("all_gather")))
+            comm.all_gather_time(n, expert_params * BYTES[work.precision], link("all_gather")))

@@ -139,9 +139,9 @@ def format_result(result: SearchResult, title: str, top: int) -> str:
              f"searched {result.evaluated} layouts in {result.seconds:.2f} s; "
              f"{len(result.ranked)} fit in memory", "",
              format_table(rows, header), ""]
-    total = sum(best.time[k] for k in TIME_LABELS)
+    total = sum(best.time.get(k, 0.0) for k in TIME_LABELS)
     parts = ", ".join(f"{TIME_LABELS[k]} {best.time[k] / total:.0%}" for k in TIME_LABELS
-                      if best.time[k] / total >= 0.005)
+                      if best.time.get(k, 0.0) / total >= 0.005)
     lines.append(f"best layout's time: {parts}")
     mem = best.memory
     lines.append("best layout's memory (GB): " + ", ".join(

@@ -319,7 +319,7 @@ def why_slower(pred: Prediction, best: Prediction) -> str:
               "context_ring": "context ring", "expert_all_to_all": "expert all-to-all",
               "bubble": "pipeline bubble", "dp_exposed": "data-parallel all-reduce",
               "embedding_sync": "embedding sync", "optimizer": "optimizer step"}
-    deltas = {k: pred.time[k] - best.time[k] for k in labels}
+    deltas = {k: pred.time.get(k, 0.0) - best.time.get(k, 0.0) for k in labels}
     key = max(deltas, key=deltas.get)
     slower = pred.step_time_s / best.step_time_s - 1
     if deltas[key] <= 0 or slower < 1e-9:
