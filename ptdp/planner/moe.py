@@ -1,7 +1,8 @@
 """Mixture-of-experts counts for the planner: which layers are MoE, parameters (total, active and
 per expert rank), forward FLOPs of an MoE layer's MLP, and the bytes an MoE layer keeps and
 sends. Torch-free, and free of the other planner modules (formulas.py builds on it), so it takes
-any object with ModelShape's fields (ptdp/planner/formulas.py).
+any object with ModelShape's fields (ptdp/planner/formulas.py); stage placement is
+ptdp/config/stages.py's.
 
 An MoE layer replaces the dense MLP (width f = shape.ffn) by
 * a router, h -> E scores (a bias-free linear, as Mixtral's, Qwen3's and DeepSeek-V3's; the
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ptdp.config.stages import StageMap
+
 
 def is_moe_layer(shape, layer: int) -> bool:
     first = shape.dense_first
@@ -34,15 +37,15 @@ def moe_layer_count(shape) -> int:
     return sum(is_moe_layer(shape, i) for i in range(shape.layers))
 
 
-def rank_moe_layers(shape, p: int, v: int = 1) -> list[int]:
-    """MoE layers each pipeline rank holds: virtual stage j = chunk·p + rank holds layers
-    [j·l/(p·v), (j+1)·l/(p·v)) (the even split the trainer makes without parallel.stage_layers)."""
+def rank_moe_layers(shape, p: int, v: int = 1, stages: StageMap | None = None) -> list[int]:
+    """MoE layers each pipeline rank holds: virtual stage j holds layers [j·l/(p·v),
+    (j+1)·l/(p·v)) (the even split the trainer makes without parallel.stage_layers), on the
+    ranks `stages` places them (default: Megatron's looped placement, every schedule's)."""
+    stages = stages or StageMap(p, v)
     per_stage = shape.layers // (p * v)
-    counts = [0] * p
-    for stage in range(p * v):
-        counts[stage % p] += sum(is_moe_layer(shape, i)
-                                 for i in range(stage * per_stage, (stage + 1) * per_stage))
-    return counts
+    return [sum(is_moe_layer(shape, i) for stage in stages.stages_of(rank)
+                for i in range(stage * per_stage, (stage + 1) * per_stage))
+            for rank in range(p)]
 
 
 def mlp_parameter_split(shape, ffn: int) -> tuple[int, int]:
