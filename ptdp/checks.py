@@ -466,6 +466,8 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
     sharded = ((f", optimizer state sharded over d = {par.data}" if par.context == 1 else
                 f", optimizer state sharded over d*c = {par.data * par.context}")
                if tr.distributed_optimizer else "")
+    if tr.distributed_optimizer and m.num_experts:
+        sharded += f" (experts' over d*c/e = {par.data * par.context // par.expert})"
     lines.append(f"memory per rank (estimate, {where}, {tr.precision}{sharded}):")
     shown = range(len(stages)) if len(stages) <= 4 else sorted(
         {0, len(stages) - 1, max(range(len(stages)), key=lambda r: stages[r].total)})
