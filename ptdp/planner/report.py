@@ -45,8 +45,9 @@ def expert_choice(result: SearchResult) -> dict:
 def _expert_lines(result: SearchResult) -> list[str]:
     choice = expert_choice(result)
     e = result.best.layout.expert
-    lines = [f"expert parallelism: e={e} chosen (each rank holds 1/{e} of every MoE layer's "
-             f"experts); the best layout of each e tried:"]
+    held = f"each rank holds 1/{e} of every MoE layer's experts" if e > 1 else \
+        "every rank holds all the experts"
+    lines = [f"expert parallelism: e={e} chosen ({held}); the best layout of each e tried:"]
     for size, row in choice.items():
         if not row["feasible"]:
             lines.append(f"  e={size}: none of {row['evaluated']} layouts fits in memory")
