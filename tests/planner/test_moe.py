@@ -155,3 +155,18 @@ def test_dense_models_have_no_expert_terms(a100):
     assert shape.experts == 0 and shape.moe_ffn == 0 and shape.top_k == 2
     pred = predict(a100, Workload(shape, 16, "bf16", 8), Layout(data=8))
     assert "expert_all_to_all" not in pred.time
+
+
+def test_the_trainers_tflops_count_active_experts_only():
+    """ptdp/metrics/throughput.py reports TFLOP/s (and MFU) on the planner's active FLOPs: an
+    iteration of the tiny MoE config at 1 s on 1 rank is its iteration_flops, fewer than the
+    same model with every expert active."""
+    from ptdp.metrics.throughput import iteration_tflops
+    cfg = load_config(CONFIGS / "moe_tiny.yaml", world_size=8)
+    shape = ModelShape.from_config(cfg.model)
+    flops = iteration_flops(shape, cfg.train.global_batch_size, cfg.padded_vocab_size,
+                            recompute_forward=False)
+    assert iteration_tflops(cfg, 1.0, 1) == flops / 1e12
+    every = dataclasses.replace(shape, top_k=shape.experts)
+    assert flops < iteration_flops(every, cfg.train.global_batch_size, cfg.padded_vocab_size,
+                                   recompute_forward=False)
