@@ -1,6 +1,6 @@
 PYTHON ?= python3
 
-.PHONY: install setup test demo demo-bert demo-llama clean
+.PHONY: install setup test demo demo-bert demo-llama demo-moe clean
 
 # torch first, only if it is missing, and pinned: an unpinned `pip install torch` can pull a
 # multi-GB CUDA build. Then the project with its test extras.
@@ -29,6 +29,11 @@ demo-bert:
 # RMSNorm, SwiGLU, grouped-query attention, untied output) on the GPT data.
 demo-llama:
 	DEMO_MODEL=llama PYTHON=$(PYTHON) bash tools/demo.sh
+
+# The same with the tiny mixture of experts of configs/moe_tiny.yaml (the Llama-style decoder
+# with 4 experts per layer, top-2 routing, e = 2 expert ranks folded out of d = 2) on the GPT data.
+demo-moe:
+	DEMO_MODEL=moe PYTHON=$(PYTHON) bash tools/demo.sh
 
 # Removes the demo's data and run; never runs/ (real jobs' checkpoints go there).
 clean:

@@ -429,7 +429,7 @@ def memory_per_stage(cfg: Config, hardware=None) -> list:
                   reserved_gb=hardware.memory_reserved_gb if hardware else 0.0, hw=hardware,
                   vertical_sync=cfg.schedule.vertical_sync,
                   distributed_optimizer=tr.distributed_optimizer,
-                  sequence_parallel=par.sequence_parallel, c=par.context)
+                  sequence_parallel=par.sequence_parallel, c=par.context, expert=par.expert)
     shape = ModelShape.from_config(cfg.model)
     return [gpu_memory(shape, rank=r, **kwargs) for r in range(par.pipeline)]
 
@@ -439,6 +439,7 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
     from ptdp.config.catalogue import schedule_spec
     from ptdp.planner.formulas import ModelShape, decoder_parameters, parameter_count
     from ptdp.planner.memory import GB
+    from ptdp.planner.moe_report import layout_text, moe_lines
 
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     mb = cfg.num_micro_batches
@@ -454,20 +455,19 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
         f"model: {m.arch}{block}, {m.num_layers} layers, h={m.hidden_size}, {m.num_heads} heads"
         f"{kv}, ffn {m.ffn_hidden_size}, s={m.seq_length}, vocab {m.vocab_size} (padded "
         f"{cfg.padded_vocab_size}), {params / 1e6:,.2f} M parameters ({formula})",
-        (f"layout: (p, t, d) = ({par.pipeline}, {par.tensor}, {par.data})" if par.context == 1
-         else f"layout: (p, t, c, d) = ({par.pipeline}, {par.tensor}, {par.context}, "
-              f"{par.data}), each rank {m.seq_length // par.context} of {m.seq_length} tokens per "
-              f"sequence (ring attention)")
+        layout_text(par, m.seq_length, shape.experts > 0)
         + f", v = {par.chunks}, schedule {cfg.schedule.name}, world size {world_size}",
         f"micro-batches: m = {mb} of {tr.micro_batch_size} per pipeline per iteration "
         f"(global batch {tr.global_batch_size}); "
         + _bubble_line(schedule_spec(cfg.schedule.name), par.pipeline, par.chunks, mb),
-    ]
+        *moe_lines(cfg, cfg.padded_vocab_size)]
     stages = memory_per_stage(cfg, hardware)
     where = f"log.hardware {hardware.name}" if hardware else "analytic, flash attention"
     sharded = ((f", optimizer state sharded over d = {par.data}" if par.context == 1 else
                 f", optimizer state sharded over d*c = {par.data * par.context}")
                if tr.distributed_optimizer else "")
+    if tr.distributed_optimizer and m.num_experts:
+        sharded += f" (experts' over d*c/e = {par.data * par.context // par.expert})"
     lines.append(f"memory per rank (estimate, {where}, {tr.precision}{sharded}):")
     shown = range(len(stages)) if len(stages) <= 4 else sorted(
         {0, len(stages) - 1, max(range(len(stages)), key=lambda r: stages[r].total)})

@@ -9,7 +9,8 @@
 #        demo/gpt_demo.{bin,idx}    the tokenised corpus (indexed dataset)
 #   3. trains the tiny GPT of configs/gpt_demo.yaml (DEMO_MODEL=bert: the tiny BERT of
 #      configs/bert_demo.yaml, on demo/bert_demo.{bin,idx}; DEMO_MODEL=llama: the tiny Llama-style
-#      decoder of configs/llama_demo.yaml, on the GPT data) with (p, t, d) = (2, 2, 2) on 8 local CPU
+#      decoder of configs/llama_demo.yaml, on the GPT data; DEMO_MODEL=moe: its mixture-of-experts
+#      form, configs/moe_tiny.yaml, with e = 2 expert ranks) with (p, t, d) = (2, 2, 2) on 8 local CPU
 #      ranks (gloo) into a new run folder demo/runs/<date-time>/ (metrics.jsonl, config.yaml,
 #      checkpoints/);
 #   4. prints the first and last loss and fails unless the loss fell clearly
@@ -20,7 +21,7 @@
 #
 # Safe to re-run: data is reused and every run gets its own folder, so earlier runs are kept
 # (`make clean` removes demo/). Environment: PYTHON [python3], DEMO_DIR [demo],
-# DEMO_MAX_RATIO [0.8], DEMO_PROMPT ["Return the"], DEMO_MODEL [gpt] (gpt | bert | llama).
+# DEMO_MAX_RATIO [0.8], DEMO_PROMPT ["Return the"], DEMO_MODEL [gpt] (gpt | bert | llama | moe).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,9 +29,11 @@ cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
 DEMO_DIR="${DEMO_DIR:-demo}"
 DEMO_MODEL="${DEMO_MODEL:-gpt}"
-[[ "$DEMO_MODEL" == gpt || "$DEMO_MODEL" == bert || "$DEMO_MODEL" == llama ]] || { echo "demo: error: DEMO_MODEL must be gpt, bert or llama, got '$DEMO_MODEL'" >&2; exit 1; }
-# A Llama-style decoder is a GPT with other blocks: the same data and launch script
-DATA_MODEL="$DEMO_MODEL"; [[ "$DEMO_MODEL" == llama ]] && DATA_MODEL=gpt
+[[ "$DEMO_MODEL" == gpt || "$DEMO_MODEL" == bert || "$DEMO_MODEL" == llama || "$DEMO_MODEL" == moe ]] || { echo "demo: error: DEMO_MODEL must be gpt, bert, llama or moe, got '$DEMO_MODEL'" >&2; exit 1; }
+# A Llama-style decoder (and its mixture of experts) is a GPT with other blocks: the same data
+# and launch script
+DATA_MODEL="$DEMO_MODEL"; [[ "$DEMO_MODEL" == llama || "$DEMO_MODEL" == moe ]] && DATA_MODEL=gpt
+CONFIG="configs/${DEMO_MODEL}_demo.yaml"; [[ "$DEMO_MODEL" == moe ]] && CONFIG=configs/moe_tiny.yaml
 MAX_RATIO="${DEMO_MAX_RATIO:-0.8}"
 # BERT's loss adds sentence order (ln 2 at chance, slow to fall): a looser default bar
 [[ "$DEMO_MODEL" == bert && -z "${DEMO_MAX_RATIO:-}" ]] && MAX_RATIO=0.85
@@ -103,10 +106,10 @@ while [[ -e "$run_dir" ]]; do run_dir="$run_dir-x"; done   # two runs within one
 metrics="$run_dir/metrics.jsonl"
 checkpoints="$run_dir/checkpoints"
 mkdir -p "$run_dir"
-say "training configs/${DEMO_MODEL}_demo.yaml on 8 CPU ranks, (p, t, d) = (2, 2, 2), into $run_dir"
+say "training $CONFIG on 8 CPU ranks, (p, t, d) = (2, 2, 2), into $run_dir"
 # Hide any GPU: the demo layout needs 8 ranks, which on this path are CPU processes.
 CUDA_VISIBLE_DEVICES="" NPROC=8 GPUS_PER_NODE="" PYTHON="$PYTHON" \
-    bash "tools/pretrain_$DATA_MODEL.sh" "configs/${DEMO_MODEL}_demo.yaml" \
+    bash "tools/pretrain_$DATA_MODEL.sh" "$CONFIG" \
     data.paths="[$data_prefix]" data.tokenizer="$tok_prefix.model" \
     log.metrics_file="$metrics" checkpoint.dir="$checkpoints" "$@"
 

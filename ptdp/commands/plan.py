@@ -19,7 +19,7 @@ from ptdp.hardware import HardwareError, foreign_profile, load_hardware
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.cost_model import SCHEDULES, Workload
 from ptdp.planner.errors import PlanError
-from ptdp.planner.formulas import parameter_total
+from ptdp.planner.formulas import active_parameters, parameter_total
 from ptdp.planner.report import format_result, result_dict, trainer_config
 from ptdp.planner.search import STRICT_SCHEDULES, parse_fix, search
 
@@ -44,7 +44,8 @@ def register(subparsers) -> None:
     plan.add_argument("--fix", default=None,
                       help="pin choices, e.g. p=8,t=8,b=1,v=2,schedule=interleaved,"
                            "recompute=full,sg=true,distopt=true; c=2 for context parallelism "
-                           "(c = 1 unless pinned here or by the YAML's parallel.context)")
+                           "(c = 1 unless pinned here or by the YAML's parallel.context); e=4 "
+                           "pins expert parallelism (MoE models; searched otherwise)")
     plan.add_argument("--allow-2bw", action="store_true",
                       help="also consider PipeDream-2BW (relaxed, 1-stale weight updates)")
     plan.add_argument("--allow-distributed-optimizer", action="store_true",
@@ -121,6 +122,8 @@ def _plan(args) -> int:
                                 and schedule_spec(fixed["schedule"]).planner is Planner.OPT_IN)
     schedules = SCHEDULES if opt_in else STRICT_SCHEDULES
     shape = ModelShape.from_config(cfg.model)
+    if fixed.get("expert", 1) > 1 and not shape.experts:
+        raise PlanError(f"--fix e={fixed['expert']}: expert parallelism needs model.num_experts > 0")
     work = Workload(shape, batch, precision, per_node)
     result = search(hw, work, gpus, fixed, attention=args.attention, schedules=schedules,
                     distributed_optimizer=args.allow_distributed_optimizer)
@@ -137,7 +140,7 @@ def _plan(args) -> int:
                             "num_heads": m.num_heads, "num_kv_heads": m.num_kv_heads,
                             "ffn_hidden_size": m.ffn_hidden_size, "activation": m.activation,
                             "seq_length": m.seq_length, "vocab_size": m.vocab_size,
-                            "tie_embeddings": m.tie_embeddings},
+                            "tie_embeddings": m.tie_embeddings, **_moe_header(m, shape)},
                   "hardware": hw.name, "gpus": gpus, "gpus_per_node": per_node,
                   "global_batch_size": batch}
         print(json.dumps(result_dict(result, header, precision, args.top), indent=2))
@@ -146,7 +149,7 @@ def _plan(args) -> int:
         kv = f" ({m.num_kv_heads} K/V)" if m.num_kv_heads != m.num_heads else ""
         title = (f"{m.arch}{block} {params / 1e9:.1f}B parameters ({m.num_layers} layers, "
                  f"h={m.hidden_size}, {m.num_heads} heads{kv}, f={m.ffn_hidden_size}, "
-                 f"s={m.seq_length}, V={m.vocab_size}) "
+                 f"s={m.seq_length}, V={m.vocab_size}{_moe_title(m, shape)}) "
                  f"on {gpus} x {hw.name} ({gpus // per_node} node(s) x {per_node}), "
                  f"B={batch}, {precision}")
         print(format_result(result, title, args.top))
@@ -161,6 +164,23 @@ def _plan(args) -> int:
         if not args.json:
             print(f"wrote {args.write_config}")
     return 0
+
+
+def _moe_header(m, shape) -> dict:
+    """The --json model entries of a mixture of experts: its experts and active parameters."""
+    if not shape.experts:
+        return {}
+    return {"num_experts": m.num_experts, "moe_top_k": m.moe_top_k,
+            "moe_ffn_hidden_size": m.moe_ffn_hidden_size,
+            "moe_shared_ffn_hidden_size": m.moe_shared_ffn_hidden_size,
+            "active_parameters": active_parameters(shape)}
+
+
+def _moe_title(m, shape) -> str:
+    if not shape.experts:
+        return ""
+    return (f", {m.num_experts} experts, top-{m.moe_top_k}, f_moe={m.moe_ffn_hidden_size}, "
+            f"{active_parameters(shape) / 1e9:.1f}B active")
 
 
 def _check_trainer_accepts(out: dict, gpus: int) -> None:

@@ -42,7 +42,9 @@ def iteration_tflops(cfg: Config, seconds: float, world_size: int,
     """Model TFLOP/s per GPU: Eq. 4.2 for GPT, generalised to Llama-style blocks (grouped-query
     attention, SwiGLU: formulas.iteration_flops), BERT's own formula (its LM transform, pooler
     and binary head) for BERT; the recomputed forward counts only when it runs. `batch`: the
-    iteration's global batch when it is not train.global_batch_size (a ramp-up)."""
+    iteration's global batch when it is not train.global_batch_size (a ramp-up). A mixture of
+    experts counts its active experts only (the k each token is routed to, the shared one and
+    the router; ptdp/planner/moe.py), as Megatron's MFU does."""
     tr = cfg.train
     flops = iteration_flops(ModelShape.from_config(cfg.model), batch or tr.global_batch_size,
                             cfg.padded_vocab_size, recompute_forward=tr.recompute == "full")

@@ -158,3 +158,18 @@ def reduce_scatter_time(n: int, nbytes_total: float, link: Link) -> float:
 
 def p2p_time(nbytes: float, link: Link) -> float:
     return nbytes / link.bandwidth + link.latency
+
+
+def expert_link(hw, t: int, e: int, gpus_per_node: int, busy: int | None = None) -> Link:
+    """An expert group: e ranks t apart (folded out of data x context, Megatron's order: tensor
+    fastest, then context, data, pipeline), so the groups tile blocks of t*e consecutive ranks,
+    like data-parallel groups of e: on the network when a block straddles nodes."""
+    return data_link(hw, t, e, gpus_per_node, busy, "all_to_all")
+
+
+def all_to_all_time(n: int, nbytes: float, link: Link) -> float:
+    """An all-to-all where each rank sends `nbytes` in all, 1/n of it to each peer (balanced
+    routing): (n-1)/n of it leaves the rank, in n-1 messages."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency

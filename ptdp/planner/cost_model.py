@@ -55,6 +55,8 @@ Context parallelism (c > 1, ptdp/parallel/ring_attention.py)
     it otherwise. Neighbours are t ranks apart (comm.context_link).
   * Gradients are reduced over the d*c replicas; the distributed optimizer shards over them.
 
+Mixtures of experts (e expert ranks folded out of d*c): ptdp/planner/expert_cost.py.
+
 Pipeline (formulas.bubble_fraction)
   * Flushing schedules (gpipe, 1f1b, interleaved): m * T_slowest + (p-1)/v * T_mean, which
     is (p-1)/(v*m) bubble for balanced stages. 2BW never flushes: m *
@@ -107,7 +109,9 @@ from ptdp.planner.compute import (BYTES, ModelShape, _attention_times, head_time
                                   measured_tensor_comm)
 from ptdp.planner.formulas import (bubble_fraction, context_shape, iteration_flops,
                                    ring_block_bytes, ring_blocks_per_layer)
+from ptdp.planner.expert_cost import all_to_all_seconds, expert_gradient_comm, moe_layer_time_change
 from ptdp.planner.memory import GB, MemoryBreakdown, gpu_memory, stage_parameters
+from ptdp.planner.moe import rank_expert_parameters, rank_moe_layers
 
 # What the cost model has formulas for (ptdp/config/catalogue.py: all but PipeDream async).
 SCHEDULES = names_where(lambda spec: spec.planner is not Planner.NOT_MODELLED)
@@ -127,6 +131,7 @@ class Layout:
     distributed_optimizer: bool = False
     sequence_parallel: bool = False
     context: int = 1
+    expert: int = 1      # e, folded out of d * c: each rank holds E/e experts
 
     @property
     def gpus(self) -> int:
@@ -145,7 +150,8 @@ class Layout:
         v = f" v={self.chunks}" if self.chunks > 1 else ""
         zero = " distopt" if self.distributed_optimizer else ""
         c = f" c={self.context}" if self.context > 1 else ""
-        return (f"p={self.pipeline} t={self.tensor}{c} d={self.data}{v} b={self.micro_batch} "
+        e = f" e={self.expert}" if self.expert > 1 else ""
+        return (f"p={self.pipeline} t={self.tensor}{c} d={self.data}{e}{v} b={self.micro_batch} "
                 f"{self.schedule} rc={self.recompute}{sg}{zero}")
 
 
@@ -186,10 +192,12 @@ class _RankTimes:
     backward: float        # the part of `compute` that is backward (DP overlap window)
     p2p_fill: float = 0.0  # per micro-batch step of the fill and drain: every transfer waited
     ring: float = 0.0      # the context ring's exposed transfers
+    all_to_all: float = 0.0   # the MoE layers' token dispatch and combine
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.tensor_comm + self.p2p + self.ring
+        return (self.compute + self.recompute + self.tensor_comm + self.p2p + self.ring
+                + self.all_to_all)
 
 
 def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str,
@@ -228,6 +236,13 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     fwd, bwd = fwd + overhead / 2, bwd + overhead / 2
     recompute = {"none": 0.0, "selective": layers * attention_forward,
                  "full": layers * lt.forward}[lay.recompute]
+    all_to_all, moe = 0.0, max(rank_moe_layers(shape, p, v))   # the busiest rank's MoE layers
+    if shape.experts:
+        moe_fwd, moe_bwd = moe_layer_time_change(hw, prec, shape, b, t, lay.expert)
+        fwd, bwd = fwd + moe * moe_fwd, bwd + moe * moe_bwd
+        recompute += moe * moe_fwd if lay.recompute == "full" else 0.0
+        all_to_all = moe * all_to_all_seconds(hw, prec, shape, b, t, lay.expert, lay.recompute,
+                                              lay.sequence_parallel, work.gpus_per_node, busy)
     tensor_comm = layers * _layer_tensor_comm(hw, work, lay, act_bytes, ar, busy)
     if first or last:
         ht = head_times(hw, prec, shape, b, t, padded_vocab_size(shape.vocab, t))
@@ -252,7 +267,7 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
                          else (2 * v * one_way, 2 * v * one_way))
     slow = _oversubscription(hw, lay.gpus, work.gpus_per_node)
     return _RankTimes((fwd + bwd) * slow, recompute * slow, tensor_comm, p2p, bwd * slow,
-                      p2p_fill, ring)
+                      p2p_fill, ring, all_to_all)
 
 
 def _ring_time(hw: HardwareProfile, work: Workload, lay: Layout, busy: int, step_forward: float,
@@ -329,7 +344,7 @@ def _flush_rank_time(ranks: list, p: int, compute_factor: float) -> float:
     def mean(attr):
         return (getattr(first, attr) + getattr(last, attr) + (p - 2) * getattr(middle, attr)) / p
     return ((mean("compute") + mean("recompute")) * compute_factor
-            + mean("tensor_comm") + mean("p2p_fill") + mean("ring"))
+            + mean("tensor_comm") + mean("p2p_fill") + mean("ring") + mean("all_to_all"))
 
 
 def _flush_compute_factor(hw: HardwareProfile, p: int, m: int, gpus: int,
@@ -360,7 +375,7 @@ def _zero_bubble_flush(ranks: list[_RankTimes], p: int, m: int,
 
     def left(r):
         return ((r.compute + r.recompute - r.backward) * compute_factor
-                + r.tensor_comm + r.p2p + r.ring)
+                + r.tensor_comm + r.p2p + r.ring + r.all_to_all)
 
     mean = sum(w * r.total for w, r in zip(weights, ranks)) / sum(weights)
     mean_left = sum(w * left(r) for w, r in zip(weights, ranks)) / sum(weights)
@@ -416,7 +431,7 @@ def _worst_memory(hw, work: Workload, lay: Layout, attention: str) -> MemoryBrea
                   vocab_padded=padded_vocab_size(work.shape.vocab, lay.tensor),
                   reserved_gb=hw.memory_reserved_gb, hw=hw,
                   distributed_optimizer=lay.distributed_optimizer,
-                  sequence_parallel=lay.sequence_parallel, c=lay.context)
+                  sequence_parallel=lay.sequence_parallel, c=lay.context, expert=lay.expert)
     ranks = {0, lay.pipeline - 1}
     return max((gpu_memory(work.shape, rank=r, **kwargs) for r in ranks), key=lambda mb: mb.total)
 
@@ -441,15 +456,18 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
         flush, bubble = _zero_bubble_flush(ranks, p, m, flush_compute)
 
     vocab_padded = padded_vocab_size(shape.vocab, t)
-    params = max(stage_parameters(shape, t, p, vocab_padded, r == 0, r == p - 1) for r in {0, p - 1})
-    grad_bytes = params * 4
+    params = max(stage_parameters(shape, t, p, vocab_padded, r == 0, r == p - 1, lay.expert, v)
+                 for r in {0, p - 1})
+    experts = rank_expert_parameters(shape, t, p, v, lay.expert)   # reduced over d*c/e
     busy = min(lay.gpus, work.gpus_per_node)
     replicas = lay.replicas   # data x context: the ranks whose gradients are summed
-    dp_total = comm.all_reduce_time(replicas, grad_bytes,
-                                    comm.data_link(hw, t, replicas, work.gpus_per_node, busy))
-    param_gather = 0.0
+    dp_total, param_gather = comm.all_reduce_time(replicas, (params - experts) * 4, comm.data_link(
+        hw, t, replicas, work.gpus_per_node, busy)), 0.0
     if lay.distributed_optimizer:
-        dp_total, param_gather = _distributed_optimizer_comm(hw, work, lay, params, busy)
+        dp_total, param_gather = _distributed_optimizer_comm(hw, work, lay, params - experts,
+                                                             busy)
+    expert_reduce, expert_gather = expert_gradient_comm(hw, work, lay, experts, busy)
+    dp_total, param_gather = dp_total + expert_reduce, param_gather + expert_gather
     hidden = slowest.backward if dp_overlap and hw.overlap_communication else 0.0
     dp_exposed = max(0.0, dp_total - hidden) + param_gather
     dp_total += param_gather
@@ -458,8 +476,10 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
         table = vocab_padded * shape.hidden / t * 4
         embedding_sync = comm.all_reduce_time(
             2, table, comm.pipeline_link(hw, t, d * lay.context, p, work.gpus_per_node, busy))
-    optimizer = _optimizer_time(hw, params, work.precision) * _oversubscription(
-        hw, lay.gpus, work.gpus_per_node) / (replicas if lay.distributed_optimizer else 1)
+    updated = ((params - experts + experts * lay.expert) / replicas   # the shards it updates
+               if lay.distributed_optimizer else params)
+    optimizer = _optimizer_time(hw, updated, work.precision) * _oversubscription(
+        hw, lay.gpus, work.gpus_per_node)
     step = (pipelined + flush + dp_exposed + embedding_sync + optimizer
             + hw.efficiency.host_overhead_s)
 
@@ -469,7 +489,8 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     mem = _worst_memory(hw, work, lay, attention)
     time = {"compute": m * slowest.compute, "recompute": m * slowest.recompute,
             "tensor_comm": m * slowest.tensor_comm, "pipeline_p2p": m * slowest.p2p,
-            "context_ring": m * slowest.ring,
+            "context_ring": m * slowest.ring, **({"expert_all_to_all": m * slowest.all_to_all}
+                                                 if shape.experts else {}),   # MoE only
             "bubble": flush, "dp_allreduce": dp_total, "dp_exposed": dp_exposed,
             "embedding_sync": embedding_sync, "optimizer": optimizer}
     return Prediction(layout=lay, step_time_s=step, tflops_per_gpu=tflops,

@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config.models import Heads, ModelFamily, model_family
+from ptdp.planner.moe import (dense_mlp_forward_flops, moe_layer_count, moe_mlp_forward_flops,
+                              moe_parameter_change)
 
 SECONDS_PER_DAY = 86_400.0
 
@@ -63,6 +65,14 @@ class ModelShape:
     qkv_bias: bool | None = None         # biases of Q, K, V only; None = bias
     tie_embeddings: bool = True          # the logits reuse the word table
     tokentypes: int = 2                  # BERT's segment embeddings
+    # Mixture of experts (ptdp/planner/moe.py); 0 experts = dense MLPs everywhere
+    experts: int = 0                     # E, routed experts per MoE layer
+    top_k: int = 2                       # k, experts each token passes
+    moe_ffn: int = 0                     # each expert's width
+    shared_ffn: int = 0                  # the shared expert's width; 0 = none
+    shared_gate: bool = False            # a sigmoid gate h -> 1 on the shared expert
+    moe_freq: int = 1                    # every n-th layer is MoE ...
+    dense_first: int = 0                 # ... after this many dense ones
 
     def __post_init__(self):
         if self.kv_heads is None:
@@ -72,10 +82,15 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, m) -> "ModelShape":
+        # a dense model's shape keeps the MoE fields' defaults, whatever its moe_* keys say
+        moe = (dict(experts=m.num_experts, top_k=m.moe_top_k, moe_ffn=m.moe_ffn_hidden_size,
+                    shared_ffn=m.moe_shared_ffn_hidden_size,
+                    shared_gate=m.moe_shared_expert_gate, moe_freq=m.moe_layer_freq,
+                    dense_first=m.moe_first_dense_layers) if m.num_experts else {})
         return cls(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.ffn_hidden_size,
                    m.seq_length, m.vocab_size, _any_dropout(m), m.num_kv_heads, m.activation,
                    m.normalization, m.position_embedding, m.bias, m.qkv_bias, m.tie_embeddings,
-                   m.num_tokentypes)
+                   m.num_tokentypes, **moe)
 
     @property
     def family(self) -> ModelFamily:
@@ -111,7 +126,7 @@ class ModelShape:
         """The block Eq. 4.2 and 4.3 are written for: GPT-2's, with f = 4h."""
         return (self.ffn == 4 * self.hidden and self.kv_heads == self.heads and not self.gated
                 and self.normalization == "layernorm" and not self.rope and self.bias
-                and self.qkv_bias and self.tie_embeddings)
+                and self.qkv_bias and self.tie_embeddings and not self.experts)
 
     def block_key(self) -> dict:
         """What a measured profile row must match beyond the sizes (ptdp/planner/compute.py);
@@ -213,6 +228,10 @@ def iteration_flops(shape: ModelShape, batch: int, vocab: int | None = None,
     forward, else 3). The logit layer's 6*B*s*h*V is the same whether the output layer is tied
     to the word table or not; biases, norms, the activation and rotary positions are
     elementwise and, as in Eq. 4.2, not counted.
+
+    MoE layers (ptdp/planner/moe.py) count active experts only, as Megatron's MFU does: their
+    MLP's 2*T*h*(2+g)*f is replaced by moe.moe_mlp_forward_flops (router, k routed experts,
+    the shared expert), added as the difference so dense models keep their number bit for bit.
     """
     vocab = shape.vocab if vocab is None else vocab
     if shape.bert_heads:
@@ -224,7 +243,12 @@ def iteration_flops(shape: ModelShape, batch: int, vocab: int | None = None,
     per_layer_forward = 24.0 * b * s * h * h + 4.0 * b * s * s * h
     per_layer_forward += (4.0 * b * s * h * (shape.kv_hidden - shape.hidden)
                           + 2.0 * b * s * h * ((2 + shape.gated) * shape.ffn - 8 * shape.hidden))
-    return passes * l * per_layer_forward + 6.0 * b * s * h * v
+    layers = passes * l * per_layer_forward
+    if shape.experts:
+        tokens = b * s
+        layers += passes * moe_layer_count(shape) * (moe_mlp_forward_flops(shape, tokens)
+                                                     - dense_mlp_forward_flops(shape, tokens))
+    return layers + 6.0 * b * s * h * v
 
 
 def layer_parameter_split(shape: ModelShape) -> tuple[int, int]:
@@ -252,13 +276,28 @@ def decoder_parameters(shape: ModelShape, vocab: int | None = None) -> float:
     V*h of its own when it is not tied to the word table. For the dissertation's block that is
     12*l*h^2 + 13*l*h + (V + s)*h + 2h: Eq. 4.3 plus the final LayerNorm, which Eq. 4.3 leaves
     out. Llama-3 8B (32 layers, h = 4096, 32 heads, 8 K/V heads, f = 14336, V = 128256):
-    8,030,261,248, Meta's count."""
+    8,030,261,248, Meta's count. MoE layers count all E experts (`active_parameters`: the k
+    a token passes)."""
+    return _decoder_parameters(shape, vocab, active=False)
+
+
+def active_parameters(shape: ModelShape, vocab: int | None = None) -> float:
+    """The parameters one token passes: `decoder_parameters` with each MoE layer's k routed
+    experts instead of all E (the router and shared expert count whole). Mixtral-8x7B: 12.9 B
+    of 46.7 B. A dense model: all of them."""
+    if not shape.experts:
+        return parameter_total(shape, vocab)
+    return _decoder_parameters(shape, vocab, active=True)
+
+
+def _decoder_parameters(shape: ModelShape, vocab: int | None, active: bool) -> float:
     vocab = shape.vocab if vocab is None else vocab
     h = shape.hidden
     layer = sum(layer_parameter_split(shape))
     tables = vocab * h * (1 if shape.tie_embeddings else 2)
     positions = 0 if shape.rope else shape.seq * h
-    return float(shape.layers * layer + tables + positions + shape.norm_parameters * h)
+    moe = moe_layer_count(shape) * moe_parameter_change(shape)[active] if shape.experts else 0
+    return float(shape.layers * layer + moe + tables + positions + shape.norm_parameters * h)
 
 
 def parameter_total(shape: ModelShape, vocab: int | None = None) -> float:

@@ -47,6 +47,13 @@ share, the one arriving, the one leaving): a transient (`ring_working_bytes`). W
 gradients and optimizer state do not change, except that the distributed optimizer shards over
 the d*c ranks that hold the same weights.
 
+Mixtures of experts (ptdp/planner/moe.py) with e expert ranks: each rank holds E/e of an MoE
+layer's experts (tensor-split like the dense MLP) and the router and shared expert whole;
+the distributed optimizer shards the experts' state over the d*c/e ranks that hold the same
+experts, the rest over d*c. An MoE layer keeps moe.moe_activation_bytes beyond a dense one
+(k copies of each token dispatched, balanced routing). Stages are costed at the busiest
+rank's count of MoE layers (DeepSeek-V3's dense first layers make the first stage lighter).
+
 ZB-H1's split backward (ptdp/parallel/weight_grad.py) changes what a micro-batch holds after
 its B pass: the graph is freed, but each deferred weight gradient keeps its operation's input
 and output gradient until the W pass (`pending_weight_grad_bytes`), and the W pass computes
@@ -61,6 +68,8 @@ from dataclasses import dataclass
 from ptdp.config.catalogue import schedule_spec
 from ptdp.planner.compute import BYTES, ModelShape, same_block
 from ptdp.planner.formulas import context_shape, layer_parameter_split, ring_block_bytes
+from ptdp.planner.moe import (moe_activation_bytes, rank_expert_parameters, rank_moe_layers,
+                              rank_moe_parameter_change)
 
 GB = 2**30   # GiB, as torch.cuda memory stats and the trainer's mem_gb report
 
@@ -109,8 +118,11 @@ def bert_head_parameters(shape: ModelShape, t: int, vocab_padded: int) -> float:
 
 
 def stage_parameters(shape: ModelShape, t: int, p: int, vocab_padded: int, first: bool,
-                     last: bool) -> float:
+                     last: bool, e: int = 1, v: int = 1) -> float:
+    """A pipeline rank's parameters on one tensor rank (and expert rank of e, holding E/e of
+    each MoE layer's experts: the busiest rank's MoE layers of v chunks)."""
     params = shape.layers // p * layer_parameters(shape, t)
+    params += rank_moe_parameter_change(shape, t, p, v, e)
     if first:
         params += embedding_parameters(shape, t, vocab_padded)
     if last:
@@ -277,7 +289,7 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
                reserved_gb: float, rank: int, d: int = 1, hw=None,
                vertical_sync: bool = False, distributed_optimizer: bool = False,
                bucket_mb: float = 25.0, sequence_parallel: bool = False,
-               c: int = 1) -> MemoryBreakdown:
+               c: int = 1, expert: int = 1) -> MemoryBreakdown:
     """Peak memory of pipeline rank `rank` (0 = first stage, p-1 = last), with `c` context
     ranks splitting every sequence.
 
@@ -293,7 +305,8 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     first, last = rank == 0, rank == p - 1
     e = BYTES[precision]
     w, g, o = state_bytes_per_parameter(precision)
-    params = stage_parameters(shape, t, p, vocab_padded, first, last)
+    params = stage_parameters(shape, t, p, vocab_padded, first, last, expert, v)
+    experts = rank_expert_parameters(shape, t, p, v, expert)   # sharded over d*c/e ranks
     whole, shape = shape, context_shape(shape, c)   # activations: this rank's s/c tokens
     if c > 1:   # the ring's blocks keep no scores, whatever the kernel
         attention = "flash"
@@ -314,7 +327,7 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     transient = 0.0           # the forward/backward's own working set
     if recompute != "none":   # a recomputed layer's activations live while its backward runs
         transient += layer_activation_bytes(shape, b, t, precision, "none", attention, hw,
-                                            sequence_parallel)
+                                            sequence_parallel) + _moe_extra(shape, b, t, precision)
     transient += ring_working_bytes(whole, b, t, c, precision)
     if last:   # the logits, their one fp32 copy (exp, then softmax) and the gradient
         transient += shape.seq * b * vocab_padded / t * (2 * e + 4)   # (ptdp/parallel/cross_entropy.py)
@@ -337,7 +350,9 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
         tied = (vocab_padded * shape.hidden / t
                 if p > 1 and (first or last) and shape.tie_embeddings else 0.0)
         buffers += gloo_sharding_staging_bytes(params, precision, d * c, all_reduced=tied)
-    optimizer = optimizer_state_bytes(params, precision, d * c, distributed_optimizer)
+    optimizer = (optimizer_state_bytes(params - experts, precision, d * c, distributed_optimizer)
+                 + optimizer_state_bytes(experts, precision, d * c // expert,
+                                         distributed_optimizer))
     return MemoryBreakdown(weights=weights, gradients=gradients, optimizer=optimizer,
                            activations=activations, buffers=buffers + reserved_gb * GB)
 
@@ -358,6 +373,13 @@ def heap_retention_bytes(hw, micro_batch_activations: float) -> float:
     return float((hw.measured or {}).get("heap_retention", 0.0)) * micro_batch_activations
 
 
+def _moe_extra(shape: ModelShape, b: int, t: int, precision: str) -> float:
+    """What an MoE layer keeps beyond a dense one (moe.moe_activation_bytes), 0 when dense."""
+    if not shape.experts:
+        return 0.0
+    return moe_activation_bytes(shape, shape.seq * b, t, BYTES[precision])
+
+
 def _activation_stashes(shape: ModelShape, *, p: int, v: int, m: int, b: int, t: int,
                         schedule: str, recompute: str, precision: str, attention: str,
                         rank: int, hw, sequence_parallel: bool) -> float:
@@ -367,6 +389,9 @@ def _activation_stashes(shape: ModelShape, *, p: int, v: int, m: int, b: int, t:
     layers_per_rank = shape.layers // p
     stash = layer_activation_bytes(shape, b, t, precision, recompute, attention, hw,
                                    sequence_parallel)
+    if shape.experts and recompute != "full":   # the mean layer: its MoE layers keep more
+        moe = max(rank_moe_layers(shape, p, v))
+        stash += moe / layers_per_rank * _moe_extra(shape, b, t, precision)
     if not schedule_spec(schedule).split_backward:
         return in_flight_layer_stashes(schedule, p, v, m, layers_per_rank, rank) * stash
     forward = min(p - rank, m)

@@ -8,7 +8,8 @@ from ptdp.planner.cost_model import Prediction
 from ptdp.planner.search import SearchResult, why_slower
 
 TIME_LABELS = {"compute": "compute", "recompute": "recompute", "tensor_comm": "tensor all-reduce",
-               "pipeline_p2p": "pipeline p2p", "context_ring": "context ring", "bubble": "bubble", "dp_exposed": "DP all-reduce",
+               "pipeline_p2p": "pipeline p2p", "context_ring": "context ring",
+               "expert_all_to_all": "expert all-to-all", "bubble": "bubble", "dp_exposed": "DP all-reduce",
                "embedding_sync": "embedding sync", "optimizer": "optimizer"}
 
 
@@ -17,13 +18,54 @@ def _context(lay) -> dict:
     return {"context": lay.context} if lay.context > 1 else {}
 
 
+def _expert(lay) -> dict:
+    """parallel.expert, written only when the plan uses expert parallelism."""
+    return {"expert": lay.expert} if lay.expert > 1 else {}
+
+
+def expert_choice(result: SearchResult) -> dict:
+    """Per expert-parallel size the search tried (MoE models): its best feasible layout and
+    why it lost to the best, or that none fit."""
+    best = result.best
+    out = {}
+    for e in sorted(result.experts):
+        fits = [p for p in result.ranked if p.layout.expert == e]
+        if not fits:
+            out[e] = {"evaluated": result.experts[e], "feasible": 0}
+            continue
+        top = fits[0]
+        out[e] = {"evaluated": result.experts[e], "feasible": len(fits),
+                  "layout": top.layout.describe(), "step_time_s": round(top.step_time_s, 6),
+                  "memory_gb_per_gpu": round(top.memory_gb_per_gpu, 3),
+                  "expert_all_to_all_s": round(top.time.get("expert_all_to_all", 0.0), 6),
+                  "why_slower": why_slower(top, best)}
+    return out
+
+
+def _expert_lines(result: SearchResult) -> list[str]:
+    choice = expert_choice(result)
+    e = result.best.layout.expert
+    held = f"each rank holds 1/{e} of every MoE layer's experts" if e > 1 else \
+        "every rank holds all the experts"
+    lines = [f"expert parallelism: e={e} chosen ({held}); the best layout of each e tried:"]
+    for size, row in choice.items():
+        if not row["feasible"]:
+            lines.append(f"  e={size}: none of {row['evaluated']} layouts fits in memory")
+            continue
+        lines.append(f"  e={size}: {row['layout']}, {row['step_time_s']:.3f} s, "
+                     f"{row['memory_gb_per_gpu']:.1f} GB, all-to-all "
+                     f"{row['expert_all_to_all_s']:.3f} s ({row['why_slower']})")
+    return lines
+
+
 def plan_dict(pred: Prediction, precision: str) -> dict:
     """The JSON shape of one layout (what `ptdp plan --json` prints)."""
     lay = pred.layout
     return {
         "parallel": {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data,
                      "chunks": lay.chunks, "scatter_gather": lay.scatter_gather,
-                     "sequence_parallel": lay.sequence_parallel, **_context(lay)},
+                     "sequence_parallel": lay.sequence_parallel, **_context(lay),
+                     **_expert(lay)},
         "distributed_optimizer": lay.distributed_optimizer,
         "micro_batch_size": lay.micro_batch,
         "schedule": lay.schedule,
@@ -44,6 +86,8 @@ def result_dict(result: SearchResult, header: dict, precision: str, top: int) ->
     out["rejected"] = result.rejected.as_dict()
     out["search"] = {"evaluated": result.evaluated, "feasible": len(result.ranked),
                      "seconds": round(result.seconds, 3)}
+    if result.experts:
+        out["expert_choice"] = {str(e): row for e, row in expert_choice(result).items()}
     return out
 
 
@@ -54,7 +98,8 @@ def trainer_config(raw: dict, pred: Prediction, global_batch: int, precision: st
     cfg["parallel"] = {**(cfg.get("parallel") or {}), "tensor": lay.tensor,
                        "pipeline": lay.pipeline, "data": lay.data, "chunks": lay.chunks,
                        "scatter_gather": lay.scatter_gather,
-                       "sequence_parallel": lay.sequence_parallel, **_context(lay)}
+                       "sequence_parallel": lay.sequence_parallel, **_context(lay),
+                       **_expert(lay)}
     cfg["schedule"] = {**(cfg.get("schedule") or {}), "name": lay.schedule}
     cfg["train"] = {**(cfg.get("train") or {}), "micro_batch_size": lay.micro_batch,
                     "global_batch_size": global_batch, "recompute": lay.recompute,
@@ -62,10 +107,12 @@ def trainer_config(raw: dict, pred: Prediction, global_batch: int, precision: st
     return cfg
 
 
-def _row(rank, pred: Prediction, best: Prediction, context: bool = False) -> list[str]:
+def _row(rank, pred: Prediction, best: Prediction, context: bool = False,
+         expert: bool = False) -> list[str]:
     lay = pred.layout
     return [str(rank), str(lay.pipeline), str(lay.tensor),
-            *([str(lay.context)] if context else []), str(lay.data), str(lay.chunks),
+            *([str(lay.context)] if context else []), str(lay.data),
+            *([str(lay.expert)] if expert else []), str(lay.chunks),
             str(lay.micro_batch), lay.schedule, lay.recompute,
             "yes" if lay.scatter_gather else "no", "yes" if lay.sequence_parallel else "no",
             "yes" if lay.distributed_optimizer else "no",
@@ -83,21 +130,25 @@ def format_table(rows: list[list[str]], header: list[str]) -> str:
 def format_result(result: SearchResult, title: str, top: int) -> str:
     best = result.best
     context = best.layout.context > 1   # a "c" column only when c is pinned above 1
-    header = ["#", "p", "t", *(["c"] if context else []), "d", "v", "b", "schedule", "recompute",
-              "sg", "sp", "distopt", "step_s", "TFLOP/s", "MFU", "mem_GB", "bubble", "vs best"]
-    rows = [_row(i + 1, p, best, context) for i, p in enumerate(result.ranked[:top])]
+    expert = bool(result.experts)       # an "e" column for mixtures of experts
+    header = ["#", "p", "t", *(["c"] if context else []), "d", *(["e"] if expert else []), "v",
+              "b", "schedule", "recompute", "sg", "sp", "distopt", "step_s", "TFLOP/s", "MFU",
+              "mem_GB", "bubble", "vs best"]
+    rows = [_row(i + 1, p, best, context, expert) for i, p in enumerate(result.ranked[:top])]
     rej = result.rejected
     lines = [title,
              f"searched {result.evaluated} layouts in {result.seconds:.2f} s; "
              f"{len(result.ranked)} fit in memory", "",
              format_table(rows, header), ""]
-    total = sum(best.time[k] for k in TIME_LABELS)
+    total = sum(best.time.get(k, 0.0) for k in TIME_LABELS)
     parts = ", ".join(f"{TIME_LABELS[k]} {best.time[k] / total:.0%}" for k in TIME_LABELS
-                      if best.time[k] / total >= 0.005)
+                      if best.time.get(k, 0.0) / total >= 0.005)
     lines.append(f"best layout's time: {parts}")
     mem = best.memory
     lines.append("best layout's memory (GB): " + ", ".join(
         f"{k} {mem[k]:.1f}" for k in ("weights", "gradients", "optimizer", "activations", "buffers")))
+    if expert:
+        lines += _expert_lines(result)
     if rej.counts:
         lines += ["", "why the others lost (choices pruned or rejected):"]
         for cat, n in sorted(rej.counts.items(), key=lambda kv: -kv[1]):

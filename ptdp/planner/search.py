@@ -1,5 +1,7 @@
 """Exhaustive search over layouts (p, t, d, v, b, schedule, recompute, scatter/gather), and
 context parallelism c when pinned (`--fix c=2`, or the YAML's parallel.context): c = 1 otherwise.
+For a mixture of experts also expert parallelism e: every divisor of d*c that divides the
+number of experts E (`--fix e=` pins it); dense models have e = 1.
 
 Like Algorithm 1 but over every dimension at once: enumerate every valid
 combination, predict it with the cost model, drop those that do not fit in memory, rank the
@@ -26,8 +28,8 @@ FIX_KEYS = {"p": "pipeline", "pipeline": "pipeline", "t": "tensor", "tensor": "t
             "schedule": "schedule", "recompute": "recompute", "sg": "scatter_gather",
             "scatter_gather": "scatter_gather", "distopt": "distributed_optimizer",
             "distributed_optimizer": "distributed_optimizer", "sp": "sequence_parallel",
-            "sequence_parallel": "sequence_parallel"}
-INT_KEYS = ("pipeline", "tensor", "data", "chunks", "micro_batch", "context")
+            "sequence_parallel": "sequence_parallel", "e": "expert", "expert": "expert"}
+INT_KEYS = ("pipeline", "tensor", "data", "chunks", "micro_batch", "context", "expert")
 # Searched unless the user opts in to more (ptdp/config/catalogue.py: 2BW changes the update rule).
 STRICT_SCHEDULES = names_where(lambda spec: spec.planner is Planner.SEARCHED)
 
@@ -56,6 +58,7 @@ class SearchResult:
     rejected: Rejections
     evaluated: int
     seconds: float
+    experts: dict = field(default_factory=dict)   # e -> layouts evaluated with it (MoE)
 
     @property
     def best(self) -> Prediction:
@@ -71,7 +74,7 @@ def parse_fix(text: str | None) -> dict:
         key, value = (s.strip() for s in item.split("=", 1))
         if key not in FIX_KEYS:
             raise PlanError(f"--fix: unknown key '{key}'; use p, t, c, d, v, b, schedule, "
-                            f"recompute, sg, sp or distopt")
+                            f"recompute, sg, sp, distopt or e")
         name = FIX_KEYS[key]
         if name in INT_KEYS:
             if not value.isdigit() or int(value) < 1:
@@ -196,7 +199,7 @@ def search(hw: HardwareProfile, work: Workload, gpus: int, fixed: dict | None = 
         fixed["distributed_optimizer"] = False
     check_fix_against_gpus(fixed, gpus)
     start = time.perf_counter()
-    rej, ranked, evaluated = Rejections(), [], 0
+    rej, ranked, evaluated, experts = Rejections(), [], 0, {}
     B = work.global_batch
     c = fixed.get("context", 1)
     for t in _choices("tensor", divisors(gpus), fixed):
@@ -217,13 +220,32 @@ def search(hw: HardwareProfile, work: Workload, gpus: int, fixed: dict | None = 
                     rej.add(INDIVISIBLE, f"b={b}: B/d = {B // d} not divisible by b")
                     continue
                 evaluated += _try_micro_batch(hw, work, t, p, d, b, fixed, attention, rej, ranked,
-                                              schedules)
+                                              schedules, experts)
     ranked.sort(key=lambda pr: (pr.step_time_s, pr.memory_gb_per_gpu, pr.layout.chunks,
                                 pr.layout.scatter_gather, not pr.layout.sequence_parallel))
-    return SearchResult(ranked, rej, evaluated, time.perf_counter() - start)
+    return SearchResult(ranked, rej, evaluated, time.perf_counter() - start, experts)
 
 
-def _try_micro_batch(hw, work, t, p, d, b, fixed, attention, rej, ranked, schedules) -> int:
+def expert_options(experts: int, replicas: int, fixed: dict, rej: Rejections,
+                   where: str) -> list[int]:
+    """e folds out of the d*c replicas and splits the E experts evenly: divisors of d*c that
+    divide E (1 for a dense model)."""
+    if not experts:
+        if fixed.get("expert", 1) > 1:
+            rej.add(SCHEDULE_RULE, f"e={fixed['expert']}: expert parallelism needs "
+                                   f"model.num_experts > 0")
+            return []
+        return [1]
+    options = [e for e in _choices("expert", divisors(replicas), fixed)
+               if replicas % e == 0 and experts % e == 0]
+    if not options:
+        rej.add(INDIVISIBLE, f"{where}: e={fixed['expert']} must divide d*c = {replicas} and "
+                             f"the {experts} experts")
+    return options
+
+
+def _try_micro_batch(hw, work, t, p, d, b, fixed, attention, rej, ranked, schedules,
+                     experts: dict) -> int:
     m = work.global_batch // (d * b)
     c = fixed.get("context", 1)
     where = f"p={p} t={t}{f' c={c}' if c > 1 else ''} d={d} b={b}"
@@ -242,10 +264,14 @@ def _try_micro_batch(hw, work, t, p, d, b, fixed, attention, rej, ranked, schedu
                         continue
                     for zero in _distributed_optimizer_options(d * c, schedule, fixed, rej,
                                                                where):
-                        lay = Layout(p, t, d, v, b, schedule, recompute, sg,
-                                     distributed_optimizer=zero, sequence_parallel=sp, context=c)
-                        evaluated += 1
-                        _rank_or_reject(hw, work, lay, attention, rej, ranked)
+                        for e in expert_options(work.shape.experts, d * c, fixed, rej, where):
+                            lay = Layout(p, t, d, v, b, schedule, recompute, sg,
+                                         distributed_optimizer=zero, sequence_parallel=sp,
+                                         context=c, expert=e)
+                            evaluated += 1
+                            if work.shape.experts:
+                                experts[e] = experts.get(e, 0) + 1
+                            _rank_or_reject(hw, work, lay, attention, rej, ranked)
     return evaluated
 
 
@@ -290,10 +316,10 @@ def why_slower(pred: Prediction, best: Prediction) -> str:
         return "best"
     labels = {"compute": "slower GEMMs", "recompute": "recomputation",
               "tensor_comm": "tensor all-reduces", "pipeline_p2p": "pipeline sends",
-              "context_ring": "context ring",
+              "context_ring": "context ring", "expert_all_to_all": "expert all-to-all",
               "bubble": "pipeline bubble", "dp_exposed": "data-parallel all-reduce",
               "embedding_sync": "embedding sync", "optimizer": "optimizer step"}
-    deltas = {k: pred.time[k] - best.time[k] for k in labels}
+    deltas = {k: pred.time.get(k, 0.0) - best.time.get(k, 0.0) for k in labels}
     key = max(deltas, key=deltas.get)
     slower = pred.step_time_s / best.step_time_s - 1
     if deltas[key] <= 0 or slower < 1e-9:
