@@ -1,8 +1,6 @@
 """tools/bench_moe.py: the per-token loop reference computes the mixture it claims to (checked
-against the same mixture computed per expert), and the benchmark runs end to end once the MoE
-block (ptdp.models.moe) exists."""
+against the same mixture computed per expert), and the benchmark runs end to end."""
 
-import importlib.util
 import json
 
 import pytest
@@ -21,8 +19,6 @@ def test_the_per_token_loop_is_the_mixture(gated):
     torch.testing.assert_close(ref(x), ref.batched(x), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("ptdp.models.moe") is None,
-                    reason="the MoE block (ptdp.models.moe) comes with the MoE branch")
 @pytest.mark.timeout(300)
 def test_the_benchmark_writes_its_table(tmp_path, capsys):
     assert tool.main(["--hidden", "32", "--heads", "2", "--moe-ffn", "16", "--seq", "8",
