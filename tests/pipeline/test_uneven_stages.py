@@ -22,7 +22,7 @@ from tests.equivalence import MODELS, TINY, assert_equivalent, train_and_collect
 P4 = ["parallel.pipeline=4", "parallel.stage_layers=[1,3,3,1]"]
 P3V2 = ["parallel.pipeline=3", "parallel.chunks=2", "schedule.name=interleaved",
         "parallel.stage_layers=[0,2,2,2,2,0]", "train.global_batch_size=12"]
-P2 = ["parallel.pipeline=2", "parallel.stage_layers=[3,1]"]
+P2 = ["model.num_layers=4", "parallel.pipeline=2", "parallel.stage_layers=[3,1]"]
 
 # name -> (world size, arch, overrides, under NCCL's in-order rules)
 FLUSHING = {
@@ -54,7 +54,8 @@ NO_FLUSH = {
 def _reference_overrides(name: str) -> list[str]:
     """The single process's run for a layout: the same model and batch."""
     _, arch, overrides, _ = FLUSHING[name]
-    return [*MODELS[arch], *(o for o in overrides if o.startswith("train.global_batch_size"))]
+    return [*MODELS[arch],
+            *(o for o in overrides if o.startswith(("model.", "train.global_batch_size")))]
 
 
 def _rank_job(flushing: list[tuple[list[str], bool]], no_flush: list[list[str]]):
