@@ -439,6 +439,7 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
     from ptdp.config.catalogue import schedule_spec
     from ptdp.planner.formulas import ModelShape, decoder_parameters, parameter_count
     from ptdp.planner.memory import GB
+    from ptdp.planner.stage_plan import stage_lines
 
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     mb = cfg.num_micro_batches
@@ -463,6 +464,7 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
         f"(global batch {tr.global_batch_size}); "
         + _bubble_line(schedule_spec(cfg.schedule.name), par.pipeline, par.chunks, mb),
     ]
+    lines += stage_lines(cfg, hardware)   # uneven stages: each one's layers (and time)
     stages = memory_per_stage(cfg, hardware)
     where = f"log.hardware {hardware.name}" if hardware else "analytic, flash attention"
     sharded = ((f", optimizer state sharded over d = {par.data}" if par.context == 1 else
