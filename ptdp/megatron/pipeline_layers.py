@@ -114,3 +114,22 @@ def _expand(text: str) -> str:
     if re.search(r"[()*]", text):
         raise Unmapped(REFUSED, "cannot read its repetitions")
     return text
+
+
+def counts_from_args(args, pipeline: int, chunks: int) -> list[int] | None:
+    """The layers of every virtual stage of the Megatron job a checkpoint's `args` describe
+    (as the flags above convert), or None when its split is even. Raises Unmapped where ptdp
+    cannot hold its layout."""
+    flags = {FIRST: "decoder_first_pipeline_num_layers", LAST: "decoder_last_pipeline_num_layers",
+             LAYOUT: "pipeline_model_parallel_layout", EMBEDDING: EMBEDDING[2:].replace("-", "_"),
+             LOSS: LOSS[2:].replace("-", "_")}
+    given = {flag: getattr(args, name, None) for flag, name in flags.items()}
+    given = {flag: value for flag, value in given.items()
+             if value is not None and value is not False}   # a first stage of 0 layers counts
+    if not given or pipeline == 1:
+        return None
+    given.update({"--num-layers": args.num_layers, "--pipeline-model-parallel-size": pipeline,
+                  "--num-virtual-stages-per-pipeline-rank": chunks})
+    convert = (layout if LAYOUT in given else first_last if FIRST in given or LAST in given
+               else accounted)
+    return convert(given[next(iter(given))], given)["parallel.stage_layers"]
