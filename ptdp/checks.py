@@ -419,6 +419,7 @@ def memory_per_stage(cfg: Config, hardware=None) -> list:
     """The planner's memory model for every pipeline rank: [MemoryBreakdown per stage]."""
     from ptdp.planner.compute import ModelShape
     from ptdp.planner.memory import gpu_memory
+    from ptdp.planner.stage_plan import rank_shapes
 
     par, tr = cfg.parallel, cfg.train
     kwargs = dict(p=par.pipeline, t=par.tensor, v=par.chunks, m=cfg.num_micro_batches,
@@ -430,8 +431,8 @@ def memory_per_stage(cfg: Config, hardware=None) -> list:
                   vertical_sync=cfg.schedule.vertical_sync,
                   distributed_optimizer=tr.distributed_optimizer,
                   sequence_parallel=par.sequence_parallel, c=par.context)
-    shape = ModelShape.from_config(cfg.model)
-    return [gpu_memory(shape, rank=r, **kwargs) for r in range(par.pipeline)]
+    shapes = rank_shapes(ModelShape.from_config(cfg.model), cfg)   # uneven: each rank's layers
+    return [gpu_memory(shapes[r], rank=r, **kwargs) for r in range(par.pipeline)]
 
 
 def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:

@@ -7,7 +7,9 @@ the per-layer costs [embedding, layer 1..L, output layer and loss] of the layout
 recompute) (`transformer_layer_profiles`) go through the partitioner's program
 (`split_stages`, ptdp/planner/partitioner.py), and the split is kept only where its slowest
 pipeline rank is predicted faster than the even split's: the saving is m micro-batches times
-the difference (the fill and drain run every stage once either way). Torch-free.
+the difference (the fill and drain run every stage once either way), and only where every
+rank still fits in memory (`rank_memory`: the memory model priced at each rank's own layers).
+Torch-free.
 """
 
 from __future__ import annotations
@@ -63,8 +65,7 @@ def layer_profiles(hw, work, lay, attention: str | None = None) -> list[LayerPro
 
 
 def _slowest_rank(times: tuple[float, ...], lay) -> float:
-    stages = schedule_spec(lay.schedule).stage_map(lay.pipeline, lay.chunks)
-    return max(sum(times[s] for s in stages.stages_of(r)) for r in range(lay.pipeline))
+    return max(per_rank(times, lay))
 
 
 def plan_stages(hw, work, pred, attention: str | None = None) -> StagePlan | None:
@@ -83,12 +84,53 @@ def plan_stages(hw, work, pred, attention: str | None = None) -> StagePlan | Non
         even_times = stage_times(profiles, list(even))
         even_slowest = _slowest_rank(even_times, lay)
     planned_slowest = _slowest_rank(planned_times, lay)
-    if even_slowest is not None and planned_slowest >= even_slowest:
+    if even_slowest is not None and (planned_slowest >= even_slowest or not _fits(
+            hw, work, lay, planned, attention)):
         planned, planned_times, planned_slowest = even, even_times, even_slowest
     m = lay.micro_batches(work.global_batch)
     saving = m * (even_slowest - planned_slowest) if even_slowest is not None else 0.0
     return StagePlan(even, even_times, planned, planned_times, even_slowest, planned_slowest,
                      saving, pred.step_time_s)
+
+
+def per_rank(values, lay) -> list:
+    """Each pipeline rank's sum of its virtual stages' `values` (layers, times)."""
+    stages = schedule_spec(lay.schedule).stage_map(lay.pipeline, lay.chunks)
+    return [sum(values[s] for s in stages.stages_of(r)) for r in range(lay.pipeline)]
+
+
+def rank_shapes(shape, cfg) -> list:
+    """For `ptdp check`'s memory per rank: the shape each pipeline rank is priced with, the
+    one whose even share is its own layers (`rank_memory`); the model's shape when even."""
+    par = cfg.parallel
+    if par.stage_layers is None:
+        return [shape] * par.pipeline
+    stages = schedule_spec(cfg.schedule.name).stage_map(par.pipeline, par.chunks)
+    return [replace(shape, layers=sum(par.stage_layers[s] for s in stages.stages_of(r))
+                    * par.pipeline) for r in range(par.pipeline)]
+
+
+def rank_memory(hw, work, lay, counts, attention: str | None = None) -> list:
+    """The memory model's MemoryBreakdown of every pipeline rank holding its layers of
+    `counts`: ptdp/planner/memory.py prices a rank's layers as shape.layers // p, so each rank
+    is priced with the shape whose even share is its own."""
+    from ptdp.config import padded_vocab_size
+    from ptdp.planner.memory import gpu_memory
+    p = lay.pipeline
+    kwargs = dict(p=p, t=lay.tensor, v=lay.chunks, m=lay.micro_batches(work.global_batch),
+                  b=lay.micro_batch, d=lay.data, schedule=lay.schedule, recompute=lay.recompute,
+                  precision=work.precision, attention=attention or hw.attention,
+                  vocab_padded=padded_vocab_size(work.shape.vocab, lay.tensor),
+                  reserved_gb=hw.memory_reserved_gb, hw=hw,
+                  distributed_optimizer=lay.distributed_optimizer,
+                  sequence_parallel=lay.sequence_parallel, c=lay.context)
+    return [gpu_memory(replace(work.shape, layers=n * p), rank=r, **kwargs)
+            for r, n in enumerate(per_rank(counts, lay))]
+
+
+def _fits(hw, work, lay, counts, attention) -> bool:
+    return max(mb.total for mb in rank_memory(hw, work, lay, counts, attention)) \
+        <= hw.usable_memory_bytes
 
 
 def head_in_layers(profiles: list[LayerProfile]) -> tuple[float, float]:

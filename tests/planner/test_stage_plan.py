@@ -101,3 +101,13 @@ def test_check_prints_each_stage_and_its_time():
     assert all("ms per micro-batch (cpu-local)" in line for line in stages)
     even = load_config("configs/gpt_tiny.yaml", ["parallel.pipeline=4"], world_size=4)
     assert not any(line.startswith("stages") for line in summary(even, 4))
+
+
+def test_check_prices_each_rank_at_its_own_layers():
+    from ptdp.checks import memory_per_stage
+    uneven = load_config("configs/gpt_tiny.yaml", ["parallel.pipeline=4",
+                                                   "parallel.stage_layers=[0,2,2,0]"], world_size=4)
+    even = load_config("configs/gpt_tiny.yaml", ["parallel.pipeline=4"], world_size=4)
+    got, was = memory_per_stage(uneven), memory_per_stage(even)
+    assert got[1].activations > was[1].activations and got[0].activations < was[0].activations
+    assert got[1].weights > was[1].weights and got[3].weights < was[3].weights
