@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ptdp.config import ModelConfig
-from ptdp.config.stages import layer_ranges
+from ptdp.config.stages import StageMap, layer_ranges
 from ptdp.megatron import files
 from ptdp.megatron.converters import Unmapped
 from ptdp.megatron.pipeline_layers import counts_from_args
@@ -50,7 +50,8 @@ def layer_offset(num_layers: int, pipeline: int, chunks: int, rank: int, chunk: 
                  counts: list[int] | None = None) -> int:
     """The first global layer of chunk `chunk` of pipeline rank `rank`; `counts`: the layers of
     every virtual stage when uneven."""
-    return layer_ranges(num_layers, pipeline * chunks, counts)[chunk * pipeline + rank].start
+    stage = StageMap(pipeline, chunks).stage(rank, chunk)   # Megatron's looped placement
+    return layer_ranges(num_layers, pipeline * chunks, counts)[stage].start
 
 
 def _renumbered(state: dict, offset: int) -> dict:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 
 from ptdp.config.catalogue import INTERLEAVED
+from ptdp.config.stages import StageMap
 from ptdp.megatron.converters import REFUSED, Unmapped, given_int
 
 FIRST, LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers"
@@ -66,7 +67,8 @@ def first_last(value, given):
     if any(n % v for n in per_rank):
         raise Unmapped(REFUSED, f"per-rank layers {per_rank} do not split into {v} virtual "
                                 f"stages each")
-    return _check([per_rank[r] // v for _ in range(v) for r in range(p)], layers)
+    stages = StageMap(p, v)   # Megatron's looped placement: virtual stage c*p + r on rank r
+    return _check([per_rank[stages.rank_of(s)] // v for s in range(p * v)], layers)
 
 
 def accounted(value, given):
@@ -91,7 +93,8 @@ def layout(value, given):
     layers, p, _ = _sizes(given)
     text = _expand(re.sub(r"\s", "", str(value)))
     stages = text.split("|")
-    if len(stages) % p:
+    v, rest = divmod(len(stages), p)
+    if rest:
         raise Unmapped(REFUSED, f"{len(stages)} stages are not a multiple of p = {p}")
     for k, stage in enumerate(stages):
         allowed = "t" + ("E" if k == 0 else "") + ("L" if k == len(stages) - 1 else "")
@@ -99,7 +102,6 @@ def layout(value, given):
             raise Unmapped(REFUSED, f"stage {k} '{stage}': ptdp's stages hold transformer "
                                     f"layers (t), the embedding on the first (E) and the loss "
                                     f"on the last (L)")
-    v = len(stages) // p
     out = _check([stage.count("t") for stage in stages], layers)
     out.update({"parallel.chunks": v, **({"schedule.name": INTERLEAVED.name} if v > 1 else {})})
     return out
