@@ -1,6 +1,7 @@
 """GPT and BERT built only from ptdp.parallel layers."""
 
 from ptdp.config.models import BERT, FAMILY_NAMES, GPT
+from ptdp.config.stages import layer_ranges
 from ptdp.models.bert import BertChunk
 from ptdp.models.gpt import GPTChunk
 from ptdp.models.transformer import ModelContext
@@ -14,9 +15,11 @@ _CHUNKS = {GPT.name: GPTChunk, BERT.name: BertChunk}
 assert tuple(_CHUNKS) == FAMILY_NAMES, "every family of the catalogue has a chunk, and only those"
 
 
-def build_chunk(ctx: ModelContext, stage: int, num_stages: int):
-    """Virtual pipeline stage `stage` of `num_stages` for ctx.model.arch."""
-    return _CHUNKS[ctx.model.arch](ctx, stage, num_stages)
+def build_chunk(ctx: ModelContext, stage: int, num_stages: int, stage_layers=None):
+    """Virtual pipeline stage `stage` of `num_stages` for ctx.model.arch, holding its layers of
+    `layer_ranges` (ptdp/config/stages.py): `stage_layers` (parallel.stage_layers) or even."""
+    layers = layer_ranges(ctx.model.num_layers, num_stages, stage_layers)[stage]
+    return _CHUNKS[ctx.model.arch](ctx, stage, num_stages, layers)
 
 
 def global_parameter_name(chunk, local_name: str) -> str:

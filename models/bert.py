@@ -63,8 +63,8 @@ class BertHeads(nn.Module):
 
 
 class BertChunk(ModelChunk):
-    def __init__(self, ctx: ModelContext, stage: int, num_stages: int):
-        super().__init__(ctx, stage, num_stages, causal=False,
+    def __init__(self, ctx: ModelContext, stage: int, num_stages: int, layers: range):
+        super().__init__(ctx, stage, num_stages, layers, causal=False,
                          num_tokentypes=ctx.model.num_tokentypes)
         if self.is_last:
             self.heads = BertHeads(ctx)

@@ -20,18 +20,19 @@ from ptdp.parallel.weight_grad import PLAIN
 class ModelChunk(nn.Module):
     weight_ops = PLAIN   # the last stage's logits (ptdp/parallel/weight_grad.py)
 
-    def __init__(self, ctx: ModelContext, stage: int, num_stages: int, *, causal: bool,
-                 num_tokentypes: int = 0):
+    def __init__(self, ctx: ModelContext, stage: int, num_stages: int, layers: range, *,
+                 causal: bool, num_tokentypes: int = 0):
+        """`layers`: the global indices of this stage's transformer layers (may be empty on
+        the first and the last stage)."""
         super().__init__()
         cfg = ctx.model
-        per_stage = cfg.num_layers // num_stages
         self.ctx = ctx
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.embedding = Embedding(ctx, num_tokentypes) if self.is_first else None
         tied = cfg.tie_embeddings
         if self.is_first and not self.is_last and tied:
             mark_shared(self.embedding.word.weight)
-        self.stack = TransformerStack(ctx, stage * per_stage, per_stage, causal=causal)
+        self.stack = TransformerStack(ctx, layers.start, len(layers), causal=causal)
         if self.is_last:
             self.final_ln = norm(cfg, ctx.tp)
             self.output = None if self.is_first or not tied else OutputEmbedding(ctx)

@@ -18,8 +18,8 @@ from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 
 class GPTChunk(ModelChunk):
-    def __init__(self, ctx: ModelContext, stage: int, num_stages: int):
-        super().__init__(ctx, stage, num_stages, causal=True)
+    def __init__(self, ctx: ModelContext, stage: int, num_stages: int, layers: range):
+        super().__init__(ctx, stage, num_stages, layers, causal=True)
 
     def forward(self, hidden, batch):
         """hidden: [s, b, h] from the previous stage (None on the first); batch: tensors [b, s].

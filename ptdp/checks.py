@@ -419,6 +419,7 @@ def memory_per_stage(cfg: Config, hardware=None) -> list:
     """The planner's memory model for every pipeline rank: [MemoryBreakdown per stage]."""
     from ptdp.planner.compute import ModelShape
     from ptdp.planner.memory import gpu_memory
+    from ptdp.planner.stage_plan import rank_shapes
 
     par, tr = cfg.parallel, cfg.train
     kwargs = dict(p=par.pipeline, t=par.tensor, v=par.chunks, m=cfg.num_micro_batches,
@@ -430,8 +431,8 @@ def memory_per_stage(cfg: Config, hardware=None) -> list:
                   vertical_sync=cfg.schedule.vertical_sync,
                   distributed_optimizer=tr.distributed_optimizer,
                   sequence_parallel=par.sequence_parallel, c=par.context, expert=par.expert)
-    shape = ModelShape.from_config(cfg.model)
-    return [gpu_memory(shape, rank=r, **kwargs) for r in range(par.pipeline)]
+    shapes = rank_shapes(ModelShape.from_config(cfg.model), cfg)   # uneven: each rank's layers
+    return [gpu_memory(shapes[r], rank=r, **kwargs) for r in range(par.pipeline)]
 
 
 def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
@@ -440,6 +441,7 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
     from ptdp.planner.formulas import ModelShape, decoder_parameters, parameter_count
     from ptdp.planner.memory import GB
     from ptdp.planner.moe_report import layout_text, moe_lines
+    from ptdp.planner.stage_plan import stage_lines
 
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     mb = cfg.num_micro_batches
@@ -461,6 +463,7 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
         f"(global batch {tr.global_batch_size}); "
         + _bubble_line(schedule_spec(cfg.schedule.name), par.pipeline, par.chunks, mb),
         *moe_lines(cfg, cfg.padded_vocab_size)]
+    lines += stage_lines(cfg, hardware)   # uneven stages: each one's layers (and time)
     stages = memory_per_stage(cfg, hardware)
     where = f"log.hardware {hardware.name}" if hardware else "analytic, flash attention"
     sharded = ((f", optimizer state sharded over d = {par.data}" if par.context == 1 else

@@ -345,7 +345,8 @@ def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: in
     stages = schedule_spec(cfg.schedule.name).stage_map(par.pipeline, par.chunks)
     for pp in range(par.pipeline):
         for stage in stages.stages_of(pp):
-            chunk = build_chunk(ctx, stage, par.pipeline * par.chunks)  # names and split dims
+            chunk = build_chunk(ctx, stage, par.pipeline * par.chunks,  # names, split dims
+                                par.stage_layers)
             for name, param in named_global_parameters(chunk):
                 if role_of(param).duplicate:
                     continue

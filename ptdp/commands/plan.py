@@ -20,7 +20,9 @@ from ptdp.planner.compute import ModelShape
 from ptdp.planner.cost_model import SCHEDULES, Workload
 from ptdp.planner.errors import PlanError
 from ptdp.planner.formulas import active_parameters, parameter_total
-from ptdp.planner.report import format_result, result_dict, trainer_config
+from ptdp.planner.report import (format_result, format_stages, result_dict, stages_dict,
+                                 trainer_config)
+from ptdp.planner.stage_plan import head_in_layers, layer_profiles, plan_stages
 from ptdp.planner.search import STRICT_SCHEDULES, parse_fix, search
 
 
@@ -134,6 +136,8 @@ def _plan(args) -> int:
                         f"{' with --fix ' + args.fix if args.fix else ''}: {reasons}")
     m = cfg.model
     params = parameter_total(shape)   # Eq. 4.3, generalised for Llama-style blocks
+    stages = plan_stages(hw, work, result.best, args.attention)
+    uneven = stages is not None and stages.uneven_wins
     if args.json:
         header = {"model": {"arch": m.arch, "preset": m.preset, "parameters": params,
                             "num_layers": m.num_layers, "hidden_size": m.hidden_size,
@@ -143,7 +147,10 @@ def _plan(args) -> int:
                             "tie_embeddings": m.tie_embeddings, **_moe_header(m, shape)},
                   "hardware": hw.name, "gpus": gpus, "gpus_per_node": per_node,
                   "global_batch_size": batch}
-        print(json.dumps(result_dict(result, header, precision, args.top), indent=2))
+        out = result_dict(result, header, precision, args.top)
+        if uneven:
+            out["stages"] = stages_dict(stages)
+        print(json.dumps(out, indent=2))
     else:
         block = f" ({m.preset} block)" if m.preset != DEFAULT_PRESET else ""
         kv = f" ({m.num_kv_heads} K/V)" if m.num_kv_heads != m.num_heads else ""
@@ -153,12 +160,15 @@ def _plan(args) -> int:
                  f"on {gpus} x {hw.name} ({gpus // per_node} node(s) x {per_node}), "
                  f"B={batch}, {precision}")
         print(format_result(result, title, args.top))
+        if uneven:
+            profiles = layer_profiles(hw, work, result.best.layout, args.attention)
+            print(format_stages(stages, head_in_layers(profiles)))
         if schedules == STRICT_SCHEDULES:
             skipped = " and ".join(names_where(lambda s: s.planner is Planner.OPT_IN))
             print(f"({skipped} not considered: it changes the weight-update rule; --allow-2bw to "
                   f"include)")
     if args.write_config:
-        out = trainer_config(raw, result.best, batch, precision)
+        out = trainer_config(raw, result.best, batch, precision, stages)
         _check_trainer_accepts(out, gpus)
         Path(args.write_config).write_text(yaml.safe_dump(out, sort_keys=False))
         if not args.json:

@@ -1,7 +1,7 @@
 """Stage placement: which pipeline rank holds each virtual stage, as which of its chunks.
 
-The layer stack is cut into ``p * v`` virtual stages (ptdp/pipeline/actions.py,
-``stage_layers``); each of the ``p`` pipeline ranks holds ``v`` of them, its *chunks*. Where
+The layer stack is cut into ``p * v`` virtual stages (``layer_ranges``: evenly, or as
+``parallel.stage_layers`` says); each of the ``p`` pipeline ranks holds ``v`` of them, its *chunks*. Where
 they go is a trait of the schedule (``ScheduleSpec.placement`` in ptdp/config/catalogue.py),
 and ``StageMap`` is the one place that answers it, for the builders and the simulator, the
 communication plan, the trainer's chunks, the checkpoint, the metrics, the timeline and the
@@ -16,6 +16,13 @@ Placements (p = 4, v = 2, rank: stages by chunk):
   ``r`` holds ``r`` and ``2p-1-r``, so rank 0 holds the first stage and the last.
 
 With ``v == 1`` both are the identity: stage ``r`` on rank ``r``.
+
+Layers. ``layer_ranges`` is the one place that says which transformer layers each virtual stage
+holds: ``L / (p*v)`` each by default, or the counts of ``parallel.stage_layers`` (uneven stages,
+PipeDream's partitioning, dissertation §2.4.1; Megatron's first/last-stage layer counts). Layers
+keep their global indices whatever the split, so checkpoints reshard between layouts. The first
+and the last stage may hold none (embedding-only, loss-only); a middle stage may not, since it
+would only pass its input on.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
 
 
 class Placement(enum.Enum):
@@ -93,3 +101,46 @@ class StageMap:
         """(rank, chunk) of every stage, indexed by stage: ``stage`` inverted."""
         homes = {self.stage(r, c): (r, c) for r in range(self.p) for c in range(self.v)}
         return tuple(homes[s] for s in range(self.num_stages))
+
+
+def layer_counts(num_layers: int, num_stages: int, stage_layers=None) -> tuple[int, ...]:
+    """Transformer layers of each virtual stage, in stage order: ``stage_layers``
+    (``parallel.stage_layers``) or, when None, ``num_layers`` split evenly."""
+    if stage_layers is not None:
+        problem = stage_layers_problem(list(stage_layers), num_layers, num_stages)
+        if problem:
+            raise ValueError(problem)
+        return tuple(stage_layers)
+    if num_layers % num_stages:
+        raise ValueError(f"num_layers={num_layers} must be divisible by p*v={num_stages} so that "
+                         f"every virtual stage holds the same number of layers "
+                         f"(or set parallel.stage_layers)")
+    return (num_layers // num_stages,) * num_stages
+
+
+def layer_ranges(num_layers: int, num_stages: int, stage_layers=None) -> tuple[range, ...]:
+    """The global layer indices of each virtual stage, in stage order (``layer_counts``)."""
+    counts = layer_counts(num_layers, num_stages, stage_layers)
+    ends = tuple(accumulate(counts))
+    return tuple(range(end - count, end) for count, end in zip(counts, ends))
+
+
+def stage_layers_problem(counts: list, num_layers: int, num_stages: int) -> str | None:
+    """The first thing wrong with ``parallel.stage_layers = counts``, in one line, or None."""
+    key = "parallel.stage_layers"
+    if len(counts) != num_stages:
+        return (f"{key} has {len(counts)} entries; it needs one per virtual stage, "
+                f"parallel.pipeline * parallel.chunks = {num_stages}")
+    if not all(isinstance(c, int) and not isinstance(c, bool) for c in counts):
+        return f"{key} must be whole numbers of layers, got {counts}"
+    negative = [c for c in counts if c < 0]
+    if negative:
+        return f"{key} has a negative layer count ({negative[0]}): {counts}"
+    if sum(counts) != num_layers:
+        return (f"{key} sums to {sum(counts)} layers but model.num_layers is {num_layers}: "
+                f"{counts}")
+    empty = [s for s in range(1, num_stages - 1) if counts[s] == 0]
+    if empty:
+        return (f"{key}: stage {empty[0]} holds no layers; only the first stage (embedding only) "
+                f"and the last (loss only) may be empty: {counts}")
+    return None

@@ -12,6 +12,7 @@ from ptdp.config.models import (DEFAULT_PRESET, FAMILY_NAMES, MODEL_FAMILIES, PR
                                 family_names)
 from ptdp.config.problems import Problems as _Problems
 from ptdp.config.run_length import check_rampup_layout, check_run_length_and_schedule
+from ptdp.config.stages import stage_layers_problem
 from ptdp.config.schema import (AUTO_LOAD, Config, ConfigError, DataConfig, ModelConfig,
                                 ParallelConfig, TrainConfig)
 
@@ -264,9 +265,7 @@ def _check_layout(cfg: Config, world_size: int, out: _Problems) -> None:
     for key in ("num_heads", *grouped, "hidden_size", "ffn_hidden_size"):
         out.require(getattr(m, key) % t == 0, f"model.{key} ({getattr(m, key)}) must be "
                                               f"divisible by parallel.tensor ({t})")
-    out.require(m.num_layers % (p * v) == 0,
-                f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline * "
-                f"parallel.chunks = {p} * {v} = {p * v}")
+    _check_stage_layers(cfg, out)
     if par.scatter_gather:
         out.require(p > 1, "parallel.scatter_gather=true only applies with parallel.pipeline > 1")
     if par.sequence_parallel:
@@ -281,6 +280,19 @@ def _check_layout(cfg: Config, world_size: int, out: _Problems) -> None:
         _check_schedule(cfg, out)
     else:
         out.choice(cfg.schedule.name, NAMES, "schedule.name")
+
+
+def _check_stage_layers(cfg: Config, out: _Problems) -> None:
+    """Even stages need p*v to divide the layers; uneven ones are checked by the one rule of
+    ptdp/config/stages.py."""
+    m, p, v = cfg.model, cfg.parallel.pipeline, cfg.parallel.chunks
+    if cfg.parallel.stage_layers is None:
+        out.require(m.num_layers % (p * v) == 0,
+                    f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline * "
+                    f"parallel.chunks = {p} * {v} = {p * v} (or set parallel.stage_layers)")
+        return
+    problem = stage_layers_problem(list(cfg.parallel.stage_layers), m.num_layers, p * v)
+    out.require(problem is None, problem or "")
 
 
 def _check_sequence_parallel(cfg: Config, out: _Problems) -> None:

@@ -23,6 +23,7 @@ from ptdp.megatron.converters import (
     kv_heads, load, max_positions, megatron_ffn_hidden_size, merge_file, no_position_embedding,
     number, only, query_groups, recompute_method, refuse, rope_scaling, rope_scaling_factor, seed,
     split, tokenizer, vocab_size)
+from ptdp.megatron.pipeline_layers import accounted, first_last, layout
 
 
 @dataclass(frozen=True)
@@ -65,16 +66,16 @@ ARGS: tuple[Arg, ...] = (
         note="both split each sequence into 2c chunks, two per rank"),
     Arg("--sequence-parallel", "parallel.sequence_parallel", EXACT, const(True), nargs=0),
     Arg("--use-distributed-optimizer", "train.distributed_optimizer", EXACT, const(True), nargs=0),
-    Arg("--decoder-first-pipeline-num-layers", None, REFUSED,
-        refuse("ptdp gives every stage the same number of layers")),
-    Arg("--decoder-last-pipeline-num-layers", None, REFUSED,
-        refuse("ptdp gives every stage the same number of layers")),
-    Arg("--pipeline-model-parallel-layout", None, REFUSED,
-        refuse("ptdp gives every stage the same number of layers")),
-    Arg("--account-for-embedding-in-pipeline-split", None, REFUSED,
-        refuse("ptdp gives every stage the same number of layers"), nargs=0),
-    Arg("--account-for-loss-in-pipeline-split", None, REFUSED,
-        refuse("ptdp gives every stage the same number of layers"), nargs=0),
+    Arg("--decoder-first-pipeline-num-layers", "parallel.stage_layers", EXACT, first_last,
+        note="the first rank's layers, the rest even; each of a rank's v chunks holds 1/v"),
+    Arg("--decoder-last-pipeline-num-layers", "parallel.stage_layers", EXACT, first_last,
+        note="the last rank's layers, the rest even; each of a rank's v chunks holds 1/v"),
+    Arg("--pipeline-model-parallel-layout", "parallel.stage_layers", EXACT, layout,
+        note="E, t and L stages (no MTP); also parallel.chunks = stages / p"),
+    Arg("--account-for-embedding-in-pipeline-split", "parallel.stage_layers", EXACT, accounted,
+        note="the embedding counts as a layer of an even split", nargs=0),
+    Arg("--account-for-loss-in-pipeline-split", "parallel.stage_layers", EXACT, accounted,
+        note="the loss counts as a layer of an even split", nargs=0),
     Arg("--overlap-grad-reduce", None, IGNORED,
         ignore("ptdp always overlaps its bucketed gradient all-reduce with backward"), nargs=0),
     Arg("--overlap-param-gather", None, IGNORED, ignore(_PERF), nargs=0),

@@ -8,7 +8,10 @@ Reading merges the tensor shards of each weight along its partition dimension
 dim 0, row-parallel on dim 1, the rest replicated; SwiGLU's fc1 is [gate; up] per rank, so the
 gate halves and the up halves are joined apart) and renumbers layers: a chunk's names count its
 own layers from 0, and chunk k of pipeline rank s holds layers from
-k * L / V + s * L / (P * V) (megatron-core's `get_transformer_layer_offset`, even split).
+k * L / V + s * L / (P * V) (megatron-core's `get_transformer_layer_offset`, even split), or
+with an uneven split (`--decoder-first/last-pipeline-num-layers`, the embedding or loss
+accounted in the split, a layout) from the start of virtual stage k * P + s
+(ptdp/megatron/pipeline_layers.py, `counts_from_args`).
 Writing does the inverse, with the last stage's copy of a tied word table as
 `output_layer.weight` and `_extra_state: None` for each of a layer's modules that megatron-core
 gives one (names.py `layer_extra_states`).
@@ -22,15 +25,15 @@ from pathlib import Path
 import torch
 
 from ptdp.config import ModelConfig
+from ptdp.config.stages import StageMap, layer_ranges
 from ptdp.megatron import files
+from ptdp.megatron.converters import Unmapped
+from ptdp.megatron.pipeline_layers import counts_from_args
 from ptdp.megatron.names import (fused_norm_names, is_gated_fc1, layer_extra_states,
                                  local_norm_names, partition_dim, require)
 
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 _LAYER_PREFIX = re.compile(r"^((?:decoder|encoder)\.layers\.\d+\.)")
-_UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-           "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
-           "account_for_loss_in_pipeline_split")
 
 
 def _chunks(saved: dict, path: Path) -> list[dict]:
@@ -43,9 +46,12 @@ def _chunks(saved: dict, path: Path) -> list[dict]:
     return [v for _, v in numbered]
 
 
-def layer_offset(num_layers: int, pipeline: int, chunks: int, rank: int, chunk: int) -> int:
-    per_chunk = num_layers // (pipeline * chunks)
-    return chunk * (num_layers // chunks) + rank * per_chunk
+def layer_offset(num_layers: int, pipeline: int, chunks: int, rank: int, chunk: int,
+                 counts: list[int] | None = None) -> int:
+    """The first global layer of chunk `chunk` of pipeline rank `rank`; `counts`: the layers of
+    every virtual stage when uneven."""
+    stage = StageMap(pipeline, chunks).stage(rank, chunk)   # Megatron's looped placement
+    return layer_ranges(num_layers, pipeline * chunks, counts)[stage].start
 
 
 def _renumbered(state: dict, offset: int) -> dict:
@@ -57,15 +63,17 @@ def _renumbered(state: dict, offset: int) -> dict:
     return out
 
 
-def _check_even(args, pipeline: int, chunks: int) -> None:
-    for name in _UNEVEN:
-        value = getattr(args, name, None)
-        require(not value, f"--{name.replace('_', '-')}={value}: an uneven pipeline split; "
-                           f"convert a checkpoint whose stages hold equal numbers of layers")
+def _stage_counts(args, pipeline: int, chunks: int) -> list[int] | None:
+    """The layers of each virtual stage of the saved job (None: even), or a one-line refusal."""
+    try:
+        counts = counts_from_args(args, pipeline, chunks)
+    except Unmapped as err:
+        require(False, f"an uneven pipeline split ptdp cannot hold: {err.why}")
     layers = args.num_layers
-    require(layers % (pipeline * chunks) == 0,
+    require(counts is not None or layers % (pipeline * chunks) == 0,
             f"num_layers={layers} does not split into {pipeline} pipeline stages x {chunks} "
             f"virtual chunks evenly")
+    return counts
 
 
 def _merge(name: str, shards: list[torch.Tensor], gated: bool) -> torch.Tensor:
@@ -89,10 +97,10 @@ def _rank_state(path: Path, args, pipeline: int, rank: int) -> tuple[object, dic
     args = args if args is not None else saved.get("args")
     require(args is not None, f"{path} has no 'args': the model's shape comes from them")
     chunks = _chunks(saved, path)
-    _check_even(args, pipeline, len(chunks))
+    counts = _stage_counts(args, pipeline, len(chunks))
     out = {}
     for k, chunk in enumerate(chunks):
-        offset = layer_offset(args.num_layers, pipeline, len(chunks), rank, k)
+        offset = layer_offset(args.num_layers, pipeline, len(chunks), rank, k, counts)
         out.update((name, value) for name, value in
                    _renumbered(local_norm_names(chunk), offset).items()
                    if isinstance(value, torch.Tensor))

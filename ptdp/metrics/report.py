@@ -60,20 +60,20 @@ def rank_roles(cfg: Config, grid) -> list[str]:
     its tensor shard and its data replica."""
     from ptdp.parallel.grid import coordinates_of
     from ptdp.config.catalogue import schedule_spec
-    from ptdp.pipeline.actions import stage_layers
+    from ptdp.config.stages import layer_ranges
     par = cfg.parallel
     placed = schedule_spec(cfg.schedule.name).stage_map(par.pipeline, par.chunks)
     world = grid.p * grid.t * par.context * grid.d
+    last = par.pipeline * par.chunks - 1
+    ranges = layer_ranges(cfg.model.num_layers, last + 1, par.stage_layers)
     lines = []
     for rank in range(min(world, MAX_ROLE_LINES)):
         c = coordinates_of(rank, grid.p, grid.d, grid.t, par.context)
         stages = placed.stages_of(c.pipeline)
-        last = par.pipeline * par.chunks - 1
         parts = []
         for s in stages:
-            layers = stage_layers(s, par.pipeline, par.chunks, cfg.model.num_layers)
             extra = (" + embedding" if s == 0 else "") + (" + head and loss" if s == last else "")
-            parts.append(f"layers {layers.start}-{layers.stop - 1}{extra}")
+            parts.append(f"{_layers_text(ranges[s])}{extra}")
         lines.append(f"  rank {rank}: pipeline stage {c.pipeline} ({'; '.join(parts)}), "
                      f"tensor shard {c.tensor + 1}/{grid.t}, "
                      + (f"sequence chunks {c.context} and {2 * par.context - 1 - c.context} of "
@@ -84,6 +84,10 @@ def rank_roles(cfg: Config, grid) -> list[str]:
         lines.append(f"  ... {world - MAX_ROLE_LINES} more: rank = {'(' if ring else ''}"
                      f"(pipeline stage x {grid.d} + data replica){ring} x {grid.t} + tensor shard")
     return lines
+
+
+def _layers_text(layers: range) -> str:
+    return f"layers {layers.start}-{layers.stop - 1}" if layers else "no layers"
 
 
 def outputs_text(cfg: Config) -> str:

@@ -1,8 +1,9 @@
 """The vocabulary of pipeline schedules: actions, where each virtual stage runs, and which
 actions must finish before another can start. Pure Python, no torch.
 
-Stages. The layer stack is cut into ``p * v`` *virtual stages*; global virtual stage ``s`` holds
-layers ``[s * L/(p*v), (s+1) * L/(p*v))`` (``stage_layers``). Which rank runs it, as which of
+Stages. The layer stack is cut into ``p * v`` *virtual stages*; which layers each holds is
+``layer_ranges`` (ptdp/config/stages.py: ``L/(p*v)`` each, or ``parallel.stage_layers``); the
+actions never depend on it. Which rank runs a stage, as which of
 its chunks, is the schedule's placement (``ScheduleSpec.stage_map``, ptdp/config/stages.py:
 Megatron's round-robin for every schedule today, with p=4, v=2 rank 0 holding stages 0 and 4).
 With ``v == 1`` a stage is simply a rank.
@@ -50,17 +51,6 @@ def action_rank(action: Action, stages: StageMap) -> int:
     """The pipeline rank that runs ``action`` (its stage in range): a rank action names its
     rank, the others run where their stage is placed."""
     return action.stage if action.kind in RANK_ACTIONS else stages.ranks[action.stage]
-
-
-def stage_layers(stage: int, p: int, v: int, num_layers: int) -> range:
-    """Transformer layers held by global virtual stage ``stage`` (layers split evenly)."""
-    if num_layers % (p * v):
-        raise ValueError(
-            f"num_layers={num_layers} must be divisible by p*v={p}*{v}={p * v} "
-            "so that every virtual stage holds the same number of layers"
-        )
-    per_stage = num_layers // (p * v)
-    return range(stage * per_stage, (stage + 1) * per_stage)
 
 
 def dependencies(action: Action, p: int, v: int) -> list[Action]:

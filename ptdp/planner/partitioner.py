@@ -12,6 +12,16 @@ Level k of the machine has m_k components of level k-1 joined by links of bandwi
 
 with A^0(i->j, 1) = sum T_l and A^k(i->j, 1) = A^{k-1}(i->j, m_{k-1}). The answer is
 A^L(0->N-1, m_L): the time of the slowest stage of the best pipeline. O(N^3 m_k^2) per level.
+
+PTD-P pipelines replicate the whole pipeline instead of single stages (data parallelism) and
+fix the number of stages to p*v: `split_stages` is the same program on one level without
+replication and with exactly that many stages,
+
+    S(j, k) = min_{s<j} max(S(s, k-1), 2 a_s / B, sum_{l=s+1..j} T_l),   S(j, 1) = sum_{l<=j} T_l,
+
+over the profiles [embedding, layer 1..L, output layer and loss] (`transformer_layer_profiles`),
+so the first stage carries the embedding and the last the loss; `stage_layers` turns the answer
+into `parallel.stage_layers`. O(N^2 k).
 """
 
 from __future__ import annotations
@@ -179,19 +189,75 @@ def brute_force_time(layers: list[LayerProfile], levels: list[Level]) -> float:
 # --------------------------------------------------------------------------------------------
 
 def transformer_layer_profiles(hw, shape, micro_batch: int, precision: str,
-                               attention: str | None = None) -> list[LayerProfile]:
-    """[embedding, layer 1..l, head] for one device (t = 1), as PipeDream's profiler would
-    record them: T_l forward+backward, a_l output bytes, w_l weight bytes."""
+                               attention: str | None = None, t: int = 1) -> list[LayerProfile]:
+    """[embedding, layer 1..l, head] for one device of a t-way tensor group, as PipeDream's
+    profiler would record them: T_l forward+backward, a_l output bytes, w_l weight bytes. The
+    head is the final norm, the output layer and the vocab-parallel loss."""
     from ptdp.config import padded_vocab_size
     attention = attention or hw.attention
     e = BYTES[precision]
-    vocab = padded_vocab_size(shape.vocab, 1)
+    vocab = padded_vocab_size(shape.vocab, t)
     act = shape.seq * micro_batch * shape.hidden * e
-    lt = layer_times(hw, precision, shape, micro_batch, 1, attention)
-    ht = head_times(hw, precision, shape, micro_batch, 1, vocab)
+    lt = layer_times(hw, precision, shape, micro_batch, t, attention)
+    ht = head_times(hw, precision, shape, micro_batch, t, vocab)
     embed = LayerProfile(ht.embed_forward + ht.embed_backward, act,
-                         embedding_parameters(shape, 1, vocab) * e)
-    body = LayerProfile(lt.forward + lt.backward, act, layer_parameters(shape, 1) * e)
+                         embedding_parameters(shape, t, vocab) * e)
+    body = LayerProfile(lt.forward + lt.backward, act, layer_parameters(shape, t) * e)
     head = LayerProfile(ht.head_forward + ht.head_backward, 4.0 * micro_batch,
-                        (vocab * shape.hidden + 2 * shape.hidden) * e)
+                        (vocab * shape.hidden / t + 2 * shape.hidden) * e)
     return [embed] + [body] * shape.layers + [head]
+
+
+# --------------------------------------------------------------------------------------------
+# PTD-P stages: exactly p*v of them, no replication
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageSplit:
+    time: float                     # the slowest stage's time per input (or boundary transfer)
+    bounds: tuple[tuple[int, int], ...]   # (first, last) profile of every stage, inclusive
+    times: tuple[float, ...]        # each stage's time per input
+
+    def stage_layers(self) -> list[int]:
+        """Transformer layers per stage when the profiles are [embedding, layers.., head]."""
+        last = self.bounds[-1][1]
+        return [b - a + 1 - (a == 0) - (b == last) for a, b in self.bounds]
+
+
+def split_stages(layers: list[LayerProfile], stages: int,
+                 bandwidth: float = math.inf) -> StageSplit:
+    """The best split of `layers` into exactly `stages` contiguous non-empty stages, one
+    device each: the slowest stage (compute, or the boundary transfer 2 a_s / B) smallest.
+    Ties go to the split whose stages are cut latest, deterministically."""
+    n = len(layers)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot split {n} profiles into {stages} non-empty stages")
+    prefix = [0.0] + list(itertools.accumulate(l.compute for l in layers))
+    span = lambda i, j: prefix[j + 1] - prefix[i]  # noqa: E731 - layers i..j on one stage
+    # best[k][j]: (time, cut) of layers 0..j over k+1 stages, the last stage starting at cut
+    best = [[(span(0, j), 0) for j in range(n)]]
+    for k in range(1, stages):
+        row = [(math.inf, None)] * n
+        for j in range(k, n):
+            for s in range(k - 1, j):
+                cost = max(best[k - 1][s][0], 2 * layers[s].activation / bandwidth,
+                           span(s + 1, j))
+                if cost <= row[j][0]:
+                    row[j] = (cost, s + 1)
+        best.append(row)
+    bounds, j = [], n - 1
+    for k in range(stages - 1, -1, -1):
+        start = best[k][j][1]
+        bounds.append((start, j))
+        j = start - 1
+    bounds.reverse()
+    return StageSplit(best[-1][n - 1][0], tuple(bounds), tuple(span(a, b) for a, b in bounds))
+
+
+def stage_times(layers: list[LayerProfile], counts: list[int]) -> tuple[float, ...]:
+    """Each stage's time per input when stage k holds counts[k] transformer layers (the
+    first also the embedding, the last also the head): the even split's, or any other's."""
+    ends = list(itertools.accumulate(counts))
+    bounds = [(0 if k == 0 else 1 + end - c, end + (k == len(counts) - 1))
+              for k, (c, end) in enumerate(zip(counts, ends))]
+    return tuple(sum(l.compute for l in layers[a:b + 1]) for a, b in bounds)

@@ -6,7 +6,9 @@ import copy
 
 from ptdp.planner.cost_model import Prediction
 from ptdp.planner.search import SearchResult, why_slower
+from ptdp.planner.stage_plan import StagePlan
 
+MAX_STAGE_LINES = 8
 TIME_LABELS = {"compute": "compute", "recompute": "recompute", "tensor_comm": "tensor all-reduce",
                "pipeline_p2p": "pipeline p2p", "context_ring": "context ring",
                "expert_all_to_all": "expert all-to-all", "bubble": "bubble", "dp_exposed": "DP all-reduce",
@@ -91,15 +93,19 @@ def result_dict(result: SearchResult, header: dict, precision: str, top: int) ->
     return out
 
 
-def trainer_config(raw: dict, pred: Prediction, global_batch: int, precision: str) -> dict:
-    """The input YAML with parallel/schedule/train set to the plan (other keys kept)."""
+def trainer_config(raw: dict, pred: Prediction, global_batch: int, precision: str,
+                   stages: StagePlan | None = None) -> dict:
+    """The input YAML with parallel/schedule/train set to the plan (other keys kept); the
+    partitioner's stage sizes when they are predicted faster than even ones."""
     cfg = copy.deepcopy(raw or {})
     lay = pred.layout
-    cfg["parallel"] = {**(cfg.get("parallel") or {}), "tensor": lay.tensor,
+    uneven = {"stage_layers": list(stages.planned)} if stages and stages.uneven_wins else {}
+    parallel = {k: v for k, v in (cfg.get("parallel") or {}).items() if k != "stage_layers"}
+    cfg["parallel"] = {**parallel, "tensor": lay.tensor,
                        "pipeline": lay.pipeline, "data": lay.data, "chunks": lay.chunks,
                        "scatter_gather": lay.scatter_gather,
                        "sequence_parallel": lay.sequence_parallel, **_context(lay),
-                       **_expert(lay)}
+                       **_expert(lay), **uneven}
     cfg["schedule"] = {**(cfg.get("schedule") or {}), "name": lay.schedule}
     cfg["train"] = {**(cfg.get("train") or {}), "micro_batch_size": lay.micro_batch,
                     "global_batch_size": global_batch, "recompute": lay.recompute,
@@ -153,4 +159,42 @@ def format_result(result: SearchResult, title: str, top: int) -> str:
         lines += ["", "why the others lost (choices pruned or rejected):"]
         for cat, n in sorted(rej.counts.items(), key=lambda kv: -kv[1]):
             lines.append(f"  {cat:<14} {n:>7}  e.g. {rej.examples[cat]}")
+    return "\n".join(lines)
+
+
+def stages_dict(stages: StagePlan) -> dict:
+    """The JSON of a proposed uneven split (`ptdp plan --json`, key "stages")."""
+    return {"stage_layers": list(stages.planned),
+            "stage_times_s": [round(t, 6) for t in stages.planned_times],
+            "even_stage_layers": list(stages.even) if stages.even else None,
+            "even_stage_times_s": ([round(t, 6) for t in stages.even_times]
+                                   if stages.even_times else None),
+            "predicted_saving_s": round(stages.saving_s, 6)}
+
+
+def format_stages(stages: StagePlan, head_layers: tuple[float, float]) -> str:
+    """Why and how the best layout's stages are uneven, one line per stage (every stage up to
+    MAX_STAGE_LINES, else those that differ from the even split). Only printed when the
+    partitioner's split is predicted faster than the even one."""
+    embed, head = head_layers
+    gain = stages.saving_s / stages.step_time_s if stages.step_time_s else 0.0
+    even = f" instead of even {list(stages.even)}" if stages.even else ""
+    lines = [f"stages (the partitioner, ptdp/planner/partitioner.py): parallel.stage_layers = "
+             f"{list(stages.planned)}{even}",
+             f"  predicted {gain:.1%} faster ({stages.saving_s:.3f} s per iteration): the "
+             f"slowest pipeline rank takes {stages.planned_slowest_rank * 1e3:.2f} ms per "
+             f"micro-batch instead of {(stages.even_slowest_rank or 0) * 1e3:.2f}; the embedding "
+             f"costs {embed:.2f} and the output layer and loss {head:.2f} transformer layers"]
+    last = len(stages.planned) - 1
+    for s, (count, t) in enumerate(zip(stages.planned, stages.planned_times)):
+        if last >= MAX_STAGE_LINES and stages.even and count == stages.even[s]:
+            continue
+        extra = (" + embedding" if s == 0 else "") + (" + output layer and loss" if s == last
+                                                      else "")
+        was = (f"   (even: {stages.even[s]}, {stages.even_times[s] * 1e3:.2f} ms)"
+               if stages.even else "")
+        lines.append(f"  stage {s}: {count} layer{'s' if count != 1 else ''}{extra}, "
+                     f"{t * 1e3:.2f} ms per micro-batch{was}")
+    if last >= MAX_STAGE_LINES and stages.even:
+        lines.append("  other stages: as the even split")
     return "\n".join(lines)

@@ -250,8 +250,8 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
                        compile=should_compile(tr.compile, device),
                        cp=ContextParallel.from_grid(grid), ep=ExpertParallel.from_grid(grid))
     num_stages = par.pipeline * par.chunks
-    chunks = {s: build_chunk(ctx, s, num_stages).to(device, PRECISIONS[tr.precision])
-              for s in spec.stage_map(par.pipeline, par.chunks).stages_of(grid.pp_rank)}
+    chunks = {s: build_chunk(ctx, s, num_stages, par.stage_layers)
+              .to(device, PRECISIONS[tr.precision]) for s in spec.stage_map(par.pipeline, par.chunks).stages_of(grid.pp_rank)}
     if spec.split_backward:   # zb-h1: a chunk's B passes leave its weight gradients to its Wg
         for chunk in chunks.values():
             defer_weight_grads(chunk)

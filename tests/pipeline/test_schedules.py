@@ -5,8 +5,8 @@ from collections import Counter
 import pytest
 
 from ptdp.config.catalogue import names_where, schedule_spec
-from ptdp.config.stages import StageMap
-from ptdp.pipeline.actions import Action, dependencies, stage_layers
+from ptdp.config.stages import StageMap, layer_ranges
+from ptdp.pipeline.actions import Action, dependencies
 from ptdp.pipeline.schedules import build_all, build_schedule, format_schedule, max_in_flight
 from ptdp.pipeline.timeline import simulate
 
@@ -129,9 +129,9 @@ def test_stage_placement_round_robin_by_chunk():
     assert [stages.rank_of(s) for s in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
     assert [stages.chunk_of(s) for s in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     # the dissertation's example: 16 layers, p=4, v=2 -> device 1 holds layers 1, 2, 9, 10
-    assert [list(stage_layers(s, 4, 2, 16)) for s in stages.stages_of(0)] == [[0, 1], [8, 9]]
+    assert [list(layer_ranges(16, 8)[s]) for s in stages.stages_of(0)] == [[0, 1], [8, 9]]
     with pytest.raises(ValueError, match="divisible"):
-        stage_layers(0, 4, 2, 12)
+        layer_ranges(12, 8)
 
 
 def test_dependencies():
