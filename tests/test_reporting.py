@@ -143,3 +143,19 @@ def test_version_and_every_help_shows_defaults(capsys):
             shown = action.default not in (None, False, "==SUPPRESS==") and action.option_strings
             if shown and action.dest != "help":
                 assert f"default: {action.default}" in " ".join(text.split()), (name, action.dest)
+
+
+def test_plot_adds_the_expert_load_and_aux_losses_for_a_mixture_of_experts(tmp_path):
+    pytest.importorskip("matplotlib")
+    from ptdp.metrics.plot import MOE_PANELS, PANELS, _series, panels_for, plot_metrics
+    dense = [{"iter": i, "loss": 5.0, "lr": 1e-3} for i in (1, 2)]
+    moe = [{**r, "moe/load_max_over_mean": 1.5 - r["iter"] / 10, "aux/moe_aux_loss": 0.01,
+            "aux/moe_z_loss": 0.002} for r in dense]
+    assert panels_for([dense]) == PANELS
+    assert panels_for([dense, moe]) == PANELS + MOE_PANELS
+    assert _series(moe, "aux/") == {" moe_aux_loss": [0.01, 0.01], " moe_z_loss": [0.002, 0.002]}
+    assert _series(dense, "aux/") == {}
+    path = tmp_path / "moe.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in moe))
+    out = plot_metrics([path], tmp_path / "moe.png")
+    assert out.read_bytes()[:4] == b"\x89PNG"
