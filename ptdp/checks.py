@@ -296,8 +296,8 @@ def check_placement(cfg: Config, world_size: int, ranks_per_node: int, found: Fi
 
 def check_checkpoint_load(cfg: Config, found: Findings) -> None:
     """The checkpoint exists, is complete and readable, and holds this model (any layout)."""
-    from ptdp.checkpoint.layout import (CheckpointError, check_files_readable, check_model_config,
-                                        find_checkpoint, read_metadata, resolve_load)
+    from ptdp.checkpoint.integrity import first_intact
+    from ptdp.checkpoint.layout import CheckpointError, resolve_load
     from ptdp.runtime.exit_status import restart_attempt
     load, which = resolve_load(cfg.checkpoint, restart_attempt() > 0)
     if which:
@@ -305,15 +305,12 @@ def check_checkpoint_load(cfg: Config, found: Findings) -> None:
     if not load:
         return
     try:
-        directory, fallback = find_checkpoint(load)
-        meta = read_metadata(directory)
-        check_model_config(meta, cfg.model, directory)
-        check_files_readable(directory, meta)
+        directory, meta, notes = first_intact(load, cfg.checkpoint, cfg.model)  # checksums too
     except CheckpointError as err:
         found.error(f"checkpoint.load: {err}")
         return
-    if fallback:
-        found.note(f"checkpoint.load: {fallback}")
+    for note in notes:
+        found.note(f"checkpoint.load: {note}")
     if meta["iteration"] >= cfg.train.iters:
         found.note(f"checkpoint.load: {directory} is at iteration {meta['iteration']}, not before "
                    f"train.iters={cfg.train.iters}: there is nothing left to train")

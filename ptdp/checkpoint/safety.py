@@ -11,7 +11,6 @@ import time
 import uuid
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from ptdp.checkpoint.layout import CheckpointError
@@ -27,14 +26,23 @@ def on_all_ranks(what: str, fn):
         result = fn()
     except Exception as err:  # shared below, then re-raised (chained) on this rank too
         error = err
-    messages = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
-    if failed:
-        rank, msg = failed[0]
-        others = f" (and on {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-        raise CheckpointError(f"{what} failed on rank {rank}{others}: {msg}") from error
+    failure = shared_failure(what, None if error is None else f"{type(error).__name__}: {error}")
+    if failure:
+        raise CheckpointError(failure) from error
     return result
+
+
+def shared_failure(what: str, message: str | None) -> str | None:
+    """Collective: every rank's `message` (None: no failure) -> "{what} failed on rank R (and
+    on N more rank(s)): {R's message}" on every rank, or None if no rank failed."""
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
+    if not failed:
+        return None
+    rank, msg = failed[0]
+    others = f" (and on {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+    return f"{what} failed on rank {rank}{others}: {msg}"
 
 
 class NotSharedError(CheckpointError):
@@ -100,13 +108,6 @@ def remove(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
-
-
-def save_durably(obj, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def write_text_durably(path: Path, text: str) -> None:

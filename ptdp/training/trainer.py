@@ -180,7 +180,7 @@ class Trainer:
         cfg, state = self.cfg, self.state
         started = time.perf_counter()
         rank0 = state.grid.rank == 0
-        log = MetricsLog(cfg, is_writer=rank0)
+        log = MetricsLog(cfg, is_writer=rank0, first_iteration=self.iteration)
         if rank0:
             write_config(cfg)
         log.print(startup_report(cfg, state.grid, state.local_parameter_count(),
