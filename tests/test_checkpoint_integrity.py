@@ -105,7 +105,7 @@ def test_a_damaged_checkpoint_is_skipped_and_the_run_continues_exactly(damaged, 
 def test_a_damaged_checkpoint_named_as_such_is_refused(damaged):
     named = damaged[2]["named"]
     assert named is not None and "failed on rank 0" in named
-    assert "model_pp000_tp000.pt fails its checksum" in named
+    assert "model_pp000_tp000.pt: it fails its checksum" in named
 
 
 @pytest.mark.parametrize("kind", DAMAGES)

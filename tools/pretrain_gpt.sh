@@ -21,7 +21,8 @@
 #   TORCHRUN_ARGS   extra torchrun flags                                 []
 #   MAX_RESTARTS    restart the job this many times after a failure      [0]
 #                   (each restart resumes from the newest checkpoint in checkpoint.dir; a
-#                   configuration error or a divergence is not restarted: docs/checkpoints.md)
+#                   configuration or data error, a divergence or a full disk is not
+#                   restarted: docs/troubleshooting.md)
 #   DRY_RUN=1       print the command instead of running it
 #   CUDA_DEVICE_MAX_CONNECTIONS  set to 1 by `ptdp train` itself when parallel.tensor or
 #                   parallel.context > 1 (as Megatron-LM requires), unless set here
@@ -160,7 +161,8 @@ fi
 # --- restarts -------------------------------------------------------------------------------
 # Each rank that ends for a reason worth telling apart leaves its exit code in $PTDP_EXIT_DIR
 # (ptdp/runtime/exit_status.py; torchrun itself exits 1 whatever its workers did): 2 (a
-# configuration error) and 3 (divergence) would fail again the same way, so they end the job;
+# configuration or data error), 3 (divergence) and 5 (a full disk) would fail again the same
+# way, so they end the job;
 # 4 (a hang, or a peer lost, named by the hang detector) and a crash or kill (no code left)
 # restart it. PTDP_RESTART tells the job which attempt it is, so that a restarted job resumes
 # from the newest checkpoint in its checkpoint.dir. On several nodes every node's script
@@ -175,9 +177,13 @@ while true; do
     PTDP_RESTART="$attempt" "${cmd[@]}" || rc=$?
     [[ "$rc" -eq 0 ]] && exit 0
     codes=" $( (cat "$PTDP_EXIT_DIR"/rank* 2>/dev/null || true) | sort -u | tr '\n' ' ')"
-    for final in 2 3; do
+    for final in 2 3 5; do
         if [[ "$codes" == *" $final "* ]]; then
-            why="a configuration error"; [[ "$final" -eq 3 ]] && why="divergence"
+            case "$final" in
+                2) why="a configuration or data error" ;;
+                3) why="divergence" ;;
+                5) why="a full disk" ;;
+            esac
             echo "$SCRIPT_NAME: the job ended with $why (exit $final): not restarting" >&2
             exit "$final"
         fi

@@ -91,10 +91,12 @@ def save_durably(obj, path: Path) -> list:
 def file_checksum(path: Path) -> list:
     """[size, crc] of a file on disk, read in one streaming pass."""
     crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK_BYTES):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
+    buffer = bytearray(CHUNK_BYTES)   # one buffer, refilled: no allocation per chunk
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
     return _entry(size, crc)
 
 
@@ -107,11 +109,11 @@ def expected_checksum(meta: dict, name: str) -> list | None:
 
 def _compare(path: Path, expected: list, actual: list) -> None:
     if actual[0] != expected[0]:
-        raise DamagedCheckpoint(f"{path} has {actual[0]} bytes, its save wrote {expected[0]} "
-                                f"(truncated or overwritten)")
+        raise DamagedCheckpoint(f"cannot read {path}: it has {actual[0]} bytes, its save wrote "
+                                f"{expected[0]} (truncated or overwritten)")
     if actual[1] != expected[1]:
-        raise DamagedCheckpoint(f"{path} fails its checksum ({ALGORITHM} {actual[1]}, its save "
-                                f"wrote {expected[1]}): the file is corrupt")
+        raise DamagedCheckpoint(f"cannot read {path}: it fails its checksum ({ALGORITHM} "
+                                f"{actual[1]}, its save wrote {expected[1]}): the file is corrupt")
 
 
 def verify_size(path: Path, expected: list | None) -> None:
@@ -172,8 +174,8 @@ def verify_metadata(meta: dict, directory: Path) -> None:
         if not isinstance(files, dict) or set(files) != set(meta["files"]):
             raise DamagedCheckpoint(f"{where}: its checksums do not cover the files it lists")
         if recorded.get("metadata") != _metadata_crc(meta):
-            raise DamagedCheckpoint(f"{where} fails its checksum: the metadata was changed "
-                                    f"after the save")
+            raise DamagedCheckpoint(f"cannot read {where}: it fails its checksum (the metadata "
+                                    f"was changed after the save)")
     problems = [key for key, kind in (("iteration", int), ("layout", dict), ("model", dict),
                                       ("params", dict)) if not isinstance(meta.get(key), kind)]
     if problems:
@@ -236,4 +238,5 @@ def first_intact(path, ck, model) -> tuple[Path, dict, list[str]]:
             notes.append(f"skipping {directory}, it fails verification: {err}")
             continue
         return directory, meta, notes + ([note] if note else [])
-    raise CheckpointError("no intact checkpoint: " + "; ".join(problems))
+    raise CheckpointError(problems[0] if len(problems) == 1
+                          else "no intact checkpoint: " + "; ".join(problems))

@@ -24,6 +24,7 @@ from ptdp.checkpoint.integrity import (DamagedCheckpoint, expected_checksum, loa
 from ptdp.checkpoint.layout import (PARAMETERS, CheckpointError, check_model_config, layout_of,
                                     layout_text, load_candidates, rank_file_name, read_metadata)
 from ptdp.checkpoint.reshard import ShardReader, to_local
+from ptdp.checkpoint.retention import protect
 from ptdp.checkpoint.safety import on_all_ranks, shared_failure
 from ptdp.config.batches import BatchSchedule
 from ptdp.config.schema import schedule_lengths
@@ -56,6 +57,7 @@ def load_checkpoint(state, path: str | os.PathLike) -> Path:
             continue
         for part, saved in loaded:   # (cannot fail on shapes: all checked already)
             part.state.load_state_dict(saved)
+        protect(directory)   # verified: retention keeps it while this job runs
         _report(state, directory, meta, note)
         return directory
     raise NoIntactCheckpoint(f"no intact checkpoint to load from {path}: " + "; ".join(skipped))

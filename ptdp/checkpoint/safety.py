@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ptdp.checkpoint.integrity import DiskFull, is_disk_full
 from ptdp.checkpoint.layout import CheckpointError
+from ptdp.checkpoint.retention import disk_full, sweep_leftovers
 
 
 def on_all_ranks(what: str, fn):
@@ -26,7 +28,12 @@ def on_all_ranks(what: str, fn):
         result = fn()
     except Exception as err:  # shared below, then re-raised (chained) on this rank too
         error = err
-    failure = shared_failure(what, None if error is None else f"{type(error).__name__}: {error}")
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    gathered = all_gather((text, str(error) if isinstance(error, DiskFull) else None))
+    full = [line for _, line in gathered if line]
+    if full:   # its own line says it all (the folder, the space needed), the same on every rank
+        raise DiskFull(full[0]) from error
+    failure = _failure_text(what, [message for message, _ in gathered])
     if failure:
         raise CheckpointError(failure) from error
     return result
@@ -35,8 +42,10 @@ def on_all_ranks(what: str, fn):
 def shared_failure(what: str, message: str | None) -> str | None:
     """Collective: every rank's `message` (None: no failure) -> "{what} failed on rank R (and
     on N more rank(s)): {R's message}" on every rank, or None if no rank failed."""
-    messages = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, message)
+    return _failure_text(what, all_gather(message))
+
+
+def _failure_text(what: str, messages: list) -> str | None:
     failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
     if not failed:
         return None
@@ -63,9 +72,17 @@ def check_shared_directory(directory: str | os.PathLike, patience_s: float = 10.
     name = [f".ptdp-shared-{uuid.uuid4().hex}" if rank0 else None]
 
     def write():
-        if rank0:
-            root.mkdir(parents=True, exist_ok=True)
+        if not rank0:
+            return
+        root.mkdir(parents=True, exist_ok=True)
+        sweep_leftovers(root)   # what died with an earlier job (it holds the folder's lock)
+        try:
             write_text_durably(root / name[0], name[0])
+        except OSError as err:
+            (root / name[0]).unlink(missing_ok=True)
+            if is_disk_full(err):
+                raise disk_full(root, "starting") from err
+            raise
 
     on_all_ranks(f"writing into checkpoint.dir {root}", write)
     dist.broadcast_object_list(name, src=0)

@@ -37,7 +37,8 @@ from ptdp.checkpoint.layout import (CONFIG_FILE, CheckpointError, FORMAT_VERSION
                                     incomplete, iteration_dir_name, latest_name, layout_of,
                                     rank_file_name, shard_file_name)
 from ptdp.checkpoint.reshard import param_metadata
-from ptdp.checkpoint.integrity import file_checksum, save_durably, seal
+from ptdp.checkpoint.retention import disk_full, prune
+from ptdp.checkpoint.integrity import DiskFull, file_checksum, is_disk_full, save_durably, seal
 from ptdp.checkpoint.safety import all_gather, fsync_dir, on_all_ranks, remove, write_text_durably
 from ptdp.config.batches import BatchSchedule
 from ptdp.parallel.roles import role_of, writes
@@ -78,7 +79,8 @@ class PendingSave:
                 self.checksums[path.name] = save_durably(obj, path)
             _reached("rank_files")
         except BaseException as err:   # noqa: BLE001 - shared with every rank by finish_save
-            self.error = err
+            self.error = (disk_full(self.final.parent, f"writing {self.tmp.name}")
+                          if is_disk_full(err) else err)
         self.files = {}   # the host copies are no longer needed
 
 
@@ -90,7 +92,9 @@ def start_save(state, directory: str | os.PathLike, timing: dict | None = None) 
     final = root / iteration_dir_name(state.progress.iteration)
     tmp = final.with_name(final.name + TMP_SUFFIX)
     rank0 = dist.get_rank() == 0
-    on_all_ranks(f"preparing checkpoint {tmp}", lambda: _prepare(root, tmp) if rank0 else None)
+    on_all_ranks(f"preparing checkpoint {tmp}",
+                 lambda: _naming_a_full_disk(root, f"creating {tmp.name}",
+                                             lambda: _prepare(root, tmp)) if rank0 else None)
     parts = [(part, part.state.state_dict()) for part in state.parts()]
     files, info = on_all_ranks(f"copying the state for checkpoint {tmp}",
                                lambda: _snapshot_rank_files(state, tmp, parts))
@@ -111,18 +115,36 @@ def finish_save(pending: PendingSave) -> Path:
         if pending.error is not None:
             raise pending.error
 
-    on_all_ranks(f"writing checkpoint {pending.tmp}", written)
-    checksums = {}
-    for part in all_gather(pending.checksums):
-        checksums.update(part)
+    root, rank0 = pending.final.parent, dist.get_rank() == 0
+    try:
+        on_all_ranks(f"writing checkpoint {pending.tmp}", written)
+        checksums = {}
+        for part in all_gather(pending.checksums):
+            checksums.update(part)
 
-    def publish():
-        checksums.update(_write_config_and_tokenizer(pending.cfg, pending.tmp))
-        _publish(pending.tmp, pending.final, seal(pending.metadata, checksums))
+        def publish():
+            checksums.update(_write_config_and_tokenizer(pending.cfg, pending.tmp))
+            _publish(pending.tmp, pending.final, seal(pending.metadata, checksums))
+            ck = pending.cfg.checkpoint
+            prune(root, ck.keep_last, ck.keep_every)
 
-    on_all_ranks(f"publishing checkpoint {pending.final}",
-                 lambda: publish() if dist.get_rank() == 0 else None)
+        on_all_ranks(f"publishing checkpoint {pending.final}", lambda: _naming_a_full_disk(
+            root, f"publishing {pending.final.name}", publish) if rank0 else None)
+    except DiskFull:
+        if rank0:   # give back what the failed save took: the job's last lines need room too
+            remove(pending.tmp)
+        raise
     return pending.final
+
+
+def _naming_a_full_disk(root: Path, what: str, fn):
+    """fn(), a full disk raised as DiskFull: one line naming `root` and the space needed."""
+    try:
+        return fn()
+    except OSError as err:
+        if is_disk_full(err):
+            raise disk_full(root, what) from err
+        raise
 
 
 def _writes_any(state) -> bool:
