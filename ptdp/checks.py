@@ -125,11 +125,18 @@ def _check_dataset(cfg: Config, header, found: Findings) -> None:
         found.error(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of "
                     f"{_idx(header)} ({header.vocab_size}); set "
                     f"model.vocab_size={header.vocab_size}")
+    if header.vocab_size is None and header.num_tokens:   # no sidecar: read the ids
+        from ptdp.data.indexed import token_id_range
+        low, high = token_id_range(header)
+        if low < 0 or high >= cfg.model.vocab_size:
+            found.error(f"data.paths: {header.prefix}.bin holds token ids {low}..{high}, outside "
+                        f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size, or "
+                        f"check that this is the data of this model's tokenizer")
     if header.vocab_size is None:
         found.warn(f"data.paths: {_idx(header)} has no {header.prefix}.ptdp.json, so its token "
-                   f"ids are not checked against model.vocab_size (with parallel.tensor > 1 an id "
-                   f"beyond it would be dropped silently); write it once with `ptdp preprocess "
-                   f"--describe --output-prefix {header.prefix} --tokenizer TOKENIZER`")
+                   f"ids are not checked against a recorded vocabulary (only read here, and "
+                   f"against model.vocab_size as training reads them); write it once with `ptdp "
+                   f"preprocess --describe --output-prefix {header.prefix} --tokenizer TOKENIZER`")
     _check_eod_options(cfg, header, found)
     if cfg.model.family.samples is Samples.SENTENCE_PAIRS:
         if not header.meta.get("sentences"):

@@ -56,6 +56,7 @@ def run(args) -> int:
     if _env_int("RANK", 0) == 0:
         for line in found.warnings:   # e.g. tensor groups that straddle nodes
             print(f"ptdp train: warning: {line}", file=sys.stderr)
+    from ptdp.data.indexed import IndexedDataError
     from ptdp.runtime.startup import shutdown
     from ptdp.training import Trainer
     final = _final_exits()
@@ -69,6 +70,10 @@ def run(args) -> int:
         code = next(code for kind, code in final.items() if isinstance(err, kind))
         record_exit(code)
         return code
+    except IndexedDataError as err:   # found by the rank that read it (a token id out of range)
+        print(f"ptdp train: rank {_env_int('RANK', 0)}: {err}", file=sys.stderr, flush=True)
+        record_exit(CONFIG_ERROR)     # the same data fails the same way again
+        return CONFIG_ERROR
     finally:
         shutdown()
     return 0
