@@ -154,7 +154,16 @@ echo "$SCRIPT_NAME: ${cmd[*]}" >&2
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     exit 0
 fi
+
+# One job per checkpoint.dir: wait (PTDP_LOCK_WAIT_S, default 60 s) until no process of an
+# earlier job holds it, or stop naming them (ptdp/runtime/joblock.py). Node 0 asks for the job.
+free_checkpoint_dir() {
+    [[ "$NODE_RANK" -ne 0 ]] && return 0
+    "$PYTHON" -m ptdp.runtime.joblock "$CONFIG" "$@" \
+        || die "not starting: another job is using this checkpoint.dir"
+}
 if [[ "$MAX_RESTARTS" -eq 0 ]]; then
+    free_checkpoint_dir "$@"
     exec "${cmd[@]}"
 fi
 
@@ -173,6 +182,7 @@ trap 'rm -rf "$PTDP_EXIT_DIR"' EXIT
 attempt=0
 while true; do
     rm -f "$PTDP_EXIT_DIR"/rank*
+    free_checkpoint_dir "$@"   # (a worker of the attempt before may still be exiting)
     rc=0
     PTDP_RESTART="$attempt" "${cmd[@]}" || rc=$?
     [[ "$rc" -eq 0 ]] && exit 0

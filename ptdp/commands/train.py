@@ -56,6 +56,11 @@ def run(args) -> int:
     if _env_int("RANK", 0) == 0:
         for line in found.warnings:   # e.g. tensor groups that straddle nodes
             print(f"ptdp train: warning: {line}", file=sys.stderr)
+    from ptdp.runtime.joblock import die_with_parent, hold
+    if os.environ.get("TORCHELASTIC_RUN_ID"):   # under torchrun: never outlive its agent
+        die_with_parent()
+    if found.cfg.checkpoint.dir:   # one job per checkpoint.dir (ptdp/runtime/joblock.py)
+        hold(found.cfg.checkpoint.dir, _env_int("RANK", 0))
     from ptdp.data.indexed import IndexedDataError
     from ptdp.runtime.startup import shutdown
     from ptdp.training import Trainer
