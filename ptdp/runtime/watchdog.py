@@ -100,8 +100,8 @@ class Watchdog:
 
     def doing(self, what: str, iteration: int | None = None, watch: bool = True,
               slow: bool = False) -> None:
-        """Record the phase the main thread enters; `watch=False` (e.g. a checkpoint save,
-        whose length depends on the file system) suspends the stall check until the next;
+        """Record the phase the main thread enters; `watch=False` (e.g. the end of a run, which
+        waits for a background save's writes) suspends the stall check until the next;
         `slow` (the first validation pass: it compiles its own graphs) gives the phase the
         start-up budget, as the job's first iteration has."""
         if iteration is not None:
@@ -110,6 +110,16 @@ class Watchdog:
         self.budget_s = (self.startup_stall_s if slow or self.iteration < self.watch_from
                          else self.stall_s)
         self.what, self.waiting, self.moved_at = what, False, self.clock()
+
+    def saving(self, iteration: int, last_save_s: float | None) -> None:
+        """A checkpoint save after `iteration`, watched like an iteration but with the save's
+        own time on top of the budget: twice the last save's measured time, or, for a job's
+        first save (its length unknown: the disk decides), the start-up budget. A rank frozen
+        in a save is then named within train.timeout_s plus the save's time, as in
+        "last in iteration 20 at checkpoint save"."""
+        self.doing("checkpoint save", iteration=iteration)
+        extra = self.startup_stall_s if last_save_s is None else 2 * last_save_s
+        self.budget_s = self.stall_s + extra
 
     def track(self, spans):
         """Wrap a `spans` recorder (ptdp/runtime/trace.py) so every executor action also counts as

@@ -213,7 +213,7 @@ class Trainer:
                 if self.saves is not None and self.saves.in_flight:
                     log.print(self._published(self.saves.poll()))
                 if self._checkpoint_due():
-                    watchdog.doing("checkpoint save", watch=False)  # as long as the disk takes
+                    watchdog.saving(self.iteration, self.save_timing.stall_s)  # + its own time
                     log.print(self.save_checkpoint())
                     log.print(self.save_timing.advice(cfg.checkpoint))
             watchdog.doing("trace and shutdown", watch=False)
