@@ -175,7 +175,8 @@ fi
 # 4 (a hang, or a peer lost, named by the hang detector) and a crash or kill (no code left)
 # restart it. PTDP_RESTART tells the job which attempt it is, so that a restarted job resumes
 # from the newest checkpoint in its checkpoint.dir. On several nodes every node's script
-# restarts its own torchrun, and they meet again at MASTER_ADDR:MASTER_PORT.
+# restarts its own torchrun, and they meet again at MASTER_ADDR:MASTER_PORT+attempt (a fresh
+# rendezvous: the old one may outlive the failure by seconds).
 export PTDP_EXIT_DIR
 PTDP_EXIT_DIR="$(mktemp -d "${TMPDIR:-/tmp}/ptdp-exit.XXXXXX")"
 trap 'rm -rf "$PTDP_EXIT_DIR"' EXIT
@@ -184,6 +185,21 @@ while true; do
     rm -f "$PTDP_EXIT_DIR"/rank*
     free_checkpoint_dir "$@"   # (a worker of the attempt before may still be exiting)
     rc=0
+    if [[ "$attempt" -gt 0 ]]; then
+        # A fresh rendezvous per attempt: a node restarting quickly must not join the store of
+        # the attempt before, which node 0's old agent keeps for a while. Every node restarts
+        # after every failure (a lost rank ends them all), so they count attempts alike and
+        # meet at MASTER_PORT + attempt; on one node any free port will do.
+        if [[ "$NNODES" -eq 1 ]]; then
+            port="$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")"
+        else
+            port=$((MASTER_PORT + attempt))
+        fi
+        for i in "${!cmd[@]}"; do
+            [[ "${cmd[$i]}" == "--master-port" ]] && cmd[$((i + 1))]="$port"
+        done
+        echo "$SCRIPT_NAME: attempt $attempt meets at $MASTER_ADDR:$port" >&2
+    fi
     PTDP_RESTART="$attempt" "${cmd[@]}" || rc=$?
     [[ "$rc" -eq 0 ]] && exit 0
     codes=" $( (cat "$PTDP_EXIT_DIR"/rank* 2>/dev/null || true) | sort -u | tr '\n' ' ')"
