@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 from ptdp.runtime.exit_status import HUNG, record_exit
 from ptdp.runtime.progress import DeviceProgress, Label
@@ -47,6 +49,7 @@ from ptdp.runtime.progress import DeviceProgress, Label
 EXIT_CODE = HUNG
 WAITING = ("wait", "reduce")  # span categories in which a rank waits on other ranks
 STARTUP_TIMEOUT_S = 600.0     # torch's own NCCL default
+ENDED = "the end"             # the phase of a rank's last heartbeat when it ends on purpose
 
 
 class Watchdog:
@@ -91,9 +94,29 @@ class Watchdog:
     def start(self) -> "Watchdog":
         if self.enabled:
             self._thread.start()
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, self.on_terminate)
         return self
 
+    def on_terminate(self, signum, frame) -> None:
+        """SIGTERM: under torchrun, the agent ending this node's ranks because one of them
+        died. Name the ranks of this host whose processes are gone, in ptdp's own line (the
+        first rank to claim it prints), then end as SIGTERM would."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            beats = self.heartbeats()
+            here = socket.gethostname()
+            dead = [r for r, b in beats.items() if r != self.rank and b is not None
+                    and b["what"] != ENDED and b["host"] == here and _process_gone(b["pid"])]
+            if dead and self._claim_report():
+                head = "; ".join(self._where(r, beats[r]) + ", its process gone" for r in dead)
+                print(f"ptdp train: lost rank(s): {head}. The launcher is ending the job.",
+                      file=sys.stderr, flush=True)
+        finally:
+            os._exit(128 + signum)
+
     def stop(self) -> None:
+        self._end_publicly()
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self.interval_s)
@@ -131,6 +154,13 @@ class Watchdog:
         """When the host or the device last moved, on this host's clock."""
         return max(self.moved_at, self.progress.moved_at)
 
+    def _end_publicly(self) -> None:
+        """The last heartbeat: this rank ends on purpose (its own line, if any, is said), so
+        a peer's SIGTERM handler does not name it as lost."""
+        if self.enabled:
+            self.what = ENDED
+            self._publish()
+
     # Heartbeat thread -----------------------------------------------------------------------
     def _run(self) -> None:
         self._publish()   # at once: a rank may be lost before the first interval
@@ -151,11 +181,14 @@ class Watchdog:
         if stuck <= self.budget_s:
             return False
         if self.is_reporter(beats):
-            self.on_hang(self.diagnose(beats))
+            line = self.diagnose(beats)
+            self._end_publicly()
+            self.on_hang(line)
             return True
         # The reporter may have blocked a little later than this rank and not yet seen the
         # stall: ending now would have torchrun stop it before it speaks.
         self._stop.wait(self.reporter_grace_s)
+        self._end_publicly()
         self.on_hang(None)
         return True
 
@@ -227,9 +260,11 @@ class Watchdog:
             line = (f"communication failed on rank {self.rank} {self.describe_rank(self.rank)} "
                     f"while every rank's heartbeat is fresh: {cause}. Ending the job.")
         if self._claim_report():
+            self._end_publicly()
             self.on_hang(line)
         else:
             self.sleep(self.interval_s)    # let the reporter print before torchrun ends us all
+            self._end_publicly()
             self.on_hang(None)
 
     def _stopped_others(self, beats: dict) -> list[int]:
@@ -377,6 +412,16 @@ def dump_flight_recorder(rank: int) -> str | None:
         return path
     except Exception:   # advice only: never let it stop the exit
         return None
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether process `pid` of this host has ended (a zombie counts: its parent has not
+    reaped it yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
 
 
 def _print_and_exit(line: str | None) -> None:
