@@ -104,6 +104,7 @@ class Watchdog:
         first rank to claim it prints), then end as SIGTERM would."""
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         try:
+            self._end_publicly()   # first: the ranks ending alongside must not name this one
             beats = self.heartbeats()
             here = socket.gethostname()
             dead = [r for r, b in beats.items() if r != self.rank and b is not None
@@ -182,6 +183,7 @@ class Watchdog:
             return False
         if self.is_reporter(beats):
             line = self.diagnose(beats)
+            self._claim_report()   # the job's one line: no SIGTERM handler adds another
             self._end_publicly()
             self.on_hang(line)
             return True
