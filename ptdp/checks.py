@@ -125,11 +125,18 @@ def _check_dataset(cfg: Config, header, found: Findings) -> None:
         found.error(f"model.vocab_size={cfg.model.vocab_size} is smaller than the vocabulary of "
                     f"{_idx(header)} ({header.vocab_size}); set "
                     f"model.vocab_size={header.vocab_size}")
+    if header.vocab_size is None and header.num_tokens:   # no sidecar: read the ids
+        from ptdp.data.indexed import token_id_range
+        low, high = token_id_range(header)
+        if low < 0 or high >= cfg.model.vocab_size:
+            found.error(f"data.paths: {header.prefix}.bin holds token ids {low}..{high}, outside "
+                        f"model.vocab_size={cfg.model.vocab_size}; set model.vocab_size, or "
+                        f"check that this is the data of this model's tokenizer")
     if header.vocab_size is None:
         found.warn(f"data.paths: {_idx(header)} has no {header.prefix}.ptdp.json, so its token "
-                   f"ids are not checked against model.vocab_size (with parallel.tensor > 1 an id "
-                   f"beyond it would be dropped silently); write it once with `ptdp preprocess "
-                   f"--describe --output-prefix {header.prefix} --tokenizer TOKENIZER`")
+                   f"ids are not checked against a recorded vocabulary (only read here, and "
+                   f"against model.vocab_size as training reads them); write it once with `ptdp "
+                   f"preprocess --describe --output-prefix {header.prefix} --tokenizer TOKENIZER`")
     _check_eod_options(cfg, header, found)
     if cfg.model.family.samples is Samples.SENTENCE_PAIRS:
         if not header.meta.get("sentences"):
@@ -296,8 +303,8 @@ def check_placement(cfg: Config, world_size: int, ranks_per_node: int, found: Fi
 
 def check_checkpoint_load(cfg: Config, found: Findings) -> None:
     """The checkpoint exists, is complete and readable, and holds this model (any layout)."""
-    from ptdp.checkpoint.layout import (CheckpointError, check_files_readable, check_model_config,
-                                        find_checkpoint, read_metadata, resolve_load)
+    from ptdp.checkpoint.integrity import first_intact
+    from ptdp.checkpoint.layout import CheckpointError, resolve_load
     from ptdp.runtime.exit_status import restart_attempt
     load, which = resolve_load(cfg.checkpoint, restart_attempt() > 0)
     if which:
@@ -305,15 +312,12 @@ def check_checkpoint_load(cfg: Config, found: Findings) -> None:
     if not load:
         return
     try:
-        directory, fallback = find_checkpoint(load)
-        meta = read_metadata(directory)
-        check_model_config(meta, cfg.model, directory)
-        check_files_readable(directory, meta)
+        directory, meta, notes = first_intact(load, cfg.checkpoint, cfg.model)  # checksums too
     except CheckpointError as err:
         found.error(f"checkpoint.load: {err}")
         return
-    if fallback:
-        found.note(f"checkpoint.load: {fallback}")
+    for note in notes:
+        found.note(f"checkpoint.load: {note}")
     if meta["iteration"] >= cfg.train.iters:
         found.note(f"checkpoint.load: {directory} is at iteration {meta['iteration']}, not before "
                    f"train.iters={cfg.train.iters}: there is nothing left to train")

@@ -64,8 +64,9 @@ def _same(a, b, where: str) -> None:
 
 
 def _without_paths(meta: dict) -> dict:
-    """The metadata less what names this run (the config's checkpoint paths, the save times)."""
-    meta = {key: value for key, value in meta.items() if key != "timing"}
+    """The metadata less what names this run (the config's checkpoint paths, the save times)
+    and the files' checksums, which the old code did not record."""
+    meta = {key: value for key, value in meta.items() if key not in ("timing", "checksums")}
     meta["config"] = {key: value for key, value in meta["config"].items() if key != "checkpoint"}
     return meta
 

@@ -211,6 +211,8 @@ def test_bench_checkpoint_times_sync_and_async_saves(tmp_path, monkeypatch, fork
     for r in data["ranks"]:
         assert len(r["stall_s"]) == 2 and all(s > 0 for s in r["stall_s"])   # iterations 2, 4
         assert len(r["publish_s"]) == (2 if r["mode"] == "async" else 0)
+    verify = data["verification"]   # checksums: the files of iteration 4 (2 shards, 2 RNG files)
+    assert verify["files"] == 4 and verify["bytes"] > 0 and verify["crc32_s"] > 0
 
 
 def test_validate_planner_probes_the_speed_and_compares(tmp_path, monkeypatch, forked_ranks,

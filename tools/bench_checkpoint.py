@@ -14,6 +14,11 @@ and per iteration its step time, split into iterations that ran while a backgrou
 flight and the others (the writer competes for the same cores). The table shows the slowest
 rank; the JSON has every save. Both modes write the same files (tests/test_restart.py).
 
+Then the cost of checksums (ptdp/checkpoint/integrity.py) on the last checkpoint written, in this
+process, its files warm in the page cache (the cost that remains once the disk is out of the
+way): the CRC-32 pass over every file (what a save adds to its writes, and the pass a load makes
+before its memory-mapped reads), against torch.load of the same files.
+
     python tools/bench_checkpoint.py --out bench/checkpoint
 """
 
@@ -24,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 if __package__:      # python -m tools.bench_checkpoint, or imported by a test
     from . import harness
@@ -89,6 +95,22 @@ def measure(mode: str, overrides: list[str]) -> dict:
             "step_s_quiet": statistics.median(quiet) if quiet else None}
 
 
+def verification_cost(directory: Path) -> dict:
+    """Seconds to checksum every file of one checkpoint against seconds to torch.load them
+    (medians of 3, after a warm-up pass that brings the files into the page cache)."""
+    import torch
+
+    from ptdp.checkpoint.integrity import file_checksum
+    files = sorted(p for p in directory.iterdir() if p.suffix == ".pt")
+    size = sum(p.stat().st_size for p in files)
+    crc = harness.time_steps(lambda i: [file_checksum(p) for p in files], steps=3, warmup=1)
+    load = harness.time_steps(lambda i: [torch.load(p, weights_only=True) for p in files],
+                              steps=3, warmup=1)
+    return {"bytes": size, "files": len(files), "crc32_s": crc.median,
+            "torch_load_s": load.median, "crc32_gb_per_s": size / crc.median / 1e9,
+            "crc32_vs_load": crc.median / load.median}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=12, help="iterations per mode")
@@ -99,12 +121,15 @@ def main(argv=None) -> int:
 
     from ptdp.runtime.local_ranks import run_on_ranks
 
+    from ptdp.checkpoint.layout import resolve_checkpoint
+
     rows = []
     with tempfile.TemporaryDirectory(prefix="ptdp-bench-ckpt-") as directory:
         for mode in ("sync", "async"):
             rows += run_on_ranks(2, measure, mode,
                                  job_overrides(mode, directory, args.iters, args.interval),
                                  timeout_s=3600, fresh_interpreters=True)
+        verify = verification_cost(resolve_checkpoint(Path(directory) / "sync"))
     print(f"{'mode':6} {'params':>8} {'saves':>5} {'stall/save s (median)':>22} "
           f"{'publish s':>10} {'step s writing':>15} {'step s quiet':>13} {'wall s':>7}")
     summary = {}
@@ -121,9 +146,12 @@ def main(argv=None) -> int:
                          "wall_s": worst["wall_s"]}
     ratio = summary["sync"]["stall_s_median"] / max(summary["async"]["stall_s_median"], 1e-9)
     print(f"training stands still {ratio:.1f}x less per save with checkpoint.async_save=true")
+    print(f"checksums: CRC-32 of one checkpoint ({verify['bytes'] / 1e6:.0f} MB in "
+          f"{verify['files']} files) {verify['crc32_s']:.3f} s ({verify['crc32_gb_per_s']:.2f} "
+          f"GB/s), {verify['crc32_vs_load']:.0%} of torch.load's {verify['torch_load_s']:.3f} s")
     out = harness.write_json(args.out + ".json", {
         "summary": summary, "ratio": ratio, "ranks": rows, "iters": args.iters,
-        "interval": args.interval}, tool=__file__, argv=argv)
+        "interval": args.interval, "verification": verify}, tool=__file__, argv=argv)
     print(f"wrote {out}")
     return 0
 

@@ -21,7 +21,8 @@
 #   TORCHRUN_ARGS   extra torchrun flags                                 []
 #   MAX_RESTARTS    restart the job this many times after a failure      [0]
 #                   (each restart resumes from the newest checkpoint in checkpoint.dir; a
-#                   configuration error or a divergence is not restarted: docs/checkpoints.md)
+#                   configuration or data error, a divergence or a full disk is not
+#                   restarted: docs/troubleshooting.md)
 #   DRY_RUN=1       print the command instead of running it
 #   CUDA_DEVICE_MAX_CONNECTIONS  set to 1 by `ptdp train` itself when parallel.tensor or
 #                   parallel.context > 1 (as Megatron-LM requires), unless set here
@@ -153,31 +154,62 @@ echo "$SCRIPT_NAME: ${cmd[*]}" >&2
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     exit 0
 fi
+
+# One job per checkpoint.dir: wait (PTDP_LOCK_WAIT_S, default 60 s) until no process of an
+# earlier job holds it, or stop naming them (ptdp/runtime/joblock.py). Node 0 asks for the job.
+free_checkpoint_dir() {
+    [[ "$NODE_RANK" -ne 0 ]] && return 0
+    "$PYTHON" -m ptdp.runtime.joblock "$CONFIG" "$@" \
+        || die "not starting: another job is using this checkpoint.dir"
+}
 if [[ "$MAX_RESTARTS" -eq 0 ]]; then
+    free_checkpoint_dir "$@"
     exec "${cmd[@]}"
 fi
 
 # --- restarts -------------------------------------------------------------------------------
 # Each rank that ends for a reason worth telling apart leaves its exit code in $PTDP_EXIT_DIR
 # (ptdp/runtime/exit_status.py; torchrun itself exits 1 whatever its workers did): 2 (a
-# configuration error) and 3 (divergence) would fail again the same way, so they end the job;
+# configuration or data error), 3 (divergence) and 5 (a full disk) would fail again the same
+# way, so they end the job;
 # 4 (a hang, or a peer lost, named by the hang detector) and a crash or kill (no code left)
 # restart it. PTDP_RESTART tells the job which attempt it is, so that a restarted job resumes
 # from the newest checkpoint in its checkpoint.dir. On several nodes every node's script
-# restarts its own torchrun, and they meet again at MASTER_ADDR:MASTER_PORT.
+# restarts its own torchrun, and they meet again at MASTER_ADDR:MASTER_PORT+attempt (a fresh
+# rendezvous: the old one may outlive the failure by seconds).
 export PTDP_EXIT_DIR
 PTDP_EXIT_DIR="$(mktemp -d "${TMPDIR:-/tmp}/ptdp-exit.XXXXXX")"
 trap 'rm -rf "$PTDP_EXIT_DIR"' EXIT
 attempt=0
 while true; do
     rm -f "$PTDP_EXIT_DIR"/rank*
+    free_checkpoint_dir "$@"   # (a worker of the attempt before may still be exiting)
     rc=0
+    if [[ "$attempt" -gt 0 ]]; then
+        # A fresh rendezvous per attempt: a node restarting quickly must not join the store of
+        # the attempt before, which node 0's old agent keeps for a while. Every node restarts
+        # after every failure (a lost rank ends them all), so they count attempts alike and
+        # meet at MASTER_PORT + attempt; on one node any free port will do.
+        if [[ "$NNODES" -eq 1 ]]; then
+            port="$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")"
+        else
+            port=$((MASTER_PORT + attempt))
+        fi
+        for i in "${!cmd[@]}"; do
+            [[ "${cmd[$i]}" == "--master-port" ]] && cmd[$((i + 1))]="$port"
+        done
+        echo "$SCRIPT_NAME: attempt $attempt meets at $MASTER_ADDR:$port" >&2
+    fi
     PTDP_RESTART="$attempt" "${cmd[@]}" || rc=$?
     [[ "$rc" -eq 0 ]] && exit 0
     codes=" $( (cat "$PTDP_EXIT_DIR"/rank* 2>/dev/null || true) | sort -u | tr '\n' ' ')"
-    for final in 2 3; do
+    for final in 2 3 5; do
         if [[ "$codes" == *" $final "* ]]; then
-            why="a configuration error"; [[ "$final" -eq 3 ]] && why="divergence"
+            case "$final" in
+                2) why="a configuration or data error" ;;
+                3) why="divergence" ;;
+                5) why="a full disk" ;;
+            esac
             echo "$SCRIPT_NAME: the job ended with $why (exit $final): not restarting" >&2
             exit "$final"
         fi

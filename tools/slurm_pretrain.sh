@@ -17,7 +17,9 @@
 #
 # MAX_RESTARTS=N (in the environment of sbatch, which srun passes on) makes every node's
 # launcher restart its torchrun after a crash or hang, from the newest checkpoint in
-# checkpoint.dir (use checkpoint.load=auto; docs/checkpoints.md).
+# checkpoint.dir (use checkpoint.load=auto; docs/checkpoints.md). Restart n meets at
+# MASTER_PORT + n (a fresh rendezvous), and node 0's launcher first waits for the ranks of the
+# attempt before to release checkpoint.dir (one job per folder).
 # sbatch options on the command line override the #SBATCH defaults above. The launcher runs
 # any architecture (the config's model.arch picks GPT or BERT).
 # Derived here: MASTER_ADDR = first host of `scontrol show hostnames $SLURM_JOB_NODELIST`,

@@ -47,8 +47,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ptdp.config.schema import AUTO_LOAD
 
 FORMAT_VERSION = 1
@@ -184,17 +182,37 @@ def incomplete(directory: Path) -> str | None:
 
 
 def newest_complete_checkpoint(root: Path) -> Path | None:
-    """The complete iteration directory with the highest iteration (a re-save's `.new` copy
-    wins a tie: it is the later save), or None."""
+    """The complete iteration directory with the highest iteration, or None."""
+    return next(iter(complete_checkpoints(root)), None)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete iteration directories of `root`, newest first (a re-save's `.new` copy
+    wins a tie: it is the later save)."""
     candidates = []
     for entry in root.iterdir():
         match = CHECKPOINT_NAME.fullmatch(entry.name)
         if match and entry.is_dir():
             candidates.append((int(match.group(1)), bool(match.group(2)), entry))
-    for _, _, entry in sorted(candidates, reverse=True):
-        if not incomplete(entry):
-            return entry
-    return None
+    return [entry for _, _, entry in sorted(candidates, reverse=True) if not incomplete(entry)]
+
+
+def load_candidates(path, ck) -> list[tuple[str, str | None]]:
+    """(directory, note) of the checkpoints to try in order for `path` (ptdp/checkpoint/load.py
+    `load_checkpoint`): the one `path` resolves to, then, when `path` is a checkpoint root or
+    the newest checkpoint of checkpoint.dir that `checkpoint.load=auto` or a restart picked
+    (`ck`: the job's checkpoint config), the other complete ones beside it, newest first. A
+    checkpoint named as such is the only candidate."""
+    from ptdp.runtime.exit_status import restart_attempt
+    directory, note = find_checkpoint(path)
+    first = [(str(directory), note)]
+    given = Path(path)
+    picked = ((ck.load == AUTO_LOAD or restart_attempt() > 0) and bool(ck.dir)
+              and given.parent.resolve() == Path(ck.dir).resolve())
+    if directory == given and not picked:
+        return first
+    return first + [(str(other), None)   # (load_checkpoint says why it skipped the others)
+                    for other in complete_checkpoints(directory.parent) if other != directory]
 
 
 def resolve_load(ck, restarting: bool = False) -> tuple[str | None, str | None]:
@@ -247,41 +265,6 @@ def check_model_config(meta: dict, model, directory: Path) -> None:
         details = ", ".join(f"model.{k}={saved.get(k)!r} in the checkpoint but {current.get(k)!r} "
                             f"in the config" for k in differ)
         raise CheckpointError(f"{directory} was saved for a different model: {details}")
-
-
-def check_files_readable(directory: Path, meta: dict) -> None:
-    """Open every file of a checkpoint without reading its tensors (memory-mapped) and check
-    that each shard holds the parameters the metadata places on its pipeline rank.
-
-    What `ptdp check` uses: a truncated or garbage file fails here, before any rank starts.
-    """
-    layout = meta["layout"]
-    by_file: dict[str, list[str]] = {shard_file_name(pp, tp): []
-                                     for pp in range(layout["pipeline"])
-                                     for tp in range(layout["tensor"])}
-    for name, info in meta["params"].items():
-        for tp in range(layout["tensor"]):
-            by_file.setdefault(param_file_name(info, tp), []).append(name)
-    for file, names in by_file.items():
-        path = directory / file
-        shard = load_file(path, mmap=True)
-        missing = [n for n in names
-                   if not isinstance(shard, dict) or "value" not in (shard.get(n) or {})]
-        if missing:
-            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-            raise CheckpointError(f"{path} has no entry for parameter '{missing[0]}'{more} "
-                                  f"(the metadata says it is there)")
-    for name in meta["files"]:
-        if RANK_FILE.fullmatch(name):
-            load_file(directory / name, mmap=False)
-
-
-def load_file(path: Path, mmap: bool):
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as err:  # torch raises many types for a bad file; the text says which
-        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise CheckpointError(f"cannot read {path}: {first_line}") from err
 
 
 def layout_text(layout: dict) -> str:

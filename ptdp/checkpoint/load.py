@@ -19,45 +19,81 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ptdp.checkpoint.layout import (PARAMETERS, check_model_config, find_checkpoint, layout_of,
-                                    layout_text, load_file, rank_file_name, read_metadata)
+from ptdp.checkpoint.integrity import (DamagedCheckpoint, expected_checksum, load_verified,
+                                       verify_metadata)
+from ptdp.checkpoint.layout import (PARAMETERS, CheckpointError, check_model_config, layout_of,
+                                    layout_text, load_candidates, rank_file_name, read_metadata)
 from ptdp.checkpoint.reshard import ShardReader, to_local
-from ptdp.checkpoint.safety import on_all_ranks
+from ptdp.checkpoint.retention import protect
+from ptdp.checkpoint.safety import on_all_ranks, shared_failure
 from ptdp.config.batches import BatchSchedule
 from ptdp.config.schema import schedule_lengths
-from ptdp.metrics.log import drop_records_after
 
 
 def load_checkpoint(state, path: str | os.PathLike) -> Path:
     """Restore a checkpoint into a freshly built training state (ptdp/training/state.py),
-    resharding if the layout differs. Collective; returns the directory loaded."""
-    cfg = state.cfg
+    resharding if the layout differs. Collective; returns the directory loaded.
 
-    def read():
-        directory, note = find_checkpoint(path)
+    A checkpoint that fails verification (ptdp/checkpoint/integrity.py: a file's size or
+    checksum, the metadata's checksum, an unreadable file) is skipped with one line, and the
+    next older one is tried, whatever the damage, when `path` is a checkpoint root or the newest
+    checkpoint of checkpoint.dir that `checkpoint.load=auto` or a restart picked; a checkpoint
+    named as such is loaded or refused."""
+    cfg, rank0 = state.cfg, dist.get_rank() == 0
+    candidates = [on_all_ranks(f"finding checkpoint {path}",
+                               lambda: load_candidates(path, cfg.checkpoint) if rank0 else None)]
+    dist.broadcast_object_list(candidates, src=0)   # every rank tries the same, in order
+    skipped = []
+    for directory, note in candidates[0]:
+        directory = Path(directory)
+        meta, loaded = on_all_ranks(f"loading checkpoint {directory}",
+                                    lambda: _read_verified(state, directory))
+        damage = shared_failure(f"verifying checkpoint {directory}",
+                                loaded if meta is None else None)
+        if damage:
+            skipped.append(damage)
+            if rank0:
+                print(f"checkpoint.load: skipping {directory}: {damage}", flush=True)
+            continue
+        for part, saved in loaded:   # (cannot fail on shapes: all checked already)
+            part.state.load_state_dict(saved)
+        protect(directory)   # verified: retention keeps it while this job runs
+        _report(state, directory, meta, note)
+        return directory
+    raise NoIntactCheckpoint(f"no intact checkpoint to load from {path}: " + "; ".join(skipped))
+
+
+class NoIntactCheckpoint(CheckpointError):
+    """Every checkpoint that could be loaded failed verification."""
+
+
+def _read_verified(state, directory: Path) -> tuple[dict | None, list | str]:
+    """(metadata, what each part loads), or (None, why the checkpoint is damaged). Errors that
+    are not damage (another model, a file system error) raise."""
+    try:
         meta = read_metadata(directory)
-        check_model_config(meta, cfg.model, directory)
-        return directory, note, meta, _read_rank_state(state, directory, meta)
+        verify_metadata(meta, directory)
+    except CheckpointError as err:   # unreadable, incomplete or edited metadata
+        return None, str(err)
+    check_model_config(meta, state.cfg.model, directory)
+    try:
+        return meta, _read_rank_state(state, directory, meta)
+    except DamagedCheckpoint as err:
+        return None, str(err)
 
-    directory, note, meta, loaded = on_all_ranks(f"loading checkpoint {path}", read)
-    for part, saved in loaded:   # (cannot fail on shapes: all checked already)
-        part.state.load_state_dict(saved)
-    rank0 = dist.get_rank() == 0
-    if rank0 and note:
+
+def _report(state, directory: Path, meta: dict, note: str | None) -> None:
+    if dist.get_rank() != 0:
+        return
+    if note:
         print(f"checkpoint.load: {note}", flush=True)
-    # The resumed job replays the iterations after this one: keep each in the metrics once.
-    metrics_file = cfg.log.metrics_file
-    on_all_ranks(f"trimming {metrics_file} to iteration {meta['iteration']}",
-                 lambda: drop_records_after(metrics_file, meta["iteration"])
-                 if rank0 and metrics_file else None)
-    if rank0 and cfg.log.progress:
+    if state.cfg.log.progress:
         print(f"loaded checkpoint {directory} (iteration {meta['iteration']}, saved with layout "
               f"{layout_text(meta['layout'])})", flush=True)
-    warnings = (batch_change_warning(meta, cfg.train), schedule_change_warning(meta, cfg.train))
-    for warning in warnings:
-        if rank0 and warning:
+    for warning in (batch_change_warning(meta, state.cfg.train),
+                    schedule_change_warning(meta, state.cfg.train)):
+        if warning:
             print(f"warning: {warning}", flush=True)
-    return directory
 
 
 def batch_change_warning(meta: dict, train) -> str | None:
@@ -143,4 +179,5 @@ def _rank_file(state, directory: Path, meta: dict, key: str) -> dict:
     saved: converted checkpoints mark `key: false`), else {}."""
     if meta["layout"] != layout_of(state.cfg) or meta.get(key, True) is False:
         return {}
-    return load_file(directory / rank_file_name(key, state.grid.rank), mmap=False)
+    name = rank_file_name(key, state.grid.rank)
+    return load_verified(directory / name, expected_checksum(meta, name), mmap=False)

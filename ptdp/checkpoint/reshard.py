@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ptdp.checkpoint.layout import CheckpointError, load_file, param_file_name
+from ptdp.checkpoint.integrity import DamagedCheckpoint, expected_checksum, load_verified
+from ptdp.checkpoint.layout import CheckpointError, param_file_name
 from ptdp.parallel.roles import role_of
 from ptdp.parallel.sharding import local_slice
 
@@ -52,7 +53,7 @@ class ShardReader:
             entry["step"] = parts[0]["step"]
         expected = list(info["shape"])
         if list(entry["value"].shape) != expected:
-            raise CheckpointError(f"{self.directory}: parameter '{name}' rebuilds to shape "
+            raise DamagedCheckpoint(f"{self.directory}: parameter '{name}' rebuilds to shape "
                                   f"{list(entry['value'].shape)}, metadata says {expected}")
         return entry
 
@@ -64,15 +65,15 @@ class ShardReader:
     def _shard(self, file: str, name: str) -> dict:
         shard = self._file(file).get(name)
         if shard is None:
-            raise CheckpointError(f"{self.directory / file} has no entry for "
+            raise DamagedCheckpoint(f"{self.directory / file} has no entry for "
                                   f"parameter '{name}' (the metadata says it is there)")
         return shard
 
     def _file(self, key: str) -> dict:
         if key not in self._files:
-            path = self.directory / key
-            # mmap: only the tensors this rank asks for are read from disk
-            self._files[key] = load_file(path, mmap=True)
+            # mmap: only the tensors this rank asks for are copied out (after one checksum pass)
+            self._files[key] = load_verified(self.directory / key,
+                                             expected_checksum(self.meta, key), mmap=True)
         return self._files[key]
 
 

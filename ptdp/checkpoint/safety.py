@@ -11,10 +11,11 @@ import time
 import uuid
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
+from ptdp.checkpoint.integrity import DiskFull, is_disk_full
 from ptdp.checkpoint.layout import CheckpointError
+from ptdp.checkpoint.retention import disk_full, sweep_leftovers
 
 
 def on_all_ranks(what: str, fn):
@@ -27,14 +28,30 @@ def on_all_ranks(what: str, fn):
         result = fn()
     except Exception as err:  # shared below, then re-raised (chained) on this rank too
         error = err
-    messages = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
-    if failed:
-        rank, msg = failed[0]
-        others = f" (and on {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-        raise CheckpointError(f"{what} failed on rank {rank}{others}: {msg}") from error
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    gathered = all_gather((text, str(error) if isinstance(error, DiskFull) else None))
+    full = [line for _, line in gathered if line]
+    if full:   # its own line says it all (the folder, the space needed), the same on every rank
+        raise DiskFull(full[0]) from error
+    failure = _failure_text(what, [message for message, _ in gathered])
+    if failure:
+        raise CheckpointError(failure) from error
     return result
+
+
+def shared_failure(what: str, message: str | None) -> str | None:
+    """Collective: every rank's `message` (None: no failure) -> "{what} failed on rank R (and
+    on N more rank(s)): {R's message}" on every rank, or None if no rank failed."""
+    return _failure_text(what, all_gather(message))
+
+
+def _failure_text(what: str, messages: list) -> str | None:
+    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
+    if not failed:
+        return None
+    rank, msg = failed[0]
+    others = f" (and on {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+    return f"{what} failed on rank {rank}{others}: {msg}"
 
 
 class NotSharedError(CheckpointError):
@@ -55,9 +72,17 @@ def check_shared_directory(directory: str | os.PathLike, patience_s: float = 10.
     name = [f".ptdp-shared-{uuid.uuid4().hex}" if rank0 else None]
 
     def write():
-        if rank0:
-            root.mkdir(parents=True, exist_ok=True)
+        if not rank0:
+            return
+        root.mkdir(parents=True, exist_ok=True)
+        sweep_leftovers(root)   # what died with an earlier job (it holds the folder's lock)
+        try:
             write_text_durably(root / name[0], name[0])
+        except OSError as err:
+            (root / name[0]).unlink(missing_ok=True)
+            if is_disk_full(err):
+                raise disk_full(root, "starting") from err
+            raise
 
     on_all_ranks(f"writing into checkpoint.dir {root}", write)
     dist.broadcast_object_list(name, src=0)
@@ -100,13 +125,6 @@ def remove(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
-
-
-def save_durably(obj, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def write_text_durably(path: Path, text: str) -> None:

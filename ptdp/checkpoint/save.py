@@ -37,8 +37,9 @@ from ptdp.checkpoint.layout import (CONFIG_FILE, CheckpointError, FORMAT_VERSION
                                     incomplete, iteration_dir_name, latest_name, layout_of,
                                     rank_file_name, shard_file_name)
 from ptdp.checkpoint.reshard import param_metadata
-from ptdp.checkpoint.safety import (all_gather, fsync_dir, on_all_ranks, remove, save_durably,
-                                    write_text_durably)
+from ptdp.checkpoint.retention import disk_full, prune
+from ptdp.checkpoint.integrity import DiskFull, file_checksum, is_disk_full, save_durably, seal
+from ptdp.checkpoint.safety import all_gather, fsync_dir, on_all_ranks, remove, write_text_durably
 from ptdp.config.batches import BatchSchedule
 from ptdp.parallel.roles import role_of, writes
 from ptdp.parallel.sharding import local_slice
@@ -64,6 +65,7 @@ class PendingSave:
     metadata: dict
     cfg: object
     error: BaseException | None = None
+    checksums: dict[str, list] = dataclasses.field(default_factory=dict)   # name -> [size, crc]
 
     @property
     def tmp(self) -> Path:
@@ -74,10 +76,11 @@ class PendingSave:
         thread while training goes on; a failure is kept for `finish_save` to share."""
         try:
             for path, obj in self.files.items():
-                save_durably(obj, path)
+                self.checksums[path.name] = save_durably(obj, path)
             _reached("rank_files")
         except BaseException as err:   # noqa: BLE001 - shared with every rank by finish_save
-            self.error = err
+            self.error = (disk_full(self.final.parent, f"writing {self.tmp.name}")
+                          if is_disk_full(err) else err)
         self.files = {}   # the host copies are no longer needed
 
 
@@ -89,7 +92,9 @@ def start_save(state, directory: str | os.PathLike, timing: dict | None = None) 
     final = root / iteration_dir_name(state.progress.iteration)
     tmp = final.with_name(final.name + TMP_SUFFIX)
     rank0 = dist.get_rank() == 0
-    on_all_ranks(f"preparing checkpoint {tmp}", lambda: _prepare(root, tmp) if rank0 else None)
+    on_all_ranks(f"preparing checkpoint {tmp}",
+                 lambda: _naming_a_full_disk(root, f"creating {tmp.name}",
+                                             lambda: _prepare(root, tmp)) if rank0 else None)
     parts = [(part, part.state.state_dict()) for part in state.parts()]
     files, info = on_all_ranks(f"copying the state for checkpoint {tmp}",
                                lambda: _snapshot_rank_files(state, tmp, parts))
@@ -110,15 +115,36 @@ def finish_save(pending: PendingSave) -> Path:
         if pending.error is not None:
             raise pending.error
 
-    on_all_ranks(f"writing checkpoint {pending.tmp}", written)
+    root, rank0 = pending.final.parent, dist.get_rank() == 0
+    try:
+        on_all_ranks(f"writing checkpoint {pending.tmp}", written)
+        checksums = {}
+        for part in all_gather(pending.checksums):
+            checksums.update(part)
 
-    def publish():
-        _write_config_and_tokenizer(pending.cfg, pending.tmp)
-        _publish(pending.tmp, pending.final, pending.metadata)
+        def publish():
+            checksums.update(_write_config_and_tokenizer(pending.cfg, pending.tmp))
+            _publish(pending.tmp, pending.final, seal(pending.metadata, checksums))
+            ck = pending.cfg.checkpoint
+            prune(root, ck.keep_last, ck.keep_every)
 
-    on_all_ranks(f"publishing checkpoint {pending.final}",
-                 lambda: publish() if dist.get_rank() == 0 else None)
+        on_all_ranks(f"publishing checkpoint {pending.final}", lambda: _naming_a_full_disk(
+            root, f"publishing {pending.final.name}", publish) if rank0 else None)
+    except DiskFull:
+        if rank0:   # give back what the failed save took: the job's last lines need room too
+            remove(pending.tmp)
+        raise
     return pending.final
+
+
+def _naming_a_full_disk(root: Path, what: str, fn):
+    """fn(), a full disk raised as DiskFull: one line naming `root` and the space needed."""
+    try:
+        return fn()
+    except OSError as err:
+        if is_disk_full(err):
+            raise disk_full(root, what) from err
+        raise
 
 
 def _writes_any(state) -> bool:
@@ -127,12 +153,14 @@ def _writes_any(state) -> bool:
     return any(writes(p, state.grid) for p in state.params)
 
 
-def _write_config_and_tokenizer(cfg, tmp: Path) -> None:
-    """The resolved config as YAML, and a copy of the tokenizer, beside the shards."""
+def _write_config_and_tokenizer(cfg, tmp: Path) -> dict[str, list]:
+    """The resolved config as YAML, and a copy of the tokenizer, beside the shards; returns
+    their checksums (small files: read back once)."""
     import yaml
     write_text_durably(tmp / CONFIG_FILE, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     for name, source in _tokenizer_copies(cfg).items():
         shutil.copyfile(source, tmp / name)
+    return {name: file_checksum(tmp / name) for name in _config_and_tokenizer_files(cfg)}
 
 
 def _tokenizer_copies(cfg) -> dict[str, Path]:
@@ -365,9 +393,9 @@ def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: in
                     shards[(pp, tr)][name] = {"value": local.contiguous().clone()}
                 params[name] = expected
             del chunk
-    for (pp, tr), shard in shards.items():
-        save_durably(shard, tmp / shard_file_name(pp, tr))
-    _write_config_and_tokenizer(cfg, tmp)
+    checksums = {shard_file_name(pp, tr): save_durably(shard, tmp / shard_file_name(pp, tr))
+                 for (pp, tr), shard in shards.items()}
+    checksums.update(_write_config_and_tokenizer(cfg, tmp))
     meta = {"format_version": FORMAT_VERSION, "iteration": iteration,
             "consumed_samples": (BatchSchedule.of(cfg.train).consumed(iteration)
                                  if consumed_samples is None else consumed_samples),
@@ -376,5 +404,5 @@ def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: in
             "config": cfg.to_dict(), "rng": False, "params": params,
             "files": sorted([shard_file_name(pp, tr) for pp, tr in shards]
                             + _config_and_tokenizer_files(cfg))}
-    _publish(tmp, final, meta)
+    _publish(tmp, final, seal(meta, checksums))
     return final

@@ -72,7 +72,12 @@ def run_from_megatron(args) -> int:
                      for name in unresolved]
     text = to_yaml(result, source)
     if args.out:
-        Path(args.out).write_text(text)
+        try:
+            Path(args.out).write_text(text)
+        except OSError as err:
+            print(f"ptdp config from-megatron: cannot write --out {args.out}: {err.strerror}",
+                  file=sys.stderr)
+            return 2
         print(f"ptdp config from-megatron: wrote {args.out} ({len(result.values)} keys)",
               file=sys.stderr)
     else:

@@ -34,7 +34,7 @@ def _env_int(name: str, default: int) -> int:
 
 def run(args) -> int:
     from ptdp.checks import check_job
-    from ptdp.runtime.exit_status import CONFIG_ERROR, DIVERGED, record_exit
+    from ptdp.runtime.exit_status import CONFIG_ERROR, record_exit
     from ptdp.runtime.launch_env import LaunchError, adopt_slurm_environment
 
     try:
@@ -56,24 +56,45 @@ def run(args) -> int:
     if _env_int("RANK", 0) == 0:
         for line in found.warnings:   # e.g. tensor groups that straddle nodes
             print(f"ptdp train: warning: {line}", file=sys.stderr)
-    from ptdp.checkpoint.safety import NotSharedError
+    from ptdp.runtime.joblock import die_with_parent, hold
+    if os.environ.get("TORCHELASTIC_RUN_ID"):   # under torchrun: never outlive its agent
+        die_with_parent()
+    if found.cfg.checkpoint.dir:   # one job per checkpoint.dir (ptdp/runtime/joblock.py)
+        hold(found.cfg.checkpoint.dir, _env_int("RANK", 0))
+    from ptdp.data.indexed import IndexedDataError
     from ptdp.runtime.startup import shutdown
-    from ptdp.training import DivergenceError, Trainer
+    from ptdp.training import Trainer
+    final = _final_exits()
     try:
         Trainer(found.cfg).train(resume_command(args, found.cfg))
-    except NotSharedError as err:   # checkpoint.dir on a node's own disk: found at start-up
+    except tuple(final) as err:
+        # every rank stops here together, for a reason a restart would meet again: rank 0
+        # says why in one line, each rank leaves the code for the restart loop
         if _env_int("RANK", 0) == 0:
             print(f"ptdp train: {err}", file=sys.stderr)
-        record_exit(CONFIG_ERROR)
+        code = next(code for kind, code in final.items() if isinstance(err, kind))
+        record_exit(code)
+        return code
+    except IndexedDataError as err:   # found by the rank that read it (a token id out of range)
+        print(f"ptdp train: rank {_env_int('RANK', 0)}: {err}", file=sys.stderr, flush=True)
+        record_exit(CONFIG_ERROR)     # the same data fails the same way again
         return CONFIG_ERROR
-    except DivergenceError as err:  # every rank stops here together; rank 0 says why
-        if _env_int("RANK", 0) == 0:
-            print(f"ptdp train: {err}", file=sys.stderr)
-        record_exit(DIVERGED)   # replayed, it would diverge again: not worth a restart
-        return DIVERGED
     finally:
         shutdown()
     return 0
+
+
+def _final_exits() -> dict:
+    """Why a job ends that a restart would not mend -> its exit code (ptdp/runtime/exit_status.py):
+    checkpoint.dir on a node's own disk and no intact checkpoint are configuration errors,
+    a full disk and divergence have codes of their own."""
+    from ptdp.checkpoint.integrity import DiskFull
+    from ptdp.checkpoint.load import NoIntactCheckpoint
+    from ptdp.checkpoint.safety import NotSharedError
+    from ptdp.runtime.exit_status import CONFIG_ERROR, DISK_FULL, DIVERGED
+    from ptdp.training import DivergenceError
+    return {NotSharedError: CONFIG_ERROR, NoIntactCheckpoint: CONFIG_ERROR, DiskFull: DISK_FULL,
+            DivergenceError: DIVERGED}
 
 
 def resume_command(args, cfg) -> str | None:

@@ -262,6 +262,8 @@ class CheckpointConfig:
     load: str | None = None              # a checkpoint path, or auto (the newest in dir, if any)
     async_save: bool = False             # write in the background while training goes on
     mtbf_hours: float | None = None      # expected hours between failures: suggests an interval
+    keep_last: int = 0                   # keep this many newest checkpoints (0: keep all)
+    keep_every: int = 0                  # and, of the older ones, each at a multiple of this
 
 
 @dataclass

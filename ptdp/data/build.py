@@ -101,12 +101,14 @@ def eod_options(cfg: Config, indexed: IndexedDataset) -> EodOptions | None:
 
 def _split_dataset(cfg: Config, indexed: IndexedDataset, documents: np.ndarray, name: str,
                    eod: EodOptions | None):
+    """One split of one prefix; a GPT split checks every sample's ids against
+    model.vocab_size as it reads it (ptdp/data/indexed.py `check_token_ids`)."""
     m = cfg.model
     if m.family.samples is Samples.SENTENCE_PAIRS:
         return BertDataset(indexed, 0, 0, seq_length=m.seq_length, seed=cfg.train.seed,
                            mask_prob=cfg.data.mask_prob, name=name, documents=documents)
     return GPTDataset(indexed, 0, 0, seq_length=m.seq_length, seed=cfg.train.seed, name=name,
-                      documents=documents, eod=eod)
+                      documents=documents, eod=eod, vocab_limit=m.vocab_size)
 
 
 def num_samples_needed(cfg: Config) -> dict[str, int]:
@@ -123,28 +125,32 @@ def num_samples_needed(cfg: Config) -> dict[str, int]:
             "test": tr.eval_iters * batch}
 
 
-def _megatron_splits(cfg: Config, indexed: IndexedDataset, samples: dict) -> list:
-    """One prefix's MegatronGPTDatasets per split (None where data.split gives it nothing)."""
+def _megatron_splits(cfg: Config, indexed: IndexedDataset, samples: dict,
+                     vocab_limit: int | None = None) -> list:
+    """One prefix's MegatronGPTDatasets per split (None where data.split gives it nothing);
+    `vocab_limit`: check every sample's ids against it (`build_datasets`: model.vocab_size)."""
     ranges = split_ranges(parse_split(cfg.data.split), len(indexed))
     eod = eod_options(cfg, indexed)
     return [None if bounds is None else
             MegatronGPTDataset(indexed, np.arange(*bounds, dtype=np.int32), cfg.model.seq_length,
-                               samples[name], cfg.train.seed, name=name, eod=eod)
+                               samples[name], cfg.train.seed, name=name, eod=eod,
+                               vocab_limit=vocab_limit)
             for name, bounds in zip(SPLITS, ranges)]
 
 
-def _build_megatron(cfg: Config, pairs: list, indexed: list[IndexedDataset]) -> dict:
+def _build_megatron(cfg: Config, pairs: list, indexed: list[IndexedDataset],
+                    vocab_limit: int | None = None) -> dict:
     """Megatron's BlendedMegatronDatasetBuilder: one prefix without a weight (data.paths:
     [prefix]) is used as is; weighted prefixes each give ceil(ceil(N w) * 1.005) samples of
     which the blend takes sum(ceil(N w)) by the largest-error rule."""
     needed = num_samples_needed(cfg)
     if len(cfg.data.paths) == 1:
-        return dict(zip(SPLITS, _megatron_splits(cfg, indexed[0], needed)))
+        return dict(zip(SPLITS, _megatron_splits(cfg, indexed[0], needed, vocab_limit)))
     weights = normalize([w for w, _ in pairs])
     targets = [blend_sizes(weights, needed[name]) for name in SPLITS]
     buffers = [blend_sizes(weights, needed[name], BLEND_SURPLUS) for name in SPLITS]
-    per_prefix = [_megatron_splits(cfg, ds, {name: buffers[s][k] for s, name in enumerate(SPLITS)})
-                  for k, ds in enumerate(indexed)]
+    per_prefix = [_megatron_splits(cfg, ds, {name: buffers[s][k] for s, name in enumerate(SPLITS)},
+                                   vocab_limit) for k, ds in enumerate(indexed)]
     out = {}
     for s, name in enumerate(SPLITS):
         parts = [splits[s] for splits in per_prefix]
@@ -169,7 +175,8 @@ def build_datasets(cfg: Config) -> dict:
     indexed = [IndexedDataset(prefix) for _, prefix in pairs]
     check_vocab(cfg, indexed)
     if cfg.data.sampling == "megatron":
-        out = {name: ds for name, ds in _build_megatron(cfg, pairs, indexed).items() if ds}
+        out = {name: ds for name, ds in
+               _build_megatron(cfg, pairs, indexed, cfg.model.vocab_size).items() if ds}
         return _check_train_split(cfg, pairs, out)
     per_split: dict[str, list] = {name: [] for name in SPLITS}
     for ds in indexed:

@@ -21,7 +21,7 @@ import numpy as np
 
 from ptdp.config.models import Samples
 from ptdp.data.index_cache import cache_key, cached_arrays
-from ptdp.data.indexed import IndexedDataset
+from ptdp.data.indexed import IndexedDataset, check_token_ids
 from ptdp.data.megatron_sampling import build_gpt_indices
 
 
@@ -81,8 +81,9 @@ class GPTDataset:
 
     def __init__(self, indexed: IndexedDataset, doc_begin: int, doc_end: int,
                  seq_length: int, seed: int, name: str = "train", documents=None,
-                 eod: EodOptions | None = None):
+                 eod: EodOptions | None = None, vocab_limit: int | None = None):
         self.indexed, self.seq_length, self.name, self.eod = indexed, seq_length, name, eod
+        self.vocab_limit = vocab_limit   # model.vocab_size: every sample's ids are checked
         docs = np.arange(doc_begin, doc_end) if documents is None else np.asarray(documents)
         bounds = indexed.document_bounds()
         self.doc_starts = bounds[docs]
@@ -109,10 +110,11 @@ class GPTDataset:
             doc = int(self.doc_order[pos])
             start = int(self.doc_starts[doc]) + offset
             take = min(need, int(self._doc_sizes[doc]) - offset)
-            parts.append(self.indexed.tokens[start:start + take])
+            parts.append((start, self.indexed.tokens[start:start + take]))
             need -= take
             pos, offset = pos + 1, 0
-        return np.concatenate(parts).astype(np.int64)
+        check_token_ids(self.indexed, parts, self.vocab_limit)
+        return np.concatenate([tokens for _, tokens in parts]).astype(np.int64)
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         return gpt_sample(self.sample_tokens(i), self.eod)
@@ -131,8 +133,9 @@ class MegatronGPTDataset:
 
     def __init__(self, indexed: IndexedDataset, sequences: np.ndarray, seq_length: int,
                  num_samples: int | None, seed: int, name: str = "train",
-                 eod: EodOptions | None = None):
+                 eod: EodOptions | None = None, vocab_limit: int | None = None):
         self.indexed, self.seq_length, self.name, self.eod = indexed, seq_length, name, eod
+        self.vocab_limit = vocab_limit   # model.vocab_size: every sample's ids are checked
         sizes = np.asarray(indexed.sizes, dtype=np.int32)
         sequences = np.asarray(sequences, dtype=np.int32)
         key = cache_key(sizes=sizes[sequences], first=int(sequences[0]) if sequences.size else 0,
@@ -155,9 +158,12 @@ class MegatronGPTDataset:
         (first, start), (last, end) = self.sample_index[j], self.sample_index[j + 1]
         parts = []
         for pos in range(int(first), int(last) + 1):
-            seq = self.indexed[int(self.document_index[pos])]
-            parts.append(seq[(start if pos == first else 0):(end + 1 if pos == last else None)])
-        return np.concatenate(parts).astype(np.int64)
+            k = int(self.document_index[pos])
+            begin = start if pos == first else 0
+            parts.append((k, begin, self.indexed[k][begin:(end + 1 if pos == last else None)]))
+        check_token_ids(self.indexed, [(lambda k=k, b=begin: int(self.indexed.pointers[k]) + b,
+                                        tokens) for k, begin, tokens in parts], self.vocab_limit)
+        return np.concatenate([tokens for _, _, tokens in parts]).astype(np.int64)
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         return gpt_sample(self.sample_tokens(i), self.eod)

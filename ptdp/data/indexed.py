@@ -43,6 +43,40 @@ class IndexedDataError(ValueError):
     """A .bin/.idx pair is missing, corrupt, truncated or does not fit the configuration."""
 
 
+class TokenIdError(IndexedDataError):
+    """A token id the model has no embedding for, found while reading a sample."""
+
+
+def check_token_ids(indexed, pieces: list, limit: int | None) -> None:
+    """Raise TokenIdError naming the file and document if a token of `pieces` ((offset of its
+    first token in the .bin, or a function giving it, called only then; tokens) of one sample)
+    is not in [0, limit). Costs a min and a max over the sample's tokens; `limit` None checks
+    nothing."""
+    if limit is None:
+        return
+    for offset, tokens in pieces:
+        if tokens.size and (int(tokens.max()) >= limit or int(tokens.min()) < 0):
+            bad = int(np.flatnonzero((tokens >= limit) | (tokens < 0))[0])
+            offset = offset() if callable(offset) else offset
+            doc = int(np.searchsorted(indexed.document_bounds(), offset + bad, side="right")) - 1
+            raise TokenIdError(
+                f"{indexed.bin_path}: document {doc} holds token id {int(tokens[bad])}, outside "
+                f"model.vocab_size={limit} (ids 0..{limit - 1}): the data was made with another "
+                f"tokenizer, or model.vocab_size is too small")
+
+
+def token_id_range(header, chunk: int = 1 << 26) -> tuple[int, int]:
+    """(smallest, largest) token id in the .bin of `header` (read_index_header): one pass,
+    at memory speed once the file is cached; what `ptdp check` reads of a pair whose
+    vocabulary no sidecar records."""
+    tokens = np.memmap(data_paths(header.prefix)[0], dtype=header.dtype, mode="r")
+    low, high = 0, 0
+    for begin in range(0, tokens.size, chunk):
+        part = tokens[begin:begin + chunk]
+        low, high = min(low, int(part.min())), max(high, int(part.max()))
+    return low, high
+
+
 def data_paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
     return Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
 

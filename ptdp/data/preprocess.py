@@ -17,6 +17,7 @@ are split by the rule below, not by NLTK's punkt models (no download).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -98,6 +99,7 @@ def _load_documents(input_path: Path, keys: list[str], cache_dir: str, progress:
     if not _has_text(input_path):  # `datasets` fails on an empty file with a bare StopIteration
         raise ValueError(f"input {input_path} is empty: no documents to tokenise")
     builder = "json" if input_path.suffix in (".jsonl", ".json") else "text"
+    _check_lines(input_path, keys if builder == "json" and input_path.suffix == ".jsonl" else [])
     ds = datasets.load_dataset(builder, data_files=str(input_path), split="train",
                                cache_dir=cache_dir)
     if builder == "text":
@@ -107,6 +109,36 @@ def _load_documents(input_path: Path, keys: list[str], cache_dir: str, progress:
         raise ValueError(f"{input_path}: no '{missing[0]}' field (columns: "
                          f"{', '.join(ds.column_names)}); pass --json-keys")
     return ds, keys
+
+
+def _check_lines(path: Path, keys: list[str]) -> None:
+    """One pass over the input before `datasets` reads it, so that a bad line is one error
+    naming the file and line (`datasets` reports it in a 70-line traceback, or not at all):
+    every line is UTF-8, and with `keys` (JSONL) a JSON object whose `keys` fields are text
+    (a string, or a list of strings)."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{path}:{number}: not UTF-8 (byte {err.start} of the line: "
+                                 f"{raw[err.start:err.start + 1]!r}); re-encode the file as "
+                                 f"UTF-8") from None
+            if not keys or not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not a JSON object ({err.msg} at column "
+                                 f"{err.colno})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: a JSON {type(record).__name__}, not an object")
+            for key in keys:
+                text = record.get(key)
+                if text is not None and not isinstance(text, str) and not (
+                        isinstance(text, list) and all(isinstance(t, str) for t in text)):
+                    raise ValueError(f"{path}:{number}: field '{key}' is {json.dumps(text)[:40]}, "
+                                     f"not text (a string or a list of strings)")
 
 
 def _has_text(path: Path) -> bool:

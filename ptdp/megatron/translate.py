@@ -141,6 +141,10 @@ def translate(words: list[str], arch: str | None = None, defaults: bool = True) 
     `defaults` writes Megatron's defaults where they differ from ptdp's."""
     script, argv = split_invocation(words)
     given, positional = parse_arguments(argv)
+    for first, second in CONFLICTS:
+        if first in given and second in given:
+            raise TranslationError(f"{first} and {second} conflict: Megatron-LM refuses them "
+                                   f"together; keep one")
     out = Translation()
     out.set("model.arch", arch or _script_family(script),
             "--arch" if arch else f"the script ({script})" if script else "ptdp's default")
@@ -153,6 +157,9 @@ def translate(words: list[str], arch: str | None = None, defaults: bool = True) 
     out.lines += _needs_the_user(out)
     return out
 
+
+# Flags Megatron-LM's arguments.py refuses together (translated, the last would win silently).
+CONFLICTS = (("--fp16", "--bf16"),)
 
 # What pretrain_gpt.py / pretrain_bert.py insist on; absent, ptdp's tiny defaults would apply.
 REQUIRED = (("--num-layers", "--encoder-num-layers"), ("--hidden-size",),

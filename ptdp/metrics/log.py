@@ -73,7 +73,10 @@ class MetricsLog:
     Iterations that ran validation carry `valid_loss` in the same record.
     """
 
-    def __init__(self, cfg: Config, is_writer: bool):
+    def __init__(self, cfg: Config, is_writer: bool, first_iteration: int = 0):
+        """`first_iteration`: the iterations already done (the checkpoint's, 0 for a fresh
+        start); the file is cut back to them, so that each iteration appears once however
+        often the job was restarted."""
         self.cfg, self.active = cfg, is_writer
         self.file = self.tensorboard = self.progress = None
         self.window: list[dict] = []   # the records since the last console line
@@ -81,6 +84,7 @@ class MetricsLog:
             return
         if cfg.log.metrics_file:  # its folder may not exist yet (runs/<name>/metrics.jsonl)
             Path(cfg.log.metrics_file).parent.mkdir(parents=True, exist_ok=True)
+            drop_records_after(cfg.log.metrics_file, first_iteration)
             self.file = open(cfg.log.metrics_file, "a")
         if cfg.log.tensorboard_dir:
             try:
@@ -189,6 +193,9 @@ def drop_records_after(path: str | Path, iteration: int) -> int:
             dropped += 1
     if dropped:
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     return dropped

@@ -8,7 +8,9 @@ torchrun returns. The codes:
 * 3, divergence (a non-finite loss or gradient, fp16 giving up): replayed exactly from the
   last checkpoint it diverges again, so it is not restarted either;
 * 4, a hang or a lost peer named by the hang detector (ptdp/runtime/watchdog.py): restarted,
-  like a crash (a killed rank, which writes nothing).
+  like a crash (a killed rank, which writes nothing);
+* 5, the disk of checkpoint.dir is full (ptdp/checkpoint/retention.py says how much a save
+  needs): a restart would fill it again, so it is not restarted.
 
 The loop tells each attempt which one it is in `PTDP_RESTART` (0 for the first), so a restarted
 job resumes from the newest checkpoint of its own checkpoint.dir
@@ -20,7 +22,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-CONFIG_ERROR, DIVERGED, HUNG = 2, 3, 4
+CONFIG_ERROR, DIVERGED, HUNG, DISK_FULL = 2, 3, 4, 5
 EXIT_DIR = "PTDP_EXIT_DIR"
 RESTART = "PTDP_RESTART"
 

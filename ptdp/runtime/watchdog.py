@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 from ptdp.runtime.exit_status import HUNG, record_exit
 from ptdp.runtime.progress import DeviceProgress, Label
@@ -47,6 +49,7 @@ from ptdp.runtime.progress import DeviceProgress, Label
 EXIT_CODE = HUNG
 WAITING = ("wait", "reduce")  # span categories in which a rank waits on other ranks
 STARTUP_TIMEOUT_S = 600.0     # torch's own NCCL default
+ENDED = "the end"             # the phase of a rank's last heartbeat when it ends on purpose
 
 
 class Watchdog:
@@ -91,17 +94,38 @@ class Watchdog:
     def start(self) -> "Watchdog":
         if self.enabled:
             self._thread.start()
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, self.on_terminate)
         return self
 
+    def on_terminate(self, signum, frame) -> None:
+        """SIGTERM: under torchrun, the agent ending this node's ranks because one of them
+        died. Name the ranks of this host whose processes are gone, in ptdp's own line (the
+        first rank to claim it prints), then end as SIGTERM would."""
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            self._end_publicly()   # first: the ranks ending alongside must not name this one
+            beats = self.heartbeats()
+            here = socket.gethostname()
+            dead = [r for r, b in beats.items() if r != self.rank and b is not None
+                    and b["what"] != ENDED and b["host"] == here and _process_gone(b["pid"])]
+            if dead and self._claim_report():
+                head = "; ".join(self._where(r, beats[r]) + ", its process gone" for r in dead)
+                print(f"ptdp train: lost rank(s): {head}. The launcher is ending the job.",
+                      file=sys.stderr, flush=True)
+        finally:
+            os._exit(128 + signum)
+
     def stop(self) -> None:
+        self._end_publicly()
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self.interval_s)
 
     def doing(self, what: str, iteration: int | None = None, watch: bool = True,
               slow: bool = False) -> None:
-        """Record the phase the main thread enters; `watch=False` (e.g. a checkpoint save,
-        whose length depends on the file system) suspends the stall check until the next;
+        """Record the phase the main thread enters; `watch=False` (e.g. the end of a run, which
+        waits for a background save's writes) suspends the stall check until the next;
         `slow` (the first validation pass: it compiles its own graphs) gives the phase the
         start-up budget, as the job's first iteration has."""
         if iteration is not None:
@@ -110,6 +134,16 @@ class Watchdog:
         self.budget_s = (self.startup_stall_s if slow or self.iteration < self.watch_from
                          else self.stall_s)
         self.what, self.waiting, self.moved_at = what, False, self.clock()
+
+    def saving(self, iteration: int, last_save_s: float | None) -> None:
+        """A checkpoint save after `iteration`, watched like an iteration but with the save's
+        own time on top of the budget: twice the last save's measured time, or, for a job's
+        first save (its length unknown: the disk decides), the start-up budget. A rank frozen
+        in a save is then named within train.timeout_s plus the save's time, as in
+        "last in iteration 20 at checkpoint save"."""
+        self.doing("checkpoint save", iteration=iteration)
+        extra = self.startup_stall_s if last_save_s is None else 2 * last_save_s
+        self.budget_s = self.stall_s + extra
 
     def track(self, spans):
         """Wrap a `spans` recorder (ptdp/runtime/trace.py) so every executor action also counts as
@@ -120,6 +154,13 @@ class Watchdog:
     def last_progress(self) -> float:
         """When the host or the device last moved, on this host's clock."""
         return max(self.moved_at, self.progress.moved_at)
+
+    def _end_publicly(self) -> None:
+        """The last heartbeat: this rank ends on purpose (its own line, if any, is said), so
+        a peer's SIGTERM handler does not name it as lost."""
+        if self.enabled:
+            self.what = ENDED
+            self._publish()
 
     # Heartbeat thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -141,11 +182,15 @@ class Watchdog:
         if stuck <= self.budget_s:
             return False
         if self.is_reporter(beats):
-            self.on_hang(self.diagnose(beats))
+            line = self.diagnose(beats)
+            self._claim_report()   # the job's one line: no SIGTERM handler adds another
+            self._end_publicly()
+            self.on_hang(line)
             return True
         # The reporter may have blocked a little later than this rank and not yet seen the
         # stall: ending now would have torchrun stop it before it speaks.
         self._stop.wait(self.reporter_grace_s)
+        self._end_publicly()
         self.on_hang(None)
         return True
 
@@ -217,9 +262,11 @@ class Watchdog:
             line = (f"communication failed on rank {self.rank} {self.describe_rank(self.rank)} "
                     f"while every rank's heartbeat is fresh: {cause}. Ending the job.")
         if self._claim_report():
+            self._end_publicly()
             self.on_hang(line)
         else:
             self.sleep(self.interval_s)    # let the reporter print before torchrun ends us all
+            self._end_publicly()
             self.on_hang(None)
 
     def _stopped_others(self, beats: dict) -> list[int]:
@@ -367,6 +414,16 @@ def dump_flight_recorder(rank: int) -> str | None:
         return path
     except Exception:   # advice only: never let it stop the exit
         return None
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether process `pid` of this host has ended (a zombie counts: its parent has not
+    reaped it yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state in ("Z", "X")
 
 
 def _print_and_exit(line: str | None) -> None:

@@ -165,7 +165,7 @@ class Trainer:
         cfg, state = self.cfg, self.state
         started = time.perf_counter()
         rank0 = state.grid.rank == 0
-        log = MetricsLog(cfg, is_writer=rank0)
+        log = MetricsLog(cfg, is_writer=rank0, first_iteration=self.iteration)
         if rank0:
             write_config(cfg)
         log.print(startup_report(cfg, state.grid, state.local_parameter_count(),
@@ -198,7 +198,7 @@ class Trainer:
                 if self.saves is not None and self.saves.in_flight:
                     log.print(self._published(self.saves.poll()))
                 if self._checkpoint_due():
-                    watchdog.doing("checkpoint save", watch=False)  # as long as the disk takes
+                    watchdog.saving(self.iteration, self.save_timing.stall_s)  # + its own time
                     log.print(self.save_checkpoint())
                     log.print(self.save_timing.advice(cfg.checkpoint))
             watchdog.doing("trace and shutdown", watch=False)

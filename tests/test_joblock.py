@@ -1,0 +1,126 @@
+"""One job per checkpoint directory (ptdp/runtime/joblock.py), and no worker outliving its agent.
+
+* A killed torchrun agent (kill -9 at iteration 12 of a job under tools/pretrain_gpt.sh with
+  MAX_RESTARTS=1): its workers die with it (they used to train on as orphans beside the
+  restarted job, clash over its `.tmp` directory and lose iterations), the restart resumes,
+  and the run ends with exit 0, every iteration once and the uninterrupted run's losses.
+* A second launch on a checkpoint.dir in use waits, then stops with one line naming the
+  processes that hold it (exit 2).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ptdp.metrics.log import read_metrics
+from ptdp.runtime.joblock import wait_until_free
+from ptdp.runtime.local_ranks import run_on_ranks
+from tests.test_restart import ROOT, SCRIPT, _env, _wait_for_iteration
+from tests.test_watchdog import _pid_of_rank
+
+ITERS = 30
+JOB = ["parallel.pipeline=2", f"train.iters={ITERS}", "checkpoint.save_interval=10",
+       "checkpoint.load=auto", "model.dropout=0.1", "train.timeout_s=20", "log.progress=false",
+       "log.interval=1000"]
+
+HOLDER = """
+import sys, time
+from ptdp.runtime.joblock import hold
+hold(sys.argv[1], 3)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def _reference_losses(overrides: list[str]) -> list[float]:
+    from ptdp.config import load_config
+    from ptdp.training import Trainer
+    cfg = load_config(str(ROOT / "configs/gpt_tiny.yaml"), overrides,
+                      world_size=dist.get_world_size())
+    return [record["loss"] for record in Trainer(cfg).train()]
+
+
+def _agent_pid(script_pid: int) -> int | None:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == script_pid and b"torch.distributed.run" in cmdline:
+            return int(entry.name)
+    return None
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:   # a zombie is gone too (its parent, killed, cannot reap it)
+            if (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_killed_agent_takes_its_workers_and_the_restart_loses_nothing(tmp_path):
+    metrics, marker = tmp_path / "metrics.jsonl", uuid.uuid4().hex
+    overrides = JOB + [f"checkpoint.dir={tmp_path / 'ck'}", f"log.metrics_file={metrics}"]
+    reference = run_on_ranks(2, _reference_losses,
+                             [o for o in JOB if not o.startswith("checkpoint.")], timeout_s=180)[0]
+    job = subprocess.Popen(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), *overrides],
+                           cwd=tmp_path, env=_env(MAX_RESTARTS="1", PTDP_TEST_MARKER=marker),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_iteration(metrics, job, 12)
+        workers = [_pid_of_rank(rank, marker) for rank in (0, 1)]
+        agent = _agent_pid(job.pid)
+        assert agent is not None and None not in workers
+        os.kill(agent, signal.SIGKILL)
+        assert all(_gone(pid, 10) for pid in workers)   # no orphan trains on
+        output, _ = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, output[-3000:]
+    records = read_metrics(metrics)
+    assert [r["iter"] for r in records] == list(range(1, ITERS + 1))
+    assert [r["loss"] for r in records] == reference
+
+
+def test_a_second_job_on_a_checkpoint_dir_in_use_stops_naming_the_holder(tmp_path):
+    directory = tmp_path / "ck"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory)],
+                              env=_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        held = wait_until_free(directory, patience_s=0.5)
+        assert held == [f"rank 3 pid {holder.pid} on {os.uname().nodename}"]
+        result = subprocess.run(
+            ["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), "train.iters=2",
+             f"checkpoint.dir={directory}"], env=_env(PTDP_LOCK_WAIT_S="1"), cwd=tmp_path,
+            capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2
+        lines = [line for line in result.stderr.splitlines() if "is in use by another job" in line]
+        assert lines == [f"checkpoint.dir {directory} is in use by another job (waited 1 s): rank 3 "
+                         f"pid {holder.pid} on {os.uname().nodename}; stop it, or give this job "
+                         f"another checkpoint.dir"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert wait_until_free(directory, patience_s=5) == []   # the kernel released its lock
