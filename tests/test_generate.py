@@ -94,3 +94,7 @@ def test_generate_command_reads_a_two_by_two_checkpoint(model, tmp_path, capsys)
         assert line == Tokenizer(tok.path).decode(ids + new), line
     assert main(["generate", str(tmp_path / "missing"), "--prompt", "x"]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # the suite hides the GPUs (tests/conftest.py): --device cuda is one line, exit 2
+    assert main(["generate", str(tmp_path / "ckpt"), "--prompt", "x", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "ptdp generate: ptdp generate --device cuda, but no CUDA device is visible (use cpu)"]

@@ -131,6 +131,10 @@ def _from_hf(args) -> int:
         for line in getattr(err, "errors", None) or [_message(err)]:   # one line per problem
             print(f"ptdp convert: {line}", file=sys.stderr)
         return 2
+    if not cfg.data.tokenizer:
+        print(f"ptdp convert: note: {args.source} has no tokenizer files (tokenizer.json or "
+              f"tokenizer.model): the checkpoint names none; set data.tokenizer to train on "
+              f"text and pass --tokenizer to ptdp generate", file=sys.stderr)
     par = cfg.parallel
     print(f"wrote {final}: {cfg.model.arch}, layout (p, t, d, v) = ({par.pipeline}, "
           f"{par.tensor}, {par.data}, {par.chunks}); continue with `ptdp train CONFIG "

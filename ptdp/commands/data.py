@@ -14,8 +14,10 @@ from pathlib import Path
 
 
 def _fail(err: Exception) -> int:
+    """Bad input (a file, a field, a tokenizer): one line, and exit 2 as every ptdp command's
+    configuration and data errors (a restart loop never retries them)."""
     print(f"error: {err}", file=sys.stderr)
-    return 1
+    return 2
 
 
 def cmd_tokenizer_train(args: argparse.Namespace) -> int:

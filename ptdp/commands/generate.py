@@ -83,7 +83,7 @@ def run(args) -> int:
     from ptdp.data.tokenizer import TokenizerError, checked_tokenizer
     from ptdp.inference.generate import Sampling, generate
     from ptdp.inference.local_model import LocalModel, checkpoint_tokenizer
-    from ptdp.runtime.startup import pick_device
+    from ptdp.runtime.startup import NoDevice, pick_device
 
     try:
         prompts = _prompts(args)
@@ -92,7 +92,8 @@ def run(args) -> int:
         if path is None:
             raise FileNotFoundError(f"{directory} names no tokenizer; pass --tokenizer FILE.model "
                                     f"or tokenizer.json")
-        model = LocalModel.from_checkpoint(directory).to(pick_device(args.device))
+        model = LocalModel.from_checkpoint(directory).to(
+            pick_device(args.device, "ptdp generate --device"))
         tok = checked_tokenizer(path, model.cfg.vocab_size)
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         stop = tok.special_ids().get("<eod>")
@@ -103,7 +104,7 @@ def run(args) -> int:
             if len(prompts) > 1:
                 print(f"--- prompt {i + 1}")
             print(text + _completion(tok, ids, new), flush=True)
-    except (CheckpointError, TokenizerError, ValueError, FileNotFoundError) as err:
+    except (CheckpointError, TokenizerError, ValueError, FileNotFoundError, NoDevice) as err:
         print(f"ptdp generate: {err}", file=sys.stderr)
         return 2
     return 0

@@ -105,6 +105,7 @@ def load_hf_weights(hf_dir: str | os.PathLike, family: Family, config) -> dict:
     hf_dir = Path(hf_dir)
     if not any((hf_dir / name).is_file() for name in WEIGHT_FILES):
         raise ConversionError(f"{hf_dir} has no model.safetensors: no weights to convert")
+    _refuse_integer_weights(hf_dir)
     try:
         model, info = getattr(transformers, family.hf_class).from_pretrained(
             str(hf_dir), config=config, output_loading_info=True, dtype=torch.float32)
@@ -124,6 +125,27 @@ def load_hf_weights(hf_dir: str | os.PathLike, family: Family, config) -> dict:
             raise ConversionError(f"{hf_dir}: the weights {problem.format(n=len(names))}, the "
                                   f"first '{first}'{layers}")
     return state
+
+
+def _refuse_integer_weights(hf_dir: Path) -> None:
+    """transformers casts every tensor to the dtype asked for, so integer weights (quantized,
+    or written wrong) would convert into a silently different model: refuse them, by the
+    safetensors headers (no tensor is read)."""
+    for path in sorted(hf_dir.glob("*.safetensors")):
+        try:
+            dtypes = _safetensors_dtypes(path)
+        except Exception:   # unreadable: from_pretrained says so in its own words
+            continue
+        for name, dtype in dtypes.items():
+            if not dtype.startswith(("F", "BF")):   # F16, F32, F64, BF16, F8_*
+                raise ConversionError(f"{path}: tensor '{name}' is {dtype}, not floating point: "
+                                      f"ptdp converts unquantized weights only")
+
+
+def _safetensors_dtypes(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        return {name: f.get_slice(name).get_dtype() for name in f.keys()}
 
 
 def from_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overrides: list[str] = (),

@@ -52,6 +52,7 @@ def _metadata(directory: Path) -> dict:
 def _model_tensors(directory: Path) -> dict[str, torch.Tensor]:
     """{key: full tensor} of the model's sharded keys, loaded without a process group."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = dcp.FileSystemReader(str(directory))
@@ -63,8 +64,23 @@ def _model_tensors(directory: Path) -> dict[str, torch.Tensor]:
              for key, item in meta.state_dict_metadata.items()
              if isinstance(item, TensorStorageMetadata) and key.startswith(MODEL_PREFIXES)}
     require(state, f"{directory}: the checkpoint holds no model weights")
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    try:
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as err:   # a damaged .distcp (dcp's exception is a
+        # BaseException carrying each rank's traceback)
+        raise files.MegatronConversionError(
+            f"{directory}: cannot read the weights ({_first_failure(err)})") from None
     return state
+
+
+def _first_failure(err: BaseException) -> str:
+    """One line for dcp's CheckpointException (its text is every rank's traceback): the first
+    underlying error's type and first line."""
+    failures = getattr(err, "failures", None) or {}
+    cause = next(iter(failures.values()), err)
+    cause = getattr(cause, "exc", cause)   # a WrappedException holds the original
+    text = (str(cause).strip().splitlines() or [""])[0]
+    return f"{type(cause).__name__}: {text}" if text else type(cause).__name__
 
 
 def _unstacked(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -22,10 +22,16 @@ from ptdp.parallel.grid import RankGrid
 from ptdp.runtime.launch_env import cuda_environment
 
 
-def pick_device(choice: str) -> torch.device:
+class NoDevice(RuntimeError):
+    """The device asked for is not there (the message names the option that asked)."""
+
+
+def pick_device(choice: str, option: str = "train.device") -> torch.device:
+    """cpu, cuda (this rank's GPU, LOCAL_RANK) or auto (cuda when visible). `option`: how the
+    user spelled the choice, for the error (`train.device`, `ptdp generate --device`)."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise RuntimeError("train.device=cuda but no CUDA device is visible")
+            raise NoDevice(f"{option} cuda, but no CUDA device is visible (use cpu)")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if local_rank >= torch.cuda.device_count():  # `ptdp train` checks this before starting
             raise RuntimeError(f"LOCAL_RANK={local_rank} has no GPU of its own: only "

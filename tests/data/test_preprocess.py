@@ -73,10 +73,10 @@ def test_empty_documents_are_skipped(tmp_path, tokenizer):
 def test_preprocess_errors(tmp_path, corpus, tokenizer, capsys):
     rc = main(["preprocess", "--input", str(corpus), "--tokenizer", tokenizer.path,
                "--output-prefix", str(tmp_path / "o"), "--json-key", "body", "--quiet"])
-    assert rc == 1 and "no 'body' field" in capsys.readouterr().err
+    assert rc == 2 and "no 'body' field" in capsys.readouterr().err
     rc = main(["preprocess", "--input", str(corpus), "--tokenizer", str(tmp_path / "no.model"),
                "--output-prefix", str(tmp_path / "o"), "--quiet"])
-    assert rc == 1 and "no.model" in capsys.readouterr().err
+    assert rc == 2 and "no.model" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -202,7 +202,7 @@ def test_llama2_tokenizer_starts_every_sequence_with_bos(tmp_path, megatron_inpu
 def test_tokenizer_arguments_errors_in_one_line(tmp_path, megatron_inputs, capsys, flags, message):
     src, _ = megatron_inputs
     flags, message = [f.format(src=src) for f in flags], message.format(src=src)
-    assert run("--input", src / "c.jsonl", "--output-prefix", tmp_path / "x", *flags) == 1
+    assert run("--input", src / "c.jsonl", "--output-prefix", tmp_path / "x", *flags) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []

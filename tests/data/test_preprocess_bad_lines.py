@@ -30,6 +30,6 @@ def test_a_bad_line_is_one_error_naming_file_and_line(tmp_path, capsys, bad, mes
                "--vocab-file", str(tmp_path / "gpt2-vocab.json"),
                "--merge-file", str(tmp_path / "gpt2-merges.txt")])
     err = capsys.readouterr().err
-    assert rc != 0 and err.count("\n") == 1
+    assert rc == 2 and err.count("\n") == 1
     assert f"{source.parent}/{message}" in err
     assert not list(tmp_path.glob("out*"))

@@ -64,7 +64,7 @@ def test_clear_errors(tmp_path, tokenizer, capsys):
         Tokenizer(tmp_path / "bad.model")
     rc = main(["tokenizer", "train", "--input", str(tmp_path / "missing.jsonl"),
                "--model-prefix", str(tmp_path / "x"), "--vocab-size", "300"])
-    assert rc == 1 and "missing.jsonl" in capsys.readouterr().err
+    assert rc == 2 and "missing.jsonl" in capsys.readouterr().err
 
 
 def test_pickles_by_path(tokenizer):

@@ -39,6 +39,16 @@ def _write(name: str, text: str | bytes):
     return edit
 
 
+def _integer_tensor(path: Path):
+    """One weight stored as int32 (as a quantized or mis-written file has them)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    weights = load_file(path / "model.safetensors")
+    name = sorted(weights)[0]
+    weights[name] = weights[name].to(torch.int32)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+
+
 def _truncate(path: Path):
     weights = path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])
@@ -76,6 +86,7 @@ CASES = {
     "corrupt_weights": (_gpt2(), _write("model.safetensors", b"not a safetensors file"),
                         "cannot read the weights"),
     "truncated_weights": (_gpt2(), _truncate, "cannot read the weights"),
+    "integer_weights": (_gpt2(), _integer_tensor, "is I32, not floating point"),
     "no_weights": (_gpt2(), lambda path: (path / "model.safetensors").unlink(),
                    "has no model.safetensors"),
     "config_not_json": (_gpt2(), _write("config.json", "{not json"),
@@ -106,6 +117,14 @@ def test_conversion_from_hf_is_refused_in_one_line(case, hf_dirs, tmp_path, caps
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("ptdp convert: ") and CASES[case][2] in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_directory_without_tokenizer_files_converts_with_a_note(tmp_path, capsys):
+    transformers.AutoModelForCausalLM.from_config(_gpt2()).save_pretrained(str(tmp_path / "hf"))
+    assert main(["convert", str(tmp_path / "hf"), "--from", "hf", "--out",
+                 str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "has no tokenizer files" in err[0], err
 
 
 def test_the_command_line_refuses_without_a_traceback(hf_dirs, tmp_path):

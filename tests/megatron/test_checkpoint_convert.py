@@ -392,3 +392,18 @@ def test_tables_cut_to_seq_length_and_a_smaller_vocabulary(megatron, tmp_path):
     keep = torch.ones_like(tokens)
     _close(model.logits(tokens, types_, keep), lm[..., :100])
     _close(model.sentence_order_logits(tokens, types_, keep), binary)
+
+
+def test_a_truncated_distcp_file_is_one_line(megatron, tmp_path, capsys):
+    """torch.distributed.checkpoint's CheckpointException carries every rank's traceback; the
+    conversion says the first error in one line."""
+    import shutil
+    from ptdp.cli import main
+    src = tmp_path / "gpt_dist"
+    shutil.copytree(megatron["root"] / "gpt_dist", src)
+    for shard in src.rglob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:-4096])
+    assert main(["convert", str(src), "--from", "megatron", "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot read the weights (" in err, err
+    assert not (tmp_path / "p").exists()
