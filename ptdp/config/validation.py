@@ -251,7 +251,7 @@ def _check_parallel_sizes(par: ParallelConfig, out: _Problems) -> bool:
 def _check_layout(cfg: Config, world_size: int, out: _Problems) -> None:
     """(p, t, c, d, v) against the world size, the model's sizes, the schedule and the batch."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
-    t, p, v, c = par.tensor, par.pipeline, par.chunks, par.context
+    t, p, c = par.tensor, par.pipeline, par.context
     model_ranks = p * t * c
     names = "parallel.pipeline * parallel.tensor" + (" * parallel.context" if c > 1 else "")
     sizes = f"{p} * {t}" + (f" * {c}" if c > 1 else "")

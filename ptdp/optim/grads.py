@@ -158,17 +158,6 @@ class DataParallelGradients:
             bucket.finish()
 
 
-def sync_shared_embeddings(params: list[nn.Parameter], group, size: int) -> None:
-    """Sum the gradients of the word embedding's two copies (first and last stage)."""
-    if size <= 1:
-        return
-    for p in params:
-        if role_of(p).shared_embedding:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
-
-
 def reduce_sequence_parallel_grads(params: list[nn.Parameter], group, size: int) -> None:
     """Sum, over the tensor group, the gradients of replicated weights that sequence
     parallelism applies to 1/t of the tokens on each rank (LayerNorms, the row-parallel
