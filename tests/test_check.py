@@ -469,6 +469,6 @@ def test_preprocess_refuses_an_empty_input_in_one_line(assets, tmp_path, capfd, 
                    "--output-prefix", str(tmp_path / "out"), "--quiet", "--workers", "1"])
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert rc == 1 and "Traceback" not in err
+    assert rc == 2 and "Traceback" not in err
     assert len(lines) == 1 and message in lines[0] and str(source) in lines[0], err
     assert not list(tmp_path.glob("out*"))
