@@ -1,6 +1,5 @@
 """`ptdp plan` end to end: table, JSON, --write-config, and clear errors with exit code 2."""
 
-import argparse
 import json
 import os
 import subprocess
@@ -11,29 +10,13 @@ import pytest
 import yaml
 
 from ptdp.config import load_config
-from ptdp.commands import plan as cli
+from tests.planner.conftest import plan
 
 GPT3 = {"model": {"arch": "gpt", "num_layers": 96, "hidden_size": 12288, "num_heads": 96,
                   "seq_length": 2048, "vocab_size": 51200}}
 SMALL = {"model": {"arch": "bert", "num_layers": 4, "hidden_size": 256, "num_heads": 8,
                    "seq_length": 128, "vocab_size": 1000},
          "data": {"source": "synthetic"}, "train": {"global_batch_size": 32, "iters": 3}}
-
-
-def plan(argv):
-    parser = argparse.ArgumentParser()
-    cli.register(parser.add_subparsers())
-    args = parser.parse_args(["plan"] + argv)
-    return args.func(args)
-
-
-@pytest.fixture
-def model_file(tmp_path):
-    def write(content, name="model.yaml"):
-        path = tmp_path / name
-        path.write_text(yaml.safe_dump(content))
-        return str(path)
-    return write
 
 
 def test_table_names_the_best_layout_and_the_losers(model_file, capsys):

@@ -1,16 +1,15 @@
 """The planner and the distributed optimizer: memory term, time model, search flag, config."""
 
-import argparse
 
 import pytest
 import yaml
 
 from ptdp.config import ModelConfig, load_config
-from ptdp.commands import plan as cli
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.cost_model import Layout, Workload, predict
 from ptdp.planner.memory import gpu_memory, optimizer_state_bytes
 from ptdp.planner.search import search
+from tests.planner.conftest import plan
 
 GPT3 = ModelConfig(arch="gpt", num_layers=96, hidden_size=12288, num_heads=96, seq_length=2048,
                    vocab_size=51200)
@@ -59,13 +58,6 @@ def test_search_considers_it_only_when_asked(a100, work):
     assert allowed.best.step_time_s < plain.best.step_time_s
     assert not any(p.layout.distributed_optimizer and (p.layout.data == 1 or p.layout.schedule == "2bw")
                    for p in allowed.ranked)
-
-
-def plan(argv):
-    parser = argparse.ArgumentParser()
-    cli.register(parser.add_subparsers())
-    args = parser.parse_args(["plan"] + argv)
-    return args.func(args)
 
 
 @pytest.mark.parametrize("flag", [[], ["--allow-distributed-optimizer"], ["--fix", "distopt=true"]])

@@ -2,7 +2,6 @@
 that divide E and explained, pinned with --fix e=, refused for dense models; the check's
 layout, expert placement and parameters; the shipped MoE configs."""
 
-import argparse
 import json
 import re
 from pathlib import Path
@@ -11,10 +10,10 @@ import pytest
 import yaml
 
 from ptdp.checks import summary
-from ptdp.commands import plan as cli
 from ptdp.config import load_config
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.formulas import active_parameters, decoder_parameters
+from tests.planner.conftest import plan
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MOE = {"model": {"arch": "gpt", "preset": "llama", "num_layers": 8, "hidden_size": 1024,
@@ -24,24 +23,8 @@ MOE = {"model": {"arch": "gpt", "preset": "llama", "num_layers": 8, "hidden_size
        "train": {"global_batch_size": 64}}
 
 
-def plan(argv):
-    parser = argparse.ArgumentParser()
-    cli.register(parser.add_subparsers())
-    args = parser.parse_args(["plan"] + argv)
-    return args.func(args)
-
-
-@pytest.fixture
-def moe_file(tmp_path):
-    def write(content=MOE):
-        path = tmp_path / "moe.yaml"
-        path.write_text(yaml.safe_dump(content))
-        return str(path)
-    return write
-
-
-def test_plan_searches_e_and_explains_its_choice(moe_file, capsys):
-    assert plan([moe_file(), "--hardware", "a100-80gb", "--nodes", "2", "--json"]) == 0
+def test_plan_searches_e_and_explains_its_choice(model_file, capsys):
+    assert plan([model_file(MOE), "--hardware", "a100-80gb", "--nodes", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     choice = out["expert_choice"]
     assert set(choice) == {"1", "2", "4", "8"}          # divisors of d*c and of E = 8
@@ -53,8 +36,8 @@ def test_plan_searches_e_and_explains_its_choice(moe_file, capsys):
     assert out["model"]["active_parameters"] < out["model"]["parameters"]
 
 
-def test_plan_table_has_an_e_column_and_a_line_per_e(moe_file, capsys):
-    assert plan([moe_file(), "--hardware", "a100-80gb", "--nodes", "1", "--fix", "e=2"]) == 0
+def test_plan_table_has_an_e_column_and_a_line_per_e(model_file, capsys):
+    assert plan([model_file(MOE), "--hardware", "a100-80gb", "--nodes", "1", "--fix", "e=2"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^#\s+p\s+t\s+d\s+e\s+v", out, re.M)
     assert "expert parallelism: e=2 chosen" in out
@@ -62,20 +45,20 @@ def test_plan_table_has_an_e_column_and_a_line_per_e(moe_file, capsys):
     assert "8 experts, top-2" in out
 
 
-def test_plan_refuses_e_for_a_dense_model(moe_file, capsys):
+def test_plan_refuses_e_for_a_dense_model(model_file, capsys):
     dense = {**MOE, "model": {**MOE["model"], "num_experts": 0}}
-    assert plan([moe_file(dense), "--hardware", "a100-80gb", "--fix", "e=2"]) == 2
+    assert plan([model_file(dense), "--hardware", "a100-80gb", "--fix", "e=2"]) == 2
     assert "expert parallelism needs model.num_experts > 0" in capsys.readouterr().err
 
 
-def test_plan_refuses_an_e_that_does_not_divide_the_experts(moe_file, capsys):
-    assert plan([moe_file(), "--hardware", "a100-80gb", "--fix", "e=3"]) == 2
+def test_plan_refuses_an_e_that_does_not_divide_the_experts(model_file, capsys):
+    assert plan([model_file(MOE), "--hardware", "a100-80gb", "--fix", "e=3"]) == 2
     assert "must divide d*c" in capsys.readouterr().err
 
 
-def test_write_config_keeps_the_chosen_e(moe_file, tmp_path, capsys):
+def test_write_config_keeps_the_chosen_e(model_file, tmp_path, capsys):
     out = tmp_path / "planned.yaml"
-    assert plan([moe_file(), "--hardware", "a100-80gb", "--fix", "e=4,p=1,t=1",
+    assert plan([model_file(MOE), "--hardware", "a100-80gb", "--fix", "e=4,p=1,t=1",
                  "--write-config", str(out)]) == 0
     assert yaml.safe_load(out.read_text())["parallel"]["expert"] == 4
 
