@@ -23,11 +23,11 @@ Families (`Family`): how a schedule updates the weights, which decides the train
 
 from __future__ import annotations
 
-import difflib
 import enum
 from dataclasses import dataclass
 from typing import Callable
 
+from ptdp.config.hints import suggest
 from ptdp.config.stages import Placement, StageMap
 
 
@@ -183,9 +183,8 @@ def schedule_spec(name: str) -> ScheduleSpec:
     """The spec of schedule `name`; ValueError naming the choices for an unknown one."""
     spec = SCHEDULES.get(name)
     if spec is None:
-        close = difflib.get_close_matches(str(name), NAMES, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise ValueError(f"unknown schedule {name!r}; expected one of {', '.join(NAMES)}{hint}")
+        raise ValueError(f"unknown schedule {name!r}; expected one of {', '.join(NAMES)}"
+                         f"{suggest(name, NAMES)}")
     return spec
 
 

@@ -12,7 +12,8 @@ from typing import Any
 import yaml
 
 from ptdp.config.models import BLOCK_OPTIONS
-from ptdp.config.schema import Config, ConfigError, suggest
+from ptdp.config.hints import suggest
+from ptdp.config.schema import Config, ConfigError
 from ptdp.config.validation import validate, validate_model
 
 

@@ -16,10 +16,11 @@ the same chunk, data, loss and formulas (generalised to any block).
 
 from __future__ import annotations
 
-import difflib
 import enum
 from dataclasses import dataclass
 from typing import Callable
+
+from ptdp.config.hints import suggest
 
 
 class Samples(enum.Enum):
@@ -77,10 +78,8 @@ def model_family(name: str) -> ModelFamily:
     """The family `model.arch` = `name` names; ValueError naming the choices for an unknown one."""
     family = MODEL_FAMILIES.get(name)
     if family is None:
-        close = difflib.get_close_matches(str(name), FAMILY_NAMES, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ValueError(f"unknown model.arch {name!r}; expected one of "
-                         f"{', '.join(FAMILY_NAMES)}{hint}")
+                         f"{', '.join(FAMILY_NAMES)}{suggest(name, FAMILY_NAMES)}")
     return family
 
 

@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from ptdp.config.schema import ConfigError, suggest
+from ptdp.config.hints import suggest
+from ptdp.config.schema import ConfigError
 
 
 class Problems:

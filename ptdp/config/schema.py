@@ -8,7 +8,6 @@ cheaply and validation runs before any process group exists.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from dataclasses import dataclass, field
 
@@ -29,11 +28,6 @@ class ConfigError(ValueError):
 
 
 VOCAB_PAD_MULTIPLE = 128  # vocab is padded to a multiple of 128 * t (GEMM-friendly shards)
-
-
-def suggest(word: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(word, options, n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 @dataclass
