@@ -10,10 +10,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
-from tests.test_restart import ROOT, _env
+from tests.test_restart import ROOT, _env, _wait_for_iteration
 from tests.test_watchdog import _pid_of_rank
 
 
@@ -26,11 +25,7 @@ def test_a_killed_rank_is_named_once_by_ptdp(tmp_path):
     job = subprocess.Popen(cmd, cwd=tmp_path, env=_env(PTDP_TEST_MARKER=marker),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and job.poll() is None:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.2)
+        _wait_for_iteration(metrics, job, 3)
         killed = _pid_of_rank(1, marker)
         assert killed, "rank 1 not found"
         os.kill(killed, signal.SIGKILL)
