@@ -159,22 +159,34 @@ def test_architecture_doc_names_every_package():
     assert missing == []
 
 
+def _spelled(names, skip: str, also=lambda node: None) -> list[str]:
+    """'module:line what' for every string constant equal to one of `names` in ptdp/ and
+    models/ outside module `skip`, and for every node `also` describes (a non-empty text)."""
+    found = []
+    for module, path in MODULES.items():
+        if module == skip:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{module}:{node.lineno} {node.value!r}")
+            elif what := also(node):
+                found.append(f"{module}:{node.lineno} {what}")
+    return found
+
+
 def test_schedule_names_and_role_attributes_are_spelled_in_one_place():
     """Code asks the catalogue and `role_of`; names appear only as user-facing text."""
     from ptdp.config.catalogue import NAMES
     roles = ("tp_split_dim", "vocab_padded", "shared_embedding", "duplicate", "sequence_parallel",
              "reduce_axes")
-    found = []
-    for module, path in MODULES.items():
-        if module == "ptdp.config.catalogue":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Constant) and node.value in NAMES:
-                found.append(f"{module}:{node.lineno} {node.value!r}")
-            if (isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr", "hasattr")
-                    and len(node.args) > 1 and getattr(node.args[1], "value", None) in roles):
-                found.append(f"{module}:{node.lineno} getattr(..., {node.args[1].value!r})")
-    assert found == []
+
+    def reads_a_role(node) -> str | None:
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("getattr", "hasattr")
+                and len(node.args) > 1 and getattr(node.args[1], "value", None) in roles):
+            return f"getattr(..., {node.args[1].value!r})"
+        return None
+
+    assert _spelled(NAMES, "ptdp.config.catalogue", reads_a_role) == []
 
 
 def test_a_command_that_fails_to_import_is_an_error(monkeypatch):
@@ -227,16 +239,12 @@ def test_model_family_names_are_spelled_only_in_the_model_catalogue():
     one (messages, docstrings, the text parts of f-strings) is not. A comparison is ==, !=, in
     or not in with `x.arch` or `arch` on either side."""
     from ptdp.config.models import FAMILY_NAMES
-    found = []
-    for module, path in MODULES.items():
-        if module == "ptdp.config.models":
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Constant) and node.value in FAMILY_NAMES:
-                found.append(f"{module}:{node.lineno} {node.value!r}")
-            if isinstance(node, ast.Compare) and \
-                    any(_reads_arch(side) for side in (node.left, *node.comparators)):
-                found.append(f"{module}:{node.lineno} compares model.arch")
+
+    def compares_arch(node) -> str | None:
+        sides = (node.left, *node.comparators) if isinstance(node, ast.Compare) else ()
+        return "compares model.arch" if any(map(_reads_arch, sides)) else None
+
+    assert _spelled(FAMILY_NAMES, "ptdp.config.models", compares_arch) == []
 
 
 def _names(node: ast.AST) -> set[str]:
