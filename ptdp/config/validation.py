@@ -234,7 +234,7 @@ def _check_log_and_checkpoint(cfg: Config, out: _Problems) -> None:
         out.positive(ck.mtbf_hours, "checkpoint.mtbf_hours", hint=" (null: no suggestion)")
     out.positive(ck.keep_last, "checkpoint.keep_last", strict=False, hint=" (0 keeps every one)")
     out.positive(ck.keep_every, "checkpoint.keep_every", strict=False, hint=" (0: none kept)")
-    out.require(not ck.keep_every or ck.keep_last > 0,
+    out.require(ck.keep_every <= 0 or ck.keep_last > 0,
                 "checkpoint.keep_every keeps some of the checkpoints checkpoint.keep_last would "
                 "delete: set checkpoint.keep_last too")
 
