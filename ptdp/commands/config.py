@@ -30,6 +30,7 @@ def register(subparsers) -> None:
                     "  unknown:     not in ptdp's table of Megatron-LM arguments\n"
                     "  note:        worked out by Megatron at run time: set it yourself\n"
                     "  unresolved:  a variable the script does not set\n"
+                    "  conditional: an `if` of the script: which branch was applied, and why\n"
                     "The whole table: docs/migration.md, or --table.\n\n"
                     "  ptdp config from-megatron --out gpt.yaml -- --num-layers 24 ...\n"
                     "  ptdp config from-megatron --script train_gpt.sh --out gpt.yaml")
@@ -62,14 +63,16 @@ def run_from_megatron(args) -> int:
         if args.script:
             invocation = read_invocation(args.script)
             words, unresolved, source = invocation.words, invocation.unresolved, args.script
+            branches = invocation.branches
         else:
-            words, unresolved, source = list(args.megatron_args), [], ""
+            words, unresolved, source, branches = list(args.megatron_args), [], "", []
         result = translate(words, arch=args.arch)
     except (ScriptError, TranslationError) as err:
         print(f"ptdp config from-megatron: {err}", file=sys.stderr)
         return 2
     result.lines += [Line("unresolved", name, "not set in the script; written as it stands")
                      for name in unresolved]
+    result.lines += [Line("conditional", head, why) for head, why in branches]
     text = to_yaml(result, source)
     if args.out:
         try:
