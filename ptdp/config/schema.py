@@ -189,6 +189,8 @@ class TrainConfig:
     startup_timeout_s: float = 600.0     # the same for the first iteration and validation
                                          # (compilation); the backend gives up after the larger
     tf32: bool = True                    # CUDA: TF32 tensor cores for fp32 matmuls/convolutions
+    grad_reduce_dtype: str | None = None  # null | fp32 | bf16: the data-parallel gradient
+                                          # reduction's dtype (null: the gradients', fp32)
 
 
 @dataclass(frozen=True)
@@ -244,6 +246,8 @@ class LogConfig:
     progress: bool = True                # tqdm bar on rank 0 (only when stderr is a terminal)
     hardware: str | None = None          # profile name/path for MFU; auto-detected on known GPUs
     verbose: bool = False                # print the full resolved config at start-up (--verbose)
+    wandb_project: str | None = None     # Weights & Biases project: log the TensorBoard scalars
+    wandb_name: str | None = None        # the W&B run's name (null: W&B picks one)
 
 
 AUTO_LOAD = "auto"   # checkpoint.load: the newest complete checkpoint in checkpoint.dir, if any
@@ -258,6 +262,9 @@ class CheckpointConfig:
     mtbf_hours: float | None = None      # expected hours between failures: suggests an interval
     keep_last: int = 0                   # keep this many newest checkpoints (0: keep all)
     keep_every: int = 0                  # and, of the older ones, each at a multiple of this
+    load_optimizer: bool = True          # checkpoint.load's optimizer state and loss scale
+    load_rng: bool = True                # checkpoint.load's random streams
+    finetune: bool = False               # checkpoint.load's weights only, from iteration 0
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from ptdp.config.catalogue import Chunks, DEFAULT, NAMES, SCHEDULES, ScheduleSpec, names_where
 from ptdp.config.experts import check_moe_layout, check_moe_model
@@ -174,6 +175,8 @@ def _check_train(tr: TrainConfig, out: _Problems) -> bool:
     out.positive(tr.timeout_s, "train.timeout_s")
     out.positive(tr.startup_timeout_s, "train.startup_timeout_s")
     out.require(tr.fp16_max_skips >= 1, f"train.fp16_max_skips must be >= 1, got {tr.fp16_max_skips}")
+    if tr.grad_reduce_dtype is not None:
+        out.choice(tr.grad_reduce_dtype, ("fp32", "bf16"), "train.grad_reduce_dtype")
     return batches_ok and ramp_ok
 
 
@@ -237,6 +240,31 @@ def _check_log_and_checkpoint(cfg: Config, out: _Problems) -> None:
     out.require(ck.keep_every <= 0 or ck.keep_last > 0,
                 "checkpoint.keep_every keeps some of the checkpoints checkpoint.keep_last would "
                 "delete: set checkpoint.keep_last too")
+    _check_load_options(cfg, out)
+
+
+def _check_load_options(cfg: Config, out: _Problems) -> None:
+    """checkpoint.load_optimizer/load_rng/finetune act on the checkpoint checkpoint.load names
+    (a job's own checkpoints always resume whole: ptdp/checkpoint/load.py)."""
+    ck, log = cfg.checkpoint, cfg.log
+    used = [key for key, on in (("load_optimizer=false", not ck.load_optimizer),
+                                ("load_rng=false", not ck.load_rng),
+                                ("finetune=true", ck.finetune)) if on]
+    if used and ck.load in (None, AUTO_LOAD):
+        out.require(False, f"checkpoint.{used[0]} acts on the checkpoint checkpoint.load names: "
+                           f"set checkpoint.load to its path (got {ck.load})")
+    elif ck.finetune and ck.dir and _inside(ck.load, ck.dir):
+        out.require(False, f"checkpoint.finetune=true: checkpoint.load ({ck.load}) lies in "
+                           f"checkpoint.dir ({ck.dir}), whose newest checkpoint a restart resumes: "
+                           f"save the fine-tuning run to another checkpoint.dir")
+    out.require(log.wandb_name is None or bool(log.wandb_project),
+                "log.wandb_name names a run of log.wandb_project: set log.wandb_project")
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether `path` is `folder` or directly in it (a checkpoint root or one of its iter_N)."""
+    p, f = os.path.abspath(path), os.path.abspath(folder)
+    return p == f or os.path.dirname(p) == f
 
 
 def _check_parallel_sizes(par: ParallelConfig, out: _Problems) -> bool:
