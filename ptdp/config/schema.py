@@ -58,6 +58,8 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_seq_length: int = 8192  # the context the scaled frequencies were trained at
+    norm_zero_centered: bool = False     # norm gain 1 + w, w starting at 0 (Gemma; Megatron's
+                                         # --apply-layernorm-1p)
     # Mixture of experts (0 experts = a dense MLP in every layer; docs/moe.md)
     num_experts: int = 0                 # E, routed experts per MoE layer
     moe_top_k: int = 2                   # k, experts each token is routed to
