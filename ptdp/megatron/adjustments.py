@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ptdp.config.batches import BatchSchedule
 from ptdp.config.models import MODEL_FAMILIES, Samples
-from ptdp.megatron.converters import REFUSED
+from ptdp.megatron.converters import APPROXIMATE, REFUSED
 
 NOTE = "note"
 
@@ -24,6 +24,7 @@ def adjust(given: dict, out) -> None:
     """Megatron's run-time adjustments of `given`'s translation `out` (a translate.Translation)."""
     _sequence_parallel_needs_tensor(out)
     _family_sample_order(out)
+    _family_block(out)
     _ramp_in_an_iteration_run(given, out)
 
 
@@ -47,6 +48,21 @@ def _family_sample_order(out) -> None:
         out.note(NOTE, origin, f"{family.name} keeps ptdp's sample order (data.sampling: ptdp): "
                                f"Megatron's order (data.sampling: megatron) is GPTDataset's, "
                                f"not its {family.name} dataset's")
+
+
+def _family_block(out) -> None:
+    """A family whose block is fixed (BERT: GPT-2's, with the exact GeLU; ptdp/config/models.py
+    `block_options`) cannot take Megatron's tanh GeLU or zero-centred norm."""
+    family = MODEL_FAMILIES.get(out.values.get("model.arch"))
+    if family is None or family.block_options:
+        return
+    if out.values.get("model.activation") == "gelu_tanh":
+        out.note(APPROXIMATE, out.drop("model.activation"),
+                 f"Megatron's GeLU here is the tanh approximation; ptdp's {family.name} keeps "
+                 f"the exact GeLU of its fixed block")
+    if out.values.get("model.norm_zero_centered"):
+        out.note(REFUSED, out.drop("model.norm_zero_centered"),
+                 f"ptdp's {family.name} keeps the norm of its fixed block", blocks=True)
 
 
 def _ramp_in_an_iteration_run(given: dict, out) -> None:

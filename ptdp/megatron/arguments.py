@@ -16,13 +16,14 @@ from __future__ import annotations
 from ptdp.megatron.converters import (
     APPROXIMATE, EXACT, IGNORED, REFUSED, Default, Differs, Unmapped, attention_dropout_default,
     choice, chunks, chunks_from_layers, const, consumed_by_tokenizer_type, data_paths, fp16_only,
-    gelu_fusion_default, global_batch_default, hysteresis_default, ignore, integer, kv_channels,
+    global_batch_default, hysteresis_default, ignore, integer, kv_channels,
     kv_heads, load, max_positions, megatron_ffn_hidden_size, merge_file,
     no_position_embedding, number, only, query_groups, recompute_method, refuse, rope_scaling,
     rope_scaling_factor, seed, split, tokenizer, vocab_size)
 from ptdp.megatron.moe_arguments import MOE_ARGS, expert_tensor_parallel
 from ptdp.megatron.rows import Arg
-from ptdp.megatron.run_converters import low_precision, step_schedule
+from ptdp.megatron.script_converters import (
+    GELU_FUSION_DEFAULT, gelu_fusion, grad_reduce_in_bf16, low_precision, step_schedule)
 from ptdp.megatron.pipeline_layers import accounted, first_last, layout
 
 
@@ -122,8 +123,8 @@ ARGS: tuple[Arg, ...] = (
     Arg("--norm-epsilon", "model.layernorm_eps", EXACT, number),
     Arg("--layernorm-epsilon", "model.layernorm_eps", EXACT,
         number, note="older spelling of --norm-epsilon"),
-    Arg("--apply-layernorm-1p", None, REFUSED,
-        refuse("ptdp has no zero-centred LayerNorm"), nargs=0, model=True),
+    Arg("--apply-layernorm-1p", "model.norm_zero_centered", EXACT, const(True), nargs=0,
+        note="the norm's gain is 1 + w, w starting at 0"),
     Arg("--qk-layernorm", None, REFUSED, refuse("ptdp has no query/key normalisation"), nargs=0,
         model=True),
     Arg("--apply-residual-connection-post-layernorm", None, REFUSED,
@@ -132,9 +133,8 @@ ARGS: tuple[Arg, ...] = (
         lambda v, g: Differs({}, "ptdp keeps the residual in the model's dtype, not fp32"),
         nargs=0, note="ptdp keeps the residual in the model's dtype, not fp32"),
     Arg("--swiglu", "model.activation", EXACT, const("swiglu"), nargs=0),
-    Arg("--openai-gelu", "model.activation", APPROXIMATE,
-        lambda v, g: Differs("gelu", "ptdp's GeLU is exact, not the tanh approximation"), nargs=0,
-        note="ptdp's GeLU is exact, not the tanh approximation"),
+    Arg("--openai-gelu", "model.activation", EXACT, const("gelu_tanh"), nargs=0,
+        note="the tanh approximation of GeLU"),
     Arg("--squared-relu", None, REFUSED, refuse("ptdp has GeLU and SwiGLU"), nargs=0, model=True),
     Arg("--quick-geglu", None, REFUSED, refuse("ptdp has GeLU and SwiGLU"), nargs=0, model=True),
     Arg("--disable-bias-linear", "model.bias", EXACT, const(False), nargs=0),
@@ -164,9 +164,10 @@ ARGS: tuple[Arg, ...] = (
     Arg("--attention-backend", None, IGNORED, ignore(_KERNEL)),
     Arg("--use-flash-attn", None, IGNORED, ignore(_KERNEL), nargs=0),
     Arg("--no-masked-softmax-fusion", None, IGNORED, ignore(_KERNEL), nargs=0),
-    Arg("--no-bias-gelu-fusion", None, EXACT, const({}), nargs=0,
-        default=Default(gelu_fusion_default, "fused tanh GeLU (noted)"),
-        note="Megatron's unfused GeLU is exact, as ptdp's; its fused one (the default) is tanh"),
+    Arg("--no-bias-gelu-fusion", "model.activation", EXACT, gelu_fusion, nargs=0,
+        default=GELU_FUSION_DEFAULT,
+        note="Megatron's unfused GeLU is exact (model.activation gelu); its fused one, the "
+             "default with biases, is the tanh approximation"),
     Arg("--no-bias-swiglu-fusion", None, IGNORED, ignore(_KERNEL), nargs=0),
     Arg("--no-bias-dropout-fusion", None, IGNORED, ignore(_KERNEL), nargs=0),
     Arg("--no-rope-fusion", None, IGNORED, ignore(_KERNEL), nargs=0),
@@ -211,7 +212,8 @@ ARGS: tuple[Arg, ...] = (
         note="1 is exact: ptdp halves the scale at every overflow"),
     Arg("--accumulate-allreduce-grads-in-fp32", None, EXACT, const({}), nargs=0,
         note="ptdp always accumulates and all-reduces fp32 gradients"),
-    Arg("--grad-reduce-in-bf16", None, REFUSED, refuse("ptdp all-reduces fp32 gradients"), nargs=0),
+    Arg("--grad-reduce-in-bf16", "train.grad_reduce_dtype", APPROXIMATE, grad_reduce_in_bf16,
+        nargs=0, note="Megatron also accumulates in bf16; ptdp accumulates in fp32"),
     Arg("--fp16-lm-cross-entropy", None, IGNORED,
         ignore("ptdp computes the loss in fp32"), nargs=0),
     # Training
@@ -358,9 +360,10 @@ ARGS: tuple[Arg, ...] = (
         refuse("ptdp's checkpoints always hold the optimizer"), nargs=0),
     Arg("--no-save-rng", None, REFUSED,
         refuse("ptdp's checkpoints always hold the random streams"), nargs=0),
-    Arg("--no-load-optim", None, REFUSED, refuse("ptdp always resumes the whole state"), nargs=0),
-    Arg("--no-load-rng", None, REFUSED, refuse("ptdp always resumes the whole state"), nargs=0),
-    Arg("--finetune", None, REFUSED, refuse("ptdp always resumes the whole state"), nargs=0),
+    Arg("--no-load-optim", "checkpoint.load_optimizer", EXACT, const(False), nargs=0),
+    Arg("--no-load-rng", "checkpoint.load_rng", EXACT, const(False), nargs=0),
+    Arg("--finetune", "checkpoint.finetune", EXACT, const(True), nargs=0,
+        note="the weights only, from iteration 0"),
     Arg("--use-checkpoint-args", None, REFUSED, refuse("ptdp's config is the YAML"), nargs=0,
         model=True),
     Arg("--exit-on-missing-checkpoint", None, REFUSED,
@@ -375,7 +378,11 @@ ARGS: tuple[Arg, ...] = (
     Arg("--tensorboard-log-interval", None, IGNORED,
         ignore("ptdp writes TensorBoard every iteration")),
     Arg("--tensorboard-queue-size", None, IGNORED, ignore(_PERF)),
-    Arg("--wandb-*", None, REFUSED, refuse("ptdp logs to its metrics file and TensorBoard")),
+    Arg("--wandb-project", "log.wandb_project", EXACT),
+    Arg("--wandb-exp-name", "log.wandb_name", EXACT),
+    Arg("--wandb-entity", None, IGNORED, ignore("W&B's default entity; set WANDB_ENTITY")),
+    Arg("--wandb-save-dir", None, IGNORED, ignore("ptdp's W&B run is written under ./wandb or "
+                                                  "WANDB_DIR")),
     Arg("--profile*", None, IGNORED, ignore("ptdp's profiles are ptdp profile and log.trace_file")),
     Arg("--nsys-*", None, IGNORED, ignore("ptdp's profiles are ptdp profile and log.trace_file")),
     Arg("--straggler-*", None, IGNORED, ignore("ptdp's hang detector names a rank that stops")),

@@ -1,10 +1,33 @@
-"""Converters of Megatron-LM's arguments about how a run trains rather than what it trains:
-low-precision formats and the batch-size schedule (the rows in ptdp/megatron/arguments.py;
-the conventions are ptdp/megatron/converters.py's). Torch-free."""
+"""Converters of the rows ptdp/megatron/arguments.py gained for Megatron-LM's example scripts
+(examples/*/train_*.sh): the GeLU flavours, low-precision formats, gradient reduction in bf16
+and the batch-size schedule. The conventions are ptdp/megatron/converters.py's. Torch-free."""
 
 from __future__ import annotations
 
-from ptdp.megatron.converters import REFUSED, Differs, Unmapped
+from ptdp.megatron.converters import IGNORED, REFUSED, Default, Differs, Unmapped
+
+
+# GeLU ------------------------------------------------------------------------------------------
+
+_NOT_GELU = ("--swiglu", "--squared-relu", "--quick-geglu")
+
+
+def _fused_bias_gelu(given: dict) -> bool:
+    """Megatron's MLP runs its fused bias-GeLU, the tanh approximation
+    (megatron/core/fusions/fused_bias_gelu.py), for a GeLU MLP with biases unless
+    --no-bias-gelu-fusion (validate_args turns the fusion off without biases)."""
+    return not any(f in given for f in _NOT_GELU + ("--disable-bias-linear", "--openai-gelu",
+                                                     "--no-bias-gelu-fusion"))
+
+
+def gelu_fusion(value, given):
+    """--no-bias-gelu-fusion given (True): Megatron's exact GeLU, ptdp's default; absent
+    (False, the default below): the fused tanh GeLU, model.activation: gelu_tanh."""
+    return {} if value is True else {"model.activation": "gelu_tanh"}
+
+
+GELU_FUSION_DEFAULT = Default(lambda given: False if _fused_bias_gelu(given) else None,
+                              "the fused bias-GeLU: model.activation gelu_tanh")
 
 
 def low_precision(name: str):
@@ -13,6 +36,13 @@ def low_precision(name: str):
         precision = "bf16" if "--bf16" in given else "fp16" if "--fp16" in given else "fp32"
         return Differs({}, f"ptdp has no {name} matrix multiplications: trains in {precision}")
     return convert
+
+
+def grad_reduce_in_bf16(value, given):
+    if "--bf16" not in given:
+        raise Unmapped(IGNORED, "Megatron reduces in bf16 only with --bf16")
+    return Differs("bf16", "Megatron also accumulates the micro-batch gradients in bf16; ptdp "
+                           "accumulates in fp32 and reduces in bf16")
 
 
 # The batch-size schedule ----------------------------------------------------------------------
