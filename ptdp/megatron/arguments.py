@@ -23,7 +23,8 @@ from ptdp.megatron.converters import (
 from ptdp.megatron.moe_arguments import MOE_ARGS, expert_tensor_parallel
 from ptdp.megatron.rows import Arg
 from ptdp.megatron.script_converters import (
-    GELU_FUSION_DEFAULT, gelu_fusion, grad_reduce_in_bf16, low_precision, step_schedule)
+    GELU_FUSION_DEFAULT, gelu_fusion, grad_reduce_in_bf16, low_precision, partial_load,
+    step_schedule)
 from ptdp.megatron.pipeline_layers import accounted, first_last, layout
 
 
@@ -33,6 +34,7 @@ from ptdp.megatron.pipeline_layers import accounted, first_last, layout
 
 _PERF = "a performance option; ptdp's results do not depend on it"
 _KERNEL = "a kernel choice; ptdp picks its own fused kernels"
+_OWN = "approximate when --load is --save: ptdp resumes its own checkpoints whole"
 _FORMAT = "checkpoint-format detail; ptdp writes its own format (ptdp convert --to megatron)"
 
 ARGS: tuple[Arg, ...] = (
@@ -360,10 +362,15 @@ ARGS: tuple[Arg, ...] = (
         refuse("ptdp's checkpoints always hold the optimizer"), nargs=0),
     Arg("--no-save-rng", None, REFUSED,
         refuse("ptdp's checkpoints always hold the random streams"), nargs=0),
-    Arg("--no-load-optim", "checkpoint.load_optimizer", EXACT, const(False), nargs=0),
-    Arg("--no-load-rng", "checkpoint.load_rng", EXACT, const(False), nargs=0),
-    Arg("--finetune", "checkpoint.finetune", EXACT, const(True), nargs=0,
-        note="the weights only, from iteration 0"),
+    Arg("--no-load-optim", "checkpoint.load_optimizer", EXACT,
+        partial_load("checkpoint.load_optimizer", False, "without the optimizer state"),
+        nargs=0, note=_OWN),
+    Arg("--no-load-rng", "checkpoint.load_rng", EXACT,
+        partial_load("checkpoint.load_rng", False, "without the random streams"), nargs=0,
+        note=_OWN),
+    Arg("--finetune", "checkpoint.finetune", EXACT,
+        partial_load("checkpoint.finetune", True, "from iteration 0 with the weights only"),
+        nargs=0, note=f"the weights only, from iteration 0; {_OWN}"),
     Arg("--use-checkpoint-args", None, REFUSED, refuse("ptdp's config is the YAML"), nargs=0,
         model=True),
     Arg("--exit-on-missing-checkpoint", None, REFUSED,

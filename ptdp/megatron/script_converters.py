@@ -45,6 +45,23 @@ def grad_reduce_in_bf16(value, given):
                            "accumulates in fp32 and reduces in bf16")
 
 
+def partial_load(key: str, value, what: str):
+    """--no-load-optim, --no-load-rng, --finetune: part of the checkpoint --load names. ptdp
+    loads part only of a named checkpoint; its own (--load = --save: checkpoint.load auto)
+    always resume whole (ptdp/config/validation.py)."""
+    def convert(flag_value, given):
+        load = given.get("--load")
+        if load is None:
+            raise Unmapped(IGNORED, "Megatron uses it only with --load")
+        if load == given.get("--save"):
+            return Differs({}, f"--load is --save (checkpoint.load: auto): ptdp resumes its own "
+                               f"checkpoints whole, where Megatron restarts {what}; to start "
+                               f"from another checkpoint so, set checkpoint.load to it and "
+                               f"checkpoint.{key.split('.')[1]}")
+        return {key: value}
+    return convert
+
+
 # The batch-size schedule ----------------------------------------------------------------------
 
 _SUFFIXES = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
