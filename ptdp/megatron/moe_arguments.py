@@ -131,7 +131,8 @@ def layer_freq(value, given):
     if not rest or freq is None:
         raise Unmapped(REFUSED, "ptdp's MoE layers are every n-th after the first dense ones "
                                 "(model.moe_first_dense_layers, model.moe_layer_freq)")
-    return {"model.moe_first_dense_layers": dense, "model.moe_layer_freq": freq}
+    return {"model.moe_layer_freq": freq, **({"model.moe_first_dense_layers": dense} if dense
+                                             else {})}
 
 
 def _list_expression(text: str) -> list[int]:
@@ -184,7 +185,7 @@ MOE_ARGS: tuple[Arg, ...] = (
         note="n, or a list such as ([0]*3+[1]*29): model.moe_first_dense_layers and "
              "model.moe_layer_freq"),
     Arg("--moe-router-load-balancing-type", None, EXACT, load_balancing_type, nargs="+",
-        note="aux_loss (the default) or none"),
+        note="aux_loss (the default) or none", model=True),
     Arg("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff", EXACT, aux_loss_coeff, nargs="+",
         note="approximate with sigmoid scores (Megatron renormalises them for the loss)"),
     Arg("--moe-z-loss-coeff", "model.moe_z_loss_coeff", EXACT, moe_only(number)),
