@@ -4,7 +4,9 @@ hints `ptdp train` gives when it meets a Megatron spelling.
 
 `translate(words)` returns a `Translation`: the ptdp keys with their values and where each
 came from, and one `Line` per argument it could not map exactly (approximate, ignored,
-refused, unknown) or that needs the user (note). Torch-free.
+refused, unknown) or that needs the user (note). A refusal of an argument that shapes the model
+`blocks`: `ptdp config from-megatron` then writes no config. Megatron's run-time adjustments
+(ptdp/megatron/adjustments.py) follow the table. Torch-free.
 """
 
 from __future__ import annotations
