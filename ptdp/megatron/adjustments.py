@@ -23,6 +23,7 @@ _IN_SAMPLES = {"train.lr_decay_iters": "train.lr_decay_samples",
 def adjust(given: dict, out) -> None:
     """Megatron's run-time adjustments of `given`'s translation `out` (a translate.Translation)."""
     _sequence_parallel_needs_tensor(out)
+    _async_save_needs_a_worker(given, out)
     _family_sample_order(out)
     _family_block(out)
     _ramp_in_an_iteration_run(given, out)
@@ -35,6 +36,16 @@ def _sequence_parallel_needs_tensor(out) -> None:
         origin = out.drop("parallel.sequence_parallel")
         out.note(NOTE, origin, "not written: Megatron-LM turns sequence parallelism off when "
                                "--tensor-model-parallel-size is 1 (its validate_args)")
+
+
+def _async_save_needs_a_worker(given: dict, out) -> None:
+    """validate_args: "--async-save is not supported without --use-persistent-ckpt-worker.
+    Disabling --async-save." (with a distributed checkpoint format, torch_dist by default)."""
+    if (out.values.get("checkpoint.async_save") and given.get("--ckpt-format") != "torch"
+            and "--use-persistent-ckpt-worker" not in given):
+        origin = out.drop("checkpoint.async_save")
+        out.note(NOTE, origin, "not written: Megatron-LM turns --async-save off without "
+                               "--use-persistent-ckpt-worker (its validate_args)")
 
 
 def _family_sample_order(out) -> None:

@@ -352,6 +352,8 @@ ARGS: tuple[Arg, ...] = (
     Arg("--persistent-save-interval", "checkpoint.save_interval", EXACT, integer),
     Arg("--async-save", "checkpoint.async_save", EXACT, const(True), nargs=0),
     Arg("--ckpt-format", None, IGNORED, ignore(_FORMAT)),
+    Arg("--use-persistent-ckpt-worker", None, IGNORED,
+        ignore("ptdp's asynchronous save has its own writer (checkpoint.async_save)"), nargs=0),
     Arg("--auto-detect-ckpt-format", None, IGNORED, ignore(_FORMAT), nargs=0),
     Arg("--use-dist-ckpt", None, IGNORED, ignore(_FORMAT), nargs=0),
     Arg("--ckpt-fully-parallel-save", None, IGNORED, ignore(_FORMAT), nargs=0),

@@ -117,6 +117,9 @@ def test_megatrons_run_time_adjustments_are_applied_with_a_note():
                                  "sequence parallelism off") for x in t.lines)
     assert translate(["--sequence-parallel", "--tensor-model-parallel-size", "2"]).values[
         "parallel.sequence_parallel"] is True
+    assert "checkpoint.async_save" not in translate(["--async-save"]).values
+    assert translate(["--async-save", "--use-persistent-ckpt-worker"]).values[
+        "checkpoint.async_save"] is True
     bert = translate(["pretrain_bert.py", "--data-path", "/d/x", "--openai-gelu"])
     assert "data.sampling" not in bert.values and "model.activation" not in bert.values
     assert translate(["pretrain_gpt.py", "--data-path", "/d/x"]).values["data.sampling"] == "megatron"
