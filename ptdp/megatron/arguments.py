@@ -435,6 +435,8 @@ def docs_table() -> str:
         key = f"`{arg.key}`" if arg.key else "—"
         default = _default_text(arg)
         note = arg.note or _row_reason(arg)
+        if arg.kind == REFUSED and arg.changes_model:
+            note += " (shapes the model: no config is written)"
         lines.append(f"| `{arg.flag}` | {key} | {arg.kind} | {default} | {note} |")
     return "\n".join(lines) + "\n"
 
