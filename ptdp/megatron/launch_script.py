@@ -57,9 +57,33 @@ def logical_lines(text: str) -> list[str]:
         if _OPENS_ARRAY.match(stripped) and not _closes_array(stripped):
             pending = stripped
         else:
-            out.append(stripped)
+            out += _one_line_if(stripped)
     if pending is not None:
         out.append(pending)
+    return out
+
+
+def _one_line_if(line: str) -> list[str]:
+    """`if C; then A; else B; fi` on one line -> its parts, one per line, as if written out."""
+    if not (line.startswith("if ") and re.search(r";\s*fi$", line)):
+        return [line]
+    parts, word, quote = [], "", None
+    for char in line:
+        if char in "\"'" and quote in (None, char):
+            quote = None if quote else char
+        if char == ";" and quote is None:
+            parts.append(word.strip())
+            word = ""
+        else:
+            word += char
+    parts.append(word.strip())
+    out = []
+    for part in filter(None, parts):   # "then A" and "else B" start their branch's first line
+        keyword, _, rest = part.partition(" ")
+        if keyword in ("then", "else") and rest:
+            out += [keyword, rest.strip()]
+        else:
+            out.append(part)
     return out
 
 
@@ -270,7 +294,8 @@ def _shown_value(name: str, env: _Expander) -> str:
 
 def _report(frame: _If) -> str:
     tested = ", ".join(f"{name}={value}" if not value.startswith("not set") else
-                       f"{name} ({value})" for name, value in frame.tested.items())
+                       f"{name} ({value})" for name, value in frame.tested.items()) \
+        or "no variable (a file or a command)"
     if frame.unknown:
         return (f"no branch applied: it tests {tested}; add the arguments of the branch that "
                 f"applies by hand")

@@ -174,6 +174,7 @@ fi
 if [ ! -f pretrain_gpt.py ]; then
     echo "not found"
 fi
+if [[ "$MODE" == "small" ]]; then ARGS+=(--seq-length 32); else ARGS+=(--seq-length 8); fi
 torchrun pretrain_gpt.py "${ARGS[@]}"
 """
 
@@ -183,13 +184,18 @@ def test_a_scripts_branches_follow_its_own_values_and_are_named(tmp_path):
     path.write_text(SCRIPT)
     inv = read_invocation(path)
     # the elif is taken (MODE defaults to small); the nested file test and W&B: no branch
-    assert inv.words == ["torchrun", "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64"]
+    assert inv.words == ["torchrun", "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
+                         "--seq-length", "32"]
     assert inv.branches == [
-        ("if [ -f /etc/hostname ]", "no branch applied: it tests ; add the arguments of the "
-                                    "branch that applies by hand"),
+        ("if [ -f /etc/hostname ]", "no branch applied: it tests no variable (a file or a "
+                                    "command); add the arguments of the branch that applies by "
+                                    "hand"),
         ('if [[ "$MODE" == "big" ]]', "only the 'elif [ \"$MODE\" != \"tiny\" ] && [[ -n "
          "\"$MODE\" ]]' branch applied: it tests MODE=small (the default of $1); change these "
          "and translate again for another branch"),
         ('if [ -n "${WANDB_API_KEY}" ]', "no branch applied: it tests WANDB_API_KEY (not set "
                                          "in the script); add the arguments of the branch that "
-                                         "applies by hand")]
+                                         "applies by hand"),
+        ('if [[ "$MODE" == "small" ]]', "only the 'then' branch applied: it tests MODE=small "
+                                        "(the default of $1); change these and translate again "
+                                        "for another branch")]
