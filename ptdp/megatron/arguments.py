@@ -20,7 +20,7 @@ from ptdp.megatron.converters import (
     kv_heads, load, max_positions, megatron_ffn_hidden_size, merge_file,
     no_position_embedding, number, only, query_groups, recompute_method, refuse, rope_scaling,
     rope_scaling_factor, seed, split, tokenizer, vocab_size)
-from ptdp.megatron.moe_arguments import MOE_ARGS, expert_tensor_parallel
+from ptdp.megatron.moe_flags import MOE_ARGS, expert_tensor_parallel
 from ptdp.megatron.rows import Arg
 from ptdp.megatron.script_converters import (
     GELU_FUSION_DEFAULT, gelu_fusion, grad_reduce_in_bf16, low_precision, partial_load,
@@ -186,7 +186,7 @@ ARGS: tuple[Arg, ...] = (
     Arg("--use-cpu-initialization", None, IGNORED,
         ignore("ptdp initialises each shard from the full tensor's stream"), nargs=0),
     Arg("--deterministic-mode", None, IGNORED, ignore(_KERNEL), nargs=0),
-    *MOE_ARGS,   # ptdp/megatron/moe_arguments.py
+    *MOE_ARGS,   # ptdp/megatron/moe_flags.py
     # Precision
     Arg("--fp16", "train.precision", EXACT, const("fp16"), nargs=0),
     Arg("--bf16", "train.precision", EXACT, const("bf16"), nargs=0),

@@ -1,5 +1,5 @@
 """One row of the Megatron-LM argument table (ptdp/megatron/arguments.py, and its MoE rows in
-ptdp/megatron/moe_arguments.py). Torch-free."""
+ptdp/megatron/moe_flags.py). Torch-free."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The rules `ptdp config from-megatron` follows beyond one argument at a time (ptdp/megatron/
-moe_arguments.py, script_converters.py, adjustments.py, launch_script.py, commands/config.py):
+moe_flags.py, script_converters.py, adjustments.py, launch_script.py, commands/config.py):
 MoE arguments into ptdp's MoE keys, a refusal that shapes the model stopping the translation,
 Megatron's run-time adjustments, batch schedules, the spellings of weights-only loading and
 W&B, and a launch script's if/elif/else. Torch-free and in-process."""
