@@ -56,18 +56,13 @@ def test_split_sentences():
 def test_workers_give_identical_output_via_cli(tmp_path, corpus, tokenizer, gpt_prefix):
     out = tmp_path / "w2"
     rc = main(["preprocess", "--input", str(corpus), "--tokenizer", tokenizer.path,
-               "--output-prefix", str(out), "--workers", "2", "--quiet", "--json-key", "text"])
+               "--output-prefix", str(out), "--workers", "2", "--quiet"])
     assert rc == 0
-    assert (tmp_path / "w2.bin").read_bytes() == open(f"{gpt_prefix}.bin", "rb").read()
+    out = tmp_path / "w2_text_document"   # Megatron's default name (ptdp's --json-key: PREFIX)
+    assert out.with_suffix(".bin").read_bytes() == open(f"{gpt_prefix}.bin", "rb").read()
     np.testing.assert_array_equal(IndexedDataset(out).sizes, IndexedDataset(gpt_prefix).sizes)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["w2.bin", "w2.idx", "w2.ptdp.json"]
-
-
-def test_without_json_key_the_outputs_get_megatrons_default_name(tmp_path, corpus, tokenizer):
-    rc = main(["preprocess", "--input", str(corpus), "--tokenizer", tokenizer.path,
-               "--output-prefix", str(tmp_path / "m"), "--workers", "1", "--quiet"])
-    assert rc == 0 and sorted(p.name for p in tmp_path.iterdir()) == [
-        "m_text_document.bin", "m_text_document.idx", "m_text_document.ptdp.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "w2_text_document.bin", "w2_text_document.idx", "w2_text_document.ptdp.json"]
 
 
 def test_empty_documents_are_skipped(tmp_path, tokenizer):

@@ -82,7 +82,7 @@ def test_each_example_script_translates_with_exit_0(name, tmp_path, capsys):
 
 # Shrunk to a few CPU ranks: a tiny model, synthetic tokens (the scripts' data and tokenizer
 # are arguments), the script's structure kept (MoE, expert parallelism, the ramp, the norm).
-TINY = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=4",
+TINY = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
         "model.ffn_hidden_size=64", "model.seq_length=16", "model.vocab_size=128",
         "data.source=synthetic", "data.paths=[]", "data.tokenizer=null", "data.sampling=ptdp",
         "log.tensorboard_dir=null", "train.micro_batch_size=1", "train.global_batch_size=8",
