@@ -29,7 +29,8 @@ def register(subparsers) -> None:
                     "  refused:     ptdp has no counterpart; where the argument shapes the\n"
                     "               model, no config is written (exit 2) unless --allow-refused\n"
                     "  unknown:     not in ptdp's table of Megatron-LM arguments\n"
-                    "  note:        worked out by Megatron at run time: set it yourself\n"
+                    "  note:        what Megatron works out or changes at run time: applied\n"
+                    "               as it does, or (model.vocab_size) for you to set\n"
                     "  unresolved:  a variable the script does not set\n"
                     "  conditional: an `if` of the script: which branch was applied, and why\n"
                     "The whole table: docs/migration.md, or --table.\n\n"
@@ -37,7 +38,8 @@ def register(subparsers) -> None:
                     "  ptdp config from-megatron --script train_gpt.sh --out gpt.yaml")
     from_megatron.add_argument("--script", metavar="FILE",
                                help="a launch script: the line running pretrain_*.py is read, with "
-                                    "the variables and arrays the script sets expanded")
+                                    "the variables and arrays the script sets expanded and the "
+                                    "if-branches its own values select")
     from_megatron.add_argument("--out", metavar="FILE.yaml",
                                help="write the YAML here (default: stdout)")
     from_megatron.add_argument("--arch", choices=FAMILY_NAMES,
