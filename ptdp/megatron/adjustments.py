@@ -74,6 +74,10 @@ def _family_block(out) -> None:
     if out.values.get("model.norm_zero_centered"):
         out.note(REFUSED, out.drop("model.norm_zero_centered"),
                  f"ptdp's {family.name} keeps the norm of its fixed block", blocks=True)
+    if "model.head_dim" in out.values:
+        out.note(REFUSED, out.drop("model.head_dim"),
+                 f"ptdp's {family.name} keeps the head size of its fixed block "
+                 f"(hidden-size / heads)", blocks=True)
 
 
 def _ramp_in_an_iteration_run(given: dict, out) -> None:

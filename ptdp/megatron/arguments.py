@@ -16,14 +16,14 @@ from __future__ import annotations
 from ptdp.megatron.converters import (
     APPROXIMATE, EXACT, IGNORED, REFUSED, Default, Differs, Unmapped, attention_dropout_default,
     choice, chunks, chunks_from_layers, const, consumed_by_tokenizer_type, data_paths, fp16_only,
-    global_batch_default, hysteresis_default, ignore, integer, kv_channels,
+    global_batch_default, hysteresis_default, ignore, integer,
     kv_heads, load, max_positions, megatron_ffn_hidden_size, merge_file,
     no_position_embedding, number, only, query_groups, recompute_method, refuse, rope_scaling,
     rope_scaling_factor, seed, split, tokenizer, vocab_size)
 from ptdp.megatron.moe_flags import MOE_ARGS, expert_tensor_parallel
 from ptdp.megatron.rows import Arg
 from ptdp.megatron.script_converters import (
-    GELU_FUSION_DEFAULT, gelu_fusion, grad_reduce_in_bf16, low_precision, partial_load,
+    GELU_FUSION_DEFAULT, gelu_fusion, grad_reduce_in_bf16, head_size, low_precision, partial_load,
     step_schedule)
 from ptdp.megatron.pipeline_layers import accounted, first_last, layout
 
@@ -96,8 +96,8 @@ ARGS: tuple[Arg, ...] = (
         note="K/V heads = --num-query-groups (Megatron's default 1)"),
     Arg("--num-query-groups", "model.num_kv_heads", EXACT, query_groups,
         note="with --group-query-attention"),
-    Arg("--kv-channels", None, EXACT, kv_channels, note="only hidden-size / num-attention-heads",
-        model=True),
+    Arg("--kv-channels", "model.head_dim", EXACT, head_size,
+        note="written where it is not hidden-size / num-attention-heads"),
     Arg("--seq-length", "model.seq_length", EXACT, integer),
     Arg("--encoder-seq-length", "model.seq_length", EXACT, integer, note="BERT's spelling"),
     Arg("--max-position-embeddings", None, APPROXIMATE, max_positions,

@@ -30,6 +30,15 @@ GELU_FUSION_DEFAULT = Default(lambda given: False if _fused_bias_gelu(given) els
                               "the fused bias-GeLU: model.activation gelu_tanh")
 
 
+def head_size(value, given):
+    """--kv-channels: the head size; written only where it is not hidden-size / heads (ptdp's
+    model.head_dim default), as Megatron's projections are heads x kv-channels wide."""
+    h, heads = given.get("--hidden-size"), given.get("--num-attention-heads")
+    if h is not None and heads is not None and int(value) * int(heads) == int(h):
+        return {}
+    return int(value)
+
+
 def low_precision(name: str):
     """--fp8-format / --fp4-format: ptdp trains in the precision of --bf16 / --fp16 instead."""
     def convert(value, given):

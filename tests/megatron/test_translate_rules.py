@@ -101,6 +101,8 @@ def test_a_refusal_that_shapes_the_model_writes_no_config_unless_allowed(tmp_pat
      {"log.wandb_project": "p", "log.wandb_name": "run"}),
     (["--apply-layernorm-1p", "--openai-gelu"],
      {"model.norm_zero_centered": True, "model.activation": "gelu_tanh"}),
+    (["--hidden-size", "64", "--num-attention-heads", "4", "--kv-channels", "32"],
+     {"model.head_dim": 32}),   # (16 = 64 / 4 is ptdp's default: nothing written)
     ([], {"model.activation": "gelu_tanh"}),   # the fused bias-GeLU, Megatron's default
     (["--no-bias-gelu-fusion"], {"model.activation": None}),   # exact, as ptdp's default GeLU
     (["--disable-bias-linear"], {"model.activation": None}),   # no biases: no fused GeLU
