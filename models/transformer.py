@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ptdp.config import ModelConfig
-from ptdp.kernels import bias_dropout_add, bias_gelu, bias_swiglu
+from ptdp.kernels import ACTIVATIONS, bias_dropout_add
 from ptdp.models.moe import MoEMLP
 from ptdp.models.norms import norm
 from ptdp.models.rotary import RotaryEmbedding, rotate
@@ -102,9 +102,10 @@ class ParallelAttention(nn.Module):
         self.qkv = ColumnParallelLinear(cfg.hidden_size, width, tp, seed=ctx.seed,
                                         key=f"{key}.qkv", std=cfg.init_std, bias=cfg.qkv_bias,
                                         full_weight=qkv_weight(cfg, ctx.seed, f"{key}.qkv"))
-        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
-                                      key=f"{key}.proj", skip_bias_add=True, bias=cfg.bias,
-                                      std=scaled_std(cfg.init_std, cfg.num_layers))
+        # heads * head_dim -> h (h -> h unless model.head_dim sets another head size)
+        self.proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp,
+                                      seed=ctx.seed, key=f"{key}.proj", skip_bias_add=True,
+                                      bias=cfg.bias, std=scaled_std(cfg.init_std, cfg.num_layers))
         self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding == "rope" else None
 
     def core_attention(self, q, k, v, mask):
@@ -188,7 +189,7 @@ class ParallelMLP(nn.Module):
         key = key or f"layers.{layer}.mlp"
         hidden = hidden or cfg.ffn_hidden_size     # (an MoE layer's shared experts: their own)
         width = 2 * hidden if cfg.gated else hidden
-        self.activation = bias_swiglu if cfg.gated else bias_gelu
+        self.activation = ACTIVATIONS[cfg.activation]
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp, seed=ctx.seed,
                                         key=f"{key}.fc1", std=cfg.init_std, skip_bias_add=True,
                                         bias=cfg.bias)

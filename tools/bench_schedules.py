@@ -49,7 +49,7 @@ def ensure_demo_data(demo: Path) -> tuple[Path, Path]:
             demo / "tokenizer", "--vocab-size", "512")
     if not Path(f"{prefix}.idx").is_file():
         run("-m", "ptdp", "preprocess", "--input", corpus, "--tokenizer", tokenizer,
-            "--output-prefix", prefix, "--quiet")
+            "--output-prefix", prefix, "--json-key", "text", "--quiet")
     return prefix, tokenizer
 
 

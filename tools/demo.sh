@@ -96,7 +96,7 @@ fi
 if [[ ! -s "$data_prefix.bin" || ! -s "$data_prefix.idx" || "$tok_prefix.model" -nt "$data_prefix.idx" ]]; then
     say "tokenising $corpus into $data_prefix.{bin,idx}"
     "$PYTHON" -m ptdp preprocess --input "$corpus" --tokenizer "$tok_prefix.model" \
-        --output-prefix "$data_prefix" --quiet $sentences
+        --output-prefix "$data_prefix" --json-key text --quiet $sentences
 fi
 say "data ready ($((SECONDS - start)) s)"
 

@@ -27,7 +27,7 @@ from ptdp.checkpoint.reshard import ShardReader, to_local
 from ptdp.checkpoint.retention import protect
 from ptdp.checkpoint.safety import on_all_ranks, shared_failure
 from ptdp.config.batches import BatchSchedule
-from ptdp.config.schema import schedule_lengths
+from ptdp.config.schema import AUTO_LOAD, schedule_lengths
 
 
 def load_checkpoint(state, path: str | os.PathLike) -> Path:
@@ -55,12 +55,49 @@ def load_checkpoint(state, path: str | os.PathLike) -> Path:
             if rank0:
                 print(f"checkpoint.load: skipping {directory}: {damage}", flush=True)
             continue
+        fresh = withheld_parts(cfg.checkpoint, path, [part.key for part, _ in loaded])
         for part, saved in loaded:   # (cannot fail on shapes: all checked already)
-            part.state.load_state_dict(saved)
+            if part.key in fresh:
+                _start_fresh(part, saved)
+            else:
+                part.state.load_state_dict(saved)
         protect(directory)   # verified: retention keeps it while this job runs
-        _report(state, directory, meta, note)
+        _report(state, directory, meta, note, fresh)
         return directory
     raise NoIntactCheckpoint(f"no intact checkpoint to load from {path}: " + "; ".join(skipped))
+
+
+PROGRESS = None   # the progress part's key: the metadata's top level
+
+# checkpoint.load_optimizer=false, load_rng=false and finetune=true: the parts left fresh
+WITHOUT_OPTIMIZER = ("optimizer", "loss_scaler")
+WITHOUT_RNG = ("rng",)
+WEIGHTS_ONLY = ("weights", "moe")   # finetune: every other part starts fresh
+
+
+def withheld_parts(ck, path, keys: list) -> set:
+    """Of the parts' `keys`, those that start fresh instead of loading: what
+    checkpoint.load_optimizer, load_rng and finetune name, when `path` is the checkpoint
+    checkpoint.load names. A job's own newest checkpoint in checkpoint.dir, which `auto` or a
+    restart resumes from (ptdp/checkpoint/layout.py `resolve_load`), always loads whole."""
+    if ck.load in (None, AUTO_LOAD) or str(path) != str(ck.load):
+        return set()
+    if ck.finetune:
+        return {key for key in keys if key not in WEIGHTS_ONLY}
+    return set(WITHOUT_OPTIMIZER * (not ck.load_optimizer) + WITHOUT_RNG * (not ck.load_rng))
+
+
+def _start_fresh(part, saved: dict) -> None:
+    """Leave a withheld part as built, except that parts numbered from the progress (the random
+    streams, the weight versions) are handed {} as when a checkpoint holds nothing of them
+    (ptdp/checkpoint/layout.py `StatePart`); per-parameter parts get entries with nothing in
+    them, so every parameter keeps a fresh state."""
+    if part.key is PROGRESS:
+        return
+    if part.per_parameter:
+        part.state.load_state_dict({PARAMETERS: [{} for _ in saved.get(PARAMETERS, ())]})
+    elif part.key not in WITHOUT_OPTIMIZER:
+        part.state.load_state_dict({})
 
 
 class NoIntactCheckpoint(CheckpointError):
@@ -82,7 +119,7 @@ def _read_verified(state, directory: Path) -> tuple[dict | None, list | str]:
         return None, str(err)
 
 
-def _report(state, directory: Path, meta: dict, note: str | None) -> None:
+def _report(state, directory: Path, meta: dict, note: str | None, fresh: set) -> None:
     if dist.get_rank() != 0:
         return
     if note:
@@ -90,6 +127,13 @@ def _report(state, directory: Path, meta: dict, note: str | None) -> None:
     if state.cfg.log.progress:
         print(f"loaded checkpoint {directory} (iteration {meta['iteration']}, saved with layout "
               f"{layout_text(meta['layout'])})", flush=True)
+    if fresh:   # always said: a fresh optimizer or iteration 0 changes the run
+        kept = sorted(str(key or "progress") for key in fresh)
+        print(f"checkpoint.load: fresh {', '.join(kept)} (checkpoint.load_optimizer, load_rng, "
+              f"finetune){'; fine-tuning from iteration 0' if PROGRESS in fresh else ''}",
+              flush=True)
+    if PROGRESS in fresh:   # a new run: its batches and schedule are its own
+        return
     for warning in (batch_change_warning(meta, state.cfg.train),
                     schedule_change_warning(meta, state.cfg.train)):
         if warning:

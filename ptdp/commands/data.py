@@ -93,9 +93,10 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
             return 0
         if not args.input:
             raise ValueError("--input is required (except with --describe)")
-        megatron_names = args.json_keys is not None or args.tokenizer_type is not None
+        # Megatron's names (PREFIX_text_document) unless ptdp's own --json-key asks for PREFIX
+        megatron_names = args.json_key is None
         summary = preprocess(args.input, output_prefix=args.output_prefix, workers=args.workers,
-                             json_key=args.json_key, json_keys=args.json_keys,
+                             json_key=args.json_key or "text", json_keys=args.json_keys,
                              sentences=args.split_sentences, append_eod=args.append_eod,
                              megatron_names=megatron_names, progress=not args.quiet,
                              prepend_bos=args.tokenizer_type == "Llama2Tokenizer", **tok_args)
@@ -128,13 +129,14 @@ def register(subparsers) -> None:
         "preprocess", help="tokenise JSONL into Megatron-format .bin/.idx datasets",
         description="Tokenise JSONL (or text, one document per line) into Megatron-LM's indexed "
                     "format plus ptdp's PREFIX.ptdp.json sidecar. Megatron's "
-                    "preprocess_data.py arguments work as they are; with --json-keys or "
-                    "--tokenizer-type, outputs are named like Megatron's: "
-                    "PREFIX_KEY_document (PREFIX_KEY_sentence with --split-sentences).")
+                    "preprocess_data.py arguments work as they are, and outputs are named like "
+                    "Megatron's: PREFIX_KEY_document (PREFIX_KEY_sentence with "
+                    "--split-sentences), e.g. PREFIX_text_document; ptdp's --json-key KEY "
+                    "writes PREFIX exactly.")
     pre.add_argument("--input", help="corpus: .jsonl/.json or text, one doc per line")
     pre.add_argument("--output-prefix", required=True,
-                     help="writes PREFIX.bin, PREFIX.idx and PREFIX.ptdp.json (see above for "
-                          "Megatron's names)")
+                     help="writes PREFIX_text_document.{bin,idx,ptdp.json} (Megatron's "
+                          "names, above); with --json-key, PREFIX.{bin,idx,ptdp.json}")
     pre.add_argument("--tokenizer", help="sentencepiece .model, Hugging Face tokenizer.json (or "
                      "its directory), GPT-2 vocab.json (merges.txt beside it) or WordPiece vocab.txt")
     pre.add_argument("--tokenizer-type", metavar="TYPE",
@@ -146,8 +148,9 @@ def register(subparsers) -> None:
     pre.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8),
                      help="tokenising processes (default: CPU count, at most 8)")
     keys = pre.add_mutually_exclusive_group()
-    keys.add_argument("--json-key", default="text",
-                      help="JSONL field holding the text; output PREFIX")
+    keys.add_argument("--json-key", metavar="KEY",
+                      help="ptdp's: the JSONL field holding the text, output named PREFIX "
+                           "exactly (default: Megatron's names, field text)")
     keys.add_argument("--json-keys", nargs="+", metavar="KEY",
                       help="Megatron's: one dataset per field, named PREFIX_KEY_document")
     pre.add_argument("--split-sentences", action="store_true",

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, field
 
 from ptdp.config.catalogue import DEFAULT
-from ptdp.config.models import (BLOCK_OPTIONS, DEFAULT_FAMILY, DEFAULT_PRESET, PRESETS,
-                                ModelFamily, model_family)
+from ptdp.config.models import (BLOCK_OPTIONS, DEFAULT_FAMILY, DEFAULT_PRESET,
+                                GATED_ACTIVATIONS, PRESETS, ModelFamily, model_family)
 
 
 class ConfigError(ValueError):
@@ -48,7 +48,7 @@ class ModelConfig:
     preset: str = DEFAULT_PRESET         # gpt | llama
     position_embedding: str | None = None  # learned | rope
     normalization: str | None = None     # layernorm | rmsnorm
-    activation: str | None = None        # gelu | swiglu
+    activation: str | None = None        # gelu | gelu_tanh | swiglu
     bias: bool | None = None             # biases in every linear layer
     qkv_bias: bool | None = None         # biases on Q, K, V only (Qwen2); null = model.bias
     tie_embeddings: bool | None = None   # output layer shares the input word table
@@ -58,6 +58,9 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_seq_length: int = 8192  # the context the scaled frequencies were trained at
+    head_dim: int | None = None          # per-head size; null = hidden_size / num_heads
+    norm_zero_centered: bool = False     # norm gain 1 + w, w starting at 0 (Gemma; Megatron's
+                                         # --apply-layernorm-1p)
     # Mixture of experts (0 experts = a dense MLP in every layer; docs/moe.md)
     num_experts: int = 0                 # E, routed experts per MoE layer
     moe_top_k: int = 2                   # k, experts each token is routed to
@@ -83,6 +86,8 @@ class ModelConfig:
             self.qkv_bias = self.bias
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
+        if self.head_dim is None and self.num_heads > 0 and self.hidden_size % self.num_heads == 0:
+            self.head_dim = self.hidden_size // self.num_heads   # (else validation says so)
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.activation)
         if self.moe_ffn_hidden_size is None:
@@ -104,19 +109,16 @@ class ModelConfig:
         return self.dropout if self.attention_dropout is None else self.attention_dropout
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
     def gated(self) -> bool:
         """The MLP's first GEMM makes a gate and an up projection (SwiGLU)."""
-        return self.activation == "swiglu"
+        return self.activation in GATED_ACTIVATIONS
 
 
 def default_ffn_hidden_size(hidden: int, activation: str) -> int:
-    """4h; for SwiGLU, whose first GEMM is twice as wide, 2/3 of 4h rounded up to a multiple of
-    256 (Llama's rule), so the MLP keeps about the parameters of a 4h GeLU MLP."""
-    if activation == "swiglu":
+    """4h; for a gated activation (SwiGLU), whose first GEMM is twice as wide, 2/3 of 4h rounded
+    up to a multiple of 256 (Llama's rule), so the MLP keeps about the parameters of a 4h GeLU
+    MLP."""
+    if activation in GATED_ACTIVATIONS:
         return 256 * math.ceil(8 * hidden / 3 / 256)
     return 4 * hidden
 
@@ -189,6 +191,8 @@ class TrainConfig:
     startup_timeout_s: float = 600.0     # the same for the first iteration and validation
                                          # (compilation); the backend gives up after the larger
     tf32: bool = True                    # CUDA: TF32 tensor cores for fp32 matmuls/convolutions
+    grad_reduce_dtype: str | None = None  # null | fp32 | bf16: the data-parallel gradient
+                                          # reduction's dtype (null: the gradients', fp32)
 
 
 @dataclass(frozen=True)
@@ -244,6 +248,8 @@ class LogConfig:
     progress: bool = True                # tqdm bar on rank 0 (only when stderr is a terminal)
     hardware: str | None = None          # profile name/path for MFU; auto-detected on known GPUs
     verbose: bool = False                # print the full resolved config at start-up (--verbose)
+    wandb_project: str | None = None     # Weights & Biases project: log the TensorBoard scalars
+    wandb_name: str | None = None        # the W&B run's name (null: W&B picks one)
 
 
 AUTO_LOAD = "auto"   # checkpoint.load: the newest complete checkpoint in checkpoint.dir, if any
@@ -258,6 +264,9 @@ class CheckpointConfig:
     mtbf_hours: float | None = None      # expected hours between failures: suggests an interval
     keep_last: int = 0                   # keep this many newest checkpoints (0: keep all)
     keep_every: int = 0                  # and, of the older ones, each at a multiple of this
+    load_optimizer: bool = True          # checkpoint.load's optimizer state and loss scale
+    load_rng: bool = True                # checkpoint.load's random streams
+    finetune: bool = False               # checkpoint.load's weights only, from iteration 0
 
 
 @dataclass

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from ptdp.config.catalogue import Chunks, DEFAULT, NAMES, SCHEDULES, ScheduleSpec, names_where
 from ptdp.config.experts import check_moe_layout, check_moe_model
-from ptdp.config.models import (DEFAULT_PRESET, FAMILY_NAMES, MODEL_FAMILIES, PRESETS, Samples,
-                                family_names)
+from ptdp.config.models import (ACTIVATIONS, DEFAULT_PRESET, EXTRA_BLOCK_OPTIONS, FAMILY_NAMES,
+                                MODEL_FAMILIES, PRESETS, Samples, family_names)
 from ptdp.config.problems import Problems as _Problems
 from ptdp.config.run_length import check_rampup_layout, check_run_length_and_schedule
 from ptdp.config.stages import stage_layers_problem
@@ -84,10 +85,12 @@ def _check_model(m: ModelConfig, out: _Problems) -> bool:
     sizes_ok = all([out.positive(getattr(m, key), f"model.{key}") for key in
                     ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size",
                      "ffn_hidden_size")])
-    if sizes_ok:
-        out.require(m.hidden_size % m.num_heads == 0,
-                    f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads "
-                    f"({m.num_heads})")
+    if sizes_ok and m.head_dim is None:   # (derived from these when they divide)
+        sizes_ok = out.require(False, f"model.hidden_size ({m.hidden_size}) must be divisible "
+                                      f"by model.num_heads ({m.num_heads}), or set model.head_dim")
+    elif sizes_ok:
+        sizes_ok = out.positive(m.head_dim, "model.head_dim", hint=" (null = hidden_size / "
+                                                                   "num_heads)")
     out.require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
     out.require(m.attention_dropout is None or 0.0 <= m.attention_dropout < 1.0,
                 f"model.attention_dropout must be in [0, 1) or null (= model.dropout), got "
@@ -109,12 +112,14 @@ def _check_block(m: ModelConfig, out: _Problems, sizes_ok: bool) -> None:
     out.choice(m.preset, tuple(PRESETS), "model.preset")
     out.choice(m.position_embedding, ("learned", "rope"), "model.position_embedding")
     out.choice(m.normalization, ("layernorm", "rmsnorm"), "model.normalization")
-    out.choice(m.activation, ("gelu", "swiglu"), "model.activation")
+    out.choice(m.activation, ACTIVATIONS, "model.activation")
     if family and not family.block_options:
         block = PRESETS[DEFAULT_PRESET]
         changed = [k for k, v in block.items() if getattr(m, k) != v]
         changed += ["qkv_bias"] if m.qkv_bias != m.bias else []
         changed += ["num_kv_heads"] if m.num_kv_heads != m.num_heads else []
+        changed += [k for k, off in EXTRA_BLOCK_OPTIONS.items() if getattr(m, k) != off]
+        changed += ["head_dim"] if m.head_dim != m.hidden_size // max(m.num_heads, 1) else []
         out.require(not changed, f"model.arch={m.arch} uses the GPT-2 block (Megatron-BERT); "
                                  f"{', '.join('model.' + k for k in changed)} apply to "
                                  f"model.arch={family_names(lambda f: f.block_options)} only")
@@ -137,7 +142,7 @@ def _check_block(m: ModelConfig, out: _Problems, sizes_ok: bool) -> None:
 def _check_rope(m: ModelConfig, out: _Problems, sizes_ok: bool) -> None:
     if sizes_ok:
         out.require(m.head_dim % 2 == 0, f"model.position_embedding=rope needs an even head "
-                                         f"size, got hidden_size / num_heads = {m.head_dim}")
+                                         f"size, got model.head_dim = {m.head_dim}")
     out.positive(m.rope_theta, "model.rope_theta")
     out.require(m.rope_scaling_factor >= 1.0, f"model.rope_scaling_factor must be >= 1 "
                                               f"(1 = off), got {m.rope_scaling_factor}")
@@ -174,6 +179,8 @@ def _check_train(tr: TrainConfig, out: _Problems) -> bool:
     out.positive(tr.timeout_s, "train.timeout_s")
     out.positive(tr.startup_timeout_s, "train.startup_timeout_s")
     out.require(tr.fp16_max_skips >= 1, f"train.fp16_max_skips must be >= 1, got {tr.fp16_max_skips}")
+    if tr.grad_reduce_dtype is not None:
+        out.choice(tr.grad_reduce_dtype, ("fp32", "bf16"), "train.grad_reduce_dtype")
     return batches_ok and ramp_ok
 
 
@@ -237,6 +244,31 @@ def _check_log_and_checkpoint(cfg: Config, out: _Problems) -> None:
     out.require(ck.keep_every <= 0 or ck.keep_last > 0,
                 "checkpoint.keep_every keeps some of the checkpoints checkpoint.keep_last would "
                 "delete: set checkpoint.keep_last too")
+    _check_load_options(cfg, out)
+
+
+def _check_load_options(cfg: Config, out: _Problems) -> None:
+    """checkpoint.load_optimizer/load_rng/finetune act on the checkpoint checkpoint.load names
+    (a job's own checkpoints always resume whole: ptdp/checkpoint/load.py)."""
+    ck, log = cfg.checkpoint, cfg.log
+    used = [key for key, on in (("load_optimizer=false", not ck.load_optimizer),
+                                ("load_rng=false", not ck.load_rng),
+                                ("finetune=true", ck.finetune)) if on]
+    if used and ck.load in (None, AUTO_LOAD):
+        out.require(False, f"checkpoint.{used[0]} acts on the checkpoint checkpoint.load names: "
+                           f"set checkpoint.load to its path (got {ck.load})")
+    elif ck.finetune and ck.dir and _inside(ck.load, ck.dir):
+        out.require(False, f"checkpoint.finetune=true: checkpoint.load ({ck.load}) lies in "
+                           f"checkpoint.dir ({ck.dir}), whose newest checkpoint a restart resumes: "
+                           f"save the fine-tuning run to another checkpoint.dir")
+    out.require(log.wandb_name is None or bool(log.wandb_project),
+                "log.wandb_name names a run of log.wandb_project: set log.wandb_project")
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether `path` is `folder` or directly in it (a checkpoint root or one of its iter_N)."""
+    p, f = os.path.abspath(path), os.path.abspath(folder)
+    return p == f or os.path.dirname(p) == f
 
 
 def _check_parallel_sizes(par: ParallelConfig, out: _Problems) -> bool:

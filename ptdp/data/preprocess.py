@@ -3,8 +3,8 @@ Megatron-LM's `preprocess_data.py`.
 
 One output per JSON key (`json_keys`): Megatron's `.bin/.idx` pair plus ptdp's sidecar
 (ptdp/data/indexed.py). Names are Megatron's, `{prefix}_{key}_{document|sentence}`, when
-`megatron_names` is set (the command line sets it when Megatron's `--json-keys` or
-`--tokenizer-type` is used), else `{prefix}` for one key and `{prefix}_{key}` for several.
+`megatron_names` is set (the command line sets it unless ptdp's own `--json-key` is given), else
+`{prefix}` for one key and `{prefix}_{key}` for several.
 Tokenisation runs in worker processes through Hugging Face `datasets` (`map(num_proc=N)`,
 order preserved, so the output is identical for any worker count); writing is a single
 sequential pass with a progress bar.

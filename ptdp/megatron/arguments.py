@@ -13,32 +13,19 @@ The converters and the kinds are ptdp/megatron/converters.py's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
-
 from ptdp.megatron.converters import (
     APPROXIMATE, EXACT, IGNORED, REFUSED, Default, Differs, Unmapped, attention_dropout_default,
     choice, chunks, chunks_from_layers, const, consumed_by_tokenizer_type, data_paths, fp16_only,
-    gelu_fusion_default, global_batch_default, hysteresis_default, ignore, integer, kv_channels,
-    kv_heads, load, max_positions, megatron_ffn_hidden_size, merge_file, no_position_embedding,
-    number, only, query_groups, recompute_method, refuse, rope_scaling, rope_scaling_factor, seed,
-    split, tokenizer, vocab_size)
+    global_batch_default, hysteresis_default, ignore, integer,
+    kv_heads, load, max_positions, megatron_ffn_hidden_size, merge_file,
+    no_position_embedding, number, only, query_groups, recompute_method, refuse, rope_scaling,
+    rope_scaling_factor, seed, split, tokenizer, vocab_size)
+from ptdp.megatron.moe_flags import MOE_ARGS, expert_tensor_parallel
+from ptdp.megatron.rows import Arg
+from ptdp.megatron.script_converters import (
+    GELU_FUSION_DEFAULT, gelu_fusion, grad_reduce_in_bf16, head_size, low_precision, partial_load,
+    step_schedule)
 from ptdp.megatron.pipeline_layers import accounted, first_last, layout
-
-
-@dataclass(frozen=True)
-class Arg:
-    flag: str                 # Megatron's spelling; "--moe-*" covers every flag so prefixed
-    key: str | None           # the ptdp key it sets (None: nothing, e.g. ignored)
-    kind: str                 # what it usually is: exact | approximate | ignored | refused
-    convert: Callable[[Any, dict], Any] | None = None   # None: the value as given
-    note: str = ""            # the difference, or why it is not mapped
-    nargs: int | str = 1      # 0: a switch, 1: one value, 3: three, "*": a list
-    default: Any = None       # Megatron's default, written when absent (None: nothing to write)
-
-    @property
-    def family(self) -> bool:
-        return self.flag.endswith("*")
 
 
 # The table ---------------------------------------------------------------------------------
@@ -47,6 +34,7 @@ class Arg:
 
 _PERF = "a performance option; ptdp's results do not depend on it"
 _KERNEL = "a kernel choice; ptdp picks its own fused kernels"
+_OWN = "approximate when --load is --save: ptdp resumes its own checkpoints whole"
 _FORMAT = "checkpoint-format detail; ptdp writes its own format (ptdp convert --to megatron)"
 
 ARGS: tuple[Arg, ...] = (
@@ -92,9 +80,10 @@ ARGS: tuple[Arg, ...] = (
         refuse("ptdp has no FSDP; the distributed optimizer shards Adam's state"), nargs=0),
     Arg("--use-megatron-fsdp", None, REFUSED,
         refuse("ptdp has no FSDP; the distributed optimizer shards Adam's state"), nargs=0),
-    Arg("--expert-model-parallel-size", None, REFUSED, refuse("ptdp has no mixture of experts")),
-    Arg("--num-experts", None, REFUSED, refuse("ptdp has no mixture of experts")),
-    Arg("--moe-*", None, REFUSED, refuse("ptdp has no mixture of experts")),
+    Arg("--expert-model-parallel-size", "parallel.expert", EXACT, integer,
+        note="folded out of the data (and context) ranks in both"),
+    Arg("--expert-tensor-parallel-size", None, EXACT, expert_tensor_parallel,
+        note="only --tensor-model-parallel-size (Megatron's default)"),
     # Model shape
     Arg("--num-layers", "model.num_layers", EXACT, integer),
     Arg("--encoder-num-layers", "model.num_layers", EXACT, integer, note="BERT's spelling"),
@@ -107,7 +96,8 @@ ARGS: tuple[Arg, ...] = (
         note="K/V heads = --num-query-groups (Megatron's default 1)"),
     Arg("--num-query-groups", "model.num_kv_heads", EXACT, query_groups,
         note="with --group-query-attention"),
-    Arg("--kv-channels", None, EXACT, kv_channels, note="only hidden-size / num-attention-heads"),
+    Arg("--kv-channels", "model.head_dim", EXACT, head_size,
+        note="written where it is not hidden-size / num-attention-heads"),
     Arg("--seq-length", "model.seq_length", EXACT, integer),
     Arg("--encoder-seq-length", "model.seq_length", EXACT, integer, note="BERT's spelling"),
     Arg("--max-position-embeddings", None, APPROXIMATE, max_positions,
@@ -118,14 +108,14 @@ ARGS: tuple[Arg, ...] = (
     Arg("--use-rotary-position-embeddings", "model.position_embedding", EXACT,
         const("rope"), nargs=0),
     Arg("--no-position-embedding", None, EXACT, no_position_embedding, nargs=0,
-        note="only with rotary positions"),
+        note="only with rotary positions", model=True),
     Arg("--rotary-base", "model.rope_theta", EXACT, number),
     Arg("--rotary-percent", None, EXACT, only(1.0, "ptdp rotates the whole head"),
-        note="only 1.0"),
+        note="only 1.0", model=True),
     Arg("--rotary-interleaved", None, REFUSED,
-        refuse("ptdp rotates halves, not interleaved pairs"), nargs=0),
+        refuse("ptdp rotates halves, not interleaved pairs"), nargs=0, model=True),
     Arg("--rotary-seq-len-interpolation-factor", None, REFUSED,
-        refuse("ptdp has Llama-3 scaling only")),
+        refuse("ptdp has Llama-3 scaling only"), model=True),
     Arg("--use-rope-scaling", "model.rope_scaling_factor", EXACT, rope_scaling, nargs=0,
         note="Llama-3.1 scaling, factor --rope-scaling-factor (default 8)"),
     Arg("--rope-scaling-factor", "model.rope_scaling_factor", EXACT, rope_scaling_factor,
@@ -135,19 +125,20 @@ ARGS: tuple[Arg, ...] = (
     Arg("--norm-epsilon", "model.layernorm_eps", EXACT, number),
     Arg("--layernorm-epsilon", "model.layernorm_eps", EXACT,
         number, note="older spelling of --norm-epsilon"),
-    Arg("--apply-layernorm-1p", None, REFUSED,
-        refuse("ptdp has no zero-centred LayerNorm"), nargs=0),
-    Arg("--qk-layernorm", None, REFUSED, refuse("ptdp has no query/key normalisation"), nargs=0),
+    Arg("--apply-layernorm-1p", "model.norm_zero_centered", EXACT, const(True), nargs=0,
+        note="the norm's gain is 1 + w, w starting at 0"),
+    Arg("--qk-layernorm", None, REFUSED, refuse("ptdp has no query/key normalisation"), nargs=0,
+        model=True),
     Arg("--apply-residual-connection-post-layernorm", None, REFUSED,
-        refuse("ptdp's blocks are pre-norm"), nargs=0),
-    Arg("--fp32-residual-connection", None, REFUSED,
-        refuse("ptdp keeps the residual in the model's dtype"), nargs=0),
+        refuse("ptdp's blocks are pre-norm"), nargs=0, model=True),
+    Arg("--fp32-residual-connection", None, APPROXIMATE,
+        lambda v, g: Differs({}, "ptdp keeps the residual in the model's dtype, not fp32"),
+        nargs=0, note="ptdp keeps the residual in the model's dtype, not fp32"),
     Arg("--swiglu", "model.activation", EXACT, const("swiglu"), nargs=0),
-    Arg("--openai-gelu", "model.activation", APPROXIMATE,
-        lambda v, g: Differs("gelu", "ptdp's GeLU is exact, not the tanh approximation"), nargs=0,
-        note="ptdp's GeLU is exact, not the tanh approximation"),
-    Arg("--squared-relu", None, REFUSED, refuse("ptdp has GeLU and SwiGLU"), nargs=0),
-    Arg("--quick-geglu", None, REFUSED, refuse("ptdp has GeLU and SwiGLU"), nargs=0),
+    Arg("--openai-gelu", "model.activation", EXACT, const("gelu_tanh"), nargs=0,
+        note="the tanh approximation of GeLU"),
+    Arg("--squared-relu", None, REFUSED, refuse("ptdp has GeLU and SwiGLU"), nargs=0, model=True),
+    Arg("--quick-geglu", None, REFUSED, refuse("ptdp has GeLU and SwiGLU"), nargs=0, model=True),
     Arg("--disable-bias-linear", "model.bias", EXACT, const(False), nargs=0),
     Arg("--add-qkv-bias", "model.qkv_bias", EXACT, const(True), nargs=0),
     Arg("--untie-embeddings-and-output-weights", "model.tie_embeddings", EXACT,
@@ -160,24 +151,25 @@ ARGS: tuple[Arg, ...] = (
     Arg("--init-method-std", "model.init_std", EXACT, number,
         note="both scale output projections by 1/sqrt(2 x layers)"),
     Arg("--init-method-xavier-uniform", None, REFUSED,
-        refuse("ptdp initialises from a normal distribution"), nargs=0),
+        refuse("ptdp initialises from a normal distribution"), nargs=0, model=True),
     Arg("--make-vocab-size-divisible-by", None, EXACT,
         only(128, "ptdp pads the vocabulary to a multiple of 128 x t"),
-        note="only 128: ptdp pads to 128 x t"),
+        note="only 128: ptdp pads to 128 x t", model=True),
     Arg("--vocab-size", "model.vocab_size", EXACT,
         vocab_size, note="NullTokenizer: + 1 (its end-of-document id)"),
     Arg("--padded-vocab-size", None, IGNORED, ignore("ptdp pads model.vocab_size itself")),
     Arg("--bert-no-binary-head", None, REFUSED,
-        refuse("ptdp's BERT always has the sentence-order head"), nargs=0),
-    Arg("--spec", None, REFUSED, refuse("ptdp builds its own layers"), nargs="*"),
-    Arg("--yaml-cfg", None, REFUSED, refuse("pass the arguments it holds instead")),
+        refuse("ptdp's BERT always has the sentence-order head"), nargs=0, model=True),
+    Arg("--spec", None, REFUSED, refuse("ptdp builds its own layers"), nargs="*", model=True),
+    Arg("--yaml-cfg", None, REFUSED, refuse("pass the arguments it holds instead"), model=True),
     Arg("--transformer-impl", None, IGNORED, ignore(_KERNEL)),
     Arg("--attention-backend", None, IGNORED, ignore(_KERNEL)),
     Arg("--use-flash-attn", None, IGNORED, ignore(_KERNEL), nargs=0),
     Arg("--no-masked-softmax-fusion", None, IGNORED, ignore(_KERNEL), nargs=0),
-    Arg("--no-bias-gelu-fusion", None, EXACT, const({}), nargs=0,
-        default=Default(gelu_fusion_default, "fused tanh GeLU (noted)"),
-        note="Megatron's unfused GeLU is exact, as ptdp's; its fused one (the default) is tanh"),
+    Arg("--no-bias-gelu-fusion", "model.activation", EXACT, gelu_fusion, nargs=0,
+        default=GELU_FUSION_DEFAULT,
+        note="Megatron's unfused GeLU is exact (model.activation gelu); its fused one, the "
+             "default with biases, is the tanh approximation"),
     Arg("--no-bias-swiglu-fusion", None, IGNORED, ignore(_KERNEL), nargs=0),
     Arg("--no-bias-dropout-fusion", None, IGNORED, ignore(_KERNEL), nargs=0),
     Arg("--no-rope-fusion", None, IGNORED, ignore(_KERNEL), nargs=0),
@@ -194,11 +186,18 @@ ARGS: tuple[Arg, ...] = (
     Arg("--use-cpu-initialization", None, IGNORED,
         ignore("ptdp initialises each shard from the full tensor's stream"), nargs=0),
     Arg("--deterministic-mode", None, IGNORED, ignore(_KERNEL), nargs=0),
+    *MOE_ARGS,   # ptdp/megatron/moe_flags.py
     # Precision
     Arg("--fp16", "train.precision", EXACT, const("fp16"), nargs=0),
     Arg("--bf16", "train.precision", EXACT, const("bf16"), nargs=0),
-    Arg("--fp8-*", None, REFUSED, refuse("ptdp trains in fp32, bf16 or fp16")),
-    Arg("--fp4-*", None, REFUSED, refuse("ptdp trains in fp32, bf16 or fp16")),
+    Arg("--fp8-format", None, APPROXIMATE, low_precision("FP8"),
+        note="ptdp has no FP8 matrix multiplications: trains in bf16 (--bf16) or fp16"),
+    Arg("--fp4-format", None, APPROXIMATE, low_precision("FP4"),
+        note="ptdp has no FP4 matrix multiplications: trains in bf16 (--bf16) or fp16"),
+    Arg("--fp8-*", None, IGNORED, ignore("an FP8 option; ptdp trains without FP8 (--fp8-format)")),
+    Arg("--fp4-*", None, IGNORED, ignore("an FP4 option; ptdp trains without FP4 (--fp4-format)")),
+    Arg("--first-last-layers-bf16", None, IGNORED,
+        ignore("an FP8 option; ptdp trains without FP8 (--fp8-format)"), nargs=0),
     Arg("--initial-loss-scale", "train.initial_loss_scale", EXACT,
         number, default=fp16_only(2.0 ** 32, "2^32"),
         note="ptdp's default is 2^16"),
@@ -215,7 +214,8 @@ ARGS: tuple[Arg, ...] = (
         note="1 is exact: ptdp halves the scale at every overflow"),
     Arg("--accumulate-allreduce-grads-in-fp32", None, EXACT, const({}), nargs=0,
         note="ptdp always accumulates and all-reduces fp32 gradients"),
-    Arg("--grad-reduce-in-bf16", None, REFUSED, refuse("ptdp all-reduces fp32 gradients"), nargs=0),
+    Arg("--grad-reduce-in-bf16", "train.grad_reduce_dtype", APPROXIMATE, grad_reduce_in_bf16,
+        nargs=0, note="Megatron also accumulates in bf16; ptdp accumulates in fp32"),
     Arg("--fp16-lm-cross-entropy", None, IGNORED,
         ignore("ptdp computes the loss in fp32"), nargs=0),
     # Training
@@ -225,6 +225,9 @@ ARGS: tuple[Arg, ...] = (
         default=Default(global_batch_default, "micro-batch-size x data-parallel size (noted)")),
     Arg("--rampup-batch-size", "train.rampup_batch_size", EXACT,
         lambda v, g: [int(x) for x in v], nargs=3),
+    Arg("--step-batch-size-schedule", "train.rampup_batch_size", EXACT, step_schedule,
+        nargs="*", note="where its steps are a ramp's (equal increments at equal intervals); "
+                        "also train.global_batch_size"),
     Arg("--train-iters", "train.iters", EXACT, integer),
     Arg("--train-samples", "train.train_samples", EXACT, integer),
     Arg("--exit-interval", None, REFUSED, refuse("set train.iters")),
@@ -334,7 +337,8 @@ ARGS: tuple[Arg, ...] = (
              "elsewhere approximate: copy it there"),
     Arg("--tokenizer-model", "data.tokenizer", EXACT, consumed_by_tokenizer_type,
         note="as --tokenizer-type reads it; without one, the file itself"),
-    Arg("--vocab-extra-ids", None, EXACT, only(0, "ptdp adds no extra ids"), note="only 0"),
+    Arg("--vocab-extra-ids", None, EXACT, only(0, "ptdp adds no extra ids"), note="only 0",
+        model=True),
     Arg("--tokenizer-hf-use-fast", None, IGNORED,
         ignore("ptdp always uses the fast tokenizers library"), nargs=0),
     Arg("--tokenizer-special-tokens", None, REFUSED,
@@ -348,6 +352,8 @@ ARGS: tuple[Arg, ...] = (
     Arg("--persistent-save-interval", "checkpoint.save_interval", EXACT, integer),
     Arg("--async-save", "checkpoint.async_save", EXACT, const(True), nargs=0),
     Arg("--ckpt-format", None, IGNORED, ignore(_FORMAT)),
+    Arg("--use-persistent-ckpt-worker", None, IGNORED,
+        ignore("ptdp's asynchronous save has its own writer (checkpoint.async_save)"), nargs=0),
     Arg("--auto-detect-ckpt-format", None, IGNORED, ignore(_FORMAT), nargs=0),
     Arg("--use-dist-ckpt", None, IGNORED, ignore(_FORMAT), nargs=0),
     Arg("--ckpt-fully-parallel-save", None, IGNORED, ignore(_FORMAT), nargs=0),
@@ -358,10 +364,17 @@ ARGS: tuple[Arg, ...] = (
         refuse("ptdp's checkpoints always hold the optimizer"), nargs=0),
     Arg("--no-save-rng", None, REFUSED,
         refuse("ptdp's checkpoints always hold the random streams"), nargs=0),
-    Arg("--no-load-optim", None, REFUSED, refuse("ptdp always resumes the whole state"), nargs=0),
-    Arg("--no-load-rng", None, REFUSED, refuse("ptdp always resumes the whole state"), nargs=0),
-    Arg("--finetune", None, REFUSED, refuse("ptdp always resumes the whole state"), nargs=0),
-    Arg("--use-checkpoint-args", None, REFUSED, refuse("ptdp's config is the YAML"), nargs=0),
+    Arg("--no-load-optim", "checkpoint.load_optimizer", EXACT,
+        partial_load("checkpoint.load_optimizer", False, "without the optimizer state"),
+        nargs=0, note=_OWN),
+    Arg("--no-load-rng", "checkpoint.load_rng", EXACT,
+        partial_load("checkpoint.load_rng", False, "without the random streams"), nargs=0,
+        note=_OWN),
+    Arg("--finetune", "checkpoint.finetune", EXACT,
+        partial_load("checkpoint.finetune", True, "from iteration 0 with the weights only"),
+        nargs=0, note=f"the weights only, from iteration 0; {_OWN}"),
+    Arg("--use-checkpoint-args", None, REFUSED, refuse("ptdp's config is the YAML"), nargs=0,
+        model=True),
     Arg("--exit-on-missing-checkpoint", None, REFUSED,
         refuse("a named checkpoint.load must exist; auto may start fresh"), nargs=0),
     Arg("--non-persistent-*", None, REFUSED, refuse("ptdp has no non-persistent checkpoints")),
@@ -374,7 +387,11 @@ ARGS: tuple[Arg, ...] = (
     Arg("--tensorboard-log-interval", None, IGNORED,
         ignore("ptdp writes TensorBoard every iteration")),
     Arg("--tensorboard-queue-size", None, IGNORED, ignore(_PERF)),
-    Arg("--wandb-*", None, REFUSED, refuse("ptdp logs to its metrics file and TensorBoard")),
+    Arg("--wandb-project", "log.wandb_project", EXACT),
+    Arg("--wandb-exp-name", "log.wandb_name", EXACT),
+    Arg("--wandb-entity", None, IGNORED, ignore("W&B's default entity; set WANDB_ENTITY")),
+    Arg("--wandb-save-dir", None, IGNORED, ignore("ptdp's W&B run is written under ./wandb or "
+                                                  "WANDB_DIR")),
     Arg("--profile*", None, IGNORED, ignore("ptdp's profiles are ptdp profile and log.trace_file")),
     Arg("--nsys-*", None, IGNORED, ignore("ptdp's profiles are ptdp profile and log.trace_file")),
     Arg("--straggler-*", None, IGNORED, ignore("ptdp's hang detector names a rank that stops")),
@@ -385,9 +402,9 @@ ARGS: tuple[Arg, ...] = (
     Arg("--inference-*", None, REFUSED, refuse("ptdp pretrains; ptdp generate continues prompts")),
     Arg("--rl-*", None, REFUSED, refuse("ptdp has no reinforcement learning")),
     Arg("--grpo-*", None, REFUSED, refuse("ptdp has no reinforcement learning")),
-    Arg("--mamba-*", None, REFUSED, refuse("ptdp has no state-space layers")),
+    Arg("--mamba-*", None, REFUSED, refuse("ptdp has no state-space layers"), model=True),
     Arg("--muon-*", None, REFUSED, refuse("ptdp trains with AdamW")),
-    Arg("--mtp-*", None, REFUSED, refuse("ptdp has no multi-token prediction")),
+    Arg("--mtp-*", None, REFUSED, refuse("ptdp has no multi-token prediction"), model=True),
     Arg("--sft*", None, REFUSED, refuse("ptdp pretrains")),
 )
 
@@ -418,6 +435,8 @@ def docs_table() -> str:
         key = f"`{arg.key}`" if arg.key else "—"
         default = _default_text(arg)
         note = arg.note or _row_reason(arg)
+        if arg.kind == REFUSED and arg.changes_model:
+            note += " (shapes the model: no config is written)"
         lines.append(f"| `{arg.flag}` | {key} | {arg.kind} | {default} | {note} |")
     return "\n".join(lines) + "\n"
 

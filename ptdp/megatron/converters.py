@@ -125,13 +125,6 @@ def query_groups(value, given):
     return {}   # written by --group-query-attention
 
 
-def kv_channels(value, given):
-    h, heads = given_int(given, "--hidden-size"), given_int(given, "--num-attention-heads")
-    if h and heads and int(value) == h // heads:
-        return {}
-    raise Unmapped(REFUSED, "ptdp's head size is always hidden-size / num-attention-heads")
-
-
 def _rope(given: dict) -> bool:
     return (given.get("--position-embedding-type") == "rope"
             or "--use-rotary-position-embeddings" in given)
@@ -268,17 +261,6 @@ def hysteresis_default(given: dict):
         return None
     raise Unmapped(APPROXIMATE, "Megatron's default 2 waits for two overflows before halving the "
                                 "loss scale; ptdp halves at every overflow (--hysteresis 1)")
-
-
-def gelu_fusion_default(given: dict):
-    """Megatron's fused bias-GeLU, on by default for a GeLU MLP with biases, is the tanh
-    approximation (megatron/core/fusions/fused_bias_gelu.py); ptdp's GeLU is exact."""
-    if any(f in given for f in ("--swiglu", "--squared-relu", "--quick-geglu",
-                                "--disable-bias-linear", "--openai-gelu")):
-        return None
-    raise Unmapped(APPROXIMATE, "Megatron's fused bias-GeLU (its default) is the tanh "
-                                "approximation; ptdp's GeLU is exact (as Megatron's with "
-                                "--no-bias-gelu-fusion)")
 
 
 def global_batch_default(given: dict):

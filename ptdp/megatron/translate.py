@@ -4,7 +4,9 @@ hints `ptdp train` gives when it meets a Megatron spelling.
 
 `translate(words)` returns a `Translation`: the ptdp keys with their values and where each
 came from, and one `Line` per argument it could not map exactly (approximate, ignored,
-refused, unknown) or that needs the user (note). Torch-free.
+refused, unknown) or that needs the user (note). A refusal of an argument that shapes the model
+`blocks`: `ptdp config from-megatron` then writes no config. Megatron's run-time adjustments
+(ptdp/megatron/adjustments.py) follow the table. Torch-free.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import yaml
 
 from ptdp.config.models import DEFAULT_FAMILY, MODEL_FAMILIES
 from ptdp.config.schema import Config
+from ptdp.megatron.adjustments import adjust
 from ptdp.megatron.arguments import ARGS, Arg, lookup
 from ptdp.megatron.converters import (APPROXIMATE, EXACT, IGNORED, REFUSED, Default, Differs,
                                       Unmapped)
@@ -33,10 +36,12 @@ class TranslationError(ValueError):
 
 @dataclass(frozen=True)
 class Line:
-    """One argument not mapped exactly: its kind, the argument as given, why."""
+    """One argument not mapped exactly: its kind, the argument as given, why. `blocks`: a
+    refusal of something that shapes the model; the config would describe another model."""
     kind: str
     argument: str
     why: str
+    blocks: bool = False
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.argument}: {self.why}"
@@ -51,6 +56,19 @@ class Translation:
     def set(self, key: str, value: Any, origin: str) -> None:
         self.values[key] = value
         self.origin[key] = origin
+
+    def drop(self, key: str) -> str:
+        """Remove a key written earlier; returns the argument it came from."""
+        del self.values[key]
+        return self.origin.pop(key)
+
+    def note(self, kind: str, argument: str, why: str, blocks: bool = False) -> None:
+        self.lines.append(Line(kind, argument, why, blocks))
+
+    @property
+    def blocking(self) -> list[Line]:
+        """The refusals that would make the config another model."""
+        return [line for line in self.lines if line.blocks]
 
     def nested(self) -> dict:
         """{section: {key: value}} in the schema's order, as ptdp's loader reads it."""
@@ -154,6 +172,7 @@ def translate(words: list[str], arch: str | None = None, defaults: bool = True) 
     if defaults:
         _megatron_defaults(given, out)
         out.lines += _required_but_absent(given)
+        adjust(given, out)
     out.lines += _needs_the_user(out)
     return out
 
@@ -188,7 +207,8 @@ def _apply(arg: Arg | None, flag: str, value: Any, given: dict, out: Translation
     try:
         result = arg.convert(value, given) if arg.convert else value
     except Unmapped as err:
-        out.lines.append(Line(err.kind, shown, err.why))
+        out.lines.append(Line(err.kind, shown, err.why,
+                              blocks=err.kind == REFUSED and arg.changes_model))
         return
     except (TypeError, ValueError):
         raise TranslationError(f"{shown}: not a valid value for {flag}") from None

@@ -31,40 +31,60 @@ from ptdp.optim.mixed_precision import grad_of, set_grad
 from ptdp.parallel.roles import reduce_sets, role_of, writes
 
 
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 class _Bucket:
     def __init__(self, params: list[nn.Parameter], group, in_place: torch.Tensor | None = None,
-                 shard: torch.Tensor | None = None, copy_back: bool = False):
+                 shard: torch.Tensor | None = None, copy_back: bool = False,
+                 wire_dtype: torch.dtype | None = None):
         self.params, self.group = params, group   # group: the params' reduce group
         self.in_place = in_place     # the bucket's slice of the flat gradient buffer, if any
         self.shard = shard           # this rank's part of in_place, when reduce-scattered
         self.copy_back = copy_back   # the sums go back into the gradients (flat buffer views)
+        self.wire_dtype = wire_dtype  # reduce in this dtype (train.grad_reduce_dtype), else as is
         self.ready = 0
         self.work = None
         self.flat = None
+        self.wire = None             # (sent, received, into) while a collective is in flight
+
+    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` in the wire dtype (itself when that is its own)."""
+        if self.wire_dtype is None or tensor.dtype == self.wire_dtype:
+            return tensor
+        return tensor.to(self.wire_dtype)
 
     def launch(self, group) -> None:
-        if self.shard is not None:   # in place: the shard is a view of its bucket
-            self.work = dist.reduce_scatter_single(self.shard, self.in_place, group=group,
-                                                   async_op=True)
-            return
-        if self.in_place is not None:
-            self.work = dist.all_reduce(self.in_place, group=group, async_op=True)
+        if self.in_place is not None:   # the flat buffer's slice (and this rank's shard of it)
+            into = self.shard if self.shard is not None else self.in_place
+            sent = self._cast(self.in_place)
+            received = into if sent is self.in_place else sent.new_empty(into.shape)
+            self.wire = (sent, received, into)   # alive until the collective is done
+            if self.shard is not None:
+                self.work = dist.reduce_scatter_single(received, sent, group=group, async_op=True)
+            else:
+                self.work = dist.all_reduce(sent, group=group, async_op=True)
+                self.wire = (sent, sent, into)
             return
         grads = [grad_of(p) for p in self.params]
         grads = [g if g is not None else torch.zeros_like(p, dtype=torch.float32)
                  for g, p in zip(grads, self.params)]
-        self.flat = torch.cat([g.reshape(-1) for g in grads])
+        self.flat = self._cast(torch.cat([g.reshape(-1) for g in grads]))
         self.work = dist.all_reduce(self.flat, group=group, async_op=True)
 
     def finish(self) -> None:
         self.work.wait()
         if self.in_place is not None:
-            self.work, self.ready = None, 0
+            _, received, into = self.wire
+            if received is not into:
+                into.copy_(received)   # the sums, back from the wire dtype
+            self.work = self.wire = None
+            self.ready = 0
             return
         offset = 0
         for p in self.params:
             n = p.numel()
-            summed = self.flat[offset: offset + n].view(p.shape)
+            summed = self.flat[offset: offset + n].view(p.shape).float()
             if self.copy_back:
                 grad_of(p).copy_(summed)
             else:
@@ -83,23 +103,30 @@ class DataParallelGradients:
     `flat`: the gradient buffer the parameters' gradients are views of, if there is one.
     `sharded`: the distributed optimizer's sharded sets (ptdp/optim/distributed.py, one per
     reduce group), whose layouts fix the buckets and which part of each this rank receives.
+    `reduce_dtype` (train.grad_reduce_dtype): "bf16" sends each bucket as a bf16 copy and
+    casts the sums back into the fp32 gradients (half the bytes; Megatron's
+    --grad-reduce-in-bf16, which also accumulates in bf16); None or "fp32" sums them as fp32.
     """
 
     def __init__(self, params: list[nn.Parameter], grid, accumulations: int,
-                 bucket_mb: float = 25.0, flat: FlatGrads | None = None, sharded=None):
+                 bucket_mb: float = 25.0, flat: FlatGrads | None = None, sharded=None,
+                 reduce_dtype: str | None = None):
         self.accumulations = accumulations
+        wire = REDUCE_DTYPES[reduce_dtype] if reduce_dtype else None
         self.params = [p for p in params if p.requires_grad]
         self.flat = flat
         self.buckets: list[_Bucket] = []
         if sharded is not None:   # each set over the reduce group it is sharded over
             self.buckets = [_Bucket(b.params, part.group, b.grads,
-                                    None if b.all_reduce else b.own_grads)
+                                    None if b.all_reduce else b.own_grads, wire_dtype=wire)
                             for part in sharded if part.size > 1 for b in part.buckets]
         else:
             for axes, members in reduce_sets(self.params).items():
                 if grid.size(*axes) > 1:
                     self.buckets += self._make_buckets(members, grid.group(*axes),
                                                        bucket_mb * 2**20)
+            for bucket in self.buckets:
+                bucket.wire_dtype = wire
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.counts: dict[int, int] = {}
         self.launched_during_backward = 0   # buckets whose all-reduce overlapped backward

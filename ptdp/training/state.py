@@ -264,7 +264,8 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
     dp_grads = DataParallelGradients(
         params, grid, 1 if spec.update_per_input else m,
         tr.grad_bucket_mb,
-        flat=weights.flat_grads, sharded=weights.shard_layout)
+        flat=weights.flat_grads, sharded=weights.shard_layout,
+        reduce_dtype=tr.grad_reduce_dtype)
     state = TrainingState(cfg, grid, device, tp, rng, ctx, chunks, params, weights,
                           build_optimizer(weights.masters, tr),
                           LossScaler(dynamic=tr.precision == "fp16", initial=tr.initial_loss_scale),

@@ -58,9 +58,11 @@ def test_workers_give_identical_output_via_cli(tmp_path, corpus, tokenizer, gpt_
     rc = main(["preprocess", "--input", str(corpus), "--tokenizer", tokenizer.path,
                "--output-prefix", str(out), "--workers", "2", "--quiet"])
     assert rc == 0
-    assert (tmp_path / "w2.bin").read_bytes() == open(f"{gpt_prefix}.bin", "rb").read()
+    out = tmp_path / "w2_text_document"   # Megatron's default name (ptdp's --json-key: PREFIX)
+    assert out.with_suffix(".bin").read_bytes() == open(f"{gpt_prefix}.bin", "rb").read()
     np.testing.assert_array_equal(IndexedDataset(out).sizes, IndexedDataset(gpt_prefix).sizes)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["w2.bin", "w2.idx", "w2.ptdp.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "w2_text_document.bin", "w2_text_document.idx", "w2_text_document.ptdp.json"]
 
 
 def test_empty_documents_are_skipped(tmp_path, tokenizer):
@@ -131,7 +133,7 @@ def test_gpt2_bpe_with_megatron_arguments_and_names(tmp_path, megatron_inputs):
 def test_append_eod_can_be_turned_off(tmp_path, megatron_inputs):
     src, records = megatron_inputs
     assert run("--input", src / "c.jsonl", "--output-prefix", tmp_path / "n",
-               "--tokenizer", src / "gpt2-vocab.json", "--no-append-eod") == 0
+               "--tokenizer", src / "gpt2-vocab.json", "--no-append-eod", "--json-key", "text") == 0
     ds = IndexedDataset(tmp_path / "n")   # ptdp's naming: --json-key, the prefix as given
     gpt2 = load_tokenizer(src / "gpt2-vocab.json")
     assert ds.meta["append_eod"] is False
@@ -169,9 +171,10 @@ def test_hugging_face_tokenizer_json_gives_the_same_data(tmp_path, megatron_inpu
     load_tokenizer(src / "gpt2-vocab.json").backend.save(str(tmp_path / "tokenizer.json"))
     for name, flags in (("hf", ["--tokenizer-model", tmp_path]), ("bpe", ["--tokenizer", src / "gpt2-vocab.json"])):
         assert run("--input", src / "c.jsonl", "--output-prefix", tmp_path / name, *flags) == 0
-    assert (tmp_path / "hf.bin").read_bytes() == (tmp_path / "bpe.bin").read_bytes()
-    assert IndexedDataset(tmp_path / "hf").meta["tokenizer_fingerprint"] == \
-        IndexedDataset(tmp_path / "bpe").meta["tokenizer_fingerprint"]
+    hf, bpe = tmp_path / "hf_text_document", tmp_path / "bpe_text_document"   # Megatron's names
+    assert hf.with_suffix(".bin").read_bytes() == bpe.with_suffix(".bin").read_bytes()
+    assert IndexedDataset(hf).meta["tokenizer_fingerprint"] == \
+        IndexedDataset(bpe).meta["tokenizer_fingerprint"]
 
 
 def test_llama2_tokenizer_starts_every_sequence_with_bos(tmp_path, megatron_inputs):

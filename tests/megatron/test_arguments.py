@@ -46,6 +46,7 @@ GPT3_VALUES = {
     "model.arch": "gpt", "model.num_layers": 96, "model.hidden_size": 12288, "model.num_heads": 96,
     "model.seq_length": 2048, "model.init_std": 0.006,
     "model.dropout": 0.1,                                   # Megatron's default
+    "model.activation": "gelu_tanh",                        # its fused bias-GeLU, the default
     "parallel.tensor": 8, "parallel.pipeline": 16,
     "train.micro_batch_size": 1, "train.global_batch_size": 1536,
     "train.rampup_batch_size": [16, 16, 5859375], "train.train_samples": 146484375,
@@ -94,8 +95,6 @@ def test_a_gpt3_command_line_translates_to_these_keys():
         "ignored: --attention-backend auto: a kernel choice; ptdp picks its own fused kernels",
         "approximate: --load /ckpt: resumes ptdp's checkpoints in --save; Megatron's own there "
         "must first be converted (ptdp convert --from megatron)",
-        "approximate: --no-bias-gelu-fusion absent: Megatron's fused bias-GeLU (its default) is the "
-        "tanh approximation; ptdp's GeLU is exact (as Megatron's with --no-bias-gelu-fusion)",
         "approximate: --hysteresis absent: Megatron's default 2 waits for two overflows before "
         "halving the loss scale; ptdp halves at every overflow (--hysteresis 1)",
         "note: model.vocab_size: Megatron reads it from the tokenizer; set it (ptdp check names "
@@ -140,6 +139,7 @@ def test_a_llama_command_line_with_interleaving_gqa_and_blending():
 def test_megatrons_defaults_are_written_where_they_differ_from_ptdps():
     v = values(["--num-layers", "2"])
     assert v == {"model.arch": "gpt", "model.num_layers": 2, "model.dropout": 0.1,
+                 "model.activation": "gelu_tanh",
                  "train.lr_decay_style": "linear", "train.adam_beta2": 0.999,
                  "train.eval_interval": 1000, "train.eval_iters": 100,
                  "log.interval": 100}
@@ -157,8 +157,9 @@ def test_megatrons_defaults_are_written_where_they_differ_from_ptdps():
 
 
 @pytest.mark.parametrize("words, line", [
-    (["--moe-router-topk", "2"], "refused: --moe-router-topk 2: ptdp has no mixture of experts"),
-    (["--apply-layernorm-1p"], "refused: --apply-layernorm-1p: ptdp has no zero-centred LayerNorm"),
+    (["--moe-router-topk", "2"],
+     "ignored: --moe-router-topk 2: Megatron uses it only with --num-experts"),
+    (["--qk-layernorm"], "refused: --qk-layernorm: ptdp has no query/key normalisation"),
     (["--position-embedding-type", "relative"],
      "refused: --position-embedding-type relative: 'relative': ptdp has learned and rotary positions"),
     (["--make-vocab-size-divisible-by", "64"],
@@ -173,7 +174,8 @@ def test_megatrons_defaults_are_written_where_they_differ_from_ptdps():
      "ignored: --num-query-groups 4: Megatron ignores it without --group-query-attention"),
     (["--hysteresis", "2"],
      "approximate: --hysteresis 2: ptdp halves the loss scale at every overflow (--hysteresis 1)"),
-    (["--openai-gelu"], "approximate: --openai-gelu: ptdp's GeLU is exact, not the tanh approximation"),
+    (["--fp32-residual-connection"], "approximate: --fp32-residual-connection: ptdp keeps the "
+     "residual in the model's dtype, not fp32"),
     (["--recompute-method", "block"], "approximate: --recompute-method block: ptdp checkpoints every "
      "group of train.recompute_num_layers layers (Megatron's uniform), not only the first ones (block)"),
     (["--data-path", "/d/a", "/d/b"], "approximate: --data-path /d/a /d/b: prefixes without weights: "
@@ -263,12 +265,10 @@ def test_from_megatron_script_writes_yaml_and_lists_what_it_could_not_map(tmp_pa
     out = tmp_path / "gpt.yaml"
     assert cli.main(["config", "from-megatron", "--script", str(path), "--out", str(out)]) == 0
     err = capsys.readouterr().err.splitlines()
-    assert err[0] == f"ptdp config from-megatron: wrote {out} (21 keys)"
+    assert err[0] == f"ptdp config from-megatron: wrote {out} (22 keys)"
     assert err[1:] == [
         "  ignored: --use-flash-attn: a kernel choice; ptdp picks its own fused kernels",
         "  unknown: --world-size $WORLD_SIZE: not in ptdp's table of Megatron-LM arguments: not translated",
-        "  approximate: --no-bias-gelu-fusion absent: Megatron's fused bias-GeLU (its default) is the "
-        "tanh approximation; ptdp's GeLU is exact (as Megatron's with --no-bias-gelu-fusion)",
         "  unresolved: $1: not set in the script; written as it stands",
         "  unresolved: $WORLD_SIZE: not set in the script; written as it stands"]
     raw = yaml.safe_load(out.read_text())
@@ -322,9 +322,9 @@ def test_every_key_the_table_writes_is_ptdps():
     (["check", "CFG", "--use-flash-attn"],
      "ptdp check: --use-flash-attn is a Megatron-LM argument that ptdp ignores: a kernel choice; "
      "ptdp picks its own fused kernels"),
-    (["train", "CFG", "--num-experts", "8"],
-     "ptdp train: --num-experts is a Megatron-LM argument that ptdp has no counterpart for: "
-     "ptdp has no mixture of experts"),
+    (["train", "CFG", "--qk-layernorm"],
+     "ptdp train: --qk-layernorm is a Megatron-LM argument that ptdp has no counterpart for: "
+     "ptdp has no query/key normalisation"),
 ])
 def test_a_megatron_spelling_on_ptdps_command_line_gets_one_line(argv, line, capsys):
     argv = [str(ROOT / "configs" / "gpt_tiny.yaml") if w == "CFG" else w for w in argv]
