@@ -6,8 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ptdp.config import ConfigError, load_config
+from ptdp.config import ConfigError, ModelConfig, load_config
 from ptdp.models.norms import LayerNorm, RMSNorm
+from ptdp.models.rotary import rotate
+from ptdp.models.transformer import ModelContext, ParallelAttention
+from ptdp.parallel.mappings import TensorParallel
+from ptdp.parallel.rng import TensorParallelRNG
 from ptdp.parallel.weight_grad import WeightGradQueue
 
 
@@ -65,6 +69,31 @@ def test_zero_centred_gain_defers_its_gradient_like_any_weight(kind):
         torch.testing.assert_close(got.grad, want, rtol=1e-6, atol=1e-6)
 
 
+def _attention(**model) -> ParallelAttention:
+    cfg = ModelConfig(**{"num_layers": 1, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
+                         "seq_length": 8, "vocab_size": 100, "preset": "llama", **model})
+    ctx = ModelContext(cfg, TensorParallel(), 7, TensorParallelRNG(7, 0, torch.device("cpu")), 128)
+    return ParallelAttention(ctx, 0, causal=True)
+
+
+def test_qk_norm_normalises_each_head_before_the_rotation():
+    """Qwen3's order: q_norm over head_dim on the projected heads, then the rotary angles."""
+    plain, normed = _attention(head_dim=12), _attention(head_dim=12, qk_norm=True)
+    assert torch.equal(plain.qkv.weight, normed.qkv.weight)    # the same projection
+    with torch.no_grad():
+        normed.q_norm.weight.copy_(_randn(12, seed=8))
+        normed.k_norm.weight.copy_(_randn(12, seed=9))
+    x = _randn(8, 2, 32, seed=10)
+    plain.rotary = None   # raw Q and K: rotate them here, after the norm
+    q_raw, k_raw, v_raw = plain.project(x)
+    q, k, v = normed.project(x)
+    cos, sin = normed.rotary(torch.arange(8))
+    rms = lambda t, w: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-5) * w  # noqa: E731
+    torch.testing.assert_close(q, rotate(rms(q_raw, normed.q_norm.weight), cos, sin))
+    torch.testing.assert_close(k, rotate(rms(k_raw, normed.k_norm.weight), cos, sin))
+    assert torch.equal(v, v_raw) and q.shape == (2, 4, 8, 12)
+
+
 def test_an_explicit_head_size_sets_the_attention_widths():
     m = load_config(None, ["model.hidden_size=34", "model.head_dim=16"], world_size=1).model
     assert m.head_dim == 16
@@ -78,6 +107,7 @@ def test_an_explicit_head_size_sets_the_attention_widths():
     (["model.hidden_size=34"],
      "model.hidden_size (34) must be divisible by model.num_heads (4), or set model.head_dim"),
     (["model.arch=bert", "model.head_dim=8"], "model.head_dim apply to model.arch=gpt only"),
+    (["model.arch=bert", "model.qk_norm=true"], "model.qk_norm apply to model.arch=gpt only"),
     (["model.preset=llama", "model.head_dim=7"],
      "model.position_embedding=rope needs an even head size, got model.head_dim = 7"),
 ])

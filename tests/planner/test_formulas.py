@@ -150,6 +150,8 @@ def test_each_block_option_changes_the_count_by_its_own_parameters():
     assert change(qkv_bias=True) == l * 3 * h                      # Qwen2: Q, K, V only
     d = 48                                                          # h_q = 384 = 1.5 h
     assert change(head_dim=d) == l * (3 * h * a * d + a * d * h - 4 * h * h)
+    assert change(qk_norm=True) == l * 2 * (h // a)                # Q and K gains of size d
+    assert change(qk_norm=True, normalization="layernorm") == l * (4 * (h // a) + 2 * h) + h
 
 
 def test_general_flops_equal_a_gemm_by_gemm_count():
