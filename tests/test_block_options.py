@@ -108,6 +108,8 @@ def test_an_explicit_head_size_sets_the_attention_widths():
      "model.hidden_size (34) must be divisible by model.num_heads (4), or set model.head_dim"),
     (["model.arch=bert", "model.head_dim=8"], "model.head_dim apply to model.arch=gpt only"),
     (["model.arch=bert", "model.qk_norm=true"], "model.qk_norm apply to model.arch=gpt only"),
+    (["model.arch=bert", "model.scale_embeddings=true"],
+     "model.scale_embeddings apply to model.arch=gpt only"),
     (["model.preset=llama", "model.head_dim=7"],
      "model.position_embedding=rope needs an even head size, got model.head_dim = 7"),
 ])
@@ -115,3 +117,35 @@ def test_bad_values_get_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides, world_size=1)
     assert len(err.value.errors) == 1 and message in err.value.errors[0], err.value.errors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_embeddings_are_gemmas(dtype):
+    """Hugging Face's Gemma: embeddings * torch.tensor(sqrt(h), dtype=the embeddings' dtype)."""
+    from ptdp.models.embedding import Embedding
+    cfg = ModelConfig(num_layers=1, hidden_size=48, num_heads=4, seq_length=8, vocab_size=100,
+                      preset="llama", scale_embeddings=True)
+    ctx = ModelContext(cfg, TensorParallel(), 7, TensorParallelRNG(7, 0, torch.device("cpu")), 128)
+    embedding = Embedding(ctx).to(dtype)
+    tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(11))
+    table = embedding.word.weight
+    want = F.embedding(tokens.t(), table) * torch.tensor(48 ** 0.5, dtype=dtype)
+    assert torch.equal(embedding(tokens), want)
+    if dtype == torch.bfloat16:   # the factor is rounded first: 6.928 -> 6.9375
+        assert not torch.equal(want, (F.embedding(tokens.t(), table).float() * 48 ** 0.5).to(dtype))
+
+
+def test_generation_runs_the_block_options():
+    """ptdp generate's cached forward (ptdp/inference/generate.py) takes the scaled
+    embeddings and the QK-norms: its logits are the full forward's."""
+    from ptdp.inference.generate import KVCache, forward_cached
+    from ptdp.inference.local_model import LocalModel, initial_state
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=12,
+                      seq_length=16, vocab_size=100, preset="llama", qk_norm=True,
+                      norm_zero_centered=True, scale_embeddings=True, init_std=0.3)
+    model = LocalModel(cfg, initial_state(cfg, seed=3))
+    tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(cfg.num_layers)
+    parts = [forward_cached(model, tokens[:, :7], cache)]
+    parts += [forward_cached(model, tokens[:, i:i + 1], cache) for i in range(7, 12)]
+    torch.testing.assert_close(torch.cat(parts, 1), model.logits(tokens), atol=1e-5, rtol=1e-5)

@@ -107,7 +107,7 @@ BLOCK_OPTIONS = tuple(PRESETS[DEFAULT_PRESET])
 
 # Block options no preset sets, with the value that leaves them off (a family without block
 # options keeps them so; validation names any that is not).
-EXTRA_BLOCK_OPTIONS = dict(norm_zero_centered=False, qk_norm=False)
+EXTRA_BLOCK_OPTIONS = dict(norm_zero_centered=False, qk_norm=False, scale_embeddings=False)
 
 # The MLP activations model.activation can name (ptdp/kernels/fused.py ACTIVATIONS): GeLU exact
 # (erf) or tanh-approximate (GPT-2's gelu_new, Megatron's fused bias-GeLU), and SwiGLU, gated:

@@ -62,6 +62,7 @@ class ModelConfig:
     norm_zero_centered: bool = False     # norm gain 1 + w, w starting at 0 (Gemma; Megatron's
                                          # --apply-layernorm-1p)
     qk_norm: bool = False                # normalise each query and key head (Qwen3, Gemma 3)
+    scale_embeddings: bool = False       # word embeddings times sqrt(hidden_size) (Gemma)
     # Mixture of experts (0 experts = a dense MLP in every layer; docs/moe.md)
     num_experts: int = 0                 # E, routed experts per MoE layer
     moe_top_k: int = 2                   # k, experts each token is routed to
