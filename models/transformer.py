@@ -4,7 +4,7 @@ layout.
 Attention: Q, K, V come from one column-parallel GEMM (each tensor rank owns num_kv_heads/t
 whole groups of query heads with their shared key and value head), the output projection is
 row-parallel. With rotary positions (models/rotary.py) Q and K are rotated after the GEMM.
-MLP: column-parallel h -> f (GeLU) or h -> 2f (SwiGLU's gate and up projections), then
+MLP: column-parallel h -> f (GeLU) or h -> 2f (SwiGLU's or GeGLU's gate and up projections), then
 row-parallel f -> h. So a layer does two all-reduces forward and two backward. The norms are
 LayerNorm or RMSNorm (models/norms.py); with `model.qk_norm` each query and key head is
 normalised over its head_dim values before the rotation (Qwen3, Gemma 3).
@@ -184,8 +184,9 @@ def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class ParallelMLP(nn.Module):
-    """h -> f, GeLU, f -> h; or SwiGLU: h -> 2f whose rows alternate gate and up (so a contiguous
-    row slice holds matching pairs on every tensor rank), SiLU(gate) * up, f -> h."""
+    """h -> f, GeLU (exact or tanh), f -> h; or gated, SwiGLU or GeGLU: h -> 2f whose rows
+    alternate gate and up (so a contiguous row slice holds matching pairs on every tensor rank),
+    SiLU(gate) * up or GeLU_tanh(gate) * up, f -> h."""
 
     def __init__(self, ctx: ModelContext, layer: int, hidden: int | None = None,
                  key: str | None = None):

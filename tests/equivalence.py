@@ -139,12 +139,12 @@ MODELS = {
     "llama": ["model.arch=gpt", "model.preset=llama", "model.num_kv_heads=2",
               "model.ffn_hidden_size=64"],
     # The block options past the presets (docs/models.md), Gemma- and Qwen3-like: a head size
-    # of 12 (Q is 48 wide on h = 32), QK-norm, zero-centred RMSNorm gains, the tanh GeLU,
-    # embeddings scaled by sqrt(h), a tied output layer. Only in BLOCKS_LAYOUTS (and tests/parallel/test_context_parallel.py's
+    # of 12 (Q is 48 wide on h = 32), QK-norm, zero-centred RMSNorm gains, GeGLU (the tanh
+    # GeLU of the gate), embeddings scaled by sqrt(h), a tied output layer. Only in BLOCKS_LAYOUTS (and tests/parallel/test_context_parallel.py's
     # features), where it costs one run each.
     "blocks": ["model.arch=gpt", "model.preset=llama", "model.num_kv_heads=2",
                "model.ffn_hidden_size=64", "model.head_dim=12", "model.qk_norm=true",
-               "model.norm_zero_centered=true", "model.activation=gelu_tanh",
+               "model.norm_zero_centered=true", "model.activation=geglu",
                "model.scale_embeddings=true", "model.tie_embeddings=true"],
 }
 ARCHS = ("gpt", "bert", "llama")   # in every layout

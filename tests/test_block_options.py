@@ -149,3 +149,19 @@ def test_generation_runs_the_block_options():
     parts = [forward_cached(model, tokens[:, :7], cache)]
     parts += [forward_cached(model, tokens[:, i:i + 1], cache) for i in range(7, 12)]
     torch.testing.assert_close(torch.cat(parts, 1), model.logits(tokens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("activation", ["gelu_tanh", "geglu"])
+def test_experts_take_the_models_activation(activation):
+    """A mixture of experts' experts (models/moe.py) compute the model's activation."""
+    from ptdp.kernels import ACTIVATIONS
+    from ptdp.models.moe import Expert
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_heads=4, seq_length=8, vocab_size=100,
+                      preset="llama", activation=activation, num_experts=4,
+                      moe_ffn_hidden_size=16)
+    ctx = ModelContext(cfg, TensorParallel(), 7, TensorParallelRNG(7, 0, torch.device("cpu")), 128)
+    expert = Expert(ctx, "layers.0.mlp.experts.0", 16)
+    x = _randn(6, 32, seed=12)
+    hidden = ACTIVATIONS[activation](x @ expert.fc1.weight.t(), None)
+    assert expert.fc1.weight.shape[0] == (32 if cfg.gated else 16) and hidden.shape == (6, 16)
+    torch.testing.assert_close(expert(x), hidden @ expert.fc2.weight.t())

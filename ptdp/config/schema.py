@@ -48,7 +48,7 @@ class ModelConfig:
     preset: str = DEFAULT_PRESET         # gpt | llama
     position_embedding: str | None = None  # learned | rope
     normalization: str | None = None     # layernorm | rmsnorm
-    activation: str | None = None        # gelu | gelu_tanh | swiglu
+    activation: str | None = None        # gelu | gelu_tanh | swiglu | geglu
     bias: bool | None = None             # biases in every linear layer
     qkv_bias: bool | None = None         # biases on Q, K, V only (Qwen2); null = model.bias
     tie_embeddings: bool | None = None   # output layer shares the input word table
@@ -112,12 +112,12 @@ class ModelConfig:
 
     @property
     def gated(self) -> bool:
-        """The MLP's first GEMM makes a gate and an up projection (SwiGLU)."""
+        """The MLP's first GEMM makes a gate and an up projection (SwiGLU, GeGLU)."""
         return self.activation in GATED_ACTIVATIONS
 
 
 def default_ffn_hidden_size(hidden: int, activation: str) -> int:
-    """4h; for a gated activation (SwiGLU), whose first GEMM is twice as wide, 2/3 of 4h rounded
+    """4h; for a gated activation (SwiGLU, GeGLU), whose first GEMM is twice as wide, 2/3 of 4h rounded
     up to a multiple of 256 (Llama's rule), so the MLP keeps about the parameters of a 4h GeLU
     MLP."""
     if activation in GATED_ACTIVATIONS:

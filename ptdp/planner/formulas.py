@@ -58,7 +58,7 @@ class ModelShape:
     vocab: int
     dropout: bool
     kv_heads: int | None = None          # grouped-query attention; None = heads
-    activation: str = "gelu"             # gelu | gelu_tanh | swiglu
+    activation: str = "gelu"             # gelu | gelu_tanh | swiglu | geglu
     normalization: str = "layernorm"     # layernorm | rmsnorm
     position_embedding: str = "learned"  # learned | rope
     bias: bool = True                    # biases of QKV, projection, fc1, fc2
@@ -119,7 +119,8 @@ class ModelShape:
 
     @property
     def gated(self) -> int:
-        """1 when the MLP's first GEMM makes a gate and an up projection (SwiGLU), else 0."""
+        """1 when the MLP's first GEMM makes a gate and an up projection (SwiGLU, GeGLU), else
+        0."""
         return int(self.activation in GATED_ACTIVATIONS)
 
     @property

@@ -19,7 +19,8 @@ def test_tensor_data_layouts_match_single_process(arch, layout):
 @pytest.mark.parametrize("layout", BLOCKS_LAYOUTS[1:])
 def test_block_options_match_single_process(layout):
     """QK-norm (its gains partial over the tensor group), a head size other than h / heads,
-    zero-centred gains and the tanh GeLU, with pipeline, tensor, data and interleaving."""
+    zero-centred gains, GeGLU and scaled embeddings, with pipeline, tensor, data and
+    interleaving."""
     for rank in layout_result(layout, "blocks"):
         assert_equivalent(rank, reference("blocks"), f"blocks {layout}")
 
