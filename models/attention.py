@@ -30,6 +30,7 @@ whole sequence's ids, which every context rank holds) and the window itself, blo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -148,15 +149,18 @@ def flex_block_mask(documents: torch.Tensor | None, window: int | None, seq: int
                              KV_LEN=seq, device=device, _compile=device.type == "cuda")
 
 
-_FLEX = None   # flex_attention compiled once (eager FlexAttention is a slow reference path)
+@functools.cache
+def _compiled_flex():
+    """flex_attention compiled once: eager FlexAttention is a slow reference path."""
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _flex_attention(q, k, v, block_mask):
-    global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-        _FLEX = torch.compile(flex_attention, dynamic=False)
-    return _FLEX(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+    from torch.nn.attention.flex_attention import flex_attention
+    # inside a compiled layer (train.compile) dynamo compiles it with the layer
+    flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
+    return flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:

@@ -8,12 +8,14 @@ tests/parallel/test_context_parallel.py's."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from models.attention import (attention, attention_mask, decoding_mask, document_mask,
-                              keep_mask, mask_mod)
+                              flex_block_mask, keep_mask, mask_mod)
 from ptdp.config import ConfigError, ModelConfig, load_config
 from ptdp.config.validation import validate
 from ptdp.parallel import ring_attention as ring
@@ -47,6 +49,21 @@ def test_flex_mask_mod_equals_the_dense_mask():
                                            idx[None, :, None], idx[None, None, :])
         want = keep_mask(DOCS if documents is not None else torch.zeros_like(DOCS), window)
         assert torch.equal(keep.expand(b, s, s), want), (documents is not None, window)
+
+
+def test_flex_block_mask_forward_equals_sdpa():
+    """The CUDA path's BlockMask and FlexAttention with grouped-query heads (forward only: the
+    CPU build has no FlexAttention backward) against SDPA with the dense mask."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = (x.detach() for x in _qkv())
+    for documents, window in ((DOCS, None), (DOCS, 3), (None, 5)):
+        block_mask = flex_block_mask(documents, window, DOCS.shape[1], "cpu")
+        dense = keep_mask(DOCS if documents is not None else torch.zeros_like(DOCS), window)
+        with warnings.catch_warnings():   # eager FlexAttention warns that it is unfused
+            warnings.simplefilter("ignore")
+            got = flex.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None], enable_gqa=True)
+        assert (got - want).abs().max() < 1e-6, (documents is not None, window)
 
 
 def _qkv(heads=4, groups=2, s=16, b=2, d=8):
