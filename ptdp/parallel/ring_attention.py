@@ -133,8 +133,9 @@ def block_forward(q, k, v, causal: bool, scale: float, keep: torch.Tensor | None
         lse = lse.float()
     else:
         out, lse = _cuda_forward(q, k, v, causal, scale, keep)
-    if keep is not None:   # the fused kernels give a row with no visible key lse 0, not -inf
-        lse = lse.masked_fill(~keep.any(-1), float("-inf"))
+    if keep is not None:   # a row with no visible key: lse -inf and output 0, whatever the
+        seen = keep.any(-1)   # kernel made of it (the CPU kernel gives lse 0)
+        out, lse = out.masked_fill(~seen[..., None], 0.0), lse.masked_fill(~seen, float("-inf"))
     return out, lse
 
 
@@ -152,8 +153,10 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float,
 
 
 def _flash_on_cuda(q: torch.Tensor, keep) -> bool:
-    """Flash takes no mask and only half precision; the memory-efficient kernel the rest."""
-    return keep is None and q.dtype in (torch.float16, torch.bfloat16)
+    """Flash takes no mask, half precision only and head sizes that are multiples of 8 up to
+    256 (SDPA pads others; these direct calls do not); the memory-efficient kernel the rest."""
+    d = q.shape[-1]
+    return keep is None and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
 
 
 def _cuda_forward(q, k, v, causal: bool, scale: float, keep):
