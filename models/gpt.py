@@ -28,9 +28,10 @@ class GPTChunk(ModelChunk):
         if self.is_first:
             hidden = self.embedding(batch["tokens"], positions=positions)
         labels = batch["labels"]   # [b, s], or this context rank's s/c tokens
-        mask = self.attention_mask(labels.shape[1], labels.device,
-                                   documents=batch.get("document_ids"))   # data.reset_attention_mask
-        hidden = self.stack(hidden, mask, positions)
+        # data.reset_attention_mask's document ids (the whole sequence's), sliding windows
+        attend = self.attention_mask(labels.shape[1], labels.device,
+                                     documents=batch.get("document_ids"))
+        hidden = self.stack(hidden, attend, positions)
         if not self.is_last:
             return self.with_aux_losses(hidden)
         # with sequence parallelism the logits GEMM all-gathers the final hidden state

@@ -73,7 +73,7 @@ class ModelConfig:
     moe_z_loss_coeff: float = 0.0        # router z-loss: mean of logsumexp(scores)^2
     moe_expert_bias_rate: float = 0.0    # aux-loss-free balancing: per-expert bias update rate
     # Sliding-window attention (Mistral v0.1, Qwen2, Gemma 2/3's local layers; models/attention.py)
-    sliding_window: int | None = None    # key j visible to query i iff 0 <= i - j < window; null = off
+    sliding_window: int | None = None    # key j visible to query i iff 0 <= i - j < window
     sliding_window_layers: list[int] | None = None  # the local layers (0-based); null = all
 
     def __post_init__(self):
