@@ -32,9 +32,9 @@ Inside a rank, each block runs a fused kernel that returns the log-sum-exp, chos
 `_scaled_dot_product_flash_attention_for_cpu` on CPU (a keep-mask as an additive bias); on
 CUDA `_scaled_dot_product_flash_attention` (fp16/bf16, no mask) or else
 `_scaled_dot_product_efficient_attention` (fp32, or a mask as an additive bias) and their
-backward ops, as torch's own context parallelism calls them
-(torch/distributed/tensor/experimental/_context_parallel/_attention.py); a plain
-matmul/softmax reference (`MATH`, which tests select) elsewhere. Grouped-query attention sends
+backward ops, as torch's own context parallelism (torch.distributed.tensor.experimental) calls
+them; a plain matmul/softmax reference elsewhere (and on CPU with `FUSED_CPU = False`, which
+tests select). Grouped-query attention sends
 the smaller K/V (num_kv_heads) and expands them to the query heads per block only.
 """
 
