@@ -77,6 +77,9 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0      # Switch/GShard load-balancing loss E * sum_i f_i * P_i
     moe_z_loss_coeff: float = 0.0        # router z-loss: mean of logsumexp(scores)^2
     moe_expert_bias_rate: float = 0.0    # aux-loss-free balancing: per-expert bias update rate
+    # Sliding-window attention (Mistral v0.1, Qwen2, Gemma 2/3's local layers; models/attention.py)
+    sliding_window: int | None = None    # key j visible to query i iff 0 <= i - j < window
+    sliding_window_layers: list[int] | None = None  # the local layers (0-based); null = all
 
     def __post_init__(self):
         # an unknown preset: validation says so
@@ -99,6 +102,11 @@ class ModelConfig:
         """Whether transformer layer `layer` (0-based) has a mixture of experts as its MLP."""
         after = layer - self.moe_first_dense_layers
         return self.num_experts > 0 and after >= 0 and after % self.moe_layer_freq == 0
+
+    def attention_window(self, layer: int) -> int | None:
+        """The sliding window of transformer layer `layer` (0-based), None where it is global."""
+        local = self.sliding_window_layers is None or layer in self.sliding_window_layers
+        return self.sliding_window if local else None
 
     @property
     def family(self) -> ModelFamily:

@@ -75,6 +75,8 @@ class ModelShape:
     dense_first: int = 0                 # ... after this many dense ones
     head_dim: int | None = None          # per-head size d; None = hidden / heads
     qk_norm: bool = False                # a norm of size d on every query and key head
+    window: int = 0                      # sliding-window attention's window; 0 = none
+    local_layers: int = 0                # the layers that use it
 
     def __post_init__(self):
         if self.kv_heads is None:
@@ -94,11 +96,20 @@ class ModelShape:
         return cls(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.ffn_hidden_size,
                    m.seq_length, m.vocab_size, _any_dropout(m), m.num_kv_heads, m.activation,
                    m.normalization, m.position_embedding, m.bias, m.qkv_bias, m.tie_embeddings,
-                   m.num_tokentypes, head_dim=m.head_dim, qk_norm=m.qk_norm, **moe)
+                   m.num_tokentypes, head_dim=m.head_dim, qk_norm=m.qk_norm, **moe,
+                   **_window_fields(m))
 
     @property
     def family(self) -> ModelFamily:
         return model_family(self.arch)
+
+    def attention_flops_saved(self, batch: float) -> float:
+        """Forward FLOPs the sliding window saves over full attention: a local layer's query
+        attends to min(window, s) keys instead of s (4*B*s*h per key), Eq. 4.2's convention of
+        counting s keys per query in a global layer (causal or not)."""
+        if not self.window or self.window >= self.seq:
+            return 0.0
+        return 4.0 * batch * self.seq * self.q_hidden * (self.seq - self.window) * self.local_layers
 
     @property
     def bert_heads(self) -> bool:
@@ -148,6 +159,14 @@ class ModelShape:
                     normalization=self.normalization,
                     position_embedding=self.position_embedding, bias=self.bias,
                     qkv_bias=self.qkv_bias)
+
+
+def _window_fields(m) -> dict:
+    """ModelShape's sliding-window fields of a ModelConfig (none without a window)."""
+    if getattr(m, "sliding_window", None) is None:
+        return {}
+    local = sum(m.attention_window(i) is not None for i in range(m.num_layers))
+    return dict(window=m.sliding_window, local_layers=local)
 
 
 def model_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int,
@@ -244,6 +263,9 @@ def iteration_flops(shape: ModelShape, batch: int, vocab: int | None = None,
     to the word table or not; biases, norms, the activation and rotary positions are
     elementwise and, as in Eq. 4.2, not counted.
 
+    Sliding-window layers attend each query to min(window, s) keys: 4*B*s*h*(s - window) less
+    per local layer (ModelShape.attention_flops_saved), 0 without a window.
+
     MoE layers (ptdp/planner/moe.py) count active experts only, as Megatron's MFU does: their
     MLP's 2*T*h*(2+g)*f is replaced by moe.moe_mlp_forward_flops (router, k routed experts,
     the shared expert), added as the difference so dense models keep their number bit for bit.
@@ -260,7 +282,7 @@ def iteration_flops(shape: ModelShape, batch: int, vocab: int | None = None,
                           + 2.0 * b * s * h * ((2 + shape.gated) * shape.ffn - 8 * shape.hidden))
     if shape.q_hidden != shape.hidden:   # an explicit head size: Q, the scores, the projection
         per_layer_forward += 4.0 * b * s * (h + s) * (shape.q_hidden - shape.hidden)
-    layers = passes * l * per_layer_forward
+    layers = passes * l * per_layer_forward - passes * shape.attention_flops_saved(b)
     if shape.experts:
         tokens = b * s
         layers += passes * moe_layer_count(shape) * (moe_mlp_forward_flops(shape, tokens)

@@ -117,7 +117,7 @@ def test_a_llama_command_line_with_interleaving_gqa_and_blending():
         "schedule.name": "interleaved",
     }
     assert v["data.paths"] == [0.3, "/data/a_text_document", 0.7, "/data/b_text_document"]
-    # (no context parallelism here: ptdp refuses it with data.reset_attention_mask)
+    # (context parallelism on its own: the line below)
     assert values(["--context-parallel-size", "2"])["parallel.context"] == 2
     assert v["data.tokenizer"] == "/tok/tokenizer.json"
     assert (v["data.reset_position_ids"], v["data.reset_attention_mask"], v["data.eod_mask_loss"]) \

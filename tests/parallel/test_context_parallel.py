@@ -4,7 +4,9 @@ The layouts of the issue, (p, t, c, d) = (1, 1, 2, 1), (1, 2, 2, 1), (2, 1, 2, 1
 (1, 1, 4, 2), for GPT and the Llama-style decoder (grouped-query attention: 2 K/V heads), every
 run with both the pipeline's and the ring's exchanges under NCCL's rules (the in-order
 transport of tests/pipeline/nccl_rules.py); plus the pure pieces (grid order, chunk placement,
-the ring's exchange lists) and ring attention alone against whole-sequence attention.
+the ring's exchange lists) and ring attention alone against whole-sequence attention (with
+document masks and sliding windows too; the trainer with both under context parallelism is
+tests/data/test_eod_layouts.py's).
 Runs of one world size share one spawned job.
 """
 
@@ -113,6 +115,7 @@ def _ring_job() -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
+    from models.attention import keep_mask
     from ptdp.parallel import ring_attention as ring
     from ptdp.parallel.context import ContextParallel
     from tests.pipeline.nccl_rules import InOrderTransport
@@ -124,14 +127,20 @@ def _ring_job() -> dict:
             group = dist.new_group(ranks)
             if rank in ranks:
                 groups[c] = (group, ranks)
+    docs = torch.tensor([[0] * 3 + [1] * 6 + [2] * 7, [0] * 10 + [1] * 6])
+    cases = ((4, 4, True, None, None), (4, 2, True, None, None), (4, 1, False, None, None))
+    masked = ((4, 2, True, docs, None), (4, 2, True, None, 3), (4, 2, True, docs, 5))
     for fused, in_order in ((True, True), (False, True), (True, False)):
         ring.FUSED_CPU = fused
         for c, (group, ranks) in groups.items():
-            for heads, kv_heads, causal in ((4, 4, True), (4, 2, True), (4, 1, False)):
+            for heads, kv_heads, causal, documents, window in cases + (masked if in_order else ()):
                 torch.manual_seed(0)
                 q = torch.randn(2, heads, 16, 8, requires_grad=True)
                 k, v = (torch.randn(2, kv_heads, 16, 8, requires_grad=True) for _ in range(2))
-                whole = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                keep = None if documents is None and window is None else keep_mask(
+                    torch.zeros_like(docs) if documents is None else documents, window)[:, None]
+                whole = F.scaled_dot_product_attention(q, k, v, attn_mask=keep,
+                                                       is_causal=causal and keep is None,
                                                        enable_gqa=kv_heads != heads)
                 dout = torch.randn_like(whole)
                 whole.backward(dout)
@@ -139,9 +148,10 @@ def _ring_job() -> dict:
                                      transport=InOrderTransport(group) if in_order else None)
                 mine = lambda x: context_shard(x.detach(), 2, cp.rank, c)  # noqa: E731
                 ql, kl, vl = (mine(x).requires_grad_() for x in (q, k, v))
-                local = ring.ring_attention(ql, kl, vl, cp, causal)
+                local = ring.ring_attention(ql, kl, vl, cp, causal, documents=documents,
+                                            window=window)
                 local.backward(mine(dout))
-                out[(fused, in_order, c, kv_heads, causal)] = max(
+                out[(fused, in_order, c, kv_heads, causal, documents is not None, window)] = max(
                     ((got - mine(want)).norm() / mine(want).norm()).item()
                     for got, want in ((local, whole), (ql.grad, q.grad), (kl.grad, k.grad),
                                       (vl.grad, v.grad)))
@@ -151,7 +161,9 @@ def _ring_job() -> dict:
 
 def test_ring_attention_equals_whole_sequence_attention():
     """Outputs and dQ, dK, dV of c = 2 and 4 rings (fused and math blocks; 4, 2 and 1 K/V
-    heads; causal and bidirectional) equal attention over the whole sequence to fp32 round-off."""
+    heads; causal and bidirectional; packed documents, sliding windows of 3 and 5 tokens, so
+    with c = 4's 2-token chunks some blocks are skipped and some masked) equal attention over
+    the whole sequence to fp32 round-off."""
     for rank, errors in enumerate(run_on_ranks(4, _ring_job, timeout_s=120)):
         worst = max(errors, key=errors.get)
         assert errors[worst] < 2e-6, (rank, worst, errors[worst])
