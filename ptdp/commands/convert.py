@@ -194,10 +194,7 @@ def _to_megatron(args) -> int:
                   f", tensor {split['parallel.tensor']} x pipeline {split['parallel.pipeline']}")
     print(f"wrote {info['directory']}: {info['arch']}, {info['parameters']:,} parameters, from "
           f"{info['checkpoint']} (iteration {info['iteration']}){split_text}; load it in "
-          f"Megatron-LM with --ckpt-format {ckpt_format} --no-load-optim --no-load-rng "
-          f"--make-vocab-size-divisible-by {meg.make_vocab_size_divisible_by} "
-          f"--transformer-impl {meg.transformer_impl}"
-          + (" --no-bias-gelu-fusion (exact GeLU, as ptdp's)" if info["gelu_with_bias"] else ""))
+          f"Megatron-LM with --load {args.to[1]} {' '.join(info['load_flags'])}")
     return 0
 
 

@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 
 from ptdp.megatron import files, legacy, torch_dist
+from ptdp.megatron.load_command import load_flags
 from ptdp.megatron.model_args import (megatron_args, model_config, notes, refuse_for_megatron,
                                       gelu_with_bias, vocab_divisor)
+from ptdp.megatron.tokenizer_args import tokenizer_args
 from ptdp.megatron.names import VOCAB_ROWS, arch_of, block_name, require, to_megatron, to_ptdp
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
@@ -107,6 +109,7 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
     """Write a ptdp checkpoint as a Megatron-LM checkpoint: torch_dist (layout-free; the split
     only goes into the args) or legacy ("torch") split (tensor, pipeline). Returns a short
     summary."""
+    from ptdp.inference.local_model import checkpoint_tokenizer
     from ptdp.inference.local_model import model_config as ptdp_model_config
     from ptdp.inference.local_model import read_full_state
 
@@ -125,10 +128,13 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
     multiple = vocab_divisor(cfg.vocab_size, tensor) * tensor
     padded = multiple * math.ceil(cfg.vocab_size / multiple)
     train = meta.get("config", {}).get("train", {})
-    consumed = meta.get("consumed_samples",   # (a batch ramp-up: less than iteration * B)
-                        meta["iteration"] * int(train.get("global_batch_size", 0) or 0))
-    args = megatron_args(cfg, tensor, pipeline, padded, meta["iteration"], consumed,
-                         transformer_impl, ckpt_format)
+    batch = int(train.get("global_batch_size", 0) or 0)
+    progress = {"iteration": meta["iteration"], "global_batch_size": batch or None,
+                # (a batch ramp-up: less than iteration * B)
+                "consumed_samples": meta.get("consumed_samples", meta["iteration"] * batch)}
+    args = megatron_args(cfg, {"tensor": tensor, "pipeline": pipeline}, padded, progress,
+                         transformer_impl, ckpt_format,
+                         tokenizer_args(checkpoint_tokenizer(directory, meta), cfg.vocab_size))
     state = _padded(to_megatron(cfg, full), padded)
     fused = transformer_impl == "transformer_engine"
     if ckpt_format == "torch":
@@ -143,4 +149,6 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
     return {"directory": final, "checkpoint": directory, "iteration": meta["iteration"],
             "arch": cfg.arch, "padded_rows": extra, "args": args,
             "gelu_with_bias": gelu_with_bias(args),
+            "load_flags": load_flags(args, split=ckpt_format == "torch",
+                                     exact_gelu=gelu_with_bias(args)),
             "parameters": sum(v.numel() for v in full.values())}
