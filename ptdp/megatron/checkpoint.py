@@ -102,6 +102,13 @@ def _padded(state: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor
     return out
 
 
+def padded_vocab(vocab: int, tensor: int) -> int:
+    """Megatron's padded_vocab_size of `vocab` at `tensor` ranks with make_vocab_size_divisible_by
+    from `vocab_divisor` (megatron/training/tokenizer/tokenizer.py `_vocab_size_with_padding`)."""
+    multiple = vocab_divisor(vocab, tensor) * tensor
+    return multiple * math.ceil(vocab / multiple)
+
+
 def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike,
                            tensor: int = 1, pipeline: int = 1,
                            transformer_impl: str = "transformer_engine",
@@ -125,8 +132,7 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
                        ("model.num_kv_heads (query groups)", cfg.num_kv_heads)):
         require(size % tensor == 0, f"{what}={size} does not split over parallel.tensor={tensor} "
                                     f"ranks, as Megatron-LM's split needs")
-    multiple = vocab_divisor(cfg.vocab_size, tensor) * tensor
-    padded = multiple * math.ceil(cfg.vocab_size / multiple)
+    padded = padded_vocab(cfg.vocab_size, tensor)
     train = meta.get("config", {}).get("train", {})
     batch = int(train.get("global_batch_size", 0) or 0)
     progress = {"iteration": meta["iteration"], "global_batch_size": batch or None,

@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core")
 import torch  # noqa: E402
 
 from ptdp.inference.local_model import LocalModel, read_full_state  # noqa: E402
-from tests.megatron import mcore_models as mc  # noqa: E402
+from tests.megatron import mcore_models as mc, megatron_lm  # noqa: E402
 
 TOKENS = torch.randint(0, mc.VOCAB, (2, mc.SEQ), generator=torch.Generator().manual_seed(0))
 TYPES = torch.cat([torch.zeros(2, mc.SEQ // 2), torch.ones(2, mc.SEQ // 2)], 1).long()
@@ -162,6 +162,8 @@ def test_to_megatron_loads_in_megatron_core(megatron, arch, tmp_path):
         info = to_megatron_checkpoint(tmp_path / "ptdp", tmp_path / fmt, transformer_impl="local",
                                       ckpt_format=fmt)
         assert info["padded_rows"] == 0 and info["args"].make_vocab_size_divisible_by == 128
+        # Megatron-LM's check_checkpoint_args with the printed load command
+        assert megatron_lm.assert_loads(info["directory"], info["load_flags"], mc.VOCAB) == 1
         fresh = build(args, seed=99)
         if fmt == "torch":
             mc.load_legacy_into(fresh, info["directory"])
@@ -182,7 +184,10 @@ def test_ptdp_megatron_ptdp_is_bit_identical(megatron, fmt, tmp_path):
     from ptdp.megatron.checkpoint import from_megatron, read_megatron, to_megatron_checkpoint
     for arch in ("gpt", "bert"):
         from_megatron(megatron["root"] / f"{arch}_legacy", tmp_path / arch)
-        to_megatron_checkpoint(tmp_path / arch, tmp_path / f"{arch}_meg", 2, 2, ckpt_format=fmt)
+        info = to_megatron_checkpoint(tmp_path / arch, tmp_path / f"{arch}_meg", 2, 2,
+                                      ckpt_format=fmt)
+        assert megatron_lm.assert_loads(info["directory"], info["load_flags"], mc.VOCAB) == \
+            (4 if fmt == "torch" else 1)
         if fmt == "torch":
             files = sorted(p.parent.name for p in (tmp_path / f"{arch}_meg").rglob("*.pt"))
             assert files == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
