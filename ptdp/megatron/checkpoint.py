@@ -28,7 +28,8 @@ from ptdp.megatron.load_command import load_flags
 from ptdp.megatron.model_args import (megatron_args, model_config, notes, refuse_for_megatron,
                                       gelu_with_bias, vocab_divisor)
 from ptdp.megatron.tokenizer_args import tokenizer_args
-from ptdp.megatron.names import VOCAB_ROWS, arch_of, block_name, require, to_megatron, to_ptdp
+from ptdp.megatron.names import (VOCAB_ROWS, arch_of, block_name, expert_biases, require,
+                                 to_megatron, to_ptdp)
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 FORMATS = ("torch_dist", "torch")   # Megatron-LM's --ckpt-format names; torch = legacy
@@ -87,7 +88,9 @@ def from_megatron(source: str | os.PathLike, out: str | os.PathLike, overrides=(
     progress = ({"consumed_samples": found["consumed_samples"],
                  "skipped_samples": found["skipped_samples"]}
                 if iteration is None and "consumed_samples" in found else {})
-    final = save_full_state(state, cfg, out, iteration=step, **progress)
+    biases = expert_biases(cfg.model, found["megatron"])
+    final = save_full_state(state, cfg, out, iteration=step, **progress,
+                            extra_meta={"moe": {"expert_bias": biases}} if biases else None)
     return final, cfg, found
 
 
@@ -112,9 +115,11 @@ def padded_vocab(vocab: int, tensor: int) -> int:
 def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike,
                            tensor: int = 1, pipeline: int = 1,
                            transformer_impl: str = "transformer_engine",
-                           ckpt_format: str = "torch_dist") -> dict:
+                           ckpt_format: str = "torch_dist", expert: int = 1,
+                           grouped: bool = False) -> dict:
     """Write a ptdp checkpoint as a Megatron-LM checkpoint: torch_dist (layout-free; the split
-    only goes into the args) or legacy ("torch") split (tensor, pipeline). Returns a short
+    only goes into the args) or legacy ("torch") split (tensor, pipeline, expert), its experts
+    as SequentialMLP's or (`grouped`) GroupedMLP's (--moe-grouped-gemm). Returns a short
     summary."""
     from ptdp.inference.local_model import checkpoint_tokenizer
     from ptdp.inference.local_model import model_config as ptdp_model_config
@@ -124,7 +129,8 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
             f"--transformer-impl {transformer_impl}: choose {' or '.join(TRANSFORMER_IMPLS)}")
     require(ckpt_format in FORMATS, f"--ckpt-format {ckpt_format}: choose "
                                     f"{' or '.join(FORMATS)}")
-    require(tensor >= 1 and pipeline >= 1, "tensor and pipeline sizes must be at least 1")
+    require(tensor >= 1 and pipeline >= 1 and expert >= 1,
+            "tensor, pipeline and expert sizes must be at least 1")
     directory, meta, full = read_full_state(checkpoint)
     cfg = ptdp_model_config(meta)
     refuse_for_megatron(cfg)
@@ -138,17 +144,22 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
     progress = {"iteration": meta["iteration"], "global_batch_size": batch or None,
                 # (a batch ramp-up: less than iteration * B)
                 "consumed_samples": meta.get("consumed_samples", meta["iteration"] * batch)}
-    args = megatron_args(cfg, {"tensor": tensor, "pipeline": pipeline}, padded, progress,
-                         transformer_impl, ckpt_format,
+    require((expert == 1 and not grouped) or (cfg.num_experts and ckpt_format == "torch"),
+            "an expert split and the grouped layout are for the legacy format (--ckpt-format "
+            "torch) of a mixture of experts")
+    args = megatron_args(cfg, {"tensor": tensor, "pipeline": pipeline, "expert": expert},
+                         padded, progress, transformer_impl, ckpt_format,
                          tokenizer_args(checkpoint_tokenizer(directory, meta), cfg.vocab_size))
-    state = _padded(to_megatron(cfg, full), padded)
+    args.moe_grouped_gemm = grouped
+    biases = meta.get("moe", {}).get("expert_bias")
+    state = _padded(to_megatron(cfg, full, biases), padded)
     fused = transformer_impl == "transformer_engine"
     if ckpt_format == "torch":
-        final = legacy.write(state, cfg, args, Path(out), meta["iteration"], tensor, pipeline,
-                             fused_norms=fused)
+        final = legacy.write(state, cfg, args, Path(out), meta["iteration"],
+                             (tensor, pipeline, expert), fused_norms=fused, grouped=grouped)
     else:
         final = Path(out) / f"iter_{meta['iteration']:07d}"
-        torch_dist.write(state, cfg.num_layers, block_name(cfg), args, final,
+        torch_dist.write(state, cfg, block_name(cfg), args, final,
                          meta["iteration"], fused_norms=fused)
         files.write_tracker(Path(out), meta["iteration"])
     extra = padded - cfg.vocab_size
