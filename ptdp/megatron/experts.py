@@ -66,8 +66,8 @@ def to_grouped(state: dict, hidden: int) -> dict:
     for name, value in state.items():
         match = _LOCAL.match(name)
         if match and match.group(3) in ("linear_fc1.weight", "linear_fc2.weight"):
-            experts.setdefault(match.group(1), {})[int(match.group(2)),
-                                                   match.group(3)[7]] = value
+            which = "1" if match.group(3).startswith("linear_fc1") else "2"
+            experts.setdefault(match.group(1), {})[int(match.group(2)), which] = value
         elif not (match and match.group(3).endswith("_extra_state")):
             out[name] = value
     for prefix, parts in experts.items():

@@ -147,7 +147,7 @@ def write(state: dict[str, torch.Tensor], cfg, block: str, args, directory: Path
     (directory / "metadata.json").write_text(json.dumps(METADATA))
 
 
-_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^(mlp\.experts\.)local_experts\.(\d+)\.(.*)$")
 
 
 def _extra_key(name: str, layers: int, count: int, alike: bool) -> str:
