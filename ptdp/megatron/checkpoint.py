@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ptdp.megatron import files, legacy, torch_dist
+from ptdp.megatron import files, legacy, shape, torch_dist
 from ptdp.megatron.load_command import load_flags
 from ptdp.megatron.model_args import (megatron_args, model_config, notes, refuse_for_megatron,
                                       gelu_with_bias, vocab_divisor)
@@ -35,14 +35,20 @@ TRANSFORMER_IMPLS = ("transformer_engine", "local")
 FORMATS = ("torch_dist", "torch")   # Megatron-LM's --ckpt-format names; torch = legacy
 
 
-def read_megatron(path: str | os.PathLike) -> dict:
+def read_megatron(path: str | os.PathLike, overrides=()) -> dict:
     """{'format', 'directory', 'iteration', 'args', 'arch', 'model' (ModelConfig of the args),
     'megatron' (the full Megatron state), 'state' (ptdp's full weights of 'model'), 'notes'}
-    of a Megatron checkpoint."""
+    of a Megatron checkpoint; one without Megatron-LM's args takes its shape from a config
+    beside it and the `model.*` overrides (ptdp/megatron/shape.py)."""
     directory, iteration = files.iteration_dir(path)
     fmt = "torch_dist" if files.is_torch_dist(directory) else "legacy"
     args, mstate, scheduler = (torch_dist if fmt == "torch_dist" else legacy).read(directory)
     arch = arch_of(mstate)
+    if args is None:
+        given = shape.model_config(arch, directory, mstate, overrides)
+        args = megatron_args(given, {"tensor": 1, "pipeline": 1}, given.vocab_size,
+                             {"iteration": iteration, "consumed_samples": None}, "local", fmt,
+                             tokenizer_args(None, given.vocab_size))
     word = mstate.get("embedding.word_embeddings.weight")
     cfg = model_config(args, arch, None if word is None else word.shape[0])
     if word is not None:
@@ -74,7 +80,7 @@ def from_megatron(source: str | os.PathLike, out: str | os.PathLike, overrides=(
     from ptdp.checkpoint.save import conversion_config, save_full_state
     from ptdp.data.tokenizer import checked_tokenizer
 
-    found = read_megatron(source)
+    found = read_megatron(source, overrides)
     if tokenizer:
         checked_tokenizer(tokenizer, found["model"].vocab_size)
     cfg = conversion_config(found["model"], overrides, tokenizer)

@@ -110,14 +110,14 @@ def _rank_state(path: Path, saved: dict, args, rank: tuple[int, int, int],
     return out, saved.get("opt_param_scheduler") or {}
 
 
-def read(directory: Path, given_args=None) -> tuple[object, dict[str, torch.Tensor], dict]:
+def read(directory: Path) -> tuple[object, dict[str, torch.Tensor], dict]:
     """(args, full Megatron state, learning-rate scheduler state) of a legacy iteration
-    directory of any split; `given_args`: the shape where the files have no args."""
+    directory of any split."""
     found = files.rank_names(directory)
     first = files.load(found[min(found)])
-    args = first.get("args") or given_args
+    args = first.get("args")
     require(args is not None, f"{found[min(found)]} has no 'args': the model's shape comes from "
-                              f"them (or give it: ptdp convert ... model.num_layers=...)")
+                              f"them (Megatron-LM saves them in every legacy file)")
     paths = files.rank_files(directory, found, _single_is_expert(args))
     tensor, pipeline, expert = (1 + max(key[i] for key in paths) for i in range(3))
     shards: dict[str, list[torch.Tensor]] = {}   # name -> one tensor per tensor rank, in order

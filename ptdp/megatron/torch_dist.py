@@ -99,9 +99,8 @@ def read(directory: Path) -> tuple[object, dict[str, torch.Tensor], dict]:
     """(args, full Megatron state, learning-rate scheduler state) of a torch_dist iteration
     directory."""
     _metadata(directory)
-    common = directory / "common.pt"
-    require(common.is_file(), f"{directory} has no common.pt (where Megatron-LM keeps the args)")
-    saved = files.load(common)
+    common = directory / "common.pt"   # Megatron-LM keeps its args there; other trainers not
+    saved = files.load(common) if common.is_file() else {}
     args = saved.get("args") if isinstance(saved, dict) else None
     scheduler = (saved.get("opt_param_scheduler") if isinstance(saved, dict) else None) or {}
     tensors = experts.unstacked(_unstacked(_model_tensors(directory)))

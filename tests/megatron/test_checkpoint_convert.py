@@ -413,3 +413,40 @@ def test_a_truncated_distcp_file_is_one_line(megatron, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot read the weights (" in err, err
     assert not (tmp_path / "p").exists()
+
+
+def test_a_checkpoint_without_megatron_lms_args_takes_the_shape_given(megatron, tmp_path):
+    """A megatron-core torch_dist checkpoint whose common.pt has no 'args' (Megatron-Bridge,
+    NeMo 2): one line names what the weights cannot show; the overrides, or a run_config.yaml
+    beside it (megatron-core's TransformerConfig names), give it, and the logits are
+    megatron-core's."""
+    import shutil
+
+    from ptdp.megatron.checkpoint import from_megatron
+    from ptdp.megatron.names import MegatronConversionError
+    src = tmp_path / "bridge"
+    shutil.copytree(megatron["root"] / "gpt_dist", src)
+    common = src / "iter_0000100" / "common.pt"
+    torch.save({k: v for k, v in torch.load(common, weights_only=False).items() if k != "args"},
+               common)
+    with pytest.raises(MegatronConversionError) as err:
+        from_megatron(src, tmp_path / "refused", ["model.num_heads=4"])
+    assert str(err.value) == (
+        "the checkpoint has no 'args' (Megatron-LM's) and nothing beside it gives "
+        "model.layernorm_eps, model.rope_theta, model.seq_length: give them as overrides "
+        "(e.g. model.layernorm_eps=...)")
+    given = ["model.num_heads=4", "model.layernorm_eps=1e-5", "model.rope_theta=10000",
+             "model.seq_length=16"]
+    _, cfg, _ = from_megatron(src, tmp_path / "given", given)
+    assert (cfg.model.num_kv_heads, cfg.model.activation, cfg.model.tie_embeddings) == \
+        (2, "swiglu", False)
+    _close(LocalModel.from_checkpoint(tmp_path / "given").logits(TOKENS), megatron["gpt_logits"])
+    (src / "iter_0000100" / "run_config.yaml").write_text(
+        "model:\n  num_layers: 2\n  hidden_size: 32\n  num_attention_heads: 4\n"
+        "  num_query_groups: 2\n  layernorm_epsilon: 1.0e-5\n  rotary_base: 10000\n"
+        "  seq_length: 16\n  normalization: RMSNorm\n  gated_linear_unit: true\n"
+        "  activation_func: torch.nn.functional.silu\n  add_bias_linear: false\n"
+        "  share_embeddings_and_output_weights: false\n")
+    from_megatron(src, tmp_path / "beside")
+    _close(LocalModel.from_checkpoint(tmp_path / "beside").logits(TOKENS),
+           megatron["gpt_logits"])
