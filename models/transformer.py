@@ -6,7 +6,8 @@ whole groups of query heads with their shared key and value head), the output pr
 row-parallel. With rotary positions (models/rotary.py) Q and K are rotated after the GEMM.
 MLP: column-parallel h -> f (GeLU) or h -> 2f (SwiGLU's gate and up projections), then
 row-parallel f -> h. So a layer does two all-reduces forward and two backward. The norms are
-LayerNorm or RMSNorm (models/norms.py).
+LayerNorm or RMSNorm (models/norms.py); with `model.qk_norm` each query and key head is
+normalised over its head_dim values before the rotation (Qwen3, Gemma 3).
 
 The output projections hand their bias back (`skip_bias_add`) so that bias + GeLU and bias +
 dropout + residual add are one elementwise chain each (ptdp/kernels/fused.py), fused into one
@@ -35,9 +36,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ptdp.config import ModelConfig
-from ptdp.kernels import bias_dropout_add, bias_gelu, bias_swiglu
+from ptdp.kernels import ACTIVATIONS, bias_dropout_add
 from ptdp.models.moe import MoEMLP
-from ptdp.models.norms import norm
+from ptdp.models.norms import head_norm, norm
 from ptdp.models.rotary import RotaryEmbedding, rotate
 from ptdp.parallel.context import ContextParallel
 from ptdp.parallel.experts import ExpertParallel
@@ -102,10 +103,13 @@ class ParallelAttention(nn.Module):
         self.qkv = ColumnParallelLinear(cfg.hidden_size, width, tp, seed=ctx.seed,
                                         key=f"{key}.qkv", std=cfg.init_std, bias=cfg.qkv_bias,
                                         full_weight=qkv_weight(cfg, ctx.seed, f"{key}.qkv"))
-        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
-                                      key=f"{key}.proj", skip_bias_add=True, bias=cfg.bias,
-                                      std=scaled_std(cfg.init_std, cfg.num_layers))
+        # heads * head_dim -> h (h -> h unless model.head_dim sets another head size)
+        self.proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp,
+                                      seed=ctx.seed, key=f"{key}.proj", skip_bias_add=True,
+                                      bias=cfg.bias, std=scaled_std(cfg.init_std, cfg.num_layers))
         self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding == "rope" else None
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = head_norm(cfg, tp), head_norm(cfg, tp)
 
     def core_attention(self, q, k, v, mask):
         """q [b, heads, s, d], k and v [b, groups, s, d] -> [b, heads, s, d]; dropout here is
@@ -122,14 +126,16 @@ class ParallelAttention(nn.Module):
         return _attention_with_dropout(self.ctx.rng, q, k, v, mask, dropout, causal)
 
     def project(self, x, positions=None):
-        """x [s, b, h] -> q [b, heads, s, d], k and v [b, groups, s, d] of my heads, rotated
-        for `positions` [s], or [b, s] per sample (default 0 .. s-1, or this context rank's
+        """x [s, b, h] -> q [b, heads, s, d], k and v [b, groups, s, d] of my heads (q and k
+        normalised with model.qk_norm), rotated for `positions` [s], or [b, s] per sample (default 0 .. s-1, or this context rank's
         chunks' positions) with rotary embeddings."""
         qkv = self.qkv(x)  # the whole sequence (all-gathered first with sequence parallelism)
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.local_groups, self.group_size + 2, -1)
         q = qkv[:, :, :, :self.group_size].reshape(s, b, self.local_heads, -1).permute(1, 2, 0, 3)
         k, v = (qkv[:, :, :, self.group_size + i].permute(1, 2, 0, 3) for i in range(2))
+        if self.ctx.model.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             if positions is None:   # this rank's chunks' positions with context parallelism
                 positions = (self.ctx.cp.positions(s, x.device) if self.ctx.cp.size > 1
@@ -188,7 +194,7 @@ class ParallelMLP(nn.Module):
         key = key or f"layers.{layer}.mlp"
         hidden = hidden or cfg.ffn_hidden_size     # (an MoE layer's shared experts: their own)
         width = 2 * hidden if cfg.gated else hidden
-        self.activation = bias_swiglu if cfg.gated else bias_gelu
+        self.activation = ACTIVATIONS[cfg.activation]
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp, seed=ctx.seed,
                                         key=f"{key}.fc1", std=cfg.init_std, skip_bias_add=True,
                                         bias=cfg.bias)

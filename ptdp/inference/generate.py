@@ -89,7 +89,7 @@ def forward_cached(model: LocalModel, tokens: torch.Tensor, cache: KVCache) -> t
     b, s = tokens.shape
     positions = torch.arange(start, start + s, device=tokens.device)
     emb = chunk.embedding
-    x = emb.word(tokens.t())                                                # [s, b, h]
+    x = emb.words(tokens.t())                                               # [s, b, h]
     if emb.position is not None:
         x = x + emb.position[start:start + s].unsqueeze(1)
     # query i (absolute position start + i) sees keys 0 .. start + i

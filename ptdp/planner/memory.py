@@ -15,12 +15,14 @@ MLP width:
 * replicated on every tensor rank: the two norms' inputs 2sbh (RMSNorm keeps its input as
   LayerNorm does; both keep s*b statistics, not counted), the QKV and fc1 inputs 2sbh, and
   1-byte dropout masks 2sbh when dropout > 0;
-* split by t: Q, K, V s*b*(h + 2h_kv)/t, the projection input sbh/t, and the MLP's
+* split by t: Q, K, V s*b*(h_q + 2h_kv)/t, the projection input s*b*h_q/t (h_q = heads *
+  head_dim, h unless model.head_dim sets d), and the MLP's
   activation input and output: GeLU's 2sbf/t, SwiGLU's gate and up 2sbf/t plus their product
   (fc2's input) sbf/t.
-  Rotary positions add the rotated Q and K, s*b*(h + h_kv)/t, which attention keeps while V,
+  Rotary positions add the rotated Q and K, s*b*(h_q + h_kv)/t, which attention keeps while V,
   a view, keeps the QKV output alive (models/rotary.py). A flash kernel also saves the
-  attention output sbh/t;
+  attention output s*b*h_q/t. QK-norm adds the normalised Q and K its gains multiply,
+  s*b*(h_q + h_kv)/t (its input is the QKV output, already counted);
 * attention scores (materialized kernels only): softmax output and dropout output
   2*a*s^2*b/t elements plus the 1-byte mask, a the query heads.
 
@@ -206,16 +208,17 @@ def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, re
         measured = measured_activation_bytes(hw, shape, b, t, precision, recompute)
         if measured is not None:
             return measured
-    s, h, a = shape.seq, shape.hidden, shape.heads
+    s, h, a, q = shape.seq, shape.hidden, shape.heads, shape.q_hidden
     e = BYTES[precision]
     sbh = s * b * h
     if recompute == "full":
         return sbh * e / (t if sequence_parallel else 1)
     replicated = sequence_parallel_replicated(sbh, e, shape.dropout, t, sequence_parallel)
-    rotated = s * b * (h + shape.kv_hidden) if shape.rope else 0    # rotated Q and K
-    split = (_split_linear_elements(shape, b) + rotated) / t * e
+    rotated = s * b * (q + shape.kv_hidden) if shape.rope else 0    # rotated Q and K
+    normed = s * b * (q + shape.kv_hidden) if shape.qk_norm else 0  # normalised Q and K
+    split = (_split_linear_elements(shape, b) + rotated + normed) / t * e
     if attention == "flash":
-        core = sbh / t * e + a * s * b / t * 4           # saved output + fp32 logsumexp
+        core = s * b * q / t * e + a * s * b / t * 4     # saved output + fp32 logsumexp
     else:
         core = a * s * s * b / t * (2 * e + (1 if shape.dropout else 0))
     if recompute == "selective":
@@ -235,22 +238,25 @@ def pending_weight_grad_bytes(shape: ModelShape, b: int, t: int, precision: str,
     and fc1 (3sbh/t, sbf/t) and of the row-parallel projection and fc2 (whole, sbh each).
     Norms: input and output gradient, 2 x 2sbh (split by t with sequence parallelism).
     With grouped-query attention and SwiGLU the QKV and fc1 output gradients are
-    s*b*(h + 2h_kv)/t and 2sbf/t."""
+    s*b*(h + 2h_kv)/t and 2sbf/t. QK-norm's gains hold the normalised Q and K and their output
+    gradients, 2s*b*(h_q + h_kv)/t."""
     e = BYTES[precision]
     sbh = shape.seq * b * shape.hidden
     whole = 4 * sbh                                  # QKV, fc1 inputs; proj, fc2 out-grads
     split = _split_linear_elements(shape, b) / t     # proj, fc2 inputs; QKV, fc1 out-grads
+    if shape.qk_norm:
+        split += 2 * shape.seq * b * (shape.q_hidden + shape.kv_hidden) / t
     layer_norms = 4 * sbh / (t if sequence_parallel else 1)
     return (whole + split + layer_norms) * e
 
 
 def _split_linear_elements(shape: ModelShape, b: int) -> int:
     """Elements of a layer's tensor-split activations around its linears, before the division
-    by t: the QKV output s*b*(h + 2h_kv) and the projection input sbh; fc1's output (1+g)sbf and
-    fc2's input sbf, with g = 1 for SwiGLU (whose fused kernel keeps gate and up). 4sbh + 2sbf
-    for the dissertation's block."""
-    s, h, f = shape.seq, shape.hidden, shape.ffn
-    return s * b * (2 * h + 2 * shape.kv_hidden) + (2 + shape.gated) * s * b * f
+    by t: the QKV output s*b*(h_q + 2h_kv) and the projection input s*b*h_q; fc1's output
+    (1+g)sbf and fc2's input sbf, with g = 1 for a gated activation (whose fused kernel keeps
+    gate and up). 4sbh + 2sbf for the dissertation's block."""
+    s, q, f = shape.seq, shape.q_hidden, shape.ffn
+    return s * b * (2 * q + 2 * shape.kv_hidden) + (2 + shape.gated) * s * b * f
 
 
 def ring_working_bytes(shape: ModelShape, b: int, t: int, c: int, precision: str) -> float:
