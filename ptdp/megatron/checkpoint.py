@@ -26,7 +26,7 @@ import torch
 from ptdp.megatron import files, legacy, shape, torch_dist
 from ptdp.megatron.load_command import load_flags
 from ptdp.megatron.model_args import (megatron_args, model_config, notes, refuse_for_megatron,
-                                      gelu_with_bias, vocab_divisor)
+                                      vocab_divisor)
 from ptdp.megatron.tokenizer_args import tokenizer_args
 from ptdp.megatron.names import (VOCAB_ROWS, arch_of, block_name, expert_biases, require,
                                  to_megatron, to_ptdp)
@@ -171,7 +171,5 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
     extra = padded - cfg.vocab_size
     return {"directory": final, "checkpoint": directory, "iteration": meta["iteration"],
             "arch": cfg.arch, "padded_rows": extra, "args": args,
-            "gelu_with_bias": gelu_with_bias(args),
-            "load_flags": load_flags(args, split=ckpt_format == "torch",
-                                     exact_gelu=gelu_with_bias(args)),
+            "load_flags": load_flags(args, split=ckpt_format == "torch"),
             "parameters": sum(v.numel() for v in full.values())}

@@ -8,6 +8,8 @@ written. Optimizer and RNG states are not written, hence --no-load-optim --no-lo
 
 from __future__ import annotations
 
+from ptdp.megatron.model_args import gelu_with_bias
+
 # (Megatron-LM flag, argument): flags with a value, written when the argument is not None.
 VALUED = [
     ("--num-layers", "num_layers"), ("--hidden-size", "hidden_size"),
@@ -46,7 +48,7 @@ SWITCHES = [
     ("--moe-router-pre-softmax", "moe_router_pre_softmax", True),
     ("--moe-router-enable-expert-bias", "moe_router_enable_expert_bias", True),
 ]
-def load_flags(args, split: bool, exact_gelu: bool) -> list[str]:
+def load_flags(args, split: bool) -> list[str]:
     """The Megatron-LM arguments (a list of words) that build and load the checkpoint with
     `args`; `split`: the legacy format, whose tensor and pipeline sizes are the files'."""
     words: list[str] = []
@@ -75,8 +77,8 @@ def load_flags(args, split: bool, exact_gelu: bool) -> list[str]:
         if args.expert_model_parallel_size > 1:
             add("--expert-model-parallel-size", args.expert_model_parallel_size)
     words += ["--no-load-optim", "--no-load-rng"]
-    if exact_gelu:   # Megatron's default fused bias-GeLU is the tanh approximation
-        words.append("--no-bias-gelu-fusion")
+    if gelu_with_bias(args) and not args.bias_gelu_fusion:
+        words.append("--no-bias-gelu-fusion")   # its default fused bias-GeLU is the tanh one
     return words
 
 

@@ -40,13 +40,8 @@ def _refusals(args):
     yield _get(args, "multi_latent_attention", False), "multi_latent_attention", \
         "ptdp's attention is multi-head / grouped-query"
     yield _get(args, "qk_layernorm", False), "qk_layernorm", "ptdp normalises no queries or keys"
-    yield _get(args, "apply_layernorm_1p", False) or _get(
-        args, "layernorm_zero_centered_gamma", False), "apply_layernorm_1p", \
-        "a zero-centred norm gain; ptdp's gain is the weight itself"
     yield _get(args, "apply_residual_connection_post_layernorm", False), \
         "apply_residual_connection_post_layernorm", "ptdp's residual adds the layer's input"
-    yield _get(args, "openai_gelu", False), "openai_gelu", \
-        "the tanh approximation; ptdp's GeLU is exact (erf)"
     yield _get(args, "squared_relu", False), "squared_relu", "ptdp's MLP is GeLU or SwiGLU"
     yield _get(args, "softmax_scale", None) is not None, "softmax_scale", \
         "ptdp scales attention by 1/sqrt(head_dim)"
@@ -77,8 +72,6 @@ def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
                                                   f"positions are learned_absolute or rope")
     heads, hidden = args.num_attention_heads, args.hidden_size
     kv = _get(args, "kv_channels", hidden // heads)
-    require(kv * heads == hidden, f"--kv-channels={kv} is not hidden_size/num_attention_heads "
-                                  f"({hidden}/{heads}); ptdp's heads split the hidden size")
     gated = bool(_get(args, "swiglu", False))
     if model_family(arch).heads is Heads.BERT:   # Megatron's BertModel
         _refuse_for_bert(args, gated, norm, kind)
@@ -110,7 +103,10 @@ def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
         preset=LLAMA_BLOCK if rope else GPT2_BLOCK,
         position_embedding="rope" if rope else "learned",
         normalization="rmsnorm" if norm == "RMSNorm" else "layernorm",
-        activation="swiglu" if gated else "gelu", bias=bias,
+        norm_zero_centered=bool(_get(args, "apply_layernorm_1p", False)
+                                or _get(args, "layernorm_zero_centered_gamma", False)),
+        activation="swiglu" if gated else "gelu_tanh" if fused_tanh_gelu(args) else "gelu",
+        bias=bias, head_dim=kv,
         qkv_bias=bias or bool(_get(args, "add_qkv_bias", False)),
         tie_embeddings=not _get(args, "untie_embeddings_and_output_weights", False),
         **moe_config(args, _get), **extra)
@@ -138,24 +134,36 @@ def notes(args) -> list[str]:
         out.append(f"the position table's rows from --seq-length={seq} on (of "
                    f"--max-position-embeddings={table}) are dropped: ptdp's table has "
                    f"model.seq_length rows, and Megatron trained none beyond {seq}")
-    if gelu_with_bias(args) and _get(args, "bias_gelu_fusion", False):
-        out.append("the run used Megatron's fused bias-GeLU (--bias-gelu-fusion, its default), "
-                   "the tanh approximation; ptdp's GeLU is exact, so logits differ slightly")
+    if _get(args, "openai_gelu", False):
+        out.append("--openai-gelu changes only Megatron-LM's legacy models; its megatron-core "
+                   "model computed the GeLU the checkpoint converts with")
     return out
 
 
 def gelu_with_bias(args) -> bool:
     """A GeLU MLP with biases: the model Megatron-LM computes, by default
     (--bias-gelu-fusion), with its fused kernel, the tanh approximation
-    (megatron/core/fusions/fused_bias_gelu.py) instead of the exact GeLU ptdp computes."""
-    gelu = not (_get(args, "swiglu", False) or _get(args, "squared_relu", False)
-                or _get(args, "openai_gelu", False))
+    (megatron/core/fusions/fused_bias_gelu.py), and otherwise the exact GeLU."""
+    gelu = not (_get(args, "swiglu", False) or _get(args, "squared_relu", False))
     return gelu and _get(args, "add_bias_linear", True)
+
+
+def fused_tanh_gelu(args) -> bool:
+    """Whether megatron-core's MLP computed the tanh GeLU (model.activation: gelu_tanh): the
+    fused bias-GeLU (Megatron-LM's args default --bias-gelu-fusion to True; megatron-core's
+    MLP ignores --openai-gelu, which only Megatron-LM's legacy models read)."""
+    return gelu_with_bias(args) and bool(_get(args, "bias_gelu_fusion", False))
 
 
 def refuse_for_megatron(cfg: ModelConfig) -> None:
     """What of ptdp's model Megatron's would compute otherwise (ptdp -> Megatron)."""
     refuse_moe_for_megatron(cfg)
+    require(cfg.activation != "gelu_tanh" or cfg.bias,
+            "model.activation=gelu_tanh without biases: megatron-core computes the tanh GeLU "
+            "only fused with the MLP's bias (--bias-gelu-fusion)")
+    for key in ("qk_norm", "scale_embeddings"):
+        require(not getattr(cfg, key, False), f"model.{key}=true: Megatron-LM's GPT has no such "
+                                              f"option")
     if cfg.position_embedding == "rope" and cfg.rope_scaling_factor != 1.0:
         for key, fixed in ROPE_SCALING_FIXED.items():
             require(getattr(cfg, key) == fixed, f"model.{key}={getattr(cfg, key)}: Megatron's "
@@ -201,8 +209,10 @@ def megatron_args(cfg: ModelConfig, split: dict, padded_vocab: int, progress: di
         rotary_percent=1.0, rotary_interleaved=False, use_rope_scaling=scaled,
         rope_scaling_factor=cfg.rope_scaling_factor if scaled else 8.0,
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
-        layernorm_epsilon=cfg.layernorm_eps, apply_layernorm_1p=False,
+        layernorm_epsilon=cfg.layernorm_eps, apply_layernorm_1p=cfg.norm_zero_centered,
         swiglu=cfg.gated, squared_relu=False, openai_gelu=False,
+        # Megatron-LM's default: its fused bias-GeLU is the tanh GeLU; off, the exact one
+        bias_gelu_fusion=cfg.activation == "gelu_tanh",
         add_bias_linear=cfg.bias, add_qkv_bias=cfg.qkv_bias,
         untie_embeddings_and_output_weights=not cfg.tie_embeddings,
         hidden_dropout=cfg.dropout, attention_dropout=cfg.attention_dropout_rate,

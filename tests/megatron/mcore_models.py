@@ -126,6 +126,7 @@ def transformer_config(args: Namespace):
         attention_dropout=0.0, gated_linear_unit=gated,
         activation_func=torch.nn.functional.silu if gated else torch.nn.functional.gelu,
         normalization=args.normalization, add_bias_linear=args.add_bias_linear,
+        bias_activation_fusion=getattr(args, "bias_gelu_fusion", False),
         layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std)
 
 
@@ -144,7 +145,21 @@ def build_gpt(args: Namespace, seed: int = 7):
                      args.untie_embeddings_and_output_weights)
     _randomise_norms(model)
     _grouped_in_fp32(model)
+    if getattr(args, "apply_layernorm_1p", False):
+        _zero_centred(model)
     return model.eval()
+
+
+def _zero_centred(model) -> None:
+    """--apply-layernorm-1p: the norms' gain is 1 + weight, as megatron-core's FusedLayerNorm
+    and TENorm compute it (megatron/core/fusions/fused_layer_norm.py: `weight = self.weight +
+    1 if self.zero_centered_gamma`); its local spec's torch LayerNorm refuses the option, so
+    its norms get that forward here."""
+    import torch.nn.functional as F
+    for module in model.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            module.forward = lambda x, m=module: F.layer_norm(
+                x, m.normalized_shape, m.weight + 1, m.bias, m.eps)
 
 
 def _grouped_in_fp32(model) -> None:

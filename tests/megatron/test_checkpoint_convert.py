@@ -257,7 +257,7 @@ def test_a_converted_fp16_run_resumes_at_megatrons_learning_rate(megatron, tmp_p
     ("gpt", dict(num_experts=8, moe_expert_capacity_factor=1.0),
      "--moe-expert-capacity-factor=1.0: token dropping"),
     ("gpt", dict(normalization="LayerNorm1p"), "--normalization=LayerNorm1p"),
-    ("gpt", dict(openai_gelu=True, swiglu=False), "--openai-gelu=True"),
+    ("gpt", dict(qk_layernorm=True), "--qk-layernorm=True"),
     ("gpt", dict(rotary_percent=0.5), "--rotary-percent=0.5"),
     ("bert", dict(untie_embeddings_and_output_weights=True),
      "--untie-embeddings-and-output-weights with BERT"),
@@ -450,3 +450,27 @@ def test_a_checkpoint_without_megatron_lms_args_takes_the_shape_given(megatron, 
     from_megatron(src, tmp_path / "beside")
     _close(LocalModel.from_checkpoint(tmp_path / "beside").logits(TOKENS),
            megatron["gpt_logits"])
+
+
+def test_zero_centred_norm_and_tanh_gelu_convert_exactly(megatron, tmp_path):
+    """A GPT-2-style megatron-core model with --apply-layernorm-1p (gain 1 + w) and
+    Megatron-LM's default fused bias-GeLU (tanh): ptdp's model.norm_zero_centered and
+    model.activation: gelu_tanh give its logits, both ways."""
+    from ptdp.megatron.checkpoint import from_megatron, to_megatron_checkpoint
+    args = mc.gpt_args(position_embedding_type="learned_absolute", normalization="LayerNorm",
+                       swiglu=False, add_bias_linear=True, group_query_attention=False,
+                       num_query_groups=None, untie_embeddings_and_output_weights=False,
+                       ffn_hidden_size=64, apply_layernorm_1p=True, bias_gelu_fusion=True)
+    model = mc.build_gpt(args, seed=5)
+    reference = mc.gpt_logits(model, TOKENS)
+    mc.save_legacy(model, args, tmp_path / "meg", 3)
+    _, cfg, _ = from_megatron(tmp_path / "meg", tmp_path / "ptdp")
+    assert (cfg.model.activation, cfg.model.norm_zero_centered) == ("gelu_tanh", True)
+    _close(LocalModel.from_checkpoint(tmp_path / "ptdp").logits(TOKENS), reference)
+    info = to_megatron_checkpoint(tmp_path / "ptdp", tmp_path / "back", transformer_impl="local",
+                                  ckpt_format="torch")
+    assert "--apply-layernorm-1p" in info["load_flags"]
+    assert "--no-bias-gelu-fusion" not in info["load_flags"]
+    fresh = mc.build_gpt(args, seed=99)
+    mc.load_legacy_into(fresh, info["directory"])
+    _close(mc.gpt_logits(fresh, TOKENS), reference)

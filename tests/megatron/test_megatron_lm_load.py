@@ -16,7 +16,7 @@ import pytest
 from ptdp.config import ModelConfig
 from ptdp.megatron.arguments import lookup
 from ptdp.megatron.load_command import load_flags
-from ptdp.megatron.model_args import gelu_with_bias, megatron_args, model_config
+from ptdp.megatron.model_args import megatron_args, model_config
 from ptdp.megatron.tokenizer_args import tokenizer_args
 from tests.megatron import megatron_lm
 
@@ -25,6 +25,8 @@ MODELS = {
     "llama": dict(arch="gpt", preset="llama", num_kv_heads=2, vocab_size=32000,
                   rope_theta=500000.0, rope_scaling_factor=8.0),
     "bert": dict(arch="bert", vocab_size=30592),
+    "gpt2_tanh_1p": dict(arch="gpt", preset="gpt", vocab_size=50257, activation="gelu_tanh",
+                         norm_zero_centered=True),
     "moe": dict(arch="gpt", preset="llama", vocab_size=32000, num_experts=4, moe_top_k=2,
                 moe_ffn_hidden_size=48, moe_shared_ffn_hidden_size=32,
                 moe_shared_expert_gate=True, moe_first_dense_layers=1, moe_aux_loss_coeff=0.01,
@@ -55,7 +57,7 @@ def _written(model: str, tokenizer, fmt: str, tensor: int, pipeline: int) -> tup
                          "transformer_engine", fmt,
                          tokenizer_args(None if tokenizer is None else str(tokenizer),
                                         cfg.vocab_size))
-    return cfg, args, load_flags(args, split=fmt == "torch", exact_gelu=gelu_with_bias(args))
+    return cfg, args, load_flags(args, split=fmt == "torch")
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
