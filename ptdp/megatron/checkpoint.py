@@ -57,7 +57,7 @@ def read_megatron(path: str | os.PathLike, overrides=()) -> dict:
                 f"{cfg.vocab_size}")
     return {"format": fmt, "directory": directory, "iteration": iteration, "args": args,
             "arch": arch, "model": cfg, "megatron": mstate, "state": to_ptdp(cfg, mstate),
-            "notes": notes(args), **samples_of(args, scheduler)}
+            "notes": notes(args, arch), **samples_of(args, scheduler)}
 
 
 def samples_of(args, scheduler: dict) -> dict:

@@ -105,7 +105,7 @@ def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
         normalization="rmsnorm" if norm == "RMSNorm" else "layernorm",
         norm_zero_centered=bool(_get(args, "apply_layernorm_1p", False)
                                 or _get(args, "layernorm_zero_centered_gamma", False)),
-        activation="swiglu" if gated else "gelu_tanh" if fused_tanh_gelu(args) else "gelu",
+        activation="swiglu" if gated else "gelu_tanh" if tanh_gelu(args, arch) else "gelu",
         bias=bias, head_dim=kv,
         qkv_bias=bias or bool(_get(args, "add_qkv_bias", False)),
         tie_embeddings=not _get(args, "untie_embeddings_and_output_weights", False),
@@ -125,9 +125,13 @@ def _refuse_for_bert(args, gated: bool, norm: str, kind: str) -> None:
                                f"positions, a tied LM head and the sentence-order head")
 
 
-def notes(args) -> list[str]:
+def notes(args, arch: str) -> list[str]:
     """What converts but trains differently, one line each (printed by `ptdp convert`)."""
     out = []
+    if fused_tanh_gelu(args) and not tanh_gelu(args, arch):
+        out.append("the run used Megatron's fused bias-GeLU (--bias-gelu-fusion, its default), "
+                   "the tanh approximation; ptdp's BERT has the GPT-2 block's exact GeLU, so "
+                   "logits differ slightly")
     seq, table = _get(args, "seq_length"), _get(args, "max_position_embeddings")
     if _get(args, "position_embedding_type", "learned_absolute") == "learned_absolute" and \
             seq is not None and table is not None and seq < table:
@@ -146,6 +150,12 @@ def gelu_with_bias(args) -> bool:
     (megatron/core/fusions/fused_bias_gelu.py), and otherwise the exact GeLU."""
     gelu = not (_get(args, "swiglu", False) or _get(args, "squared_relu", False))
     return gelu and _get(args, "add_bias_linear", True)
+
+
+def tanh_gelu(args, arch: str) -> bool:
+    """model.activation: gelu_tanh for Megatron's fused bias-GeLU where the family has block
+    options (ptdp's BERT keeps the GPT-2 block's exact GeLU: noted instead)."""
+    return fused_tanh_gelu(args) and model_family(arch).block_options
 
 
 def fused_tanh_gelu(args) -> bool:

@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from ptdp.config import ModelConfig
+from ptdp.config.models import GPT2_BLOCK, LLAMA_BLOCK
 from ptdp.megatron.names import MegatronConversionError, require
 
 BESIDE = ("run_config.yaml", "context/model.yaml")
@@ -162,7 +163,7 @@ def model_config(arch: str, directory: Path, state: dict, overrides) -> ModelCon
     keys.setdefault("seq_length", state["embedding.position_embeddings.weight"].shape[0]
                     if "embedding.position_embeddings.weight" in state else 0)
     keys.setdefault("num_kv_heads", _query_groups(state, keys))
-    preset = "llama" if keys["position_embedding"] == "rope" else "gpt"
+    preset = LLAMA_BLOCK if keys["position_embedding"] == "rope" else GPT2_BLOCK
     try:
         return ModelConfig(arch=arch, preset=preset, **keys)
     except TypeError as err:

@@ -309,7 +309,7 @@ def test_command_line_both_ways(megatron, tmp_path, capsys):
 
 def test_converting_refuses_what_would_be_wrong_in_one_line(megatron, tmp_path, capsys):
     from ptdp.cli import main
-    from ptdp.megatron.model_args import notes
+    from ptdp.megatron.model_args import model_config, notes
     src, out = megatron["root"] / "gpt_legacy", str(tmp_path / "p")
     for extra, message in [
             (["model.tie_embeddings=true"], "model.tie_embeddings=true: the checkpoint's output "
@@ -328,10 +328,14 @@ def test_converting_refuses_what_would_be_wrong_in_one_line(megatron, tmp_path, 
                  "--ckpt-format", "torch"]) == 2
     assert "model.ffn_hidden_size=48 does not split over parallel.tensor=5" in \
         capsys.readouterr().err
-    # a run with Megatron's fused bias-GeLU (tanh) is noted; one without it is not
-    args = mc.bert_args(bias_gelu_fusion=True)
-    assert any("fused bias-GeLU" in line for line in notes(args))
-    assert not any("fused bias-GeLU" in line for line in notes(mc.bert_args(bias_gelu_fusion=False)))
+    # a run with Megatron's fused bias-GeLU computed the tanh GeLU (gelu_tanh for GPT, a note
+    # for ptdp's BERT, whose block is GPT-2's); one without it the exact
+    fused, plain = mc.bert_args(bias_gelu_fusion=True), mc.bert_args(bias_gelu_fusion=False)
+    assert model_config(fused, "gpt").activation == "gelu_tanh"
+    assert model_config(fused, "bert").activation == "gelu"
+    assert any("fused bias-GeLU" in line for line in notes(fused, "bert"))
+    assert model_config(plain, "gpt").activation == "gelu" and not notes(plain, "bert")
+    assert any("--openai-gelu" in line for line in notes(mc.bert_args(openai_gelu=True), "gpt"))
 
 
 def test_legacy_model_names_and_old_versions_are_refused_naming_the_way_out(tmp_path):
