@@ -295,7 +295,8 @@ def test_command_line_both_ways(megatron, tmp_path, capsys):
     assert (tmp_path / "d" / "iter_0000005" / "metadata.json").is_file()
     assert main(["convert", str(tmp_path / "p"), "--to", "megatron", str(tmp_path / "x"),
                  "model.hidden_size=8"]) == 2
-    assert "takes only parallel.tensor=T" in capsys.readouterr().err
+    assert "takes only parallel.tensor=T, parallel.pipeline=P and parallel.expert=E" in \
+        capsys.readouterr().err
     assert main(["convert", str(tmp_path), "--from", "megatron", "--out", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a Megatron checkpoint" in err
