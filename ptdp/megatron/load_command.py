@@ -47,6 +47,7 @@ SWITCHES = [
     ("--moe-shared-expert-gate", "moe_shared_expert_gate", True),
     ("--moe-router-pre-softmax", "moe_router_pre_softmax", True),
     ("--moe-router-enable-expert-bias", "moe_router_enable_expert_bias", True),
+    ("--moe-grouped-gemm", "moe_grouped_gemm", True),   # GroupedMLP's legacy layout
 ]
 def load_flags(args, split: bool) -> list[str]:
     """The Megatron-LM arguments (a list of words) that build and load the checkpoint with

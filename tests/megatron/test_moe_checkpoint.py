@@ -56,6 +56,7 @@ def moe(tmp_path_factory):
         _expert_split(model, args, root / "legacy_ep2", 2)
         mc.save_torch_dist(model, args, root / "dist", 9)
         mc.save_legacy(grouped, grouped_args, root / "grouped", 9)
+        mc.save_torch_dist(grouped, grouped_args, root / "grouped_dist", 9)
         yield {"root": root, "args": args, "grouped_args": grouped_args,
                "logits": mc.gpt_logits(model, TOKENS),
                "grouped_logits": mc.gpt_logits(grouped, TOKENS), "mp": mp}
@@ -67,14 +68,15 @@ def _close(ours, theirs):
 
 
 @pytest.mark.parametrize("source, reference", [("legacy_ep2", "logits"), ("dist", "logits"),
-                                               ("grouped", "grouped_logits")])
+                                               ("grouped", "grouped_logits"),
+                                               ("grouped_dist", "grouped_logits")])
 def test_megatron_moe_converts_with_megatron_cores_logits(moe, source, reference, tmp_path):
     from ptdp.megatron.checkpoint import from_megatron
     _, cfg, found = from_megatron(moe["root"] / source, tmp_path / "ptdp",
                                   ["parallel.tensor=2"])
     m = cfg.model
     assert (m.num_experts, m.moe_top_k, m.moe_ffn_hidden_size) == (4, 2, 24)
-    if source != "grouped":
+    if not source.startswith("grouped"):
         assert (m.moe_score_function, m.moe_routed_scaling_factor, m.moe_shared_ffn_hidden_size,
                 m.moe_shared_expert_gate, m.moe_expert_bias_rate) == ("sigmoid", 2.5, 16, True,
                                                                       1e-3)
@@ -114,11 +116,19 @@ def test_ptdp_moe_loads_in_megatron_core(moe, fmt, tmp_path):
 
 
 def test_ptdp_moe_writes_the_grouped_layout(moe, tmp_path):
+    """Legacy files in GroupedMLP's two tensors, and torch_dist (layout-free: GroupedMLP asks
+    for SequentialMLP's keys) load strictly into megatron-core's GroupedMLP model."""
+    from megatron.core import dist_checkpointing
     from ptdp.megatron.checkpoint import from_megatron, to_megatron_checkpoint
     from_megatron(moe["root"] / "grouped", tmp_path / "ptdp")
     info = to_megatron_checkpoint(tmp_path / "ptdp", tmp_path / "out", transformer_impl="local",
                                   ckpt_format="torch", grouped=True)
-    assert info["args"].moe_grouped_gemm and "--moe-grouped-gemm" not in info["load_flags"]
+    assert info["args"].moe_grouped_gemm and "--moe-grouped-gemm" in info["load_flags"]
     fresh = mc.build_gpt(moe["grouped_args"], seed=99)
     mc.load_legacy_into(fresh, info["directory"])
+    _close(mc.gpt_logits(fresh, TOKENS), moe["grouped_logits"])
+    info = to_megatron_checkpoint(tmp_path / "ptdp", tmp_path / "dist", transformer_impl="local")
+    fresh = mc.build_gpt(moe["grouped_args"], seed=98)
+    loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict()}, str(info["directory"]))
+    fresh.load_state_dict(loaded["model"], strict=True)
     _close(mc.gpt_logits(fresh, TOKENS), moe["grouped_logits"])
