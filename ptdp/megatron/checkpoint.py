@@ -111,6 +111,15 @@ def _padded(state: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor
     return out
 
 
+def _tokenizer_of(directory: Path, meta: dict) -> str | None:
+    """The tokenizer the run trained with: its data.tokenizer where that file still exists (a
+    GPT-2 vocab.json or WordPiece vocab.txt keeps its Megatron tokenizer type; the
+    checkpoint's copy is a tokenizer.json), else the checkpoint's copy."""
+    from ptdp.inference.local_model import checkpoint_tokenizer
+    given = meta.get("config", {}).get("data", {}).get("tokenizer")
+    return given if given and Path(given).exists() else checkpoint_tokenizer(directory, meta)
+
+
 def padded_vocab(vocab: int, tensor: int) -> int:
     """Megatron's padded_vocab_size of `vocab` at `tensor` ranks with make_vocab_size_divisible_by
     from `vocab_divisor` (megatron/training/tokenizer/tokenizer.py `_vocab_size_with_padding`)."""
@@ -127,7 +136,6 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
     only goes into the args) or legacy ("torch") split (tensor, pipeline, expert), its experts
     as SequentialMLP's or (`grouped`) GroupedMLP's (--moe-grouped-gemm). Returns a short
     summary."""
-    from ptdp.inference.local_model import checkpoint_tokenizer
     from ptdp.inference.local_model import model_config as ptdp_model_config
     from ptdp.inference.local_model import read_full_state
 
@@ -155,7 +163,7 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
             "torch) of a mixture of experts")
     args = megatron_args(cfg, {"tensor": tensor, "pipeline": pipeline, "expert": expert},
                          padded, progress, transformer_impl, ckpt_format,
-                         tokenizer_args(checkpoint_tokenizer(directory, meta), cfg.vocab_size))
+                         tokenizer_args(_tokenizer_of(directory, meta), cfg.vocab_size))
     args.moe_grouped_gemm = grouped
     biases = meta.get("moe", {}).get("expert_bias")
     state = _padded(to_megatron(cfg, full, biases), padded)

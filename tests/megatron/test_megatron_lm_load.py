@@ -90,3 +90,23 @@ def test_the_reproduced_check_fails_where_megatron_lm_failed(tokenizers):
     old = Namespace(**{k: v for k, v in vars(args).items() if k != "tokenizer_type"})
     with pytest.raises(AttributeError, match="tokenizer_type"):
         megatron_lm.check_checkpoint_args(old, megatron_lm.run_args(words, 32000), 3.0)
+
+
+@pytest.mark.parametrize("kind, megatron_type", [("gpt2", "GPT2BPETokenizer"),
+                                                 ("wordpiece", "BertWordPieceLowerCase"),
+                                                 ("null", "NullTokenizer")])
+def test_written_files_pass_with_the_printed_command(tokenizers, kind, megatron_type, tmp_path):
+    """A ptdp checkpoint trained with each tokenizer kind, written as legacy files split
+    (2, 2): every file's args pass Megatron-LM's check against the printed command."""
+    from ptdp.checkpoint.save import conversion_config, save_full_state
+    from ptdp.inference.local_model import initial_state
+    from ptdp.megatron.checkpoint import to_megatron_checkpoint
+    model = ModelConfig(arch="gpt", preset="llama", num_layers=2, hidden_size=32, num_heads=4,
+                        num_kv_heads=2, vocab_size=64, seq_length=16)
+    tokenizer = tokenizers[kind]
+    cfg = conversion_config(model, [], None if tokenizer is None else str(tokenizer))
+    save_full_state(initial_state(model, 0), cfg, tmp_path / "ptdp", iteration=3)
+    info = to_megatron_checkpoint(tmp_path / "ptdp", tmp_path / "meg", 2, 2, ckpt_format="torch")
+    assert info["args"].tokenizer_type == megatron_type
+    assert ("--vocab-file" in info["load_flags"]) == (kind != "null")
+    assert megatron_lm.assert_loads(info["directory"], info["load_flags"], 64) == 4
