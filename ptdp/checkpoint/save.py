@@ -340,13 +340,15 @@ def conversion_config(model_cfg, overrides=(), tokenizer: str | os.PathLike | No
 
 
 def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: int = 0,
-                    consumed_samples: int | None = None, skipped_samples: int = 0) -> Path:
+                    consumed_samples: int | None = None, skipped_samples: int = 0,
+                    extra_meta: dict | None = None) -> Path:
     """Write full (layout-free, vocabulary-trimmed) weights as a checkpoint for cfg's layout,
     with cfg's data.tokenizer copied in.
 
     The progress is `iteration`, the samples consumed before it (default: what cfg's batches,
     ramp-up included, consume in `iteration` iterations) and those of updates fp16 skipped (the
     learning rate stands still over them), as another trainer's run recorded them.
+    `extra_meta`: state parts kept in the metadata (e.g. "moe", the selection biases).
 
     The shards are what the ranks of (p, t, d, v) = cfg.parallel would save: each parameter
     sliced with `local_slice` for every tensor rank, on the pipeline rank whose chunk holds
@@ -403,6 +405,6 @@ def save_full_state(full: dict, cfg, directory: str | os.PathLike, iteration: in
             "model": dataclasses.asdict(cfg.model), "train": dataclasses.asdict(cfg.train),
             "config": cfg.to_dict(), "rng": False, "params": params,
             "files": sorted([shard_file_name(pp, tr) for pp, tr in shards]
-                            + _config_and_tokenizer_files(cfg))}
+                            + _config_and_tokenizer_files(cfg)), **(extra_meta or {})}
     _publish(tmp, final, seal(meta, checksums))
     return final

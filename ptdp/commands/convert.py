@@ -21,13 +21,15 @@ def register(subparsers) -> None:
                     "model type cannot reproduce exactly (a sliding window, a rope scaling other "
                     "than llama3, ...) is refused in one line. Needs the hf extra: pip install "
                     "'ptdp[hf]'. ptdp convert MEGATRON_DIR --from megatron --out CHECKPOINT "
-                    "[overrides]: a Megatron-LM checkpoint of a megatron-core GPT or BERT (legacy "
-                    "mp_rank_* files of any tensor/pipeline/virtual split, or torch_dist), "
-                    "resuming at its iteration. ptdp convert CHECKPOINT --to megatron OUT_DIR "
-                    "[parallel.tensor=T parallel.pipeline=P] [--ckpt-format torch] "
+                    "[overrides]: a Megatron-LM checkpoint of a megatron-core GPT (dense or MoE) "
+                    "or BERT (legacy mp_rank_* files of any tensor/pipeline/virtual/expert "
+                    "split, or torch_dist; without Megatron-LM's args, model.* overrides or a "
+                    "run_config.yaml beside it give the shape), resuming at its iteration. "
+                    "ptdp convert CHECKPOINT --to megatron OUT_DIR [parallel.tensor=T "
+                    "parallel.pipeline=P parallel.expert=E] [--ckpt-format torch] "
                     "[--transformer-impl local]: a Megatron-LM checkpoint, torch_dist by "
-                    "default or legacy files of that split (load it with --no-load-optim "
-                    "--no-load-rng). See docs/migration.md.")
+                    "default or legacy files of that split; it prints the Megatron-LM "
+                    "arguments that load it. See docs/migration.md.")
     parser.add_argument("source", help="a ptdp checkpoint (dir or iter_N) or, with --from, a "
                                        "Hugging Face model directory or a Megatron-LM checkpoint "
                                        "(its dir, iter_NNNNNNN or release)")
@@ -169,19 +171,20 @@ def _from_megatron(args) -> int:
 def _to_megatron(args) -> int:
     from ptdp.checkpoint.layout import CheckpointError
     from ptdp.megatron.checkpoint import to_megatron_checkpoint
-    split = {"parallel.tensor": 1, "parallel.pipeline": 1}
+    split = {"parallel.tensor": 1, "parallel.pipeline": 1, "parallel.expert": 1}
     for item in args.overrides:
         key, _, value = item.partition("=")
         if key not in split or not value.isdigit():
-            print(f"ptdp convert: --to megatron takes only parallel.tensor=T and "
-                  f"parallel.pipeline=P (got {item})", file=sys.stderr)
+            print(f"ptdp convert: --to megatron takes only parallel.tensor=T, "
+                  f"parallel.pipeline=P and parallel.expert=E (got {item})", file=sys.stderr)
             return 2
         split[key] = int(value)
     try:
         ckpt_format = args.ckpt_format or "torch_dist"
         info = to_megatron_checkpoint(args.source, args.to[1], split["parallel.tensor"],
                                       split["parallel.pipeline"],
-                                      args.transformer_impl or "transformer_engine", ckpt_format)
+                                      args.transformer_impl or "transformer_engine", ckpt_format,
+                                      expert=split["parallel.expert"])
     except (CheckpointError, ValueError, FileNotFoundError, KeyError) as err:
         print(f"ptdp convert: {_message(err)}", file=sys.stderr)
         return 2
@@ -191,13 +194,11 @@ def _to_megatron(args) -> int:
               f") is not a multiple of the tensor size; Megatron's {info['padded_rows']} padding "
               f"rows are zeros, whose logits (0) enter its softmax", file=sys.stderr)
     split_text = ("" if ckpt_format == "torch_dist" else
-                  f", tensor {split['parallel.tensor']} x pipeline {split['parallel.pipeline']}")
+                  f", tensor {split['parallel.tensor']} x pipeline {split['parallel.pipeline']}"
+                  f" x expert {split['parallel.expert']}")
     print(f"wrote {info['directory']}: {info['arch']}, {info['parameters']:,} parameters, from "
           f"{info['checkpoint']} (iteration {info['iteration']}){split_text}; load it in "
-          f"Megatron-LM with --ckpt-format {ckpt_format} --no-load-optim --no-load-rng "
-          f"--make-vocab-size-divisible-by {meg.make_vocab_size_divisible_by} "
-          f"--transformer-impl {meg.transformer_impl}"
-          + (" --no-bias-gelu-fusion (exact GeLU, as ptdp's)" if info["gelu_with_bias"] else ""))
+          f"Megatron-LM with --load {args.to[1]} {' '.join(info['load_flags'])}")
     return 0
 
 

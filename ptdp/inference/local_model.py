@@ -111,7 +111,17 @@ class LocalModel(torch.nn.Module):
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike) -> "LocalModel":
         _, meta, state = read_full_state(path)
-        return cls(model_config(meta), state)
+        model = cls(model_config(meta), state)
+        model.set_expert_biases((meta.get("moe") or {}).get("expert_bias", {}))
+        return model
+
+    def set_expert_biases(self, biases: dict) -> None:
+        """The routers' selection biases by layer (a checkpoint's "moe" part,
+        ptdp/training/experts.py `ExpertBiasState`); layers not named keep theirs."""
+        for i, layer in enumerate(self.chunk.stack.layers):
+            if hasattr(layer.mlp, "router") and str(self.chunk.stack.first + i) in biases:
+                layer.mlp.router.expert_bias = torch.tensor(
+                    biases[str(self.chunk.stack.first + i)], dtype=torch.float32)
 
     def hidden(self, tokens: torch.Tensor, types=None, padding_mask=None) -> torch.Tensor:
         """[b, s] token ids -> final-LayerNorm hidden states [s, b, h]."""

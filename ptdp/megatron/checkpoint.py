@@ -23,23 +23,32 @@ from pathlib import Path
 
 import torch
 
-from ptdp.megatron import files, legacy, torch_dist
+from ptdp.megatron import files, legacy, shape, torch_dist
+from ptdp.megatron.load_command import load_flags
 from ptdp.megatron.model_args import (megatron_args, model_config, notes, refuse_for_megatron,
-                                      gelu_with_bias, vocab_divisor)
-from ptdp.megatron.names import VOCAB_ROWS, arch_of, block_name, require, to_megatron, to_ptdp
+                                      vocab_divisor)
+from ptdp.megatron.tokenizer_args import tokenizer_args
+from ptdp.megatron.names import (VOCAB_ROWS, arch_of, block_name, expert_biases, require,
+                                 to_megatron, to_ptdp)
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 FORMATS = ("torch_dist", "torch")   # Megatron-LM's --ckpt-format names; torch = legacy
 
 
-def read_megatron(path: str | os.PathLike) -> dict:
+def read_megatron(path: str | os.PathLike, overrides=()) -> dict:
     """{'format', 'directory', 'iteration', 'args', 'arch', 'model' (ModelConfig of the args),
     'megatron' (the full Megatron state), 'state' (ptdp's full weights of 'model'), 'notes'}
-    of a Megatron checkpoint."""
+    of a Megatron checkpoint; one without Megatron-LM's args takes its shape from a config
+    beside it and the `model.*` overrides (ptdp/megatron/shape.py)."""
     directory, iteration = files.iteration_dir(path)
     fmt = "torch_dist" if files.is_torch_dist(directory) else "legacy"
     args, mstate, scheduler = (torch_dist if fmt == "torch_dist" else legacy).read(directory)
     arch = arch_of(mstate)
+    if args is None:
+        given = shape.model_config(arch, directory, mstate, overrides)
+        args = megatron_args(given, {"tensor": 1, "pipeline": 1}, given.vocab_size,
+                             {"iteration": iteration, "consumed_samples": None}, "local", fmt,
+                             tokenizer_args(None, given.vocab_size))
     word = mstate.get("embedding.word_embeddings.weight")
     cfg = model_config(args, arch, None if word is None else word.shape[0])
     if word is not None:
@@ -48,7 +57,7 @@ def read_megatron(path: str | os.PathLike) -> dict:
                 f"{cfg.vocab_size}")
     return {"format": fmt, "directory": directory, "iteration": iteration, "args": args,
             "arch": arch, "model": cfg, "megatron": mstate, "state": to_ptdp(cfg, mstate),
-            "notes": notes(args), **samples_of(args, scheduler)}
+            "notes": notes(args, arch), **samples_of(args, scheduler)}
 
 
 def samples_of(args, scheduler: dict) -> dict:
@@ -71,7 +80,7 @@ def from_megatron(source: str | os.PathLike, out: str | os.PathLike, overrides=(
     from ptdp.checkpoint.save import conversion_config, save_full_state
     from ptdp.data.tokenizer import checked_tokenizer
 
-    found = read_megatron(source)
+    found = read_megatron(source, overrides)
     if tokenizer:
         checked_tokenizer(tokenizer, found["model"].vocab_size)
     cfg = conversion_config(found["model"], overrides, tokenizer)
@@ -85,7 +94,9 @@ def from_megatron(source: str | os.PathLike, out: str | os.PathLike, overrides=(
     progress = ({"consumed_samples": found["consumed_samples"],
                  "skipped_samples": found["skipped_samples"]}
                 if iteration is None and "consumed_samples" in found else {})
-    final = save_full_state(state, cfg, out, iteration=step, **progress)
+    biases = expert_biases(cfg.model, found["megatron"])
+    final = save_full_state(state, cfg, out, iteration=step, **progress,
+                            extra_meta={"moe": {"expert_bias": biases}} if biases else None)
     return final, cfg, found
 
 
@@ -100,12 +111,30 @@ def _padded(state: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor
     return out
 
 
+def _tokenizer_of(directory: Path, meta: dict) -> str | None:
+    """The tokenizer the run trained with: its data.tokenizer where that file still exists (a
+    GPT-2 vocab.json or WordPiece vocab.txt keeps its Megatron tokenizer type; the
+    checkpoint's copy is a tokenizer.json), else the checkpoint's copy."""
+    from ptdp.inference.local_model import checkpoint_tokenizer
+    given = meta.get("config", {}).get("data", {}).get("tokenizer")
+    return given if given and Path(given).exists() else checkpoint_tokenizer(directory, meta)
+
+
+def padded_vocab(vocab: int, tensor: int) -> int:
+    """Megatron's padded_vocab_size of `vocab` at `tensor` ranks with make_vocab_size_divisible_by
+    from `vocab_divisor` (megatron/training/tokenizer/tokenizer.py `_vocab_size_with_padding`)."""
+    multiple = vocab_divisor(vocab, tensor) * tensor
+    return multiple * math.ceil(vocab / multiple)
+
+
 def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike,
                            tensor: int = 1, pipeline: int = 1,
                            transformer_impl: str = "transformer_engine",
-                           ckpt_format: str = "torch_dist") -> dict:
+                           ckpt_format: str = "torch_dist", expert: int = 1,
+                           grouped: bool = False) -> dict:
     """Write a ptdp checkpoint as a Megatron-LM checkpoint: torch_dist (layout-free; the split
-    only goes into the args) or legacy ("torch") split (tensor, pipeline). Returns a short
+    only goes into the args) or legacy ("torch") split (tensor, pipeline, expert), its experts
+    as SequentialMLP's or (`grouped`) GroupedMLP's (--moe-grouped-gemm). Returns a short
     summary."""
     from ptdp.inference.local_model import model_config as ptdp_model_config
     from ptdp.inference.local_model import read_full_state
@@ -114,7 +143,8 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
             f"--transformer-impl {transformer_impl}: choose {' or '.join(TRANSFORMER_IMPLS)}")
     require(ckpt_format in FORMATS, f"--ckpt-format {ckpt_format}: choose "
                                     f"{' or '.join(FORMATS)}")
-    require(tensor >= 1 and pipeline >= 1, "tensor and pipeline sizes must be at least 1")
+    require(tensor >= 1 and pipeline >= 1 and expert >= 1,
+            "tensor, pipeline and expert sizes must be at least 1")
     directory, meta, full = read_full_state(checkpoint)
     cfg = ptdp_model_config(meta)
     refuse_for_megatron(cfg)
@@ -122,25 +152,32 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
                        ("model.num_kv_heads (query groups)", cfg.num_kv_heads)):
         require(size % tensor == 0, f"{what}={size} does not split over parallel.tensor={tensor} "
                                     f"ranks, as Megatron-LM's split needs")
-    multiple = vocab_divisor(cfg.vocab_size, tensor) * tensor
-    padded = multiple * math.ceil(cfg.vocab_size / multiple)
+    padded = padded_vocab(cfg.vocab_size, tensor)
     train = meta.get("config", {}).get("train", {})
-    consumed = meta.get("consumed_samples",   # (a batch ramp-up: less than iteration * B)
-                        meta["iteration"] * int(train.get("global_batch_size", 0) or 0))
-    args = megatron_args(cfg, tensor, pipeline, padded, meta["iteration"], consumed,
-                         transformer_impl, ckpt_format)
-    state = _padded(to_megatron(cfg, full), padded)
+    batch = int(train.get("global_batch_size", 0) or 0)
+    progress = {"iteration": meta["iteration"], "global_batch_size": batch or None,
+                # (a batch ramp-up: less than iteration * B)
+                "consumed_samples": meta.get("consumed_samples", meta["iteration"] * batch)}
+    require((expert == 1 and not grouped) or (cfg.num_experts and ckpt_format == "torch"),
+            "an expert split and the grouped layout are for the legacy format (--ckpt-format "
+            "torch) of a mixture of experts")
+    args = megatron_args(cfg, {"tensor": tensor, "pipeline": pipeline, "expert": expert},
+                         padded, progress, transformer_impl, ckpt_format,
+                         tokenizer_args(_tokenizer_of(directory, meta), cfg.vocab_size))
+    args.moe_grouped_gemm = grouped
+    biases = meta.get("moe", {}).get("expert_bias")
+    state = _padded(to_megatron(cfg, full, biases), padded)
     fused = transformer_impl == "transformer_engine"
     if ckpt_format == "torch":
-        final = legacy.write(state, cfg, args, Path(out), meta["iteration"], tensor, pipeline,
-                             fused_norms=fused)
+        final = legacy.write(state, cfg, args, Path(out), meta["iteration"],
+                             (tensor, pipeline, expert), fused_norms=fused, grouped=grouped)
     else:
         final = Path(out) / f"iter_{meta['iteration']:07d}"
-        torch_dist.write(state, cfg.num_layers, block_name(cfg), args, final,
+        torch_dist.write(state, cfg, block_name(cfg), args, final,
                          meta["iteration"], fused_norms=fused)
         files.write_tracker(Path(out), meta["iteration"])
     extra = padded - cfg.vocab_size
     return {"directory": final, "checkpoint": directory, "iteration": meta["iteration"],
             "arch": cfg.arch, "padded_rows": extra, "args": args,
-            "gelu_with_bias": gelu_with_bias(args),
+            "load_flags": load_flags(args, split=ckpt_format == "torch"),
             "parameters": sum(v.numel() for v in full.values())}

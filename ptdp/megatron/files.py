@@ -95,27 +95,47 @@ def is_torch_dist(directory: Path) -> bool:
     return (directory / "metadata.json").is_file()
 
 
-def rank_files(directory: Path) -> dict[tuple[int, int], Path]:
-    """{(tensor rank, pipeline rank): model_optim_rng.pt} of a legacy iteration directory."""
-    files = {}
+def rank_names(directory: Path) -> dict[tuple[int, ...], Path]:
+    """{(tensor rank, then each number after it): model_optim_rng.pt} of a legacy iteration
+    directory: `mp_rank_TT`, `mp_rank_TT_PPP`, `mp_rank_TT_PPP_EEE` or, with expert but no
+    pipeline parallelism, `mp_rank_TT_EEE` (megatron/training/checkpointing.py
+    `get_checkpoint_name`); `rank_files` tells the last two apart by the args."""
+    found = {}
     for sub in sorted(directory.iterdir()):
         match = _RANK_DIR.match(sub.name)
-        if not match or not (sub / MODEL_FILE).is_file():
-            continue
-        require(match.group(3) is None, f"{sub}: expert-parallel shards (mp_rank_TT_PPP_EEE) "
-                                        f"hold a mixture of experts; ptdp's MLP is dense")
-        files[int(match.group(1)), int(match.group(2) or 0)] = sub / MODEL_FILE
-    require(files, f"{directory}: no mp_rank_*/{MODEL_FILE} and no metadata.json: neither a "
+        if match and (sub / MODEL_FILE).is_file():
+            found[tuple(int(g) for g in match.groups() if g is not None)] = sub / MODEL_FILE
+    require(found, f"{directory}: no mp_rank_*/{MODEL_FILE} and no metadata.json: neither a "
                    f"legacy nor a torch_dist Megatron checkpoint")
-    tensor = 1 + max(t for t, _ in files)
-    pipeline = 1 + max(p for _, p in files)
+    return found
+
+
+def rank_files(directory: Path, found: dict,
+               single_is_expert: bool) -> dict[tuple[int, int, int], Path]:
+    """{(tensor, pipeline, expert rank): file} of `rank_names`' files; `single_is_expert`: a
+    lone number after the tensor rank is the expert rank (the args say expert parallelism
+    without pipeline parallelism). Refuses a missing file."""
+    files = {}
+    for key, path in found.items():
+        t, rest = key[0], list(key[1:])
+        e = rest.pop() if len(rest) == 2 or (rest and single_is_expert) else 0
+        files[t, rest[0] if rest else 0, e] = path
+    tensor, pipeline, expert = (1 + max(key[i] for key in files) for i in range(3))
     for t in range(tensor):
         for p in range(pipeline):
-            name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pipeline > 1 else "")
-            require((t, p) in files, f"{directory / name / MODEL_FILE} is missing (the other "
-                                     f"files are a {tensor}-way tensor, {pipeline}-way pipeline "
-                                     f"split)")
+            for e in range(expert):
+                name = rank_dir_name(t, p, e, pipeline, expert)
+                require((t, p, e) in files, f"{directory / name / MODEL_FILE} is missing (the "
+                                            f"other files are a {tensor}-way tensor, {pipeline}"
+                                            f"-way pipeline, {expert}-way expert split)")
     return files
+
+
+def rank_dir_name(tensor_rank: int, pipeline_rank: int, expert_rank: int, pipeline: int,
+                  expert: int) -> str:
+    """Megatron-LM's rank folder name (`get_checkpoint_name`)."""
+    return (f"mp_rank_{tensor_rank:02d}" + (f"_{pipeline_rank:03d}" if pipeline > 1 else "")
+            + (f"_{expert_rank:03d}" if expert > 1 else ""))
 
 
 def write_tracker(root: Path, iteration: int) -> None:

@@ -14,7 +14,7 @@ accounted in the split, a layout) from the start of virtual stage k * P + s
 (ptdp/megatron/pipeline_layers.py, `counts_from_args`).
 Writing does the inverse, with the last stage's copy of a tied word table as
 `output_layer.weight` and `_extra_state: None` for each of a layer's modules that megatron-core
-gives one (names.py `layer_extra_states`).
+gives one (names.py `extra_states`); experts as ptdp/megatron/experts.py says.
 """
 
 from __future__ import annotations
@@ -26,14 +26,13 @@ import torch
 
 from ptdp.config import ModelConfig
 from ptdp.config.stages import StageMap, layer_ranges
-from ptdp.megatron import files
+from ptdp.megatron import experts, files
 from ptdp.megatron.converters import Unmapped
 from ptdp.megatron.pipeline_layers import counts_from_args
-from ptdp.megatron.names import (fused_norm_names, is_gated_fc1, layer_extra_states,
+from ptdp.megatron.names import (extra_states, fused_norm_names, is_gated_fc1,
                                  local_norm_names, partition_dim, require)
 
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
-_LAYER_PREFIX = re.compile(r"^((?:decoder|encoder)\.layers\.\d+\.)")
 
 
 def _chunks(saved: dict, path: Path) -> list[dict]:
@@ -86,40 +85,48 @@ def _merge(name: str, shards: list[torch.Tensor], gated: bool) -> torch.Tensor:
     return torch.cat(shards, dim=dim)
 
 
-def _rank_state(path: Path, args, pipeline: int, rank: int) -> tuple[object, dict, dict]:
-    """(args, {global name: this file's tensor}, its learning-rate scheduler state) of one
-    rank's file; `args`: from an earlier file, else this one's."""
-    saved = files.load(path)
+def _rank_state(path: Path, saved: dict, args, rank: tuple[int, int, int],
+                split: tuple[int, int]) -> tuple[dict, dict]:
+    """({global name: this file's tensor}, its learning-rate scheduler state) of one rank's
+    file (`rank`: tensor, pipeline, expert rank; `split`: pipeline and expert sizes). An
+    expert rank past 0 gives only its experts (the rest repeats rank 0's)."""
     version = saved.get("checkpoint_version", files.CHECKPOINT_VERSION)
     require(version >= files.CHECKPOINT_VERSION,
             f"{path}: checkpoint_version {version}: before 3.0 Megatron ordered the QKV rows "
             f"otherwise; re-save it with a current Megatron-LM first")
-    args = args if args is not None else saved.get("args")
-    require(args is not None, f"{path} has no 'args': the model's shape comes from them")
+    (_, stage, expert_rank), (pipeline, expert) = rank, split
     chunks = _chunks(saved, path)
     counts = _stage_counts(args, pipeline, len(chunks))
+    local_experts = (getattr(args, "num_experts", None) or 0) // expert
     out = {}
     for k, chunk in enumerate(chunks):
-        offset = layer_offset(args.num_layers, pipeline, len(chunks), rank, k, counts)
+        offset = layer_offset(args.num_layers, pipeline, len(chunks), stage, k, counts)
+        chunk = experts.from_grouped(chunk, args.hidden_size, local_experts)
+        chunk = experts.renumbered(chunk, expert_rank * local_experts)
         out.update((name, value) for name, value in
                    _renumbered(local_norm_names(chunk), offset).items()
-                   if isinstance(value, torch.Tensor))
-    return args, out, saved.get("opt_param_scheduler") or {}
+                   if isinstance(value, torch.Tensor)
+                   and (expert_rank == 0 or experts.is_expert(name)))
+    return out, saved.get("opt_param_scheduler") or {}
 
 
 def read(directory: Path) -> tuple[object, dict[str, torch.Tensor], dict]:
     """(args, full Megatron state, learning-rate scheduler state) of a legacy iteration
     directory of any split."""
-    paths = files.rank_files(directory)
-    tensor = 1 + max(t for t, _ in paths)
-    pipeline = 1 + max(p for _, p in paths)
+    found = files.rank_names(directory)
+    first = files.load(found[min(found)])
+    args = first.get("args")
+    require(args is not None, f"{found[min(found)]} has no 'args': the model's shape comes from "
+                              f"them (Megatron-LM saves them in every legacy file)")
+    paths = files.rank_files(directory, found, _single_is_expert(args))
+    tensor, pipeline, expert = (1 + max(key[i] for key in paths) for i in range(3))
     shards: dict[str, list[torch.Tensor]] = {}   # name -> one tensor per tensor rank, in order
-    args, scheduler = None, {}
-    for t in range(tensor):
-        for p in range(pipeline):
-            args, state, scheduler = _rank_state(paths[t, p], args, pipeline, p)
-            for name, value in state.items():
-                shards.setdefault(name, []).append(value)
+    scheduler = {}
+    for rank in sorted(paths, key=lambda r: (r[2], r[1], r[0])):
+        saved = first if paths[rank] == found[min(found)] else files.load(paths[rank])
+        state, scheduler = _rank_state(paths[rank], saved, args, rank, (pipeline, expert))
+        for name, value in state.items():
+            shards.setdefault(name, []).append(value)
     gated = bool(getattr(args, "swiglu", False))
     merged = {}
     for name, values in shards.items():
@@ -127,6 +134,12 @@ def read(directory: Path) -> tuple[object, dict[str, torch.Tensor], dict]:
                                        f"(or on more than one pipeline stage)")
         merged[name] = _merge(name, values, gated and ".linear_fc1." in name)
     return args, merged, scheduler
+
+
+def _single_is_expert(args) -> bool:
+    """Whether `mp_rank_TT_NNN` names expert rank NNN: expert but no pipeline parallelism."""
+    return (getattr(args, "expert_model_parallel_size", 1) or 1) > 1 and \
+        (getattr(args, "pipeline_model_parallel_size", 1) or 1) == 1
 
 
 def _split(name: str, value: torch.Tensor, tensor: int, cfg: ModelConfig) -> list[torch.Tensor]:
@@ -149,13 +162,17 @@ def _stage_of(name: str, cfg: ModelConfig, pipeline: int) -> tuple[int, str]:
 
 
 def write(state: dict[str, torch.Tensor], cfg: ModelConfig, args, root: Path, iteration: int,
-          tensor: int, pipeline: int, fused_norms: bool) -> Path:
+          split: tuple[int, int, int], fused_norms: bool, grouped: bool = False) -> Path:
     """Write a full Megatron state as `root/iter_N/mp_rank_*/model_optim_rng.pt` plus the
-    tracker; returns the iteration directory."""
+    tracker for `split` = (tensor, pipeline, expert) ranks; `grouped`: the experts in
+    GroupedMLP's two tensors. Returns the iteration directory."""
+    tensor, pipeline, expert = split
     require(cfg.num_layers % pipeline == 0, f"num_layers={cfg.num_layers} does not split into "
                                             f"{pipeline} pipeline stages")
     require(cfg.num_kv_heads % tensor == 0, f"{cfg.num_kv_heads} query groups do not split "
                                             f"over {tensor} tensor ranks")
+    require(cfg.num_experts % expert == 0, f"{cfg.num_experts} experts do not split over "
+                                           f"{expert} expert-parallel ranks")
     if cfg.tie_embeddings and pipeline > 1:   # the last stage's own copy of the word table
         state = dict(state, **{"output_layer.weight": state["embedding.word_embeddings.weight"]})
     dicts = {(t, p): {} for t in range(tensor) for p in range(pipeline)}
@@ -164,17 +181,33 @@ def write(state: dict[str, torch.Tensor], cfg: ModelConfig, args, root: Path, it
         for t, shard in enumerate(_split(name, value, tensor, cfg)):
             dicts[t, p][local] = shard.clone().contiguous()
     final = root / f"iter_{iteration:07d}"
+    local_experts = cfg.num_experts // expert
     for (t, p), model in dicts.items():
         model = fused_norm_names(model) if fused_norms else model
-        for prefix in {m.group(1) for n in model if (m := _LAYER_PREFIX.match(n))}:
-            for module in layer_extra_states(fused_norms):
-                model[f"{prefix}{module}._extra_state"] = None
+        model.update(extra_states(model, fused_norms))
         if p == pipeline - 1:   # the output layer is a ColumnParallelLinear, tied or not
             model["output_layer._extra_state"] = None
-        sub = final / (f"mp_rank_{t:02d}" + (f"_{p:03d}" if pipeline > 1 else ""))
-        sub.mkdir(parents=True, exist_ok=True)
-        torch.save({"args": args, "checkpoint_version": files.CHECKPOINT_VERSION,
-                    "iteration": iteration, "model": model}, sub / files.MODEL_FILE)
+        for e in range(expert):
+            mine = experts.renumbered(_experts_of_rank(model, e, local_experts),
+                                      -e * local_experts)
+            if grouped:
+                mine = experts.to_grouped(mine, cfg.hidden_size)
+            sub = final / files.rank_dir_name(t, p, e, pipeline, expert)
+            sub.mkdir(parents=True, exist_ok=True)
+            torch.save({"args": args, "checkpoint_version": files.CHECKPOINT_VERSION,
+                        "iteration": iteration, "model": mine}, sub / files.MODEL_FILE)
     files.write_tracker(root, iteration)
     return final
 
+
+_EXPERT_INDEX = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def _experts_of_rank(model: dict, rank: int, local_experts: int) -> dict:
+    """A rank file's state: everything but the experts, and expert rank `rank`'s experts."""
+    out = {}
+    for name, value in model.items():
+        match = _EXPERT_INDEX.search(name)
+        if match is None or int(match.group(1)) // local_experts == rank:
+            out[name] = value
+    return out

@@ -7,9 +7,11 @@ padded_vocab_size, normalization, swiglu, position_embedding_type, ...). The voc
 `padded_vocab_size`: Megatron's softmax runs over the padded rows too, so keeping them is
 what reproduces its logits and losses.
 
-Written (ptdp -> Megatron): the same fields, plus what Megatron-LM's `check_checkpoint_args`
-compares (tensor/pipeline sizes, make_vocab_size_divisible_by) and the progress fields its
-loader reads (iteration, consumed_train_samples).
+Written (ptdp -> Megatron): every argument Megatron-LM's `load_args_from_checkpoint` reads and
+its `check_checkpoint_args` compares (tensor/pipeline sizes, make_vocab_size_divisible_by,
+add_position_embedding, the tokenizer's, ptdp/megatron/tokenizer_args.py), the MoE ones
+(ptdp/megatron/moe_args.py) and the progress fields its loader reads (iteration,
+consumed_train_samples); ptdp/megatron/load_command.py prints the matching command line.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from ptdp.config import ModelConfig
 from ptdp.config.models import GPT2_BLOCK, LLAMA_BLOCK, Heads, model_family
+from ptdp.megatron.moe_args import moe_args, moe_config, refuse_moe_for_megatron
 from ptdp.megatron.names import require
 
 # Megatron's llama3 rope scaling (rotary_pos_embedding.py `_apply_scaling`) fixes these three.
@@ -34,17 +37,11 @@ def _get(args, name, default=None):
 
 def _refusals(args):
     """(condition, argument, why) for every setting ptdp's block cannot compute."""
-    yield _get(args, "num_experts", 0), "num_experts", "a mixture of experts; ptdp's MLP is dense"
     yield _get(args, "multi_latent_attention", False), "multi_latent_attention", \
         "ptdp's attention is multi-head / grouped-query"
     yield _get(args, "qk_layernorm", False), "qk_layernorm", "ptdp normalises no queries or keys"
-    yield _get(args, "apply_layernorm_1p", False) or _get(
-        args, "layernorm_zero_centered_gamma", False), "apply_layernorm_1p", \
-        "a zero-centred norm gain; ptdp's gain is the weight itself"
     yield _get(args, "apply_residual_connection_post_layernorm", False), \
         "apply_residual_connection_post_layernorm", "ptdp's residual adds the layer's input"
-    yield _get(args, "openai_gelu", False), "openai_gelu", \
-        "the tanh approximation; ptdp's GeLU is exact (erf)"
     yield _get(args, "squared_relu", False), "squared_relu", "ptdp's MLP is GeLU or SwiGLU"
     yield _get(args, "softmax_scale", None) is not None, "softmax_scale", \
         "ptdp scales attention by 1/sqrt(head_dim)"
@@ -75,8 +72,6 @@ def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
                                                   f"positions are learned_absolute or rope")
     heads, hidden = args.num_attention_heads, args.hidden_size
     kv = _get(args, "kv_channels", hidden // heads)
-    require(kv * heads == hidden, f"--kv-channels={kv} is not hidden_size/num_attention_heads "
-                                  f"({hidden}/{heads}); ptdp's heads split the hidden size")
     gated = bool(_get(args, "swiglu", False))
     if model_family(arch).heads is Heads.BERT:   # Megatron's BertModel
         _refuse_for_bert(args, gated, norm, kind)
@@ -108,9 +103,13 @@ def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
         preset=LLAMA_BLOCK if rope else GPT2_BLOCK,
         position_embedding="rope" if rope else "learned",
         normalization="rmsnorm" if norm == "RMSNorm" else "layernorm",
-        activation="swiglu" if gated else "gelu", bias=bias,
+        norm_zero_centered=bool(_get(args, "apply_layernorm_1p", False)
+                                or _get(args, "layernorm_zero_centered_gamma", False)),
+        activation="swiglu" if gated else "gelu_tanh" if tanh_gelu(args, arch) else "gelu",
+        bias=bias, head_dim=kv,
         qkv_bias=bias or bool(_get(args, "add_qkv_bias", False)),
-        tie_embeddings=not _get(args, "untie_embeddings_and_output_weights", False), **extra)
+        tie_embeddings=not _get(args, "untie_embeddings_and_output_weights", False),
+        **moe_config(args, _get), **extra)
 
 
 def _refuse_for_bert(args, gated: bool, norm: str, kind: str) -> None:
@@ -126,32 +125,55 @@ def _refuse_for_bert(args, gated: bool, norm: str, kind: str) -> None:
                                f"positions, a tied LM head and the sentence-order head")
 
 
-def notes(args) -> list[str]:
+def notes(args, arch: str) -> list[str]:
     """What converts but trains differently, one line each (printed by `ptdp convert`)."""
     out = []
+    if fused_tanh_gelu(args) and not tanh_gelu(args, arch):
+        out.append("the run used Megatron's fused bias-GeLU (--bias-gelu-fusion, its default), "
+                   "the tanh approximation; ptdp's BERT has the GPT-2 block's exact GeLU, so "
+                   "logits differ slightly")
     seq, table = _get(args, "seq_length"), _get(args, "max_position_embeddings")
     if _get(args, "position_embedding_type", "learned_absolute") == "learned_absolute" and \
             seq is not None and table is not None and seq < table:
         out.append(f"the position table's rows from --seq-length={seq} on (of "
                    f"--max-position-embeddings={table}) are dropped: ptdp's table has "
                    f"model.seq_length rows, and Megatron trained none beyond {seq}")
-    if gelu_with_bias(args) and _get(args, "bias_gelu_fusion", False):
-        out.append("the run used Megatron's fused bias-GeLU (--bias-gelu-fusion, its default), "
-                   "the tanh approximation; ptdp's GeLU is exact, so logits differ slightly")
+    if _get(args, "openai_gelu", False):
+        out.append("--openai-gelu changes only Megatron-LM's legacy models; its megatron-core "
+                   "model computed the GeLU the checkpoint converts with")
     return out
 
 
 def gelu_with_bias(args) -> bool:
     """A GeLU MLP with biases: the model Megatron-LM computes, by default
     (--bias-gelu-fusion), with its fused kernel, the tanh approximation
-    (megatron/core/fusions/fused_bias_gelu.py) instead of the exact GeLU ptdp computes."""
-    gelu = not (_get(args, "swiglu", False) or _get(args, "squared_relu", False)
-                or _get(args, "openai_gelu", False))
+    (megatron/core/fusions/fused_bias_gelu.py), and otherwise the exact GeLU."""
+    gelu = not (_get(args, "swiglu", False) or _get(args, "squared_relu", False))
     return gelu and _get(args, "add_bias_linear", True)
+
+
+def tanh_gelu(args, arch: str) -> bool:
+    """model.activation: gelu_tanh for Megatron's fused bias-GeLU where the family has block
+    options (ptdp's BERT keeps the GPT-2 block's exact GeLU: noted instead)."""
+    return fused_tanh_gelu(args) and model_family(arch).block_options
+
+
+def fused_tanh_gelu(args) -> bool:
+    """Whether megatron-core's MLP computed the tanh GeLU (model.activation: gelu_tanh): the
+    fused bias-GeLU (Megatron-LM's args default --bias-gelu-fusion to True; megatron-core's
+    MLP ignores --openai-gelu, which only Megatron-LM's legacy models read)."""
+    return gelu_with_bias(args) and bool(_get(args, "bias_gelu_fusion", False))
 
 
 def refuse_for_megatron(cfg: ModelConfig) -> None:
     """What of ptdp's model Megatron's would compute otherwise (ptdp -> Megatron)."""
+    refuse_moe_for_megatron(cfg)
+    require(cfg.activation != "gelu_tanh" or cfg.bias,
+            "model.activation=gelu_tanh without biases: megatron-core computes the tanh GeLU "
+            "only fused with the MLP's bias (--bias-gelu-fusion)")
+    for key in ("qk_norm", "scale_embeddings"):
+        require(not getattr(cfg, key, False), f"model.{key}=true: Megatron-LM's GPT has no such "
+                                              f"option")
     if cfg.position_embedding == "rope" and cfg.rope_scaling_factor != 1.0:
         for key, fixed in ROPE_SCALING_FIXED.items():
             require(getattr(cfg, key) == fixed, f"model.{key}={getattr(cfg, key)}: Megatron's "
@@ -174,11 +196,13 @@ def vocab_divisor(vocab: int, tensor: int) -> int:
     return 1
 
 
-def megatron_args(cfg: ModelConfig, tensor: int, pipeline: int, padded_vocab: int,
-                  iteration: int, consumed_samples: int, transformer_impl: str,
-                  ckpt_format: str) -> Namespace:
-    """The Namespace Megatron-LM's loader reads (`check_checkpoint_args`,
-    `load_args_from_checkpoint`) for ptdp's model on a (tensor, pipeline) split."""
+def megatron_args(cfg: ModelConfig, split: dict, padded_vocab: int, progress: dict,
+                  transformer_impl: str, ckpt_format: str, tokenizer: dict) -> Namespace:
+    """The Namespace Megatron-LM's loader reads for ptdp's model: every argument its
+    `check_checkpoint_args` compares and its `load_args_from_checkpoint` sets
+    (megatron/training/checkpointing.py), Megatron-LM's defaults where ptdp has no
+    counterpart. `split`: {"tensor", "pipeline", "expert"}; `progress`: {"iteration",
+    "consumed_samples", "global_batch_size"}; `tokenizer`: ptdp/megatron/tokenizer_args.py."""
     rope = cfg.position_embedding == "rope"
     scaled = rope and cfg.rope_scaling_factor != 1.0
     return Namespace(
@@ -188,23 +212,42 @@ def megatron_args(cfg: ModelConfig, tensor: int, pipeline: int, padded_vocab: in
         num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
         seq_length=cfg.seq_length, max_position_embeddings=cfg.seq_length,
         position_embedding_type="rope" if rope else "learned_absolute",
+        # compared by check_checkpoint_args (its default True): the load command then says
+        # --no-position-embedding for a rotary model (ptdp/megatron/load_command.py)
         add_position_embedding=not rope, use_rotary_position_embeddings=rope,
         rotary_base=int(cfg.rope_theta) if float(cfg.rope_theta).is_integer() else cfg.rope_theta,
         rotary_percent=1.0, rotary_interleaved=False, use_rope_scaling=scaled,
         rope_scaling_factor=cfg.rope_scaling_factor if scaled else 8.0,
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
-        layernorm_epsilon=cfg.layernorm_eps, apply_layernorm_1p=False,
+        layernorm_epsilon=cfg.layernorm_eps, apply_layernorm_1p=cfg.norm_zero_centered,
         swiglu=cfg.gated, squared_relu=False, openai_gelu=False,
+        # Megatron-LM's default: its fused bias-GeLU is the tanh GeLU; off, the exact one
+        bias_gelu_fusion=cfg.activation == "gelu_tanh",
         add_bias_linear=cfg.bias, add_qkv_bias=cfg.qkv_bias,
         untie_embeddings_and_output_weights=not cfg.tie_embeddings,
         hidden_dropout=cfg.dropout, attention_dropout=cfg.attention_dropout_rate,
         init_method_std=cfg.init_std, apply_query_key_layer_scaling=False,
         apply_residual_connection_post_layernorm=False,
         bert_binary_head=cfg.family.heads is Heads.BERT,
-        num_experts=None, padded_vocab_size=padded_vocab,
-        make_vocab_size_divisible_by=vocab_divisor(cfg.vocab_size, tensor),
-        tensor_model_parallel_size=tensor, pipeline_model_parallel_size=pipeline,
+        **NOT_PTDP, **moe_args(cfg), **tokenizer,
+        padded_vocab_size=padded_vocab,
+        make_vocab_size_divisible_by=vocab_divisor(cfg.vocab_size, split["tensor"]),
+        tensor_model_parallel_size=split["tensor"],
+        pipeline_model_parallel_size=split["pipeline"],
+        expert_model_parallel_size=split.get("expert", 1),
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
-        transformer_impl=transformer_impl, ckpt_format=ckpt_format, iteration=iteration,
-        consumed_train_samples=consumed_samples, consumed_valid_samples=0,
-        params_dtype=torch.float32, fp16=False, bf16=False)
+        transformer_impl=transformer_impl, ckpt_format=ckpt_format,
+        iteration=progress["iteration"], consumed_train_samples=progress["consumed_samples"],
+        skipped_train_samples=0, consumed_valid_samples=0,
+        global_batch_size=progress.get("global_batch_size"), data_parallel_random_init=False,
+        phase_transition_iterations=None, params_dtype=torch.float32, fp16=False, bf16=False)
+
+
+# What load_args_from_checkpoint reads that ptdp's models never have: Megatron-LM 0.16.1's
+# defaults (megatron/training/arguments.py), so a reader finds each argument.
+NOT_PTDP = dict(hybrid_override_pattern=None, spec=None, hybrid_attention_ratio=0.0,
+                hybrid_mlp_ratio=0.0, is_hybrid_model=False, mamba_state_dim=128,
+                mamba_head_dim=64, mamba_num_groups=8, mamba_num_heads=None,
+                heterogeneous_layers_config_path=None,
+                heterogeneous_layers_config_encoded_json=None, moe_latent_size=None,
+                multi_latent_attention=False, qk_layernorm=False)

@@ -18,6 +18,8 @@ What differs besides the names:
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from ptdp.config import ModelConfig
@@ -118,12 +120,12 @@ def _pairs(cfg: ModelConfig):
                 ("ln1", "input_layernorm", norm_kinds), ("ln2", "pre_mlp_layernorm", norm_kinds),
                 ("attention.qkv", "self_attention.linear_qkv",
                  bias if cfg.qkv_bias else ("weight",)),
-                ("attention.proj", "self_attention.linear_proj", bias if cfg.bias else ("weight",)),
-                ("mlp.fc1", "mlp.linear_fc1", bias if cfg.bias else ("weight",)),
-                ("mlp.fc2", "mlp.linear_fc2", bias if cfg.bias else ("weight",))]:
+                ("attention.proj", "self_attention.linear_proj", bias if cfg.bias else ("weight",))]:
             for kind in kinds:
-                if not (cfg.gated and a == "mlp.fc1"):
-                    yield f"{ours}{a}.{kind}", f"{theirs}{b}.{kind}"
+                yield f"{ours}{a}.{kind}", f"{theirs}{b}.{kind}"
+        for a, b in _mlp_linears(cfg, i):
+            if not (cfg.gated and _is_fc1(a)):
+                yield f"{ours}{a}", f"{theirs}{b}"
     for kind in norm_kinds:
         yield f"final_ln.{kind}", f"{block}.final_layernorm.{kind}"
     if not cfg.tie_embeddings:
@@ -136,17 +138,43 @@ def _pairs(cfg: ModelConfig):
         yield "heads.lm_bias", "output_layer.bias"
 
 
+def _mlp_linears(cfg: ModelConfig, layer: int):
+    """(ptdp, Megatron) names under layer `layer`'s MLP: the dense MLP's linears, or a mixture
+    of experts' router, experts (by global index: a legacy file's `local_experts.{j}` is
+    renumbered when read, ptdp/megatron/legacy.py) and shared experts."""
+    if not cfg.is_moe_layer(layer):
+        for a, b in (("mlp.fc1", "mlp.linear_fc1"), ("mlp.fc2", "mlp.linear_fc2")):
+            for kind in ("weight", "bias") if cfg.bias else ("weight",):
+                yield f"{a}.{kind}", f"{b}.{kind}"
+        return
+    yield "mlp.router.weight", "mlp.router.weight"
+    for j in range(cfg.num_experts):
+        for a, b in (("fc1", "linear_fc1"), ("fc2", "linear_fc2")):
+            yield f"mlp.experts.{j}.{a}.weight", f"mlp.experts.local_experts.{j}.{b}.weight"
+    if cfg.moe_shared_ffn_hidden_size:
+        for a, b in (("fc1", "linear_fc1"), ("fc2", "linear_fc2")):
+            yield f"mlp.shared.mlp.{a}.weight", f"mlp.shared_experts.{b}.weight"
+        if cfg.moe_shared_expert_gate:
+            yield "mlp.shared.gate", "mlp.shared_experts.gate_weight"
+
+
+def _is_fc1(name: str) -> bool:
+    return ".fc1." in f".{name}"
+
+
 def _fc1_names(cfg: ModelConfig):
-    kinds = ("weight", "bias") if cfg.bias else ("weight",)
+    """(ptdp, Megatron) names of every fc1 weight (and bias) whose rows are SwiGLU's gate and
+    up."""
     block = block_name(cfg)
     for i in range(cfg.num_layers):
-        for kind in kinds:
-            yield f"layers.{i}.mlp.fc1.{kind}", f"{block}.layers.{i}.mlp.linear_fc1.{kind}"
+        for a, b in _mlp_linears(cfg, i):
+            if _is_fc1(a):
+                yield f"layers.{i}.{a}", f"{block}.layers.{i}.{b}"
 
 
 def to_ptdp(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A full Megatron state -> ptdp's full state, refusing a missing or an unused weight."""
-    state = dict(state)
+    state = {k: v for k, v in state.items() if not k.endswith(EXPERT_BIAS)}   # expert_biases
     if cfg.tie_embeddings:
         state.pop("output_layer.weight", None)   # the last stage's copy of the word table
     out, used = {}, set()
@@ -184,9 +212,28 @@ def _cut_rows(cfg: ModelConfig, out: dict[str, torch.Tensor]) -> dict[str, torch
     return out
 
 
-def to_megatron(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """ptdp's full state -> a full Megatron state (vocabulary not padded yet)."""
+EXPERT_BIAS = ".mlp.router.expert_bias"
+
+
+def expert_biases(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, list[float]]:
+    """The routers' selection biases of a Megatron state (--moe-router-enable-expert-bias) as
+    ptdp's checkpoints hold them (metadata "moe" `expert_bias`: layer -> E values)."""
+    block = block_name(cfg)
+    return {str(i): state[f"{block}.layers.{i}{EXPERT_BIAS}"].float().tolist()
+            for i in range(cfg.num_layers) if f"{block}.layers.{i}{EXPERT_BIAS}" in state}
+
+
+def to_megatron(cfg: ModelConfig, full: dict[str, torch.Tensor],
+                biases: dict | None = None) -> dict[str, torch.Tensor]:
+    """ptdp's full state (and its selection biases, metadata "moe") -> a full Megatron state
+    (vocabulary not padded yet)."""
     out = {theirs: full[ours] for ours, theirs in _pairs(cfg)}
+    if cfg.moe_expert_bias_rate > 0:   # megatron-core's router then holds the buffer
+        for i in range(cfg.num_layers):
+            if cfg.is_moe_layer(i):
+                row = (biases or {}).get(str(i), [0.0] * cfg.num_experts)
+                out[f"{block_name(cfg)}.layers.{i}{EXPERT_BIAS}"] = torch.tensor(
+                    row, dtype=torch.float32)
     if cfg.gated:
         for ours, theirs in _fc1_names(cfg):
             out[theirs] = torch.cat(split_gate_up(full[ours]), dim=0)
@@ -195,13 +242,20 @@ def to_megatron(cfg: ModelConfig, full: dict[str, torch.Tensor]) -> dict[str, to
 
 # Split by a vocabulary (rows padded to Megatron's padded_vocab_size).
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
-# The modules of a layer that megatron-core saves an `_extra_state` for (TransformerEngine's
-# fp8 metadata; None with the local spec): its linears, and with TransformerEngine its
-# attention kernel too. A strict load expects them, so a written checkpoint has them (None).
-LAYER_EXTRA_STATES = ("self_attention.linear_qkv", "self_attention.linear_proj",
-                      "mlp.linear_fc1", "mlp.linear_fc2")
-TE_LAYER_EXTRA_STATES = LAYER_EXTRA_STATES + ("self_attention.core_attention",)
+# megatron-core saves an `_extra_state` (TransformerEngine's fp8 metadata; None with the local
+# spec) for each linear of a layer (experts' and shared experts' included) and, with
+# TransformerEngine, for its attention kernel. A strict load expects exactly these, so a
+# written checkpoint has them.
+_LINEAR = re.compile(r"^(.*\.linear_(?:qkv|proj|fc1|fc2))\.weight$")
+_QKV = re.compile(r"^(.*\.layers\.\d+\.self_attention\.)linear_qkv\.weight$")
 
 
-def layer_extra_states(fused_norms: bool) -> tuple[str, ...]:
-    return TE_LAYER_EXTRA_STATES if fused_norms else LAYER_EXTRA_STATES
+def extra_states(state: dict, fused_norms: bool) -> dict:
+    """{module._extra_state: None} for the layers' modules of `state` (numbered names)."""
+    out = {}
+    for name in state:
+        if match := _LINEAR.match(name):
+            out[f"{match.group(1)}._extra_state"] = None
+        if fused_norms and (match := _QKV.match(name)):
+            out[f"{match.group(1)}core_attention._extra_state"] = None
+    return out

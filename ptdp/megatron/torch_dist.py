@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ptdp.megatron import files
-from ptdp.megatron.names import fused_norm_names, layer_extra_states, local_norm_names, require
+from ptdp.megatron import experts, files
+from ptdp.megatron.names import extra_states, fused_norm_names, local_norm_names, require
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "encoder.", "output_layer.", "lm_head.", "pooler.",
                   "binary_head.")
@@ -99,12 +99,12 @@ def read(directory: Path) -> tuple[object, dict[str, torch.Tensor], dict]:
     """(args, full Megatron state, learning-rate scheduler state) of a torch_dist iteration
     directory."""
     _metadata(directory)
-    common = directory / "common.pt"
-    require(common.is_file(), f"{directory} has no common.pt (where Megatron-LM keeps the args)")
-    saved = files.load(common)
+    common = directory / "common.pt"   # Megatron-LM keeps its args there; other trainers not
+    saved = files.load(common) if common.is_file() else {}
     args = saved.get("args") if isinstance(saved, dict) else None
     scheduler = (saved.get("opt_param_scheduler") if isinstance(saved, dict) else None) or {}
-    return args, local_norm_names(_unstacked(_model_tensors(directory))), scheduler
+    tensors = experts.unstacked(_unstacked(_model_tensors(directory)))
+    return args, local_norm_names(tensors), scheduler
 
 
 def _stacked(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
@@ -123,14 +123,19 @@ def _stacked(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch
     return out
 
 
-def write(state: dict[str, torch.Tensor], num_layers: int, block: str, args, directory: Path,
+def write(state: dict[str, torch.Tensor], cfg, block: str, args, directory: Path,
           iteration: int, fused_norms: bool) -> None:
-    """A full Megatron state as a torch_dist iteration directory (`directory`)."""
+    """A full Megatron state as a torch_dist iteration directory (`directory`): the experts
+    stacked, and the layers too when all are alike (megatron-core's TransformerBlock numbers
+    them when --moe-layer-freq makes some dense)."""
     import torch.distributed.checkpoint as dcp
-    sharded: dict[str, object] = dict(_stacked(fused_norm_names(state), num_layers))
-    for module in layer_extra_states(fused_norms):
-        for i in range(num_layers):
-            sharded[f"{block}.layers.{module}._extra_state/shard_{i}_{num_layers}"] = [None]
+    layers, count = cfg.num_layers, cfg.num_experts
+    alike = not count or (cfg.moe_layer_freq == 1 and cfg.moe_first_dense_layers == 0)
+    state = fused_norm_names(state)
+    tensors = experts.stacked(state)
+    sharded: dict[str, object] = dict(_stacked(tensors, layers) if alike else tensors)
+    for name in extra_states(state, fused_norms):
+        sharded[_extra_key(name, layers, count, alike)] = [None]
     # BERT's output layer asks for its own (GPT's does not); an unrequested key is never read
     sharded["output_layer._extra_state/shard_0_1"] = [None]
     directory.mkdir(parents=True, exist_ok=True)
@@ -139,3 +144,21 @@ def write(state: dict[str, torch.Tensor], num_layers: int, block: str, args, dir
                 "checkpoint_version": files.CHECKPOINT_VERSION},
                directory / "common.pt")
     (directory / "metadata.json").write_text(json.dumps(METADATA))
+
+
+_EXPERT = re.compile(r"^(mlp\.experts\.)local_experts\.(\d+)\.(.*)$")
+
+
+def _extra_key(name: str, layers: int, count: int, alike: bool) -> str:
+    """megatron-core's key of a module's `_extra_state` (numbered layer `name`): one shard per
+    layer (and per expert) of the stacked dimensions, `KEY/shard_I_L`, `KEY/shard_I.J_L.E`."""
+    match = _NUMBERED.match(name)
+    prefix, layer, rest = (f"{match.group(1)}.layers", int(match.group(2)), match.group(3))
+    index, size = ([layer], [layers]) if alike else ([], [])
+    if expert := _EXPERT.match(rest):
+        rest = f"{expert.group(1)}experts.{expert.group(3)}"
+        index, size = index + [int(expert.group(2))], size + [count]
+    key = f"{prefix}.{rest}" if alike else f"{prefix}.{layer}.{rest}"
+    if not index:
+        index, size = [0], [1]
+    return f"{key}/shard_{'.'.join(map(str, index))}_{'.'.join(map(str, size))}"

@@ -33,6 +33,7 @@ def cpu_megatron(monkeypatch_context):
                lambda *a, **k: types.SimpleNamespace(fork=contextlib.nullcontext))
     mp.setattr(fsa, "_results_queue", queue.Queue())
     mp.setattr(fsa, "_process_memory", lambda: 0)
+    _cpu_experts(mp)
     owned = not dist.is_initialized()
     if owned:
         from ptdp.runtime.local_ranks import free_port
@@ -46,6 +47,22 @@ def cpu_megatron(monkeypatch_context):
         parallel_state.destroy_model_parallel()
         if owned:
             dist.destroy_process_group()
+
+
+def _cpu_experts(mp) -> None:
+    """megatron-core's MoE on CPU: the router's GEMM names TransformerEngine's `te_general_gemm`
+    unguarded, and GroupedMLP needs the grouped_gemm package: a per-expert loop of the same
+    products (`gmm(a, b, batch_sizes, trans_b)`: rows of expert e times b[e]) stands in."""
+    import megatron.core.transformer.moe.grouped_gemm_util as gg
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    def gmm(a, b, batch_sizes, trans_b=False):
+        rows = a.split(batch_sizes.tolist())
+        return torch.cat([x @ (w.t() if trans_b else w) for x, w in zip(rows, b)])
+
+    mp.setattr(moe_utils, "te_general_gemm", None, raising=False)
+    mp.setattr(gg, "grouped_gemm", types.SimpleNamespace(ops=None))
+    mp.setattr(gg, "ops", types.SimpleNamespace(gmm=gmm))
 
 
 def gpt_args(**overrides) -> Namespace:
@@ -71,10 +88,37 @@ def bert_args(**overrides) -> Namespace:
                                 bert_binary_head=True, ffn_hidden_size=64), **overrides))
 
 
+def moe_args(**overrides) -> Namespace:
+    """A DeepSeek-style mixture of experts on the tiny Llama: sigmoid scores with selection
+    biases, scaled gates, a gated shared expert, SwiGLU experts, no biases."""
+    return gpt_args(**dict(dict(
+        num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+        moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=2.5, moe_router_pre_softmax=False, moe_grouped_gemm=False,
+        moe_layer_freq=1, moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="aux_loss"),
+        **overrides))
+
+
+def _moe_config(args: Namespace) -> dict:
+    if not getattr(args, "num_experts", None):
+        return {}
+    return dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+                moe_shared_expert_gate=args.moe_shared_expert_gate,
+                moe_router_score_function=args.moe_router_score_function,
+                moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+                moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+                moe_router_pre_softmax=args.moe_router_pre_softmax,
+                moe_grouped_gemm=args.moe_grouped_gemm, moe_aux_loss_coeff=0.0,
+                moe_token_dispatcher_type="allgather")   # the others need CUDA streams
+
+
 def transformer_config(args: Namespace):
     from megatron.core.transformer.transformer_config import TransformerConfig
     gated = args.swiglu
-    return TransformerConfig(
+    return TransformerConfig(**_moe_config(args),
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
@@ -82,6 +126,7 @@ def transformer_config(args: Namespace):
         attention_dropout=0.0, gated_linear_unit=gated,
         activation_func=torch.nn.functional.silu if gated else torch.nn.functional.gelu,
         normalization=args.normalization, add_bias_linear=args.add_bias_linear,
+        bias_activation_fusion=getattr(args, "bias_gelu_fusion", False),
         layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std)
 
 
@@ -89,14 +134,43 @@ def build_gpt(args: Namespace, seed: int = 7):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     torch.manual_seed(seed)
+    experts = getattr(args, "num_experts", None)
     model = GPTModel(transformer_config(args), get_gpt_layer_local_spec(
+                         num_experts=experts, moe_grouped_gemm=bool(experts and
+                                                                    args.moe_grouped_gemm),
                          normalization=args.normalization),
                      vocab_size=args.padded_vocab_size, max_sequence_length=SEQ,
                      position_embedding_type=args.position_embedding_type,
                      share_embeddings_and_output_weights=not
                      args.untie_embeddings_and_output_weights)
     _randomise_norms(model)
+    _grouped_in_fp32(model)
+    if getattr(args, "apply_layernorm_1p", False):
+        _zero_centred(model)
     return model.eval()
+
+
+def _zero_centred(model) -> None:
+    """--apply-layernorm-1p: the norms' gain is 1 + weight, as megatron-core's FusedLayerNorm
+    and TENorm compute it (megatron/core/fusions/fused_layer_norm.py: `weight = self.weight +
+    1 if self.zero_centered_gamma`); its local spec's torch LayerNorm refuses the option, so
+    its norms get that forward here."""
+    import torch.nn.functional as F
+    for module in model.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            module.forward = lambda x, m=module: F.layer_norm(
+                x, m.normalized_shape, m.weight + 1, m.bias, m.eps)
+
+
+def _grouped_in_fp32(model) -> None:
+    """GroupedMLP.forward asserts config.bf16 (its grouped_gemm kernels' one dtype); the CPU
+    stand-in computes in fp32, so its experts get a copy of the config saying bf16."""
+    import copy
+    from megatron.core.transformer.moe.experts import GroupedMLP
+    for module in model.modules():
+        if isinstance(module, GroupedMLP):
+            module.config = copy.copy(module.config)
+            module.config.bf16 = True
 
 
 def build_bert(args: Namespace, seed: int = 8):
@@ -117,6 +191,9 @@ def _randomise_norms(model) -> None:
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):   # selection biases, as after some training
+                b.copy_(torch.randn_like(b) * 0.1)
 
 
 def gpt_logits(model, tokens: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core")
 import torch  # noqa: E402
 
 from ptdp.inference.local_model import LocalModel, read_full_state  # noqa: E402
-from tests.megatron import mcore_models as mc  # noqa: E402
+from tests.megatron import mcore_models as mc, megatron_lm  # noqa: E402
 
 TOKENS = torch.randint(0, mc.VOCAB, (2, mc.SEQ), generator=torch.Generator().manual_seed(0))
 TYPES = torch.cat([torch.zeros(2, mc.SEQ // 2), torch.ones(2, mc.SEQ // 2)], 1).long()
@@ -162,6 +162,8 @@ def test_to_megatron_loads_in_megatron_core(megatron, arch, tmp_path):
         info = to_megatron_checkpoint(tmp_path / "ptdp", tmp_path / fmt, transformer_impl="local",
                                       ckpt_format=fmt)
         assert info["padded_rows"] == 0 and info["args"].make_vocab_size_divisible_by == 128
+        # Megatron-LM's check_checkpoint_args with the printed load command
+        assert megatron_lm.assert_loads(info["directory"], info["load_flags"], mc.VOCAB) == 1
         fresh = build(args, seed=99)
         if fmt == "torch":
             mc.load_legacy_into(fresh, info["directory"])
@@ -182,7 +184,10 @@ def test_ptdp_megatron_ptdp_is_bit_identical(megatron, fmt, tmp_path):
     from ptdp.megatron.checkpoint import from_megatron, read_megatron, to_megatron_checkpoint
     for arch in ("gpt", "bert"):
         from_megatron(megatron["root"] / f"{arch}_legacy", tmp_path / arch)
-        to_megatron_checkpoint(tmp_path / arch, tmp_path / f"{arch}_meg", 2, 2, ckpt_format=fmt)
+        info = to_megatron_checkpoint(tmp_path / arch, tmp_path / f"{arch}_meg", 2, 2,
+                                      ckpt_format=fmt)
+        assert megatron_lm.assert_loads(info["directory"], info["load_flags"], mc.VOCAB) == \
+            (4 if fmt == "torch" else 1)
         if fmt == "torch":
             files = sorted(p.parent.name for p in (tmp_path / f"{arch}_meg").rglob("*.pt"))
             assert files == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000",
@@ -249,9 +254,10 @@ def test_a_converted_fp16_run_resumes_at_megatrons_learning_rate(megatron, tmp_p
 
 
 @pytest.mark.parametrize("arch, setting, words", [
-    ("gpt", dict(num_experts=8), "--num-experts=8: a mixture of experts"),
+    ("gpt", dict(num_experts=8, moe_expert_capacity_factor=1.0),
+     "--moe-expert-capacity-factor=1.0: token dropping"),
     ("gpt", dict(normalization="LayerNorm1p"), "--normalization=LayerNorm1p"),
-    ("gpt", dict(openai_gelu=True, swiglu=False), "--openai-gelu=True"),
+    ("gpt", dict(qk_layernorm=True), "--qk-layernorm=True"),
     ("gpt", dict(rotary_percent=0.5), "--rotary-percent=0.5"),
     ("bert", dict(untie_embeddings_and_output_weights=True),
      "--untie-embeddings-and-output-weights with BERT"),
@@ -289,7 +295,8 @@ def test_command_line_both_ways(megatron, tmp_path, capsys):
     assert (tmp_path / "d" / "iter_0000005" / "metadata.json").is_file()
     assert main(["convert", str(tmp_path / "p"), "--to", "megatron", str(tmp_path / "x"),
                  "model.hidden_size=8"]) == 2
-    assert "takes only parallel.tensor=T" in capsys.readouterr().err
+    assert "takes only parallel.tensor=T, parallel.pipeline=P and parallel.expert=E" in \
+        capsys.readouterr().err
     assert main(["convert", str(tmp_path), "--from", "megatron", "--out", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a Megatron checkpoint" in err
@@ -303,7 +310,7 @@ def test_command_line_both_ways(megatron, tmp_path, capsys):
 
 def test_converting_refuses_what_would_be_wrong_in_one_line(megatron, tmp_path, capsys):
     from ptdp.cli import main
-    from ptdp.megatron.model_args import notes
+    from ptdp.megatron.model_args import model_config, notes
     src, out = megatron["root"] / "gpt_legacy", str(tmp_path / "p")
     for extra, message in [
             (["model.tie_embeddings=true"], "model.tie_embeddings=true: the checkpoint's output "
@@ -322,10 +329,14 @@ def test_converting_refuses_what_would_be_wrong_in_one_line(megatron, tmp_path, 
                  "--ckpt-format", "torch"]) == 2
     assert "model.ffn_hidden_size=48 does not split over parallel.tensor=5" in \
         capsys.readouterr().err
-    # a run with Megatron's fused bias-GeLU (tanh) is noted; one without it is not
-    args = mc.bert_args(bias_gelu_fusion=True)
-    assert any("fused bias-GeLU" in line for line in notes(args))
-    assert not any("fused bias-GeLU" in line for line in notes(mc.bert_args(bias_gelu_fusion=False)))
+    # a run with Megatron's fused bias-GeLU computed the tanh GeLU (gelu_tanh for GPT, a note
+    # for ptdp's BERT, whose block is GPT-2's); one without it the exact
+    fused, plain = mc.bert_args(bias_gelu_fusion=True), mc.bert_args(bias_gelu_fusion=False)
+    assert model_config(fused, "gpt").activation == "gelu_tanh"
+    assert model_config(fused, "bert").activation == "gelu"
+    assert any("fused bias-GeLU" in line for line in notes(fused, "bert"))
+    assert model_config(plain, "gpt").activation == "gelu" and not notes(plain, "bert")
+    assert any("--openai-gelu" in line for line in notes(mc.bert_args(openai_gelu=True), "gpt"))
 
 
 def test_legacy_model_names_and_old_versions_are_refused_naming_the_way_out(tmp_path):
@@ -407,3 +418,64 @@ def test_a_truncated_distcp_file_is_one_line(megatron, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot read the weights (" in err, err
     assert not (tmp_path / "p").exists()
+
+
+def test_a_checkpoint_without_megatron_lms_args_takes_the_shape_given(megatron, tmp_path):
+    """A megatron-core torch_dist checkpoint whose common.pt has no 'args' (Megatron-Bridge,
+    NeMo 2): one line names what the weights cannot show; the overrides, or a run_config.yaml
+    beside it (megatron-core's TransformerConfig names), give it, and the logits are
+    megatron-core's."""
+    import shutil
+
+    from ptdp.megatron.checkpoint import from_megatron
+    from ptdp.megatron.names import MegatronConversionError
+    src = tmp_path / "bridge"
+    shutil.copytree(megatron["root"] / "gpt_dist", src)
+    common = src / "iter_0000100" / "common.pt"
+    torch.save({k: v for k, v in torch.load(common, weights_only=False).items() if k != "args"},
+               common)
+    with pytest.raises(MegatronConversionError) as err:
+        from_megatron(src, tmp_path / "refused", ["model.num_heads=4"])
+    assert str(err.value) == (
+        "the checkpoint has no 'args' (Megatron-LM's) and nothing beside it gives "
+        "model.layernorm_eps, model.rope_theta, model.seq_length: give them as overrides "
+        "(e.g. model.layernorm_eps=...)")
+    given = ["model.num_heads=4", "model.layernorm_eps=1e-5", "model.rope_theta=10000",
+             "model.seq_length=16"]
+    _, cfg, _ = from_megatron(src, tmp_path / "given", given)
+    assert (cfg.model.num_kv_heads, cfg.model.activation, cfg.model.tie_embeddings) == \
+        (2, "swiglu", False)
+    _close(LocalModel.from_checkpoint(tmp_path / "given").logits(TOKENS), megatron["gpt_logits"])
+    (src / "iter_0000100" / "run_config.yaml").write_text(
+        "model:\n  num_layers: 2\n  hidden_size: 32\n  num_attention_heads: 4\n"
+        "  num_query_groups: 2\n  layernorm_epsilon: 1.0e-5\n  rotary_base: 10000\n"
+        "  seq_length: 16\n  normalization: RMSNorm\n  gated_linear_unit: true\n"
+        "  activation_func: torch.nn.functional.silu\n  add_bias_linear: false\n"
+        "  share_embeddings_and_output_weights: false\n")
+    from_megatron(src, tmp_path / "beside")
+    _close(LocalModel.from_checkpoint(tmp_path / "beside").logits(TOKENS),
+           megatron["gpt_logits"])
+
+
+def test_zero_centred_norm_and_tanh_gelu_convert_exactly(megatron, tmp_path):
+    """A GPT-2-style megatron-core model with --apply-layernorm-1p (gain 1 + w) and
+    Megatron-LM's default fused bias-GeLU (tanh): ptdp's model.norm_zero_centered and
+    model.activation: gelu_tanh give its logits, both ways."""
+    from ptdp.megatron.checkpoint import from_megatron, to_megatron_checkpoint
+    args = mc.gpt_args(position_embedding_type="learned_absolute", normalization="LayerNorm",
+                       swiglu=False, add_bias_linear=True, group_query_attention=False,
+                       num_query_groups=None, untie_embeddings_and_output_weights=False,
+                       ffn_hidden_size=64, apply_layernorm_1p=True, bias_gelu_fusion=True)
+    model = mc.build_gpt(args, seed=5)
+    reference = mc.gpt_logits(model, TOKENS)
+    mc.save_legacy(model, args, tmp_path / "meg", 3)
+    _, cfg, _ = from_megatron(tmp_path / "meg", tmp_path / "ptdp")
+    assert (cfg.model.activation, cfg.model.norm_zero_centered) == ("gelu_tanh", True)
+    _close(LocalModel.from_checkpoint(tmp_path / "ptdp").logits(TOKENS), reference)
+    info = to_megatron_checkpoint(tmp_path / "ptdp", tmp_path / "back", transformer_impl="local",
+                                  ckpt_format="torch")
+    assert "--apply-layernorm-1p" in info["load_flags"]
+    assert "--no-bias-gelu-fusion" not in info["load_flags"]
+    fresh = mc.build_gpt(args, seed=99)
+    mc.load_legacy_into(fresh, info["directory"])
+    _close(mc.gpt_logits(fresh, TOKENS), reference)
