@@ -55,6 +55,9 @@ def refuse_moe_for_megatron(cfg) -> None:
         return
     require(not cfg.bias, "model.bias=true with experts: Megatron's experts then carry biases "
                           "(--add-bias-linear), ptdp's have none")
+    require(cfg.moe_expert_bias_rate == 0 or cfg.moe_score_function == "sigmoid",
+            "model.moe_expert_bias_rate > 0 with softmax scores: Megatron-LM 0.16 uses the "
+            "selection bias with sigmoid scores only, so its routing would differ")
     if cfg.moe_score_function == "sigmoid":
         require(cfg.moe_renormalize == (cfg.moe_top_k > 1),
                 f"model.moe_renormalize={str(cfg.moe_renormalize).lower()} with sigmoid scores "
@@ -108,7 +111,8 @@ def moe_config(args, get) -> dict:
     freq, first = _layer_pattern(get(args, "moe_layer_freq", 1), args.num_layers)
     renormalize = (top_k > 1 if score == "sigmoid" else
                    not get(args, "moe_router_pre_softmax", False))
-    enabled = get(args, "moe_router_enable_expert_bias", False)
+    # Megatron-LM 0.16 adds the selection bias under sigmoid scores only
+    enabled = get(args, "moe_router_enable_expert_bias", False) and score == "sigmoid"
     return dict(
         num_experts=experts, moe_top_k=top_k,
         moe_ffn_hidden_size=get(args, "moe_ffn_hidden_size", get(args, "ffn_hidden_size", None)),

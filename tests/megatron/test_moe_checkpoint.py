@@ -132,3 +132,28 @@ def test_ptdp_moe_writes_the_grouped_layout(moe, tmp_path):
     loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict()}, str(info["directory"]))
     fresh.load_state_dict(loaded["model"], strict=True)
     _close(mc.gpt_logits(fresh, TOKENS), moe["grouped_logits"])
+
+
+def test_the_selection_bias_goes_with_sigmoid_scores_only():
+    """Megatron-LM 0.16 adds the expert bias under sigmoid scores only: a ptdp softmax model
+    with the bias is refused on the way out, and a Megatron softmax checkpoint's enabled bias
+    (which Megatron never applies) is read as no bias."""
+    from argparse import Namespace
+
+    from ptdp.config import load_config
+    from ptdp.megatron.moe_args import moe_config, refuse_moe_for_megatron
+    from ptdp.megatron.names import MegatronConversionError
+    base = ["model.num_experts=4", "model.moe_top_k=2", "model.bias=false"]
+    softmax = load_config(None, base + ["model.moe_expert_bias_rate=0.001"], world_size=1).model
+    with pytest.raises(MegatronConversionError, match="moe_expert_bias_rate.*softmax"):
+        refuse_moe_for_megatron(softmax)
+    sigmoid = load_config(None, base + ["model.moe_expert_bias_rate=0.001",
+                                        "model.moe_score_function=sigmoid"], world_size=1).model
+    refuse_moe_for_megatron(sigmoid)
+    args = Namespace(num_experts=4, num_layers=2, moe_router_topk=2, add_bias_linear=False,
+                     moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-3)
+    def get(a, name, default):
+        return getattr(a, name, default)
+    assert moe_config(args, get)["moe_expert_bias_rate"] == 0.0
+    args.moe_router_score_function = "sigmoid"
+    assert moe_config(args, get)["moe_expert_bias_rate"] == 1e-3
