@@ -131,6 +131,12 @@ def _from_hf(args) -> int:
         for line in getattr(err, "errors", None) or [_message(err)]:   # one line per problem
             print(f"ptdp convert: {line}", file=sys.stderr)
         return 2
+    model = cfg.model
+    if model.max_positions > model.seq_length and not any(
+            o.startswith("model.seq_length=") for o in args.overrides):
+        print(f"ptdp convert: note: model.seq_length={model.seq_length} (the model supports "
+              f"{model.max_positions} positions; give model.seq_length=N up to that to train "
+              f"longer sequences)", file=sys.stderr)
     if not cfg.data.tokenizer:
         print(f"ptdp convert: note: {args.source} has no tokenizer files (tokenizer.json or "
               f"tokenizer.model): the checkpoint names none; set data.tokenizer to train on "

@@ -72,6 +72,9 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0      # Switch/GShard load-balancing loss E * sum_i f_i * P_i
     moe_z_loss_coeff: float = 0.0        # router z-loss: mean of logsumexp(scores)^2
     moe_expert_bias_rate: float = 0.0    # aux-loss-free balancing: per-expert bias update rate
+    # The longest position a rotary model supports (HF's max_position_embeddings); any
+    # model.seq_length up to it loads its checkpoint. null = model.seq_length
+    max_position_embeddings: int | None = None
 
     def __post_init__(self):
         # an unknown preset: validation says so
@@ -102,6 +105,14 @@ class ModelConfig:
     def attention_dropout_rate(self) -> float:
         """Dropout on the attention probabilities (Megatron's --attention-dropout)."""
         return self.dropout if self.attention_dropout is None else self.attention_dropout
+
+    @property
+    def max_positions(self) -> int:
+        """The positions the model computes: a learned table's model.seq_length rows; for
+        rotary positions model.max_position_embeddings when set."""
+        if self.position_embedding == "rope" and self.max_position_embeddings:
+            return self.max_position_embeddings
+        return self.seq_length
 
     @property
     def head_dim(self) -> int:

@@ -19,6 +19,18 @@ from ptdp.config import ModelConfig
 from ptdp.config.models import ModelFamily
 
 
+# The model.seq_length a rotary model converted from Hugging Face trains at unless told
+# (`ptdp convert ... model.seq_length=N`): its max_position_embeddings (131,072 for Llama 3.1)
+# is what it supports, not a sensible training length.
+DEFAULT_SEQ_LENGTH = 4096
+
+
+def rotary_lengths(max_position_embeddings: int) -> dict:
+    """The model keys of a rotary model that supports `max_position_embeddings` positions."""
+    return dict(seq_length=min(max_position_embeddings, DEFAULT_SEQ_LENGTH),
+                max_position_embeddings=max_position_embeddings)
+
+
 class ConversionError(ValueError):
     """A model, config or file that cannot be converted faithfully; one line naming why."""
 

@@ -23,13 +23,16 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import fields
 from pathlib import Path
 
 from ptdp.data.tokenizer import checked_tokenizer
-from ptdp.hf.base import ConversionError, Family
+from ptdp.config import ModelConfig
+from ptdp.hf.base import ConversionError, Family, require
 from ptdp.hf.registry import family_of, family_of_model_type
 from ptdp.hf.tokenizer import directory_tokenizer, write_tokenizer
 from ptdp.inference.local_model import checkpoint_tokenizer, model_config, read_full_state
+from ptdp.inference.prompts import Prompts
 
 _LAYER_NAME = re.compile(r"\.(h|layers|layer)\.\d+\.")   # a weight of one numbered layer
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -57,15 +60,18 @@ def to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     cfg = model_config(meta)
     family = family_of(cfg)
     tok_path = checkpoint_tokenizer(directory, meta, tokenizer)
-    special = checked_tokenizer(tok_path, cfg.vocab_size).special_ids() if tok_path else {}
-    config = family.hf_config(cfg, special)
+    tok = checked_tokenizer(tok_path, cfg.vocab_size) if tok_path else None
+    config = family.hf_config(cfg, tok.special_ids() if tok else {})
+    ends = Prompts(tok_path, tok).end_ids() if tok and cfg.family.generates else []
+    if ends:   # every end id (Llama 3 Instruct's <|eot_id|> too), as config.json and the
+        config.eos_token_id = ends[0] if len(ends) == 1 else ends   # generation config list them
     config.ptdp = {"checkpoint": str(directory), "iteration": meta["iteration"]}
     model = getattr(transformers, family.hf_class)(config)
     model.load_state_dict(family.to_hf(cfg, state), strict=True)
     out = Path(out_dir)
     model.save_pretrained(str(out))
     if tok_path:
-        write_tokenizer(tok_path, out, cfg.arch, cfg.seq_length)
+        write_tokenizer(tok_path, out, cfg.arch, cfg.max_positions)
     return {"class": family.hf_class, "checkpoint": str(directory),
             "iteration": meta["iteration"], "tokenizer": tok_path,
             "parameters": sum(p.numel() for p in model.parameters())}
@@ -161,5 +167,24 @@ def from_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overrides: list[s
     if tokenizer:
         checked_tokenizer(tokenizer, model_cfg.vocab_size)
     cfg = conversion_config(model_cfg, overrides, tokenizer)
+    check_model_overrides(model_cfg, cfg.model)
     state = family.from_hf(model_cfg, load_hf_weights(hf_dir, family, config))
+    if "embedding.position" in state:   # a learned table: cut to model.seq_length on request
+        state["embedding.position"] = state["embedding.position"][:cfg.model.seq_length]
     return save_full_state(state, cfg, out, iteration=iteration), cfg
+
+
+def check_model_overrides(read: ModelConfig, model: ModelConfig) -> None:
+    """Of the model keys, a conversion may set only the sequence length (a learned table is cut
+    to it; a rotary model takes any up to its longest position) and the training-only rates;
+    anything else would not be the Hugging Face model: one line naming the key."""
+    free = ("seq_length", "dropout", "attention_dropout", "init_std")
+    for field in fields(ModelConfig):
+        key, want, got = field.name, getattr(read, field.name), getattr(model, field.name)
+        if key not in free and want != got:
+            raise ConversionError(f"model.{key}={got}: the Hugging Face model has {want}; a "
+                                  f"conversion sets only model.seq_length and the dropout rates")
+    if model.position_embedding != "rope":   # (a rotary length is checked with the config)
+        require(model.seq_length <= read.seq_length,
+                f"model.seq_length={model.seq_length}: the Hugging Face model's position table "
+                f"has {read.seq_length} rows")

@@ -22,7 +22,7 @@ from __future__ import annotations
 from ptdp.config import ModelConfig
 from ptdp.config.models import GPT, LLAMA_BLOCK
 from ptdp.data.tokenizer import BOS, EOD, PAD
-from ptdp.hf.base import Family, fuse_qkv, require, split_qkv
+from ptdp.hf.base import Family, fuse_qkv, require, rotary_lengths, split_qkv
 from ptdp.models.transformer import fuse_gate_up, split_gate_up
 
 _QKV = ("q_proj", "k_proj", "v_proj")
@@ -92,12 +92,13 @@ class Llama(Family):
             arch=GPT.name, preset=LLAMA_BLOCK, num_layers=config.num_hidden_layers,
             hidden_size=hidden,
             num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            ffn_hidden_size=config.intermediate_size, seq_length=config.max_position_embeddings,
+            ffn_hidden_size=config.intermediate_size,
             vocab_size=config.vocab_size, dropout=0.0,   # transformers' Llama: attention only
             attention_dropout=float(getattr(config, "attention_dropout", 0.0)),
             layernorm_eps=config.rms_norm_eps, init_std=config.initializer_range,
             tie_embeddings=bool(config.tie_word_embeddings), bias=False,
-            qkv_bias=self.block["qkv_bias"], **rope_settings(config))
+            qkv_bias=self.block["qkv_bias"], **rope_settings(config),
+            **rotary_lengths(config.max_position_embeddings))
 
     def hf_extra(self, cfg: ModelConfig) -> dict:
         return dict(attention_bias=False, mlp_bias=False, head_dim=cfg.head_dim)
@@ -108,7 +109,7 @@ class Llama(Family):
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
             intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
             num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-            hidden_act="silu", max_position_embeddings=cfg.seq_length,
+            hidden_act="silu", max_position_embeddings=cfg.max_positions,
             initializer_range=cfg.init_std, rms_norm_eps=cfg.layernorm_eps,
             attention_dropout=cfg.attention_dropout_rate, rope_parameters=rope_parameters(cfg),
             tie_word_embeddings=cfg.tie_embeddings, architectures=[self.hf_class],

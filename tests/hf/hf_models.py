@@ -10,10 +10,12 @@ import torch
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 
 
-def hf_tokenizer(texts, out_dir: Path, vocab: int) -> Path:
+def hf_tokenizer(texts, out_dir: Path, vocab: int, add_bos: bool = False,
+                 chat_template: str | None = None) -> Path:
     """A byte-level BPE fast tokenizer trained on `texts`, saved as tokenizer.json and
-    tokenizer_config.json (bos and eos named) in out_dir; returns the tokenizer.json path."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tokenizer_config.json (bos and eos named) in out_dir; returns the tokenizer.json path.
+    `add_bos`: its post-processor starts every text with BOS (Llama 3's does)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -23,8 +25,12 @@ def hf_tokenizer(texts, out_dir: Path, vocab: int) -> Path:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(texts, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS,
-                            eos_token=EOS).save_pretrained(str(out_dir))
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+    fast.chat_template = chat_template
+    fast.save_pretrained(str(out_dir))
     return Path(out_dir) / "tokenizer.json"
 
 
