@@ -43,7 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ptdp.kernels import bias_gelu, bias_swiglu
+from ptdp.kernels import ACTIVATIONS
 from ptdp.parallel.experts import all_to_all, by_local_expert, exchange_counts
 from ptdp.parallel.layers import full_normal, scaled_std, shard_param
 from ptdp.parallel.roles import declare_role
@@ -164,7 +164,7 @@ class Expert(nn.Module):
         super().__init__()
         cfg, tp = ctx.model, ctx.tp
         width = 2 * hidden if cfg.gated else hidden
-        self.activation = bias_swiglu if cfg.gated else bias_gelu
+        self.activation = ACTIVATIONS[cfg.activation]
         self.fc1 = _Weight(shard_param(full_normal((width, cfg.hidden_size), cfg.init_std,
                                                    ctx.seed, f"{key}.fc1.weight"), 0, tp))
         self.fc2 = _Weight(shard_param(full_normal((cfg.hidden_size, hidden),

@@ -1,6 +1,9 @@
 """The normalisations a block can use: LayerNorm (GPT-2, BERT) and RMSNorm (Llama).
 
-Their weights are replicated across tensor ranks (ones and zeros: layout-free). They run on the
+With `model.norm_zero_centered` the gain is 1 + w, w starting at 0 (Gemma's RMSNorm, Megatron's
+--apply-layernorm-1p): the same model at initialisation, and a weight decay that pulls the gain
+towards 1 rather than 0. Their weights are replicated across tensor ranks (ones or zeros, and
+zeros: layout-free). They run on the
 hidden state between tensor regions, which with sequence parallelism is 1/t of the tokens, so
 their weights are marked for the tensor-group gradient sum. Under zb-h1 their weight gradients
 may wait for the W pass (their `weight_ops`, ptdp/parallel/weight_grad.py).
@@ -19,34 +22,46 @@ from ptdp.parallel.weight_grad import PLAIN
 
 class RMSNorm(nn.Module):
     """x / RMS(x) * weight, the RMS taken in fp32 whatever the training precision, the gain
-    applied in the input's precision: what Hugging Face's `LlamaRMSNorm` computes."""
+    applied in the input's precision: what Hugging Face's `LlamaRMSNorm` computes. Zero-centred:
+    x / RMS(x) * (1 + weight) all in fp32, then cast, as Hugging Face's `GemmaRMSNorm`."""
 
     weight_ops = PLAIN
 
-    def __init__(self, hidden: int, eps: float):
+    def __init__(self, hidden: int, eps: float, zero_centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden) if zero_centered else torch.ones(hidden))
+        self.eps, self.zero_centered = eps, zero_centered
 
     def forward(self, x):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return self.weight_ops.scale(normed, 1 + self.weight.float()).to(x.dtype)
         return self.weight_ops.scale(normed.to(x.dtype), self.weight)
 
 
 class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm (same parameters, state dict and computation) through its `weight_ops`."""
+    """nn.LayerNorm (same parameters, state dict and computation) through its `weight_ops`;
+    zero-centred, its gain is 1 + weight (Megatron's --apply-layernorm-1p)."""
 
     weight_ops = PLAIN
 
+    def __init__(self, hidden: int, eps: float, zero_centered: bool = False):
+        super().__init__(hidden, eps=eps)
+        self.zero_centered = zero_centered
+        if zero_centered:
+            nn.init.zeros_(self.weight)
+
     def forward(self, x):
-        return self.weight_ops.layer_norm(x, self.normalized_shape, self.weight, self.bias,
-                                          self.eps)
+        # (1 + w is a non-leaf: a deferred weight gradient reaches w through it, weight_grad.py)
+        gain = 1 + self.weight if self.zero_centered else self.weight
+        return self.weight_ops.layer_norm(x, self.normalized_shape, gain, self.bias, self.eps)
 
 
-def layer_norm(hidden: int, eps: float, tp: TensorParallel | None = None) -> LayerNorm:
+def layer_norm(hidden: int, eps: float, tp: TensorParallel | None = None,
+               zero_centered: bool = False) -> LayerNorm:
     """A LayerNorm; `tp`: marked for sequence parallelism's tensor-group gradient sum."""
-    norm = LayerNorm(hidden, eps=eps)
+    norm = LayerNorm(hidden, eps, zero_centered)
     if tp is not None:
         mark_sequence_parallel(norm.weight, tp)
         mark_sequence_parallel(norm.bias, tp)
@@ -54,9 +69,11 @@ def layer_norm(hidden: int, eps: float, tp: TensorParallel | None = None) -> Lay
 
 
 def norm(cfg: ModelConfig, tp: TensorParallel) -> nn.Module:
-    """The block's normalisation (model.normalization) on the hidden state."""
+    """The block's normalisation (model.normalization, model.norm_zero_centered) on the hidden
+    state."""
+    zero = cfg.norm_zero_centered
     if cfg.normalization == "layernorm":
-        return layer_norm(cfg.hidden_size, cfg.layernorm_eps, tp)
-    rms = RMSNorm(cfg.hidden_size, cfg.layernorm_eps)
+        return layer_norm(cfg.hidden_size, cfg.layernorm_eps, tp, zero)
+    rms = RMSNorm(cfg.hidden_size, cfg.layernorm_eps, zero)
     mark_sequence_parallel(rms.weight, tp)
     return rms

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ptdp.config import ModelConfig
-from ptdp.kernels import bias_dropout_add, bias_gelu, bias_swiglu
+from ptdp.kernels import ACTIVATIONS, bias_dropout_add
 from ptdp.models.moe import MoEMLP
 from ptdp.models.norms import norm
 from ptdp.models.rotary import RotaryEmbedding, rotate
@@ -188,7 +188,7 @@ class ParallelMLP(nn.Module):
         key = key or f"layers.{layer}.mlp"
         hidden = hidden or cfg.ffn_hidden_size     # (an MoE layer's shared experts: their own)
         width = 2 * hidden if cfg.gated else hidden
-        self.activation = bias_swiglu if cfg.gated else bias_gelu
+        self.activation = ACTIVATIONS[cfg.activation]
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp, seed=ctx.seed,
                                         key=f"{key}.fc1", std=cfg.init_std, skip_bias_add=True,
                                         bias=cfg.bias)

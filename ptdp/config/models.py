@@ -104,3 +104,13 @@ PRESETS = {
 }
 DEFAULT_PRESET = GPT2_BLOCK
 BLOCK_OPTIONS = tuple(PRESETS[DEFAULT_PRESET])
+
+# Block options no preset sets, with the value that leaves them off (a family without block
+# options keeps them so; validation names any that is not).
+EXTRA_BLOCK_OPTIONS = dict(norm_zero_centered=False)
+
+# The MLP activations model.activation can name (ptdp/kernels/fused.py ACTIVATIONS): GeLU exact
+# (erf) or tanh-approximate (GPT-2's gelu_new, Megatron's fused bias-GeLU), and SwiGLU, gated:
+# fc1 makes a gate and an up projection, its rows alternating (models/transformer.py).
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
+GATED_ACTIVATIONS = ("swiglu",)

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, field
 
 from ptdp.config.catalogue import DEFAULT
-from ptdp.config.models import (BLOCK_OPTIONS, DEFAULT_FAMILY, DEFAULT_PRESET, PRESETS,
-                                ModelFamily, model_family)
+from ptdp.config.models import (BLOCK_OPTIONS, DEFAULT_FAMILY, DEFAULT_PRESET,
+                                GATED_ACTIVATIONS, PRESETS, ModelFamily, model_family)
 
 
 class ConfigError(ValueError):
@@ -48,7 +48,7 @@ class ModelConfig:
     preset: str = DEFAULT_PRESET         # gpt | llama
     position_embedding: str | None = None  # learned | rope
     normalization: str | None = None     # layernorm | rmsnorm
-    activation: str | None = None        # gelu | swiglu
+    activation: str | None = None        # gelu | gelu_tanh | swiglu
     bias: bool | None = None             # biases in every linear layer
     qkv_bias: bool | None = None         # biases on Q, K, V only (Qwen2); null = model.bias
     tie_embeddings: bool | None = None   # output layer shares the input word table
@@ -58,6 +58,8 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_seq_length: int = 8192  # the context the scaled frequencies were trained at
+    norm_zero_centered: bool = False     # norm gain 1 + w, w starting at 0 (Gemma; Megatron's
+                                         # --apply-layernorm-1p)
     # Mixture of experts (0 experts = a dense MLP in every layer; docs/moe.md)
     num_experts: int = 0                 # E, routed experts per MoE layer
     moe_top_k: int = 2                   # k, experts each token is routed to
@@ -121,13 +123,14 @@ class ModelConfig:
     @property
     def gated(self) -> bool:
         """The MLP's first GEMM makes a gate and an up projection (SwiGLU)."""
-        return self.activation == "swiglu"
+        return self.activation in GATED_ACTIVATIONS
 
 
 def default_ffn_hidden_size(hidden: int, activation: str) -> int:
-    """4h; for SwiGLU, whose first GEMM is twice as wide, 2/3 of 4h rounded up to a multiple of
-    256 (Llama's rule), so the MLP keeps about the parameters of a 4h GeLU MLP."""
-    if activation == "swiglu":
+    """4h; for a gated activation (SwiGLU), whose first GEMM is twice as wide, 2/3 of 4h rounded
+    up to a multiple of 256 (Llama's rule), so the MLP keeps about the parameters of a 4h GeLU
+    MLP."""
+    if activation in GATED_ACTIVATIONS:
         return 256 * math.ceil(8 * hidden / 3 / 256)
     return 4 * hidden
 

@@ -8,8 +8,8 @@ import math
 
 from ptdp.config.catalogue import Chunks, DEFAULT, NAMES, SCHEDULES, ScheduleSpec, names_where
 from ptdp.config.experts import check_moe_layout, check_moe_model
-from ptdp.config.models import (DEFAULT_PRESET, FAMILY_NAMES, MODEL_FAMILIES, PRESETS, Samples,
-                                family_names)
+from ptdp.config.models import (ACTIVATIONS, DEFAULT_PRESET, EXTRA_BLOCK_OPTIONS, FAMILY_NAMES,
+                                MODEL_FAMILIES, PRESETS, Samples, family_names)
 from ptdp.config.problems import Problems as _Problems
 from ptdp.config.run_length import check_rampup_layout, check_run_length_and_schedule
 from ptdp.config.stages import stage_layers_problem
@@ -109,12 +109,13 @@ def _check_block(m: ModelConfig, out: _Problems, sizes_ok: bool) -> None:
     out.choice(m.preset, tuple(PRESETS), "model.preset")
     out.choice(m.position_embedding, ("learned", "rope"), "model.position_embedding")
     out.choice(m.normalization, ("layernorm", "rmsnorm"), "model.normalization")
-    out.choice(m.activation, ("gelu", "swiglu"), "model.activation")
+    out.choice(m.activation, ACTIVATIONS, "model.activation")
     if family and not family.block_options:
         block = PRESETS[DEFAULT_PRESET]
         changed = [k for k, v in block.items() if getattr(m, k) != v]
         changed += ["qkv_bias"] if m.qkv_bias != m.bias else []
         changed += ["num_kv_heads"] if m.num_kv_heads != m.num_heads else []
+        changed += [k for k, off in EXTRA_BLOCK_OPTIONS.items() if getattr(m, k) != off]
         out.require(not changed, f"model.arch={m.arch} uses the GPT-2 block (Megatron-BERT); "
                                  f"{', '.join('model.' + k for k in changed)} apply to "
                                  f"model.arch={family_names(lambda f: f.block_options)} only")

@@ -18,9 +18,15 @@ import torch
 import torch.nn.functional as F
 
 
-def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """GeLU(x + bias), exact (erf) GeLU as the unfused model uses."""
-    return F.gelu(x if bias is None else x + bias)
+def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
+    """GeLU(x + bias): the exact (erf) GeLU, or with approximate='tanh' the tanh approximation
+    (GPT-2's `gelu_new`, Megatron-LM's fused bias-GeLU)."""
+    return F.gelu(x if bias is None else x + bias, approximate=approximate)
+
+
+def bias_gelu_tanh(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """GeLU(x + bias) with the tanh approximation (model.activation=gelu_tanh)."""
+    return bias_gelu(x, bias, approximate="tanh")
 
 
 def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -29,6 +35,10 @@ def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     x = x if bias is None else x + bias
     pairs = x.unflatten(-1, (-1, 2))
     return F.silu(pairs[..., 0]) * pairs[..., 1]
+
+
+# model.activation -> the fused chain after fc1 (models/transformer.py, models/moe.py)
+ACTIVATIONS = {"gelu": bias_gelu, "gelu_tanh": bias_gelu_tanh, "swiglu": bias_swiglu}
 
 
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,

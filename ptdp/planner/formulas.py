@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ptdp.config.models import Heads, ModelFamily, model_family
+from ptdp.config.models import GATED_ACTIVATIONS, Heads, ModelFamily, model_family
 from ptdp.planner.moe import (dense_mlp_forward_flops, moe_layer_count, moe_mlp_forward_flops,
                               moe_parameter_change)
 
@@ -58,7 +58,7 @@ class ModelShape:
     vocab: int
     dropout: bool
     kv_heads: int | None = None          # grouped-query attention; None = heads
-    activation: str = "gelu"             # gelu | swiglu
+    activation: str = "gelu"             # gelu | gelu_tanh | swiglu
     normalization: str = "layernorm"     # layernorm | rmsnorm
     position_embedding: str = "learned"  # learned | rope
     bias: bool = True                    # biases of QKV, projection, fc1, fc2
@@ -110,7 +110,7 @@ class ModelShape:
     @property
     def gated(self) -> int:
         """1 when the MLP's first GEMM makes a gate and an up projection (SwiGLU), else 0."""
-        return int(self.activation == "swiglu")
+        return int(self.activation in GATED_ACTIVATIONS)
 
     @property
     def rope(self) -> bool:

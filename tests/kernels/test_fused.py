@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from ptdp.models import build_chunk
 from ptdp.models.transformer import ModelContext, TransformerLayer
 from ptdp.config import ModelConfig
-from ptdp.kernels import bias_dropout_add, bias_gelu
+from ptdp.kernels import ACTIVATIONS, bias_dropout_add, bias_gelu
 from ptdp.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import TensorParallelRNG
@@ -37,6 +37,21 @@ def test_bias_gelu_equals_gelu_of_biased_input():
     assert torch.equal(bias_gelu(x, None), F.gelu(x))
 
 
+def test_gelu_tanh_is_the_tanh_approximation_of_gpt2_and_megatron():
+    """model.activation=gelu_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (GPT-2's
+    gelu_new, Megatron-LM's fused bias-GeLU), equal to torch's tanh GeLU bit for bit and
+    apart from the exact GeLU."""
+    g = torch.Generator().manual_seed(0)
+    x, b = torch.randn(5, 3, 16, generator=g, dtype=torch.float64), torch.randn(16, generator=g,
+                                                                                 dtype=torch.float64)
+    ours = ACTIVATIONS["gelu_tanh"](x, b)
+    y = x + b
+    formula = 0.5 * y * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (y + 0.044715 * y ** 3)))
+    torch.testing.assert_close(ours, formula, rtol=1e-12, atol=1e-12)
+    assert torch.equal(ours, F.gelu(y, approximate="tanh"))
+    assert (ours - bias_gelu(x, b)).abs().max() > 1e-5
+
+
 def test_bias_dropout_add_draws_the_unfused_mask():
     g = torch.Generator().manual_seed(1)
     x, residual = torch.randn(6, 2, 16, generator=g), torch.randn(6, 2, 16, generator=g)
@@ -63,7 +78,7 @@ def test_skip_bias_add_returns_the_bias_instead_of_adding_it(cls):
     torch.testing.assert_close(y + bias, plain(x), rtol=1e-6, atol=1e-6)
 
 
-def unfused_layer(layer: TransformerLayer, x, heads: int, causal: bool):
+def unfused_layer(layer: TransformerLayer, x, heads: int, causal: bool, approximate="none"):
     """The layer written out without skip_bias_add or the fused helpers (dropout 0)."""
     s, b, h = x.shape
     att, mlp = layer.attention, layer.mlp
@@ -71,18 +86,19 @@ def unfused_layer(layer: TransformerLayer, x, heads: int, causal: bool):
     q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     x = x + F.linear(out.permute(2, 0, 1, 3).reshape(s, b, h), att.proj.weight, att.proj.bias)
-    hidden = F.gelu(F.linear(layer.ln2(x), mlp.fc1.weight, mlp.fc1.bias))
+    hidden = F.gelu(F.linear(layer.ln2(x), mlp.fc1.weight, mlp.fc1.bias), approximate=approximate)
     return x + F.linear(hidden, mlp.fc2.weight, mlp.fc2.bias)
 
 
-def test_transformer_layer_equals_the_unfused_layer():
-    ctx = context()
+@pytest.mark.parametrize("activation,approximate", [("gelu", "none"), ("gelu_tanh", "tanh")])
+def test_transformer_layer_equals_the_unfused_layer(activation, approximate):
+    ctx = context(activation=activation)
     layer = TransformerLayer(ctx, 0, causal=True)
     g = torch.Generator().manual_seed(4)
     for p in layer.parameters():  # non-zero biases, so adding them in another place matters
         p.data.normal_(0, 0.3, generator=g)
     x = torch.randn(8, 2, 32, generator=g)
-    torch.testing.assert_close(layer(x), unfused_layer(layer, x, 4, causal=True),
+    torch.testing.assert_close(layer(x), unfused_layer(layer, x, 4, True, approximate),
                                rtol=1e-6, atol=1e-6)
 
 
