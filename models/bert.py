@@ -72,7 +72,9 @@ class BertChunk(ModelChunk):
     def forward(self, hidden, batch):
         if self.is_first:
             hidden = self.embedding(batch["tokens"], batch["types"])
-        hidden = self.stack(hidden, batch["padding_mask"])
+        padding = batch["padding_mask"]
+        hidden = self.stack(hidden, self.attention_mask(padding.shape[1], padding.device,
+                                                        padding=padding))
         if not self.is_last:
             return self.with_aux_losses(hidden)
         hidden = self.final_ln(hidden)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ptdp.models.attention import AttentionMask, attention_mask
 from ptdp.models.embedding import Embedding, OutputEmbedding, OutputLayer, mark_shared
 from ptdp.models.norms import norm
 from ptdp.models.transformer import ModelContext, TransformerStack
@@ -26,7 +27,8 @@ class ModelChunk(nn.Module):
         the first and the last stage)."""
         super().__init__()
         cfg = ctx.model
-        self.ctx = ctx
+        self.ctx, self.causal = ctx, causal
+        self.windows = tuple(dict.fromkeys(cfg.attention_window(i) for i in layers)) or (None,)
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
         self.embedding = Embedding(ctx, num_tokentypes) if self.is_first else None
         tied = cfg.tie_embeddings
@@ -37,6 +39,15 @@ class ModelChunk(nn.Module):
             self.final_ln = norm(cfg, ctx.tp)
             self.output = None if self.is_first or not tied else OutputEmbedding(ctx)
             self.output_layer = None if tied else OutputLayer(ctx)
+
+    def attention_mask(self, seq: int, device, *, documents=None,
+                       padding=None) -> AttentionMask | None:
+        """The micro-batch's attention mask for this chunk's layers (models/attention.py), built
+        once before them: `documents` [b, s] (the whole sequence's, also with context
+        parallelism), `padding` [b, s]; None when nothing limits attention beyond causality."""
+        return attention_mask(self.causal, seq, device, documents=documents, padding=padding,
+                              windows=self.windows, dropout=self.ctx.model.attention_dropout_rate,
+                              cp=self.ctx.cp)
 
     def with_aux_losses(self, output):
         """`output` wrapped with the MoE layers' aux losses (ptdp/parallel/stage_output.py), or

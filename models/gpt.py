@@ -9,8 +9,6 @@ output layer and the vocab-parallel loss.
 
 from __future__ import annotations
 
-import torch
-
 from ptdp.models.chunk import ModelChunk
 from ptdp.models.embedding import logits
 from ptdp.models.transformer import ModelContext
@@ -29,7 +27,10 @@ class GPTChunk(ModelChunk):
         positions = batch.get("position_ids")          # data.reset_position_ids
         if self.is_first:
             hidden = self.embedding(batch["tokens"], positions=positions)
-        hidden = self.stack(hidden, document_mask(batch.get("document_ids")), positions)
+        labels = batch["labels"]   # [b, s], or this context rank's s/c tokens
+        mask = self.attention_mask(labels.shape[1], labels.device,
+                                   documents=batch.get("document_ids"))   # data.reset_attention_mask
+        hidden = self.stack(hidden, mask, positions)
         if not self.is_last:
             return self.with_aux_losses(hidden)
         # with sequence parallelism the logits GEMM all-gathers the final hidden state
@@ -44,13 +45,3 @@ class GPTChunk(ModelChunk):
         loss = (per_token * mask).sum() / count.clamp(min=1.0)
         return self.with_aux_losses((loss, {"lm_loss": loss.detach()}))
 
-
-def document_mask(document_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """data.reset_attention_mask: [b, s] document of each token -> [b, s, s] keep-mask where a
-    query sees the keys at or before it in its own document (Megatron's reset attention mask:
-    no token attends across an <eod>; the <eod> ends, and belongs to, its document)."""
-    if document_ids is None:
-        return None
-    s = document_ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
-    return (document_ids[:, :, None] == document_ids[:, None, :]) & causal

@@ -12,17 +12,13 @@ The output projections hand their bias back (`skip_bias_add`) so that bias + GeL
 dropout + residual add are one elementwise chain each (ptdp/kernels/fused.py), fused into one
 kernel when the layer is compiled (`ModelContext.compile`, from `train.compile`).
 
-Attention is F.scaled_dot_product_attention on [b, heads, s, head_dim] views of the QKV GEMM.
-GPT passes `is_causal=True` and no mask, so on GPU the flash kernel runs (bf16/fp16, head_dim
-<= 256). BERT passes its padding mask as a boolean [b, 1, 1, s] keep-mask, broadcast over
-heads and queries: flash takes no mask, so the memory-efficient kernel (or cuDNN's, where it
-accepts masks) runs instead; the math kernel only when neither applies (e.g. on CPU). GPT with
-`data.reset_attention_mask` passes a [b, s, s] causal keep-mask that also stops attention at
-document boundaries (models/gpt.py), with the same kernel consequences as BERT's. With
+Core attention (which kernel, with which mask) is models/attention.py: the chunk builds one
+`AttentionMask` per micro-batch (packed documents, BERT's padding, the layers' sliding windows,
+`ModelConfig.attention_window`) and every layer hands it on with its own window. With
 `data.reset_position_ids` the positions ([b, s], from the batch) restart in every document
-for the rotary angles as for the learned table (models/embedding.py). With
-context parallelism (c > 1) each rank holds two chunks of the sequence and attention is a ring
-over the context group (ptdp/parallel/ring_attention.py); rotary angles follow the chunks.
+for the rotary angles as for the learned table (models/embedding.py). With context
+parallelism (c > 1) each rank holds two chunks of the sequence and attention is a ring over
+the context group (ptdp/parallel/ring_attention.py); rotary angles follow the chunks.
 """
 
 from __future__ import annotations
@@ -31,11 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ptdp.config import ModelConfig
 from ptdp.kernels import ACTIVATIONS, bias_dropout_add
+from ptdp.models.attention import core_attention
 from ptdp.models.moe import MoEMLP
 from ptdp.models.norms import norm
 from ptdp.models.rotary import RotaryEmbedding, rotate
@@ -43,7 +39,6 @@ from ptdp.parallel.context import ContextParallel
 from ptdp.parallel.experts import ExpertParallel
 from ptdp.parallel.layers import ColumnParallelLinear, RowParallelLinear, full_normal, scaled_std
 from ptdp.parallel.mappings import TensorParallel
-from ptdp.parallel.ring_attention import ring_attention
 from ptdp.parallel.rng import TensorParallelRNG
 from ptdp.parallel.sequence import sequence_parallel_dropout
 
@@ -106,20 +101,15 @@ class ParallelAttention(nn.Module):
                                       key=f"{key}.proj", skip_bias_add=True, bias=cfg.bias,
                                       std=scaled_std(cfg.init_std, cfg.num_layers))
         self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding == "rope" else None
+        self.window = cfg.attention_window(layer)   # a sliding window, or None
 
     def core_attention(self, q, k, v, mask):
         """q [b, heads, s, d], k and v [b, groups, s, d] -> [b, heads, s, d]; dropout here is
-        inside the tensor region. `mask`: None, a padding mask [b, s] (1 = real token), or a
-        boolean keep-mask [b, s, s] (query, key) that already includes causality."""
+        inside the tensor region. `mask`: the micro-batch's AttentionMask (models/attention.py)
+        or None."""
         dropout = self.ctx.model.attention_dropout_rate if self.training else 0.0
-        if mask is not None:   # -> a bool keep-mask broadcast over heads (and queries)
-            mask = mask.bool()[:, None, None, :] if mask.dim() == 2 else mask[:, None]
-        causal = self.causal and mask is None
-        if self.ctx.cp.size > 1:   # config: no padding mask, no dropout with context parallelism
-            return ring_attention(q, k, v, self.ctx.cp, causal)
-        if dropout == 0.0:  # no randomness: skip swapping RNG states
-            return attention(q, k, v, mask, causal)
-        return _attention_with_dropout(self.ctx.rng, q, k, v, mask, dropout, causal)
+        return core_attention(q, k, v, mask, causal=self.causal, window=self.window,
+                              dropout=dropout, rng=self.ctx.rng, cp=self.ctx.cp)
 
     def project(self, x, positions=None):
         """x [s, b, h] -> q [b, heads, s, d], k and v [b, groups, s, d] of my heads, rotated
@@ -149,21 +139,6 @@ class ParallelAttention(nn.Module):
             out = self.core_attention(q, k, v, mask)
         out = out.permute(2, 0, 1, 3)  # [s, b, heads, d]
         return self.proj(out.reshape(out.shape[0], out.shape[1], -1))
-
-
-def attention(q, k, v, mask=None, causal: bool = False, dropout: float = 0.0):
-    """F.scaled_dot_product_attention; K/V heads shared by groups of query heads when fewer."""
-    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                          is_causal=causal, **gqa)
-
-
-@torch.compiler.disable
-def _attention_with_dropout(rng: TensorParallelRNG, q, k, v, mask, dropout: float, causal: bool):
-    """Attention dropout draws from the tensor-parallel stream; swapping generator states is
-    Python-side work a compiled layer must not trace, so this runs eagerly (a graph break)."""
-    with rng.fork():
-        return attention(q, k, v, mask, causal, dropout)
 
 
 def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -65,7 +65,7 @@ def check_job(config_path: str | None, overrides: list[str], world_size: int,
             found.error(line)
         return found
     try:
-        validate(cfg, world_size)
+        found.notes += validate(cfg, world_size)
     except ConfigError as err:
         for line in err.errors:
             found.error(line)

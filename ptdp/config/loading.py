@@ -37,7 +37,7 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             value = [v for v in value.split(",") if v] if value else []
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return value
+        return [_coerce(v, args[0], key) for v in value] if args else value
     if hint is bool:
         if isinstance(value, bool):
             return value

@@ -77,6 +77,9 @@ class ModelConfig:
     # The longest position a rotary model supports (HF's max_position_embeddings); any
     # model.seq_length up to it loads its checkpoint. null = model.seq_length
     max_position_embeddings: int | None = None
+    # Sliding-window attention (Mistral v0.1, Qwen2, Gemma 2/3's local layers; models/attention.py)
+    sliding_window: int | None = None    # key j visible to query i iff 0 <= i - j < window; null = off
+    sliding_window_layers: list[int] | None = None  # the local layers (0-based); null = all
 
     def __post_init__(self):
         # an unknown preset: validation says so
@@ -97,6 +100,11 @@ class ModelConfig:
         """Whether transformer layer `layer` (0-based) has a mixture of experts as its MLP."""
         after = layer - self.moe_first_dense_layers
         return self.num_experts > 0 and after >= 0 and after % self.moe_layer_freq == 0
+
+    def attention_window(self, layer: int) -> int | None:
+        """The sliding window of transformer layer `layer` (0-based), None where it is global."""
+        local = self.sliding_window_layers is None or layer in self.sliding_window_layers
+        return self.sliding_window if local else None
 
     @property
     def family(self) -> ModelFamily:

@@ -13,6 +13,7 @@ from ptdp.config.models import (ACTIVATIONS, DEFAULT_PRESET, EXTRA_BLOCK_OPTIONS
 from ptdp.config.problems import Problems as _Problems
 from ptdp.config.run_length import check_rampup_layout, check_run_length_and_schedule
 from ptdp.config.stages import stage_layers_problem
+from ptdp.config.windows import check_window, window_notes
 from ptdp.config.schema import (AUTO_LOAD, Config, ConfigError, DataConfig, ModelConfig,
                                 ParallelConfig, TrainConfig)
 
@@ -59,10 +60,11 @@ def validate_model(m: ModelConfig) -> None:
         raise ConfigError(problems.lines)
 
 
-def validate(cfg: Config, world_size: int) -> None:
+def validate(cfg: Config, world_size: int) -> list[str]:
     """Check the whole config against the world size; fills parallel.data when it is None.
 
-    Raises one ConfigError listing every problem found (`err.errors`, one line each).
+    Raises one ConfigError listing every problem found (`err.errors`, one line each); returns
+    notes (accepted settings worth a line in `ptdp check`).
     """
     problems = _Problems()
     model_ok = _check_model(cfg.model, problems)
@@ -75,6 +77,7 @@ def validate(cfg: Config, world_size: int) -> None:
         _check_layout(cfg, world_size, problems)
     if problems.lines:
         raise ConfigError(problems.lines)
+    return window_notes(cfg.model)
 
 
 def _check_model(m: ModelConfig, out: _Problems) -> bool:
@@ -100,6 +103,7 @@ def _check_model(m: ModelConfig, out: _Problems) -> bool:
                                        f"([CLS] A [SEP] B [SEP] needs at least 5)")
     _check_block(m, out, sizes_ok)
     check_moe_model(m, out)
+    check_window(m, out)
     return len(out.lines) == before
 
 
@@ -335,7 +339,8 @@ def _check_sequence_parallel(cfg: Config, out: _Problems) -> None:
 
 def _check_context(cfg: Config, out: _Problems) -> None:
     """Context parallelism: 2c chunks of the sequence (times t with sequence parallelism), a
-    causal decoder, no dropout (the ring applies none)."""
+    causal decoder, no dropout (the ring applies none). Packed documents and sliding windows
+    are exact through the ring (ptdp/parallel/ring_attention.py)."""
     m, par = cfg.model, cfg.parallel
     c, s = par.context, m.seq_length
     sp = par.sequence_parallel and par.tensor > 1
@@ -355,9 +360,6 @@ def _check_context(cfg: Config, out: _Problems) -> None:
                 f"applies no attention dropout")
     out.require(m.dropout == 0.0, f"parallel.context={c} needs model.dropout=0 (got {m.dropout}): "
                                   f"context parallelism is built and tested without hidden dropout")
-    out.require(not cfg.data.reset_attention_mask,
-                f"data.reset_attention_mask=true is not supported with parallel.context={c}: the "
-                f"ring attention takes no per-document mask; set parallel.context=1")
 
 
 def _check_schedule(cfg: Config, out: _Problems) -> None:

@@ -9,7 +9,9 @@ makes every layout train the same model.
 With context parallelism (c > 1) the c ranks of a context group read the same samples and each
 keeps only its two chunks of the sequence (ptdp/parallel/context.py) of every tensor laid out
 along it (`SEQUENCE_KEYS`); `loss_count` carries the whole sequence's loss-mask count, so each
-rank's loss is its share of the single-process mean.
+rank's loss is its share of the single-process mean. `document_ids` stays whole: the ring
+attention masks each (query chunk, key chunk) block by the documents of both chunks
+(ptdp/parallel/ring_attention.py).
 """
 
 from __future__ import annotations
@@ -21,8 +23,7 @@ from ptdp.config.batches import BatchSchedule
 from ptdp.parallel.context import context_shard
 
 # The [b, s] tensors of a micro-batch, split along the sequence with context parallelism.
-SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "types", "padding_mask", "position_ids",
-                 "document_ids")
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "types", "padding_mask", "position_ids")
 
 
 def micro_batch_indices(iteration: int, micro_batch: int, *, global_batch: int,

@@ -24,7 +24,7 @@ import torch
 from ptdp.config.models import family_names
 from ptdp.inference.local_model import LocalModel
 from ptdp.kernels import bias_dropout_add
-from ptdp.models.transformer import attention
+from ptdp.models.attention import attention, decoding_mask
 
 
 @dataclass
@@ -94,14 +94,12 @@ def forward_cached(model: LocalModel, tokens: torch.Tensor, cache: KVCache) -> t
     x = emb.word(tokens.t())                                                # [s, b, h]
     if emb.position is not None:
         x = x + emb.position[start:start + s].unsqueeze(1)
-    # query i (absolute position start + i) sees keys 0 .. start + i
-    mask = None
-    if start > 0 and s > 1:
-        mask = torch.ones(s, start + s, dtype=torch.bool, device=x.device).tril(start)
     for i, layer in enumerate(chunk.stack.layers):
+        # query i (absolute position start + i) sees keys 0 .. start + i (within its window)
+        mask = decoding_mask(start, s, layer.attention.window, x.device)
         q, k, v = layer.attention.project(layer.ln1(x), positions)
         k, v = cache.extend(i, k, v)
-        out = attention(q, k, v, mask, causal=start == 0 and s > 1)
+        out = attention(q, k, v, mask, causal=mask is None and start == 0 and s > 1)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
         x = bias_dropout_add(*layer.attention.proj(out), x, 0.0, False)
         x = bias_dropout_add(*layer.mlp(layer.ln2(x)), x, 0.0, False)

@@ -116,7 +116,8 @@ class LocalModel(torch.nn.Module):
     def hidden(self, tokens: torch.Tensor, types=None, padding_mask=None) -> torch.Tensor:
         """[b, s] token ids -> final-LayerNorm hidden states [s, b, h]."""
         chunk = self.chunk
-        return chunk.final_ln(chunk.stack(chunk.embedding(tokens, types), padding_mask))
+        mask = chunk.attention_mask(tokens.shape[1], tokens.device, padding=padding_mask)
+        return chunk.final_ln(chunk.stack(chunk.embedding(tokens, types), mask))
 
     def logits(self, tokens: torch.Tensor, types=None, padding_mask=None) -> torch.Tensor:
         """[b, s] -> [b, s, vocab_size] (GPT: next-token; BERT: masked-LM) logits, fp32."""

@@ -20,10 +20,22 @@ last exchange brings every rank its own dK/dV, summed over every query of the se
 block's gradients use the *global* output and log-sum-exp (flash attention's backward), so the
 sum of the blocks is the whole attention's gradient.
 
-Inside a rank, blocks run torch's fused kernels that return the log-sum-exp:
-`_scaled_dot_product_flash_attention_for_cpu` on CPU (memory linear in the block length) and a
-plain matmul/softmax elsewhere. Grouped-query attention sends the smaller K/V (num_kv_heads)
-and expands them to the query heads per block only.
+Packed documents (`data.reset_attention_mask`) and sliding windows make some blocks masked:
+every context rank holds the whole sequence's document ids, so a block's keep-mask is built
+from the document ids and the global positions of its (query chunk, key chunk) pair
+(`block_keep`); with a window, blocks wholly outside it are skipped and blocks wholly inside
+it need no mask. A query row with no visible key in a block has log-sum-exp -inf and weight 0
+in the merge (`_merge` keeps such rows at 0 until a block gives them keys).
+
+Inside a rank, each block runs a fused kernel that returns the log-sum-exp, chosen by device
+(`block_forward` / `block_backward`, the same merge around every kernel):
+`_scaled_dot_product_flash_attention_for_cpu` on CPU (a keep-mask as an additive bias); on
+CUDA `_scaled_dot_product_flash_attention` (fp16/bf16, no mask) or else
+`_scaled_dot_product_efficient_attention` (fp32, or a mask as an additive bias) and their
+backward ops, as torch's own context parallelism calls them
+(torch/distributed/tensor/experimental/_context_parallel/_attention.py); a plain
+matmul/softmax reference (`MATH`, which tests select) elsewhere. Grouped-query attention sends
+the smaller K/V (num_kv_heads) and expands them to the query heads per block only.
 """
 
 from __future__ import annotations
@@ -32,24 +44,46 @@ import torch
 
 from ptdp.parallel.context import GRAD_KV, KV, ContextParallel, chunk_ids
 
-FULL, DIAGONAL = "full", "diagonal"
+FULL, DIAGONAL, MASKED = "full", "diagonal", "masked"
 FUSED_CPU = True   # CPU blocks through torch's flash kernel (tests switch to the math path)
 
 
-def _fused(q: torch.Tensor) -> bool:
-    return FUSED_CPU and q.device.type == "cpu"
-
-
-def visible_blocks(q_chunks: tuple, k_chunks: tuple, causal: bool) -> list[tuple[int, int, str]]:
-    """(query slot, key slot, FULL or DIAGONAL) of every block with something to attend to."""
+def visible_blocks(q_chunks: tuple, k_chunks: tuple, causal: bool, window: int | None = None,
+                   length: int = 0, documents: bool = False) -> list[tuple[int, int, str]]:
+    """(query slot, key slot, kind) of every block with something to attend to. Chunks are
+    `length` tokens long (needed with a `window`); `documents`: a document mask applies, so
+    every block is MASKED (which keys a document hides is data, not known here)."""
     out = []
     for a, qc in enumerate(q_chunks):
         for j, kc in enumerate(k_chunks):
-            if not causal or kc < qc:
-                out.append((a, j, FULL))
-            elif kc == qc:
-                out.append((a, j, DIAGONAL))
+            if causal and kc > qc:
+                continue
+            kind = FULL if not causal or kc < qc else DIAGONAL
+            if window is not None and causal:
+                nearest = max(0, (qc - kc - 1) * length + 1)   # the closest (query, key) pair
+                farthest = (qc - kc + 1) * length - 1          # the furthest
+                if nearest >= window:
+                    continue   # every key is outside the window
+                if farthest >= window:
+                    kind = MASKED
+            out.append((a, j, MASKED if documents else kind))
     return out
+
+
+def block_keep(q_chunk: int, k_chunk: int, length: int, causal: bool, window: int | None,
+               documents: torch.Tensor | None, device) -> torch.Tensor:
+    """The keep-mask [b or 1, 1, L, L] of one MASKED block: causal, the window, and the same
+    document, from the global positions of its chunks and the whole sequence's document ids."""
+    q_pos = torch.arange(q_chunk * length, (q_chunk + 1) * length, device=device)
+    k_pos = torch.arange(k_chunk * length, (k_chunk + 1) * length, device=device)
+    keep = torch.ones(length, length, dtype=torch.bool, device=device)[None]
+    if causal:
+        keep = keep & (k_pos[None, :] <= q_pos[:, None])
+        if window is not None:
+            keep = keep & (q_pos[:, None] - k_pos[None, :] < window)
+    if documents is not None:
+        keep = keep & (documents[:, q_pos, None] == documents[:, None, k_pos])
+    return keep[:, None]
 
 
 def _expand(x: torch.Tensor, repeats: int) -> torch.Tensor:
@@ -68,30 +102,117 @@ def _fold(x: torch.Tensor, repeats: int) -> torch.Tensor:
     return x.view(b, h // repeats, repeats, n, d).sum(2)
 
 
-def block_forward(q, k, v, causal: bool, scale: float):
+def _bias(keep: torch.Tensor, dtype, heads: int, align: int = 1) -> torch.Tensor:
+    """A keep-mask [b, 1, Lq, Lk] as the additive bias fused kernels take: 0 or -inf, expanded
+    over the heads; rows padded to a multiple of `align` and sliced back (the memory-efficient
+    kernel wants aligned rows, as torch's SDPA pads them)."""
+    lq, lk = keep.shape[-2:]
+    padded = -(-lk // align) * align
+    bias = torch.zeros(keep.shape[0], 1, lq, padded, dtype=dtype, device=keep.device)
+    bias[..., :lk].masked_fill_(~keep, float("-inf"))
+    return bias[..., :lk].expand(keep.shape[0], heads, lq, lk)
+
+
+def _kernel(q: torch.Tensor) -> str:
+    if q.device.type == "cuda":
+        return "cuda"
+    return "cpu" if FUSED_CPU and q.device.type == "cpu" else "math"
+
+
+def block_forward(q, k, v, causal: bool, scale: float, keep: torch.Tensor | None = None):
     """One block: q [b, h, Lq, d], k and v [b, h, Lk, d] -> (out [b, h, Lq, d], lse [b, h, Lq]
-    fp32)."""
-    if _fused(q):
+    fp32). `causal`: the diagonal's lower triangle; `keep`: a keep-mask [b|1, 1, Lq, Lk]
+    (causality included) instead. A row that sees no key has lse -inf."""
+    kernel = _kernel(q)
+    if kernel == "math":
+        return _math_forward(q, k, v, causal, scale, keep)
+    if kernel == "cpu":
+        bias = None if keep is None else _bias(keep, q.dtype, q.shape[1])
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale)
-        return out, lse.float()
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    if causal:
-        scores = scores.masked_fill(_upper(scores), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v)
+            q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        lse = lse.float()
+    else:
+        out, lse = _cuda_forward(q, k, v, causal, scale, keep)
+    if keep is not None:   # the fused kernels give a row with no visible key lse 0, not -inf
+        lse = lse.masked_fill(~keep.any(-1), float("-inf"))
     return out, lse
 
 
-def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float,
+                   keep: torch.Tensor | None = None):
     """One block's (dq, dk, dv), given the whole attention's output and log-sum-exp."""
-    if _fused(q):
+    kernel = _kernel(q)
+    if kernel == "math":
+        return _math_backward(dout, q, k, v, out, lse, causal, scale, keep)
+    if kernel == "cpu":
+        bias = None if keep is None else _bias(keep, q.dtype, q.shape[1])
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale)
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+    return _cuda_backward(dout, q, k, v, out, lse, causal, scale, keep)
+
+
+def _flash_on_cuda(q: torch.Tensor, keep) -> bool:
+    """Flash takes no mask and only half precision; the memory-efficient kernel the rest."""
+    return keep is None and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _cuda_forward(q, k, v, causal: bool, scale: float, keep):
+    aten = torch.ops.aten
+    if _flash_on_cuda(q, keep):
+        out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                                scale=scale)
+        return out, lse
+    bias = None if keep is None else _bias(keep, q.dtype, q.shape[1], align=16)
+    out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal,
+                                                               scale=scale)
+    return out, lse[..., :q.shape[2]]   # its rows are padded to a multiple of 32
+
+
+def _cuda_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep):
+    aten = torch.ops.aten
+    lq, lk = q.shape[2], k.shape[2]
+    if _flash_on_cuda(q, keep):
+        # no dropout: the random-state tensors are not read; None = undefined cumulative lengths
+        seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, lq, lk, 0.0, causal, seed, offset, scale=scale)
+    bias = None if keep is None else _bias(keep, q.dtype, q.shape[1], align=16)
+    padded = -(-lq // 32) * 32   # the layout its forward returned
+    lse = torch.nn.functional.pad(lse, (0, padded - lq)).contiguous()
+    seed = offset = torch.empty((), dtype=torch.long, device=q.device)
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], causal,
+        scale=scale)
+    return dq, dk, dv
+
+
+def _scores(q, k, causal: bool, scale: float, keep):
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if keep is not None:
+        return scores.masked_fill(~keep, float("-inf"))
     if causal:
-        scores = scores.masked_fill(_upper(scores), float("-inf"))
-    probs = torch.exp(scores - lse[..., None])
+        n, m = scores.shape[-2:]
+        upper = torch.ones(n, m, dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(upper, float("-inf"))
+    return scores
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (rows that see no key) as 0, so exp(-inf - lse) is 0, not NaN."""
+    return lse.masked_fill(torch.isinf(lse), 0.0)
+
+
+def _math_forward(q, k, v, causal: bool, scale: float, keep):
+    scores = _scores(q, k, causal, scale, keep)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - _finite(lse)[..., None]).to(v.dtype), v)
+    return out, lse
+
+
+def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep):
+    scores = _scores(q, k, causal, scale, keep)
+    probs = torch.exp(scores - _finite(lse)[..., None])
     dv = torch.matmul(probs.to(dout.dtype).transpose(-1, -2), dout)
     dprobs = torch.matmul(dout, v.transpose(-1, -2)).float()
     delta = (dout.float() * out.float()).sum(-1, keepdim=True)
@@ -99,26 +220,45 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     return torch.matmul(dscores, k), torch.matmul(dscores.transpose(-1, -2), q), dv
 
 
-def _upper(scores: torch.Tensor) -> torch.Tensor:
-    n, m = scores.shape[-2:]
-    return torch.ones(n, m, dtype=torch.bool, device=scores.device).triu(1)
-
-
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
            block_lse: torch.Tensor) -> None:
-    """Fold a block's (output, log-sum-exp) into the running ones, in place (fp32)."""
+    """Fold a block's (output, log-sum-exp) into the running ones, in place (fp32). Rows that
+    have seen no key yet (lse -inf on both sides) stay 0."""
     total = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - total)[..., None]).add_(
-        block_out.float() * torch.exp(block_lse - total)[..., None])
+    safe = _finite(total)
+    out.mul_(torch.exp(lse - safe)[..., None]).add_(
+        block_out.float() * torch.exp(block_lse - safe)[..., None])
     lse.copy_(total)
+
+
+class _Blocks:
+    """The blocks of each ring step, with what each needs: the rows of the query and key slots,
+    the kernel's causal flag and a keep-mask (MASKED blocks)."""
+
+    def __init__(self, cp: ContextParallel, causal: bool, length: int, window, documents):
+        self.cp, self.causal, self.half = cp, causal, length // 2
+        self.window, self.documents = window, documents
+
+    def rows(self, slot: int) -> slice:
+        return slice(slot * self.half, (slot + 1) * self.half)
+
+    def of_step(self, step: int, device):
+        source = (self.cp.rank - step) % self.cp.size
+        q_chunks, k_chunks = self.cp.chunks(), chunk_ids(source, self.cp.size)
+        for a, j, kind in visible_blocks(q_chunks, k_chunks, self.causal, self.window, self.half,
+                                         self.documents is not None):
+            keep = None if kind != MASKED else block_keep(
+                q_chunks[a], k_chunks[j], self.half, self.causal, self.window, self.documents,
+                device)
+            yield self.rows(a), self.rows(j), kind == DIAGONAL, keep
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, causal: bool, scale: float):
+    def forward(ctx, q, k, v, cp: ContextParallel, causal: bool, scale: float, window,
+                documents):
         repeats = q.shape[1] // k.shape[1]
-        half = q.shape[2] // 2
-        rows = lambda slot: slice(slot * half, (slot + 1) * half)  # noqa: E731
+        blocks = _Blocks(cp, causal, q.shape[2], window, documents)
         # laid out [b, 2L, heads, d] as torch's kernels lay out theirs: the layer's permute to
         # [2L, b, heads, d] is then a view for b = 1, not a copy the projection keeps
         b, heads, length, d = q.shape
@@ -127,39 +267,34 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])   # one contiguous message per step
         for step in range(cp.size):
-            source = (cp.rank - step) % cp.size
             incoming, pending = None, None
             if step < cp.size - 1:   # pass the block on while attending to it
                 incoming = torch.empty_like(kv)
                 pending = cp.exchange(step, {KV: kv}, {KV: incoming})
-            blocks = visible_blocks(cp.chunks(), chunk_ids(source, cp.size), causal)
-            for a, j, kind in blocks:
-                q_rows, k_rows = rows(a), rows(j)
+            for q_rows, k_rows, diagonal, keep in blocks.of_step(step, q.device):
                 o, s = block_forward(q[:, :, q_rows], _expand(kv[0][:, :, k_rows], repeats),
-                                     _expand(kv[1][:, :, k_rows], repeats), kind == DIAGONAL,
-                                     scale)
+                                     _expand(kv[1][:, :, k_rows], repeats), diagonal, scale,
+                                     keep)
                 _merge(out[:, :, q_rows], lse[:, :, q_rows], o, s)
             if pending is not None:
                 pending.wait()
                 kv = incoming
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.cp, ctx.causal, ctx.scale = cp, causal, scale
+        ctx.blocks, ctx.scale = blocks, scale
         return result
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        cp, causal, scale = ctx.cp, ctx.causal, ctx.scale
+        blocks, scale = ctx.blocks, ctx.scale
+        cp = blocks.cp
         dout = dout.contiguous()
         repeats = q.shape[1] // k.shape[1]
-        half = q.shape[2] // 2
-        rows = lambda slot: slice(slot * half, (slot + 1) * half)  # noqa: E731
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         carry = None   # the dK/dV accumulated at the previous step, travelling with its K/V
         for step in range(cp.size):
-            source = (cp.rank - step) % cp.size
             sends, receives = {}, {}
             if step < cp.size - 1:
                 sends[KV], receives[KV] = kv, torch.empty_like(kv)
@@ -167,12 +302,11 @@ class _RingAttention(torch.autograd.Function):
                 sends[GRAD_KV], receives[GRAD_KV] = carry, torch.empty_like(carry)
             pending = cp.exchange(step, sends, receives) if sends else None
             local = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
-            for a, j, kind in visible_blocks(cp.chunks(), chunk_ids(source, cp.size), causal):
-                q_rows, k_rows = rows(a), rows(j)
+            for q_rows, k_rows, diagonal, keep in blocks.of_step(step, q.device):
                 dq_a, dk_j, dv_j = block_backward(
                     dout[:, :, q_rows], q[:, :, q_rows], _expand(kv[0][:, :, k_rows], repeats),
                     _expand(kv[1][:, :, k_rows], repeats), out[:, :, q_rows],
-                    lse[:, :, q_rows].contiguous(), kind == DIAGONAL, scale)
+                    lse[:, :, q_rows].contiguous(), diagonal, scale, keep)
                 dq[:, :, q_rows] += dq_a
                 local[0][:, :, k_rows] += _fold(dk_j, repeats)
                 local[1][:, :, k_rows] += _fold(dv_j, repeats)
@@ -187,12 +321,16 @@ class _RingAttention(torch.autograd.Function):
             home = torch.empty_like(carry)
             cp.exchange(cp.size, {GRAD_KV: carry}, {GRAD_KV: home}).wait()
             carry = home
-        return (dq.to(q.dtype), carry[0].to(k.dtype), carry[1].to(v.dtype), None, None, None)
+        return (dq.to(q.dtype), carry[0].to(k.dtype), carry[1].to(v.dtype),
+                None, None, None, None, None)
 
 
 @torch.compiler.disable
-def ring_attention(q, k, v, cp: ContextParallel, causal: bool = True, scale: float | None = None):
+def ring_attention(q, k, v, cp: ContextParallel, causal: bool = True, scale: float | None = None,
+                   documents: torch.Tensor | None = None, window: int | None = None):
     """q [b, heads, 2L, d], k and v [b, kv_heads, 2L, d] of this rank's two chunks ->
-    [b, heads, 2L, d]: attention over the whole sequence of the context group."""
+    [b, heads, 2L, d]: attention over the whole sequence of the context group. `documents`:
+    [b, s] document ids of the WHOLE sequence (data.reset_attention_mask); `window`: a causal
+    sliding window (key j visible to query i iff i - j < window)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, cp, causal, scale)
+    return _RingAttention.apply(q, k, v, cp, causal, scale, window, documents)

@@ -12,7 +12,7 @@ from ptdp.data import build_datasets
 from ptdp.data.gpt_dataset import EodOptions, gpt_sample
 from ptdp.data.indexed import IndexedDatasetWriter
 from ptdp.inference.local_model import build_single_stage
-from models.gpt import document_mask
+from models.attention import document_mask
 
 from .conftest import make_config
 
@@ -131,8 +131,6 @@ def test_attention_dropout_is_its_own_key():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["data.reset_attention_mask=true", "parallel.context=2", "data.source=indexed",
-      "data.paths=[x]"], "data.reset_attention_mask=true is not supported with parallel.context=2"),
     (["data.eod_mask_loss=true"], "data.eod_mask_loss=true needs data.source=indexed"),
     (["data.sampling=megatron", "model.arch=bert", "data.source=indexed", "data.paths=[x]"],
      "data.sampling=megatron needs data.source=indexed and model.arch=gpt"),

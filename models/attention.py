@@ -1,0 +1,203 @@
+"""Core attention: which kernel computes softmax(Q K^T / sqrt(d) + mask) V, and the masks it
+takes, built once per micro-batch.
+
+What limits the keys a query sees, beyond causality, is an `AttentionMask`, built by the chunk
+before its layers run (`attention_mask`): the documents packed into each sample
+(`data.reset_attention_mask`: no token attends across an <eod>), BERT's padding, and the
+layers' sliding windows (`model.sliding_window`, `model.sliding_window_layers`). The window
+follows Hugging Face's `sliding_window_causal` mask (transformers' masking_utils.py): key j is
+visible to query i iff j <= i and i - j < window, so a query sees itself and the window - 1
+tokens before it (sequence indices, not positions reset per document). A window >= the
+sequence length is no window.
+
+The mask is prepared once per micro-batch for every window the chunk's layers use, in the form
+the kernel takes (`AttentionMask.prepared[window]`):
+
+* None: nothing beyond causality; SDPA with `is_causal` (flash on CUDA; grouped-query heads
+  through `enable_gqa`, which flash supports).
+* a FlexAttention `BlockMask` (CUDA, causal, no attention dropout): documents and windows as a
+  block-sparse mask (blocks wholly outside a document or window are skipped, no s x s tensor);
+  grouped-query heads natively. FlexAttention has no backward on CPU (torch 2.13), so the CPU
+  never takes this path.
+* a boolean keep-mask [b, 1, s, s] ([b, 1, 1, s] for padding): SDPA with `attn_mask`. On CPU
+  that is today's path (the fused CPU kernel, bit for bit what it was); on CUDA with a mask
+  (padding, or dropout with documents/windows) the memory-efficient kernel, which takes a mask
+  but not `enable_gqa`: K/V are expanded to the query heads first (`expand_kv`).
+
+With context parallelism the ring (ptdp/parallel/ring_attention.py) takes the documents (the
+whole sequence's ids, which every context rank holds) and the window itself, block by block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ptdp.parallel.context import ContextParallel
+from ptdp.parallel.ring_attention import ring_attention
+from ptdp.parallel.rng import TensorParallelRNG
+
+
+@dataclass
+class AttentionMask:
+    """One micro-batch's attention limits; `prepared` maps each window (None = no window) the
+    chunk's layers use to what the kernel takes (see the module's docstring)."""
+
+    causal: bool
+    documents: torch.Tensor | None = None    # [b, s] document of each token, whole sequence
+    padding: torch.Tensor | None = None      # [b, s] 1 = a real token (bidirectional encoders)
+    prepared: dict = field(default_factory=dict)
+
+
+def effective_window(window: int | None, seq_length: int) -> int | None:
+    """None where a window hides nothing: no window, or one at least the sequence long."""
+    return None if window is None or window >= seq_length else window
+
+
+def attention_mask(causal: bool, seq: int, device, *, documents=None, padding=None,
+                   windows=(None,), dropout: float = 0.0,
+                   cp: ContextParallel | None = None) -> AttentionMask | None:
+    """The micro-batch's mask for sequences of `seq` tokens, prepared for `windows` (the
+    chunk's layers' windows); None when nothing limits attention beyond causality (the
+    default, fastest path)."""
+    windows = tuple(effective_window(w, seq) for w in windows)
+    if documents is None and padding is None and all(w is None for w in windows):
+        return None
+    mask = AttentionMask(causal, documents, padding)
+    if cp is not None and cp.size > 1:   # the ring builds each block's mask itself
+        return mask
+    for window in windows:
+        if window not in mask.prepared:
+            mask.prepared[window] = _prepare(mask, window, seq, device, dropout)
+    return mask
+
+
+def _prepare(mask: AttentionMask, window: int | None, seq: int, device, dropout: float):
+    if mask.padding is not None:   # [b, s] -> broadcast over heads and queries
+        return mask.padding.bool()[:, None, None, :]
+    if mask.documents is None and window is None:
+        return None
+    if torch.device(device).type == "cuda" and mask.causal and dropout == 0.0:
+        return flex_block_mask(mask.documents, window, seq, device)
+    if mask.documents is None:
+        return window_mask(seq, window, device)[:, None]
+    return keep_mask(mask.documents, window, causal=mask.causal)[:, None]
+
+
+def keep_mask(documents: torch.Tensor, window: int | None = None, causal: bool = True,
+              ) -> torch.Tensor:
+    """[b, s] document ids -> [b, s, s] boolean keep-mask (query, key): the keys at or before
+    the query (when causal) in its own document, and within `window` of it."""
+    s = documents.shape[1]
+    i = torch.arange(s, device=documents.device)
+    keep = documents[:, :, None] == documents[:, None, :]
+    if causal:
+        keep = keep & (i[None, :] <= i[:, None])
+    if window is not None:
+        keep = keep & (i[:, None] - i[None, :] < window)
+    return keep
+
+
+def window_mask(seq: int, window: int, device=None) -> torch.Tensor:
+    """[1, s, s] keep-mask of a causal sliding window alone (one document)."""
+    return keep_mask(torch.zeros(1, seq, dtype=torch.long, device=device), window)
+
+
+def document_mask(document_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """data.reset_attention_mask: [b, s] document of each token -> [b, s, s] keep-mask where a
+    query sees the keys at or before it in its own document (Megatron's reset attention mask:
+    no token attends across an <eod>; the <eod> ends, and belongs to, its document)."""
+    return None if document_ids is None else keep_mask(document_ids)
+
+
+def decoding_mask(start: int, new: int, window: int | None, device=None):
+    """Keep-mask [new, start + new] of `new` queries after `start` cached positions (generation,
+    ptdp/inference/generate.py), or None where causality alone says it (from position 0 with
+    is_causal, or one query that sees every key)."""
+    total = start + new
+    if window is None or window >= total:
+        if start == 0 or new == 1:
+            return None
+        return torch.ones(new, total, dtype=torch.bool, device=device).tril(start)
+    i = torch.arange(start, total, device=device)[:, None]
+    j = torch.arange(total, device=device)[None]
+    return (j <= i) & (i - j < window)
+
+
+def mask_mod(documents: torch.Tensor | None, window: int | None):
+    """FlexAttention's mask_mod: keep (b, h, q, k) iff causal, same document, within window."""
+    def keep(b, h, q, k):
+        out = k <= q
+        if documents is not None:
+            out = out & (documents[b, q] == documents[b, k])
+        if window is not None:
+            out = out & (q - k < window)
+        return out
+    return keep
+
+
+def flex_block_mask(documents: torch.Tensor | None, window: int | None, seq: int, device):
+    """The block-sparse FlexAttention mask of `mask_mod`, shared by every head and every layer
+    of the micro-batch (on CUDA built by a compiled kernel: no s x s tensor)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    device = torch.device(device)
+    batch = None if documents is None else documents.shape[0]   # None: the same for all
+    return create_block_mask(mask_mod(documents, window), B=batch, H=None, Q_LEN=seq,
+                             KV_LEN=seq, device=device, _compile=device.type == "cuda")
+
+
+_FLEX = None   # flex_attention compiled once (eager FlexAttention is a slow reference path)
+
+
+def _flex_attention(q, k, v, block_mask):
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[b, groups, s, d] -> [b, heads, s, d]: each K/V head repeated for its query heads (the
+    order `enable_gqa` uses: query head i reads K/V head i // (heads / groups))."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def attention(q, k, v, mask=None, causal: bool = False, dropout: float = 0.0,
+              expand: bool | None = None):
+    """q [b, heads, s, d], k and v [b, groups, s, d] -> [b, heads, s, d]. `mask`: a prepared
+    form (None, a BlockMask or a boolean keep-mask). `expand`: expand grouped K/V to the
+    query heads when a mask is given (default: on CUDA, where the kernels that take a mask
+    do not take `enable_gqa`)."""
+    if mask is not None and not isinstance(mask, torch.Tensor):   # a FlexAttention BlockMask
+        return _flex_attention(q, k, v, mask)
+    expand = q.device.type == "cuda" if expand is None else expand
+    if mask is not None and expand:
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                          is_causal=causal and mask is None, **gqa)
+
+
+@torch.compiler.disable
+def attention_with_dropout(rng: TensorParallelRNG, q, k, v, mask, dropout: float,
+                           causal: bool):
+    """Attention dropout draws from the tensor-parallel stream; swapping generator states is
+    Python-side work a compiled layer must not trace, so this runs eagerly (a graph break)."""
+    with rng.fork():
+        return attention(q, k, v, mask, causal, dropout)
+
+
+def core_attention(q, k, v, mask: AttentionMask | None, *, causal: bool, window: int | None,
+                   dropout: float, rng: TensorParallelRNG, cp: ContextParallel):
+    """A layer's attention over its heads: the ring with context parallelism (config: no
+    padding, no dropout there), else the kernel of the mask prepared for this layer's window."""
+    if cp.size > 1:
+        documents = None if mask is None else mask.documents
+        return ring_attention(q, k, v, cp, causal, documents=documents, window=window)
+    prepared = None if mask is None else mask.prepared[effective_window(window, q.shape[2])]
+    if dropout == 0.0:  # no randomness: skip swapping RNG states
+        return attention(q, k, v, prepared, causal)
+    return attention_with_dropout(rng, q, k, v, prepared, dropout, causal)
