@@ -55,7 +55,7 @@ class Family:
         ours = self.model_family
         family = [] if cfg.family is ours else [f"model.arch={ours.name}"]
         return family + [f"model.{key}={_text(want)} (not {_text(getattr(cfg, key))})"
-                         for key, want in self.block.items() if getattr(cfg, key) != want]
+                         for key, want in self.block.items() if not _fits(getattr(cfg, key), want)]
 
     def model_config(self, config) -> ModelConfig:
         raise NotImplementedError
@@ -85,7 +85,37 @@ class Family:
         return renamed(((hf_name, ours, t) for ours, hf_name, t in self._pairs(cfg)), hf, get), get
 
 
+# The block options a plain decoder leaves off: a family that computes one says so in its block.
+PLAIN = dict(sliding_window=None, num_experts=0, norm_zero_centered=False)
+
+
+class OneOf(tuple):
+    """A block option the HF class computes for any of these values."""
+
+
+class Set:
+    """A block option the HF class computes for any value but `off` (a MoE class: experts)."""
+
+    def __init__(self, off=None):
+        self.off = off
+
+    def __str__(self) -> str:
+        return f"any but {_text(self.off)}"
+
+
+def _fits(value, want) -> bool:
+    if isinstance(want, OneOf):
+        return value in want
+    if isinstance(want, Set):
+        return value != want.off
+    return value == want
+
+
 def _text(value) -> str:
+    if isinstance(value, OneOf):
+        return "|".join(_text(v) for v in value)
+    if value is None:
+        return "null"
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
