@@ -51,14 +51,15 @@ def _first_line(err: BaseException) -> str:
 
 
 def to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
-          tokenizer: str | None = None) -> dict:
-    """Write the HF model (and tokenizer, when known) to out_dir; returns a short summary."""
+          tokenizer: str | None = None, model_type: str | None = None) -> dict:
+    """Write the HF model (and tokenizer, when known) to out_dir, as `model_type` when given
+    (else the first family whose block is the model's); returns a short summary."""
     import transformers
 
     _quiet_transformers()
     directory, meta, state = read_full_state(checkpoint)
     cfg = model_config(meta)
-    family = family_of(cfg)
+    family = family_of(cfg, model_type)
     tok_path = checkpoint_tokenizer(directory, meta, tokenizer)
     tok = checked_tokenizer(tok_path, cfg.vocab_size) if tok_path else None
     config = family.hf_config(cfg, tok.special_ids() if tok else {})

@@ -110,7 +110,7 @@ class Llama(Family):
 
     def hf_config(self, cfg: ModelConfig, special: dict[str, int]):
         import transformers
-        return getattr(transformers, self.config_class)(
+        keys = dict(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
             intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
             num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
@@ -119,7 +119,8 @@ class Llama(Family):
             attention_dropout=cfg.attention_dropout_rate, rope_parameters=rope_parameters(cfg),
             tie_word_embeddings=cfg.tie_embeddings, architectures=[self.hf_class],
             bos_token_id=special.get(BOS), eos_token_id=special.get(EOD),
-            pad_token_id=special.get(PAD), **self.hf_extra(cfg))
+            pad_token_id=special.get(PAD))
+        return getattr(transformers, self.config_class)(**{**keys, **self.hf_extra(cfg)})
 
     def _pairs(self, cfg: ModelConfig):
         """(ptdp name, HF name, transposed) of the weights that only change name."""
