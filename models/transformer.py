@@ -97,9 +97,10 @@ class ParallelAttention(nn.Module):
         self.qkv = ColumnParallelLinear(cfg.hidden_size, width, tp, seed=ctx.seed,
                                         key=f"{key}.qkv", std=cfg.init_std, bias=cfg.qkv_bias,
                                         full_weight=qkv_weight(cfg, ctx.seed, f"{key}.qkv"))
-        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
-                                      key=f"{key}.proj", skip_bias_add=True, bias=cfg.bias,
-                                      std=scaled_std(cfg.init_std, cfg.num_layers))
+        # heads * head_dim -> h (h -> h unless model.head_dim sets another head size)
+        self.proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp,
+                                      seed=ctx.seed, key=f"{key}.proj", skip_bias_add=True,
+                                      bias=cfg.bias, std=scaled_std(cfg.init_std, cfg.num_layers))
         self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding == "rope" else None
         self.window = cfg.attention_window(layer)   # a sliding window, or None
 

@@ -65,9 +65,21 @@ def test_zero_centred_gain_defers_its_gradient_like_any_weight(kind):
         torch.testing.assert_close(got.grad, want, rtol=1e-6, atol=1e-6)
 
 
+def test_an_explicit_head_size_sets_the_attention_widths():
+    m = load_config(None, ["model.hidden_size=34", "model.head_dim=16"], world_size=1).model
+    assert m.head_dim == 16
+    assert load_config(None, [], world_size=1).model.head_dim == 64 // 4   # null: h / heads
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["model.arch=bert", "model.norm_zero_centered=true"],
      "model.norm_zero_centered apply to model.arch=gpt only"),
+    (["model.head_dim=0"], "model.head_dim must be positive, got 0"),
+    (["model.hidden_size=34"],
+     "model.hidden_size (34) must be divisible by model.num_heads (4), or set model.head_dim"),
+    (["model.arch=bert", "model.head_dim=8"], "model.head_dim apply to model.arch=gpt only"),
+    (["model.preset=llama", "model.head_dim=7"],
+     "model.position_embedding=rope needs an even head size, got model.head_dim = 7"),
 ])
 def test_bad_values_get_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:

@@ -20,8 +20,10 @@ from ptdp.planner.formulas import (bert_parameter_count, decoder_parameters, ite
 from ptdp.planner.memory import stage_parameters
 
 L, H, A, S, V, B = 2, 32, 4, 16, 128, 3
-# Model options beyond the sizes: GPT-2's block, BERT, a Llama-style block with 2 K/V heads.
-BLOCKS = {"gpt": {}, "bert": {"arch": "bert"}, "llama": {"preset": "llama", "num_kv_heads": 2}}
+# Model options beyond the sizes: GPT-2's block, BERT, a Llama-style block with 2 K/V heads,
+# and one with the other block options (a head size of 12: Q is 48 wide on h = 32).
+BLOCKS = {"gpt": {}, "bert": {"arch": "bert"}, "llama": {"preset": "llama", "num_kv_heads": 2},
+          "blocks": {"preset": "llama", "num_kv_heads": 2, "head_dim": 12}}
 
 
 def _chunk(arch):
@@ -44,13 +46,13 @@ def test_flop_formula_equals_the_counted_matmuls(arch):
     if not any("attention" in op for op in ops):
         # torch's counter does not see the CPU SDPA kernel: add its QK^T and AV matmuls,
         # forward and backward (3 x 4 B s^2 h per layer), as Eq. 4.2 counts them.
-        counted += 3 * L * 4 * B * S * S * H
+        counted += 3 * L * 4 * B * S * S * A * cfg.head_dim
     assert counted == iteration_flops(ModelShape.from_config(cfg), B, V, recompute_forward=False)
-    if arch != "llama":   # the dissertation's block: the arch's own formula, unchanged
+    if arch in ("gpt", "bert"):   # the dissertation's block: the arch's own formula, unchanged
         assert counted == model_flops(arch, B, S, L, H, V, recompute_forward=False)
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("arch", ["gpt", "llama", "blocks"])
 def test_decoder_parameters_equal_the_model(arch):
     cfg, chunk = _chunk(arch)
     shape = ModelShape.from_config(cfg)

@@ -58,6 +58,7 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_seq_length: int = 8192  # the context the scaled frequencies were trained at
+    head_dim: int | None = None          # per-head size; null = hidden_size / num_heads
     norm_zero_centered: bool = False     # norm gain 1 + w, w starting at 0 (Gemma; Megatron's
                                          # --apply-layernorm-1p)
     # Mixture of experts (0 experts = a dense MLP in every layer; docs/moe.md)
@@ -91,6 +92,8 @@ class ModelConfig:
             self.qkv_bias = self.bias
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
+        if self.head_dim is None and self.num_heads > 0 and self.hidden_size % self.num_heads == 0:
+            self.head_dim = self.hidden_size // self.num_heads   # (else validation says so)
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.activation)
         if self.moe_ffn_hidden_size is None:
@@ -123,10 +126,6 @@ class ModelConfig:
         if self.position_embedding == "rope" and self.max_position_embeddings:
             return self.max_position_embeddings
         return self.seq_length
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
 
     @property
     def gated(self) -> bool:

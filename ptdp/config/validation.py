@@ -87,10 +87,12 @@ def _check_model(m: ModelConfig, out: _Problems) -> bool:
     sizes_ok = all([out.positive(getattr(m, key), f"model.{key}") for key in
                     ("num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size",
                      "ffn_hidden_size")])
-    if sizes_ok:
-        out.require(m.hidden_size % m.num_heads == 0,
-                    f"model.hidden_size ({m.hidden_size}) must be divisible by model.num_heads "
-                    f"({m.num_heads})")
+    if sizes_ok and m.head_dim is None:   # (derived from these when they divide)
+        sizes_ok = out.require(False, f"model.hidden_size ({m.hidden_size}) must be divisible "
+                                      f"by model.num_heads ({m.num_heads}), or set model.head_dim")
+    elif sizes_ok:
+        sizes_ok = out.positive(m.head_dim, "model.head_dim", hint=" (null = hidden_size / "
+                                                                   "num_heads)")
     out.require(0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}")
     out.require(m.attention_dropout is None or 0.0 <= m.attention_dropout < 1.0,
                 f"model.attention_dropout must be in [0, 1) or null (= model.dropout), got "
@@ -120,6 +122,7 @@ def _check_block(m: ModelConfig, out: _Problems, sizes_ok: bool) -> None:
         changed += ["qkv_bias"] if m.qkv_bias != m.bias else []
         changed += ["num_kv_heads"] if m.num_kv_heads != m.num_heads else []
         changed += [k for k, off in EXTRA_BLOCK_OPTIONS.items() if getattr(m, k) != off]
+        changed += ["head_dim"] if m.head_dim != m.hidden_size // max(m.num_heads, 1) else []
         out.require(not changed, f"model.arch={m.arch} uses the GPT-2 block (Megatron-BERT); "
                                  f"{', '.join('model.' + k for k in changed)} apply to "
                                  f"model.arch={family_names(lambda f: f.block_options)} only")
@@ -157,7 +160,7 @@ def _check_max_positions(m: ModelConfig, out: _Problems) -> None:
 def _check_rope(m: ModelConfig, out: _Problems, sizes_ok: bool) -> None:
     if sizes_ok:
         out.require(m.head_dim % 2 == 0, f"model.position_embedding=rope needs an even head "
-                                         f"size, got hidden_size / num_heads = {m.head_dim}")
+                                         f"size, got model.head_dim = {m.head_dim}")
     out.positive(m.rope_theta, "model.rope_theta")
     out.require(m.rope_scaling_factor >= 1.0, f"model.rope_scaling_factor must be >= 1 "
                                               f"(1 = off), got {m.rope_scaling_factor}")

@@ -66,7 +66,7 @@ def elementwise_time(hw: HardwareProfile, nbytes: float, kernels: int) -> float:
 
 def _attention_times(hw, precision, shape: ModelShape, b: int, t: int, attention: str):
     """Forward and backward seconds of softmax(QK^T)V for the rank's heads."""
-    s, dh = shape.seq, shape.hidden // shape.heads
+    s, dh = shape.seq, shape.head_dim
     heads = b * shape.heads / t
     e = BYTES[precision]
     if attention == "flash":
@@ -84,14 +84,14 @@ def _attention_times(hw, precision, shape: ModelShape, b: int, t: int, attention
 
 
 def _analytic_layer(hw, precision, shape: ModelShape, b: int, t: int, attention: str) -> LayerTimes:
-    """The layer's GEMMs: QKV h -> h + 2h_kv (grouped-query attention narrows K and V), the
-    projection, fc1 h -> f or, with SwiGLU, h -> 2f (gate and up), and fc2 f -> h, each split
-    by t; attention over the rank's query heads; the elementwise kernels."""
-    s, h, f = shape.seq, shape.hidden, shape.ffn
+    """The layer's GEMMs: QKV h -> h_q + 2h_kv (grouped-query attention narrows K and V), the
+    projection h_q -> h, fc1 h -> f or, gated, h -> 2f (gate and up), and fc2 f -> h, each
+    split by t; attention over the rank's query heads; the elementwise kernels."""
+    s, h, f, q = shape.seq, shape.hidden, shape.ffn, shape.q_hidden
     kv, g = shape.kv_hidden, shape.gated
     tokens = b * s
     e = BYTES[precision]
-    gemms = [(tokens, (h + 2 * kv) / t, h), (tokens, h, h / t), (tokens, (1 + g) * f / t, h),
+    gemms = [(tokens, (q + 2 * kv) / t, h), (tokens, h, q / t), (tokens, (1 + g) * f / t, h),
              (tokens, h, f / t)]
     fwd_gemm = sum(gemm_time(hw, precision, m, n, k) for m, n, k in gemms)
     # Backward: data gradient [m,n]x[n,k] and weight gradient [k,m]x[m,n] per forward GEMM.
@@ -100,10 +100,10 @@ def _analytic_layer(hw, precision, shape: ModelShape, b: int, t: int, attention:
     attn_fwd, attn_bwd = _attention_times(hw, precision, shape, b, t, attention)
     # Elementwise traffic (elements): 2 norms (LayerNorm or RMSNorm) 4sbh, 2 bias+dropout+
     # residual 6sbh, bias+GeLU 2sf/t (SwiGLU reads gate and up, writes their product: 3sf/t),
-    # head split/merge copies 4s(h + h_kv)/t (8sh/t without grouped-query attention), and
-    # rotary positions read and write Q and K, 2s(h + h_kv)/t; backward moves about twice.
-    rope = 2 * (h + kv) / t if shape.rope else 0
-    elems = tokens * (10 * h + (2 + g) * f / t + 4 * (h + kv) / t + rope)
+    # head split/merge copies 4s(h_q + h_kv)/t (8sh/t without grouped-query attention), and
+    # rotary positions read and write Q and K, 2s(h_q + h_kv)/t; backward moves about twice.
+    rope = 2 * (q + kv) / t if shape.rope else 0
+    elems = tokens * (10 * h + (2 + g) * f / t + 4 * (q + kv) / t + rope)
     kernels = 10 + (2 if shape.rope else 0)
     fwd_elem = elementwise_time(hw, elems * e, kernels)
     bwd_elem = elementwise_time(hw, 2 * elems * e, 2 * kernels)

@@ -73,12 +73,15 @@ class ModelShape:
     shared_gate: bool = False            # a sigmoid gate h -> 1 on the shared expert
     moe_freq: int = 1                    # every n-th layer is MoE ...
     dense_first: int = 0                 # ... after this many dense ones
+    head_dim: int | None = None          # per-head size d; None = hidden / heads
 
     def __post_init__(self):
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
         if self.qkv_bias is None:
             object.__setattr__(self, "qkv_bias", self.bias)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
 
     @classmethod
     def from_config(cls, m) -> "ModelShape":
@@ -90,7 +93,7 @@ class ModelShape:
         return cls(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.ffn_hidden_size,
                    m.seq_length, m.vocab_size, _any_dropout(m), m.num_kv_heads, m.activation,
                    m.normalization, m.position_embedding, m.bias, m.qkv_bias, m.tie_embeddings,
-                   m.num_tokentypes, **moe)
+                   m.num_tokentypes, head_dim=m.head_dim, **moe)
 
     @property
     def family(self) -> ModelFamily:
@@ -103,9 +106,15 @@ class ModelShape:
         return self.family.heads is Heads.BERT
 
     @property
+    def q_hidden(self) -> int:
+        """Width of Q and of the attention output: heads * head_dim; h unless model.head_dim
+        sets another head size."""
+        return self.heads * self.head_dim
+
+    @property
     def kv_hidden(self) -> int:
         """Width of K (and of V): num_kv_heads * head_dim; h without grouped-query attention."""
-        return self.hidden * self.kv_heads // self.heads
+        return self.kv_heads * self.head_dim
 
     @property
     def gated(self) -> int:
@@ -125,13 +134,14 @@ class ModelShape:
     def dissertation_block(self) -> bool:
         """The block Eq. 4.2 and 4.3 are written for: GPT-2's, with f = 4h."""
         return (self.ffn == 4 * self.hidden and self.kv_heads == self.heads and not self.gated
+                and self.q_hidden == self.hidden
                 and self.normalization == "layernorm" and not self.rope and self.bias
                 and self.qkv_bias and self.tie_embeddings and not self.experts)
 
     def block_key(self) -> dict:
         """What a measured profile row must match beyond the sizes (ptdp/planner/compute.py);
         rows without these keys were measured on the dissertation's block."""
-        return dict(kv_heads=self.kv_heads, activation=self.activation,
+        return dict(kv_heads=self.kv_heads, head_dim=self.head_dim, activation=self.activation,
                     normalization=self.normalization,
                     position_embedding=self.position_embedding, bias=self.bias,
                     qkv_bias=self.qkv_bias)
@@ -213,18 +223,20 @@ def iteration_flops(shape: ModelShape, batch: int, vocab: int | None = None,
     Eq. 4.2 generalised to any block; BERT's formula for BERT.
 
     Eq. 4.2 counts a layer's GEMMs at 2 FLOPs per multiply-add. With T = B*s tokens, query
-    width h = a*d, key/value width h_kv = a_kv*d (grouped-query attention; h without it), MLP
-    width f, and g = 1 for SwiGLU (0 for GeLU), one layer's forward pass is
+    width h_q = a*d (h unless model.head_dim sets d), key/value width h_kv = a_kv*d
+    (grouped-query attention; h_q without it), MLP width f, and g = 1 for a gated activation
+    (SwiGLU, GeGLU; 0 for GeLU), one layer's forward pass is
 
-    * QKV: 2*T*h*(h + 2*h_kv); the output projection: 2*T*h^2;
-    * attention scores Q K^T and their product with V: 4*B*s^2*h, unchanged by grouped-query
+    * QKV: 2*T*h*(h_q + 2*h_kv); the output projection h_q -> h: 2*T*h_q*h;
+    * attention scores Q K^T and their product with V: 4*B*s^2*h_q, unchanged by grouped-query
       attention (every query head still attends over its own s x s scores of width d);
-    * MLP: h -> (1+g)*f (SwiGLU's gate and up in one GEMM), then f -> h: 2*T*h*f*(2+g);
+    * MLP: h -> (1+g)*f (the gate and up in one GEMM), then f -> h: 2*T*h*f*(2+g);
 
-    in all 4*T*h*(h + h_kv) + 2*T*h*f*(2+g) + 4*B*s^2*h, which for the dissertation's block
-    (h_kv = h, f = 4h, g = 0) is Eq. 4.2's 24*B*s*h^2 + 4*B*s^2*h. It is computed as Eq. 4.2's
-    layer plus what the block changes, 4*T*h*(h_kv - h) + 2*T*h*((2+g)*f - 8h), so the GPT
-    block's result is Eq. 4.2's to the bit. Passes as in Eq. 4.2 (4 with the recomputed
+    in all 4*T*h*(h_q + h_kv) + 2*T*h*f*(2+g) + 4*B*s^2*h_q, which for the dissertation's block
+    (h_q = h_kv = h, f = 4h, g = 0) is Eq. 4.2's 24*B*s*h^2 + 4*B*s^2*h. It is computed as Eq.
+    4.2's layer plus what the block changes, 4*T*h*(h_q - h) + 4*T*h*(h_kv - h) +
+    4*B*s^2*(h_q - h) + 2*T*h*((2+g)*f - 8h), so the GPT block's result is Eq. 4.2's to the
+    bit. QK-norm is elementwise and, like the other norms, not counted. Passes as in Eq. 4.2 (4 with the recomputed
     forward, else 3). The logit layer's 6*B*s*h*V is the same whether the output layer is tied
     to the word table or not; biases, norms, the activation and rotary positions are
     elementwise and, as in Eq. 4.2, not counted.
@@ -243,6 +255,8 @@ def iteration_flops(shape: ModelShape, batch: int, vocab: int | None = None,
     per_layer_forward = 24.0 * b * s * h * h + 4.0 * b * s * s * h
     per_layer_forward += (4.0 * b * s * h * (shape.kv_hidden - shape.hidden)
                           + 2.0 * b * s * h * ((2 + shape.gated) * shape.ffn - 8 * shape.hidden))
+    if shape.q_hidden != shape.hidden:   # an explicit head size: Q, the scores, the projection
+        per_layer_forward += 4.0 * b * s * (h + s) * (shape.q_hidden - shape.hidden)
     layers = passes * l * per_layer_forward
     if shape.experts:
         tokens = b * s
@@ -256,12 +270,12 @@ def layer_parameter_split(shape: ModelShape) -> tuple[int, int]:
     (QKV weight and biases, projection weight, fc1 weight and biases, fc2 weight) and those
     every tensor rank holds whole (projection and fc2 biases, the two norms).
 
-    QKV h*(h + 2*h_kv) (+ h + 2*h_kv biases with qkv_bias), projection h^2 (+ h), fc1
+    QKV h*(h_q + 2*h_kv) (+ h_q + 2*h_kv biases with qkv_bias), projection h_q*h (+ h), fc1
     h*(1+g)*f (+ (1+g)*f), fc2 f*h (+ h), two norms of n*h each (n = 2 for LayerNorm's weight
     and bias, 1 for RMSNorm's gain). The dissertation's block: 12h^2 + 13h, Eq. 4.3's layer."""
     h, f, g = shape.hidden, shape.ffn, shape.gated
-    qkv = h + 2 * shape.kv_hidden
-    split = (h * qkv + (qkv if shape.qkv_bias else 0) + h * h
+    qkv = shape.q_hidden + 2 * shape.kv_hidden
+    split = (h * qkv + (qkv if shape.qkv_bias else 0) + shape.q_hidden * h
              + (h * (1 + g) * f + ((1 + g) * f if shape.bias else 0)) + f * h)
     replicated = (2 * h if shape.bias else 0) + 2 * shape.norm_parameters * h
     return split, replicated

@@ -15,12 +15,13 @@ MLP width:
 * replicated on every tensor rank: the two norms' inputs 2sbh (RMSNorm keeps its input as
   LayerNorm does; both keep s*b statistics, not counted), the QKV and fc1 inputs 2sbh, and
   1-byte dropout masks 2sbh when dropout > 0;
-* split by t: Q, K, V s*b*(h + 2h_kv)/t, the projection input sbh/t, and the MLP's
+* split by t: Q, K, V s*b*(h_q + 2h_kv)/t, the projection input s*b*h_q/t (h_q = heads *
+  head_dim, h unless model.head_dim sets d), and the MLP's
   activation input and output: GeLU's 2sbf/t, SwiGLU's gate and up 2sbf/t plus their product
   (fc2's input) sbf/t.
-  Rotary positions add the rotated Q and K, s*b*(h + h_kv)/t, which attention keeps while V,
+  Rotary positions add the rotated Q and K, s*b*(h_q + h_kv)/t, which attention keeps while V,
   a view, keeps the QKV output alive (models/rotary.py). A flash kernel also saves the
-  attention output sbh/t;
+  attention output s*b*h_q/t;
 * attention scores (materialized kernels only): softmax output and dropout output
   2*a*s^2*b/t elements plus the 1-byte mask, a the query heads.
 
@@ -206,16 +207,16 @@ def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, re
         measured = measured_activation_bytes(hw, shape, b, t, precision, recompute)
         if measured is not None:
             return measured
-    s, h, a = shape.seq, shape.hidden, shape.heads
+    s, h, a, q = shape.seq, shape.hidden, shape.heads, shape.q_hidden
     e = BYTES[precision]
     sbh = s * b * h
     if recompute == "full":
         return sbh * e / (t if sequence_parallel else 1)
     replicated = sequence_parallel_replicated(sbh, e, shape.dropout, t, sequence_parallel)
-    rotated = s * b * (h + shape.kv_hidden) if shape.rope else 0    # rotated Q and K
+    rotated = s * b * (q + shape.kv_hidden) if shape.rope else 0    # rotated Q and K
     split = (_split_linear_elements(shape, b) + rotated) / t * e
     if attention == "flash":
-        core = sbh / t * e + a * s * b / t * 4           # saved output + fp32 logsumexp
+        core = s * b * q / t * e + a * s * b / t * 4     # saved output + fp32 logsumexp
     else:
         core = a * s * s * b / t * (2 * e + (1 if shape.dropout else 0))
     if recompute == "selective":
@@ -246,11 +247,11 @@ def pending_weight_grad_bytes(shape: ModelShape, b: int, t: int, precision: str,
 
 def _split_linear_elements(shape: ModelShape, b: int) -> int:
     """Elements of a layer's tensor-split activations around its linears, before the division
-    by t: the QKV output s*b*(h + 2h_kv) and the projection input sbh; fc1's output (1+g)sbf and
-    fc2's input sbf, with g = 1 for SwiGLU (whose fused kernel keeps gate and up). 4sbh + 2sbf
-    for the dissertation's block."""
-    s, h, f = shape.seq, shape.hidden, shape.ffn
-    return s * b * (2 * h + 2 * shape.kv_hidden) + (2 + shape.gated) * s * b * f
+    by t: the QKV output s*b*(h_q + 2h_kv) and the projection input s*b*h_q; fc1's output
+    (1+g)sbf and fc2's input sbf, with g = 1 for a gated activation (whose fused kernel keeps
+    gate and up). 4sbh + 2sbf for the dissertation's block."""
+    s, q, f = shape.seq, shape.q_hidden, shape.ffn
+    return s * b * (2 * q + 2 * shape.kv_hidden) + (2 + shape.gated) * s * b * f
 
 
 def ring_working_bytes(shape: ModelShape, b: int, t: int, c: int, precision: str) -> float:

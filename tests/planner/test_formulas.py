@@ -121,6 +121,20 @@ def test_llama3_parameter_counts_are_metas():
     assert f.decoder_parameters(LLAMA3_70B) == 70_553_706_496    # Meta-Llama-3-70B
 
 
+def test_gemma_7b_parameter_count_is_googles():
+    """An explicit head size (16 heads of 256 on h = 3072: h_q = 4096 != h), counted by hand."""
+    gemma = llama(28, 3072, 16, 16, 24576, vocab=256000, head_dim=256, tie_embeddings=True)
+    by_hand = (256000 * 3072                            # word table, tied to the output
+               + 28 * (3072 * 3 * 4096                  # Q, K, V: 16 heads of 256 each
+                       + 4096 * 3072                    # output projection h_q -> h
+                       + 3 * 3072 * 24576               # gated MLP: gate, up, down
+                       + 2 * 3072)                      # two RMSNorm gains
+               + 3072)                                  # final RMSNorm
+    assert by_hand == 8_537_680_896                     # google/gemma-7b
+    assert f.decoder_parameters(gemma) == by_hand
+    assert not gemma.dissertation_block
+
+
 def test_each_block_option_changes_the_count_by_its_own_parameters():
     l, h, a, s, V, ff = 3, 256, 8, 128, 1000, 704
     base = llama(l, h, a, a, ff, s, V)
@@ -134,6 +148,8 @@ def test_each_block_option_changes_the_count_by_its_own_parameters():
     assert change(bias=True, qkv_bias=True) == l * (3 * h + h + 2 * ff + h)  # + gate+up, down
     assert change(bias=True) == l * (h + 2 * ff + h)               # base.qkv_bias stays False
     assert change(qkv_bias=True) == l * 3 * h                      # Qwen2: Q, K, V only
+    d = 48                                                          # h_q = 384 = 1.5 h
+    assert change(head_dim=d) == l * (3 * h * a * d + a * d * h - 4 * h * h)
 
 
 def test_general_flops_equal_a_gemm_by_gemm_count():
@@ -158,6 +174,11 @@ def test_general_flops_equal_a_gemm_by_gemm_count():
     assert f.iteration_flops(mha, B) - f.iteration_flops(shape, B) == 4 * l * qkv_saving
     tied = dataclasses.replace(shape, tie_embeddings=True)
     assert f.iteration_flops(tied, B) == f.iteration_flops(shape, B)
+    # An explicit head size d' widens Q, the scores, the attention output and the projection.
+    wide, d2 = dataclasses.replace(shape, head_dim=48), 48
+    gemms = [(T, (a + 2 * kv) * d2, h), (T, h, a * d2), (T, 2 * ff, h), (T, h, ff)]
+    layer = sum(2 * m * n * k for m, n, k in gemms) + a * B * 4 * s * s * d2
+    assert f.iteration_flops(wide, B, recompute_forward=False) == 3 * l * layer + 3 * logits
 
 
 @pytest.mark.parametrize("recompute", [True, False])
