@@ -39,7 +39,9 @@ class GPT2(Family):
     def mismatches(self, cfg: ModelConfig) -> list[str]:
         grouped = ([f"model.num_kv_heads={cfg.num_heads} (not {cfg.num_kv_heads})"]
                    if cfg.num_kv_heads != cfg.num_heads else [])
-        return super().mismatches(cfg) + grouped
+        split = cfg.hidden_size // cfg.num_heads
+        heads = [f"model.head_dim={split} (not {cfg.head_dim})"] if cfg.head_dim != split else []
+        return super().mismatches(cfg) + grouped + heads
 
     def model_config(self, config) -> ModelConfig:
         act = config.activation_function

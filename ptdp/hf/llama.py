@@ -17,8 +17,9 @@ attention, an output layer tied or not. Mapped:
     factors, original context); other rope types (linear, dynamic, yarn, ...) are refused.
   * Windows: HF's `layer_types` ("sliding_attention" / "full_attention") and sliding_window;
     its window counts the query itself, as ptdp's does (ptdp/config/windows.py).
-Refused, naming the setting: hidden_act other than silu, attention_bias / mlp_bias, a head_dim
-that is not hidden_size / num_attention_heads, another layer type, a partial rotary factor.
+  * head_dim: model.head_dim (heads x head_dim need not be the hidden size).
+Refused, naming the setting: hidden_act other than silu, attention_bias / mlp_bias, another
+layer type, a partial rotary factor.
 """
 
 from __future__ import annotations
@@ -86,11 +87,7 @@ class Llama(Family):
                                         f"{self.activation!r} there, so the logits would differ")
         self.refuse(config)
         heads, hidden = config.num_attention_heads, config.hidden_size
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        require(head_dim * heads == hidden,
-                f"head_dim={head_dim} is not hidden_size/num_attention_heads ({hidden}/{heads}); "
-                f"ptdp's heads split the hidden size")
-        return dict(
+        return dict(head_dim=getattr(config, "head_dim", None) or hidden // heads,
             arch=GPT.name, preset=LLAMA_BLOCK, num_layers=config.num_hidden_layers,
             hidden_size=hidden,
             num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
@@ -214,7 +211,7 @@ class Qwen2(Llama):
     block = {k: v for k, v in dict(Llama.block, qkv_bias=True).items() if k != "sliding_window"}
 
     def hf_extra(self, cfg: ModelConfig) -> dict:
-        return layer_types(cfg)
+        return dict(head_dim=cfg.head_dim, **layer_types(cfg))
 
 
 def layer_types(cfg: ModelConfig) -> dict:

@@ -36,7 +36,7 @@ class Phi3(Llama):
         return dict(super().model_keys(config), dropout=float(config.resid_pdrop))
 
     def hf_extra(self, cfg: ModelConfig) -> dict:
-        return dict(resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+        return dict(head_dim=cfg.head_dim, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
                     sliding_window=cfg.sliding_window)
 
     @staticmethod
