@@ -29,6 +29,7 @@ from pathlib import Path
 from ptdp.data.tokenizer import checked_tokenizer
 from ptdp.config import ModelConfig
 from ptdp.hf.base import ConversionError, Family, require
+from ptdp.hf.gemma import REFUSED
 from ptdp.hf.registry import family_of, family_of_model_type
 from ptdp.hf.tokenizer import directory_tokenizer, write_tokenizer
 from ptdp.inference.local_model import checkpoint_tokenizer, model_config, read_full_state
@@ -94,6 +95,8 @@ def read_hf_config(hf_dir: str | os.PathLike):
         raise ConversionError(f"{file} is not valid JSON ({_first_line(err)})") from None
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ConversionError(f"{file} has no model_type: not a transformers config")
+    if raw["model_type"] in REFUSED:
+        raise ConversionError(f"{file}: {REFUSED[raw['model_type']](raw)}")
     family = family_of_model_type(raw["model_type"])
     import transformers
     try:

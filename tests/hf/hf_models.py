@@ -34,8 +34,8 @@ def hf_tokenizer(texts, out_dir: Path, vocab: int, add_bos: bool = False,
     return Path(out_dir) / "tokenizer.json"
 
 
-def random_hf_model(config, out_dir: Path | None = None, seed: int = 0):
-    """A causal LM of `config` with weights ~ N(0, 0.1) (norm gains 1 + N(0, 0.1)), in eval
+def random_hf_model(config, out_dir: Path | None = None, seed: int = 0, std: float = 0.1):
+    """A causal LM of `config` with weights ~ N(0, std) (norm gains 1 + N(0, 0.1)), in eval
     mode, saved to out_dir when given."""
     import transformers
 
@@ -46,7 +46,7 @@ def random_hf_model(config, out_dir: Path | None = None, seed: int = 0):
             if "norm" in name or ".ln_" in name:
                 param.copy_(1 + 0.1 * torch.randn_like(param))
             else:
-                param.normal_(0.0, 0.1)
+                param.normal_(0.0, std)
     if out_dir is not None:
         model.save_pretrained(str(out_dir))
     return model
@@ -61,3 +61,40 @@ def logits_diff(ours, hf, vocab: int, seq: int, seed: int = 1) -> float:
 
 def same_state(a: dict, b: dict) -> bool:
     return set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# Tiny models shaped like released ones (their activation, window, heads, biases, experts, rope
+# base, tying), each with 4 layers and 4 query / 2 K/V heads so that (p, t) = (2, 2) splits them.
+_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def released_configs() -> dict:
+    """{family: its transformers config}: GPT-2 as released (gelu_new, tied), Mistral v0.1 (a
+    window in every layer), Qwen2 with use_sliding_window (the upper layers local), Phi-3-mini
+    (fused projections, a window), Mixtral (8 experts, top 2), Qwen1.5-MoE (a gated shared
+    expert, top-k weights not renormalised, every second layer a mixture)."""
+    import transformers as t
+    tiny = dict(_TINY)
+    return {
+        "gpt2": t.GPT2Config(vocab_size=128, n_embd=32, n_layer=4, n_head=4, n_positions=64,
+                             activation_function="gelu_new", bos_token_id=None,
+                             eos_token_id=None),
+        "mistral": t.MistralConfig(**tiny, sliding_window=6, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False),
+        "qwen2": t.Qwen2Config(**tiny, use_sliding_window=True, sliding_window=5,
+                               max_window_layers=2, tie_word_embeddings=True),
+        "phi3": t.Phi3Config(**tiny, sliding_window=7, tie_word_embeddings=False),
+        "mixtral": t.MixtralConfig(**tiny, num_local_experts=8, num_experts_per_tok=2,
+                                   sliding_window=None, rope_parameters={
+                                       "rope_type": "default", "rope_theta": 1e6}),
+        "qwen2_moe": t.Qwen2MoeConfig(**{**tiny, "intermediate_size": 40}, num_experts=6,
+                                      num_experts_per_tok=2, moe_intermediate_size=16,
+                                      shared_expert_intermediate_size=24, norm_topk_prob=False,
+                                      decoder_sparse_step=2),
+    }
+
+
+# the transformers model_type `ptdp convert --to hf` is asked for (else the block picks it)
+MODEL_TYPE = {"phi3": "phi3"}

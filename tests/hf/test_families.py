@@ -13,7 +13,8 @@ from ptdp.cli import main  # noqa: E402
 from ptdp.config import load_config  # noqa: E402
 from ptdp.hf.convert import from_hf, to_hf  # noqa: E402
 from ptdp.inference.local_model import LocalModel, initial_state  # noqa: E402
-from tests.hf.hf_models import logits_diff, random_hf_model, same_state  # noqa: E402
+from tests.hf.hf_models import (MODEL_TYPE, logits_diff, random_hf_model,  # noqa: E402
+                                released_configs, same_state)
 
 VOCAB, SEQ = 200, 16
 DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -48,6 +49,29 @@ def test_hf_to_ptdp_to_hf(family, tmp_path):
     if family != "mistral":   # Mistral comes back as Llama: the same names and weights
         assert same_state(original.state_dict(), back.state_dict())
     assert logits_diff(LocalModel.from_checkpoint(final), back, VOCAB, SEQ) < 1e-5
+
+
+RELEASED = released_configs()
+
+
+@pytest.mark.parametrize("family", list(RELEASED))
+def test_released_shapes_convert_exactly_both_ways_and_generate_alike(family, tmp_path):
+    """HF -> (p, t) = (2, 2) checkpoint -> HF: transformers' logits within 1e-5 both ways, the
+    same weights under the same class, and greedy decoding gives transformers' tokens."""
+    from ptdp.inference.generate import Sampling, generate
+    original = random_hf_model(RELEASED[family], tmp_path / "hf", std=0.3)
+    final, _ = from_hf(tmp_path / "hf", tmp_path / "ckpt",
+                       ["parallel.pipeline=2", "parallel.tensor=2"])
+    ours = LocalModel.from_checkpoint(final)
+    assert logits_diff(ours, original, 128, 24) < 1e-5
+    to_hf(final, tmp_path / "back", model_type=MODEL_TYPE.get(family))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    assert type(back) is type(original) and same_state(original.state_dict(), back.state_dict())
+    prompt = [3, 17, 99, 5, 42, 7]
+    with torch.no_grad():
+        theirs = original.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=20,
+                                   attention_mask=torch.ones(1, 6, dtype=torch.long))
+    assert generate(ours, prompt, 20, Sampling()) == theirs[0, 6:].tolist()
 
 
 def _checkpoint(tmp_path, *model_keys):
