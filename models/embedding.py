@@ -27,7 +27,8 @@ def word_embedding(ctx: ModelContext) -> VocabParallelEmbedding:
 class Embedding(nn.Module):
     """word + learned position (+ token type for BERT) embeddings, then dropout; -> [s, b, h].
     With rotary positions (model.position_embedding=rope) there is no position table: the
-    attention rotates queries and keys instead (models/rotary.py).
+    attention rotates queries and keys instead (models/rotary.py). With model.scale_embeddings
+    the word embeddings are multiplied by sqrt(h) (Gemma; `words`).
 
     With sequence parallelism the word embedding is reduce-scattered, the other two are looked
     up for my tokens only, and the result is my [s/t, b, h] slice. With context parallelism the
@@ -50,6 +51,17 @@ class Embedding(nn.Module):
                           if num_tokentypes else None)
         self.dropout = cfg.dropout
         self.tp, self.cp = ctx.tp, ctx.cp
+        self.scale = cfg.hidden_size ** 0.5 if cfg.scale_embeddings else None
+
+    def words(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The word embeddings of `tokens` [s, b] (my [s/t, b, h] with sequence parallelism),
+        times sqrt(h) with model.scale_embeddings: the factor rounded to the activations' dtype
+        first, as Hugging Face's Gemma does (sqrt(3072) = 55.43 is 55.5 in bf16). (Rounded on
+        the host: a device scalar made here would be a copy to the GPU every step.)"""
+        x = self.word(tokens)
+        if self.scale is None:
+            return x
+        return x * torch.tensor(self.scale, dtype=x.dtype).item()
 
     def _positions(self, length: int) -> torch.Tensor:
         """The position table's rows of my tokens: the first `length`, or with context
@@ -62,7 +74,7 @@ class Embedding(nn.Module):
                 positions: torch.Tensor | None = None) -> torch.Tensor:
         tokens = tokens.t()  # [b, s] -> [s, b]
         mine = lambda x: sequence_shard(x, self.tp)  # noqa: E731 - my tokens' rows (SP)
-        x = self.word(tokens)
+        x = self.words(tokens)
         if self.position is not None and positions is not None:
             x = x + self.weight_ops.embedding(mine(positions.t()), self.position)   # [s, b, h]
         elif self.position is not None:

@@ -20,7 +20,7 @@ share; with sequence parallelism the reported value is completed over the tensor
 the gradient stays each rank's share (the router weight's gradient is then summed over the
 group, as sequence-parallel weights' are). So every layout computes the single process's loss.
 
-Experts (`Expert`, `MoEMLP.route`): the model's activation (GeLU, or SwiGLU with fc1's rows alternating
+Experts (`Expert`, `MoEMLP.route`): the model's activation (GeLU, or SwiGLU/GeGLU with fc1's rows alternating
 gate and up as the dense MLP's), hidden size `moe_ffn_hidden_size`, no biases (as Mixtral,
 Qwen3 and DeepSeek-V3), fc1 column- and fc2 row-split over the tensor group like the dense MLP.
 One parameter per expert, named by its global index (`mlp.experts.{i}.fc1.weight`), so a

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ptdp.config import ModelConfig
 from ptdp.parallel.mappings import TensorParallel
+from ptdp.parallel.roles import declare_role
 from ptdp.parallel.sequence import mark_sequence_parallel
 from ptdp.parallel.weight_grad import PLAIN
 
@@ -77,3 +78,17 @@ def norm(cfg: ModelConfig, tp: TensorParallel) -> nn.Module:
     rms = RMSNorm(cfg.hidden_size, cfg.layernorm_eps, zero)
     mark_sequence_parallel(rms.weight, tp)
     return rms
+
+
+def head_norm(cfg: ModelConfig, tp: TensorParallel) -> nn.Module:
+    """model.qk_norm: the block's normalisation over each query or key head's head_dim values
+    (Qwen3, Gemma 3), one weight shared by every head. A tensor rank applies it to its own
+    heads only, so its gradient there is partial: like a sequence-parallel weight's (a partial
+    sum over the tokens), it is summed over the tensor group before the optimizer step
+    (ptdp/optim/grads.py reduce_sequence_parallel_grads, by its role)."""
+    kind = LayerNorm if cfg.normalization == "layernorm" else RMSNorm
+    module = kind(cfg.head_dim, cfg.layernorm_eps, cfg.norm_zero_centered)
+    if tp.size > 1:
+        for param in module.parameters():
+            declare_role(param, sequence_parallel=True)
+    return module

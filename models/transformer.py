@@ -4,9 +4,10 @@ layout.
 Attention: Q, K, V come from one column-parallel GEMM (each tensor rank owns num_kv_heads/t
 whole groups of query heads with their shared key and value head), the output projection is
 row-parallel. With rotary positions (models/rotary.py) Q and K are rotated after the GEMM.
-MLP: column-parallel h -> f (GeLU) or h -> 2f (SwiGLU's gate and up projections), then
+MLP: column-parallel h -> f (GeLU) or h -> 2f (SwiGLU's or GeGLU's gate and up projections), then
 row-parallel f -> h. So a layer does two all-reduces forward and two backward. The norms are
-LayerNorm or RMSNorm (models/norms.py).
+LayerNorm or RMSNorm (models/norms.py); with `model.qk_norm` each query and key head is
+normalised over its head_dim values before the rotation (Qwen3, Gemma 3).
 
 The output projections hand their bias back (`skip_bias_add`) so that bias + GeLU and bias +
 dropout + residual add are one elementwise chain each (ptdp/kernels/fused.py), fused into one
@@ -33,7 +34,7 @@ from ptdp.config import ModelConfig
 from ptdp.kernels import ACTIVATIONS, bias_dropout_add
 from ptdp.models.attention import core_attention
 from ptdp.models.moe import MoEMLP
-from ptdp.models.norms import norm
+from ptdp.models.norms import head_norm, norm
 from ptdp.models.rotary import RotaryEmbedding, rotate
 from ptdp.parallel.context import ContextParallel
 from ptdp.parallel.experts import ExpertParallel
@@ -103,6 +104,8 @@ class ParallelAttention(nn.Module):
                                       bias=cfg.bias, std=scaled_std(cfg.init_std, cfg.num_layers))
         self.rotary = RotaryEmbedding(cfg) if cfg.position_embedding == "rope" else None
         self.window = cfg.attention_window(layer)   # a sliding window, or None
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = head_norm(cfg, tp), head_norm(cfg, tp)
 
     def core_attention(self, q, k, v, mask):
         """q [b, heads, s, d], k and v [b, groups, s, d] -> [b, heads, s, d]; dropout here is
@@ -113,14 +116,16 @@ class ParallelAttention(nn.Module):
                               dropout=dropout, rng=self.ctx.rng, cp=self.ctx.cp)
 
     def project(self, x, positions=None):
-        """x [s, b, h] -> q [b, heads, s, d], k and v [b, groups, s, d] of my heads, rotated
-        for `positions` [s], or [b, s] per sample (default 0 .. s-1, or this context rank's
+        """x [s, b, h] -> q [b, heads, s, d], k and v [b, groups, s, d] of my heads (q and k
+        normalised with model.qk_norm), rotated for `positions` [s], or [b, s] per sample (default 0 .. s-1, or this context rank's
         chunks' positions) with rotary embeddings."""
         qkv = self.qkv(x)  # the whole sequence (all-gathered first with sequence parallelism)
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.local_groups, self.group_size + 2, -1)
         q = qkv[:, :, :, :self.group_size].reshape(s, b, self.local_heads, -1).permute(1, 2, 0, 3)
         k, v = (qkv[:, :, :, self.group_size + i].permute(1, 2, 0, 3) for i in range(2))
+        if self.ctx.model.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             if positions is None:   # this rank's chunks' positions with context parallelism
                 positions = (self.ctx.cp.positions(s, x.device) if self.ctx.cp.size > 1
@@ -154,8 +159,9 @@ def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class ParallelMLP(nn.Module):
-    """h -> f, GeLU, f -> h; or SwiGLU: h -> 2f whose rows alternate gate and up (so a contiguous
-    row slice holds matching pairs on every tensor rank), SiLU(gate) * up, f -> h."""
+    """h -> f, GeLU (exact or tanh), f -> h; or gated, SwiGLU or GeGLU: h -> 2f whose rows
+    alternate gate and up (so a contiguous row slice holds matching pairs on every tensor rank),
+    SiLU(gate) * up or GeLU_tanh(gate) * up, f -> h."""
 
     def __init__(self, ctx: ModelContext, layer: int, hidden: int | None = None,
                  key: str | None = None):

@@ -138,8 +138,17 @@ MODELS = {
     "bert": ["model.arch=bert"],
     "llama": ["model.arch=gpt", "model.preset=llama", "model.num_kv_heads=2",
               "model.ffn_hidden_size=64"],
+    # The block options past the presets (docs/models.md), Gemma- and Qwen3-like: a head size
+    # of 12 (Q is 48 wide on h = 32), QK-norm, zero-centred RMSNorm gains, GeGLU (the tanh
+    # GeLU of the gate), embeddings scaled by sqrt(h), a tied output layer. Only in BLOCKS_LAYOUTS (and tests/parallel/test_context_parallel.py's
+    # features), where it costs one run each.
+    "blocks": ["model.arch=gpt", "model.preset=llama", "model.num_kv_heads=2",
+               "model.ffn_hidden_size=64", "model.head_dim=12", "model.qk_norm=true",
+               "model.norm_zero_centered=true", "model.activation=geglu",
+               "model.scale_embeddings=true", "model.tie_embeddings=true"],
 }
-ARCHS = tuple(MODELS)
+ARCHS = ("gpt", "bert", "llama")   # in every layout
+BLOCKS_LAYOUTS = ("single", "p2-t2-v2", "t2-d2-selective")   # (p, t, v) and (t, d)
 # A Llama-style mixture of experts (models/moe.py): 4 experts, top 2, every layer but the first,
 # with both router losses, a gated shared expert and selection biases; its layouts are tests/test_moe.py's.
 MOE = [*MODELS["llama"], "model.num_experts=4", "model.moe_top_k=2",
@@ -150,9 +159,11 @@ MOE = [*MODELS["llama"], "model.num_experts=4", "model.moe_top_k=2",
 
 
 def archs_for(layout: str) -> tuple[str, ...]:
-    """Llama's 2 K/V heads split over at most t = 2 tensor ranks."""
+    """Llama's 2 K/V heads split over at most t = 2 tensor ranks; the block options' model in
+    BLOCKS_LAYOUTS only."""
     overrides = LAYOUTS[layout][1]
-    return tuple(a for a in ARCHS if a != "llama" or "parallel.tensor=4" not in overrides)
+    archs = tuple(a for a in ARCHS if a != "llama" or "parallel.tensor=4" not in overrides)
+    return archs + (("blocks",) if layout in BLOCKS_LAYOUTS else ())
 
 
 @functools.lru_cache(maxsize=None)

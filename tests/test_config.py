@@ -150,7 +150,7 @@ def test_llama_preset_fills_only_the_options_left_unset(tmp_path):
      "model.num_heads (4) must be divisible by model.num_kv_heads (3)"),
     (["model.preset=lama"], 1, "model.preset: 'lama' is not one of gpt, llama (did you mean 'llama'?)"),
     (["model.arch=bert", "model.preset=llama"], 1, "model.arch=bert uses the GPT-2 block"),
-    (["model.activation=relu"], 1, "model.activation: 'relu' is not one of gelu, gelu_tanh, swiglu"),
+    (["model.activation=relu"], 1, "model.activation: 'relu' is not one of gelu, gelu_tanh, swiglu, geglu"),
     (["model.position_embedding=rope", "model.hidden_size=36", "model.num_heads=4"], 1,
      "model.position_embedding=rope needs an even head size"),
     (["model.preset=llama", "model.rope_scaling_factor=0.5"], 1,

@@ -23,7 +23,8 @@ L, H, A, S, V, B = 2, 32, 4, 16, 128, 3
 # Model options beyond the sizes: GPT-2's block, BERT, a Llama-style block with 2 K/V heads,
 # and one with the other block options (a head size of 12: Q is 48 wide on h = 32).
 BLOCKS = {"gpt": {}, "bert": {"arch": "bert"}, "llama": {"preset": "llama", "num_kv_heads": 2},
-          "blocks": {"preset": "llama", "num_kv_heads": 2, "head_dim": 12}}
+          "blocks": {"preset": "llama", "num_kv_heads": 2, "head_dim": 12, "qk_norm": True,
+                     "activation": "geglu", "norm_zero_centered": True, "scale_embeddings": True}}
 
 
 def _chunk(arch):

@@ -107,10 +107,11 @@ BLOCK_OPTIONS = tuple(PRESETS[DEFAULT_PRESET])
 
 # Block options no preset sets, with the value that leaves them off (a family without block
 # options keeps them so; validation names any that is not).
-EXTRA_BLOCK_OPTIONS = dict(norm_zero_centered=False)
+EXTRA_BLOCK_OPTIONS = dict(norm_zero_centered=False, qk_norm=False, scale_embeddings=False)
 
 # The MLP activations model.activation can name (ptdp/kernels/fused.py ACTIVATIONS): GeLU exact
-# (erf) or tanh-approximate (GPT-2's gelu_new, Megatron's fused bias-GeLU), and SwiGLU, gated:
-# fc1 makes a gate and an up projection, its rows alternating (models/transformer.py).
-ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu")
-GATED_ACTIVATIONS = ("swiglu",)
+# (erf) or tanh-approximate (GPT-2's gelu_new, Megatron's fused bias-GeLU), and the gated ones,
+# SwiGLU (Llama) and GeGLU (Gemma: the tanh GeLU of the gate): fc1 makes a gate and an up
+# projection, its rows alternating (models/transformer.py).
+ACTIVATIONS = ("gelu", "gelu_tanh", "swiglu", "geglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu")

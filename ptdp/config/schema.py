@@ -48,7 +48,7 @@ class ModelConfig:
     preset: str = DEFAULT_PRESET         # gpt | llama
     position_embedding: str | None = None  # learned | rope
     normalization: str | None = None     # layernorm | rmsnorm
-    activation: str | None = None        # gelu | gelu_tanh | swiglu
+    activation: str | None = None        # gelu | gelu_tanh | swiglu | geglu
     bias: bool | None = None             # biases in every linear layer
     qkv_bias: bool | None = None         # biases on Q, K, V only (Qwen2); null = model.bias
     tie_embeddings: bool | None = None   # output layer shares the input word table
@@ -61,6 +61,8 @@ class ModelConfig:
     head_dim: int | None = None          # per-head size; null = hidden_size / num_heads
     norm_zero_centered: bool = False     # norm gain 1 + w, w starting at 0 (Gemma; Megatron's
                                          # --apply-layernorm-1p)
+    qk_norm: bool = False                # normalise each query and key head (Qwen3, Gemma 3)
+    scale_embeddings: bool = False       # word embeddings times sqrt(hidden_size) (Gemma)
     # Mixture of experts (0 experts = a dense MLP in every layer; docs/moe.md)
     num_experts: int = 0                 # E, routed experts per MoE layer
     moe_top_k: int = 2                   # k, experts each token is routed to
@@ -129,12 +131,12 @@ class ModelConfig:
 
     @property
     def gated(self) -> bool:
-        """The MLP's first GEMM makes a gate and an up projection (SwiGLU)."""
+        """The MLP's first GEMM makes a gate and an up projection (SwiGLU, GeGLU)."""
         return self.activation in GATED_ACTIVATIONS
 
 
 def default_ffn_hidden_size(hidden: int, activation: str) -> int:
-    """4h; for a gated activation (SwiGLU), whose first GEMM is twice as wide, 2/3 of 4h rounded
+    """4h; for a gated activation (SwiGLU, GeGLU), whose first GEMM is twice as wide, 2/3 of 4h rounded
     up to a multiple of 256 (Llama's rule), so the MLP keeps about the parameters of a 4h GeLU
     MLP."""
     if activation in GATED_ACTIVATIONS:

@@ -91,7 +91,7 @@ def forward_cached(model: LocalModel, tokens: torch.Tensor, cache: KVCache) -> t
     b, s = tokens.shape
     positions = torch.arange(start, start + s, device=tokens.device)
     emb = chunk.embedding
-    x = emb.word(tokens.t())                                                # [s, b, h]
+    x = emb.words(tokens.t())                                               # [s, b, h]
     if emb.position is not None:
         x = x + emb.position[start:start + s].unsqueeze(1)
     for i, layer in enumerate(chunk.stack.layers):

@@ -37,8 +37,16 @@ def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.silu(pairs[..., 0]) * pairs[..., 1]
 
 
+def bias_geglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """GeLU(gate) * up with the tanh GeLU (Gemma's MLP), laid out as bias_swiglu's input."""
+    x = x if bias is None else x + bias
+    pairs = x.unflatten(-1, (-1, 2))
+    return F.gelu(pairs[..., 0], approximate="tanh") * pairs[..., 1]
+
+
 # model.activation -> the fused chain after fc1 (models/transformer.py, models/moe.py)
-ACTIVATIONS = {"gelu": bias_gelu, "gelu_tanh": bias_gelu_tanh, "swiglu": bias_swiglu}
+ACTIVATIONS = {"gelu": bias_gelu, "gelu_tanh": bias_gelu_tanh, "swiglu": bias_swiglu,
+               "geglu": bias_geglu}
 
 
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,

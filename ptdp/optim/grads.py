@@ -161,7 +161,8 @@ class DataParallelGradients:
 def reduce_sequence_parallel_grads(params: list[nn.Parameter], group, size: int) -> None:
     """Sum, over the tensor group, the gradients of replicated weights that sequence
     parallelism applies to 1/t of the tokens on each rank (LayerNorms, the row-parallel
-    biases, position and token-type embeddings): one all-reduce of their concatenation."""
+    biases, position and token-type embeddings), and the QK-norm gains each tensor rank applies
+    to its own heads (models/norms.py): one all-reduce of their concatenation."""
     grads = [p.grad for p in params if role_of(p).sequence_parallel and p.grad is not None]
     if size <= 1 or not grads:
         return

@@ -26,8 +26,9 @@ class ParamRole:
     vocab_padded: bool = False        # rows padded to the padded vocabulary (trimmed when whole)
     shared_embedding: bool = False    # the word embedding, tied between first and last stage
     duplicate: bool = False           # the last stage's copy of it: counted and saved once
-    sequence_parallel: bool = False   # replicated, but applied to 1/t of the tokens (SP): its
-    #                                   gradient is summed over the tensor group
+    sequence_parallel: bool = False   # replicated, but applied to 1/t of the tokens (SP) or of
+    #                                   the heads (QK-norm): its gradient is summed over the
+    #                                   tensor group
     reduce_axes: tuple[str, ...] = ("data", "context")   # grid axes its gradient is summed over
 
 

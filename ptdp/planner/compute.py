@@ -101,10 +101,12 @@ def _analytic_layer(hw, precision, shape: ModelShape, b: int, t: int, attention:
     # Elementwise traffic (elements): 2 norms (LayerNorm or RMSNorm) 4sbh, 2 bias+dropout+
     # residual 6sbh, bias+GeLU 2sf/t (SwiGLU reads gate and up, writes their product: 3sf/t),
     # head split/merge copies 4s(h_q + h_kv)/t (8sh/t without grouped-query attention), and
-    # rotary positions read and write Q and K, 2s(h_q + h_kv)/t; backward moves about twice.
+    # rotary positions read and write Q and K, 2s(h_q + h_kv)/t, and so does QK-norm;
+    # backward moves about twice.
     rope = 2 * (q + kv) / t if shape.rope else 0
-    elems = tokens * (10 * h + (2 + g) * f / t + 4 * (q + kv) / t + rope)
-    kernels = 10 + (2 if shape.rope else 0)
+    qk_norm = 2 * (q + kv) / t if shape.qk_norm else 0
+    elems = tokens * (10 * h + (2 + g) * f / t + 4 * (q + kv) / t + rope + qk_norm)
+    kernels = 10 + (2 if shape.rope else 0) + (2 if shape.qk_norm else 0)
     fwd_elem = elementwise_time(hw, elems * e, kernels)
     bwd_elem = elementwise_time(hw, 2 * elems * e, 2 * kernels)
     backward = bwd_gemm + attn_bwd + bwd_elem

@@ -58,7 +58,7 @@ class ModelShape:
     vocab: int
     dropout: bool
     kv_heads: int | None = None          # grouped-query attention; None = heads
-    activation: str = "gelu"             # gelu | gelu_tanh | swiglu
+    activation: str = "gelu"             # gelu | gelu_tanh | swiglu | geglu
     normalization: str = "layernorm"     # layernorm | rmsnorm
     position_embedding: str = "learned"  # learned | rope
     bias: bool = True                    # biases of QKV, projection, fc1, fc2
@@ -74,6 +74,7 @@ class ModelShape:
     moe_freq: int = 1                    # every n-th layer is MoE ...
     dense_first: int = 0                 # ... after this many dense ones
     head_dim: int | None = None          # per-head size d; None = hidden / heads
+    qk_norm: bool = False                # a norm of size d on every query and key head
 
     def __post_init__(self):
         if self.kv_heads is None:
@@ -93,7 +94,7 @@ class ModelShape:
         return cls(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.ffn_hidden_size,
                    m.seq_length, m.vocab_size, _any_dropout(m), m.num_kv_heads, m.activation,
                    m.normalization, m.position_embedding, m.bias, m.qkv_bias, m.tie_embeddings,
-                   m.num_tokentypes, head_dim=m.head_dim, **moe)
+                   m.num_tokentypes, head_dim=m.head_dim, qk_norm=m.qk_norm, **moe)
 
     @property
     def family(self) -> ModelFamily:
@@ -118,7 +119,8 @@ class ModelShape:
 
     @property
     def gated(self) -> int:
-        """1 when the MLP's first GEMM makes a gate and an up projection (SwiGLU), else 0."""
+        """1 when the MLP's first GEMM makes a gate and an up projection (SwiGLU, GeGLU), else
+        0."""
         return int(self.activation in GATED_ACTIVATIONS)
 
     @property
@@ -134,14 +136,15 @@ class ModelShape:
     def dissertation_block(self) -> bool:
         """The block Eq. 4.2 and 4.3 are written for: GPT-2's, with f = 4h."""
         return (self.ffn == 4 * self.hidden and self.kv_heads == self.heads and not self.gated
-                and self.q_hidden == self.hidden
+                and self.q_hidden == self.hidden and not self.qk_norm
                 and self.normalization == "layernorm" and not self.rope and self.bias
                 and self.qkv_bias and self.tie_embeddings and not self.experts)
 
     def block_key(self) -> dict:
         """What a measured profile row must match beyond the sizes (ptdp/planner/compute.py);
         rows without these keys were measured on the dissertation's block."""
-        return dict(kv_heads=self.kv_heads, head_dim=self.head_dim, activation=self.activation,
+        return dict(kv_heads=self.kv_heads, head_dim=self.head_dim, qk_norm=self.qk_norm,
+                    activation=self.activation,
                     normalization=self.normalization,
                     position_embedding=self.position_embedding, bias=self.bias,
                     qkv_bias=self.qkv_bias)
@@ -268,16 +271,18 @@ def iteration_flops(shape: ModelShape, batch: int, vocab: int | None = None,
 def layer_parameter_split(shape: ModelShape) -> tuple[int, int]:
     """(split, replicated) parameters of one layer: those tensor parallelism splits by t
     (QKV weight and biases, projection weight, fc1 weight and biases, fc2 weight) and those
-    every tensor rank holds whole (projection and fc2 biases, the two norms).
+    every tensor rank holds whole (projection and fc2 biases, the two norms, the QK-norms).
 
     QKV h*(h_q + 2*h_kv) (+ h_q + 2*h_kv biases with qkv_bias), projection h_q*h (+ h), fc1
     h*(1+g)*f (+ (1+g)*f), fc2 f*h (+ h), two norms of n*h each (n = 2 for LayerNorm's weight
-    and bias, 1 for RMSNorm's gain). The dissertation's block: 12h^2 + 13h, Eq. 4.3's layer."""
+    and bias, 1 for RMSNorm's gain), and with QK-norm two of n*d (one for every query head, one
+    for every key head). The dissertation's block: 12h^2 + 13h, Eq. 4.3's layer."""
     h, f, g = shape.hidden, shape.ffn, shape.gated
     qkv = shape.q_hidden + 2 * shape.kv_hidden
     split = (h * qkv + (qkv if shape.qkv_bias else 0) + shape.q_hidden * h
              + (h * (1 + g) * f + ((1 + g) * f if shape.bias else 0)) + f * h)
     replicated = (2 * h if shape.bias else 0) + 2 * shape.norm_parameters * h
+    replicated += 2 * shape.norm_parameters * shape.head_dim if shape.qk_norm else 0
     return split, replicated
 
 

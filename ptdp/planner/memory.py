@@ -21,7 +21,8 @@ MLP width:
   (fc2's input) sbf/t.
   Rotary positions add the rotated Q and K, s*b*(h_q + h_kv)/t, which attention keeps while V,
   a view, keeps the QKV output alive (models/rotary.py). A flash kernel also saves the
-  attention output s*b*h_q/t;
+  attention output s*b*h_q/t. QK-norm adds the normalised Q and K its gains multiply,
+  s*b*(h_q + h_kv)/t (its input is the QKV output, already counted);
 * attention scores (materialized kernels only): softmax output and dropout output
   2*a*s^2*b/t elements plus the 1-byte mask, a the query heads.
 
@@ -214,7 +215,8 @@ def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, re
         return sbh * e / (t if sequence_parallel else 1)
     replicated = sequence_parallel_replicated(sbh, e, shape.dropout, t, sequence_parallel)
     rotated = s * b * (q + shape.kv_hidden) if shape.rope else 0    # rotated Q and K
-    split = (_split_linear_elements(shape, b) + rotated) / t * e
+    normed = s * b * (q + shape.kv_hidden) if shape.qk_norm else 0  # normalised Q and K
+    split = (_split_linear_elements(shape, b) + rotated + normed) / t * e
     if attention == "flash":
         core = s * b * q / t * e + a * s * b / t * 4     # saved output + fp32 logsumexp
     else:
@@ -236,11 +238,14 @@ def pending_weight_grad_bytes(shape: ModelShape, b: int, t: int, precision: str,
     and fc1 (3sbh/t, sbf/t) and of the row-parallel projection and fc2 (whole, sbh each).
     Norms: input and output gradient, 2 x 2sbh (split by t with sequence parallelism).
     With grouped-query attention and SwiGLU the QKV and fc1 output gradients are
-    s*b*(h + 2h_kv)/t and 2sbf/t."""
+    s*b*(h + 2h_kv)/t and 2sbf/t. QK-norm's gains hold the normalised Q and K and their output
+    gradients, 2s*b*(h_q + h_kv)/t."""
     e = BYTES[precision]
     sbh = shape.seq * b * shape.hidden
     whole = 4 * sbh                                  # QKV, fc1 inputs; proj, fc2 out-grads
     split = _split_linear_elements(shape, b) / t     # proj, fc2 inputs; QKV, fc1 out-grads
+    if shape.qk_norm:
+        split += 2 * shape.seq * b * (shape.q_hidden + shape.kv_hidden) / t
     layer_norms = 4 * sbh / (t if sequence_parallel else 1)
     return (whole + split + layer_norms) * e
 

@@ -67,8 +67,8 @@ class FlushingStep:
             weights.grads_to_masters()
         with spans("embedding reduce + norm", "reduce"):
             weights.sync_shared_embeddings(grid.embedding_group, len(grid.embedding_ranks))
-            if state.tp.sequence_parallel:
-                reduce_sequence_parallel_grads(state.master_params, grid.group("tensor"), grid.t)
+            # sequence-parallel weights and QK-norm gains: partial over the tensor group
+            reduce_sequence_parallel_grads(state.master_params, grid.group("tensor"), grid.t)
             unscale_([m.grad for m in state.master_params], state.loss_scaler.scale)
             return global_grad_norm(state.master_params, grid,
                                     sharded=weights.masters_are_pieces,

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ptdp.checkpoint.layout import StatePart
 from ptdp.data.batching import MicroBatches
-from ptdp.optim.grads import counts_in_norm
+from ptdp.optim.grads import counts_in_norm, reduce_sequence_parallel_grads
 from ptdp.parallel.roles import writes
 from ptdp.pipeline.actions import END, REDUCE, TIED, UPDATE, WEIGHTS
 from ptdp.pipeline.weights import StashedVersions, take_gradients
@@ -115,6 +115,8 @@ class NoFlushStep:
         """The data-parallel sums of what the parameters accumulated; the parameters are left
         without gradients."""
         self.state.dp_grads.finish()
+        grid = self.state.grid   # QK-norm gains: partial over the tensor group (flushing.py)
+        reduce_sequence_parallel_grads(self.state.params, grid.group("tensor"), grid.t)
         grads = take_gradients(self.state.params)
         self.state.dp_grads.start_iteration()
         return grads

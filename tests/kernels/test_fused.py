@@ -52,6 +52,17 @@ def test_gelu_tanh_is_the_tanh_approximation_of_gpt2_and_megatron():
     assert (ours - bias_gelu(x, b)).abs().max() > 1e-5
 
 
+def test_geglu_is_gemmas_mlp_activation():
+    """GeLU_tanh(gate) * up on fc1's output whose columns alternate gate and up (SwiGLU's
+    layout): Hugging Face's GemmaMLP, gelu_pytorch_tanh(gate_proj(x)) * up_proj(x)."""
+    g = torch.Generator().manual_seed(3)
+    x, b = torch.randn(5, 3, 16, generator=g), torch.randn(16, generator=g)
+    y = x + b
+    want = F.gelu(y[..., 0::2], approximate="tanh") * y[..., 1::2]
+    assert torch.equal(ACTIVATIONS["geglu"](x, b), want)
+    assert not torch.equal(ACTIVATIONS["swiglu"](x, b), want)
+
+
 def test_bias_dropout_add_draws_the_unfused_mask():
     g = torch.Generator().manual_seed(1)
     x, residual = torch.randn(6, 2, 16, generator=g), torch.randn(6, 2, 16, generator=g)

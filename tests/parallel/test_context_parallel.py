@@ -179,6 +179,10 @@ FEATURES = {
                                        "train.recompute=selective"]),
     "sp distopt gpt": ("gpt", [*T2C2, "parallel.sequence_parallel=true",
                                "train.distributed_optimizer=true"]),
+    # the block options (tests/equivalence.py "blocks") with c, t, sequence parallelism, and
+    # with zero bubble's deferred weight gradients (the gains 1 + w, the QK-norms)
+    "blocks sp": ("blocks", [*T2C2, "parallel.sequence_parallel=true"]),
+    "blocks zb-h1": ("blocks", [*P2C2, "schedule.name=zb-h1"]),
 }
 # PipeDream-2BW changes the update rule: (p, c, d) = (2, 2, 1) must follow it as (2, 1, 2) does
 # (which tests/pipeline/test_no_flush.py holds to the single-process simulation of the rule)

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from tests.equivalence import archs_for, assert_equivalent, layout_result, reference
+from tests.equivalence import (BLOCKS_LAYOUTS, archs_for, assert_equivalent, layout_result,
+                               reference)
 
 TENSOR_DATA = {"t2": (2, 1), "d2": (1, 2), "t4": (4, 1), "t2-d2": (2, 2), "t4-d2": (4, 2)}
 
@@ -13,6 +14,15 @@ TENSOR_DATA = {"t2": (2, 1), "d2": (1, 2), "t4": (4, 1), "t2-d2": (2, 2), "t4-d2
 def test_tensor_data_layouts_match_single_process(arch, layout):
     ranks = layout_result(layout, arch)
     assert_equivalent(ranks[0], reference(arch), f"{arch} {layout}")
+
+
+@pytest.mark.parametrize("layout", BLOCKS_LAYOUTS[1:])
+def test_block_options_match_single_process(layout):
+    """QK-norm (its gains partial over the tensor group), a head size other than h / heads,
+    zero-centred gains, GeGLU and scaled embeddings, with pipeline, tensor, data and
+    interleaving."""
+    for rank in layout_result(layout, "blocks"):
+        assert_equivalent(rank, reference("blocks"), f"blocks {layout}")
 
 
 @pytest.mark.parametrize("layout", ["t2", "t4"])

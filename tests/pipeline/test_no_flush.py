@@ -3,7 +3,7 @@
 Oracles (tests/pipeline/no_flush_oracles.py) are single-process simulations of the rules with
 the same data order. 2BW: after k batches the weights equal W(t+1) = W(t) - lr*AdamW(clip(grad
 f(W(t-1)))) within 1e-5 for (p, t, d, v) in (2,1,1,1), (2,2,1,1), (2,1,2,1), (2,1,1,2),
-(2,2,2,1) and p = 1, GPT and BERT (Llama-style too at (2,2,1,1)). PipeDream: every backward uses its forward's version, by the
+(2,2,2,1) and p = 1, GPT and BERT (Llama-style and the block options' model too at (2,2,1,1)). PipeDream: every backward uses its forward's version, by the
 ids the executor logged, equal to the rule's (weight stashing: k-p+1+stage; vertical sync:
 k-p+1 everywhere), and the weights equal the rule's simulation. Live versions are counted by the
 executor's version store: 2 for 2BW on every rank, at most p for PipeDream.
@@ -34,7 +34,7 @@ RUNS = {
     "2bw-p2":          (2, TWO_BW + ["parallel.pipeline=2"], ("gpt", "bert")),
     "2bw-p2-v2":       (2, TWO_BW + ["parallel.pipeline=2", "parallel.chunks=2"], ("gpt", "bert")),
     "2bw-p2-t2":       (4, TWO_BW + ["parallel.pipeline=2", "parallel.tensor=2"],
-                        ("gpt", "bert", "llama")),
+                        ("gpt", "bert", "llama", "blocks")),   # blocks: QK-norm's tensor sum
     "2bw-p2-d2":       (4, TWO_BW + ["parallel.pipeline=2", "parallel.data=2"], ("gpt", "bert")),
     "2bw-p2-t2-d2":    (8, TWO_BW + ["parallel.pipeline=2", "parallel.tensor=2",
                                      "parallel.data=2"], ("gpt", "bert")),

@@ -123,11 +123,12 @@ def test_llama3_parameter_counts_are_metas():
 
 def test_gemma_7b_parameter_count_is_googles():
     """An explicit head size (16 heads of 256 on h = 3072: h_q = 4096 != h), counted by hand."""
-    gemma = llama(28, 3072, 16, 16, 24576, vocab=256000, head_dim=256, tie_embeddings=True)
+    gemma = llama(28, 3072, 16, 16, 24576, vocab=256000, head_dim=256, tie_embeddings=True,
+                  activation="geglu")
     by_hand = (256000 * 3072                            # word table, tied to the output
                + 28 * (3072 * 3 * 4096                  # Q, K, V: 16 heads of 256 each
                        + 4096 * 3072                    # output projection h_q -> h
-                       + 3 * 3072 * 24576               # gated MLP: gate, up, down
+                       + 3 * 3072 * 24576               # GeGLU: gate, up, down
                        + 2 * 3072)                      # two RMSNorm gains
                + 3072)                                  # final RMSNorm
     assert by_hand == 8_537_680_896                     # google/gemma-7b
@@ -150,6 +151,8 @@ def test_each_block_option_changes_the_count_by_its_own_parameters():
     assert change(qkv_bias=True) == l * 3 * h                      # Qwen2: Q, K, V only
     d = 48                                                          # h_q = 384 = 1.5 h
     assert change(head_dim=d) == l * (3 * h * a * d + a * d * h - 4 * h * h)
+    assert change(qk_norm=True) == l * 2 * (h // a)                # Q and K gains of size d
+    assert change(qk_norm=True, normalization="layernorm") == l * (4 * (h // a) + 2 * h) + h
 
 
 def test_general_flops_equal_a_gemm_by_gemm_count():

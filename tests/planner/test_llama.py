@@ -60,6 +60,13 @@ def test_layer_activations_follow_the_derivation():
     # ZB-H1's pending closures: QKV's output gradient narrows with the K/V heads.
     pending = [pending_weight_grad_bytes(shape, b, 2, "bf16") for shape in (mha, LLAMA)]
     assert pending[0] - pending[1] == pytest.approx(s * b * 2 * (h - kv) / 2 * 2)
+    # QK-norm keeps the normalised Q and K (h + h_kv); a head size of 256 (h_q = 2h, h_kv =
+    # 2kv) widens Q, K, V, the projection input, the rotated Q and K and flash's output.
+    qk = dataclasses.replace(LLAMA, qk_norm=True)
+    assert bytes_of(qk) - bytes_of(LLAMA) == pytest.approx(s * b * (h + kv) / 2 * 2)
+    wide = dataclasses.replace(LLAMA, head_dim=256)
+    assert bytes_of(wide) - bytes_of(LLAMA) == pytest.approx(
+        s * b * ((h + 2 * kv) + h + (h + kv) + h) / 2 * 2)
 
 
 def test_stage_parameters_add_up_to_the_model():
