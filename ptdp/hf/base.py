@@ -86,7 +86,8 @@ class Family:
 
 
 # The block options a plain decoder leaves off: a family that computes one says so in its block.
-PLAIN = dict(sliding_window=None, num_experts=0, norm_zero_centered=False)
+PLAIN = dict(sliding_window=None, num_experts=0, norm_zero_centered=False, qk_norm=False,
+             scale_embeddings=False)
 
 
 class OneOf(tuple):

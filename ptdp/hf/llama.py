@@ -31,6 +31,7 @@ from ptdp.hf.base import PLAIN, Family, fuse_qkv, require, rotary_lengths, split
 from ptdp.models.transformer import fuse_gate_up, split_gate_up
 
 _QKV = ("q_proj", "k_proj", "v_proj")
+_QK_NORMS = ("q_norm", "k_norm")
 
 
 def rope_settings(config) -> dict:
@@ -156,12 +157,16 @@ class Llama(Family):
             parts = split_qkv(full[f"{ours}qkv.{kind}"], cfg.num_heads, cfg.num_kv_heads)
             for proj, value in zip(_QKV, parts):
                 out[f"{theirs}{proj}.{kind}"] = value
+        for name in _QK_NORMS if cfg.qk_norm else ():   # Qwen3's per-head norms: same names
+            out[f"{theirs}{name}.weight"] = full[f"{ours}{name}.weight"]
 
     @staticmethod
     def attention_from_hf(cfg, get, ours: str, theirs: str, out: dict) -> None:
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
             parts = [get(f"{theirs}{p}.{kind}") for p in _QKV]
             out[f"{ours}qkv.{kind}"] = fuse_qkv(*parts, cfg.num_heads, cfg.num_kv_heads)
+        for name in _QK_NORMS if cfg.qk_norm else ():
+            out[f"{ours}{name}.weight"] = get(f"{theirs}{name}.weight")
 
     @staticmethod
     def mlp_to_hf(cfg, layer: int, full, ours: str, theirs: str, out: dict) -> None:
@@ -222,3 +227,16 @@ def layer_types(cfg: ModelConfig) -> dict:
     return dict(use_sliding_window=window is not None, sliding_window=window,
                 layer_types=types, max_window_layers=types.index("sliding_attention")
                 if window is not None else cfg.num_layers)
+
+
+class Qwen3(Llama):
+    """Llama's block with QK-norm (model.qk_norm: an RMSNorm over each query and key head,
+    `q_norm`/`k_norm`), an explicit head size, and Qwen2's per-layer window."""
+    model_type, hf_class, config_class = "qwen3", "Qwen3ForCausalLM", "Qwen3Config"
+    block = {k: v for k, v in dict(Llama.block, qk_norm=True).items() if k != "sliding_window"}
+
+    def model_keys(self, config) -> dict:
+        return dict(super().model_keys(config), qk_norm=True)
+
+    def hf_extra(self, cfg: ModelConfig) -> dict:
+        return dict(head_dim=cfg.head_dim, attention_bias=False, **layer_types(cfg))

@@ -26,7 +26,7 @@ import torch
 
 from ptdp.config import ModelConfig
 from ptdp.hf.base import Set, require
-from ptdp.hf.llama import Llama, Mistral, Qwen2
+from ptdp.hf.llama import Llama, Mistral, Qwen2, Qwen3
 from ptdp.models.transformer import fuse_gate_up, split_gate_up
 
 MOE = dict(num_experts=Set(0), moe_score_function="softmax", moe_routed_scaling_factor=1.0,
@@ -132,3 +132,21 @@ class Qwen2Moe(_Experts, Qwen2):
     def hf_extra(self, cfg: ModelConfig) -> dict:
         return dict(super().hf_extra(cfg), **qwen_moe_config(cfg),
                     shared_expert_intermediate_size=cfg.moe_shared_ffn_hidden_size)
+
+
+class Qwen3Moe(_Experts, Qwen3):
+    """Qwen3's block (QK-norm, head_dim) with experts and no shared expert; its window, when
+    use_sliding_window, is in every layer."""
+    model_type, hf_class, config_class = "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3MoeConfig"
+    block = {**Qwen3.block, **MOE, "sliding_window_layers": None}
+
+    def model_keys(self, config) -> dict:
+        return dict(super().model_keys(config), num_experts=config.num_experts,
+                    moe_top_k=config.num_experts_per_tok,
+                    moe_ffn_hidden_size=config.moe_intermediate_size,
+                    moe_renormalize=bool(config.norm_topk_prob), **qwen_moe_layers(config))
+
+    def hf_extra(self, cfg: ModelConfig) -> dict:
+        return dict(head_dim=cfg.head_dim, attention_bias=False, **qwen_moe_config(cfg),
+                    use_sliding_window=cfg.sliding_window is not None,
+                    sliding_window=cfg.sliding_window)

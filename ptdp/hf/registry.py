@@ -5,19 +5,21 @@ from __future__ import annotations
 
 from ptdp.config import ModelConfig
 from ptdp.hf.base import ConversionError, Family
+from ptdp.hf.gemma import Gemma
 from ptdp.hf.gpt2 import GPT2
-from ptdp.hf.llama import Llama, Mistral, Qwen2
+from ptdp.hf.llama import Llama, Mistral, Qwen2, Qwen3
 from ptdp.hf.megatron_bert import MegatronBert
-from ptdp.hf.moe import Mixtral, Qwen2Moe
+from ptdp.hf.moe import Mixtral, Qwen2Moe, Qwen3Moe
 from ptdp.hf.phi3 import Phi3
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in
-                               (GPT2(), MegatronBert(), Llama(), Mistral(), Qwen2(), Phi3(),
-                                Mixtral(), Qwen2Moe())}
+                               (GPT2(), MegatronBert(), Llama(), Mistral(), Qwen2(), Qwen3(),
+                                Gemma(), Phi3(), Mixtral(), Qwen2Moe(), Qwen3Moe())}
 # ptdp -> HF: the first family that computes the model (BERT first: its block is GPT-2's;
 # Llama before Mistral: a model without a window is written as Llama). Phi-3 computes Llama's
 # block too: it is written only when asked for (`ptdp convert --to hf OUT --model-type phi3`).
-TARGETS = ("megatron-bert", "gpt2", "llama", "mistral", "qwen2", "mixtral", "qwen2_moe")
+TARGETS = ("megatron-bert", "gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "mixtral",
+           "qwen2_moe", "qwen3_moe")
 
 
 def family_of_model_type(model_type) -> Family:

@@ -73,8 +73,10 @@ _TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_la
 def released_configs() -> dict:
     """{family: its transformers config}: GPT-2 as released (gelu_new, tied), Mistral v0.1 (a
     window in every layer), Qwen2 with use_sliding_window (the upper layers local), Phi-3-mini
-    (fused projections, a window), Mixtral (8 experts, top 2), Qwen1.5-MoE (a gated shared
-    expert, top-k weights not renormalised, every second layer a mixture)."""
+    (fused projections, a window), Qwen3 (QK-norm, head_dim != h / n, tied), Gemma (GeGLU,
+    1 + w norms, scaled embeddings, head_dim 16, K/V heads = heads as Gemma-7B), Mixtral (8 experts, top 2),
+    Qwen3-MoE (renormalised top-k, QK-norm), Qwen1.5-MoE (a gated shared expert, top-k
+    weights not renormalised, every second layer a mixture)."""
     import transformers as t
     tiny = dict(_TINY)
     return {
@@ -89,6 +91,11 @@ def released_configs() -> dict:
         "mixtral": t.MixtralConfig(**tiny, num_local_experts=8, num_experts_per_tok=2,
                                    sliding_window=None, rope_parameters={
                                        "rope_type": "default", "rope_theta": 1e6}),
+        "qwen3": t.Qwen3Config(**tiny, head_dim=12, tie_word_embeddings=True),
+        "gemma": t.GemmaConfig(**{**tiny, "num_key_value_heads": 4}, head_dim=16,
+                               hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6),
+        "qwen3_moe": t.Qwen3MoeConfig(**tiny, head_dim=12, num_experts=8, num_experts_per_tok=2,
+                                      moe_intermediate_size=16, norm_topk_prob=True),
         "qwen2_moe": t.Qwen2MoeConfig(**{**tiny, "intermediate_size": 40}, num_experts=6,
                                       num_experts_per_tok=2, moe_intermediate_size=16,
                                       shared_expert_intermediate_size=24, norm_topk_prob=False,
