@@ -35,16 +35,17 @@ def hf_tokenizer(texts, out_dir: Path, vocab: int, add_bos: bool = False,
 
 
 def random_hf_model(config, out_dir: Path | None = None, seed: int = 0, std: float = 0.1):
-    """A causal LM of `config` with weights ~ N(0, std) (norm gains 1 + N(0, 0.1)), in eval
-    mode, saved to out_dir when given."""
+    """A causal LM of `config` with weights ~ N(0, std) (norm gains 1 + N(0, 0.1): Gemma's
+    weight w ~ N(0, 0.1), its gain being 1 + w), in eval mode, saved to out_dir when given."""
     import transformers
 
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    centre = 0.0 if config.model_type == "gemma" else 1.0
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or ".ln_" in name:
-                param.copy_(1 + 0.1 * torch.randn_like(param))
+                param.copy_(centre + 0.1 * torch.randn_like(param))
             else:
                 param.normal_(0.0, std)
     if out_dir is not None:
@@ -73,9 +74,9 @@ _TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_la
 def released_configs() -> dict:
     """{family: its transformers config}: GPT-2 as released (gelu_new, tied), Mistral v0.1 (a
     window in every layer), Qwen2 with use_sliding_window (the upper layers local), Phi-3-mini
-    (fused projections, a window), Qwen3 (QK-norm, head_dim != h / n, tied), Gemma (GeGLU,
-    1 + w norms, scaled embeddings, head_dim 16, K/V heads = heads as Gemma-7B), Mixtral (8 experts, top 2),
-    Qwen3-MoE (renormalised top-k, QK-norm), Qwen1.5-MoE (a gated shared expert, top-k
+    (fused projections, a window), Qwen3 (QK-norm, head_dim != h / n, tied), Gemma-7B (GeGLU,
+    1 + w norms, scaled embeddings, head_dim != h / n, as many K/V heads as heads), Mixtral
+    (8 experts, top 2), Qwen3-MoE (renormalised top-k, QK-norm), Qwen1.5-MoE (a gated shared expert, top-k
     weights not renormalised, every second layer a mixture)."""
     import transformers as t
     tiny = dict(_TINY)
