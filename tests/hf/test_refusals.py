@@ -108,7 +108,7 @@ CASES = {
     "no_model_type": (_gpt2(), _write("config.json", '{"n_layer": 1}'), "has no model_type"),
     "unknown_model_type": (_gpt2(), _write("config.json", '{"model_type": "t5"}'),
                            "model_type 't5' is not one ptdp converts: gpt2, megatron-bert, "
-                           "llama, mistral, qwen2, phi3, mixtral, qwen2_moe"),
+                           "llama, mistral, qwen2, qwen3, gemma, phi3, mixtral, qwen2_moe, qwen3_moe"),
 }
 
 
