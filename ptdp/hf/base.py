@@ -1,7 +1,7 @@
 """What every Hugging Face model family shares: the refusal error, the family interface (a
 config mapping plus a state-dict adapter, torchtitan's pattern) and the fused-QKV layouts.
 
-A family (ptdp/hf/gpt2.py, megatron_bert.py, llama.py) maps one transformers `model_type`:
+A family (ptdp/hf/gpt2.py, llama.py, ...) maps one transformers `model_type`:
   * `model_config(config)`: the transformers config -> ptdp's ModelConfig, refusing (one
     `ConversionError` line naming the setting) anything ptdp's model would compute differently;
   * `hf_config(cfg, special)`: ptdp's ModelConfig -> a transformers config;

@@ -1,21 +1,24 @@
 """`ptdp convert`: a ptdp checkpoint of any layout <-> a Hugging Face model directory.
 
-The families (ptdp/hf/registry.py): GPT-2 (`GPT2LMHeadModel`, ptdp/hf/gpt2.py), Megatron-BERT
-(`MegatronBertForPreTraining`, megatron_bert.py), and Llama-style decoders (`LlamaForCausalLM`,
-`MistralForCausalLM` without a sliding window, `Qwen2ForCausalLM`; llama.py). Each maps its
-config and its weights both ways; anything it cannot reproduce exactly is refused in one line
-(`ConversionError`) before anything is written.
+The families (ptdp/hf/registry.py; docs/models.md has the table): GPT-2 (ptdp/hf/gpt2.py),
+Megatron-BERT (megatron_bert.py), Llama, Mistral, Qwen2 and Qwen3 (llama.py), Gemma
+(gemma.py, which also names why Gemma 2 and 3 are refused), Phi-3 (phi3.py), Mixtral,
+Qwen2-MoE and Qwen3-MoE (moe.py). Each maps its config and its weights both ways; anything it
+cannot reproduce exactly is refused in one line (`ConversionError`) before anything is
+written.
 
 ptdp -> HF: the full weights (ptdp/inference/local_model.py reads any (p, t, d, v), 2BW
-included), the HF class chosen from the model's block options (GPT-2's block -> GPT-2, Llama's
--> Llama, or Qwen2 with q/k/v-only biases; BERT -> Megatron-BERT), saved with `save_pretrained`
-(model.safetensors + config.json), plus the checkpoint's tokenizer (ptdp/hf/tokenizer.py).
+included), the HF class chosen from the model's block options (or named: `model_type`),
+saved with `save_pretrained` (model.safetensors + config.json + generation_config.json with
+every end id), plus the checkpoint's tokenizer files (ptdp/hf/tokenizer.py).
 
 HF -> ptdp: config.json read and checked, the weights loaded with transformers (a weight that
 config.json asks for and the files lack, or one it has no place for, is refused), mapped back
 and written as a checkpoint of the layout the overrides ask for (ptdp/checkpoint/save.py
-`save_full_state`), with the directory's tokenizer; `ptdp train ... checkpoint.load=OUT`
-continues from it (with fresh optimizer state).
+`save_full_state`), with the directory's tokenizer files; `ptdp train ... checkpoint.load=OUT`
+continues from it (with fresh optimizer state). Of the model keys the overrides may set only
+model.seq_length (a rotary model: up to its max_position_embeddings, default 4096; a learned
+table is cut to it) and the dropout rates.
 """
 
 from __future__ import annotations
