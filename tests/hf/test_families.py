@@ -140,3 +140,18 @@ def test_hidden_and_attention_dropout_map_both_ways(arch, preset, hidden, attent
     family = family_of(cfg)
     back = family.model_config(family.hf_config(cfg, {}))
     assert (back.dropout, back.attention_dropout_rate) == (hidden, attention)
+
+
+def test_a_named_model_type_that_cannot_compute_the_model_is_refused(tmp_path, capsys):
+    final = _checkpoint(tmp_path, "model.activation=gelu_tanh")   # GPT-2 as released
+    assert main(["convert", str(final), "--to", "hf", str(tmp_path / "hf"),
+                 "--model-type", "phi3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [
+        "ptdp convert: model_type phi3 (Phi3ForCausalLM) does not compute this model: it needs "
+        "model.position_embedding=rope (not learned), model.normalization=rmsnorm (not "
+        "layernorm), model.activation=swiglu (not gelu_tanh), model.bias=false (not true), "
+        "model.qkv_bias=false (not true)"], err
+    assert to_hf(final, tmp_path / "gpt2")["class"] == "GPT2LMHeadModel"
+    written = transformers.AutoConfig.from_pretrained(str(tmp_path / "gpt2"))
+    assert written.activation_function == "gelu_new"
