@@ -33,11 +33,16 @@ def _convert(tmp_path, capsys, *overrides):
 
 
 def test_a_rotary_model_converts_at_a_sensible_length_and_loads_up_to_its_own(tmp_path, capsys):
-    random_hf_model(transformers.LlamaConfig(**LLAMA), tmp_path / "hf")
+    """Mistral v0.1's shape: max_position_embeddings past the default length, a 4096 window."""
+    random_hf_model(transformers.MistralConfig(**LLAMA, num_key_value_heads=1, sliding_window=4096),
+                    tmp_path / "hf")
     code, err, out = _convert(tmp_path, capsys)
-    assert code == 0 and err == ["ptdp convert: note: model.seq_length=4096 (the model supports "
-                                 "8192 positions; give model.seq_length=N up to that to train "
-                                 "longer sequences)"], err
+    assert code == 0 and err == [
+        "ptdp convert: note: model.sliding_window=4096 >= model.seq_length=4096: every query "
+        "already sees all the keys before it, so the window changes nothing at this length (it "
+        "would past 4096 tokens)",
+        "ptdp convert: note: model.seq_length=4096 (the model supports 8192 positions; give "
+        "model.seq_length=N up to that to train longer sequences)"], err
     directory, meta, _ = read_full_state(out)
     assert (meta["model"]["seq_length"], meta["model"]["max_position_embeddings"]) == (4096, 8192)
     cfg = model_config(meta)
