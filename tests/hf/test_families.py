@@ -67,11 +67,12 @@ def test_released_shapes_convert_exactly_both_ways_and_generate_alike(family, tm
     to_hf(final, tmp_path / "back", model_type=MODEL_TYPE.get(family))
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
     assert type(back) is type(original) and same_state(original.state_dict(), back.state_dict())
-    prompt = [3, 17, 99, 5, 42, 7]
+    prompt = [11, 60, 37, 5, 99, 120, 8, 77]
     with torch.no_grad():
         theirs = original.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10,
-                                   attention_mask=torch.ones(1, 6, dtype=torch.long))
-    assert generate(ours, prompt, 10, Sampling()) == theirs[0, 6:].tolist()
+                                   attention_mask=torch.ones(1, 8, dtype=torch.long))
+    greedy = generate(ours, prompt, 10, Sampling())
+    assert greedy == theirs[0, 8:].tolist() and len(set(greedy)) > 1   # not one token repeated
 
 
 def _checkpoint(tmp_path, *model_keys):
@@ -155,3 +156,25 @@ def test_a_named_model_type_that_cannot_compute_the_model_is_refused(tmp_path, c
     assert to_hf(final, tmp_path / "gpt2")["class"] == "GPT2LMHeadModel"
     written = transformers.AutoConfig.from_pretrained(str(tmp_path / "gpt2"))
     assert written.activation_function == "gelu_new"
+
+
+@pytest.mark.parametrize("step, mlp_only, expected", [
+    (1, [], (0, 1)), (1, [0, 1], (2, 1)), (2, [], (1, 2)), (1, [1, 3], (0, 2)),
+    (1, [1], r"puts experts in layers \[0, 2, 3\]")])
+def test_qwen_moe_layers_map_both_ways_or_are_refused(step, mlp_only, expected):
+    """Qwen's MoE layers (i + 1) % decoder_sparse_step == 0, not in mlp_only_layers <-> ptdp's
+    every moe_layer_freq-th layer after moe_first_dense_layers."""
+    from ptdp.config import ModelConfig
+    from ptdp.hf.base import ConversionError
+    from ptdp.hf.moe import qwen_moe_config, qwen_moe_layers
+    config = transformers.Qwen2MoeConfig(num_hidden_layers=4, num_experts=4,
+                                         decoder_sparse_step=step, mlp_only_layers=mlp_only)
+    if isinstance(expected, str):
+        with pytest.raises(ConversionError, match=expected):
+            qwen_moe_layers(config)
+        return
+    keys = qwen_moe_layers(config)
+    assert (keys["moe_first_dense_layers"], keys["moe_layer_freq"]) == expected
+    cfg = ModelConfig(arch="gpt", preset="llama", num_layers=4, num_experts=4, **keys)
+    back = transformers.Qwen2MoeConfig(num_hidden_layers=4, **qwen_moe_config(cfg))
+    assert qwen_moe_layers(back) == keys
