@@ -287,7 +287,8 @@ ROWS = [
         setup=ckpt_latest_names_nothing),
     Row("load-a-file", ["checkpoint.load={tmp}/afile"], ["checkpoint.load: checkpoint path {tmp}/afile is a file"],
         setup=a_file),
-    Row("load-other-model", ["checkpoint.load={ckpt}", "model.hidden_size=64", "model.ffn_hidden_size=128"],
+    Row("load-other-model", ["checkpoint.load={ckpt}", "model.hidden_size=64", "model.ffn_hidden_size=128",
+                             "model.head_dim=8"],
         ["checkpoint.load: {ckpt}/iter_0000001 was saved for a different model: model.hidden_size=32 in "
          "the checkpoint but 64 in the config"]),
     Row("load-truncated-shard", ["checkpoint.load={tmp}/ck"],
