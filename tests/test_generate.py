@@ -61,7 +61,7 @@ def test_top_k_and_top_p_cuts():
 def test_stops_at_the_stop_token_and_the_context_length(model):
     prompt = [5, 77]
     first = generate(model, prompt, 5, Sampling())
-    assert generate(model, prompt, 5, Sampling(), stop_id=first[1]) == first[:2]
+    assert generate(model, prompt, 5, Sampling(), stop_ids=[first[1]]) == first[:2]
     assert len(generate(model, prompt, 100, Sampling())) == CFG.seq_length - len(prompt)
     with pytest.raises(ValueError, match="seq_length=24"):
         generate(model, list(range(24)), 1, Sampling())

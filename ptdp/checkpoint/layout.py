@@ -259,8 +259,17 @@ def check_model_config(meta: dict, model, directory: Path) -> None:
     if fields - set(saved):   # saved before those keys existed: they hold what the rest implies
         implied = dataclasses.asdict(type(model)(**{k: v for k, v in saved.items() if k in fields}))
         saved.update(json.loads(json.dumps({k: implied[k] for k in fields - set(saved)})))
+    # Rotary positions have no table: any length up to the saved model's longest position
+    # loads, or past it where the config extends the context (model.max_position_embeddings).
+    rotary = saved.get("position_embedding") == current.get("position_embedding") == "rope"
+    lengths = ("seq_length", "max_position_embeddings") if rotary else ()
     differ = [k for k in sorted(set(saved) | set(current))
-              if k not in NON_STRUCTURAL_MODEL_KEYS and saved.get(k) != current.get(k)]
+              if k not in NON_STRUCTURAL_MODEL_KEYS + lengths and saved.get(k) != current.get(k)]
+    limit = saved.get("max_position_embeddings") or saved.get("seq_length")
+    if rotary and current["seq_length"] > max(limit, current.get("max_position_embeddings") or 0):
+        raise CheckpointError(f"{directory}: model.seq_length={current['seq_length']} is past "
+                              f"the {limit} positions its rotary model supports (set "
+                              f"model.max_position_embeddings to extend it)")
     if differ:
         details = ", ".join(f"model.{k}={saved.get(k)!r} in the checkpoint but {current.get(k)!r} "
                             f"in the config" for k in differ)

@@ -13,13 +13,17 @@ def register(subparsers) -> None:
                     "transformers model directory (GPT with GPT-2's block -> GPT2LMHeadModel, "
                     "with Llama's block -> LlamaForCausalLM, or Qwen2ForCausalLM with q/k/v-only "
                     "biases; BERT -> MegatronBertForPreTraining; model.safetensors, config.json, "
-                    "tokenizer.json). ptdp convert HF_DIR --from hf --out CHECKPOINT "
-                    "[parallel.tensor=T parallel.pipeline=P parallel.chunks=V ...]: a gpt2, "
-                    "megatron-bert, llama, mistral or qwen2 model directory into a checkpoint of "
-                    "that layout, tokenizer included, which `ptdp train ... "
-                    "checkpoint.load=CHECKPOINT` continues from (fresh optimizer state). What a "
-                    "model type cannot reproduce exactly (a sliding window, a rope scaling other "
-                    "than llama3, ...) is refused in one line. Needs the hf extra: pip install "
+                    "tokenizer.json, generation_config.json with every end id; --model-type "
+                    "picks another class, e.g. phi3). ptdp convert HF_DIR --from hf --out "
+                    "CHECKPOINT [parallel.tensor=T parallel.pipeline=P parallel.chunks=V "
+                    "model.seq_length=S ...]: a model directory of a family docs/models.md "
+                    "lists into a checkpoint of that layout, tokenizer included, which `ptdp "
+                    "train ... checkpoint.load=CHECKPOINT` continues from (fresh optimizer "
+                    "state); a rotary model trains at model.seq_length=4096 unless told (up to "
+                    "its max_position_embeddings), a learned position table is cut to a shorter "
+                    "model.seq_length. What a "
+                    "model type cannot reproduce exactly (logit soft-capping, a rope scaling "
+                    "other than llama3, ...) is refused in one line. Needs the hf extra: pip install "
                     "'ptdp[hf]'. ptdp convert MEGATRON_DIR --from megatron --out CHECKPOINT "
                     "[overrides]: a Megatron-LM checkpoint of a megatron-core GPT (dense or MoE) "
                     "or BERT (legacy mp_rank_* files of any tensor/pipeline/virtual/expert "
@@ -47,6 +51,10 @@ def register(subparsers) -> None:
                         help="iteration the written checkpoint claims (--from): the LR schedule "
                              "and data position resume there; default 0 (hf) or the Megatron "
                              "checkpoint's own")
+    parser.add_argument("--model-type", metavar="TYPE",
+                        help="--to hf: the transformers model_type to write (e.g. phi3); "
+                             "default the first whose block is the model's (gpt2, llama, "
+                             "mistral, qwen2, ...)")
     parser.add_argument("--transformer-impl", choices=["transformer_engine", "local"],
                         help="--to megatron: name the norms as Megatron-LM's "
                              "--transformer-impl does (its default is transformer_engine)")
@@ -70,6 +78,7 @@ def _misplaced(args) -> str | None:
              "--iteration": (args.iteration, args.from_, "--from"),
              "--tokenizer": (args.tokenizer, to == "hf" or args.from_ == "megatron",
                              "--to hf and --from megatron"),
+             "--model-type": (args.model_type, to == "hf", "--to hf"),
              "--transformer-impl": (args.transformer_impl, to == "megatron", "--to megatron"),
              "--ckpt-format": (args.ckpt_format, to == "megatron", "--to megatron")}
     for flag, (value, applies, modes) in where.items():
@@ -109,7 +118,7 @@ def _to_hf(args) -> int:
               file=sys.stderr)
         return 2
     try:
-        info = to_hf(args.source, out_dir, args.tokenizer)
+        info = to_hf(args.source, out_dir, args.tokenizer, args.model_type)
     except (CheckpointError, ValueError, FileNotFoundError, KeyError) as err:
         print(f"ptdp convert: {_message(err)}", file=sys.stderr)
         return 2
@@ -133,6 +142,15 @@ def _from_hf(args) -> int:
         for line in getattr(err, "errors", None) or [_message(err)]:   # one line per problem
             print(f"ptdp convert: {line}", file=sys.stderr)
         return 2
+    from ptdp.config.windows import window_notes
+    model = cfg.model
+    for note in window_notes(model):
+        print(f"ptdp convert: note: {note}", file=sys.stderr)
+    if model.max_positions > model.seq_length and not any(
+            o.startswith("model.seq_length=") for o in args.overrides):
+        print(f"ptdp convert: note: model.seq_length={model.seq_length} (the model supports "
+              f"{model.max_positions} positions; give model.seq_length=N up to that to train "
+              f"longer sequences)", file=sys.stderr)
     if not cfg.data.tokenizer:
         print(f"ptdp convert: note: {args.source} has no tokenizer files (tokenizer.json or "
               f"tokenizer.model): the checkpoint names none; set data.tokenizer to train on "

@@ -1,5 +1,8 @@
 """`ptdp generate CHECKPOINT --prompt TEXT`: sample text from a GPT checkpoint (ptdp/inference/generate.py).
 
+Prompts get the tokenizer's own special tokens, or its chat template with --chat, and a
+generation ends at any end id (ptdp/inference/prompts.py), as transformers' generate does.
+
 Out-of-range arguments (--max-new-tokens < 1, --temperature < 0, --top-p outside (0, 1],
 --top-k < 0) are refused by the parser: one line, exit code 2."""
 
@@ -39,7 +42,10 @@ def register(subparsers) -> None:
         description="Loads a GPT or Llama-style checkpoint of any (p, t, c, d, v) into one "
                     "process and continues "
                     "each prompt. Temperature 0 is greedy decoding; otherwise top-k and top-p "
-                    "cut the distribution before a seeded draw. Uses a key/value cache.")
+                    "cut the distribution before a seeded draw. Uses a key/value cache. "
+                    "The prompt is tokenised as transformers' tokenizer(prompt) does (BOS "
+                    "where the tokenizer adds one); generation stops at any end id (the "
+                    "tokenizer's, generation_config.json's, --stop).")
     parser.add_argument("checkpoint", help="checkpoint directory (follows `latest`) or an iter_N")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="the text to continue")
@@ -60,6 +66,12 @@ def register(subparsers) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="sentencepiece .model or Hugging Face tokenizer.json; default: "
                              "the checkpoint's copy, else its config's data.tokenizer")
+    parser.add_argument("--chat", action="store_true",
+                        help="apply the tokenizer's chat template to each prompt (one user "
+                             "message, then the assistant's turn) and print the reply")
+    parser.add_argument("--stop", type=int, nargs="+", default=[], metavar="ID",
+                        help="token ids that also end a generation (besides the tokenizer's "
+                             "end of text and generation_config.json's eos_token_id)")
     parser.add_argument("--no-cache", action="store_true",
                         help="recompute every position at each step (slow; for checking)")
     parser.set_defaults(func=run)
@@ -83,6 +95,7 @@ def run(args) -> int:
     from ptdp.data.tokenizer import TokenizerError, checked_tokenizer
     from ptdp.inference.generate import Sampling, generate
     from ptdp.inference.local_model import LocalModel, checkpoint_tokenizer
+    from ptdp.inference.prompts import Prompts
     from ptdp.runtime.startup import NoDevice, pick_device
 
     try:
@@ -96,14 +109,16 @@ def run(args) -> int:
             pick_device(args.device, "ptdp generate --device"))
         tok = checked_tokenizer(path, model.cfg.vocab_size)
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-        stop = tok.special_ids().get("<eod>")
+        made = Prompts(path, tok)
+        stop = made.end_ids(args.stop)
         for i, text in enumerate(prompts):
-            ids = tok.encode(text)
+            ids = made.encode(text, chat=args.chat)
             new = generate(model, ids, args.max_new_tokens, sampling, stop,
                            use_cache=not args.no_cache)
             if len(prompts) > 1:
                 print(f"--- prompt {i + 1}")
-            print(text + _completion(tok, ids, new), flush=True)
+            reply = _completion(tok, ids, new)
+            print(reply.lstrip() if args.chat else text + reply, flush=True)
     except (CheckpointError, TokenizerError, ValueError, FileNotFoundError, NoDevice) as err:
         print(f"ptdp generate: {err}", file=sys.stderr)
         return 2

@@ -77,6 +77,9 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0      # Switch/GShard load-balancing loss E * sum_i f_i * P_i
     moe_z_loss_coeff: float = 0.0        # router z-loss: mean of logsumexp(scores)^2
     moe_expert_bias_rate: float = 0.0    # aux-loss-free balancing: per-expert bias update rate
+    # The longest position a rotary model supports (HF's max_position_embeddings); any
+    # model.seq_length up to it loads its checkpoint. null = model.seq_length
+    max_position_embeddings: int | None = None
     # Sliding-window attention (Mistral v0.1, Qwen2, Gemma 2/3's local layers; models/attention.py)
     sliding_window: int | None = None    # key j visible to query i iff 0 <= i - j < window
     sliding_window_layers: list[int] | None = None  # the local layers (0-based); null = all
@@ -117,6 +120,14 @@ class ModelConfig:
     def attention_dropout_rate(self) -> float:
         """Dropout on the attention probabilities (Megatron's --attention-dropout)."""
         return self.dropout if self.attention_dropout is None else self.attention_dropout
+
+    @property
+    def max_positions(self) -> int:
+        """The positions the model computes: a learned table's model.seq_length rows; for
+        rotary positions model.max_position_embeddings when set."""
+        if self.position_embedding == "rope" and self.max_position_embeddings:
+            return self.max_position_embeddings
+        return self.seq_length
 
     @property
     def gated(self) -> bool:

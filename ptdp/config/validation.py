@@ -135,12 +135,27 @@ def _check_block(m: ModelConfig, out: _Problems, sizes_ok: bool) -> None:
         out.require(not unused, f"{', '.join('model.' + k for k in unused)} apply to "
                                 f"model.position_embedding=rope only (this model has "
                                 f"{m.position_embedding} positions)")
+    _check_max_positions(m, out)
     # (checked once the sizes are: a bad num_heads is then reported once, not twice)
     if sizes_ok and out.positive(m.num_kv_heads, "model.num_kv_heads",
                                  hint=" (null = model.num_heads)"):
         out.require(m.num_heads % m.num_kv_heads == 0,
                     f"model.num_heads ({m.num_heads}) must be divisible by model.num_kv_heads "
                     f"({m.num_kv_heads}): each K/V head serves a group of query heads")
+
+
+def _check_max_positions(m: ModelConfig, out: _Problems) -> None:
+    limit = m.max_position_embeddings
+    if limit is None:
+        return
+    if m.position_embedding != "rope":
+        out.require(limit == m.seq_length, f"model.max_position_embeddings={limit} applies to "
+                                           f"rotary positions only: learned positions have a "
+                                           f"table of model.seq_length ({m.seq_length}) rows")
+    else:
+        out.require(limit >= m.seq_length, f"model.seq_length={m.seq_length} is past the "
+                                           f"{limit} positions the model supports "
+                                           f"(model.max_position_embeddings)")
 
 
 def _check_rope(m: ModelConfig, out: _Problems, sizes_ok: bool) -> None:

@@ -36,6 +36,8 @@ SPECIAL_TOKENS = (EOD, CLS, SEP, MASK, PAD)
 BOS = "<bos>"   # a role only Hugging Face tokenizers fill (sentencepiece models here have none)
 HF_TOKENIZER_FILE = "tokenizer.json"
 HF_TOKENIZER_CONFIG = "tokenizer_config.json"
+HF_CHAT_TEMPLATE = "chat_template.jinja"           # transformers 5 saves the template apart
+HF_GENERATION_CONFIG = "generation_config.json"   # the model's end ids, beside its tokenizer
 
 
 class TokenizerError(ValueError):
@@ -146,15 +148,17 @@ def is_hf_tokenizer(path: str | os.PathLike) -> bool:
 def hf_tokenizer_files(path: str | os.PathLike) -> dict[str, Path]:
     """The files that make a Hugging Face tokenizer, by their usual names: its tokenizer.json
     (whatever it is called), and the tokenizer_config.json beside it when there is one (it
-    names the special tokens). For a GPT-2 or WordPiece vocabulary, a tokenizer.json written
+    names the special tokens), with the chat template and generation config (its end ids)
+    that travel with it (ptdp/inference/prompts.py). For a GPT-2 or WordPiece vocabulary, a tokenizer.json written
     from it (once per process, in a temporary directory), so that copies of the tokenizer
     (checkpoints, Hugging Face exports) are one self-contained file."""
     if vocab_files(path) is not None:
         return {HF_TOKENIZER_FILE: _materialised(str(Path(path).resolve()))}
     path = Path(path)
     file = path / HF_TOKENIZER_FILE if path.is_dir() else path
-    config = file.with_name(HF_TOKENIZER_CONFIG)
-    return {HF_TOKENIZER_FILE: file, **({HF_TOKENIZER_CONFIG: config} if config.is_file() else {})}
+    beside = (HF_TOKENIZER_CONFIG, HF_CHAT_TEMPLATE, HF_GENERATION_CONFIG)
+    return {HF_TOKENIZER_FILE: file, **{name: file.with_name(name) for name in beside
+                                        if file.with_name(name).is_file()}}
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,7 +183,8 @@ class HFTokenizer:
             files = hf_tokenizer_files(path)
             self.path = str(files[HF_TOKENIZER_FILE])
             self._tok = self._load(self.path)
-            config = self._read_config(files[HF_TOKENIZER_CONFIG]) if len(files) > 1 else {}
+            config = (self._read_config(files[HF_TOKENIZER_CONFIG])
+                      if HF_TOKENIZER_CONFIG in files else {})
         else:
             self.kind, vocab = found
             self.path, config = str(vocab), {}

@@ -1,7 +1,7 @@
 """What every Hugging Face model family shares: the refusal error, the family interface (a
 config mapping plus a state-dict adapter, torchtitan's pattern) and the fused-QKV layouts.
 
-A family (ptdp/hf/gpt2.py, megatron_bert.py, llama.py) maps one transformers `model_type`:
+A family (ptdp/hf/gpt2.py, llama.py, ...) maps one transformers `model_type`:
   * `model_config(config)`: the transformers config -> ptdp's ModelConfig, refusing (one
     `ConversionError` line naming the setting) anything ptdp's model would compute differently;
   * `hf_config(cfg, special)`: ptdp's ModelConfig -> a transformers config;
@@ -17,6 +17,18 @@ import torch
 
 from ptdp.config import ModelConfig
 from ptdp.config.models import ModelFamily
+
+
+# The model.seq_length a rotary model converted from Hugging Face trains at unless told
+# (`ptdp convert ... model.seq_length=N`): its max_position_embeddings (131,072 for Llama 3.1)
+# is what it supports, not a sensible training length.
+DEFAULT_SEQ_LENGTH = 4096
+
+
+def rotary_lengths(max_position_embeddings: int) -> dict:
+    """The model keys of a rotary model that supports `max_position_embeddings` positions."""
+    return dict(seq_length=min(max_position_embeddings, DEFAULT_SEQ_LENGTH),
+                max_position_embeddings=max_position_embeddings)
 
 
 class ConversionError(ValueError):
@@ -43,7 +55,7 @@ class Family:
         ours = self.model_family
         family = [] if cfg.family is ours else [f"model.arch={ours.name}"]
         return family + [f"model.{key}={_text(want)} (not {_text(getattr(cfg, key))})"
-                         for key, want in self.block.items() if getattr(cfg, key) != want]
+                         for key, want in self.block.items() if not _fits(getattr(cfg, key), want)]
 
     def model_config(self, config) -> ModelConfig:
         raise NotImplementedError
@@ -73,7 +85,38 @@ class Family:
         return renamed(((hf_name, ours, t) for ours, hf_name, t in self._pairs(cfg)), hf, get), get
 
 
+# The block options a plain decoder leaves off: a family that computes one says so in its block.
+PLAIN = dict(sliding_window=None, num_experts=0, norm_zero_centered=False, qk_norm=False,
+             scale_embeddings=False)
+
+
+class OneOf(tuple):
+    """A block option the HF class computes for any of these values."""
+
+
+class Set:
+    """A block option the HF class computes for any value but `off` (a MoE class: experts)."""
+
+    def __init__(self, off=None):
+        self.off = off
+
+    def __str__(self) -> str:
+        return f"any but {_text(self.off)}"
+
+
+def _fits(value, want) -> bool:
+    if isinstance(want, OneOf):
+        return value in want
+    if isinstance(want, Set):
+        return value != want.off
+    return value == want
+
+
 def _text(value) -> str:
+    if isinstance(value, OneOf):
+        return "|".join(_text(v) for v in value)
+    if value is None:
+        return "null"
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 

@@ -1,21 +1,24 @@
 """`ptdp convert`: a ptdp checkpoint of any layout <-> a Hugging Face model directory.
 
-The families (ptdp/hf/registry.py): GPT-2 (`GPT2LMHeadModel`, ptdp/hf/gpt2.py), Megatron-BERT
-(`MegatronBertForPreTraining`, megatron_bert.py), and Llama-style decoders (`LlamaForCausalLM`,
-`MistralForCausalLM` without a sliding window, `Qwen2ForCausalLM`; llama.py). Each maps its
-config and its weights both ways; anything it cannot reproduce exactly is refused in one line
-(`ConversionError`) before anything is written.
+The families (ptdp/hf/registry.py; docs/models.md has the table): GPT-2 (ptdp/hf/gpt2.py),
+Megatron-BERT (megatron_bert.py), Llama, Mistral, Qwen2 and Qwen3 (llama.py), Gemma
+(gemma.py, which also names why Gemma 2 and 3 are refused), Phi-3 (phi3.py), Mixtral,
+Qwen2-MoE and Qwen3-MoE (moe.py). Each maps its config and its weights both ways; anything it
+cannot reproduce exactly is refused in one line (`ConversionError`) before anything is
+written.
 
 ptdp -> HF: the full weights (ptdp/inference/local_model.py reads any (p, t, d, v), 2BW
-included), the HF class chosen from the model's block options (GPT-2's block -> GPT-2, Llama's
--> Llama, or Qwen2 with q/k/v-only biases; BERT -> Megatron-BERT), saved with `save_pretrained`
-(model.safetensors + config.json), plus the checkpoint's tokenizer (ptdp/hf/tokenizer.py).
+included), the HF class chosen from the model's block options (or named: `model_type`),
+saved with `save_pretrained` (model.safetensors + config.json + generation_config.json with
+every end id), plus the checkpoint's tokenizer files (ptdp/hf/tokenizer.py).
 
 HF -> ptdp: config.json read and checked, the weights loaded with transformers (a weight that
 config.json asks for and the files lack, or one it has no place for, is refused), mapped back
 and written as a checkpoint of the layout the overrides ask for (ptdp/checkpoint/save.py
-`save_full_state`), with the directory's tokenizer; `ptdp train ... checkpoint.load=OUT`
-continues from it (with fresh optimizer state).
+`save_full_state`), with the directory's tokenizer files; `ptdp train ... checkpoint.load=OUT`
+continues from it (with fresh optimizer state). Of the model keys the overrides may set only
+model.seq_length (a rotary model: up to its max_position_embeddings, default 4096; a learned
+table is cut to it) and the dropout rates.
 """
 
 from __future__ import annotations
@@ -23,13 +26,17 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import fields
 from pathlib import Path
 
 from ptdp.data.tokenizer import checked_tokenizer
-from ptdp.hf.base import ConversionError, Family
+from ptdp.config import ModelConfig
+from ptdp.hf.base import ConversionError, Family, require
+from ptdp.hf.gemma import REFUSED
 from ptdp.hf.registry import family_of, family_of_model_type
 from ptdp.hf.tokenizer import directory_tokenizer, write_tokenizer
 from ptdp.inference.local_model import checkpoint_tokenizer, model_config, read_full_state
+from ptdp.inference.prompts import Prompts
 
 _LAYER_NAME = re.compile(r"\.(h|layers|layer)\.\d+\.")   # a weight of one numbered layer
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -48,24 +55,28 @@ def _first_line(err: BaseException) -> str:
 
 
 def to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
-          tokenizer: str | None = None) -> dict:
-    """Write the HF model (and tokenizer, when known) to out_dir; returns a short summary."""
+          tokenizer: str | None = None, model_type: str | None = None) -> dict:
+    """Write the HF model (and tokenizer, when known) to out_dir, as `model_type` when given
+    (else the first family whose block is the model's); returns a short summary."""
     import transformers
 
     _quiet_transformers()
     directory, meta, state = read_full_state(checkpoint)
     cfg = model_config(meta)
-    family = family_of(cfg)
+    family = family_of(cfg, model_type)
     tok_path = checkpoint_tokenizer(directory, meta, tokenizer)
-    special = checked_tokenizer(tok_path, cfg.vocab_size).special_ids() if tok_path else {}
-    config = family.hf_config(cfg, special)
+    tok = checked_tokenizer(tok_path, cfg.vocab_size) if tok_path else None
+    config = family.hf_config(cfg, tok.special_ids() if tok else {})
+    ends = Prompts(tok_path, tok).end_ids() if tok and cfg.family.generates else []
+    if ends:   # every end id (Llama 3 Instruct's <|eot_id|> too), as config.json and the
+        config.eos_token_id = ends[0] if len(ends) == 1 else ends   # generation config list them
     config.ptdp = {"checkpoint": str(directory), "iteration": meta["iteration"]}
     model = getattr(transformers, family.hf_class)(config)
     model.load_state_dict(family.to_hf(cfg, state), strict=True)
     out = Path(out_dir)
     model.save_pretrained(str(out))
     if tok_path:
-        write_tokenizer(tok_path, out, cfg.arch, cfg.seq_length)
+        write_tokenizer(tok_path, out, cfg.arch, cfg.max_positions)
     return {"class": family.hf_class, "checkpoint": str(directory),
             "iteration": meta["iteration"], "tokenizer": tok_path,
             "parameters": sum(p.numel() for p in model.parameters())}
@@ -87,6 +98,8 @@ def read_hf_config(hf_dir: str | os.PathLike):
         raise ConversionError(f"{file} is not valid JSON ({_first_line(err)})") from None
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ConversionError(f"{file} has no model_type: not a transformers config")
+    if raw["model_type"] in REFUSED:
+        raise ConversionError(f"{file}: {REFUSED[raw['model_type']](raw)}")
     family = family_of_model_type(raw["model_type"])
     import transformers
     try:
@@ -161,5 +174,24 @@ def from_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overrides: list[s
     if tokenizer:
         checked_tokenizer(tokenizer, model_cfg.vocab_size)
     cfg = conversion_config(model_cfg, overrides, tokenizer)
+    check_model_overrides(model_cfg, cfg.model)
     state = family.from_hf(model_cfg, load_hf_weights(hf_dir, family, config))
+    if "embedding.position" in state:   # a learned table: cut to model.seq_length on request
+        state["embedding.position"] = state["embedding.position"][:cfg.model.seq_length]
     return save_full_state(state, cfg, out, iteration=iteration), cfg
+
+
+def check_model_overrides(read: ModelConfig, model: ModelConfig) -> None:
+    """Of the model keys, a conversion may set only the sequence length (a learned table is cut
+    to it; a rotary model takes any up to its longest position) and the training-only rates;
+    anything else would not be the Hugging Face model: one line naming the key."""
+    free = ("seq_length", "dropout", "attention_dropout", "init_std")
+    for field in fields(ModelConfig):
+        key, want, got = field.name, getattr(read, field.name), getattr(model, field.name)
+        if key not in free and want != got:
+            raise ConversionError(f"model.{key}={got}: the Hugging Face model has {want}; a "
+                                  f"conversion sets only model.seq_length and the dropout rates")
+    if model.position_embedding != "rope":   # (a rotary length is checked with the config)
+        require(model.seq_length <= read.seq_length,
+                f"model.seq_length={model.seq_length}: the Hugging Face model's position table "
+                f"has {read.seq_length} rows")

@@ -6,8 +6,9 @@ the word embedding or (tie_word_embeddings=False) a separate `lm_head`, which pt
   * QKV: ptdp's fused weight has rows [head, (q, k, v), head_dim] (each tensor rank owns whole
     heads); GPT-2's `c_attn` has columns [q | k | v], each [head, head_dim].
   * GPT-2's linear layers are `Conv1D`, weight [in, out]: ptdp's [out, in] transposed.
-  * GeLU: ptdp uses the exact (erf) GeLU, so `activation_function` is "gelu", not GPT-2's
-    default "gelu_new" (tanh approximation); any other is refused.
+  * GeLU: GPT-2's released "gelu_new" (and "gelu_pytorch_tanh") is the tanh approximation,
+    model.activation=gelu_tanh; "gelu" is the exact (erf) one, model.activation=gelu; any
+    other is refused.
   * Vocabulary: ptdp pads its tables to a multiple of 128 * t; HF gets the tokenizer's real
     vocabulary (`model.vocab_size` rows) and the padding is re-added on the way back.
 Refused because ptdp's attention cannot compute them: scale_attn_by_inverse_layer_idx=True,
@@ -21,24 +22,31 @@ import torch
 from ptdp.config import ModelConfig
 from ptdp.config.models import GPT, GPT2_BLOCK
 from ptdp.data.tokenizer import BOS, EOD, PAD
-from ptdp.hf.base import Family, fuse_qkv, require, split_qkv
+from ptdp.hf.base import PLAIN, Family, OneOf, fuse_qkv, require, split_qkv
+
+
+# transformers' activation_function -> model.activation, and back
+GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+HF_GELU = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 
 
 class GPT2(Family):
     model_type, hf_class, config_class = "gpt2", "GPT2LMHeadModel", "GPT2Config"
     model_family = GPT
-    block = dict(position_embedding="learned", normalization="layernorm", activation="gelu",
-                 bias=True, qkv_bias=True)
+    block = dict(PLAIN, position_embedding="learned", normalization="layernorm",
+                 activation=OneOf(("gelu", "gelu_tanh")), bias=True, qkv_bias=True)
 
     def mismatches(self, cfg: ModelConfig) -> list[str]:
         grouped = ([f"model.num_kv_heads={cfg.num_heads} (not {cfg.num_kv_heads})"]
                    if cfg.num_kv_heads != cfg.num_heads else [])
-        return super().mismatches(cfg) + grouped
+        split = cfg.hidden_size // cfg.num_heads
+        heads = [f"model.head_dim={split} (not {cfg.head_dim})"] if cfg.head_dim != split else []
+        return super().mismatches(cfg) + grouped + heads
 
     def model_config(self, config) -> ModelConfig:
-        require(config.activation_function == "gelu",
-                f"activation_function is {config.activation_function!r}; ptdp's GPT uses the "
-                f"exact GeLU ('gelu'), so the logits would differ")
+        act = config.activation_function
+        require(act in GELUS, f"activation_function is {act!r}; ptdp's GPT computes "
+                              f"{' or '.join(map(repr, GELUS))}, so the logits would differ")
         require(not getattr(config, "scale_attn_by_inverse_layer_idx", False),
                 "scale_attn_by_inverse_layer_idx=True scales each layer's attention by "
                 "1/(layer+1); ptdp's attention does not")
@@ -55,14 +63,15 @@ class GPT2(Family):
                            attention_dropout=(None if config.attn_pdrop == config.resid_pdrop
                                               else config.attn_pdrop),
                            init_std=config.initializer_range,
-                           tie_embeddings=bool(config.tie_word_embeddings))
+                           tie_embeddings=bool(config.tie_word_embeddings),
+                           activation=GELUS[act])
 
     def hf_config(self, cfg: ModelConfig, special: dict[str, int]):
         import transformers
         return transformers.GPT2Config(
             vocab_size=cfg.vocab_size, n_positions=cfg.seq_length, n_embd=cfg.hidden_size,
             n_layer=cfg.num_layers, n_head=cfg.num_heads, n_inner=cfg.ffn_hidden_size,
-            activation_function="gelu", resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+            activation_function=HF_GELU[cfg.activation], resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
             attn_pdrop=cfg.attention_dropout_rate, layer_norm_epsilon=cfg.layernorm_eps,
             initializer_range=cfg.init_std, architectures=[self.hf_class],
             tie_word_embeddings=cfg.tie_embeddings, bos_token_id=special.get(BOS, special.get(EOD)),

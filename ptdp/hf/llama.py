@@ -1,6 +1,9 @@
 """ptdp's Llama-style GPT (model.preset=llama) <-> `LlamaForCausalLM`, and the families that
-reduce to the same block: `MistralForCausalLM` without a sliding window and
-`Qwen2ForCausalLM` (Llama's block plus biases on Q, K and V: model.qkv_bias=true).
+reduce to the same block: `MistralForCausalLM` (its sliding window in every layer:
+model.sliding_window) and `Qwen2ForCausalLM` (Llama's block plus biases on Q, K and V:
+model.qkv_bias=true; its window on the layers from max_window_layers on:
+model.sliding_window_layers). Phi-3 (phi3.py), the mixtures of experts (moe.py), Qwen3 and
+Gemma (qwen3.py, gemma.py) build on `Llama`'s hooks: `model_keys`, `attention_*`, `mlp_*`.
 
 The block: pre-RMSNorm layers, rotary positions (HF's rotate_half convention, which ptdp's
 models/rotary.py uses too, so no q/k permutation), SwiGLU MLP, bias-free linears, grouped-query
@@ -12,9 +15,11 @@ attention, an output layer tied or not. Mapped:
     whole pairs); HF's gate_proj and up_proj are the two halves, fc2 is down_proj.
   * Rotary frequencies: the default or Llama 3's "llama3" scaling (factor, low/high frequency
     factors, original context); other rope types (linear, dynamic, yarn, ...) are refused.
-Refused, naming the setting: hidden_act other than silu, attention_bias / mlp_bias, a head_dim
-that is not hidden_size / num_attention_heads, a sliding window (Mistral's sliding_window,
-Qwen2's use_sliding_window), a partial rotary factor.
+  * Windows: HF's `layer_types` ("sliding_attention" / "full_attention") and sliding_window;
+    its window counts the query itself, as ptdp's does (ptdp/config/windows.py).
+  * head_dim: model.head_dim (heads x head_dim need not be the hidden size).
+Refused, naming the setting: hidden_act other than silu, attention_bias / mlp_bias, another
+layer type, a partial rotary factor.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ from __future__ import annotations
 from ptdp.config import ModelConfig
 from ptdp.config.models import GPT, LLAMA_BLOCK
 from ptdp.data.tokenizer import BOS, EOD, PAD
-from ptdp.hf.base import Family, fuse_qkv, require, split_qkv
+from ptdp.hf.base import PLAIN, Family, fuse_qkv, require, rotary_lengths, split_qkv
 from ptdp.models.transformer import fuse_gate_up, split_gate_up
 
 _QKV = ("q_proj", "k_proj", "v_proj")
+_QK_NORMS = ("q_norm", "k_norm")
 
 
 def rope_settings(config) -> dict:
@@ -61,8 +67,9 @@ def rope_parameters(cfg: ModelConfig) -> dict:
 class Llama(Family):
     model_type, hf_class, config_class = "llama", "LlamaForCausalLM", "LlamaConfig"
     model_family = GPT
-    block = dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu",
+    block = dict(PLAIN, position_embedding="rope", normalization="rmsnorm", activation="swiglu",
                  bias=False, qkv_bias=False)
+    activation = "silu"   # the hidden_act of the block's SwiGLU
 
     def refuse(self, config) -> None:
         """What this family's config can set that ptdp's block cannot compute."""
@@ -71,58 +78,55 @@ class Llama(Family):
                 "Llama block has none (Qwen2's q/k/v biases convert as model_type qwen2)")
         require(not getattr(config, "mlp_bias", False),
                 "mlp_bias=True puts biases on the MLP; ptdp's Llama block has none")
-        require((getattr(config, "pretraining_tp", 1) or 1) == 1,
-                f"pretraining_tp={config.pretraining_tp} splits the linears' arithmetic; set it "
-                f"to 1")
+        tp = getattr(config, "pretraining_tp", 1) or 1
+        require(tp == 1, f"pretraining_tp={tp} splits the linears' arithmetic; set it to 1")
 
-    def model_config(self, config) -> ModelConfig:
-        require(config.hidden_act == "silu", f"hidden_act is {config.hidden_act!r}; ptdp's "
-                                             f"SwiGLU uses 'silu', so the logits would differ")
+    def model_keys(self, config) -> dict:
+        """ptdp's model keys of this family's transformers config."""
+        act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+        require(act == self.activation, f"hidden_act is {act!r}; ptdp's block uses "
+                                        f"{self.activation!r} there, so the logits would differ")
         self.refuse(config)
-        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-        require(layer_types == {"full_attention"},
-                f"layer_types has {sorted(layer_types - {'full_attention'})}: ptdp's attention "
-                f"is full attention in every layer")
         heads, hidden = config.num_attention_heads, config.hidden_size
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        require(head_dim * heads == hidden,
-                f"head_dim={head_dim} is not hidden_size/num_attention_heads ({hidden}/{heads}); "
-                f"ptdp's heads split the hidden size")
-        return ModelConfig(
+        return dict(head_dim=getattr(config, "head_dim", None) or hidden // heads,
             arch=GPT.name, preset=LLAMA_BLOCK, num_layers=config.num_hidden_layers,
             hidden_size=hidden,
             num_heads=heads, num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            ffn_hidden_size=config.intermediate_size, seq_length=config.max_position_embeddings,
+            ffn_hidden_size=config.intermediate_size,
             vocab_size=config.vocab_size, dropout=0.0,   # transformers' Llama: attention only
-            attention_dropout=float(getattr(config, "attention_dropout", 0.0)),
+            attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
             layernorm_eps=config.rms_norm_eps, init_std=config.initializer_range,
             tie_embeddings=bool(config.tie_word_embeddings), bias=False,
-            qkv_bias=self.block["qkv_bias"], **rope_settings(config))
+            qkv_bias=self.block["qkv_bias"], **rope_settings(config),
+            **rotary_lengths(config.max_position_embeddings), **window_settings(config))
+
+    def model_config(self, config) -> ModelConfig:
+        return ModelConfig(**self.model_keys(config))
 
     def hf_extra(self, cfg: ModelConfig) -> dict:
         return dict(attention_bias=False, mlp_bias=False, head_dim=cfg.head_dim)
 
     def hf_config(self, cfg: ModelConfig, special: dict[str, int]):
         import transformers
-        return getattr(transformers, self.config_class)(
+        keys = dict(
             vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
             intermediate_size=cfg.ffn_hidden_size, num_hidden_layers=cfg.num_layers,
             num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-            hidden_act="silu", max_position_embeddings=cfg.seq_length,
+            hidden_act=self.activation, max_position_embeddings=cfg.max_positions,
             initializer_range=cfg.init_std, rms_norm_eps=cfg.layernorm_eps,
             attention_dropout=cfg.attention_dropout_rate, rope_parameters=rope_parameters(cfg),
             tie_word_embeddings=cfg.tie_embeddings, architectures=[self.hf_class],
             bos_token_id=special.get(BOS), eos_token_id=special.get(EOD),
-            pad_token_id=special.get(PAD), **self.hf_extra(cfg))
+            pad_token_id=special.get(PAD))
+        return getattr(transformers, self.config_class)(**{**keys, **self.hf_extra(cfg)})
 
-    @staticmethod
-    def _pairs(cfg: ModelConfig):
-        """(ptdp name, HF name, transposed) of every weight but the QKV and the gate/up pair."""
+    def _pairs(self, cfg: ModelConfig):
+        """(ptdp name, HF name, transposed) of the weights that only change name."""
         yield "embedding.word.weight", "model.embed_tokens.weight", False
         for i in range(cfg.num_layers):
             ours, theirs = f"layers.{i}.", f"model.layers.{i}."
             for a, b in [("ln1", "input_layernorm"), ("attention.proj", "self_attn.o_proj"),
-                         ("ln2", "post_attention_layernorm"), ("mlp.fc2", "mlp.down_proj")]:
+                         ("ln2", "post_attention_layernorm")]:
                 yield f"{ours}{a}.weight", f"{theirs}{b}.weight", False
         yield "final_ln.weight", "model.norm.weight", False
         if not cfg.tie_embeddings:
@@ -130,57 +134,109 @@ class Llama(Family):
 
     def to_hf(self, cfg, full):
         out = self.renamed_to_hf(cfg, full)
-        n, g = cfg.num_heads, cfg.num_kv_heads
         for i in range(cfg.num_layers):
             ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-            kinds = ("weight", "bias") if cfg.qkv_bias else ("weight",)
-            for kind in kinds:
-                parts = split_qkv(full[f"{ours}attention.qkv.{kind}"], n, g)
-                for proj, value in zip(_QKV, parts):
-                    out[f"{theirs}self_attn.{proj}.{kind}"] = value
-            gate, up = split_gate_up(full[f"{ours}mlp.fc1.weight"])
-            out[f"{theirs}mlp.gate_proj.weight"], out[f"{theirs}mlp.up_proj.weight"] = gate, up
+            self.attention_to_hf(cfg, full, ours + "attention.", theirs + "self_attn.", out)
+            self.mlp_to_hf(cfg, i, full, ours + "mlp.", theirs + "mlp.", out)
         if cfg.tie_embeddings:
             out["lm_head.weight"] = out["model.embed_tokens.weight"]
         return out
 
     def from_hf(self, cfg, hf):
         out, get = self.renamed_from_hf(cfg, hf)
-        n, g = cfg.num_heads, cfg.num_kv_heads
         for i in range(cfg.num_layers):
             ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-            kinds = ("weight", "bias") if cfg.qkv_bias else ("weight",)
-            for kind in kinds:
-                parts = [get(f"{theirs}self_attn.{p}.{kind}") for p in _QKV]
-                out[f"{ours}attention.qkv.{kind}"] = fuse_qkv(*parts, n, g)
-            out[f"{ours}mlp.fc1.weight"] = fuse_gate_up(get(f"{theirs}mlp.gate_proj.weight"),
-                                                        get(f"{theirs}mlp.up_proj.weight"))
+            self.attention_from_hf(cfg, get, ours + "attention.", theirs + "self_attn.", out)
+            self.mlp_from_hf(cfg, i, get, ours + "mlp.", theirs + "mlp.", out)
         return out
+
+    @staticmethod
+    def attention_to_hf(cfg, full, ours: str, theirs: str, out: dict) -> None:
+        """ptdp's fused QKV (weight, and biases with model.qkv_bias) -> q_proj, k_proj, v_proj."""
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            parts = split_qkv(full[f"{ours}qkv.{kind}"], cfg.num_heads, cfg.num_kv_heads)
+            for proj, value in zip(_QKV, parts):
+                out[f"{theirs}{proj}.{kind}"] = value
+        for name in _QK_NORMS if cfg.qk_norm else ():   # Qwen3's per-head norms: same names
+            out[f"{theirs}{name}.weight"] = full[f"{ours}{name}.weight"]
+
+    @staticmethod
+    def attention_from_hf(cfg, get, ours: str, theirs: str, out: dict) -> None:
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            parts = [get(f"{theirs}{p}.{kind}") for p in _QKV]
+            out[f"{ours}qkv.{kind}"] = fuse_qkv(*parts, cfg.num_heads, cfg.num_kv_heads)
+        for name in _QK_NORMS if cfg.qk_norm else ():
+            out[f"{ours}{name}.weight"] = get(f"{theirs}{name}.weight")
+
+    @staticmethod
+    def mlp_to_hf(cfg, layer: int, full, ours: str, theirs: str, out: dict) -> None:
+        """ptdp's fc1 (gate and up rows alternating) and fc2 -> gate_proj, up_proj, down_proj."""
+        out[f"{theirs}gate_proj.weight"], out[f"{theirs}up_proj.weight"] = \
+            split_gate_up(full[f"{ours}fc1.weight"])
+        out[f"{theirs}down_proj.weight"] = full[f"{ours}fc2.weight"]
+
+    @staticmethod
+    def mlp_from_hf(cfg, layer: int, get, ours: str, theirs: str, out: dict) -> None:
+        out[f"{ours}fc1.weight"] = fuse_gate_up(get(f"{theirs}gate_proj.weight"),
+                                                get(f"{theirs}up_proj.weight"))
+        out[f"{ours}fc2.weight"] = get(f"{theirs}down_proj.weight").contiguous()
+
+
+def window_settings(config) -> dict:
+    """model.sliding_window(_layers) of a transformers config: its sliding_window on the layers
+    `layer_types` calls "sliding_attention" (every layer where it lists none: Mistral)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    other = sorted(set(types or ()) - {"sliding_attention", "full_attention"})
+    require(not other, f"layer_types has {other}: ptdp's layers attend fully or within "
+                       f"model.sliding_window")
+    local = [i for i, kind in enumerate(types or ()) if kind == "sliding_attention"]
+    if window is None or (types is not None and not local):
+        return {}
+    return dict(sliding_window=int(window),
+                sliding_window_layers=None if types is None or len(local) == len(types)
+                else local)
 
 
 class Mistral(Llama):
-    """Llama's block; only a model without a sliding window converts (ptdp -> HF writes Llama)."""
+    """Llama's block with a sliding window in every layer (or none: then ptdp -> HF writes
+    Llama)."""
     model_type, hf_class, config_class = "mistral", "MistralForCausalLM", "MistralConfig"
+    block = {**{k: v for k, v in Llama.block.items() if k != "sliding_window"},
+             "sliding_window_layers": None}
 
-    def refuse(self, config) -> None:
-        window = getattr(config, "sliding_window", None)
-        require(window is None, f"sliding_window={window}: a window changes attention (each "
-                                f"token sees only the last {window} positions) and ptdp's "
-                                f"attention sees the whole sequence; only sliding_window=null "
-                                f"converts")
+    def hf_extra(self, cfg: ModelConfig) -> dict:
+        return dict(head_dim=cfg.head_dim, sliding_window=cfg.sliding_window)
 
 
 class Qwen2(Llama):
-    """Llama's block with biases on Q, K and V (model.qkv_bias=true, model.bias=false)."""
+    """Llama's block with biases on Q, K and V (model.qkv_bias=true, model.bias=false), and a
+    window on the layers its layer_types name."""
     model_type, hf_class, config_class = "qwen2", "Qwen2ForCausalLM", "Qwen2Config"
-    block = dict(Llama.block, qkv_bias=True)
-
-    def refuse(self, config) -> None:
-        require(not (getattr(config, "use_sliding_window", False)
-                     and getattr(config, "sliding_window", None) is not None),
-                f"use_sliding_window=True: a window changes attention (layers from "
-                f"max_window_layers on see only the last {getattr(config, 'sliding_window', None)} "
-                f"positions) and ptdp's attention sees the whole sequence")
+    block = {k: v for k, v in dict(Llama.block, qkv_bias=True).items() if k != "sliding_window"}
 
     def hf_extra(self, cfg: ModelConfig) -> dict:
-        return dict(use_sliding_window=False, sliding_window=None)
+        return dict(head_dim=cfg.head_dim, **layer_types(cfg))
+
+
+def layer_types(cfg: ModelConfig) -> dict:
+    """transformers' window settings of ptdp's model (Qwen2's, Qwen3's)."""
+    window = cfg.sliding_window
+    types = ["sliding_attention" if cfg.attention_window(i) else "full_attention"
+             for i in range(cfg.num_layers)]
+    return dict(use_sliding_window=window is not None, sliding_window=window,
+                layer_types=types, max_window_layers=types.index("sliding_attention")
+                if window is not None else cfg.num_layers)
+
+
+class Qwen3(Llama):
+    """Llama's block with QK-norm (model.qk_norm: an RMSNorm over each query and key head,
+    `q_norm`/`k_norm`), an explicit head size, and Qwen2's per-layer window."""
+    model_type, hf_class, config_class = "qwen3", "Qwen3ForCausalLM", "Qwen3Config"
+    block = {k: v for k, v in dict(Llama.block, qk_norm=True).items() if k != "sliding_window"}
+
+    def model_keys(self, config) -> dict:
+        return dict(super().model_keys(config), qk_norm=True)
+
+    def hf_extra(self, cfg: ModelConfig) -> dict:
+        return dict(head_dim=cfg.head_dim, attention_bias=False, **layer_types(cfg))

@@ -5,15 +5,21 @@ from __future__ import annotations
 
 from ptdp.config import ModelConfig
 from ptdp.hf.base import ConversionError, Family
+from ptdp.hf.gemma import Gemma
 from ptdp.hf.gpt2 import GPT2
-from ptdp.hf.llama import Llama, Mistral, Qwen2
+from ptdp.hf.llama import Llama, Mistral, Qwen2, Qwen3
 from ptdp.hf.megatron_bert import MegatronBert
+from ptdp.hf.moe import Mixtral, Qwen2Moe, Qwen3Moe
+from ptdp.hf.phi3 import Phi3
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in
-                               (GPT2(), MegatronBert(), Llama(), Mistral(), Qwen2())}
+                               (GPT2(), MegatronBert(), Llama(), Mistral(), Qwen2(), Qwen3(),
+                                Gemma(), Phi3(), Mixtral(), Qwen2Moe(), Qwen3Moe())}
 # ptdp -> HF: the first family that computes the model (BERT first: its block is GPT-2's;
-# Mistral's block is Llama's, and Llama is what is written).
-TARGETS = ("megatron-bert", "gpt2", "llama", "qwen2")
+# Llama before Mistral: a model without a window is written as Llama). Phi-3 computes Llama's
+# block too: it is written only when asked for (`ptdp convert --to hf OUT --model-type phi3`).
+TARGETS = ("megatron-bert", "gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "mixtral",
+           "qwen2_moe", "qwen3_moe")
 
 
 def family_of_model_type(model_type) -> Family:
@@ -24,12 +30,15 @@ def family_of_model_type(model_type) -> Family:
     return FAMILIES[model_type]
 
 
-def family_of(cfg: ModelConfig) -> Family:
-    """The family whose HF class computes ptdp's model `cfg`, or a one-line refusal naming
-    what keeps it from GPT-2's block and from Llama's."""
-    if cfg.num_experts:
-        raise ConversionError(f"model.num_experts={cfg.num_experts}: ptdp does not convert "
-                              f"mixtures of experts to Hugging Face yet (docs/moe.md)")
+def family_of(cfg: ModelConfig, model_type: str | None = None) -> Family:
+    """The family whose HF class computes ptdp's model `cfg` (`model_type`'s, when given), or
+    a one-line refusal naming what keeps it from GPT-2's block and from Llama's."""
+    if model_type is not None:
+        family = family_of_model_type(model_type)
+        if family.mismatches(cfg):
+            raise ConversionError(f"model_type {model_type} ({family.hf_class}) does not compute "
+                                  f"this model: it needs {', '.join(family.mismatches(cfg))}")
+        return family
     for name in TARGETS:
         if not FAMILIES[name].mismatches(cfg):
             return FAMILIES[name]

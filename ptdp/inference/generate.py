@@ -9,12 +9,14 @@ at every step instead (the reference the tests compare the cache against).
 Sampling: temperature 0 is greedy (argmax); otherwise logits / temperature, then top-k (keep
 the k largest), then top-p (keep the smallest set of tokens whose probability reaches p),
 then one draw from a `torch.Generator` seeded with `seed`, so a seed fixes the sample.
-Prompt + new tokens stop at model.seq_length: the length learned positions cover, and the
-context a rotary model was trained at.
+Prompt + new tokens stop at the model's last position: model.seq_length for learned
+positions (the table's length); for rotary ones model.max_position_embeddings when the
+checkpoint records it (a model converted from Hugging Face), else model.seq_length.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -108,19 +110,19 @@ def forward_cached(model: LocalModel, tokens: torch.Tensor, cache: KVCache) -> t
 
 @torch.no_grad()
 def generate(model: LocalModel, prompt: list[int], max_new_tokens: int, sampling: Sampling,
-             stop_id: int | None = None, use_cache: bool = True) -> list[int]:
-    """The new token ids after `prompt` (at most max_new_tokens; fewer at stop_id, which is
-    kept, or at model.seq_length)."""
+             stop_ids: Collection[int] = (), use_cache: bool = True) -> list[int]:
+    """The new token ids after `prompt` (at most max_new_tokens; fewer at the first of
+    stop_ids, which is kept, as transformers keeps its eos, or at the model's last position)."""
     if not model.cfg.family.generates:
         raise ValueError(f"generation needs a GPT checkpoint (model.arch="
                          f"{family_names(lambda f: f.generates)}); this one is {model.cfg.arch}")
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token (e.g. some text)")
     sampling.check()
-    limit = model.cfg.seq_length
+    limit, key = model.cfg.max_positions, _limit_key(model.cfg)
     if len(prompt) >= limit:
         raise ValueError(f"the prompt has {len(prompt)} tokens; the model sees at most "
-                         f"model.seq_length={limit}, so nothing is left to generate")
+                         f"{key}={limit}, so nothing is left to generate")
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(sampling.seed)
     tokens = list(prompt)
@@ -136,6 +138,11 @@ def generate(model: LocalModel, prompt: list[int], max_new_tokens: int, sampling
         tokens.append(token)
         new.append(token)
         pending = [token]
-        if token == stop_id:
+        if token in stop_ids:
             break
     return new
+
+
+def _limit_key(cfg) -> str:
+    return ("model.max_position_embeddings" if cfg.max_positions != cfg.seq_length
+            else "model.seq_length")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,7 +29,8 @@ from ptdp.cli import main  # noqa: E402
 from ptdp.inference.local_model import LocalModel, read_full_state  # noqa: E402
 from ptdp.runtime.local_ranks import run_on_ranks  # noqa: E402
 from tests.data.conftest import load_make_corpus  # noqa: E402
-from tests.hf.hf_models import hf_tokenizer, logits_diff, random_hf_model, same_state  # noqa: E402
+from tests.hf.hf_models import (hf_tokenizer, logits_diff, random_hf_model,  # noqa: E402
+                                released_configs, same_state)
 
 VOCAB = 600
 TINY = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=4", "model.seq_length=16",
@@ -61,6 +63,16 @@ def train_llama(root: Path) -> list[float]:
     return [r["loss"] for r in Trainer(cfg).train()]
 
 
+def first_loss(checkpoint: Path) -> float:
+    """The first loss of a (2, 2, 1) run continuing a checkpoint converted from HF."""
+    from ptdp.config import load_config
+    from ptdp.training import Trainer
+    cfg = load_config(str(checkpoint / "iter_0000000" / "config.yaml"),
+                      ["train.iters=1", "train.timeout_s=60", "log.progress=false",
+                       f"checkpoint.load={checkpoint}"], world_size=4)
+    return Trainer(cfg).train()[0]["loss"]
+
+
 def job(root: str, tokenizer: str) -> dict:
     from ptdp.config import load_config
     from ptdp.hf.convert import from_hf, to_hf
@@ -68,6 +80,7 @@ def job(root: str, tokenizer: str) -> dict:
 
     root, out = Path(root), {}
     out["llama losses"] = train_llama(root)
+    out["family losses"] = {name: first_loss(root / name) for name in LOSS_FAMILIES}
     for arch, extra in RUNS.items():
         cfg = load_config(None, TINY + extra + [f"checkpoint.dir={root}/{arch}",
                                                f"data.tokenizer={tokenizer}"], world_size=4)
@@ -97,8 +110,28 @@ def converted(tmp_path_factory):
     assert load_make_corpus().main(["--output", str(corpus), "--max-docs", "300"]) == 0
     tok = train_tokenizer(corpus, root / "tok", VOCAB, "bpe")
     llama_from_hf(root, corpus)
+    families_from_hf(root)
     out = run_on_ranks(4, job, str(root), tok.path, timeout_s=280)[0]
     return root, out, tok, corpus
+
+
+# One per kind of block the first loss goes through (learned positions and tanh-GeLU; Gemma's
+# norms, GeGLU and scaled embeddings; experts with a gated shared expert): a trainer each costs
+# seconds, and the other families' logits are checked in one process (tests/hf/test_families.py).
+LOSS_FAMILIES = ("gpt2", "gemma", "qwen2_moe")
+FAMILY_RUN = ["parallel.tensor=2", "parallel.pipeline=2", "model.seq_length=16", "model.dropout=0",
+              "model.attention_dropout=0",
+              "train.micro_batch_size=2", "train.global_batch_size=4"]
+
+
+def families_from_hf(root: Path) -> None:
+    """hf_NAME: a random model of a released shape (tests/hf/hf_models.py); NAME: its
+    (2, 2, 1) checkpoint, training on synthetic data at 16 tokens without dropout (GPT-2 has
+    0.1), so that its first loss is a deterministic one."""
+    from ptdp.hf.convert import from_hf
+    for name in LOSS_FAMILIES:
+        random_hf_model(released_configs()[name], root / f"hf_{name}", std=0.3)
+        from_hf(root / f"hf_{name}", root / name, FAMILY_RUN)
 
 
 def llama_from_hf(root: Path, corpus: Path) -> None:
@@ -257,7 +290,9 @@ def test_llama_from_hf_trains_on_its_tokenizer_and_converts_back(converted, tmp_
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     assert type(back).__name__ == "LlamaForCausalLM"
     assert same_state(original.state_dict(), back.state_dict())
-    assert back.config.eos_token_id == tok.eod_id and back.config.bos_token_id == tok.bos_id
+    # every end id: generation_config.json's (LlamaConfig's default 2), then the tokenizer's
+    assert back.config.eos_token_id == [original.generation_config.eos_token_id, tok.eod_id]
+    assert back.config.bos_token_id == tok.bos_id
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == \
         (root / "hf_llama" / "tokenizer.json").read_bytes()
     hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
@@ -272,3 +307,23 @@ def test_hf_tokenizer_of_a_sentencepiece_model_shares_its_fingerprint(converted)
     assert hf.fingerprint == tok.fingerprint and hf.special_ids() == tok.special_ids()
     text = "Return the number of items, or raise ValueError."
     assert hf.encode(text) == tok.encode(text) and hf.decode(hf.encode(text)) == text
+
+
+@pytest.mark.parametrize("family", LOSS_FAMILIES)
+def test_the_first_loss_after_conversion_is_transformers_loss(converted, family):
+    """The first loss of the (2, 2) run from a converted model equals transformers' loss on the
+    same tokens (the run's first global batch: synthetic samples 0..3)."""
+    import transformers
+    from ptdp.data.synthetic import SyntheticGPT
+    from ptdp.inference.local_model import model_config
+    root, out, _, _ = converted
+    _, meta, _ = read_full_state(root / family)
+    data = SyntheticGPT(model_config(meta), meta["config"]["train"]["seed"])
+    samples = [data[i] for i in range(4)]
+    tokens = torch.tensor(np.stack([s["tokens"] for s in samples]))
+    labels = torch.tensor(np.stack([s["labels"] for s in samples]))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(root / f"hf_{family}")).eval()
+    with torch.no_grad():
+        theirs = torch.nn.functional.cross_entropy(hf(tokens).logits.flatten(0, 1),
+                                                   labels.flatten()).item()
+    assert out["family losses"][family] == pytest.approx(theirs, rel=1e-5, abs=1e-6)

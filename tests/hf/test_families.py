@@ -13,7 +13,8 @@ from ptdp.cli import main  # noqa: E402
 from ptdp.config import load_config  # noqa: E402
 from ptdp.hf.convert import from_hf, to_hf  # noqa: E402
 from ptdp.inference.local_model import LocalModel, initial_state  # noqa: E402
-from tests.hf.hf_models import logits_diff, random_hf_model, same_state  # noqa: E402
+from tests.hf.hf_models import (MODEL_TYPE, logits_diff, random_hf_model,  # noqa: E402
+                                released_configs, same_state)
 
 VOCAB, SEQ = 200, 16
 DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -48,6 +49,30 @@ def test_hf_to_ptdp_to_hf(family, tmp_path):
     if family != "mistral":   # Mistral comes back as Llama: the same names and weights
         assert same_state(original.state_dict(), back.state_dict())
     assert logits_diff(LocalModel.from_checkpoint(final), back, VOCAB, SEQ) < 1e-5
+
+
+RELEASED = released_configs()
+
+
+@pytest.mark.parametrize("family", list(RELEASED))
+def test_released_shapes_convert_exactly_both_ways_and_generate_alike(family, tmp_path):
+    """HF -> (p, t) = (2, 2) checkpoint -> HF: transformers' logits within 1e-5 both ways, the
+    same weights under the same class, and greedy decoding gives transformers' tokens."""
+    from ptdp.inference.generate import Sampling, generate
+    original = random_hf_model(RELEASED[family], tmp_path / "hf", std=0.3)
+    final, _ = from_hf(tmp_path / "hf", tmp_path / "ckpt",
+                       ["parallel.pipeline=2", "parallel.tensor=2"])
+    ours = LocalModel.from_checkpoint(final)
+    assert logits_diff(ours, original, 128, 24) < 1e-5
+    to_hf(final, tmp_path / "back", model_type=MODEL_TYPE.get(family))
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
+    assert type(back) is type(original) and same_state(original.state_dict(), back.state_dict())
+    prompt = [11, 60, 37, 5, 99, 120, 8, 77]
+    with torch.no_grad():
+        theirs = original.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10,
+                                   attention_mask=torch.ones(1, 8, dtype=torch.long))
+    greedy = generate(ours, prompt, 10, Sampling())
+    assert greedy == theirs[0, 8:].tolist() and len(set(greedy)) > 1   # not one token repeated
 
 
 def _checkpoint(tmp_path, *model_keys):
@@ -116,3 +141,40 @@ def test_hidden_and_attention_dropout_map_both_ways(arch, preset, hidden, attent
     family = family_of(cfg)
     back = family.model_config(family.hf_config(cfg, {}))
     assert (back.dropout, back.attention_dropout_rate) == (hidden, attention)
+
+
+def test_a_named_model_type_that_cannot_compute_the_model_is_refused(tmp_path, capsys):
+    final = _checkpoint(tmp_path, "model.activation=gelu_tanh")   # GPT-2 as released
+    assert main(["convert", str(final), "--to", "hf", str(tmp_path / "hf"),
+                 "--model-type", "phi3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [
+        "ptdp convert: model_type phi3 (Phi3ForCausalLM) does not compute this model: it needs "
+        "model.position_embedding=rope (not learned), model.normalization=rmsnorm (not "
+        "layernorm), model.activation=swiglu (not gelu_tanh), model.bias=false (not true), "
+        "model.qkv_bias=false (not true)"], err
+    assert to_hf(final, tmp_path / "gpt2")["class"] == "GPT2LMHeadModel"
+    written = transformers.AutoConfig.from_pretrained(str(tmp_path / "gpt2"))
+    assert written.activation_function == "gelu_new"
+
+
+@pytest.mark.parametrize("step, mlp_only, expected", [
+    (1, [], (0, 1)), (1, [0, 1], (2, 1)), (2, [], (1, 2)), (1, [1, 3], (0, 2)),
+    (1, [1], r"puts experts in layers \[0, 2, 3\]")])
+def test_qwen_moe_layers_map_both_ways_or_are_refused(step, mlp_only, expected):
+    """Qwen's MoE layers (i + 1) % decoder_sparse_step == 0, not in mlp_only_layers <-> ptdp's
+    every moe_layer_freq-th layer after moe_first_dense_layers."""
+    from ptdp.config import ModelConfig
+    from ptdp.hf.base import ConversionError
+    from ptdp.hf.moe import qwen_moe_config, qwen_moe_layers
+    config = transformers.Qwen2MoeConfig(num_hidden_layers=4, num_experts=4,
+                                         decoder_sparse_step=step, mlp_only_layers=mlp_only)
+    if isinstance(expected, str):
+        with pytest.raises(ConversionError, match=expected):
+            qwen_moe_layers(config)
+        return
+    keys = qwen_moe_layers(config)
+    assert (keys["moe_first_dense_layers"], keys["moe_layer_freq"]) == expected
+    cfg = ModelConfig(arch="gpt", preset="llama", num_layers=4, num_experts=4, **keys)
+    back = transformers.Qwen2MoeConfig(num_hidden_layers=4, **qwen_moe_config(cfg))
+    assert qwen_moe_layers(back) == keys

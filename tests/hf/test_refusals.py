@@ -56,7 +56,7 @@ def _truncate(path: Path):
 
 # name: (config of the saved model, edit of the saved directory, expected part of the message)
 CASES = {
-    "gelu_new": (_gpt2(activation_function="gelu_new"), None, "activation_function is 'gelu_new'"),
+    "relu": (_gpt2(activation_function="relu"), None, "activation_function is 'relu'"),
     "inverse_layer_idx": (_gpt2(scale_attn_by_inverse_layer_idx=True), None,
                           "scale_attn_by_inverse_layer_idx=True"),
     "unscaled": (_gpt2(scale_attn_weights=False), None, "scale_attn_weights=False"),
@@ -66,15 +66,29 @@ CASES = {
     "attention_bias": (transformers.LlamaConfig(**LLAMA, attention_bias=True), None,
                        "attention_bias=True"),
     "mlp_bias": (transformers.LlamaConfig(**LLAMA, mlp_bias=True), None, "mlp_bias=True"),
-    "head_dim": (transformers.LlamaConfig(**LLAMA, head_dim=4), None, "head_dim=4 is not"),
     "rope_linear": (transformers.LlamaConfig(**LLAMA, rope_parameters={
         "rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), None, "rope_type='linear'"),
     "rope_dynamic": (transformers.LlamaConfig(**LLAMA, rope_parameters={
         "rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), None, "rope_type='dynamic'"),
-    "mistral_window": (transformers.MistralConfig(**LLAMA, sliding_window=4),
-                       None, "sliding_window=4: a window changes attention"),
-    "qwen2_window": (transformers.Qwen2Config(**LLAMA, use_sliding_window=True, sliding_window=4),
-                     None, "use_sliding_window=True"),
+    "gemma2_softcapping": (transformers.Gemma2Config(**LLAMA, head_dim=8), None,
+                           "Gemma 2's final_logit_softcapping=30.0, attn_logit_softcapping=50.0 "
+                           "soft-caps"),
+    "gemma3_sandwich": (transformers.Gemma3TextConfig(**LLAMA, head_dim=8), None,
+                        "Gemma 3's sandwich norms (post_attention_layernorm and "
+                        "post_feedforward_layernorm"),
+    "phi3_longrope": (transformers.Phi3Config(**LLAMA, pad_token_id=0, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4,
+        "long_factor": [2.0] * 4, "original_max_position_embeddings": 4}), None,
+        "rope_type='longrope'"),
+    "phi3_partial_rotary": (transformers.Phi3Config(**LLAMA, pad_token_id=0, rope_parameters={
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}), None,
+        "partial_rotary_factor=0.5 rotates only part of each head"),
+    "mixtral_jitter": (transformers.MixtralConfig(**LLAMA, num_local_experts=2,
+                                                  router_jitter_noise=0.1), None,
+                       "router_jitter_noise=0.1"),
+    "qwen2_moe_no_experts": (transformers.Qwen2MoeConfig(**LLAMA, num_experts=2,
+                                                         mlp_only_layers=[0]), None,
+                             "mlp_only_layers=[0] and decoder_sparse_step=1 leave no mixture"),
     "more_layers": (_gpt2(), _edit_config(n_layer=3),
                     "the weights lack 24 tensor(s) that config.json asks for, the first "
                     "'transformer.h.1.ln_1.weight'"),
@@ -94,7 +108,7 @@ CASES = {
     "no_model_type": (_gpt2(), _write("config.json", '{"n_layer": 1}'), "has no model_type"),
     "unknown_model_type": (_gpt2(), _write("config.json", '{"model_type": "t5"}'),
                            "model_type 't5' is not one ptdp converts: gpt2, megatron-bert, "
-                           "llama, mistral, qwen2"),
+                           "llama, mistral, qwen2, qwen3, gemma, phi3, mixtral, qwen2_moe, qwen3_moe"),
 }
 
 
