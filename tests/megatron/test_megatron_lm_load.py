@@ -30,7 +30,8 @@ MODELS = {
     "moe": dict(arch="gpt", preset="llama", vocab_size=32000, num_experts=4, moe_top_k=2,
                 moe_ffn_hidden_size=48, moe_shared_ffn_hidden_size=32,
                 moe_shared_expert_gate=True, moe_first_dense_layers=1, moe_aux_loss_coeff=0.01,
-                moe_z_loss_coeff=0.001, moe_expert_bias_rate=0.001, num_layers=3),
+                moe_z_loss_coeff=0.001, moe_expert_bias_rate=0.001, moe_score_function="sigmoid",
+                num_layers=3),
 }
 
 
