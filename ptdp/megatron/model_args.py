@@ -86,6 +86,8 @@ def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
     extra = {}
     if rope:
         extra = dict(rope_theta=float(_get(args, "rotary_base", 10000)))
+        if max_pos is not None and seq is not None and max_pos > seq:   # trainable up to it
+            extra.update(max_position_embeddings=max_pos)
         if _get(args, "use_rope_scaling", False):
             extra.update(rope_scaling_factor=float(_get(args, "rope_scaling_factor", 8.0)),
                          **ROPE_SCALING_FIXED)
@@ -210,7 +212,7 @@ def megatron_args(cfg: ModelConfig, split: dict, padded_vocab: int, progress: di
         ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=cfg.num_heads,
         group_query_attention=cfg.num_kv_heads != cfg.num_heads,
         num_query_groups=cfg.num_kv_heads, kv_channels=cfg.head_dim,
-        seq_length=cfg.seq_length, max_position_embeddings=cfg.seq_length,
+        seq_length=cfg.seq_length, max_position_embeddings=cfg.max_positions,
         position_embedding_type="rope" if rope else "learned_absolute",
         # compared by check_checkpoint_args (its default True): the load command then says
         # --no-position-embedding for a rotary model (ptdp/megatron/load_command.py)

@@ -23,7 +23,7 @@ from tests.megatron import megatron_lm
 MODELS = {
     "gpt2": dict(arch="gpt", preset="gpt", vocab_size=50304),
     "llama": dict(arch="gpt", preset="llama", num_kv_heads=2, vocab_size=32000,
-                  rope_theta=500000.0, rope_scaling_factor=8.0),
+                  rope_theta=500000.0, rope_scaling_factor=8.0, max_position_embeddings=8192),
     "bert": dict(arch="bert", vocab_size=30592),
     "gpt2_tanh_1p": dict(arch="gpt", preset="gpt", vocab_size=50257, activation="gelu_tanh",
                          norm_zero_centered=True),
