@@ -217,6 +217,7 @@ def _input_grad(grads: list[torch.Tensor], weights, groups: Groups) -> torch.Ten
     return out
 
 
+@torch.no_grad()   # the W pass of zb-h1 calls it outside a backward, with grad mode on
 def _weight_grads(grads: list[torch.Tensor], x: torch.Tensor, groups: Groups) -> list:
     """Each expert's weight gradient [out, in], its row set j = grads[j]_i^T x_i (zeros for an
     expert without rows)."""
