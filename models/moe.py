@@ -25,9 +25,10 @@ gate and up as the dense MLP's), hidden size `moe_ffn_hidden_size`, no biases (a
 Qwen3 and DeepSeek-V3), fc1 column- and fc2 row-split over the tensor group like the dense MLP.
 One parameter per expert, named by its global index (`mlp.experts.{i}.fc1.weight`), so a
 checkpoint is the same whoever holds which experts. The (token, choice) pairs are sorted by
-expert (a stable argsort), each expert runs one GEMM pair on its contiguous rows (every local
-expert runs, with zero rows if it got none, so every weight gets its gradient each
-micro-batch), and the rows are put back in token order and summed with their gates.
+expert (a stable argsort), the experts run as grouped GEMMs on their contiguous rows (every
+local expert runs, with zero rows if it got none, so every weight gets its gradient each
+micro-batch), and the rows are put back in token order and summed with their gates. The
+permutations, the grouped GEMMs and why they are fast are ptdp/parallel/experts.py's.
 
 Tensor parallelism: the router sees the MLP input as the layer has it (replicated, or this
 rank's 1/t of the sequence); its gates and choices enter the tensor region like the experts'
@@ -230,6 +231,7 @@ class MoEMLP(nn.Module):
         key = f"layers.{layer}.mlp"
         self.tp = ctx.tp
         self.E, self.k, self.ep, self.gated = cfg.num_experts, cfg.moe_top_k, ctx.ep, cfg.gated
+        self.widths = (cfg.hidden_size, cfg.moe_ffn_hidden_size // ctx.tp.size)   # GEMMs' inner
         self.router = Router(ctx, f"{key}.router")
         self.experts = nn.ModuleDict({str(i): Expert(ctx, f"{key}.experts.{i}",
                                                      cfg.moe_ffn_hidden_size)
@@ -261,7 +263,7 @@ class MoEMLP(nn.Module):
         order, inverse, counts = expert_order(chosen, self.E)
         rows = permute(x, order // self.k, inverse, self.k)
         if self.ep.size == 1:
-            out = self._experts(rows, Groups.of(counts, rows))
+            out = self._experts(rows, Groups.of(counts, rows, self.widths))
         else:
             out = self._expert_parallel(rows, counts.tolist())
         return combine(out, order, inverse, gates)
@@ -293,6 +295,7 @@ class MoEMLP(nn.Module):
         order, local_sizes = by_local_expert(received)
         order = order.to(rows.device)
         inverse = inverse_permutation(order)
-        out = self._experts(permute(arrived, order, inverse), Groups.of(local_sizes, arrived))
+        out = self._experts(permute(arrived, order, inverse),
+                            Groups.of(local_sizes, arrived, self.widths))
         out = permute(out, inverse, order)   # back in arrival order
         return all_to_all(out, ep, receive, send)

@@ -160,19 +160,21 @@ class Groups:
     ends: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, counts: torch.Tensor | list[int], like: torch.Tensor) -> "Groups":
-        """The groups of `counts` rows per expert for rows of `like`'s dtype and device."""
-        if not uses_grouped_mm(like):
+    def of(cls, counts: torch.Tensor | list[int], like: torch.Tensor,
+           widths: tuple[int, ...]) -> "Groups":
+        """The groups of `counts` rows per expert, for rows of `like`'s dtype and device through
+        weights of inner sizes `widths`."""
+        if not uses_grouped_mm(like, widths):
             return cls(sizes=counts if isinstance(counts, list) else counts.tolist())
         counts = torch.as_tensor(counts, device=like.device)
         return cls(ends=counts.cumsum(0).to(torch.int32))
 
 
-def uses_grouped_mm(rows: torch.Tensor) -> bool:
-    """Whether the experts run as one `torch._grouped_mm`: bf16 on CUDA (its fast kernel; the
-    16-byte stride rule holds for every hidden size ptdp accepts: multiples of 8)."""
+def uses_grouped_mm(rows: torch.Tensor, widths: tuple[int, ...]) -> bool:
+    """Whether the experts run as `torch._grouped_mm`: bf16 on CUDA, its fast kernel, whose
+    operands' strides must be multiples of 16 bytes (every width a multiple of 8)."""
     return (rows.is_cuda and rows.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and rows.shape[-1] % 8 == 0)
+            and all(width % 8 == 0 for width in widths))
 
 
 def _parts(weight: torch.Tensor, halves: int) -> list[torch.Tensor]:
@@ -224,7 +226,8 @@ def _weight_grads(grads: list[torch.Tensor], x: torch.Tensor, groups: Groups) ->
     halves = len(grads)
     if groups.ends is not None:
         sets = [torch._grouped_mm(g.t(), x, offs=groups.ends) for g in grads]   # [E, out/h, in]
-        return list(torch.stack(sets, dim=2).flatten(1, 2).unbind(0))
+        grad = sets[0] if halves == 1 else torch.stack(sets, dim=2).flatten(1, 2)
+        return list(grad.unbind(0))
     pieces, rows = [g.split(groups.sizes) for g in grads], x.split(groups.sizes)
     out = []
     for i, part in enumerate(rows):
