@@ -149,6 +149,13 @@ def _completed_over_tensor(losses: dict, tp) -> dict:
     return {name: loss + (total[i] - values[i]) for i, (name, loss) in enumerate(losses.items())}
 
 
+def routers_by_layer(chunk: nn.Module) -> dict[int, Router]:
+    """{global layer index: its router} of a chunk's MoE layers (models/chunk.py's `stack`)."""
+    stack = chunk.stack
+    return {stack.first + i: layer.mlp.router for i, layer in enumerate(stack.layers)
+            if isinstance(layer.mlp, MoEMLP)}
+
+
 class _Weight(nn.Module):
     """A weight under its own name (`fc1.weight`), as the dense MLP's linears name theirs."""
 

@@ -111,7 +111,17 @@ class LocalModel(torch.nn.Module):
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike) -> "LocalModel":
         _, meta, state = read_full_state(path)
-        return cls(model_config(meta), state)
+        model = cls(model_config(meta), state)
+        model.set_expert_biases((meta.get("moe") or {}).get("expert_bias", {}))
+        return model
+
+    def set_expert_biases(self, biases: dict) -> None:
+        """The routers' selection biases ({global MoE layer: [E]}, the checkpoint's "moe" part,
+        ptdp/training/experts.py), so that they pick experts as the trained model does."""
+        from ptdp.models.moe import routers_by_layer
+        for layer, router in routers_by_layer(self.chunk).items():
+            if str(layer) in biases:
+                router.expert_bias = torch.tensor(biases[str(layer)], dtype=torch.float32)
 
     def hidden(self, tokens: torch.Tensor, types=None, padding_mask=None) -> torch.Tensor:
         """[b, s] token ids -> final-LayerNorm hidden states [s, b, h]."""
