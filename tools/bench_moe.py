@@ -209,15 +209,22 @@ def shape(args) -> str:
     return (f"E={args.experts} k={args.top_k} h={args.hidden}, expert width {args.moe_ffn} "
             f"({args.activation}), dense width k*{args.moe_ffn}={args.top_k * args.moe_ffn}; "
             f"{args.seq * args.batch} tokens (s={args.seq}, b={args.batch}); fp32, "
-            f"{torch.get_num_threads()} threads; forward+backward, {args.steps} alternating "
-            f"steps after {args.warmup} warm-up")
+            f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait_policy()}; "
+            f"forward+backward, {args.steps} alternating steps after {args.warmup} warm-up")
 
 
 def load_average() -> str:
     """The machine's 1-minute load average: the many small GEMMs of E experts suffer more than
-    the dense MLP's few large ones when other processes take the cores."""
+    the dense MLP's few large ones when other processes take the cores (docs/moe.md)."""
     import os
     return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "n/a"
+
+
+def wait_policy() -> str:
+    """OpenMP's wait policy from the environment (docs/moe.md: under load, spinning threads
+    decide the timings)."""
+    import os
+    return os.environ.get("OMP_WAIT_POLICY", "default")
 
 
 def table(rows: list[dict]) -> str:
