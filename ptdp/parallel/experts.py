@@ -195,9 +195,10 @@ def _products(x: torch.Tensor, weights, groups: Groups, halves: int) -> list[tor
         return [torch._grouped_mm(x, _stacked(weights, j, halves).transpose(1, 2),
                                   offs=groups.ends) for j in range(halves)]
     outs = [x.new_empty(x.shape[0], weights[0].shape[0] // halves) for _ in range(halves)]
+    pieces = [out.split(groups.sizes) for out in outs]
     for i, part in enumerate(x.split(groups.sizes)):
-        for weight, out in zip(_parts(weights[i], halves), outs):
-            torch.mm(part, weight.t(), out=out.split(groups.sizes)[i])
+        for j, weight in enumerate(_parts(weights[i], halves)):
+            torch.mm(part, weight.t(), out=pieces[j][i])
     return outs
 
 
@@ -257,6 +258,8 @@ class _GroupedLinear(torch.autograd.Function):
         grad_x = _input_grad(grads, weights, ctx.groups) if ctx.needs_input_grad[0] else None
         nones = (None,) * 5
         if ctx.queue is None:
+            if not any(ctx.needs_input_grad[6:]):
+                return (grad_x, *nones, *(None,) * len(weights))
             return (grad_x, *nones, *_weight_grads(grads, x, ctx.groups))
         ctx.queue.collect(list(ctx.params), lambda: _weight_grads(grads, x, ctx.groups))
         return (grad_x, *nones, *(None,) * len(weights))
