@@ -25,9 +25,10 @@ gate and up as the dense MLP's), hidden size `moe_ffn_hidden_size`, no biases (a
 Qwen3 and DeepSeek-V3), fc1 column- and fc2 row-split over the tensor group like the dense MLP.
 One parameter per expert, named by its global index (`mlp.experts.{i}.fc1.weight`), so a
 checkpoint is the same whoever holds which experts. The (token, choice) pairs are sorted by
-expert (a stable argsort), each expert runs one GEMM pair on its contiguous rows (every local
-expert runs, with zero rows if it got none, so every weight gets its gradient each
-micro-batch), and the rows are put back in token order and summed with their gates.
+expert (a stable argsort), the experts run as grouped GEMMs on their contiguous rows (every
+local expert runs, with zero rows if it got none, so every weight gets its gradient each
+micro-batch), and the rows are put back in token order and summed with their gates. The
+permutations, the grouped GEMMs and why they are fast are ptdp/parallel/experts.py's.
 
 Tensor parallelism: the router sees the MLP input as the layer has it (replicated, or this
 rank's 1/t of the sequence); its gates and choices enter the tensor region like the experts'
@@ -43,8 +44,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ptdp.kernels import ACTIVATIONS
-from ptdp.parallel.experts import all_to_all, by_local_expert, exchange_counts
+from ptdp.kernels import ACTIVATIONS, GATES
+from ptdp.parallel.experts import (Groups, all_to_all, by_local_expert, exchange_counts,
+                                   grouped_linear, inverse_permutation, permute)
 from ptdp.parallel.layers import full_normal, scaled_std, shard_param
 from ptdp.parallel.roles import declare_role
 from ptdp.parallel.sequence import (enter_tensor_region, leave_tensor_region,
@@ -147,6 +149,13 @@ def _completed_over_tensor(losses: dict, tp) -> dict:
     return {name: loss + (total[i] - values[i]) for i, (name, loss) in enumerate(losses.items())}
 
 
+def routers_by_layer(chunk: nn.Module) -> dict[int, Router]:
+    """{global layer index: its router} of a chunk's MoE layers (models/chunk.py's `stack`)."""
+    stack = chunk.stack
+    return {stack.first + i: layer.mlp.router for i, layer in enumerate(stack.layers)
+            if isinstance(layer.mlp, MoEMLP)}
+
+
 class _Weight(nn.Module):
     """A weight under its own name (`fc1.weight`), as the dense MLP's linears name theirs."""
 
@@ -177,17 +186,20 @@ class Expert(nn.Module):
         return self.weight_ops.linear(hidden, self.fc2.weight)
 
 
-def expert_rows(chosen: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+def expert_order(chosen: torch.Tensor, num_experts: int):
     """The (token, choice) pairs of `chosen` [N, k] sorted by expert (a stable argsort: within
-    an expert, in token order), and how many each expert got."""
+    an expert, in token order), its inverse, and how many each expert got [E] (on the device:
+    no host sync here)."""
     flat = chosen.reshape(-1)
-    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts).tolist()
+    order = torch.argsort(flat, stable=True)
+    return order, inverse_permutation(order), torch.bincount(flat, minlength=num_experts)
 
 
-def combine(out: torch.Tensor, order: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+def combine(out: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
+            gates: torch.Tensor) -> torch.Tensor:
     """Expert outputs in `order`'s rows [N k, h] -> sum_j gate_j * output_j per token [N, h]."""
     n, k = gates.shape
-    out = out.index_select(0, torch.argsort(order))   # back in (token, choice) order
+    out = permute(out, inverse, order)    # back in (token, choice) order
     return (out.view(n, k, -1) * gates.to(out.dtype).unsqueeze(-1)).sum(1)
 
 
@@ -225,7 +237,9 @@ class MoEMLP(nn.Module):
         cfg = ctx.model
         key = f"layers.{layer}.mlp"
         self.tp = ctx.tp
-        self.E, self.k, self.ep = cfg.num_experts, cfg.moe_top_k, ctx.ep
+        self.E, self.k, self.ep, self.gated = cfg.num_experts, cfg.moe_top_k, ctx.ep, cfg.gated
+        self.activation = cfg.activation
+        self.widths = (cfg.hidden_size, cfg.moe_ffn_hidden_size // ctx.tp.size)   # GEMMs' inner
         self.router = Router(ctx, f"{key}.router")
         self.experts = nn.ModuleDict({str(i): Expert(ctx, f"{key}.experts.{i}",
                                                      cfg.moe_ffn_hidden_size)
@@ -252,24 +266,31 @@ class MoEMLP(nn.Module):
 
     def route(self, x, chosen, gates):
         """x [N, h] (inside the tensor region), chosen and gates [N, k] -> [N, h], this tensor
-        rank's partial sums: one GEMM pair per expert on its contiguous rows, the rows of
+        rank's partial sums: the experts' grouped GEMMs on their contiguous rows, the rows of
         other ranks' experts sent there and back with expert parallelism."""
-        order, sizes = expert_rows(chosen, self.E)
-        rows = x.index_select(0, order // self.k)
+        order, inverse, counts = expert_order(chosen, self.E)
+        rows = permute(x, order // self.k, inverse, self.k)
         if self.ep.size == 1:
-            return combine(self._experts(rows, sizes), order, gates)
-        return combine(self._expert_parallel(rows, sizes), order, gates)
+            out = self._experts(rows, Groups.of(counts, rows, self.widths))
+        else:
+            out = self._expert_parallel(rows, counts.tolist())
+        return combine(out, order, inverse, gates)
 
-    def _experts(self, rows, sizes: list[int]):
-        """Rows grouped by this rank's experts, `sizes` rows each -> their outputs: fc1 per
-        expert, the activation once over all rows (one call instead of one per expert: ~25%
-        faster on CPU), fc2 per expert."""
+    def _experts(self, rows, groups: Groups):
+        """Rows grouped by this rank's experts -> their outputs: fc1, the activation once over
+        all rows, fc2 (ptdp/parallel/experts.py's grouped GEMMs). SwiGLU's gate and up products
+        come apart and contiguous (fc1's rows alternate them): the same values as the dense
+        MLP's activation on the interleaved columns, without its strided backward (4x faster
+        on this CPU)."""
         experts = list(self.experts.values())
-        hidden = torch.cat([e.weight_ops.linear(part, e.fc1.weight)
-                            for e, part in zip(experts, rows.split(sizes))])
-        hidden = experts[0].activation(hidden, None)
-        return torch.cat([e.weight_ops.linear(part, e.fc2.weight)
-                          for e, part in zip(experts, hidden.split(sizes))])
+        ops = experts[0].weight_ops
+        fc1 = [e.fc1.weight for e in experts]
+        if self.gated:
+            gate, up = grouped_linear(rows, fc1, groups, ops, halves=2)
+            hidden = GATES[self.activation](gate) * up
+        else:
+            hidden = ACTIVATIONS[self.activation](grouped_linear(rows, fc1, groups, ops)[0], None)
+        return grouped_linear(hidden, [e.fc2.weight for e in experts], groups, ops)[0]
 
     def _expert_parallel(self, rows, sizes: list[int]):
         """Rows sorted by global expert -> their outputs, via the ranks holding the experts
@@ -281,6 +302,8 @@ class MoEMLP(nn.Module):
         arrived = all_to_all(rows, ep, send, receive)
         order, local_sizes = by_local_expert(received)
         order = order.to(rows.device)
-        out = self._experts(arrived.index_select(0, order), local_sizes)
-        out = out.index_select(0, torch.argsort(order))   # back in arrival order
+        inverse = inverse_permutation(order)
+        out = self._experts(permute(arrived, order, inverse),
+                            Groups.of(local_sizes, arrived, self.widths))
+        out = permute(out, inverse, order)   # back in arrival order
         return all_to_all(out, ep, receive, send)

@@ -6,14 +6,20 @@ the same active FLOPs and against a per-token loop, in the same run, on one rank
   (t = e = 1): the router, E experts of width f_moe, each token through its top k;
 * ``dense``: the dense ParallelMLP of the same layer built with num_experts = 0 and
   ffn_hidden_size = k * f_moe, which does the experts' FLOPs (k * 2(2+g) h f_moe per token)
-  without the router or the permutation;
+  without the router or the permutation: the model's own dense MLP, unchanged;
+* ``dense-halves`` (SwiGLU only): that dense MLP with its gate and up weights apart, so its
+  activation runs on contiguous halves as the MoE experts' does (models/moe.py); the dense MLP
+  computes the same values on fc1's interleaved columns, whose strided backward costs more.
+  The MoE's own overhead (router, permutations, per-expert GEMMs) is its ratio to this row;
 * ``per-token``: `PerTokenMoE`, the plainest implementation of the same mixture: the same
   router and experts as loose tensors, a Python loop over the tokens, each through its k experts
-  (fewer timed steps: it is slow).
+  (slow: timed on the first --loop-tokens tokens and scaled to all, it is linear in them).
 
-Each row: the median seconds of a forward + backward of b*s tokens (the input's gradient and
-every weight's), and the ratio to the dense MLP. The issue's goal on a 2-core CPU: the MoE MLP
-with E = 8, k = 2 within 1.3x the dense MLP.
+The cases run in one process, same dtype (fp32) and threads, on the same input; their timed
+steps alternate (moe, dense, dense-halves, moe, ...) so that the machine's load drifts hit every
+case alike. Each row: the median and the fastest seconds of a forward + backward of b*s tokens
+(the input's gradient and every weight's), and the ratio of medians to the dense MLP. The
+issue's goal on a 2-core CPU: the MoE MLP with E = 8, k = 2 within 1.3x the dense MLP.
 
     python tools/bench_moe.py --experts 8 --top-k 2 --out bench/moe
 """
@@ -122,46 +128,111 @@ class PerTokenMoE:
         return out
 
 
-def time_forward_backward(module, x, steps: int, warmup: int) -> float:
-    """Median seconds of forward + backward of `module` on `x` ([tokens, h] or [s, b, h])."""
-    def step(_):
-        for p in module.parameters():
-            p.grad = None
-        x.grad = None
-        out = _output(module(x))
-        out.backward(grad)
+class DenseHalves:
+    """`dense`'s MLP with its fc1 split into a gate and an up weight (contiguous copies of its
+    even and odd rows): SiLU(x Wg^T) * (x Wu^T), then fc2, the same values."""
+
+    def __init__(self, dense):
+        import torch
+        assert dense.fc1.bias is None and dense.fc2.bias is None, "the llama preset: no biases"
+        fc1 = dense.fc1.weight.detach()
+        self.gate, self.up = (fc1[j::2].clone().requires_grad_() for j in range(2))
+        self.fc2 = dense.fc2.weight.detach().clone().requires_grad_()
+        self._silu = torch.nn.functional.silu
+
+    def parameters(self):
+        return [self.gate, self.up, self.fc2]
+
+    def __call__(self, x):
+        import torch.nn.functional as F
+        return F.linear(self._silu(F.linear(x, self.gate)) * F.linear(x, self.up), self.fc2)
+
+
+def forward_backward(module, x, grad):
+    """One timed step: forward, then backward of `grad` into the input and every weight."""
+    for p in module.parameters():
+        p.grad = None
+    x.grad = None
+    _output(module(x)).backward(grad)
+
+
+def time_alternating(cases: dict, x, steps: int, warmup: int) -> dict:
+    """{name: [seconds of each timed step]}: the cases' steps alternate, after `warmup` rounds."""
+    import time
     import torch
     grad = torch.ones_like(x)
-    return harness.time_steps(step, steps, warmup).median
+    seconds = {name: [] for name in cases}
+    for i in range(warmup + steps):
+        for name, module in cases.items():
+            start = time.perf_counter()
+            forward_backward(module, x, grad)
+            if i >= warmup:
+                seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def _row(case: str, seconds: list[float], scale: float = 1.0, **extra) -> dict:
+    import statistics
+    return {"case": case, "seconds": statistics.median(seconds) * scale,
+            "fastest": min(seconds) * scale, **extra}
 
 
 def measure(args) -> list[dict]:
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     x = torch.randn(args.seq, args.batch, args.hidden, requires_grad=True)
-    rows = []
     with harness.world_of_one():
-        moe = layer_mlp(model_config(args, args.experts, args.moe_ffn))
-        dense = layer_mlp(model_config(args, 0, args.top_k * args.moe_ffn))
-        rows.append({"case": "moe", "seconds": time_forward_backward(moe, x, args.steps,
-                                                                     args.warmup)})
-        rows.append({"case": "dense", "seconds": time_forward_backward(dense, x, args.steps,
-                                                                       args.warmup)})
+        cases = {"moe": layer_mlp(model_config(args, args.experts, args.moe_ffn)),
+                 "dense": layer_mlp(model_config(args, 0, args.top_k * args.moe_ffn))}
+        if args.activation == "swiglu":
+            cases["dense-halves"] = DenseHalves(cases["dense"])
+        timed = time_alternating(cases, x, args.steps, args.warmup)
+    rows = [_row(name, seconds) for name, seconds in timed.items()]
     loop = PerTokenMoE(args.hidden, args.moe_ffn, args.experts, args.top_k,
                        args.activation == "swiglu")
-    flat = x.detach().reshape(-1, args.hidden).requires_grad_()
-    rows.append({"case": "per-token", "seconds": time_forward_backward(
-        loop, flat, args.loop_steps, 0)})
+    tokens = args.seq * args.batch
+    some = min(tokens, args.loop_tokens or tokens)
+    flat = x.detach().reshape(-1, args.hidden)[:some].clone().requires_grad_()
+    looped = time_alternating({"per-token": loop}, flat, args.loop_steps, 0)["per-token"]
+    rows.append(_row("per-token", looped, tokens / some, timed_tokens=some))
     for row in rows:
         row["vs_dense"] = row["seconds"] / rows[1]["seconds"]
     return rows
 
 
+def shape(args) -> str:
+    """The benchmark's shape, for the table's heading and the JSON."""
+    import torch
+    return (f"E={args.experts} k={args.top_k} h={args.hidden}, expert width {args.moe_ffn} "
+            f"({args.activation}), dense width k*{args.moe_ffn}={args.top_k * args.moe_ffn}; "
+            f"{args.seq * args.batch} tokens (s={args.seq}, b={args.batch}); fp32, "
+            f"{torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait_policy()}; "
+            f"forward+backward, {args.steps} alternating steps after {args.warmup} warm-up")
+
+
+def load_average() -> str:
+    """The machine's 1-minute load average: the many small GEMMs of E experts suffer more than
+    the dense MLP's few large ones when other processes take the cores (docs/moe.md)."""
+    import os
+    return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "n/a"
+
+
+def wait_policy() -> str:
+    """OpenMP's wait policy from the environment (docs/moe.md: under load, spinning threads
+    decide the timings)."""
+    import os
+    return os.environ.get("OMP_WAIT_POLICY", "default")
+
+
 def table(rows: list[dict]) -> str:
-    return harness.table(["case", "fwd+bwd s", "vs dense"],
-                         [[r["case"], f"{r['seconds']:.4f}", f"{r['vs_dense']:.2f}x"]
-                          for r in rows], align="<")
+    def case(r):
+        return r["case"] + (f" (from {r['timed_tokens']} tokens)" if "timed_tokens" in r else "")
+    return harness.table(["case", "median s", "fastest s", "vs dense"],
+                         [[case(r), f"{r['seconds']:.4f}", f"{r['fastest']:.4f}",
+                           f"{r['vs_dense']:.2f}x"] for r in rows], align="<")
 
 
 def main(argv=None) -> int:
@@ -174,16 +245,25 @@ def main(argv=None) -> int:
     parser.add_argument("--activation", choices=("swiglu", "gelu"), default="swiglu")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--loop-steps", type=int, default=1, help="timed per-token loop steps")
+    parser.add_argument("--loop-tokens", type=int, default=64,
+                        help="tokens the per-token loop is timed on, scaled to all (0: all)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="intra-op threads for every case (0: torch's default)")
     parser.add_argument("--out", default="bench/moe", help="folder for result.json")
     args = parser.parse_args(argv)
     if args.experts < 1 or not 1 <= args.top_k <= args.experts:
         parser.error("need --experts >= 1 and 1 <= --top-k <= --experts")
+    load = [load_average()]
     rows = measure(args)
+    load.append(load_average())
+    print(f"{shape(args)}; load average {load[0]} before, {load[1]} after")
     print(table(rows))
-    path = harness.write_json(Path(args.out) / "result.json", {"args": vars(args), "rows": rows},
+    path = harness.write_json(Path(args.out) / "result.json",
+                              {"args": vars(args), "shape": shape(args), "load_average": load,
+                               "rows": rows},
                               tool=__file__, argv=argv)
     print(f"wrote {path}")
     return 0

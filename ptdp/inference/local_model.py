@@ -116,12 +116,12 @@ class LocalModel(torch.nn.Module):
         return model
 
     def set_expert_biases(self, biases: dict) -> None:
-        """The routers' selection biases by layer (a checkpoint's "moe" part,
-        ptdp/training/experts.py `ExpertBiasState`); layers not named keep theirs."""
-        for i, layer in enumerate(self.chunk.stack.layers):
-            if hasattr(layer.mlp, "router") and str(self.chunk.stack.first + i) in biases:
-                layer.mlp.router.expert_bias = torch.tensor(
-                    biases[str(self.chunk.stack.first + i)], dtype=torch.float32)
+        """The routers' selection biases ({global MoE layer: [E]}, the checkpoint's "moe" part,
+        ptdp/training/experts.py), so that they pick experts as the trained model does."""
+        from ptdp.models.moe import routers_by_layer
+        for layer, router in routers_by_layer(self.chunk).items():
+            if str(layer) in biases:
+                router.expert_bias = torch.tensor(biases[str(layer)], dtype=torch.float32)
 
     def hidden(self, tokens: torch.Tensor, types=None, padding_mask=None) -> torch.Tensor:
         """[b, s] token ids -> final-LayerNorm hidden states [s, b, h]."""

@@ -6,8 +6,8 @@
 """
 
 from ptdp.kernels.compile import should_compile
-from ptdp.kernels.fused import (ACTIVATIONS, bias_dropout_add, bias_geglu, bias_gelu,
+from ptdp.kernels.fused import (ACTIVATIONS, GATES, bias_dropout_add, bias_geglu, bias_gelu,
                                 bias_gelu_tanh, bias_swiglu)
 
-__all__ = ["ACTIVATIONS", "bias_dropout_add", "bias_geglu", "bias_gelu", "bias_gelu_tanh",
+__all__ = ["ACTIVATIONS", "GATES", "bias_dropout_add", "bias_geglu", "bias_gelu", "bias_gelu_tanh",
            "bias_swiglu", "should_compile"]

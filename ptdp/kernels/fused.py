@@ -14,6 +14,8 @@ torch functions, and the parallel linears hand their bias over instead of adding
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +49,9 @@ def bias_geglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 # model.activation -> the fused chain after fc1 (models/transformer.py, models/moe.py)
 ACTIVATIONS = {"gelu": bias_gelu, "gelu_tanh": bias_gelu_tanh, "swiglu": bias_swiglu,
                "geglu": bias_geglu}
+
+# A gated activation's gate function, for callers that hold gate and up apart (models/moe.py)
+GATES = {"swiglu": F.silu, "geglu": functools.partial(F.gelu, approximate="tanh")}
 
 
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,

@@ -21,18 +21,47 @@ def _trainer(overrides: list[str]):
     return Trainer(load_config(None, RUN + overrides, world_size=dist.get_world_size()))
 
 
-def _run(overrides: list[str]) -> dict:
+PROBE = torch.randint(0, 100, (4, 16), generator=torch.Generator().manual_seed(3))
+
+
+def _forward_choices(chunk, biases: bool = True) -> dict:
+    """A whole model's (p = 1) final hidden states on PROBE and every router's expert choices,
+    in eval mode; `biases=False`: with its selection biases set to 0."""
+    from ptdp.models.moe import routers_by_layer
+    routers = routers_by_layer(chunk)
+    saved = {layer: router.expert_bias for layer, router in routers.items()}
+    choices = {}
+    hooks = [router.register_forward_hook(
+        lambda module, inputs, out, layer=layer: choices.__setitem__(layer, out[0]))
+        for layer, router in routers.items()]
+    if not biases:
+        for router in routers.values():
+            router.expert_bias = torch.zeros_like(router.expert_bias)
+    chunk.eval()
+    try:
+        with torch.no_grad():
+            hidden = chunk.final_ln(chunk.stack(chunk.embedding(PROBE, None), None))
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for layer, router in routers.items():
+            router.expert_bias = saved[layer]
+    return {"hidden": hidden, "choices": choices}
+
+
+def _run(overrides: list[str], probe: bool = False) -> dict:
     trainer = _trainer(overrides)
     history = trainer.train()
     return {"losses": [r["loss"] for r in history], "records": history,
             "biases": trainer.state.experts.biases().cpu(),
-            "total": trainer.state.experts.total}
+            "total": trainer.state.experts.total,
+            "probe": _forward_choices(trainer.state.chunks[0]) if probe else None}
 
 
 def save_job(root: str) -> dict:
     """d=2 saves at iteration 2 and finishes; p=2 resumes from iteration 2."""
     ckpt = [f"checkpoint.dir={root}/ckpt", "checkpoint.save_interval=2"]
-    saved = _run(["parallel.data=2", *ckpt])
+    saved = _run(["parallel.data=2", *ckpt], probe=True)
     resumed = _run(["parallel.pipeline=2", f"checkpoint.load={root}/ckpt/iter_0000002"])
     from ptdp.checkpoint.layout import CheckpointError
     try:
@@ -41,7 +70,7 @@ def save_job(root: str) -> dict:
         refused = None
     except CheckpointError as err:
         refused = str(err)
-    return {"saved": saved, "resumed": resumed, "refused": refused}
+    return {"saved": saved, "resumed": resumed, "refused": refused, "root": root}
 
 
 def expert_job(root: str) -> dict:
@@ -91,3 +120,18 @@ def test_biases_move_and_resume_in_another_layout(job):
 def test_a_checkpoint_of_another_expert_count_is_refused(job):
     assert job["refused"] is not None
     assert "model.num_experts=4 in the checkpoint but 2 in the config" in job["refused"]
+
+
+def test_generation_picks_experts_with_the_trained_biases(job):
+    """ptdp generate's model (LocalModel.from_checkpoint) loads the selection biases: on the
+    same tokens its routers choose what the trained model's do, and its hidden states are the
+    trained model's; without the biases the choices differ (so the biases matter here)."""
+    from ptdp.inference.local_model import LocalModel
+    model = LocalModel.from_checkpoint(f"{job['root']}/ckpt/iter_0000004")
+    trained, ours = job["saved"]["probe"], _forward_choices(model.chunk)
+    assert ours["choices"].keys() == trained["choices"].keys()
+    for layer, chosen in trained["choices"].items():
+        assert ours["choices"][layer].equal(chosen), f"layer {layer}"
+    assert ours["hidden"].equal(trained["hidden"])
+    unbiased = _forward_choices(model.chunk, biases=False)["choices"]
+    assert any(not unbiased[layer].equal(chosen) for layer, chosen in trained["choices"].items())
