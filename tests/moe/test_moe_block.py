@@ -33,7 +33,7 @@ def _loop_reference(block: MoEMLP, x: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows).view(x.shape)
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("activation", ["swiglu", "gelu", "geglu", "gelu_tanh"])
 def test_grouped_dispatch_equals_a_per_token_loop(activation):
     ctx = _ctx(f"model.activation={activation}", "model.moe_shared_ffn_hidden_size=0",
                "model.moe_shared_expert_gate=false")
