@@ -250,6 +250,9 @@ def check_packages(cfg: Config, found: Findings) -> None:
     if cfg.log.tensorboard_dir and not package_installed("tensorboard"):
         found.error("log.tensorboard_dir is set but the tensorboard package is not installed: "
                     "pip install 'ptdp[tensorboard]', or unset log.tensorboard_dir")
+    if cfg.log.wandb_project and not package_installed("wandb"):
+        found.error("log.wandb_project is set but the wandb package is not installed: "
+                    "pip install 'ptdp[wandb]', or unset log.wandb_project")
     needed = _tokenizer_package(cfg.data.tokenizer) if cfg.data.tokenizer else None
     if needed and not package_installed(needed):
         found.error(f"data.tokenizer needs the {needed} package: pip install {needed}")
