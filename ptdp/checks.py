@@ -268,24 +268,26 @@ def _tokenizer_package(path: str) -> str:
 
 
 def check_devices(cfg: Config, ranks_per_node: int, found: Findings) -> None:
-    """One GPU per rank: rank LOCAL_RANK uses GPU LOCAL_RANK, so a node cannot start more
-    GPU ranks than it has visible GPUs (NCCL: one GPU per rank)."""
+    """One GPU per rank: rank LOCAL_RANK uses GPU LOCAL_RANK, or, when srun shows each task
+    only its own GPUs, LOCAL_RANK % visible (ptdp/runtime/launch_env.py `gpu_of_rank`); a node
+    cannot start more GPU ranks than that gives GPUs (NCCL: one GPU per rank)."""
     if cfg.train.device == "cpu":
         return
     import torch
+
+    from ptdp.runtime.launch_env import LaunchError, gpu_of_rank, started_by_srun, visible_devices
     gpus = torch.cuda.device_count()
     if cfg.train.device == "auto" and gpus == 0:
         return
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
     if gpus == 0:
-        found.error(f"train.device=cuda but no GPU is visible{shown}; train on CPU with "
-                    f"train.device=cpu")
-    elif ranks_per_node > gpus:
-        found.error(f"train.device={cfg.train.device}: this node starts {ranks_per_node} ranks but "
-                    f"only {gpus} GPU(s) are visible{shown}, and each rank needs a GPU of its "
-                    f"own; start at most {gpus} ranks per node (torchrun --nproc-per-node {gpus}) "
-                    f"or train on CPU with train.device=cpu")
+        found.error(f"train.device=cuda but no GPU is visible{visible_devices(os.environ)}; "
+                    f"train on CPU with train.device=cpu")
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK") or ranks_per_node - 1)  # (ptdp check: the last)
+    try:
+        gpu_of_rank(local_rank, gpus, ranks_per_node, started_by_srun())
+    except LaunchError as err:
+        found.error(f"train.device={cfg.train.device}: {err}")
 
 
 def check_placement(cfg: Config, world_size: int, ranks_per_node: int, found: Findings) -> None:

@@ -164,6 +164,7 @@ class Watchdog:
 
     # Heartbeat thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        self.progress.bind_thread()   # on the rank's GPU before querying its events
         self._publish()   # at once: a rank may be lost before the first interval
         while not self._stop.wait(self.interval_s):
             if self.check():
