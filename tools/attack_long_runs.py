@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs/gpt_tiny.yaml")
 SCRIPT = str(ROOT / "tools/pretrain_gpt.sh")
 ITERS = 20
-RUN = ["parallel.pipeline=2", f"train.iters={ITERS}", "model.dropout=0.1", "train.timeout_s=10",
+RUN = ["parallel.pipeline=2", f"train.iters={ITERS}", "model.dropout=0.1", "train.timeout_s=60",
        "log.progress=false", "log.interval=1000"]
 SAVING = RUN + ["checkpoint.save_interval=5", "checkpoint.load=auto"]
 
@@ -101,7 +101,8 @@ def pids(marker: str, agent: bool) -> list[int]:
         except OSError:
             continue
         if f"PTDP_TEST_MARKER={marker}".encode() in environ.split(b"\0") \
-                and (b"torch.distributed.run" in cmdline) == agent and b"ptdp" in cmdline:
+                and (b"torch.distributed.run" in cmdline) == agent \
+                and b"ptdp\0train" in cmdline:   # (not the launch script, nor its checks)
             found.append(int(entry.name))
     return sorted(found)
 
@@ -125,6 +126,7 @@ class Attack:
         """The uninterrupted run's losses, and its checkpoints (iterations 5..20) in ref/ck."""
         if self._reference is None:
             ref = self.work / "ref"
+            shutil.rmtree(ref, ignore_errors=True)
             ref.mkdir()
             code, out = finish(torchrun(SAVING + [f"checkpoint.dir={ref / 'ck'}",
                                                   f"log.metrics_file={ref / 'm.jsonl'}"], ref))
@@ -267,7 +269,8 @@ class Attack:
         prefix = folder / "corpus"
         with IndexedDatasetWriter(prefix, vocab_size=1000) as writer:
             for doc in range(50):
-                writer.add_document([[(doc * 37 + i) % (600 if doc == 3 else 200) for i in range(64)]])
+                writer.add_document([[300 + i if doc == 3 else (doc * 37 + i) % 200
+                                      for i in range(64)]])
         sidecar_path(prefix).unlink()
         code, out = finish(launch(RUN + ["data.source=indexed", f"data.paths=[{prefix}]"], folder,
                                   MAX_RESTARTS="2"))
