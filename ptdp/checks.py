@@ -247,12 +247,10 @@ def package_installed(name: str) -> bool:
 
 def check_packages(cfg: Config, found: Findings) -> None:
     """Optional packages the config asks for (torch.utils.tensorboard needs `tensorboard`)."""
-    if cfg.log.tensorboard_dir and not package_installed("tensorboard"):
-        found.error("log.tensorboard_dir is set but the tensorboard package is not installed: "
-                    "pip install 'ptdp[tensorboard]', or unset log.tensorboard_dir")
-    if cfg.log.wandb_project and not package_installed("wandb"):
-        found.error("log.wandb_project is set but the wandb package is not installed: "
-                    "pip install 'ptdp[wandb]', or unset log.wandb_project")
+    for key, package in (("tensorboard_dir", "tensorboard"), ("wandb_project", "wandb")):
+        if getattr(cfg.log, key) and not package_installed(package):
+            found.error(f"log.{key} is set but the {package} package is not installed: "
+                        f"pip install 'ptdp[{package}]', or unset log.{key}")
     needed = _tokenizer_package(cfg.data.tokenizer) if cfg.data.tokenizer else None
     if needed and not package_installed(needed):
         found.error(f"data.tokenizer needs the {needed} package: pip install {needed}")
@@ -268,20 +266,17 @@ def _tokenizer_package(path: str) -> str:
 
 
 def check_devices(cfg: Config, ranks_per_node: int, found: Findings) -> None:
-    """One GPU per rank: rank LOCAL_RANK uses GPU LOCAL_RANK, or, when srun shows each task
-    only its own GPUs, LOCAL_RANK % visible (ptdp/runtime/launch_env.py `gpu_of_rank`); a node
-    cannot start more GPU ranks than that gives GPUs (NCCL: one GPU per rank)."""
+    """One GPU per rank (NCCL): GPU LOCAL_RANK, or LOCAL_RANK % visible when srun shows each
+    task only its own (ptdp/runtime/launch_env.py `gpu_of_rank`); one line when none fits."""
     if cfg.train.device == "cpu":
         return
     import torch
 
     from ptdp.runtime.launch_env import LaunchError, gpu_of_rank, started_by_srun, visible_devices
-    gpus = torch.cuda.device_count()
-    if cfg.train.device == "auto" and gpus == 0:
-        return
-    if gpus == 0:
-        found.error(f"train.device=cuda but no GPU is visible{visible_devices(os.environ)}; "
-                    f"train on CPU with train.device=cpu")
+    if (gpus := torch.cuda.device_count()) == 0:   # auto then trains on CPU
+        if cfg.train.device == "cuda":
+            found.error(f"train.device=cuda but no GPU is visible{visible_devices(os.environ)}; "
+                        f"train on CPU with train.device=cpu")
         return
     local_rank = int(os.environ.get("LOCAL_RANK") or ranks_per_node - 1)  # (ptdp check: the last)
     try:
