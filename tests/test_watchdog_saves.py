@@ -52,7 +52,8 @@ def test_a_first_save_gets_the_start_up_budget():
 
 def frozen_save_job(root: str) -> None:
     """Two real ranks (pipeline 2) saving every iteration; rank 1 stops itself with a real
-    SIGSTOP inside its second save (iteration 2, after writing its files). Rank 0's detector,
+    SIGSTOP inside its second save (iteration 2, after writing its files), sooner than its
+    next regular heartbeat: the save's start publishes one at once. Rank 0's detector,
     on real clocks and the job's real store, must name it: its line, how long after rank 0
     entered that save it came, and the budget it had, go to files; then it ends rank 1."""
     import torch.distributed as dist
@@ -70,6 +71,7 @@ def frozen_save_job(root: str) -> None:
         def reached(stage: str) -> None:
             saves.append(stage)
             if stage == "rank_files" and saves.count(stage) == 2:
+                time.sleep(0.2)   # under a heartbeat interval (0.5 s) into the save
                 os.kill(os.getpid(), signal.SIGSTOP)
         save._reached = reached
     else:
