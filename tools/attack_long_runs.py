@@ -339,7 +339,8 @@ BAD_INPUTS = {   # name: (ptdp arguments, a word the one line must hold); {w}: t
         ["preprocess", "--input", "{w}/missing.jsonl", "--output-prefix", "{w}/o", "--tokenizer",
          "{w}/vocab.txt"], "missing.jsonl"),
     "generate --device cuda without a GPU": (
-        ["generate", "{w}/ref/ck", "--device", "cuda", "--prompt", "a"], "cuda"),
+        ["generate", "{w}/ref/ck", "--device", "cuda", "--prompt", "a", "--tokenizer",
+         "{w}/vocab.txt"], "cuda"),
     "train: an unknown key": (["check", CONFIG, "train.iterz=3"], "train.iterz"),
     "train: a value of the wrong type": (["check", CONFIG, "train.iters=many"], "train.iters"),
     "train: a missing config file": (["check", "{w}/missing.yaml"], "missing.yaml"),
