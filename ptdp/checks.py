@@ -247,9 +247,10 @@ def package_installed(name: str) -> bool:
 
 def check_packages(cfg: Config, found: Findings) -> None:
     """Optional packages the config asks for (torch.utils.tensorboard needs `tensorboard`)."""
-    if cfg.log.tensorboard_dir and not package_installed("tensorboard"):
-        found.error("log.tensorboard_dir is set but the tensorboard package is not installed: "
-                    "pip install 'ptdp[tensorboard]', or unset log.tensorboard_dir")
+    for key, package in (("tensorboard_dir", "tensorboard"), ("wandb_project", "wandb")):
+        if getattr(cfg.log, key) and not package_installed(package):
+            found.error(f"log.{key} is set but the {package} package is not installed: "
+                        f"pip install 'ptdp[{package}]', or unset log.{key}")
     needed = _tokenizer_package(cfg.data.tokenizer) if cfg.data.tokenizer else None
     if needed and not package_installed(needed):
         found.error(f"data.tokenizer needs the {needed} package: pip install {needed}")
@@ -265,24 +266,23 @@ def _tokenizer_package(path: str) -> str:
 
 
 def check_devices(cfg: Config, ranks_per_node: int, found: Findings) -> None:
-    """One GPU per rank: rank LOCAL_RANK uses GPU LOCAL_RANK, so a node cannot start more
-    GPU ranks than it has visible GPUs (NCCL: one GPU per rank)."""
+    """One GPU per rank (NCCL): GPU LOCAL_RANK, or LOCAL_RANK % visible when srun shows each
+    task only its own (ptdp/runtime/launch_env.py `gpu_of_rank`); one line when none fits."""
     if cfg.train.device == "cpu":
         return
     import torch
-    gpus = torch.cuda.device_count()
-    if cfg.train.device == "auto" and gpus == 0:
+
+    from ptdp.runtime.launch_env import LaunchError, gpu_of_rank, started_by_srun, visible_devices
+    if (gpus := torch.cuda.device_count()) == 0:   # auto then trains on CPU
+        if cfg.train.device == "cuda":
+            found.error(f"train.device=cuda but no GPU is visible{visible_devices(os.environ)}; "
+                        f"train on CPU with train.device=cpu")
         return
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
-    if gpus == 0:
-        found.error(f"train.device=cuda but no GPU is visible{shown}; train on CPU with "
-                    f"train.device=cpu")
-    elif ranks_per_node > gpus:
-        found.error(f"train.device={cfg.train.device}: this node starts {ranks_per_node} ranks but "
-                    f"only {gpus} GPU(s) are visible{shown}, and each rank needs a GPU of its "
-                    f"own; start at most {gpus} ranks per node (torchrun --nproc-per-node {gpus}) "
-                    f"or train on CPU with train.device=cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK") or ranks_per_node - 1)  # (ptdp check: the last)
+    try:
+        gpu_of_rank(local_rank, gpus, ranks_per_node, started_by_srun())
+    except LaunchError as err:
+        found.error(f"train.device={cfg.train.device}: {err}")
 
 
 def check_placement(cfg: Config, world_size: int, ranks_per_node: int, found: Findings) -> None:

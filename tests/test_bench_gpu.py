@@ -53,3 +53,33 @@ def test_bench_gpu_tiny_on_cpu(tmp_path, arch, extra, program):
         assert ours["parameters"] == ref["parameters"]
     assert result["speedup"] == pytest.approx(ours["tokens_per_s"] / ref["tokens_per_s"])
     assert result["targets"]["speedup"] > 1 and result["met"] is None  # targets are for GPUs
+
+
+def test_the_json_is_written_after_each_measurement(tmp_path, monkeypatch):
+    """A run cut short (the reference runs out of memory) keeps the ptdp row it measured."""
+    import tools.bench_gpu as bench_gpu
+    measured = []
+
+    def run_one(make, args, s, device, vocab, peak):
+        if make is bench_gpu.PlainRunner:
+            raise MemoryError("the reference ran out of memory")
+        measured.append(make.name)
+        return {"model": make.name}
+
+    import contextlib
+    monkeypatch.setattr(bench_gpu, "run_one", run_one)
+    monkeypatch.setattr(bench_gpu.harness, "world_of_one", lambda device: contextlib.nullcontext())
+    out = tmp_path / "bench.json"
+    with pytest.raises(MemoryError):
+        bench_gpu.main(["--device", "cpu", "--tiny", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert measured == ["ptdp"] and result["rows"] == [{"model": "ptdp"}]
+    assert result["complete"] is False
+
+
+def test_the_targets_line_names_the_gpu_that_measured():
+    from tools.bench_gpu import targets_line
+    assert targets_line("gpt", "NVIDIA H100 80GB HBM3", None).startswith(
+        "targets (one H100 80GB): >= 1.10x tokens/s")
+    assert targets_line("gpt", "NVIDIA H200", {"mfu": False}).startswith(
+        "targets (stated for one H100 80GB, measured on one NVIDIA H200): >= 1.10x")

@@ -97,8 +97,9 @@ def test_a_checkpoint_of_the_old_code_is_saved_again_unchanged(resumed, case):
     old_meta, new_meta = (_without_paths(json.loads((d / "metadata.json").read_text()))
                           for d in (old, new))
     _assert_same_config(old_meta.pop("config"), new_meta.pop("config"))
-    _assert_same_config({"model": old_meta.pop("model")}, {"model": new_meta.pop("model")},
-                        only="model")
+    for section in ("model", "train"):   # (keys added since hold their defaults)
+        _assert_same_config({section: old_meta.pop(section)}, {section: new_meta.pop(section)},
+                            only=section)
     assert old_meta == new_meta
     old_cfg, new_cfg = (yaml.safe_load((d / "config.yaml").read_text()) for d in (old, new))
     _assert_same_config(_without_checkpoint(old_cfg), _without_checkpoint(new_cfg))

@@ -34,6 +34,38 @@ def test_enough_gpus_or_cpu_passes(gpus, device, count, ranks):
     assert found.errors == []
 
 
+def test_srun_tasks_that_each_see_one_gpu_pass(gpus, monkeypatch):
+    """srun --gpus-per-task=1: LOCAL_RANK 5 of 8 sees one GPU, its own (rank % device_count);
+    under torchrun the same numbers would put 8 ranks on one GPU and are refused."""
+    gpus(1)
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
+    job = (None, ["train.device=cuda", "train.global_batch_size=16"])
+    assert check_job(*job, world_size=8, ranks_per_node=8).errors == []
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    errors = check_job(*job, world_size=8, ranks_per_node=8).errors
+    assert len(errors) == 1 and "only 1 GPU(s) are visible to LOCAL_RANK=5" in errors[0]
+
+
+@pytest.mark.parametrize("name, gib, profile, bf16", [
+    ("NVIDIA H100 NVL", 93.6, "h100-94gb", 835), ("NVIDIA H100 80GB HBM3", 79.1, "h100-80gb", 989),
+    ("NVIDIA H200", 139.8, "h200-141gb", 989)])
+def test_the_gpu_name_and_memory_pick_the_profile(monkeypatch, name, gib, profile, bf16):
+    """MFU's peak comes from the GPU here (ptdp/metrics/throughput.py): an H100 NVL is the
+    h100-94gb profile (94 GB HBM3, 835 TFLOP/s dense bf16), not the SXM's 989."""
+    from ptdp.config import load_config
+    from ptdp.hardware import load_hardware
+    from ptdp.metrics.throughput import peak_tflops
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(total_memory=gib * 2**30))
+    cfg = load_config(None, ["train.precision=bf16"], world_size=1)
+    assert peak_tflops(cfg, torch.device("cuda", 0)) == bf16
+    nvl = load_hardware("h100-94gb")
+    assert (nvl.memory_gb, nvl.memory_bandwidth_GBps, nvl.peak_tflops["fp8"]) == (94, 3900, 1671)
+
+
 def test_cuda_without_gpus_is_refused(gpus):
     gpus(0)
     found = check_job(None, ["train.device=cuda"], world_size=1, ranks_per_node=1)

@@ -124,3 +124,52 @@ def test_a_second_job_on_a_checkpoint_dir_in_use_stops_naming_the_holder(tmp_pat
         holder.kill()
         holder.wait()
     assert wait_until_free(directory, patience_s=5) == []   # the kernel released its lock
+
+
+METRICS_HOLDER = """
+import os, sys, time
+from types import SimpleNamespace
+os.environ["MASTER_PORT"] = sys.argv[2]   # its job: another rendezvous than the test's
+from ptdp.runtime.joblock import hold_outputs
+cfg = SimpleNamespace(checkpoint=SimpleNamespace(dir=None),
+                      log=SimpleNamespace(metrics_file=sys.argv[1]))
+hold_outputs(cfg, 3)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def _metrics_holder(metrics: Path, port: str) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", METRICS_HOLDER, str(metrics), port],
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_direct_launch_on_a_metrics_file_in_use_is_refused_in_one_line(tmp_path, monkeypatch,
+                                                                         capsys):
+    """No checkpoint.dir, no launch script: the job's metrics file is locked, and a second job
+    (another rendezvous) started directly, as by torchrun, stops before any process group."""
+    from ptdp.cli import main
+    metrics = tmp_path / "metrics.jsonl"
+    holder = _metrics_holder(metrics, "1")
+    try:
+        monkeypatch.setenv("MASTER_PORT", "2")
+        code = main(["train", str(ROOT / "configs/gpt_tiny.yaml"), "train.iters=1",
+                     f"log.metrics_file={metrics}"])
+        lines = capsys.readouterr().err.splitlines()
+        assert code == 2 and lines == [
+            f"ptdp train: log.metrics_file {metrics} is in use by another job: rank 3 pid "
+            f"{holder.pid} on {os.uname().nodename}; stop it, or give this job another "
+            f"log.metrics_file"]
+        assert not metrics.exists()   # nothing written
+    finally:
+        holder.kill()
+        holder.wait()
+    # The dead job's lock is free: the next job (yet another rendezvous) takes the file over.
+    second = _metrics_holder(metrics, "3")
+    second.kill()
+    second.wait()
+    assert sorted(p.name for p in tmp_path.glob(".metrics.jsonl.ptdp-holder-*")) == \
+        [f".metrics.jsonl.ptdp-holder-{os.uname().nodename}-{second.pid}"]

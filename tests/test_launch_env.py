@@ -58,9 +58,57 @@ def test_an_incomplete_srun_environment_is_one_line_naming_the_variable():
 
 
 def test_tensor_and_context_parallelism_ask_for_one_cuda_work_queue():
-    assert cuda_environment(tensor=1, context=1) == {}
-    assert cuda_environment(tensor=2, context=1) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    assert cuda_environment(tensor=1, context=2) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    configured = {"PYTORCH_CUDA_ALLOC_CONF": "x"}   # (the allocator: the next test)
+    assert cuda_environment(tensor=1, context=1, environ=configured) == {}
+    assert cuda_environment(tensor=2, context=1, environ=configured) == \
+        {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    assert cuda_environment(tensor=1, context=2, environ=configured) == \
+        {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+
+
+def test_the_allocator_gets_expandable_segments_unless_the_user_configured_it():
+    expandable = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert cuda_environment(tensor=1, context=1, environ={}) == expandable
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        assert cuda_environment(tensor=1, context=1, environ={name: "max_split_size_mb:64"}) == {}
+
+
+def test_startup_sets_the_allocator_before_the_first_cuda_call(monkeypatch):
+    from ptdp.config import load_config
+    from ptdp.runtime import startup
+    seen = {}
+
+    def pick_device(choice):
+        seen["value"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        raise _Stop
+
+    monkeypatch.setattr(startup, "pick_device", pick_device)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
+                                        if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")})
+    with pytest.raises(_Stop):
+        startup.init_distributed(load_config(None, [], world_size=1))
+    assert seen["value"] == "expandable_segments:True"
+
+
+@pytest.mark.parametrize("local_rank, gpus, ranks, own, expected", [
+    (5, 8, 8, False, 5),     # torchrun: every rank sees the node's GPUs
+    (5, 8, 8, True, 5),      # srun without binding: the same
+    (5, 1, 8, True, 0),      # srun --gpus-per-task=1: each task's own GPU is its GPU 0
+    (5, 4, 8, True, 1),      # srun binding 4 GPUs to each half of the tasks
+])
+def test_each_rank_gets_a_gpu_of_its_own(local_rank, gpus, ranks, own, expected):
+    from ptdp.runtime.launch_env import gpu_of_rank
+    assert gpu_of_rank(local_rank, gpus, ranks, own) == expected
+
+
+@pytest.mark.parametrize("gpus, own", [(1, False), (3, True), (4, False)])
+def test_numbers_that_cannot_fit_are_one_line(gpus, own):
+    from ptdp.runtime.launch_env import gpu_of_rank
+    with pytest.raises(LaunchError) as err:
+        gpu_of_rank(5, gpus, 8, own)
+    assert str(err.value).startswith(f"this node starts 8 ranks but only {gpus} GPU(s) are "
+                                     f"visible to LOCAL_RANK=5")
+    assert "srun --gpus-per-task=1" in str(err.value) and "\n" not in str(err.value)
 
 
 class _Stop(Exception):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ptdp.runtime.progress import DeviceProgress
+from ptdp.runtime.progress import DeviceProgress, Label
 from ptdp.runtime.trace import NO_SPANS
 from ptdp.runtime.watchdog import Watchdog, is_communication_error
 
@@ -393,3 +393,41 @@ def test_a_single_rank_records_no_device_events():
     with dog.track(NO_SPANS)("forward", "compute", mb=0):
         pass
     assert not dog.progress.pending
+
+
+def test_the_detector_thread_binds_to_the_ranks_device_before_querying_events():
+    """A new thread starts on GPU 0: the watchdog's thread must make the rank's device current
+    (ptdp/runtime/progress.py `bind_thread`) before its first event query, or every rank of a
+    node would make a context on GPU 0. A fake factory records which thread bound and queried."""
+    calls = []
+
+    class Event:
+        def record(self):
+            pass
+
+        def query(self):
+            calls.append(("query", threading.current_thread().name))
+            return True
+
+    class Events:
+        def __call__(self):
+            return Event()
+
+        def bind_thread(self):
+            calls.append(("bind", threading.current_thread().name))
+
+    progress = DeviceProgress(Events())
+    progress.record(Label("F0@s0", "forward"))
+    dog = Watchdog(0, 2, str, timeout_s=30.0, store=MemoryStore(), progress=progress,
+                   on_hang=lambda line: None)
+    dog.interval_s = 0.01
+    handler = signal.getsignal(signal.SIGTERM)   # start() installs its own
+    try:
+        dog.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(calls) < 2:
+            time.sleep(0.01)
+        dog.stop()
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert calls[:2] == [("bind", "ptdp-watchdog"), ("query", "ptdp-watchdog")]

@@ -1,10 +1,19 @@
 """The hang detector covers checkpoint saves (ptdp/runtime/watchdog.py `saving`): a rank frozen
 in a save is named within the stall budget plus the save's own time (twice the last save's;
 the start-up budget for a first save), with the iteration and phase it froze in. It used to
-pause during saves, leaving the frozen rank to gloo's 600-s timeout."""
+pause during saves, leaving the frozen rank to gloo's 600-s timeout. The unit tests use fake
+clocks; the last stops a real rank with SIGSTOP inside a real save."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from ptdp.runtime.local_ranks import RankFailure, run_on_ranks
 from ptdp.runtime.watchdog import Watchdog
 from tests.test_watchdog import FakeClock, MemoryStore, _advance
 
@@ -39,3 +48,59 @@ def test_a_first_save_gets_the_start_up_budget():
     assert fired == []
     fired, _ = _frozen_in_save(None, 90.0)
     assert len(fired) == 1 and "at checkpoint save" in fired[0]
+
+
+def frozen_save_job(root: str) -> None:
+    """Two real ranks (pipeline 2) saving every iteration; rank 1 stops itself with a real
+    SIGSTOP inside its second save (iteration 2, after writing its files), sooner than its
+    next regular heartbeat: the save's start publishes one at once. Rank 0's detector,
+    on real clocks and the job's real store, must name it: its line, how long after rank 0
+    entered that save it came, and the budget it had, go to files; then it ends rank 1."""
+    import torch.distributed as dist
+
+    import ptdp.checkpoint.save as save
+    import ptdp.runtime.watchdog as watchdog
+    from ptdp.config import load_config
+    from ptdp.training import Trainer
+    from tests.equivalence import TINY
+    root, rank = Path(root), dist.get_rank()
+    if rank == 1:
+        (root / "pid1").write_text(str(os.getpid()))
+        saves = []
+
+        def reached(stage: str) -> None:
+            saves.append(stage)
+            if stage == "rank_files" and saves.count(stage) == 2:
+                time.sleep(0.2)   # under a heartbeat interval (0.5 s) into the save
+                os.kill(os.getpid(), signal.SIGSTOP)
+        save._reached = reached
+    else:
+        entered = {}
+        original = watchdog.Watchdog.saving
+
+        def saving(dog, iteration, last_save_s):
+            original(dog, iteration, last_save_s)
+            entered.update(at=time.monotonic(), budget=dog.budget_s)
+
+        def report(line):
+            (root / "line").write_text(f"{time.monotonic() - entered['at']:.2f} "
+                                       f"{entered['budget']:.2f}\n{line}")
+            os.kill(int((root / "pid1").read_text()), signal.SIGKILL)
+            os._exit(4)
+        watchdog.Watchdog.saving, watchdog._print_and_exit = saving, report
+    cfg = load_config(None, TINY + ["model.num_layers=2", "parallel.pipeline=2", "train.iters=4",
+                                    "train.timeout_s=2", "train.startup_timeout_s=5",
+                                    f"checkpoint.dir={root}/ck", "checkpoint.save_interval=1",
+                                    "log.progress=false"], world_size=2)
+    Trainer(cfg).train()
+
+
+def test_a_real_sigstop_inside_a_save_is_named_within_its_budget(tmp_path):
+    with pytest.raises(RankFailure):   # rank 0 ends with exit 4, rank 1 is killed
+        run_on_ranks(2, frozen_save_job, str(tmp_path), timeout_s=120)
+    timing, line = (tmp_path / "line").read_text().split("\n", 1)
+    elapsed, budget = map(float, timing.split())
+    assert line.startswith("rank(s) stopped making progress: rank 1 ")
+    assert "last in iteration 2 at checkpoint save" in line
+    assert budget < 2 + 1   # 0.8 x 2 s + twice the first save's time
+    assert budget <= elapsed < budget + 2.5   # + up to 4 heartbeat intervals (0.5 s)

@@ -98,6 +98,8 @@ def hardware_name() -> str:
                 return "v100-32gb"
             if "h200" in gpu:
                 return "h200-141gb"
+            if "h100 nvl" in gpu:
+                return "h100-94gb"
     except Exception:
         pass
     return "h100-80gb"

@@ -9,6 +9,8 @@ docstring is read with `ast` (no module is imported, so no side effects).
 One JSON line per docstring that is long enough to be prose: {"text": ..., "source": ...}.
 
     python tools/make_corpus.py --output corpus.jsonl [--max-docs N] [--min-chars 100]
+
+Exit 2 with one line when there is nothing to read (no such directory, no docstring).
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stdlib-dir", default=sysconfig.get_paths()["stdlib"],
                         help="standard library directory (default: this interpreter's)")
     args = parser.parse_args(argv)
+    if not Path(args.stdlib_dir).is_dir():
+        print(f"make_corpus: --stdlib-dir {args.stdlib_dir} is not a directory", file=sys.stderr)
+        return 2
 
     start = time.perf_counter()
     out = Path(args.output)
@@ -100,9 +105,10 @@ def main(argv: list[str] | None = None) -> int:
             os.replace(tmp, out)  # never leave a half-written corpus under the real name
     finally:
         tmp.unlink(missing_ok=True)
-    if not count:
-        print(f"error: no docstrings found under {args.stdlib_dir}", file=sys.stderr)
-        return 1
+    if not count:   # bad input, as for ptdp's commands: exit 2, one line
+        print(f"make_corpus: no docstring of at least {args.min_chars} characters under "
+              f"{args.stdlib_dir} (--stdlib-dir, --min-chars): nothing to write", file=sys.stderr)
+        return 2
     print(f"wrote {count} documents ({chars / 1e6:.1f} M characters) to {out} "
           f"in {time.perf_counter() - start:.1f} s")
     return 0

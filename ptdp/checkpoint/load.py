@@ -10,6 +10,9 @@ checkpoint holds of it, where its `StatePart` says (ptdp/checkpoint/layout.py): 
 its per-parameter entries resharded for this layout, its rank file when the layout is the
 saved one; {} when the checkpoint holds nothing of it (a converted checkpoint, another layout
 or schedule): the part then keeps or makes a fresh state, as its own load_state_dict says.
+The same happens to the parts that checkpoint.load_optimizer=false, load_rng=false and
+finetune=true withhold from the checkpoint checkpoint.load names (`withheld_parts`; finetune
+also leaves the progress at iteration 0).
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ def _start_fresh(part, saved: dict) -> None:
         return
     if part.per_parameter:
         part.state.load_state_dict({PARAMETERS: [{} for _ in saved.get(PARAMETERS, ())]})
-    elif part.key not in WITHOUT_OPTIMIZER:
+    else:
         part.state.load_state_dict({})
 
 

@@ -56,11 +56,16 @@ def run(args) -> int:
     if _env_int("RANK", 0) == 0:
         for line in found.warnings:   # e.g. tensor groups that straddle nodes
             print(f"ptdp train: warning: {line}", file=sys.stderr)
-    from ptdp.runtime.joblock import die_with_parent, hold
+    from ptdp.runtime.joblock import JobInUse, die_with_parent, hold_outputs
     if os.environ.get("TORCHELASTIC_RUN_ID"):   # under torchrun: never outlive its agent
         die_with_parent()
-    if found.cfg.checkpoint.dir:   # one job per checkpoint.dir (ptdp/runtime/joblock.py)
-        hold(found.cfg.checkpoint.dir, _env_int("RANK", 0))
+    try:   # one job per checkpoint.dir and metrics file (ptdp/runtime/joblock.py)
+        hold_outputs(found.cfg, _env_int("RANK", 0))
+    except JobInUse as err:
+        if _env_int("RANK", 0) == 0:
+            print(f"ptdp train: {err}", file=sys.stderr)
+        record_exit(CONFIG_ERROR)
+        return CONFIG_ERROR
     from ptdp.data.indexed import IndexedDataError
     from ptdp.runtime.startup import shutdown
     from ptdp.training import Trainer

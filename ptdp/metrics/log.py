@@ -1,5 +1,5 @@
 """Per-iteration metrics: one JSON object per iteration (one file for the whole job), TensorBoard
-scalars, console lines and the progress bar, written by rank 0; and the resolved config beside
+and Weights & Biases scalars (ptdp/metrics/wandb_log.py), console lines and the progress bar, written by rank 0; and the resolved config beside
 the metrics file.
 
 The file and TensorBoard keep every iteration; a console line, printed every log.interval
@@ -78,7 +78,7 @@ class MetricsLog:
         start); the file is cut back to them, so that each iteration appears once however
         often the job was restarted."""
         self.cfg, self.active = cfg, is_writer
-        self.file = self.tensorboard = self.progress = None
+        self.file = self.tensorboard = self.wandb = self.progress = None
         self.window: list[dict] = []   # the records since the last console line
         if not is_writer:
             return
@@ -93,6 +93,9 @@ class MetricsLog:
                 raise RuntimeError("log.tensorboard_dir is set but tensorboard is not installed: "
                                    "pip install 'ptdp[tensorboard]'") from err
             self.tensorboard = SummaryWriter(cfg.log.tensorboard_dir)
+        if cfg.log.wandb_project:
+            from ptdp.metrics.wandb_log import WandbRun
+            self.wandb = WandbRun(cfg)
         if cfg.log.progress and sys.stderr.isatty():
             from tqdm import tqdm
             self.progress = tqdm(total=cfg.train.iters, desc="train", unit="it")
@@ -107,9 +110,10 @@ class MetricsLog:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         if self.tensorboard:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "iter":
-                    self.tensorboard.add_scalar(f"train/{key}", value, record["iter"])
+            for key, value in scalars(record).items():
+                self.tensorboard.add_scalar(key, value, record["iter"])
+        if self.wandb:
+            self.wandb.log(scalars(record), record["iter"])
         if self.progress:
             self.progress.update(1)
             self.progress.set_postfix(loss=f"{record['loss']:.4f}")
@@ -140,9 +144,15 @@ class MetricsLog:
             print(text, flush=True)
 
     def close(self) -> None:
-        for handle in (self.file, self.tensorboard, self.progress):
+        for handle in (self.file, self.tensorboard, self.wandb, self.progress):
             if handle:
                 handle.close()
+
+
+def scalars(record: dict) -> dict:
+    """The record's numbers as TensorBoard and W&B log them: {"train/<key>": value}."""
+    return {f"train/{key}": value for key, value in record.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "iter"}
 
 
 def interval_average(records: list[dict]) -> dict:

@@ -84,12 +84,54 @@ def adopt_slurm_environment() -> dict:
     return derived
 
 
-def cuda_environment(tensor: int, context: int) -> dict:
-    """Variables a CUDA rank needs before its first CUDA call.
+ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")   # (torch 2.9's name)
+
+
+def cuda_environment(tensor: int, context: int, environ=None) -> dict:
+    """Variables a CUDA rank needs before its first CUDA call (the ones `environ`, default
+    this process's, does not set already).
 
     With tensor or context parallelism a layer's collective and the GEMMs around it run on
     different streams; one hardware work queue (CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron-LM
     requires) makes the GPU start them in the order the host issued them, so a communication
     kernel is not queued behind compute it should overlap with.
+
+    The caching allocator gets expandable segments (PYTORCH_CUDA_ALLOC_CONF=
+    expandable_segments:True, as torchtitan sets) unless the user configured the allocator:
+    blocks grow in place instead of fragmenting memory across the varying activation sizes of
+    pipeline schedules. The allocator reads it once, when CUDA is first initialised.
     """
-    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tensor > 1 or context > 1 else {}
+    environ = os.environ if environ is None else environ
+    out = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} if tensor > 1 or context > 1 else {}
+    if not any(name in environ for name in ALLOCATOR_VARIABLES):
+        out["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return {name: value for name, value in out.items() if name not in environ}
+
+
+def started_by_srun(environ=None) -> bool:
+    """A rank that `srun` started directly, one task per GPU (not torchrun's worker): SLURM
+    may then give each task only its own GPUs (--gpus-per-task, --gpu-bind)."""
+    environ = os.environ if environ is None else environ
+    return "SLURM_STEP_NUM_TASKS" in environ and "TORCHELASTIC_RUN_ID" not in environ
+
+
+def gpu_of_rank(local_rank: int, gpus: int, ranks_per_node: int, own_gpus: bool) -> int:
+    """The visible GPU a rank uses: LOCAL_RANK when each rank sees all of its node's GPUs
+    (torchrun), LOCAL_RANK % visible when each task sees only its own (`own_gpus`: srun with
+    --gpus-per-task=1 shows each task one, as GPU 0). LaunchError, one line, when the numbers
+    cannot give each rank a GPU of its own."""
+    if local_rank < gpus and ranks_per_node <= gpus:
+        return local_rank
+    if own_gpus and gpus > 0 and ranks_per_node % gpus == 0:
+        return local_rank % gpus
+    raise LaunchError(
+        f"this node starts {ranks_per_node} ranks but only {gpus} GPU(s) are visible to "
+        f"LOCAL_RANK={local_rank}{visible_devices(os.environ)}, and each rank needs a GPU of "
+        f"its own; start at most {gpus} ranks per node (torchrun --nproc-per-node {gpus}), "
+        f"give each srun task its own GPU (srun --gpus-per-task=1), or train on CPU with "
+        f"train.device=cpu")
+
+
+def visible_devices(environ) -> str:
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    return f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""

@@ -63,6 +63,14 @@ class DeviceProgress:
         event.record()
         self.pending.append((event, label))
 
+    def bind_thread(self) -> None:
+        """Watchdog thread, before its first poll: make the rank's GPU this thread's current
+        device (a thread starts on GPU 0, and its first CUDA call there would make a context
+        on GPU 0 for every rank of the node)."""
+        bind = getattr(self.make_event, "bind_thread", None)
+        if self.enabled and bind is not None:
+            bind()
+
     def poll(self) -> None:
         """Watchdog thread: retire the events the device has passed (they complete in order:
         all are recorded on the compute stream)."""
@@ -82,10 +90,24 @@ class DeviceProgress:
             return None
 
 
+class CudaEvents:
+    """Makes CUDA events (no timing: cheapest to record) for the rank's `device`, and binds a
+    polling thread to that device."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __call__(self):
+        import torch
+        return torch.cuda.Event()
+
+    def bind_thread(self) -> None:
+        import torch
+        torch.cuda.set_device(self.device)
+
+
 def device_events(device) -> Callable | None:
-    """The event factory for `device`: CUDA events (no timing: cheapest to record), or None on
-    CPU."""
+    """The event factory for `device`: CUDA events, or None on CPU."""
     if getattr(device, "type", device) != "cuda":
         return None
-    import torch
-    return lambda: torch.cuda.Event()
+    return CudaEvents(device)

@@ -4,8 +4,11 @@ Reads RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT from the enviro
 sets them); gloo on CPU, NCCL on GPU. Every collective gets the backend timeout (the larger of
 `train.timeout_s` and `train.startup_timeout_s`), so a dead peer ends the job with an error
 instead of a hang; the hang detector (ptdp/runtime/watchdog.py) speaks before it, at 80 % of
-the phase's own budget. On CUDA, `train.tf32` sets TF32 for fp32 matmuls and convolutions, and
-tensor or context parallelism sets CUDA_DEVICE_MAX_CONNECTIONS=1 unless the launch set it.
+the phase's own budget. On CUDA, `train.tf32` sets TF32 for fp32 matmuls and convolutions,
+tensor or context parallelism sets CUDA_DEVICE_MAX_CONNECTIONS=1 unless the launch set it, and
+the allocator gets expandable segments unless the user configured it (launch_env.py
+`cuda_environment`). A rank uses GPU LOCAL_RANK, or LOCAL_RANK % visible GPUs when srun
+shows each task only its own (launch_env.py `gpu_of_rank`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch.distributed as dist
 from ptdp.config import Config
 from ptdp.config.catalogue import embedding_pipeline_ranks, schedule_spec
 from ptdp.parallel.grid import RankGrid
-from ptdp.runtime.launch_env import cuda_environment
+from ptdp.runtime.launch_env import cuda_environment, gpu_of_rank, started_by_srun
 
 
 class NoDevice(RuntimeError):
@@ -32,13 +35,19 @@ def pick_device(choice: str, option: str = "train.device") -> torch.device:
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise NoDevice(f"{option} cuda, but no CUDA device is visible (use cpu)")
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if local_rank >= torch.cuda.device_count():  # `ptdp train` checks this before starting
-            raise RuntimeError(f"LOCAL_RANK={local_rank} has no GPU of its own: only "
-                               f"{torch.cuda.device_count()} visible; use train.device=cpu")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = local_gpu()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def local_gpu() -> int:
+    """This rank's visible GPU (ptdp/runtime/launch_env.py `gpu_of_rank`): LOCAL_RANK, or
+    LOCAL_RANK % visible GPUs when srun shows each task only its own. `ptdp train` checks the
+    numbers before starting (ptdp/checks.py); LaunchError names them."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or local_rank + 1)
+    return gpu_of_rank(local_rank, torch.cuda.device_count(), ranks_per_node, started_by_srun())
 
 
 def backend_timeout_s(cfg: Config) -> float:
@@ -56,7 +65,7 @@ def set_tf32(enabled: bool) -> None:
 def init_distributed(cfg: Config) -> tuple[RankGrid, torch.device]:
     """Initialise torch.distributed (if not yet) and build the rank grid for cfg.parallel."""
     for name, value in cuda_environment(cfg.parallel.tensor, cfg.parallel.context).items():
-        os.environ.setdefault(name, value)   # before the first CUDA call creates the context
+        os.environ[name] = value   # before the first CUDA call creates the context
     device = pick_device(cfg.train.device)
     if device.type == "cuda":
         set_tf32(cfg.train.tf32)

@@ -88,6 +88,7 @@ class Watchdog:
         self.seq = 0                 # heartbeats published
         self.observed: dict = {}     # rank -> (its sequence number, when this rank first saw it)
         self._stop = threading.Event()
+        self._wake = threading.Event()   # publish now (a save began), not at the next interval
         self._thread = threading.Thread(target=self._run, name="ptdp-watchdog", daemon=True)
 
     # Main thread ----------------------------------------------------------------------------
@@ -119,6 +120,7 @@ class Watchdog:
     def stop(self) -> None:
         self._end_publicly()
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2 * self.interval_s)
 
@@ -144,6 +146,7 @@ class Watchdog:
         self.doing("checkpoint save", iteration=iteration)
         extra = self.startup_stall_s if last_save_s is None else 2 * last_save_s
         self.budget_s = self.stall_s + extra
+        self._wake.set()   # heartbeat at once: a rank frozen early in the save is named in it
 
     def track(self, spans):
         """Wrap a `spans` recorder (ptdp/runtime/trace.py) so every executor action also counts as
@@ -164,9 +167,12 @@ class Watchdog:
 
     # Heartbeat thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        self.progress.bind_thread()   # on the rank's GPU before querying its events
         self._publish()   # at once: a rank may be lost before the first interval
-        while not self._stop.wait(self.interval_s):
-            if self.check():
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set() or self.check():
                 return
 
     def check(self) -> bool:

@@ -93,9 +93,17 @@ def test_make_corpus_is_deterministic(tmp_path):
     assert all(len(r["text"]) >= 100 and r["source"] for r in records)
 
 
-def test_make_corpus_with_nothing_to_read_fails(tmp_path):
+def test_make_corpus_with_nothing_to_read_fails(tmp_path, capsys):
     rc = load_make_corpus().main(["--output", str(tmp_path / "c.jsonl"), "--stdlib-dir", str(tmp_path)])
-    assert rc == 1 and list(tmp_path.iterdir()) == []  # neither an empty corpus nor a temp file
+    assert rc == 2 and list(tmp_path.iterdir()) == []  # neither an empty corpus nor a temp file
+    assert capsys.readouterr().err.splitlines() == [
+        f"make_corpus: no docstring of at least 100 characters under {tmp_path} (--stdlib-dir, "
+        f"--min-chars): nothing to write"]
+    rc = load_make_corpus().main(["--output", str(tmp_path / "c.jsonl"),
+                                  "--stdlib-dir", str(tmp_path / "missing")])
+    assert rc == 2 and list(tmp_path.iterdir()) == []
+    assert capsys.readouterr().err.splitlines() == [
+        f"make_corpus: --stdlib-dir {tmp_path / 'missing'} is not a directory"]
 
 
 # Megatron's tools/preprocess_data.py command line ---------------------------------------------

@@ -18,7 +18,7 @@ def test_catalogue_has_the_datasheet_gpus():
 
 
 @pytest.mark.parametrize("name", ["v100-16gb", "v100-32gb", "a100-40gb", "a100-80gb", "h100-80gb",
-                                  "h200-141gb"])
+                                  "h200-141gb", "h100-94gb"])
 def test_every_profile_is_complete(name):
     hw = load_hardware(name)
     assert hw.peak_flops(hw.default_precision) > 0
