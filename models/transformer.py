@@ -128,8 +128,11 @@ class ParallelAttention(nn.Module):
         qkv = self.qkv(x)  # the whole sequence (all-gathered first with sequence parallelism)
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.local_groups, self.group_size + 2, -1)
-        q = qkv[:, :, :, :self.group_size].reshape(s, b, self.local_heads, -1).permute(1, 2, 0, 3)
-        k, v = (qkv[:, :, :, self.group_size + i].permute(1, 2, 0, 3) for i in range(2))
+        # split, not indexing: its backward writes the three gradients into one tensor, where
+        # slices and selects would each zero a full-size gradient and autograd would sum them
+        q, k, v = qkv.split([self.group_size, 1, 1], dim=3)
+        q = q.reshape(s, b, self.local_heads, -1).permute(1, 2, 0, 3)
+        k, v = (t.squeeze(3).permute(1, 2, 0, 3) for t in (k, v))
         if self.rotary is not None:
             if positions is None:   # this rank's chunks' positions with context parallelism
                 positions = (self.ctx.cp.positions(s, x.device) if self.ctx.cp.size > 1

@@ -6,7 +6,10 @@ torch functions, and the parallel linears hand their bias over instead of adding
 (`skip_bias_add` in ptdp/parallel/layers.py), so the whole chain is visible in one place:
 
 * eager PyTorch runs each op as its own kernel, with the same numerics and the same dropout
-  draws (default generator, same shape, same order) as the unfused layer;
+  draws (default generator, same shape, same order) as the unfused layer; the bias is added
+  in place into `x`, the GEMM's fresh output that nothing else holds (the GEMM's backward
+  needs only its inputs), which saves allocating and writing one more activation-sized
+  tensor per chain;
 * with `train.compile` the transformer layer is compiled (ptdp/kernels/compile.py) and
   inductor fuses each chain into one kernel, recomputing the GeLU input in backward instead
   of storing it. TorchScript is not used: torch.compile supersedes it.
@@ -19,14 +22,14 @@ import torch.nn.functional as F
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """GeLU(x + bias), exact (erf) GeLU as the unfused model uses."""
-    return F.gelu(x if bias is None else x + bias)
+    """GeLU(x + bias), exact (erf) GeLU as the unfused model uses. Overwrites `x`."""
+    return F.gelu(x if bias is None else x.add_(bias))
 
 
 def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """SiLU(gate) * up of x + bias, whose last dimension alternates gate and up columns
-    (models/transformer.py ParallelMLP): [..., 2f] -> [..., f]."""
-    x = x if bias is None else x + bias
+    (models/transformer.py ParallelMLP): [..., 2f] -> [..., f]. Overwrites `x`."""
+    x = x if bias is None else x.add_(bias)
     pairs = x.unflatten(-1, (-1, 2))
     return F.silu(pairs[..., 0]) * pairs[..., 1]
 
@@ -34,9 +37,10 @@ def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                      p: float, training: bool) -> torch.Tensor:
     """residual + Dropout(x + bias). The dropout mask comes from the default generator: the
-    hidden state is replicated across tensor ranks, so every rank draws the same mask."""
+    hidden state is replicated across tensor ranks, so every rank draws the same mask.
+    Overwrites `x`."""
     if bias is not None:
-        x = x + bias
+        x = x.add_(bias)
     if p > 0 and training:
         x = F.dropout(x, p, training=True)
     return residual + x
