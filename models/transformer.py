@@ -41,7 +41,7 @@ from ptdp.models.norms import norm
 from ptdp.models.rotary import RotaryEmbedding, rotate
 from ptdp.parallel.context import ContextParallel
 from ptdp.parallel.experts import ExpertParallel
-from ptdp.parallel.layers import ColumnParallelLinear, RowParallelLinear, full_normal, scaled_std
+from ptdp.parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_std
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.ring_attention import ring_attention
 from ptdp.parallel.rng import TensorParallelRNG
@@ -77,18 +77,6 @@ def _sequence_parallel_dropout(x, p: float, tp: TensorParallel):
     return sequence_parallel_dropout(x, p, tp)
 
 
-def qkv_weight(cfg: ModelConfig, seed: int, key: str) -> torch.Tensor:
-    """The full QKV weight with rows ordered [group, (q_1 .. q_r, k, v), head_dim].
-
-    A group is one key/value head and the r = num_heads / num_kv_heads query heads that share
-    it (r = 1 without grouped-query attention: rows [head, (q, k, v), head_dim]). Ordering rows
-    group-major makes a contiguous row slice hold whole groups, so column-parallel splitting
-    gives each rank complete heads with their own keys and values (Megatron's layout).
-    """
-    h, g, d = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
-    return full_normal(((cfg.num_heads + 2 * g) * d, h), cfg.init_std, seed, f"{key}.weight")
-
-
 class ParallelAttention(nn.Module):
     def __init__(self, ctx: ModelContext, layer: int, causal: bool):
         super().__init__()
@@ -98,10 +86,14 @@ class ParallelAttention(nn.Module):
         self.local_groups = tp.shard(cfg.num_kv_heads)
         self.group_size = cfg.num_heads // cfg.num_kv_heads
         self.local_heads = self.local_groups * self.group_size
+        # The QKV weight's rows are ordered [group, (q_1 .. q_r, k, v), head_dim]: a group is one
+        # key/value head and the r = num_heads / num_kv_heads query heads that share it (r = 1
+        # without grouped-query attention: [head, (q, k, v), head_dim]). Group-major rows make a
+        # contiguous row slice hold whole groups, so column-parallel splitting gives each rank
+        # complete heads with their own keys and values (Megatron's layout).
         width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden_size, width, tp, seed=ctx.seed,
-                                        key=f"{key}.qkv", std=cfg.init_std, bias=cfg.qkv_bias,
-                                        full_weight=qkv_weight(cfg, ctx.seed, f"{key}.qkv"))
+                                        key=f"{key}.qkv", std=cfg.init_std, bias=cfg.qkv_bias)
         self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, tp, seed=ctx.seed,
                                       key=f"{key}.proj", skip_bias_add=True, bias=cfg.bias,
                                       std=scaled_std(cfg.init_std, cfg.num_layers))
