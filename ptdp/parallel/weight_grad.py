@@ -8,13 +8,13 @@ W into what would otherwise be the pipeline's bubbles.
 Every layer that owns weights computes its weighted products (linear, LayerNorm, embedding
 lookup, an RMSNorm's gain) through its `weight_ops`: `PLAIN`, torch's own functions, unless
 `defer_weight_grads(chunk)` binds the chunk's layers to a `WeightGradQueue`, the chunk's own
-(kept as `chunk.weight_grads`). The queue's ops are autograd Functions whose backward returns
-the input gradient and, while a B pass of the queue is open (`queue.defer(mb)`), hands the
+(kept as `chunk.weight_grads`). The queue's ops are custom operators (an autograd Function for
+the embedding) whose backward returns the input gradient and, while a B pass of the queue is open (`queue.defer(mb)`), hands the
 weight gradient over as a closure instead of computing it. `queue.run(mb)` (the W pass)
 evaluates the closures of that micro-batch, sums them per weight and accumulates them through
 autograd (`torch.autograd.backward` on the weights), so the hooks that follow an accumulation
 fire as after a plain backward: fp32 gradient accumulation and the data-parallel buckets,
-which therefore launch after the last W of the iteration. Outside a B pass the same Functions
+which therefore launch after the last W of the iteration. Outside a B pass the same ops
 compute both gradients at once. The pipeline executor (ptdp/pipeline/executor.py) opens the B
 pass and runs the W pass on the queue of the stage it executes; a new chunk has a new queue,
 so nothing deferred outlives the model it belongs to.
@@ -363,7 +363,9 @@ def _scale_backward(ctx, grad):
 
 _deferred_scale.register_autograd(_scale_backward, setup_context=_scale_context)
 
-# the backward operators act through their queue: never dropped as unused nor reordered
+# The backward operators act through their queue: never dropped as unused nor reordered.
+# torch's AOTAutograd cache keys a compiled layer on its forward graph, not on these
+# operators' Python: a changed backward operator needs a new name (or a cleared cache).
 for _op in (torch.ops.ptdp.deferred_linear_backward.default,
             torch.ops.ptdp.deferred_layer_norm_backward.default,
             torch.ops.ptdp.deferred_scale_backward.default):
