@@ -104,7 +104,7 @@ def rates() -> dict:
     return {"draw_per_s": n / draw, "skip_per_s": n / skip}
 
 
-def bench_init(hidden: int, t: int, threads: int, rate: dict) -> dict:
+def bench_init(hidden: int, t: int, threads: int, rate: dict, repeats: int) -> dict:
     """One layer's linears at `hidden` for tensor rank t - 1: measured old and new, predicted."""
     from ptdp.parallel.initial_weights import drawing_in_threads
     from ptdp.parallel.layers import full_normal, normal_param
@@ -125,8 +125,9 @@ def bench_init(hidden: int, t: int, threads: int, rate: dict) -> dict:
     assert all(torch.equal(a, b) for a, b in zip(new(), old())), "slices differ from the full draws"
     costs = [stream_cost(shape, dim, t, t - 1) for shape, dim in shapes]
     predicted = sum(skip / rate["skip_per_s"] + draw / rate["draw_per_s"] for skip, draw in costs)
-    return {"hidden": hidden, "t": t, "old_s": _median_seconds(old, 3), "new_s": _median_seconds(new, 3),
-            "threaded_s": _median_seconds(threaded, 3), "threads": threads, "predicted_new_s": predicted,
+    return {"hidden": hidden, "t": t, "old_s": _median_seconds(old, repeats),
+            "new_s": _median_seconds(new, repeats), "threaded_s": _median_seconds(threaded, repeats),
+            "threads": threads, "predicted_new_s": predicted,
             "predicted_old_s": sum(math.prod(shape) for shape, _ in shapes) / rate["draw_per_s"]}
 
 
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
 def _main_init(args, argv) -> int:
     torch.set_num_threads(1)
     rate = rates()
-    measured = bench_init(args.init_hidden, 8, args.init_threads, rate)
+    measured = bench_init(args.init_hidden, 8, args.init_threads, rate, args.repeats)
     at_scale = {n: extrapolate_175b(rate, n) for n in (1, args.init_threads)}
     print(f"drawing normals {rate['draw_per_s'] / 1e6:.0f} M/s, skipping the stream "
           f"{rate['skip_per_s'] / 1e6:.0f} M/s (one thread)")
