@@ -38,7 +38,7 @@ from ptdp.models.norms import head_norm, norm
 from ptdp.models.rotary import RotaryEmbedding, rotate
 from ptdp.parallel.context import ContextParallel
 from ptdp.parallel.experts import ExpertParallel
-from ptdp.parallel.layers import ColumnParallelLinear, RowParallelLinear, full_normal, scaled_std
+from ptdp.parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_std
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import TensorParallelRNG
 from ptdp.parallel.sequence import sequence_parallel_dropout
@@ -73,18 +73,6 @@ def _sequence_parallel_dropout(x, p: float, tp: TensorParallel):
     return sequence_parallel_dropout(x, p, tp)
 
 
-def qkv_weight(cfg: ModelConfig, seed: int, key: str) -> torch.Tensor:
-    """The full QKV weight with rows ordered [group, (q_1 .. q_r, k, v), head_dim].
-
-    A group is one key/value head and the r = num_heads / num_kv_heads query heads that share
-    it (r = 1 without grouped-query attention: rows [head, (q, k, v), head_dim]). Ordering rows
-    group-major makes a contiguous row slice hold whole groups, so column-parallel splitting
-    gives each rank complete heads with their own keys and values (Megatron's layout).
-    """
-    h, g, d = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
-    return full_normal(((cfg.num_heads + 2 * g) * d, h), cfg.init_std, seed, f"{key}.weight")
-
-
 class ParallelAttention(nn.Module):
     def __init__(self, ctx: ModelContext, layer: int, causal: bool):
         super().__init__()
@@ -94,10 +82,14 @@ class ParallelAttention(nn.Module):
         self.local_groups = tp.shard(cfg.num_kv_heads)
         self.group_size = cfg.num_heads // cfg.num_kv_heads
         self.local_heads = self.local_groups * self.group_size
+        # The QKV weight's rows are ordered [group, (q_1 .. q_r, k, v), head_dim]: a group is one
+        # key/value head and the r = num_heads / num_kv_heads query heads that share it (r = 1
+        # without grouped-query attention: [head, (q, k, v), head_dim]). Group-major rows make a
+        # contiguous row slice hold whole groups, so column-parallel splitting gives each rank
+        # complete heads with their own keys and values (Megatron's layout).
         width = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv = ColumnParallelLinear(cfg.hidden_size, width, tp, seed=ctx.seed,
-                                        key=f"{key}.qkv", std=cfg.init_std, bias=cfg.qkv_bias,
-                                        full_weight=qkv_weight(cfg, ctx.seed, f"{key}.qkv"))
+                                        key=f"{key}.qkv", std=cfg.init_std, bias=cfg.qkv_bias)
         # heads * head_dim -> h (h -> h unless model.head_dim sets another head size)
         self.proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp,
                                       seed=ctx.seed, key=f"{key}.proj", skip_bias_add=True,
@@ -122,8 +114,11 @@ class ParallelAttention(nn.Module):
         qkv = self.qkv(x)  # the whole sequence (all-gathered first with sequence parallelism)
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.local_groups, self.group_size + 2, -1)
-        q = qkv[:, :, :, :self.group_size].reshape(s, b, self.local_heads, -1).permute(1, 2, 0, 3)
-        k, v = (qkv[:, :, :, self.group_size + i].permute(1, 2, 0, 3) for i in range(2))
+        # split, not indexing: its backward writes the three gradients into one tensor, where
+        # slices and selects would each zero a full-size gradient and autograd would sum them
+        q, k, v = qkv.split([self.group_size, 1, 1], dim=3)
+        q = q.reshape(s, b, self.local_heads, -1).permute(1, 2, 0, 3)
+        k, v = (t.squeeze(3).permute(1, 2, 0, 3) for t in (k, v))
         if self.ctx.model.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:

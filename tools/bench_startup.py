@@ -7,8 +7,14 @@
   ask for fresh interpreters.
 * Simulating a schedule's timeline, as planning does at every trainer's start-up
   (ptdp/pipeline/simulation.py): whole-number times (`exact_times`) against Fractions.
+* Drawing the initial weights (ptdp/parallel/initial_weights.py): a GPT layer's four linears
+  at a reduced width, for the last tensor rank of t = 8 (the one that skips the most), drawing
+  only its slices against drawing every full tensor (as before) and checking they are equal;
+  then, from the measured rates of drawing normals and of skipping the stream, the time per
+  rank at GPT-175B (p = t = 8: 12 layers of h 12,288 per stage, the first stage's embedding of
+  V 51,200), on 1 thread and on `--init-threads`.
 
-    python tools/bench_startup.py --out bench/startup
+    python tools/bench_startup.py --out bench/startup [--only init]
 
 prints the tables and writes startup.json.
 """
@@ -16,10 +22,13 @@ prints the tables and writes startup.json.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from fractions import Fraction
 from pathlib import Path
+
+import torch
 
 if __package__:      # python -m tools.bench_startup, or imported by a test
     from . import harness
@@ -71,12 +80,84 @@ def bench_simulation(cases: list[tuple], repeats: int) -> list[dict]:
     return rows
 
 
+def gpt_linears(h: int) -> list[tuple[tuple, int]]:
+    """A GPT layer's weights as (full shape, split dim): QKV, projection, fc1, fc2."""
+    return [((3 * h, h), 0), ((h, h), 1), ((4 * h, h), 0), ((h, 4 * h), 1)]
+
+
+def stream_cost(shape: tuple, split_dim: int | None, t: int, rank: int) -> tuple[int, int]:
+    """(numbers skipped, normals drawn) for one rank's slice, as initial_weights draws it."""
+    from ptdp.parallel.initial_weights import _segments
+    numel = math.prod(shape)
+    segments = _segments(shape, split_dim, t, rank) if split_dim is not None else [(0, numel)]
+    if segments is None:
+        return 0, numel
+    return segments[-1][0] - sum(b - a for a, b in segments[:-1]), sum(b - a for a, b in segments)
+
+
+def rates() -> dict:
+    """Normals drawn per second and stream numbers skipped per second, on this thread."""
+    from ptdp.parallel.initial_weights import _skip
+    n = 1 << 24
+    draw = harness.time_steps(lambda _: torch.randn(n, generator=torch.Generator()), 3).median
+    skip = harness.time_steps(lambda _: _skip(torch.Generator(), n, []), 3).median
+    return {"draw_per_s": n / draw, "skip_per_s": n / skip}
+
+
+def bench_init(hidden: int, t: int, threads: int, rate: dict, repeats: int) -> dict:
+    """One layer's linears at `hidden` for tensor rank t - 1: measured old and new, predicted."""
+    from ptdp.parallel.initial_weights import drawing_in_threads
+    from ptdp.parallel.layers import full_normal, normal_param
+    from ptdp.parallel.mappings import TensorParallel
+    tp = TensorParallel(None, t - 1, t)
+    shapes = gpt_linears(hidden)
+
+    def new():
+        return [normal_param(shape, 0.02, 1, f"w{i}", dim, tp) for i, (shape, dim) in enumerate(shapes)]
+
+    def old():
+        return [full_normal(shape, 0.02, 1, f"w{i}").chunk(t, dim)[t - 1] for i, (shape, dim) in enumerate(shapes)]
+
+    def threaded():
+        with drawing_in_threads(threads):
+            return new()
+
+    assert all(torch.equal(a, b) for a, b in zip(new(), old())), "slices differ from the full draws"
+    costs = [stream_cost(shape, dim, t, t - 1) for shape, dim in shapes]
+    predicted = sum(skip / rate["skip_per_s"] + draw / rate["draw_per_s"] for skip, draw in costs)
+    return {"hidden": hidden, "t": t, "old_s": _median_seconds(old, repeats),
+            "new_s": _median_seconds(new, repeats), "threaded_s": _median_seconds(threaded, repeats),
+            "threads": threads, "predicted_new_s": predicted,
+            "predicted_old_s": sum(math.prod(shape) for shape, _ in shapes) / rate["draw_per_s"]}
+
+
+def extrapolate_175b(rate: dict, threads: int, h: int = 12288, layers: int = 12, t: int = 8,
+                     vocab: int = 51200) -> dict:
+    """Seconds per rank to draw the initial weights of one GPT-175B stage at p = t = 8 (the
+    first: its layers and the embedding), tensor rank t - 1; threads share the tensors, so a
+    rank takes at least its largest tensor's time."""
+    tensors = [cost for _ in range(layers) for cost in
+               (stream_cost(shape, dim, t, t - 1) for shape, dim in gpt_linears(h))]
+    per = vocab // t   # the embedding's rows of rank t - 1
+    tensors.append((per * (t - 1) * h, per * h))
+    seconds = [skip / rate["skip_per_s"] + draw / rate["draw_per_s"] for skip, draw in tensors]
+    full = (layers * 12 * h * h + vocab * h) / rate["draw_per_s"]
+    return {"full_draws_s": full, "slices_1_thread_s": sum(seconds),
+            "slices_threads_s": max(sum(seconds) / threads, max(seconds)), "threads": threads}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/startup", help="folder for startup.json")
     parser.add_argument("--ranks", default="1,2,4,8", help="world sizes to start")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", choices=("ranks", "init"), help="run one part")
+    parser.add_argument("--init-hidden", type=int, default=2048, help="width of the measured layer")
+    parser.add_argument("--init-threads", type=int, default=8,
+                        help="threads per rank for the initial weights (a GPU node's cores / 8)")
     args = parser.parse_args(argv)
+    if args.only == "init":
+        return _main_init(args, argv)
     worlds = [int(w) for w in args.ranks.split(",")]
     ranks = bench_ranks(worlds, args.repeats)
     print("starting local ranks that import the trainer (median of "
@@ -98,6 +179,29 @@ def main(argv=None) -> int:
               f"{r['exact_s']:>7.3f}  {r['fraction_s']:>8.3f}  {r['speedup']:>7.1f}")
     out = harness.write_json(Path(args.out) / "startup.json",
                              {"ranks": ranks, "simulation": sims}, tool=__file__, argv=argv)
+    print(f"wrote {out}")
+    return 0
+
+
+def _main_init(args, argv) -> int:
+    torch.set_num_threads(1)
+    rate = rates()
+    measured = bench_init(args.init_hidden, 8, args.init_threads, rate, args.repeats)
+    at_scale = {n: extrapolate_175b(rate, n) for n in (1, args.init_threads)}
+    print(f"drawing normals {rate['draw_per_s'] / 1e6:.0f} M/s, skipping the stream "
+          f"{rate['skip_per_s'] / 1e6:.0f} M/s (one thread)")
+    m = measured
+    print(f"one GPT layer's linears, h {m['hidden']}, tensor rank 7 of 8 (median seconds): full "
+          f"tensors {m['old_s']:.3f} (predicted {m['predicted_old_s']:.3f}), my slices "
+          f"{m['new_s']:.3f} (predicted {m['predicted_new_s']:.3f}), on {m['threads']} threads "
+          f"{m['threaded_s']:.3f}; equal to the full draws' slices")
+    x1, xn = at_scale[1], at_scale[args.init_threads]
+    print(f"GPT-175B at p = t = 8, first stage, tensor rank 7, predicted per rank: full tensors "
+          f"{x1['full_draws_s']:.0f} s; slices {x1['slices_1_thread_s']:.0f} s on 1 thread, "
+          f"{xn['slices_threads_s']:.0f} s on {xn['threads']} threads")
+    out = harness.write_json(Path(args.out) / "init.json",
+                             {"rates": rate, "layer": measured, "gpt_175b": at_scale},
+                             tool=__file__, argv=argv)
     print(f"wrote {out}")
     return 0
 

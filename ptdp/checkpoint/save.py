@@ -222,7 +222,7 @@ def _model_shards(state, per_parameter: list[list[dict]]) -> tuple[dict, dict]:
         if not writes(param, state.grid):   # another replica writes it
             continue
         entry = {key: value for entries in per_parameter for key, value in entries[i].items()}
-        shards[name] = {key: _host_copy(value) for key, value in entry.items()}
+        shards[name] = {key: _host_copy(value, state.device) for key, value in entry.items()}
         info[name] = param_metadata(param, state.tp.size, state.cfg.model.vocab_size,
                                     state.grid.pp_rank)
         if _expert_rank(state.grid):   # (only expert parameters: ptdp/checkpoint/layout.py)
@@ -235,12 +235,14 @@ def _expert_rank(grid) -> int:
     return grid.index("expert") if grid.e > 1 else 0
 
 
-def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+def _host_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy in host memory that training may not change: pinned and asynchronous from a
-    GPU (the caller synchronises once), a plain clone on CPU."""
+    GPU (the caller synchronises once), a plain clone on CPU. A host tensor of a job on a GPU
+    is such a copy already (the distributed optimizer gathers its state into private host
+    copies, ptdp/optim/distributed.py): kept, not copied twice."""
     tensor = tensor.detach()
     if tensor.device.type != "cuda":
-        return tensor.clone()
+        return tensor if device.type == "cuda" else tensor.clone()
     copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return copy.copy_(tensor, non_blocking=True)
 

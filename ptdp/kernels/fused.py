@@ -6,7 +6,10 @@ torch functions, and the parallel linears hand their bias over instead of adding
 (`skip_bias_add` in ptdp/parallel/layers.py), so the whole chain is visible in one place:
 
 * eager PyTorch runs each op as its own kernel, with the same numerics and the same dropout
-  draws (default generator, same shape, same order) as the unfused layer;
+  draws (default generator, same shape, same order) as the unfused layer; the bias is added
+  in place into `x`, the GEMM's fresh output that nothing else holds (the GEMM's backward
+  needs only its inputs), which saves allocating and writing one more activation-sized
+  tensor per chain;
 * with `train.compile` the transformer layer is compiled (ptdp/kernels/compile.py) and
   inductor fuses each chain into one kernel, recomputing the GeLU input in backward instead
   of storing it. TorchScript is not used: torch.compile supersedes it.
@@ -22,26 +25,27 @@ import torch.nn.functional as F
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor | None, approximate: str = "none") -> torch.Tensor:
     """GeLU(x + bias): the exact (erf) GeLU, or with approximate='tanh' the tanh approximation
-    (GPT-2's `gelu_new`, Megatron-LM's fused bias-GeLU)."""
-    return F.gelu(x if bias is None else x + bias, approximate=approximate)
+    (GPT-2's `gelu_new`, Megatron-LM's fused bias-GeLU). Overwrites `x`."""
+    return F.gelu(x if bias is None else x.add_(bias), approximate=approximate)
 
 
 def bias_gelu_tanh(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """GeLU(x + bias) with the tanh approximation (model.activation=gelu_tanh)."""
+    """GeLU(x + bias) with the tanh approximation (model.activation=gelu_tanh). Overwrites `x`."""
     return bias_gelu(x, bias, approximate="tanh")
 
 
 def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """SiLU(gate) * up of x + bias, whose last dimension alternates gate and up columns
-    (models/transformer.py ParallelMLP): [..., 2f] -> [..., f]."""
-    x = x if bias is None else x + bias
+    (models/transformer.py ParallelMLP): [..., 2f] -> [..., f]. Overwrites `x`."""
+    x = x if bias is None else x.add_(bias)
     pairs = x.unflatten(-1, (-1, 2))
     return F.silu(pairs[..., 0]) * pairs[..., 1]
 
 
 def bias_geglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """GeLU(gate) * up with the tanh GeLU (Gemma's MLP), laid out as bias_swiglu's input."""
-    x = x if bias is None else x + bias
+    """GeLU(gate) * up with the tanh GeLU (Gemma's MLP), laid out as bias_swiglu's input.
+    Overwrites `x`."""
+    x = x if bias is None else x.add_(bias)
     pairs = x.unflatten(-1, (-1, 2))
     return F.gelu(pairs[..., 0], approximate="tanh") * pairs[..., 1]
 
@@ -57,9 +61,10 @@ GATES = {"swiglu": F.silu, "geglu": functools.partial(F.gelu, approximate="tanh"
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,
                      p: float, training: bool) -> torch.Tensor:
     """residual + Dropout(x + bias). The dropout mask comes from the default generator: the
-    hidden state is replicated across tensor ranks, so every rank draws the same mask."""
+    hidden state is replicated across tensor ranks, so every rank draws the same mask.
+    Overwrites `x`."""
     if bias is not None:
-        x = x + bias
+        x = x.add_(bias)
     if p > 0 and training:
         x = F.dropout(x, p, training=True)
     return residual + x

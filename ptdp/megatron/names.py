@@ -8,7 +8,7 @@ any split; this module only renames and reorders.
 
 What differs besides the names:
   * QKV: none. Megatron's rows are per query group [q heads of the group, k, v], each
-    head_dim rows: ptdp's own order (models/transformer.py `qkv_weight`).
+    head_dim rows: ptdp's own order (models/transformer.py `ParallelAttention`).
   * SwiGLU's fc1: Megatron's full weight is [gate (f rows); up (f rows)] (what torch_dist
     stores; a legacy rank holds [its gate rows; its up rows]); ptdp's rows alternate gate and
     up (`fc1.view(f, 2, h)`, so any tensor split keeps pairs together).

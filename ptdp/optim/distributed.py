@@ -176,7 +176,7 @@ class ShardedMasterWeights:
         return [piece.param_index for piece in self.masters]
 
     def state_dict(self) -> list[torch.Tensor]:
-        return self.gather(self.piece_values(lambda piece: piece.detach()))
+        return self.gather_to_host(lambda piece: piece.detach())
 
     @torch.no_grad()
     def load_state_dict(self, values: list[torch.Tensor]) -> None:
@@ -190,8 +190,8 @@ class ShardedMasterWeights:
         step = self.optimizer_step_count(optimizer)   # collective
         if step is None:
             return [{} for _ in self.params]
-        whole = {key: self.gather(self.piece_values(
-            lambda piece, key=key: optimizer.state[piece][key])) for key in MOMENTS}
+        whole = {key: self.gather_to_host(lambda piece, key=key: optimizer.state[piece][key])
+                 for key in MOMENTS}
         return [{**{key: whole[key][i] for key in MOMENTS}, "step": step}
                 for i in range(len(self.params))]
 
@@ -222,6 +222,34 @@ class ShardedMasterWeights:
                 full[slice(*b.own)].copy_(mine)
         return self.layout.views(full)
 
+    @torch.no_grad()
+    def gather_to_host(self, value_of) -> list[torch.Tensor]:
+        """Per parameter, its whole fp32 tensor in host memory (a private copy), assembled
+        from every rank's `value_of(piece)`, bucket by bucket: a save never holds more than
+        one bucket on the device (not the whole fp32 state, three times, as a `gather` per
+        value would) and pins no host memory. Collective over the data group."""
+        out: list = [None] * len(self.params)
+        pieces = {}
+        for piece in self.masters:
+            pieces.setdefault(self.layout.offsets[piece.param_index], []).append(piece)
+        for b in self.buckets:
+            start, end = b.span
+            full = torch.zeros(end - start, dtype=torch.float32, device=self.model_buffer.device)
+            mine = full[b.own[0] - start: b.own[1] - start]
+            for p in b.params:
+                i = self.flat_grads.index_of[id(p)]
+                for piece in pieces.get(self.layout.offsets[i], []):
+                    at = piece.shard_offset - b.shard_offset
+                    mine[at: at + piece.numel()].copy_(value_of(piece))
+            if self.size > 1:
+                dist.all_gather_single(full, mine, group=self.group)   # in place, as NCCL allows
+            for p in b.params:
+                i = self.flat_grads.index_of[id(p)]
+                lo = self.layout.offsets[i] - start
+                out[i] = full[lo: lo + p.numel()].view(p.shape).to("cpu", copy=True)
+            del full, mine
+        return out
+
     def full_grads(self) -> list[torch.Tensor]:
         """The reduced gradients of whole parameters (after `reduce_gradients`)."""
         shard = torch.cat([b.own_grads for b in self.buckets])
@@ -232,14 +260,6 @@ class ShardedMasterWeights:
                     i = self.flat_grads.index_of[id(p)]
                     full[i] = self.layout.view(self.flat_grads.buffer, i).clone()
         return full
-
-    def piece_values(self, value_of) -> torch.Tensor:
-        """A tensor shaped like this rank's master shard (its bucket shards in order) holding
-        `value_of(piece)` at every piece, for `gather`."""
-        shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.model_buffer.device)
-        for piece in self.masters:
-            shard[piece.shard_offset: piece.shard_offset + piece.numel()].copy_(value_of(piece))
-        return shard
 
     @staticmethod
     def range_of(piece, whole: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,9 @@ and logits, and the layout-independent initialisation they share.
 
 Every parameter is initialised from the *full* tensor's RNG stream (seeded by the run seed and
 the parameter's global name) and then sliced, so any tensor/pipeline layout starts from exactly
-the weights a single process would have. Split parameters declare `tp_split_dim` in their
-role (ptdp/parallel/roles.py).
+the weights a single process would have; the linears and the embedding draw only their slice
+of that stream (ptdp/parallel/initial_weights.py). Split parameters declare `tp_split_dim` in
+their role (ptdp/parallel/roles.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import zlib
 import torch
 import torch.nn as nn
 
+from ptdp.parallel.initial_weights import normal_rows, normal_slice
 from ptdp.parallel.mappings import (TensorParallel, copy_to_tensor_region,
                                     gather_from_tensor_region, scatter_to_tensor_region)
 from ptdp.parallel.roles import declare_role
@@ -37,6 +39,16 @@ def full_normal(shape, std: float, seed: int, key: str) -> torch.Tensor:
     """The full (unsplit) tensor as a single process would draw it, in fp32 on CPU."""
     generator = torch.Generator().manual_seed(stable_seed(seed, key))
     return torch.randn(shape, generator=generator) * std
+
+
+def normal_param(shape, std: float, seed: int, key: str, split_dim: int | None,
+                 tp: TensorParallel) -> nn.Parameter:
+    """`shard_param(full_normal(shape, std, seed, key), split_dim, tp)`, bit for bit, drawing
+    only my slice."""
+    split = split_dim if tp.size > 1 else None
+    param = nn.Parameter(normal_slice(shape, std, stable_seed(seed, key), split, tp.size, tp.rank))
+    declare_role(param, tp_split_dim=split)
+    return param
 
 
 def shard_param(full: torch.Tensor, split_dim: int | None, tp: TensorParallel) -> nn.Parameter:
@@ -62,13 +74,11 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallel, *, seed: int,
                  key: str, std: float, bias: bool = True, gather_output: bool = False,
-                 full_weight: torch.Tensor | None = None, skip_bias_add: bool = False):
+                 skip_bias_add: bool = False):
         super().__init__()
         assert not (gather_output and skip_bias_add), "a gathered output needs its bias added"
         self.tp, self.gather_output, self.skip_bias_add = tp, gather_output, skip_bias_add
-        full = full_weight if full_weight is not None else full_normal(
-            (out_features, in_features), std, seed, f"{key}.weight")
-        self.weight = shard_param(full, 0, tp)
+        self.weight = normal_param((out_features, in_features), std, seed, f"{key}.weight", 0, tp)
         self.bias = shard_param(torch.zeros(out_features), 0, tp) if bias else None
 
     def forward(self, x):
@@ -94,8 +104,7 @@ class RowParallelLinear(nn.Module):
                  skip_bias_add: bool = False):
         super().__init__()
         self.tp, self.input_is_parallel, self.skip_bias_add = tp, input_is_parallel, skip_bias_add
-        full = full_normal((out_features, in_features), std, seed, f"{key}.weight")
-        self.weight = shard_param(full, 1, tp)
+        self.weight = normal_param((out_features, in_features), std, seed, f"{key}.weight", 1, tp)
         self.bias = (mark_sequence_parallel(shard_param(torch.zeros(out_features), None, tp), tp)
                      if bias else None)
 
@@ -121,12 +130,15 @@ class VocabParallelEmbedding(nn.Module):
                  *, seed: int, key: str, std: float):
         super().__init__()
         self.tp, self.vocab_size = tp, vocab_size
-        full = torch.zeros(padded_vocab_size, hidden)
-        full[:vocab_size] = full_normal((vocab_size, hidden), std, seed, f"{key}.weight")
-        self.weight = shard_param(full, 0, tp)
-        declare_role(self.weight, vocab_padded=True)
         self.per_rank = padded_vocab_size // tp.size
         self.vocab_start = tp.rank * self.per_rank
+        # my rows of the padded table: the real ones drawn from the full table's stream
+        start, stop = (min(vocab_size, self.vocab_start + n) for n in (0, self.per_rank))
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden))
+        if stop > start:
+            normal_rows((vocab_size, hidden), std, stable_seed(seed, f"{key}.weight"), start, stop,
+                        out=self.weight.data[:stop - start])
+        declare_role(self.weight, tp_split_dim=0 if tp.size > 1 else None, vocab_padded=True)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -8,13 +8,13 @@ W into what would otherwise be the pipeline's bubbles.
 Every layer that owns weights computes its weighted products (linear, LayerNorm, embedding
 lookup, an RMSNorm's gain) through its `weight_ops`: `PLAIN`, torch's own functions, unless
 `defer_weight_grads(chunk)` binds the chunk's layers to a `WeightGradQueue`, the chunk's own
-(kept as `chunk.weight_grads`). The queue's ops are autograd Functions whose backward returns
-the input gradient and, while a B pass of the queue is open (`queue.defer(mb)`), hands the
+(kept as `chunk.weight_grads`). The queue's ops are custom operators (an autograd Function for
+the embedding) whose backward returns the input gradient and, while a B pass of the queue is open (`queue.defer(mb)`), hands the
 weight gradient over as a closure instead of computing it. `queue.run(mb)` (the W pass)
 evaluates the closures of that micro-batch, sums them per weight and accumulates them through
 autograd (`torch.autograd.backward` on the weights), so the hooks that follow an accumulation
 fire as after a plain backward: fp32 gradient accumulation and the data-parallel buckets,
-which therefore launch after the last W of the iteration. Outside a B pass the same Functions
+which therefore launch after the last W of the iteration. Outside a B pass the same ops
 compute both gradients at once. The pipeline executor (ptdp/pipeline/executor.py) opens the B
 pass and runs the W pass on the queue of the stage it executes; a new chunk has a new queue,
 so nothing deferred outlives the model it belongs to.
@@ -27,6 +27,7 @@ bias-add chains and the position-embedding slice keep their (cheap) weight gradi
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable
 
 import torch
@@ -53,6 +54,7 @@ class WeightGradQueue(WeightOps):
     """One chunk's deferred weight gradients by micro-batch, and the ops that defer them."""
 
     def __init__(self):
+        self.chunk: Callable[[], nn.Module | None] = lambda: None   # defer_weight_grads binds it
         self._open: list | None = None
         self._pending: dict = {}
         self._triggers: dict = {}
@@ -86,45 +88,56 @@ class WeightGradQueue(WeightOps):
         else:
             _accumulate([(params, compute())])
 
-    # The weights enter the Functions detached (the parameters themselves ride along in a
-    # tuple, which autograd does not treat as an input), so autograd holds no edge to them: a
-    # B pass neither accumulates into them nor fires their accumulation hooks (it would, with
-    # a None gradient, if they were inputs). Their gradients reach them only through
-    # `_accumulate`. An empty tensor that requires grad goes in as well, so that autograd calls
-    # the backward even when no other input needs a gradient (an embedding lookup of integer
-    # ids). The ops run eagerly (a graph break in a compiled layer): a compiled backward would
-    # fix the B-or-not branch at trace time.
+    # The weights enter the ops detached, so autograd holds no edge to them: a B pass neither
+    # accumulates into them nor fires their accumulation hooks (it would, with a None
+    # gradient, if they were inputs). Their gradients reach them only through `_accumulate`.
+    # An empty tensor that requires grad goes in as well, so that autograd calls the backward
+    # even when no other input needs a gradient (an embedding lookup of integer ids).
+    #
+    # Linear, LayerNorm and the RMSNorm gain are custom operators (torch.library) whose
+    # backward is another, opaque operator: torch.compile traces each as one op, so a compiled
+    # layer stays one graph, and the backward operator, run with real tensors, finds its
+    # parameters and queue by the weights' storage (`_owner`) and hands the weight gradient
+    # over. The embedding lies outside the compiled layers and stays an autograd Function.
 
     def _trigger(self, device) -> torch.Tensor:
         if device not in self._triggers:
             self._triggers[device] = torch.empty(0, device=device, requires_grad=True)
         return self._triggers[device]
 
-    @torch.compiler.disable
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        return _Linear.apply(x, weight.detach(), None if bias is None else bias.detach(),
-                             (weight, bias), self, self._trigger(x.device))
+        if not torch.compiler.is_compiling():
+            _own(self, weight, bias)
+        return torch.ops.ptdp.deferred_linear(x, weight.detach(),
+                                              None if bias is None else bias.detach(),
+                                              self._trigger(x.device))
 
     @torch.compiler.disable
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor):
         return _Embedding.apply(ids, weight.detach(), (weight,), self, self._trigger(ids.device))
 
-    @torch.compiler.disable
     def layer_norm(self, x: torch.Tensor, shape, weight: torch.Tensor, bias: torch.Tensor,
                    eps: float):
         assert tuple(shape) == tuple(weight.shape), "the normalised shape is the weight's"
-        return _LayerNorm.apply(x, weight.detach(), bias.detach(), eps, (weight, bias), self,
-                                self._trigger(x.device))
+        if not torch.compiler.is_compiling():
+            _own(self, weight, bias)
+        return torch.ops.ptdp.deferred_layer_norm(x, weight.detach(), bias.detach(), eps,
+                                                  self._trigger(x.device))[0]
 
-    @torch.compiler.disable
     def scale(self, x: torch.Tensor, weight: torch.Tensor):
-        return _Scale.apply(x, weight.detach(), (weight,), self, self._trigger(x.device))
+        if not torch.compiler.is_compiling():
+            _own(self, weight)
+        return torch.ops.ptdp.deferred_scale(x, weight.detach(), self._trigger(x.device))
 
 
 def defer_weight_grads(chunk: nn.Module) -> WeightGradQueue:
     """Bind every layer of `chunk` that owns weights (has `weight_ops`) to a new queue, kept as
     `chunk.weight_grads`: the chunk's B passes then leave their weight gradients to its W."""
     queue = WeightGradQueue()
+    queue.chunk = weakref.ref(chunk)   # where `_owner` finds a compiled layer's weights
+    _QUEUES.add(queue)
+    for device in {p.device for p in chunk.parameters()}:   # (not inside a compiled layer)
+        queue._trigger(device)
     for module in chunk.modules():
         if hasattr(module, "weight_ops"):
             module.weight_ops = queue
@@ -167,47 +180,6 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, params, queue, trigger):
-        ctx.save_for_backward(x, weight)
-        ctx.params, ctx.queue, ctx.has_bias = params, queue, bias is not None
-        return F.linear(x, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-
-        def compute():
-            g = _flat(grad)
-            return [g.t().matmul(_flat(x)), g.sum(0) if ctx.has_bias else None]
-
-        ctx.queue.collect(list(ctx.params), compute)
-        return grad_x, None, None, None, None, None
-
-
-class _LayerNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps: float, params, queue, trigger):
-        out, mean, rstd = torch.native_layer_norm(x, weight.shape, weight, bias, eps)
-        ctx.save_for_backward(x, weight, bias, mean, rstd)
-        ctx.params, ctx.queue = params, queue
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight, bias, mean, rstd = ctx.saved_tensors
-        backward = torch.ops.aten.native_layer_norm_backward
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = backward(grad, x, weight.shape, mean, rstd, weight, bias,
-                              [True, False, False])[0]
-        ctx.queue.collect(list(ctx.params), lambda: list(backward(
-            grad, x, weight.shape, mean, rstd, weight, bias, [False, True, True])[1:]))
-        return grad_x, None, None, None, None, None, None
-
-
 class _Embedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, weight, params, queue, trigger):
@@ -224,18 +196,177 @@ class _Embedding(torch.autograd.Function):
         return None, None, None, None, None
 
 
-class _Scale(torch.autograd.Function):
+# The custom operators ------------------------------------------------------------------------
+_QUEUES: "weakref.WeakSet[WeightGradQueue]" = weakref.WeakSet()
+_OWNERS: dict = {}   # (data_ptr, shape) of a weight -> weak references to it and its queue
+
+
+def _own(queue: WeightGradQueue, *weights) -> None:
+    """Note whose `weights` are (eager forwards: a compiled layer's are found by `_owner`)."""
+    for weight in weights:
+        if weight is not None:
+            _OWNERS[(weight.data_ptr(), weight.shape)] = (weakref.ref(weight), weakref.ref(queue))
+
+
+def _owner(weight: torch.Tensor) -> tuple:
+    """(parameter, queue) whose storage `weight` (a detached alias) is, looked up at backward
+    time with real tensors; the live queues' chunks are searched when it is not known (a
+    compiled layer's weights, or parameters moved into flat buffers since)."""
+    key = (weight.data_ptr(), weight.shape)
+    for attempt in range(2):
+        entry = _OWNERS.get(key)
+        param, queue = (entry[0](), entry[1]()) if entry else (None, None)
+        if param is not None and queue is not None and param.data_ptr() == key[0]:
+            return param, queue
+        if attempt == 0:
+            for queue in list(_QUEUES):
+                chunk = queue.chunk()
+                _own(queue, *(chunk.parameters() if chunk is not None else ()))
+    raise RuntimeError(f"a deferred weight gradient for a {tuple(weight.shape)} weight that no "
+                       "queue owns (bind its chunk with defer_weight_grads)")
+
+
+def _hand_over(weights: list, compute: Callable[..., list], tensors: list, copy: bool) -> None:
+    """Give the gradient of `weights` (detached aliases, None allowed), `compute(*tensors)`,
+    to their queue: deferred inside a B pass, computed now outside one. A compiled backward
+    (`copy`) may write into its buffers after this op returns (inductor reuses them), so a
+    deferred computation there keeps copies of its tensors."""
+    owners = [None if w is None else _owner(w) for w in weights]
+    queue = next(owner[1] for owner in owners if owner is not None)
+    if copy and queue._open is not None:
+        tensors = [t.clone() for t in tensors]
+    queue.collect([None if owner is None else owner[0] for owner in owners],
+                  lambda: compute(*tensors))
+
+
+def _traced(grad: torch.Tensor) -> bool:
+    """True while AOTAutograd traces a backward formula (its tensors are subclasses)."""
+    return type(grad) is not torch.Tensor
+
+
+@torch.library.custom_op("ptdp::deferred_linear", mutates_args=())
+def _deferred_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     trigger: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+@_deferred_linear.register_fake
+def _(x, weight, bias, trigger):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("ptdp::deferred_linear_backward", mutates_args=())
+def _deferred_linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                              bias: torch.Tensor | None, copy: bool) -> torch.Tensor:
+    def compute(grad, x):
+        g = _flat(grad)
+        return [g.t().matmul(_flat(x)), g.sum(0) if bias is not None else None]
+    _hand_over([weight, bias], compute, [grad, x], copy)
+    return grad.matmul(weight)
+
+
+@_deferred_linear_backward.register_fake
+def _(grad, x, weight, bias, copy):
+    return x.new_empty(x.shape)
+
+
+def _linear_context(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    ctx.save_for_backward(x, weight, bias)
+
+
+def _linear_backward(ctx, grad):
+    x, weight, bias = ctx.saved_tensors
+    grad_x = torch.ops.ptdp.deferred_linear_backward(grad, x, weight, bias, _traced(grad))
+    return grad_x, None, None, None
+
+
+_deferred_linear.register_autograd(_linear_backward, setup_context=_linear_context)
+
+
+@torch.library.custom_op("ptdp::deferred_layer_norm", mutates_args=())
+def _deferred_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                         trigger: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, mean, rstd = torch.native_layer_norm(x, weight.shape, weight, bias, eps)
+    return out, mean, rstd
+
+
+@_deferred_layer_norm.register_fake
+def _(x, weight, bias, eps, trigger):
+    stats = x.new_empty(*x.shape[:x.dim() - weight.dim()], *([1] * weight.dim()))
+    return x.new_empty(x.shape), stats, stats.new_empty(stats.shape)
+
+
+@torch.library.custom_op("ptdp::deferred_layer_norm_backward", mutates_args=())
+def _deferred_layer_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                  bias: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                                  copy: bool) -> torch.Tensor:
+    backward = torch.ops.aten.native_layer_norm_backward
+    _hand_over([weight, bias], lambda *t: list(backward(
+        *t[:2], weight.shape, *t[2:], weight, bias, [False, True, True])[1:]),
+        [grad, x, mean, rstd], copy)
+    return backward(grad, x, weight.shape, mean, rstd, weight, bias, [True, False, False])[0]
+
+
+@_deferred_layer_norm_backward.register_fake
+def _(grad, x, weight, bias, mean, rstd, copy):
+    return x.new_empty(x.shape)
+
+
+def _layer_norm_context(ctx, inputs, output):
+    x, weight, bias, _, _ = inputs
+    ctx.save_for_backward(x, weight, bias, output[1], output[2])
+
+
+def _layer_norm_backward(ctx, grad, _mean_grad, _rstd_grad):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    grad_x = torch.ops.ptdp.deferred_layer_norm_backward(grad, x, weight, bias, mean, rstd,
+                                                         _traced(grad))
+    return grad_x, None, None, None, None
+
+
+_deferred_layer_norm.register_autograd(_layer_norm_backward, setup_context=_layer_norm_context)
+
+
+@torch.library.custom_op("ptdp::deferred_scale", mutates_args=())
+def _deferred_scale(x: torch.Tensor, weight: torch.Tensor, trigger: torch.Tensor) -> torch.Tensor:
     """x * weight broadcast over the last dimension (an RMSNorm's gain)."""
+    return x * weight
 
-    @staticmethod
-    def forward(ctx, x, weight, params, queue, trigger):
-        ctx.save_for_backward(x, weight)
-        ctx.params, ctx.queue = params, queue
-        return x * weight
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad_x = grad * weight if ctx.needs_input_grad[0] else None
-        ctx.queue.collect(list(ctx.params), lambda: [(_flat(grad) * _flat(x)).sum(0)])
-        return grad_x, None, None, None, None
+@_deferred_scale.register_fake
+def _(x, weight, trigger):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("ptdp::deferred_scale_backward", mutates_args=())
+def _deferred_scale_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                             copy: bool) -> torch.Tensor:
+    _hand_over([weight], lambda grad, x: [(_flat(grad) * _flat(x)).sum(0)], [grad, x], copy)
+    return grad * weight
+
+
+@_deferred_scale_backward.register_fake
+def _(grad, x, weight, copy):
+    return x.new_empty(x.shape)
+
+
+def _scale_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _scale_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    return torch.ops.ptdp.deferred_scale_backward(grad, x, weight, _traced(grad)), None, None
+
+
+_deferred_scale.register_autograd(_scale_backward, setup_context=_scale_context)
+
+# The backward operators act through their queue: never dropped as unused nor reordered.
+# torch's AOTAutograd cache keys a compiled layer on its forward graph, not on these
+# operators' Python: a changed backward operator needs a new name (or a cleared cache).
+for _op in (torch.ops.ptdp.deferred_linear_backward.default,
+            torch.ops.ptdp.deferred_layer_norm_backward.default,
+            torch.ops.ptdp.deferred_scale_backward.default):
+    torch.fx.node.has_side_effect(_op)

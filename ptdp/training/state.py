@@ -58,6 +58,7 @@ from ptdp.optim.weights import Weights
 from ptdp.parallel.context import ContextParallel
 from ptdp.parallel.experts import ExpertParallel
 from ptdp.parallel.grid import RankGrid
+from ptdp.parallel.initial_weights import drawing_in_threads
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import RandomStreams
 from ptdp.parallel.roles import reduce_sets, role_of, writes
@@ -250,8 +251,10 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
                        compile=should_compile(tr.compile, device),
                        cp=ContextParallel.from_grid(grid), ep=ExpertParallel.from_grid(grid))
     num_stages = par.pipeline * par.chunks
-    chunks = {s: build_chunk(ctx, s, num_stages, par.stage_layers)
-              .to(device, PRECISIONS[tr.precision]) for s in spec.stage_map(par.pipeline, par.chunks).stages_of(grid.pp_rank)}
+    with drawing_in_threads():   # the initial weights, drawn on this rank's share of the cores
+        chunks = {s: build_chunk(ctx, s, num_stages, par.stage_layers)
+                  for s in spec.stage_map(par.pipeline, par.chunks).stages_of(grid.pp_rank)}
+    chunks = {s: chunk.to(device, PRECISIONS[tr.precision]) for s, chunk in chunks.items()}
     if spec.split_backward:   # zb-h1: a chunk's B passes leave its weight gradients to its Wg
         for chunk in chunks.values():
             defer_weight_grads(chunk)

@@ -26,7 +26,7 @@ def test_bias_gelu_equals_gelu_of_biased_input():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3, 16, generator=g, requires_grad=True)
     b = torch.randn(16, generator=g, requires_grad=True)
-    ours = bias_gelu(x, b)
+    ours = bias_gelu(x.clone(), b)   # the chain overwrites its input, a GEMM's fresh output
     ours.square().sum().backward()
     grads = x.grad.clone(), b.grad.clone()
     x.grad = b.grad = None
@@ -68,12 +68,13 @@ def test_bias_dropout_add_draws_the_unfused_mask():
     x, residual = torch.randn(6, 2, 16, generator=g), torch.randn(6, 2, 16, generator=g)
     b = torch.randn(16, generator=g)
     torch.manual_seed(5)
-    ours = bias_dropout_add(x, b, residual, 0.3, training=True)
+    ours = bias_dropout_add(x.clone(), b, residual, 0.3, training=True)
     torch.manual_seed(5)
     ref = residual + F.dropout(x + b, 0.3, training=True)
     assert torch.equal(ours, ref)
     assert not torch.equal(ours, residual + x + b)  # dropout really ran
-    assert torch.equal(bias_dropout_add(x, b, residual, 0.3, training=False), residual + (x + b))
+    assert torch.equal(bias_dropout_add(x.clone(), b, residual, 0.3, training=False),
+                       residual + (x + b))
     assert torch.equal(bias_dropout_add(x, None, residual, 0.0, training=True), residual + x)
 
 

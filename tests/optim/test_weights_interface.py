@@ -69,3 +69,42 @@ def test_what_one_kind_saves_the_other_loads(precision, source, target):
         assert torch.equal(a, b)
     for a, b in zip(loader.optimizer_state_dict(fresh), moments):
         assert list(a) == [*MOMENTS, "step"] and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """The elements of every tensor an op creates (factories and copies), by op."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (torch.ops.aten.zeros, torch.ops.aten.empty,
+                                   torch.ops.aten.new_zeros, torch.ops.aten._to_copy,
+                                   torch.ops.aten.clone, torch.ops.aten.cat):
+            self.sizes.append(out.numel())
+        return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_save_gathers_bucket_by_bucket_the_values_of_one_gather(precision):
+    """The sharded kind saves (state_dict, optimizer_state_dict) one bucket at a time: no
+    allocation beyond the largest bucket's span but the per-parameter host copies, where a
+    whole gather allocates the full flat layout; the values equal that gather's."""
+    weights = _kinds(precision)["sharded"]
+    optimizer = _step(weights, seed=3)
+    assert len(weights.buckets) > 3
+    with _Allocations() as seen:
+        values, moments = weights.state_dict(), weights.optimizer_state_dict(optimizer)
+    largest_bucket = max(end - start for start, end in weights.layout.bucket_spans)
+    assert max(seen.sizes) <= largest_bucket < weights.layout.numel / 3
+    full = torch.zeros(weights.layout.numel)   # the whole gather it replaces
+    for piece in weights.masters:
+        at = weights.layout.offsets[piece.param_index]
+        full[at + piece.param_range[0]: at + piece.param_range[1]] = piece.detach()
+    for i, value in enumerate(values):
+        assert value.device.type == "cpu" and value.is_contiguous()
+        assert torch.equal(value, weights.layout.view(full, i))
+    for entry, param in zip(moments, weights.params):
+        assert entry["exp_avg"].shape == param.shape and entry["step"].item() == 1

@@ -96,8 +96,8 @@ def test_a_split_schedule_needs_a_deferring_chunk():
 
 
 def test_a_compiled_layer_defers_its_weight_gradients():
-    """train.compile with zb-h1: the queue's ops run eagerly inside the compiled layer (graph
-    breaks, ptdp/kernels/compile.py), bound after the layer was compiled."""
+    """train.compile with zb-h1: the queue's custom operators inside the compiled layer, bound
+    after the layer was compiled, hand their weight gradients over at run time."""
     x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(5), requires_grad=True)
     eager = TransformerStack(_context("gpt"), 0, 1, causal=True)
     eager(x).square().sum().backward()
@@ -110,3 +110,20 @@ def test_a_compiled_layer_defers_its_weight_gradients():
     expected = dict(eager.named_parameters())
     for name, param in compiled.named_parameters():
         assert relative_error(param.grad, expected[name].grad) <= 1e-5, name
+
+
+def test_a_deferring_layer_compiles_into_one_graph():
+    """zb-h1 keeps one graph per compiled layer (issue 34): the queue's ops are custom
+    operators dynamo traces as one op each, not graph breaks around every linear and norm."""
+    from torch._dynamo.utils import counters
+    for arch in ("gpt", "llama"):   # LayerNorm and RMSNorm's gain
+        stack = TransformerStack(_context(arch), 0, 2, causal=True)
+        defer_weight_grads(stack)
+        for layer in stack.layers:
+            layer.compile(backend="eager")   # dynamo's graphs without inductor's compilation
+        torch._dynamo.reset()
+        counters.clear()
+        x = torch.randn(8, 2, 32, requires_grad=True)
+        stack(x).sum().backward()
+        assert counters["stats"]["unique_graphs"] == 1, arch   # both layers share it
+        assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
