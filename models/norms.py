@@ -36,8 +36,8 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centered:
-            return self.weight_ops.scale(normed, 1 + self.weight.float()).to(x.dtype)
+        if self.zero_centered:   # x * (1 + w) in fp32 (the op casts w), then cast
+            return self.weight_ops.scale(normed, self.weight, 1.0).to(x.dtype)
         return self.weight_ops.scale(normed.to(x.dtype), self.weight)
 
 
@@ -54,9 +54,10 @@ class LayerNorm(nn.LayerNorm):
             nn.init.zeros_(self.weight)
 
     def forward(self, x):
-        # (1 + w is a non-leaf: a deferred weight gradient reaches w through it, weight_grad.py)
-        gain = 1 + self.weight if self.zero_centered else self.weight
-        return self.weight_ops.layer_norm(x, self.normalized_shape, gain, self.bias, self.eps)
+        # zero-centred: the gain 1 + w in the weight's dtype (the op adds the offset, so that
+        # zb-h1's queue gets w itself: ptdp/parallel/weight_grad.py)
+        return self.weight_ops.layer_norm(x, self.normalized_shape, self.weight, self.bias,
+                                          self.eps, 1.0 if self.zero_centered else 0.0)
 
 
 def layer_norm(hidden: int, eps: float, tp: TensorParallel | None = None,

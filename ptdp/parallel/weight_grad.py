@@ -35,16 +35,33 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+def gain(weight: torch.Tensor, offset: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A norm's gain: the weight, or offset + weight for a zero-centred norm (offset 1, whose
+    weight's gradient is the gain's), in `dtype` when given."""
+    weight = weight if dtype is None else weight.to(dtype)
+    return weight + offset if offset else weight
+
+
+def _layer_norm(x, shape, weight, bias, eps: float, offset: float = 0.0):
+    return F.layer_norm(x, shape, gain(weight, offset), bias, eps)
+
+
+def _scale(x, weight, offset: float = 0.0):
+    return x * gain(weight, offset, x.dtype) if offset else x * weight
+
+
 class WeightOps:
     """The weighted products a layer computes, its weight gradients in the backward itself.
 
     A layer that owns weights declares `weight_ops = PLAIN` and calls `self.weight_ops.linear`
-    (and so on); `defer_weight_grads` rebinds it to a queue with the same four ops."""
+    (and so on); `defer_weight_grads` rebinds it to a queue with the same four ops. A norm's
+    ops take the gain's `offset` (1 for a zero-centred norm), so that the weight they are given
+    is the parameter itself, whose storage the queue knows."""
 
     linear = staticmethod(F.linear)
     embedding = staticmethod(F.embedding)
-    layer_norm = staticmethod(F.layer_norm)
-    scale = staticmethod(torch.mul)   # x * weight broadcast over the last dimension
+    layer_norm = staticmethod(_layer_norm)
+    scale = staticmethod(_scale)   # x * (offset + weight) broadcast over the last dimension
 
 
 PLAIN = WeightOps()
@@ -117,17 +134,18 @@ class WeightGradQueue(WeightOps):
         return _Embedding.apply(ids, weight.detach(), (weight,), self, self._trigger(ids.device))
 
     def layer_norm(self, x: torch.Tensor, shape, weight: torch.Tensor, bias: torch.Tensor,
-                   eps: float):
+                   eps: float, offset: float = 0.0):
         assert tuple(shape) == tuple(weight.shape), "the normalised shape is the weight's"
         if not torch.compiler.is_compiling():
             _own(self, weight, bias)
         return torch.ops.ptdp.deferred_layer_norm(x, weight.detach(), bias.detach(), eps,
-                                                  self._trigger(x.device))[0]
+                                                  float(offset), self._trigger(x.device))[0]
 
-    def scale(self, x: torch.Tensor, weight: torch.Tensor):
+    def scale(self, x: torch.Tensor, weight: torch.Tensor, offset: float = 0.0):
         if not torch.compiler.is_compiling():
             _own(self, weight)
-        return torch.ops.ptdp.deferred_scale(x, weight.detach(), self._trigger(x.device))
+        return torch.ops.ptdp.deferred_scale(x, weight.detach(), float(offset),
+                                             self._trigger(x.device))
 
 
 def defer_weight_grads(chunk: nn.Module) -> WeightGradQueue:
@@ -286,13 +304,14 @@ _deferred_linear.register_autograd(_linear_backward, setup_context=_linear_conte
 
 @torch.library.custom_op("ptdp::deferred_layer_norm", mutates_args=())
 def _deferred_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
-                         trigger: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    out, mean, rstd = torch.native_layer_norm(x, weight.shape, weight, bias, eps)
+                         offset: float, trigger: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, mean, rstd = torch.native_layer_norm(x, weight.shape, gain(weight, offset), bias, eps)
     return out, mean, rstd
 
 
 @_deferred_layer_norm.register_fake
-def _(x, weight, bias, eps, trigger):
+def _(x, weight, bias, eps, offset, trigger):
     stats = x.new_empty(*x.shape[:x.dim() - weight.dim()], *([1] * weight.dim()))
     return x.new_empty(x.shape), stats, stats.new_empty(stats.shape)
 
@@ -300,65 +319,71 @@ def _(x, weight, bias, eps, trigger):
 @torch.library.custom_op("ptdp::deferred_layer_norm_backward", mutates_args=())
 def _deferred_layer_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                                   bias: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                                  copy: bool) -> torch.Tensor:
+                                  offset: float, copy: bool) -> torch.Tensor:
     backward = torch.ops.aten.native_layer_norm_backward
+    g = gain(weight, offset)   # the gain's gradient is the weight's
     _hand_over([weight, bias], lambda *t: list(backward(
-        *t[:2], weight.shape, *t[2:], weight, bias, [False, True, True])[1:]),
+        *t[:2], weight.shape, *t[2:], g, bias, [False, True, True])[1:]),
         [grad, x, mean, rstd], copy)
-    return backward(grad, x, weight.shape, mean, rstd, weight, bias, [True, False, False])[0]
+    return backward(grad, x, weight.shape, mean, rstd, g, bias, [True, False, False])[0]
 
 
 @_deferred_layer_norm_backward.register_fake
-def _(grad, x, weight, bias, mean, rstd, copy):
+def _(grad, x, weight, bias, mean, rstd, offset, copy):
     return x.new_empty(x.shape)
 
 
 def _layer_norm_context(ctx, inputs, output):
-    x, weight, bias, _, _ = inputs
+    x, weight, bias, _, offset, _ = inputs
+    ctx.offset = offset
     ctx.save_for_backward(x, weight, bias, output[1], output[2])
 
 
 def _layer_norm_backward(ctx, grad, _mean_grad, _rstd_grad):
     x, weight, bias, mean, rstd = ctx.saved_tensors
     grad_x = torch.ops.ptdp.deferred_layer_norm_backward(grad, x, weight, bias, mean, rstd,
-                                                         _traced(grad))
-    return grad_x, None, None, None, None
+                                                         ctx.offset, _traced(grad))
+    return grad_x, None, None, None, None, None
 
 
 _deferred_layer_norm.register_autograd(_layer_norm_backward, setup_context=_layer_norm_context)
 
 
 @torch.library.custom_op("ptdp::deferred_scale", mutates_args=())
-def _deferred_scale(x: torch.Tensor, weight: torch.Tensor, trigger: torch.Tensor) -> torch.Tensor:
-    """x * weight broadcast over the last dimension (an RMSNorm's gain)."""
-    return x * weight
+def _deferred_scale(x: torch.Tensor, weight: torch.Tensor, offset: float,
+                    trigger: torch.Tensor) -> torch.Tensor:
+    """x * (offset + weight) broadcast over the last dimension (an RMSNorm's gain)."""
+    return _scale(x, weight, offset)
 
 
 @_deferred_scale.register_fake
-def _(x, weight, trigger):
+def _(x, weight, offset, trigger):
     return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("ptdp::deferred_scale_backward", mutates_args=())
 def _deferred_scale_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                             copy: bool) -> torch.Tensor:
-    _hand_over([weight], lambda grad, x: [(_flat(grad) * _flat(x)).sum(0)], [grad, x], copy)
-    return grad * weight
+                             offset: float, copy: bool) -> torch.Tensor:
+    _hand_over([weight], lambda grad, x: [(_flat(grad) * _flat(x)).sum(0).to(weight.dtype)],
+               [grad, x], copy)
+    return grad * gain(weight, offset, grad.dtype) if offset else grad * weight
 
 
 @_deferred_scale_backward.register_fake
-def _(grad, x, weight, copy):
+def _(grad, x, weight, offset, copy):
     return x.new_empty(x.shape)
 
 
 def _scale_context(ctx, inputs, output):
-    x, weight, _ = inputs
+    x, weight, offset, _ = inputs
+    ctx.offset = offset
     ctx.save_for_backward(x, weight)
 
 
 def _scale_backward(ctx, grad):
     x, weight = ctx.saved_tensors
-    return torch.ops.ptdp.deferred_scale_backward(grad, x, weight, _traced(grad)), None, None
+    grad_x = torch.ops.ptdp.deferred_scale_backward(grad, x, weight, ctx.offset, _traced(grad))
+    return grad_x, None, None, None
 
 
 _deferred_scale.register_autograd(_scale_backward, setup_context=_scale_context)
