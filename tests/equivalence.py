@@ -31,7 +31,12 @@ TINY = ["model.num_layers=8", "model.hidden_size=32", "model.num_heads=4",
         "train.adam_eps=1e-3"]
 
 
-def train_and_collect(runs: list[list[str]], iters: int = 3,
+# Iterations each layout trains: the first step's losses and gradients, the loss after one
+# update and the weights after two (Adam's moments carried over) are compared.
+ITERS = 2
+
+
+def train_and_collect(runs: list[list[str]], iters: int = ITERS,
                       nccl_rules: bool = False) -> list[dict] | None:
     """Runs on every rank; for each override list: losses, first-step grads, final weights.
 
@@ -96,7 +101,7 @@ def _probe_held_outputs() -> dict:
 def run_layouts(world_size: int, runs: list[list[str]], timeout_s: float = 240.0,
                 nccl_rules: bool = False) -> list[list[dict]]:
     """[per run][per rank] results of `train_and_collect`."""
-    per_rank = run_on_ranks(world_size, train_and_collect, runs, 3, nccl_rules,
+    per_rank = run_on_ranks(world_size, train_and_collect, runs, ITERS, nccl_rules,
                             timeout_s=timeout_s)
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(runs))]
 

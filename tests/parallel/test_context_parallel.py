@@ -21,7 +21,7 @@ from ptdp.parallel.context import (chunk_ids, context_shard, context_unshard, lo
 from ptdp.parallel.grid import Coordinates, coordinates_of, group_rows
 from ptdp.parallel.ring_attention import DIAGONAL, visible_blocks
 from ptdp.runtime.local_ranks import run_on_ranks
-from tests.equivalence import (MODELS, RTOL, TINY, assert_equivalent, reference,
+from tests.equivalence import (ITERS, MODELS, RTOL, TINY, assert_equivalent, reference,
                                relative_error)
 
 ARCHS = ("gpt", "llama")
@@ -219,7 +219,7 @@ def _world(layout: tuple) -> int:
 def _job(runs: list, no_flush: dict, resume_root: str | None) -> dict:
     """Every rank: the equivalence runs (tests/equivalence.py), the no-flush runs, the resumes."""
     from tests.equivalence import train_and_collect
-    out = {"runs": train_and_collect(runs, 3, nccl_rules=True)}
+    out = {"runs": train_and_collect(runs, ITERS, nccl_rules=True)}
     for name, overrides in no_flush.items():
         out[name] = _no_flush(overrides)
     if resume_root is not None:
@@ -337,7 +337,7 @@ def test_ring_bytes_per_layer(layout, four_ranks):
     """Per layer and micro-batch a rank sends c-1 K/V blocks forward, and c-1 K/V blocks plus
     c dK/dV blocks backward; a block is 2 * b * (s/c) * (kv_heads/t) * head_dim fp32 values."""
     p, t, c, d = layout
-    b, s, layers, iters, head_dim = 2, 16, 8, 3, 8
+    b, s, layers, iters, head_dim = 2, 16, 8, ITERS, 8
     m = 8 // (b * d)
     for arch, kv_heads in (("gpt", 4), ("llama", 2)):
         block = 2 * b * (s // c) * (kv_heads // t) * head_dim * 4

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from ptdp.runtime.local_ranks import run_on_ranks
-from tests.equivalence import ARCHS, RTOL, assert_equivalent, reference, relative_error
+from tests.equivalence import ARCHS, ITERS, RTOL, assert_equivalent, reference, relative_error
 from tests.features import LAYOUTS, SP, _trainer, feature_layout, resume_job
 from tests.pipeline.test_pipeline_equivalence import boundary_sends
 
@@ -24,7 +24,7 @@ def test_sequence_parallel_layouts_match_single_process(arch, layout):
 
 def test_boundary_tensors_are_one_tth_of_the_sequence():
     """Each tensor rank sends its own [s/t, b, h] slice: b*s*h/t fp32 values per message."""
-    b, s, h, m, iters, p, t = 2, 16, 32, 4, 3, 2, 2
+    b, s, h, m, iters, p, t = 2, 16, 32, 4, ITERS, 2, 2
     for rank in feature_layout(tuple(SP), (2, 2, 1), "gpt"):
         expected = iters * boundary_sends(rank["coords"].pipeline, p, 1, m) * (b * s * h // t) * 4
         assert rank["bytes_sent"] == expected

@@ -17,7 +17,7 @@ import pytest
 from ptdp.config import ConfigError, load_config
 from ptdp.config.stages import layer_counts, layer_ranges
 from ptdp.runtime.local_ranks import run_on_ranks
-from tests.equivalence import MODELS, TINY, assert_equivalent, train_and_collect
+from tests.equivalence import ITERS, MODELS, TINY, assert_equivalent, train_and_collect
 
 P4 = ["parallel.pipeline=4", "parallel.stage_layers=[1,3,3,1]"]
 P3V2 = ["parallel.pipeline=3", "parallel.chunks=2", "schedule.name=interleaved",
@@ -60,7 +60,7 @@ def _reference_overrides(name: str) -> list[str]:
 
 def _rank_job(flushing: list[tuple[list[str], bool]], no_flush: list[list[str]]):
     from tests.pipeline.test_no_flush import train_runs
-    return ([train_and_collect([overrides], 3, nccl)[0] for overrides, nccl in flushing],
+    return ([train_and_collect([overrides], ITERS, nccl)[0] for overrides, nccl in flushing],
             train_runs(no_flush))
 
 
@@ -84,7 +84,7 @@ def result(name: str) -> list[dict]:
 
 def _oracle_job(references: list[list[str]], two_bw: list[str], pipedream: tuple):
     from tests.pipeline.no_flush_oracles import simulate_pipedream, simulate_two_bw
-    return ([train_and_collect([overrides], 3)[0] for overrides in references],
+    return ([train_and_collect([overrides], ITERS)[0] for overrides in references],
             simulate_two_bw(two_bw, 4), simulate_pipedream(*pipedream))
 
 
