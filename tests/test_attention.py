@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.attention import (attention, attention_mask, decoding_mask, document_mask,
-                              flex_block_mask, keep_mask, mask_mod)
 from ptdp.config import ConfigError, ModelConfig, load_config
 from ptdp.config.validation import validate
+from ptdp.models.attention import (attention, attention_mask, decoding_mask,
+                                   document_mask, flex_block_mask, keep_mask, mask_mod)
 from ptdp.parallel import ring_attention as ring
 from ptdp.parallel.context import ContextParallel
 from ptdp.planner.formulas import ModelShape, iteration_flops

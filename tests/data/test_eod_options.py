@@ -12,7 +12,7 @@ from ptdp.data import build_datasets
 from ptdp.data.gpt_dataset import EodOptions, gpt_sample
 from ptdp.data.indexed import IndexedDatasetWriter
 from ptdp.inference.local_model import build_single_stage
-from models.attention import document_mask
+from ptdp.models.attention import document_mask
 
 from .conftest import make_config
 

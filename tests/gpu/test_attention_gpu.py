@@ -47,7 +47,7 @@ def _close(got, want, dtype):
 @pytest.mark.parametrize("documents, window", [(False, None), (True, None), (False, 9),
                                                (True, 9)])
 def test_ring_blocks_on_cuda_kernels(dtype, documents, window):
-    from models.attention import keep_mask
+    from ptdp.models.attention import keep_mask
     from ptdp.parallel.context import ContextParallel
     from ptdp.parallel.ring_attention import ring_attention
     docs = torch.tensor(DOCS, device="cuda")
@@ -62,7 +62,7 @@ def test_ring_blocks_on_cuda_kernels(dtype, documents, window):
 
 @pytest.mark.parametrize("window", [None, 9])
 def test_flex_attention_with_documents_and_windows(window):
-    from models.attention import attention, attention_mask, keep_mask
+    from ptdp.models.attention import attention, attention_mask, keep_mask
     docs = torch.tensor(DOCS, device="cuda")
     q, k, v = _inputs(torch.bfloat16)
     mask = attention_mask(True, 128, "cuda", documents=docs, windows=(window,))
@@ -77,7 +77,7 @@ def test_flex_attention_with_documents_and_windows(window):
 def test_grouped_query_attention_with_a_mask_runs_the_efficient_kernel():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from models.attention import attention
+    from ptdp.models.attention import attention
     q, k, v = _inputs(torch.bfloat16)
     padding = torch.ones(2, 128, dtype=torch.bool, device="cuda")
     padding[1, 100:] = False

@@ -115,7 +115,7 @@ def _ring_job() -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from models.attention import keep_mask
+    from ptdp.models.attention import keep_mask
     from ptdp.parallel import ring_attention as ring
     from ptdp.parallel.context import ContextParallel
     from tests.pipeline.nccl_rules import InOrderTransport
