@@ -321,23 +321,21 @@ class Attack:
                                           f"log.metrics_file={self.work / 'beside_ck/m.jsonl'}"])
 
 
+def _preprocess(corpus: str) -> tuple[list[str], str]:
+    """`ptdp preprocess` of `corpus` in the work folder: (arguments, the word its line holds)."""
+    return (["preprocess", "--input", f"{{w}}/{corpus}", "--output-prefix", "{w}/o",
+             "--tokenizer", "{w}/vocab.txt"], corpus)
+
+
 BAD_INPUTS = {   # name: (ptdp arguments, a word the one line must hold); {w}: the work folder
     "from-megatron --out into a missing folder": (
         ["config", "from-megatron", "--out", "/nonexistent/dir/x.yaml", "--", "--num-layers", "2"],
         "/nonexistent"),
     "from-megatron --fp16 --bf16": (["config", "from-megatron", "--", "--fp16", "--bf16"], "fp16"),
-    "preprocess: a malformed JSONL line": (
-        ["preprocess", "--input", "{w}/bad.jsonl", "--output-prefix", "{w}/o", "--tokenizer",
-         "{w}/vocab.txt"], "bad.jsonl"),
-    "preprocess: a non-string text": (
-        ["preprocess", "--input", "{w}/number.jsonl", "--output-prefix", "{w}/o", "--tokenizer",
-         "{w}/vocab.txt"], "number.jsonl"),
-    "preprocess: non-UTF-8 input": (
-        ["preprocess", "--input", "{w}/latin1.jsonl", "--output-prefix", "{w}/o", "--tokenizer",
-         "{w}/vocab.txt"], "latin1.jsonl"),
-    "preprocess: a missing input": (
-        ["preprocess", "--input", "{w}/missing.jsonl", "--output-prefix", "{w}/o", "--tokenizer",
-         "{w}/vocab.txt"], "missing.jsonl"),
+    "preprocess: a malformed JSONL line": _preprocess("bad.jsonl"),
+    "preprocess: a non-string text": _preprocess("number.jsonl"),
+    "preprocess: non-UTF-8 input": _preprocess("latin1.jsonl"),
+    "preprocess: a missing input": _preprocess("missing.jsonl"),
     "generate --device cuda without a GPU": (
         ["generate", "{w}/ref/ck", "--device", "cuda", "--prompt", "a", "--tokenizer",
          "{w}/vocab.txt"], "cuda"),
