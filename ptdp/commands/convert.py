@@ -10,9 +10,11 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "convert", help="convert a checkpoint to or from Hugging Face transformers or Megatron-LM",
         description="ptdp convert CHECKPOINT --to hf OUT_DIR: a checkpoint of any layout to a "
-                    "transformers model directory (GPT with GPT-2's block -> GPT2LMHeadModel, "
-                    "with Llama's block -> LlamaForCausalLM, or Qwen2ForCausalLM with q/k/v-only "
-                    "biases; BERT -> MegatronBertForPreTraining; model.safetensors, config.json, "
+                    "transformers model directory (the first class that computes the model: "
+                    "GPT with GPT-2's block -> GPT2LMHeadModel; Llama's block -> LlamaForCausalLM, "
+                    "Mistral's with a window, Qwen2's with q/k/v-only biases, Qwen3's with "
+                    "QK-norm, Gemma's with its options; with experts Mixtral, Qwen2-MoE, "
+                    "Qwen3-MoE; BERT -> MegatronBertForPreTraining; model.safetensors, config.json, "
                     "tokenizer.json, generation_config.json with every end id; --model-type "
                     "picks another class, e.g. phi3). ptdp convert HF_DIR --from hf --out "
                     "CHECKPOINT [parallel.tensor=T parallel.pipeline=P parallel.chunks=V "
