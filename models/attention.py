@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ptdp.parallel.context import ContextParallel
-from ptdp.parallel.ring_attention import ring_attention
+from ptdp.parallel.ring_attention import expand_heads, ring_attention
 from ptdp.parallel.rng import TensorParallelRNG
 
 
@@ -166,7 +166,7 @@ def _flex_attention(q, k, v, block_mask):
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     """[b, groups, s, d] -> [b, heads, s, d]: each K/V head repeated for its query heads (the
     order `enable_gqa` uses: query head i reads K/V head i // (heads / groups))."""
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+    return expand_heads(x, heads // x.shape[1])
 
 
 def attention(q, k, v, mask=None, causal: bool = False, dropout: float = 0.0,

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from ptdp.kernels import ACTIVATIONS, GATES
 from ptdp.parallel.experts import (Groups, all_to_all, by_local_expert, exchange_counts,
                                    grouped_linear, inverse_permutation, permute)
-from ptdp.parallel.layers import full_normal, scaled_std, shard_param
+from ptdp.parallel.layers import normal_param, scaled_std
 from ptdp.parallel.roles import declare_role
 from ptdp.parallel.sequence import (enter_tensor_region, leave_tensor_region,
                                     mark_sequence_parallel)
@@ -84,9 +84,8 @@ class Router(nn.Module):
         super().__init__()
         cfg, tp = ctx.model, ctx.tp
         self.ctx, self.E, self.k = ctx, cfg.num_experts, cfg.moe_top_k
-        self.weight = mark_sequence_parallel(shard_param(
-            full_normal((self.E, cfg.hidden_size), cfg.init_std, ctx.seed, f"{key}.weight"),
-            None, tp), tp)
+        self.weight = mark_sequence_parallel(normal_param(
+            (self.E, cfg.hidden_size), cfg.init_std, ctx.seed, f"{key}.weight", None, tp), tp)
         self.expert_bias = torch.zeros(self.E)
         self.loads = torch.zeros(self.E, dtype=torch.float64)
         self.aux_names = moe_aux_loss_names(cfg)
@@ -174,11 +173,11 @@ class Expert(nn.Module):
         cfg, tp = ctx.model, ctx.tp
         width = 2 * hidden if cfg.gated else hidden
         self.activation = ACTIVATIONS[cfg.activation]
-        self.fc1 = _Weight(shard_param(full_normal((width, cfg.hidden_size), cfg.init_std,
-                                                   ctx.seed, f"{key}.fc1.weight"), 0, tp))
-        self.fc2 = _Weight(shard_param(full_normal((cfg.hidden_size, hidden),
-                                                   scaled_std(cfg.init_std, cfg.num_layers),
-                                                   ctx.seed, f"{key}.fc2.weight"), 1, tp))
+        self.fc1 = _Weight(normal_param((width, cfg.hidden_size), cfg.init_std, ctx.seed,
+                                        f"{key}.fc1.weight", 0, tp))
+        self.fc2 = _Weight(normal_param((cfg.hidden_size, hidden),
+                                        scaled_std(cfg.init_std, cfg.num_layers), ctx.seed,
+                                        f"{key}.fc2.weight", 1, tp))
 
     def forward(self, x):
         """(The block runs its experts together: MoEMLP._experts; this is one on its own.)"""
@@ -214,9 +213,8 @@ class SharedExperts(nn.Module):
         self.mlp = mlp_type(ctx, layer, hidden=cfg.moe_shared_ffn_hidden_size, key=key)
         self.gate = None
         if cfg.moe_shared_expert_gate:
-            self.gate = mark_sequence_parallel(shard_param(
-                full_normal((1, cfg.hidden_size), cfg.init_std, ctx.seed, f"{key}.gate.weight"),
-                None, tp), tp)
+            self.gate = mark_sequence_parallel(normal_param(
+                (1, cfg.hidden_size), cfg.init_std, ctx.seed, f"{key}.gate.weight", None, tp), tp)
 
     def forward(self, x):
         out, bias = self.mlp(x)

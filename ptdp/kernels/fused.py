@@ -34,28 +34,32 @@ def bias_gelu_tanh(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return bias_gelu(x, bias, approximate="tanh")
 
 
-def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """SiLU(gate) * up of x + bias, whose last dimension alternates gate and up columns
+# A gated activation's gate function (models/moe.py uses it on gate and up held apart)
+GATES = {"swiglu": F.silu, "geglu": functools.partial(F.gelu, approximate="tanh")}
+
+
+def _bias_gated(x: torch.Tensor, bias: torch.Tensor | None, gate) -> torch.Tensor:
+    """gate(g) * up of x + bias, whose last dimension alternates gate and up columns
     (models/transformer.py ParallelMLP): [..., 2f] -> [..., f]. Overwrites `x`."""
     x = x if bias is None else x.add_(bias)
     pairs = x.unflatten(-1, (-1, 2))
-    return F.silu(pairs[..., 0]) * pairs[..., 1]
+    return gate(pairs[..., 0]) * pairs[..., 1]
+
+
+def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """SiLU(gate) * up (Llama's MLP). Overwrites `x`."""
+    return _bias_gated(x, bias, GATES["swiglu"])
 
 
 def bias_geglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """GeLU(gate) * up with the tanh GeLU (Gemma's MLP), laid out as bias_swiglu's input.
-    Overwrites `x`."""
-    x = x if bias is None else x.add_(bias)
-    pairs = x.unflatten(-1, (-1, 2))
-    return F.gelu(pairs[..., 0], approximate="tanh") * pairs[..., 1]
+    """GeLU(gate) * up with the tanh GeLU (Gemma's MLP). Overwrites `x`."""
+    return _bias_gated(x, bias, GATES["geglu"])
 
 
-# model.activation -> the fused chain after fc1 (models/transformer.py, models/moe.py)
+# model.activation -> the fused chain after fc1 (models/transformer.py, models/moe.py); the
+# names are the model catalogue's (ptdp/config/models.py ACTIVATIONS, GATED_ACTIVATIONS)
 ACTIVATIONS = {"gelu": bias_gelu, "gelu_tanh": bias_gelu_tanh, "swiglu": bias_swiglu,
                "geglu": bias_geglu}
-
-# A gated activation's gate function, for callers that hold gate and up apart (models/moe.py)
-GATES = {"swiglu": F.silu, "geglu": functools.partial(F.gelu, approximate="tanh")}
 
 
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor,

@@ -86,7 +86,7 @@ def block_keep(q_chunk: int, k_chunk: int, length: int, causal: bool, window: in
     return keep[:, None]
 
 
-def _expand(x: torch.Tensor, repeats: int) -> torch.Tensor:
+def expand_heads(x: torch.Tensor, repeats: int) -> torch.Tensor:
     """[b, groups, L, d] -> [b, groups * repeats, L, d]: each K/V head for its query heads."""
     if repeats == 1:
         return x
@@ -95,7 +95,7 @@ def _expand(x: torch.Tensor, repeats: int) -> torch.Tensor:
 
 
 def _fold(x: torch.Tensor, repeats: int) -> torch.Tensor:
-    """The gradient of `_expand`: sum the query heads' contributions per K/V head."""
+    """The gradient of `expand_heads`: sum the query heads' contributions per K/V head."""
     if repeats == 1:
         return x
     b, h, n, d = x.shape
@@ -275,9 +275,8 @@ class _RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(kv)
                 pending = cp.exchange(step, {KV: kv}, {KV: incoming})
             for q_rows, k_rows, diagonal, keep in blocks.of_step(step, q.device):
-                o, s = block_forward(q[:, :, q_rows], _expand(kv[0][:, :, k_rows], repeats),
-                                     _expand(kv[1][:, :, k_rows], repeats), diagonal, scale,
-                                     keep)
+                k_block, v_block = (expand_heads(t[:, :, k_rows], repeats) for t in kv)
+                o, s = block_forward(q[:, :, q_rows], k_block, v_block, diagonal, scale, keep)
                 _merge(out[:, :, q_rows], lse[:, :, q_rows], o, s)
             if pending is not None:
                 pending.wait()
@@ -306,9 +305,9 @@ class _RingAttention(torch.autograd.Function):
             pending = cp.exchange(step, sends, receives) if sends else None
             local = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
             for q_rows, k_rows, diagonal, keep in blocks.of_step(step, q.device):
+                k_block, v_block = (expand_heads(t[:, :, k_rows], repeats) for t in kv)
                 dq_a, dk_j, dv_j = block_backward(
-                    dout[:, :, q_rows], q[:, :, q_rows], _expand(kv[0][:, :, k_rows], repeats),
-                    _expand(kv[1][:, :, k_rows], repeats), out[:, :, q_rows],
+                    dout[:, :, q_rows], q[:, :, q_rows], k_block, v_block, out[:, :, q_rows],
                     lse[:, :, q_rows].contiguous(), diagonal, scale, keep)
                 dq[:, :, q_rows] += dq_a
                 local[0][:, :, k_rows] += _fold(dk_j, repeats)

@@ -366,7 +366,7 @@ def _deferred_scale_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.
                              offset: float, copy: bool) -> torch.Tensor:
     _hand_over([weight], lambda grad, x: [(_flat(grad) * _flat(x)).sum(0).to(weight.dtype)],
                [grad, x], copy)
-    return grad * gain(weight, offset, grad.dtype) if offset else grad * weight
+    return _scale(grad, weight, offset)   # the input's gradient: grad times the gain
 
 
 @_deferred_scale_backward.register_fake

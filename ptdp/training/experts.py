@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ptdp.metrics.log import LOAD_FIELD
-from ptdp.models.moe import Router
+from ptdp.models.moe import Router, routers_by_layer
 
 
 class ExpertLoads:
@@ -31,9 +31,7 @@ class ExpertLoads:
         self.layers = [layer for layer in range(model.num_layers) if model.is_moe_layer(layer)]
         self.routers: dict[int, Router] = {}
         for chunk in state.chunks.values():
-            for i, layer in enumerate(chunk.stack.layers):
-                if hasattr(layer.mlp, "router"):
-                    self.routers[chunk.stack.first + i] = layer.mlp.router
+            self.routers.update(routers_by_layer(chunk))
         self.latest: torch.Tensor | None = None   # [MoE layers, E] float64, on the host
         self.total = torch.zeros(len(self.layers), model.num_experts, dtype=torch.float64)
 

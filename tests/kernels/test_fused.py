@@ -136,3 +136,11 @@ def test_attention_passes_sdpa_what_flash_and_mem_efficient_kernels_need(monkeyp
         assert c["mask"].shape == (2, 1, 1, 8)
         assert c["mask"][1, 0, 0].tolist() == [True] * 5 + [False] * 3
     assert all(c["stride"] == 1 for c in gpt + calls)  # head_dim contiguous, as kernels need
+
+
+def test_the_kernels_cover_the_catalogues_activations_exactly():
+    """A name added to the model catalogue without its chain here (or the reverse) would fail
+    only when a model is built, after launch."""
+    from ptdp.config.models import ACTIVATIONS as NAMES, GATED_ACTIVATIONS
+    from ptdp.kernels.fused import GATES
+    assert set(ACTIVATIONS) == set(NAMES) and set(GATES) == set(GATED_ACTIVATIONS)
