@@ -135,8 +135,9 @@ ARGS: tuple[Arg, ...] = (
         lambda v, g: Differs({}, "ptdp keeps the residual in the model's dtype, not fp32"),
         nargs=0, note="ptdp keeps the residual in the model's dtype, not fp32"),
     Arg("--swiglu", "model.activation", EXACT, const("swiglu"), nargs=0),
-    Arg("--openai-gelu", "model.activation", EXACT, const("gelu_tanh"), nargs=0,
-        note="the tanh approximation of GeLU"),
+    Arg("--openai-gelu", None, IGNORED,
+        ignore("megatron-core's GPT ignores it (Megatron-LM's legacy models only): its GeLU "
+               "follows --bias-gelu-fusion"), nargs=0),
     Arg("--squared-relu", None, REFUSED, refuse("ptdp has GeLU and SwiGLU"), nargs=0, model=True),
     Arg("--quick-geglu", None, REFUSED, refuse("ptdp has GeLU and SwiGLU"), nargs=0, model=True),
     Arg("--disable-bias-linear", "model.bias", EXACT, const(False), nargs=0),

@@ -16,7 +16,7 @@ def _fused_bias_gelu(given: dict) -> bool:
     """Megatron's MLP runs its fused bias-GeLU, the tanh approximation
     (megatron/core/fusions/fused_bias_gelu.py), for a GeLU MLP with biases unless
     --no-bias-gelu-fusion (validate_args turns the fusion off without biases)."""
-    return not any(f in given for f in _NOT_GELU + ("--disable-bias-linear", "--openai-gelu",
+    return not any(f in given for f in _NOT_GELU + ("--disable-bias-linear",
                                                      "--no-bias-gelu-fusion"))
 
 

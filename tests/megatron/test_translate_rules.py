@@ -105,6 +105,8 @@ def test_a_refusal_that_shapes_the_model_writes_no_config_unless_allowed(tmp_pat
      {"model.head_dim": 32}),   # (16 = 64 / 4 is ptdp's default: nothing written)
     ([], {"model.activation": "gelu_tanh"}),   # the fused bias-GeLU, Megatron's default
     (["--no-bias-gelu-fusion"], {"model.activation": None}),   # exact, as ptdp's default GeLU
+    # megatron-core ignores --openai-gelu: the unfused GeLU stays exact (as `convert` reads it)
+    (["--openai-gelu", "--no-bias-gelu-fusion"], {"model.activation": None}),
     (["--disable-bias-linear"], {"model.activation": None}),   # no biases: no fused GeLU
 ])
 def test_megatron_spellings_of_the_new_keys(words, expected):
