@@ -160,6 +160,8 @@ def test_window_keys_are_checked_and_parsed():
         "model.sliding_window_layers=[1] needs model.sliding_window (the window those layers use)"]
     (line,) = _errors(["model.sliding_window=4", "model.sliding_window_layers=[0,5]"])
     assert line.startswith("model.sliding_window_layers: [5] not among the 2 layers")
+    (line,) = _errors(["model.sliding_window=4", "model.sliding_window_layers=[]"])
+    assert line.startswith("model.sliding_window_layers=[] makes no layer local")
     (line,) = _errors(["model.sliding_window=4", "model.arch=bert"])
     assert line.startswith("model.sliding_window applies to model.arch=gpt only")
     # documents and windows with context parallelism: accepted (exact through the ring)

@@ -21,6 +21,8 @@ def check_window(m: ModelConfig, out: Problems) -> None:
                                  f"{family_names(lambda f: f.causal)} only (causal decoders); "
                                  f"model.arch={m.arch} attends both ways")
     if layers is not None:
+        out.require(len(layers) > 0, "model.sliding_window_layers=[] makes no layer local, so "
+                                     "model.sliding_window would do nothing (null = every layer)")
         wrong = [i for i in layers if not 0 <= i < m.num_layers]
         out.require(not wrong, f"model.sliding_window_layers: {wrong} not among the "
                                f"{m.num_layers} layers (0-based, 0 .. {m.num_layers - 1})")
