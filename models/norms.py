@@ -2,10 +2,10 @@
 
 With `model.norm_zero_centered` the gain is 1 + w, w starting at 0 (Gemma's RMSNorm, Megatron's
 --apply-layernorm-1p): the same model at initialisation, and a weight decay that pulls the gain
-towards 1 rather than 0. Their weights are replicated across tensor ranks (ones or zeros, and
-zeros: layout-free). They run on the
-hidden state between tensor regions, which with sequence parallelism is 1/t of the tokens, so
-their weights are marked for the tensor-group gradient sum. Under zb-h1 their weight gradients
+towards 1 rather than 0. Their weights are replicated across tensor ranks (gains of ones or
+zeros, biases of zeros: layout-free). They run on the hidden state between tensor regions,
+which with sequence parallelism is 1/t of the tokens, so their weights are marked for the
+tensor-group gradient sum. Under zb-h1 their weight gradients
 may wait for the W pass (their `weight_ops`, ptdp/parallel/weight_grad.py).
 """
 

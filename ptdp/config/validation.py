@@ -300,7 +300,7 @@ def _check_parallel_sizes(par: ParallelConfig, out: _Problems) -> bool:
 
 
 def _check_layout(cfg: Config, world_size: int, out: _Problems) -> None:
-    """(p, t, c, d, v) against the world size, the model's sizes, the schedule and the batch."""
+    """(p, t, c, d, e, v) against the world size, the model's sizes, the schedule and the batch."""
     m, par, tr = cfg.model, cfg.parallel, cfg.train
     t, p, c = par.tensor, par.pipeline, par.context
     model_ranks = p * t * c

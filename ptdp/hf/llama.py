@@ -2,8 +2,9 @@
 reduce to the same block: `MistralForCausalLM` (its sliding window in every layer:
 model.sliding_window) and `Qwen2ForCausalLM` (Llama's block plus biases on Q, K and V:
 model.qkv_bias=true; its window on the layers from max_window_layers on:
-model.sliding_window_layers). Phi-3 (phi3.py), the mixtures of experts (moe.py), Qwen3 and
-Gemma (qwen3.py, gemma.py) build on `Llama`'s hooks: `model_keys`, `attention_*`, `mlp_*`.
+model.sliding_window_layers). Qwen3 (here too: Llama's block plus
+QK-norm and a head size), Phi-3 (phi3.py), Gemma (gemma.py) and the mixtures of experts
+(moe.py) build on `Llama`'s hooks: `model_keys`, `attention_*`, `mlp_*`.
 
 The block: pre-RMSNorm layers, rotary positions (HF's rotate_half convention, which ptdp's
 models/rotary.py uses too, so no q/k permutation), SwiGLU MLP, bias-free linears, grouped-query

@@ -27,9 +27,9 @@ class Pipeline:
                        scatter_gather=par.scatter_gather)
         # What crosses a stage boundary (the executor's chunk contract): every model family
         # hands on one [s, b, h] hidden state. Side outputs: the aux losses of MoE layers
-        # (models/moe.py), declared here from the config, so that every rank derives the same. With sequence parallelism each tensor rank holds
-        # (and sends) its 1/t of the sequence, with context parallelism each context rank its
-        # 2 of 2c chunks.
+        # (models/moe.py), declared here from the config, so that every rank derives the same.
+        # With sequence parallelism each tensor rank holds (and sends) its 1/t of the sequence,
+        # with context parallelism each context rank its 2 of 2c chunks.
         boundary = ((cfg.local_seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size),)
         self.executor = PipelineExecutor(state.chunks, self.p * self.v, self.p2p,
                                          boundary_shapes=lambda stage: boundary,
