@@ -49,16 +49,35 @@ def env(**extra) -> dict:
     return out
 
 
+STARTED: list[subprocess.Popen] = []   # every job, each in its own session: stop_all ends them
+
+
+def _start(command: list[str], cwd: Path, **extra) -> subprocess.Popen:
+    job = subprocess.Popen(command, cwd=cwd, env=env(**extra), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    STARTED.append(job)
+    return job
+
+
 def torchrun(overrides: list[str], cwd: Path, **extra) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node", "2", "-m", "ptdp", "train", CONFIG, *overrides],
-                            cwd=cwd, env=env(**extra), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return _start([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "2", "-m", "ptdp", "train", CONFIG, *overrides], cwd, **extra)
 
 
 def launch(overrides: list[str], cwd: Path, **extra) -> subprocess.Popen:
-    return subprocess.Popen(["bash", SCRIPT, CONFIG, *overrides], cwd=cwd, env=env(**extra),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return _start(["bash", SCRIPT, CONFIG, *overrides], cwd, **extra)
+
+
+def stop_all() -> None:
+    """End every job an attack left running (one that failed half-way), its workers too."""
+    while STARTED:
+        job = STARTED.pop()
+        for sig in (signal.SIGCONT, signal.SIGKILL):   # a frozen rank too
+            try:
+                os.killpg(job.pid, sig)
+            except ProcessLookupError:
+                pass
+        job.communicate()
 
 
 def finish(job: subprocess.Popen, timeout_s: float = 600) -> tuple[int, str]:
@@ -83,12 +102,14 @@ def records(metrics: Path) -> list[dict]:
 
 
 def wait_for_iteration(metrics: Path, job: subprocess.Popen, n: int, limit_s: float = 300):
+    """Until the job has logged n iterations; raises if it ends or stalls first (the attack
+    then counts as failed, and stop_all ends the job)."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline and job.poll() is None:
         if len(records(metrics)) >= n:
-            return True
+            return
         time.sleep(0.2)
-    return False
+    raise RuntimeError(f"the job never reached iteration {n} ({metrics})")
 
 
 def pids(marker: str, agent: bool) -> list[int]:
@@ -107,14 +128,14 @@ def pids(marker: str, agent: bool) -> list[int]:
     return sorted(found)
 
 
-def worker_of_rank(marker: str, rank: int) -> int | None:
+def worker_of_rank(marker: str, rank: int) -> int:
     for pid in pids(marker, agent=False):
         try:
             if f"RANK={rank}".encode() in (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0"):
                 return pid
         except OSError:
             continue
-    return None
+    raise RuntimeError(f"no worker of rank {rank} found")
 
 
 class Attack:
@@ -301,14 +322,9 @@ class Attack:
             wait_for_iteration(metrics, first, 2)
         else:
             time.sleep(20)
-        second = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                 "--nproc-per-node", "2", "-m", "ptdp", "train", CONFIG, *RUN,
-                                 *shared], cwd=folder, env=env(), capture_output=True, text=True,
-                                timeout=300)
-        first.kill()
-        finish(first, 30)
-        ours = [line for line in second.stderr.splitlines() if "in use by another job" in line]
-        return second.returncode != 0 and len(ours) == 1, f"exit {second.returncode}: {ours[:1]}"
+        code, out = finish(torchrun(RUN + shared, folder), 300)
+        ours = [line for line in out.splitlines() if "in use by another job" in line]
+        return code != 0 and len(ours) == 1, f"exit {code}: {ours[:1]}"
 
     def fault_two_torchruns_one_metrics_file(self):
         """A second direct torchrun on the metrics file of a running job without checkpoint.dir."""
@@ -385,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
             ok, detail = getattr(attack, name)()
         except Exception as err:   # an attack that could not be carried out counts as failed
             ok, detail = False, f"{type(err).__name__}: {err}"
+        finally:
+            stop_all()
         results["faults"][name[len("fault_"):]] = {"ok": ok, "detail": detail,
                                                    "seconds": round(time.monotonic() - start, 1)}
         rows.append(["fault", name[len("fault_"):], "yes" if ok else "NO", detail[:90]])
