@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -103,12 +104,26 @@ def test_a_killed_agent_takes_its_workers_and_the_restart_loses_nothing(tmp_path
     assert [r["loss"] for r in records] == reference
 
 
+def _holder(program: str, *args: str, timeout_s: float = 60) -> subprocess.Popen:
+    """A process running `program` that prints "held" once it holds its lock; killed (never
+    left holding the lock for its 600 s) if it does not say so within `timeout_s`."""
+    holder = subprocess.Popen([sys.executable, "-c", program, *args], env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said: list[str] = []
+    reader = threading.Thread(target=lambda: said.append(holder.stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    if not said or said[0].strip() != "held":
+        holder.kill()
+        _, err = holder.communicate()
+        raise AssertionError(f"the holder did not take its lock: {said} {err[-2000:]}")
+    return holder
+
+
 def test_a_second_job_on_a_checkpoint_dir_in_use_stops_naming_the_holder(tmp_path):
     directory = tmp_path / "ck"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(directory)],
-                              env=_env(), stdout=subprocess.PIPE, text=True)
+    holder = _holder(HOLDER, str(directory))
     try:
-        assert holder.stdout.readline().strip() == "held"
         held = wait_until_free(directory, patience_s=0.5)
         assert held == [f"rank 3 pid {holder.pid} on {os.uname().nodename}"]
         result = subprocess.run(
@@ -140,11 +155,7 @@ time.sleep(600)
 
 
 def _metrics_holder(metrics: Path, port: str) -> subprocess.Popen:
-    holder = subprocess.Popen([sys.executable, "-c", METRICS_HOLDER, str(metrics), port],
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
-    assert holder.stdout.readline().strip() == "held"
-    return holder
+    return _holder(METRICS_HOLDER, str(metrics), port)
 
 
 def test_a_direct_launch_on_a_metrics_file_in_use_is_refused_in_one_line(tmp_path, monkeypatch,
