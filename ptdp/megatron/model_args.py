@@ -39,7 +39,8 @@ def _refusals(args):
     """(condition, argument, why) for every setting ptdp's block cannot compute."""
     yield _get(args, "multi_latent_attention", False), "multi_latent_attention", \
         "ptdp's attention is multi-head / grouped-query"
-    yield _get(args, "qk_layernorm", False), "qk_layernorm", "ptdp normalises no queries or keys"
+    yield _get(args, "qk_layernorm", False), "qk_layernorm", \
+        "the converter does not map q_layernorm/k_layernorm weights yet (model.qk_norm computes it)"
     yield _get(args, "apply_residual_connection_post_layernorm", False), \
         "apply_residual_connection_post_layernorm", "ptdp's residual adds the layer's input"
     yield _get(args, "squared_relu", False), "squared_relu", "ptdp's MLP is GeLU or SwiGLU"
@@ -173,9 +174,10 @@ def refuse_for_megatron(cfg: ModelConfig) -> None:
     require(cfg.activation != "gelu_tanh" or cfg.bias,
             "model.activation=gelu_tanh without biases: megatron-core computes the tanh GeLU "
             "only fused with the MLP's bias (--bias-gelu-fusion)")
-    for key in ("qk_norm", "scale_embeddings"):
-        require(not getattr(cfg, key, False), f"model.{key}=true: Megatron-LM's GPT has no such "
-                                              f"option")
+    require(not cfg.qk_norm, "model.qk_norm=true: the converter does not write Megatron's "
+                             "q_layernorm/k_layernorm weights yet (--qk-layernorm)")
+    require(not cfg.scale_embeddings, "model.scale_embeddings=true: Megatron-LM's GPT has no "
+                                      "such option")
     if cfg.position_embedding == "rope" and cfg.rope_scaling_factor != 1.0:
         for key, fixed in ROPE_SCALING_FIXED.items():
             require(getattr(cfg, key) == fixed, f"model.{key}={getattr(cfg, key)}: Megatron's "

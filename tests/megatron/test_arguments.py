@@ -159,7 +159,8 @@ def test_megatrons_defaults_are_written_where_they_differ_from_ptdps():
 @pytest.mark.parametrize("words, line", [
     (["--moe-router-topk", "2"],
      "ignored: --moe-router-topk 2: Megatron uses it only with --num-experts"),
-    (["--qk-layernorm"], "refused: --qk-layernorm: ptdp has no query/key normalisation"),
+    (["--apply-residual-connection-post-layernorm"],
+     "refused: --apply-residual-connection-post-layernorm: ptdp's blocks are pre-norm"),
     (["--position-embedding-type", "relative"],
      "refused: --position-embedding-type relative: 'relative': ptdp has learned and rotary positions"),
     (["--make-vocab-size-divisible-by", "64"],
@@ -322,9 +323,9 @@ def test_every_key_the_table_writes_is_ptdps():
     (["check", "CFG", "--use-flash-attn"],
      "ptdp check: --use-flash-attn is a Megatron-LM argument that ptdp ignores: a kernel choice; "
      "ptdp picks its own fused kernels"),
-    (["train", "CFG", "--qk-layernorm"],
-     "ptdp train: --qk-layernorm is a Megatron-LM argument that ptdp has no counterpart for: "
-     "ptdp has no query/key normalisation"),
+    (["train", "CFG", "--apply-residual-connection-post-layernorm"],
+     "ptdp train: --apply-residual-connection-post-layernorm is a Megatron-LM argument that ptdp has no "
+     "counterpart for: ptdp's blocks are pre-norm"),
 ])
 def test_a_megatron_spelling_on_ptdps_command_line_gets_one_line(argv, line, capsys):
     argv = [str(ROOT / "configs" / "gpt_tiny.yaml") if w == "CFG" else w for w in argv]

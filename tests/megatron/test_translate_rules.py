@@ -63,7 +63,8 @@ def test_moe_arguments_become_ptdps_moe_keys(words, expected):
      "Switch/GShard loss per micro-batch (aux_loss), the z-loss and the expert bias", True),
     (["--moe-router-topk", "4"], "ignored: --moe-router-topk 4: Megatron uses it only with "
      "--num-experts", False),
-    (["--qk-layernorm"], "refused: --qk-layernorm: ptdp has no query/key normalisation", True),
+    (["--apply-residual-connection-post-layernorm"],
+     "refused: --apply-residual-connection-post-layernorm: ptdp's blocks are pre-norm", True),
     (["--decoupled-lr", "1e-3"], "refused: --decoupled-lr 1e-3: ptdp has one learning rate",
      False),
     (["--fp8-format", "hybrid", "--bf16"], "approximate: --fp8-format hybrid: ptdp has no FP8 "
@@ -76,11 +77,11 @@ def test_what_cannot_be_mapped_says_why_and_whether_it_changes_the_model(words, 
 
 def test_a_refusal_that_shapes_the_model_writes_no_config_unless_allowed(tmp_path, capsys):
     out = tmp_path / "c.yaml"
-    words = ["--num-layers", "2", "--qk-layernorm", "--decoupled-lr", "1e-3"]
+    words = ["--num-layers", "2", "--apply-residual-connection-post-layernorm", "--decoupled-lr", "1e-3"]
     assert cli.main(["config", "from-megatron", "--out", str(out), "--", *words]) == 2
     err = capsys.readouterr().err.splitlines()
     assert not out.exists() and err[-1] == (
-        "ptdp config from-megatron: refused --qk-layernorm: it shapes the model and ptdp has no "
+        "ptdp config from-megatron: refused --apply-residual-connection-post-layernorm: it shapes the model and ptdp has no "
         "counterpart, so the config would be another model; none written (--allow-refused "
         "writes it without it)")
     assert "  refused: --decoupled-lr 1e-3: ptdp has one learning rate" in err
@@ -101,6 +102,7 @@ def test_a_refusal_that_shapes_the_model_writes_no_config_unless_allowed(tmp_pat
      {"log.wandb_project": "p", "log.wandb_name": "run"}),
     (["--apply-layernorm-1p", "--openai-gelu"],
      {"model.norm_zero_centered": True, "model.activation": "gelu_tanh"}),
+    (["--qk-layernorm"], {"model.qk_norm": True}),
     (["--hidden-size", "64", "--num-attention-heads", "4", "--kv-channels", "32"],
      {"model.head_dim": 32}),   # (16 = 64 / 4 is ptdp's default: nothing written)
     ([], {"model.activation": "gelu_tanh"}),   # the fused bias-GeLU, Megatron's default
