@@ -8,7 +8,9 @@ layers' sliding windows (`model.sliding_window`, `model.sliding_window_layers`).
 follows Hugging Face's `sliding_window_causal` mask (transformers' masking_utils.py): key j is
 visible to query i iff j <= i and i - j < window, so a query sees itself and the window - 1
 tokens before it (sequence indices, not positions reset per document). A window >= the
-sequence length is no window.
+sequence length is no window. That rule (causal, same document, within the window) is one
+function, `visible` (ptdp/parallel/ring_attention.py, below this package so the ring's blocks
+use it too); every mask here is built from it.
 
 The mask is prepared once per micro-batch for every window the chunk's layers use, in the form
 the kernel takes (`AttentionMask.prepared[window]`):
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ptdp.parallel.context import ContextParallel
-from ptdp.parallel.ring_attention import expand_heads, ring_attention
+from ptdp.parallel.ring_attention import expand_heads, ring_attention, visible
 from ptdp.parallel.rng import TensorParallelRNG
 
 
@@ -89,16 +91,11 @@ def _prepare(mask: AttentionMask, window: int | None, seq: int, device, dropout:
 
 def keep_mask(documents: torch.Tensor, window: int | None = None, causal: bool = True,
               ) -> torch.Tensor:
-    """[b, s] document ids -> [b, s, s] boolean keep-mask (query, key): the keys at or before
-    the query (when causal) in its own document, and within `window` of it."""
-    s = documents.shape[1]
-    i = torch.arange(s, device=documents.device)
-    keep = documents[:, :, None] == documents[:, None, :]
-    if causal:
-        keep = keep & (i[None, :] <= i[:, None])
-    if window is not None:
-        keep = keep & (i[:, None] - i[None, :] < window)
-    return keep
+    """[b, s] document ids -> [b, s, s] boolean keep-mask (query, key) of `visible`: the keys
+    at or before the query (when causal) in its own document, and within `window` of it."""
+    i = torch.arange(documents.shape[1], device=documents.device)
+    return visible(i[:, None], i[None, :], causal, window,
+                   documents[:, :, None], documents[:, None, :])
 
 
 def window_mask(seq: int, window: int, device=None) -> torch.Tensor:
@@ -118,24 +115,19 @@ def decoding_mask(start: int, new: int, window: int | None, device=None):
     ptdp/inference/generate.py), or None where causality alone says it (from position 0 with
     is_causal, or one query that sees every key)."""
     total = start + new
-    if window is None or window >= total:
-        if start == 0 or new == 1:
-            return None
-        return torch.ones(new, total, dtype=torch.bool, device=device).tril(start)
+    window = effective_window(window, total)
+    if window is None and (start == 0 or new == 1):
+        return None
     i = torch.arange(start, total, device=device)[:, None]
-    j = torch.arange(total, device=device)[None]
-    return (j <= i) & (i - j < window)
+    return visible(i, torch.arange(total, device=device)[None], True, window)
 
 
 def mask_mod(documents: torch.Tensor | None, window: int | None):
-    """FlexAttention's mask_mod: keep (b, h, q, k) iff causal, same document, within window."""
+    """FlexAttention's mask_mod: keep (b, h, q, k) iff `visible` (causal, same document,
+    within the window)."""
     def keep(b, h, q, k):
-        out = k <= q
-        if documents is not None:
-            out = out & (documents[b, q] == documents[b, k])
-        if window is not None:
-            out = out & (q - k < window)
-        return out
+        docs = () if documents is None else (documents[b, q], documents[b, k])
+        return visible(q, k, True, window, *docs)
     return keep
 
 

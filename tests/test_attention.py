@@ -132,6 +132,43 @@ def test_ring_skips_blocks_outside_the_window():
         ring.MASKED}
 
 
+def test_ring_block_kinds_follow_the_elementwise_rule():
+    """Every (query chunk, key chunk) pair of 6 chunks, for chunk lengths 1-4, causal or not,
+    windows from 1 past the sequence: `visible_blocks` skips a block iff `visible` hides every
+    key in it, and what each kept block computes (every key, the kernel's lower triangle, or
+    `block_keep`) equals the whole sequence's keep-mask there (and `block_keep` with documents
+    too), so the block-level skipping is the elementwise rule decided per block."""
+    chunks = tuple(range(6))
+    for length in (1, 2, 3, 4):
+        s = 6 * length
+        i = torch.arange(s)[None]
+        documents = (i > s // 3).long() + (i > 2 * s // 3)   # three documents, mid-chunk edges
+        tril = torch.ones(length, length, dtype=torch.bool).tril()
+        for causal in (True, False):
+            for window in (None, 1, 2, 3, length + 1, 2 * length + 1, s, s + 5):
+                full = keep_mask(torch.zeros(1, s, dtype=torch.long), window, causal)[0]
+                kinds = {(a, j): kind for a, j, kind in ring.visible_blocks(
+                    chunks, chunks, causal, window, length)}
+                for qc in chunks:
+                    for kc in chunks:
+                        rows, cols = slice(qc * length, (qc + 1) * length), slice(
+                            kc * length, (kc + 1) * length)
+                        want = full[rows, cols]
+                        case = (length, causal, window, qc, kc)
+                        kind = kinds.get((qc, kc))
+                        assert (kind is None) == (not want.any()), case
+                        if kind is not None:   # what the block computes is the rule's mask
+                            keep = ring.block_keep(qc, kc, length, causal, window, None, "cpu")
+                            computed = {ring.FULL: torch.ones_like(tril), ring.DIAGONAL: tril,
+                                        ring.MASKED: keep[0, 0]}[kind]
+                            assert torch.equal(computed, want), case
+                            assert kind != ring.MASKED or not want.all(), case
+                        with_docs = ring.block_keep(qc, kc, length, causal, window, documents,
+                                                    "cpu")
+                        assert torch.equal(with_docs[:, 0], keep_mask(
+                            documents, window, causal)[:, rows, cols]), case
+
+
 def test_generation_mask_keeps_the_window():
     """Cached decoding: the rows of the whole sequence's window mask for the new queries."""
     full = keep_mask(torch.zeros(1, 10, dtype=torch.long), 4)[0]

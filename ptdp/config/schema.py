@@ -30,6 +30,14 @@ class ConfigError(ValueError):
 VOCAB_PAD_MULTIPLE = 128  # vocab is padded to a multiple of 128 * t (GEMM-friendly shards)
 
 
+def moe_layer(layer: int, experts: int, first_dense: int, freq: int) -> bool:
+    """The rule of which layers are MoE (model.num_experts, moe_first_dense_layers,
+    moe_layer_freq), for the model and the planner (ptdp/planner/moe.py): layer i (0-based) is
+    when there are experts, i >= first_dense and (i - first_dense) % freq == 0."""
+    after = layer - first_dense
+    return experts > 0 and after >= 0 and after % freq == 0
+
+
 @dataclass
 class ModelConfig:
     arch: str = DEFAULT_FAMILY.name      # gpt | bert (ptdp/config/models.py)
@@ -103,8 +111,8 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether transformer layer `layer` (0-based) has a mixture of experts as its MLP."""
-        after = layer - self.moe_first_dense_layers
-        return self.num_experts > 0 and after >= 0 and after % self.moe_layer_freq == 0
+        return moe_layer(layer, self.num_experts, self.moe_first_dense_layers,
+                         self.moe_layer_freq)
 
     def attention_window(self, layer: int) -> int | None:
         """The sliding window of transformer layer `layer` (0-based), None where it is global."""

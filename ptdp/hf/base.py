@@ -17,6 +17,7 @@ import torch
 
 from ptdp.config import ModelConfig
 from ptdp.config.models import ModelFamily
+from ptdp.models.transformer import fuse_gate_up, split_gate_up
 
 
 # The model.seq_length a rotary model converted from Hugging Face trains at unless told
@@ -160,3 +161,16 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
     blocks = torch.cat([q.reshape(kv_heads, r, d, *rest), k.reshape(kv_heads, 1, d, *rest),
                         v.reshape(kv_heads, 1, d, *rest)], dim=1)
     return blocks.reshape(-1, *rest).contiguous()
+
+
+# SwiGLU's fc1: ptdp's rows alternate gate and up (models/transformer.py `fuse_gate_up`); the
+# fused HF projections (Phi-3's gate_up_proj, transformers 5's stacked experts) hold every gate
+# row, then every up row.
+def gate_then_up(fc1: torch.Tensor) -> torch.Tensor:
+    """ptdp's fc1 -> [gate rows; up rows]."""
+    return torch.cat(split_gate_up(fc1))
+
+
+def fc1_of_gate_then_up(gate_up: torch.Tensor) -> torch.Tensor:
+    """The inverse of `gate_then_up`."""
+    return fuse_gate_up(*gate_up.chunk(2))

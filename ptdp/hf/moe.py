@@ -25,9 +25,8 @@ from __future__ import annotations
 import torch
 
 from ptdp.config import ModelConfig
-from ptdp.hf.base import Set, require
+from ptdp.hf.base import Set, fc1_of_gate_then_up, gate_then_up, require
 from ptdp.hf.llama import Llama, Mistral, Qwen2, Qwen3
-from ptdp.models.transformer import fuse_gate_up, split_gate_up
 
 MOE = dict(num_experts=Set(0), moe_score_function="softmax", moe_routed_scaling_factor=1.0,
            moe_expert_bias_rate=0.0, moe_shared_ffn_hidden_size=0)
@@ -44,7 +43,7 @@ class _Experts:
         out[f"{theirs}gate.weight"] = full[f"{ours}router.weight"]
         experts = range(cfg.num_experts)
         out[f"{theirs}experts.gate_up_proj"] = torch.stack(
-            [torch.cat(split_gate_up(full[f"{ours}experts.{j}.fc1.weight"])) for j in experts])
+            [gate_then_up(full[f"{ours}experts.{j}.fc1.weight"]) for j in experts])
         out[f"{theirs}experts.down_proj"] = torch.stack(
             [full[f"{ours}experts.{j}.fc2.weight"] for j in experts])
         if self.shared:
@@ -57,7 +56,7 @@ class _Experts:
         out[f"{ours}router.weight"] = get(f"{theirs}gate.weight")
         gate_up, down = get(f"{theirs}experts.gate_up_proj"), get(f"{theirs}experts.down_proj")
         for j in range(cfg.num_experts):
-            out[f"{ours}experts.{j}.fc1.weight"] = fuse_gate_up(*gate_up[j].chunk(2))
+            out[f"{ours}experts.{j}.fc1.weight"] = fc1_of_gate_then_up(gate_up[j])
             out[f"{ours}experts.{j}.fc2.weight"] = down[j].contiguous()
         if self.shared:
             Llama.mlp_from_hf(cfg, layer, get, f"{ours}shared.mlp.", f"{theirs}shared_expert.", out)

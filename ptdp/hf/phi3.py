@@ -1,7 +1,7 @@
 """Phi-3 (`Phi3ForCausalLM`, model_type phi3) <-> ptdp's Llama-style GPT.
 
-Llama's block (ptdp/hf/llama.py) with two fused projections, split on the way in and fused
-again on the way out:
+Mistral's block (ptdp/hf/llama.py: Llama's, with a window in every layer or none) with two
+fused projections, split on the way in and fused again on the way out:
   * `qkv_proj`: the rows of q_proj, k_proj and v_proj stacked ([q heads | k heads | v heads]);
     ptdp's fused QKV groups them by K/V head instead (ptdp/hf/base.py `split_qkv`).
   * `gate_up_proj`: gate_proj's rows then up_proj's; ptdp's fc1 alternates them.
@@ -16,15 +16,14 @@ from __future__ import annotations
 import torch
 
 from ptdp.config import ModelConfig
-from ptdp.hf.base import require
-from ptdp.hf.llama import Llama
-from ptdp.models.transformer import fuse_gate_up, split_gate_up
+from ptdp.hf.base import fc1_of_gate_then_up, gate_then_up, require
+from ptdp.hf.llama import Llama, Mistral
 
 
-class Phi3(Llama):
+class Phi3(Mistral):
+    """Mistral's block (a window in every layer or none) and config, with the fused projections
+    and one dropout rate."""
     model_type, hf_class, config_class = "phi3", "Phi3ForCausalLM", "Phi3Config"
-    block = {**{k: v for k, v in Llama.block.items() if k != "sliding_window"},
-             "sliding_window_layers": None}
 
     def refuse(self, config) -> None:
         super().refuse(config)
@@ -36,8 +35,7 @@ class Phi3(Llama):
         return dict(super().model_keys(config), dropout=float(config.resid_pdrop))
 
     def hf_extra(self, cfg: ModelConfig) -> dict:
-        return dict(head_dim=cfg.head_dim, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
-                    sliding_window=cfg.sliding_window)
+        return dict(super().hf_extra(cfg), resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout)
 
     @staticmethod
     def attention_to_hf(cfg, full, ours: str, theirs: str, out: dict) -> None:
@@ -55,10 +53,10 @@ class Phi3(Llama):
 
     @staticmethod
     def mlp_to_hf(cfg, layer: int, full, ours: str, theirs: str, out: dict) -> None:
-        out[f"{theirs}gate_up_proj.weight"] = torch.cat(split_gate_up(full[f"{ours}fc1.weight"]))
+        out[f"{theirs}gate_up_proj.weight"] = gate_then_up(full[f"{ours}fc1.weight"])
         out[f"{theirs}down_proj.weight"] = full[f"{ours}fc2.weight"]
 
     @staticmethod
     def mlp_from_hf(cfg, layer: int, get, ours: str, theirs: str, out: dict) -> None:
-        out[f"{ours}fc1.weight"] = fuse_gate_up(*get(f"{theirs}gate_up_proj.weight").chunk(2))
+        out[f"{ours}fc1.weight"] = fc1_of_gate_then_up(get(f"{theirs}gate_up_proj.weight"))
         out[f"{ours}fc2.weight"] = get(f"{theirs}down_proj.weight").contiguous()

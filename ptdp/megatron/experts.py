@@ -23,9 +23,29 @@ import re
 
 import torch
 
-_LOCAL = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(.*)$")
+# megatron-core's name of one expert's parameter: PREFIX (up to and with `mlp.experts.`, the
+# layer's path before it if any), `local_experts.`, the expert's index, `.`, REST
+# (`linear_fc1.weight`, ...). Every module of ptdp/megatron reads expert names through
+# `expert_name` and writes them through `local_name` / `stacked_name`.
+_LOCAL = re.compile(r"^((?:.*\.)?mlp\.experts\.)local_experts\.(\d+)\.(.*)$")
 _STACKED = re.compile(r"^(.*\.mlp\.experts\.)experts\.(.*)$")
 _GROUPED = re.compile(r"^(.*\.mlp\.experts\.)weight([12])$")
+
+
+def expert_name(name: str) -> tuple[str, int, str] | None:
+    """`PREFIX local_experts.{j}.REST` -> (PREFIX, j, REST); None for any other name."""
+    match = _LOCAL.match(name)
+    return None if match is None else (match.group(1), int(match.group(2)), match.group(3))
+
+
+def local_name(prefix: str, j: int, rest: str) -> str:
+    """The inverse of `expert_name`: expert j's parameter REST."""
+    return f"{prefix}local_experts.{j}.{rest}"
+
+
+def stacked_name(prefix: str, rest: str) -> str:
+    """torch_dist's one name for parameter REST of every expert (stacked along dim 0)."""
+    return f"{prefix}experts.{rest}"
 
 
 def is_expert(name: str) -> bool:
@@ -36,8 +56,9 @@ def renumbered(state: dict, offset: int) -> dict:
     """`local_experts.{j}` -> `local_experts.{offset + j}` (a file's experts -> global)."""
     out = {}
     for name, value in state.items():
-        if match := _LOCAL.match(name):
-            name = f"{match.group(1)}local_experts.{offset + int(match.group(2))}.{match.group(3)}"
+        if parts := expert_name(name):
+            prefix, j, rest = parts
+            name = local_name(prefix, offset + j, rest)
         out[name] = value
     return out
 
@@ -55,8 +76,8 @@ def from_grouped(state: dict, hidden: int, count: int) -> dict:
         w1 = pair["1"].reshape(count, hidden, -1)
         w2 = pair["2"].reshape(count, -1, hidden)
         for j in range(count):
-            out[f"{prefix}local_experts.{j}.linear_fc1.weight"] = w1[j].t().contiguous()
-            out[f"{prefix}local_experts.{j}.linear_fc2.weight"] = w2[j].t().contiguous()
+            out[local_name(prefix, j, "linear_fc1.weight")] = w1[j].t().contiguous()
+            out[local_name(prefix, j, "linear_fc2.weight")] = w2[j].t().contiguous()
     return out
 
 
@@ -64,11 +85,11 @@ def to_grouped(state: dict, hidden: int) -> dict:
     """A rank's SequentialMLP expert names -> GroupedMLP's `weight1` / `weight2`."""
     out, experts = {}, {}
     for name, value in state.items():
-        match = _LOCAL.match(name)
-        if match and match.group(3) in ("linear_fc1.weight", "linear_fc2.weight"):
-            which = "1" if match.group(3).startswith("linear_fc1") else "2"
-            experts.setdefault(match.group(1), {})[int(match.group(2)), which] = value
-        elif not (match and match.group(3).endswith("_extra_state")):
+        prefix, j, rest = expert_name(name) or (None, None, "")
+        if rest in ("linear_fc1.weight", "linear_fc2.weight"):
+            which = "1" if rest.startswith("linear_fc1") else "2"
+            experts.setdefault(prefix, {})[j, which] = value
+        elif not rest.endswith("_extra_state"):
             out[name] = value
     for prefix, parts in experts.items():
         count = 1 + max(j for j, _ in parts)
@@ -85,7 +106,7 @@ def unstacked(state: dict) -> dict:
     for name, value in state.items():
         if (match := _STACKED.match(name)) and isinstance(value, torch.Tensor):
             for j, expert in enumerate(value.unbind(0)):
-                out[f"{match.group(1)}local_experts.{j}.{match.group(2)}"] = expert
+                out[local_name(match.group(1), j, match.group(2))] = expert
         else:
             out[name] = value
     return out
@@ -95,9 +116,9 @@ def stacked(state: dict) -> dict:
     """`...experts.local_experts.{j}.X` for every j -> torch_dist's `...experts.experts.X`."""
     out, experts = {}, {}
     for name, value in state.items():
-        if match := _LOCAL.match(name):
-            experts.setdefault(f"{match.group(1)}experts.{match.group(3)}", {})[
-                int(match.group(2))] = value
+        if parts := expert_name(name):
+            prefix, j, rest = parts
+            experts.setdefault(stacked_name(prefix, rest), {})[j] = value
         else:
             out[name] = value
     for name, per_expert in experts.items():

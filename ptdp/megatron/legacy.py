@@ -200,14 +200,11 @@ def write(state: dict[str, torch.Tensor], cfg: ModelConfig, args, root: Path, it
     return final
 
 
-_EXPERT_INDEX = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
-
-
 def _experts_of_rank(model: dict, rank: int, local_experts: int) -> dict:
     """A rank file's state: everything but the experts, and expert rank `rank`'s experts."""
     out = {}
     for name, value in model.items():
-        match = _EXPERT_INDEX.search(name)
-        if match is None or int(match.group(1)) // local_experts == rank:
+        parts = experts.expert_name(name)
+        if parts is None or parts[1] // local_experts == rank:
             out[name] = value
     return out

@@ -25,6 +25,7 @@ import yaml
 
 from ptdp.config import ModelConfig
 from ptdp.config.models import GPT2_BLOCK, LLAMA_BLOCK
+from ptdp.megatron.experts import expert_name
 from ptdp.megatron.names import MegatronConversionError, require
 
 BESIDE = ("run_config.yaml", "context/model.yaml")
@@ -102,7 +103,6 @@ def _ptdp_keys(found: dict, path: Path) -> dict:
 
 
 _LAYER = re.compile(r"^(?:decoder|encoder)\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
 def from_weights(state: dict) -> dict:
@@ -119,16 +119,16 @@ def from_weights(state: dict) -> dict:
            "bias": any(n.endswith("linear_proj.bias") for n in state)}
     fc2 = next((v for n, v in state.items() if n.endswith(".mlp.linear_fc2.weight")), None)
     fc1 = next((v for n, v in state.items() if n.endswith(".mlp.linear_fc1.weight")), None)
-    expert_fc1 = next((v for n, v in state.items() if _EXPERT.search(n)
+    expert_fc1 = next((v for n, v in state.items() if expert_name(n)
                        and n.endswith("linear_fc1.weight")), None)
-    expert_fc2 = next((v for n, v in state.items() if _EXPERT.search(n)
+    expert_fc2 = next((v for n, v in state.items() if expert_name(n)
                        and n.endswith("linear_fc2.weight")), None)
     one_fc1, one_fc2 = (fc1, fc2) if fc2 is not None else (expert_fc1, expert_fc2)
     if one_fc2 is not None:
         out["activation"] = "swiglu" if one_fc1.shape[0] == 2 * one_fc2.shape[1] else "gelu"
     if fc2 is not None:
         out["ffn_hidden_size"] = fc2.shape[1]
-    experts = {int(m.group(1)) for name in state if (m := _EXPERT.search(name))}
+    experts = {parts[1] for name in state if (parts := expert_name(name))}
     if experts:
         out.update(num_experts=1 + max(experts), moe_ffn_hidden_size=expert_fc2.shape[1])
         out.setdefault("ffn_hidden_size", expert_fc2.shape[1])

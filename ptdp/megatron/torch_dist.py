@@ -146,18 +146,15 @@ def write(state: dict[str, torch.Tensor], cfg, block: str, args, directory: Path
     (directory / "metadata.json").write_text(json.dumps(METADATA))
 
 
-_EXPERT = re.compile(r"^(mlp\.experts\.)local_experts\.(\d+)\.(.*)$")
-
-
 def _extra_key(name: str, layers: int, count: int, alike: bool) -> str:
     """megatron-core's key of a module's `_extra_state` (numbered layer `name`): one shard per
     layer (and per expert) of the stacked dimensions, `KEY/shard_I_L`, `KEY/shard_I.J_L.E`."""
     match = _NUMBERED.match(name)
     prefix, layer, rest = (f"{match.group(1)}.layers", int(match.group(2)), match.group(3))
     index, size = ([layer], [layers]) if alike else ([], [])
-    if expert := _EXPERT.match(rest):
-        rest = f"{expert.group(1)}experts.{expert.group(3)}"
-        index, size = index + [int(expert.group(2))], size + [count]
+    if expert := experts.expert_name(rest):
+        rest = experts.stacked_name(expert[0], expert[2])
+        index, size = index + [expert[1]], size + [count]
     key = f"{prefix}.{rest}" if alike else f"{prefix}.{layer}.{rest}"
     if not index:
         index, size = [0], [1]

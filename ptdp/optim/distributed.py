@@ -227,28 +227,69 @@ class ShardedMasterWeights:
         """Per parameter, its whole fp32 tensor in host memory (a private copy), assembled
         from every rank's `value_of(piece)`, bucket by bucket: a save never holds more than
         one bucket on the device (not the whole fp32 state, three times, as a `gather` per
-        value would) and pins no host memory. Collective over the data group."""
+        value would) and pins no host memory. Collective over the data group.
+
+        A rank whose own part fails (its values, the device bucket, the host copy) must not
+        leave the others waiting in the next bucket's all-gather: before each all-gather, and
+        once after the last, the ranks agree whether any failed (`_agree`), so every rank
+        issues the same collectives and all stop at the same point with an error."""
         out: list = [None] * len(self.params)
         pieces = {}
         for piece in self.masters:
             pieces.setdefault(self.layout.offsets[piece.param_index], []).append(piece)
-        for b in self.buckets:
-            start, end = b.span
-            full = torch.zeros(end - start, dtype=torch.float32, device=self.model_buffer.device)
-            mine = full[b.own[0] - start: b.own[1] - start]
-            for p in b.params:
-                i = self.flat_grads.index_of[id(p)]
-                for piece in pieces.get(self.layout.offsets[i], []):
-                    at = piece.shard_offset - b.shard_offset
-                    mine[at: at + piece.numel()].copy_(value_of(piece))
+        failed = None   # this rank's first error
+        for index, b in enumerate(self.buckets):
+            if failed is None:
+                try:
+                    full, mine = self._bucket_values(b, pieces, value_of)
+                except Exception as err:   # noqa: BLE001 - every rank must hear of it
+                    failed = err
+            self._agree(failed, index)
             if self.size > 1:
                 dist.all_gather_single(full, mine, group=self.group)   # in place, as NCCL allows
-            for p in b.params:
-                i = self.flat_grads.index_of[id(p)]
-                lo = self.layout.offsets[i] - start
-                out[i] = full[lo: lo + p.numel()].view(p.shape).to("cpu", copy=True)
+            try:
+                for p in b.params:
+                    i = self.flat_grads.index_of[id(p)]
+                    lo = self.layout.offsets[i] - b.span[0]
+                    out[i] = full[lo: lo + p.numel()].view(p.shape).to("cpu", copy=True)
+            except Exception as err:   # noqa: BLE001 - told at the next agreement
+                failed = err
             del full, mine
+        self._agree(failed, len(self.buckets))
         return out
+
+    def _bucket_values(self, b: ShardedBucket, pieces: dict, value_of):
+        """Bucket `b` on the device, fp32, with this rank's values in its own shard `mine`."""
+        start, end = b.span
+        full = torch.zeros(end - start, dtype=torch.float32, device=self.model_buffer.device)
+        mine = full[b.own[0] - start: b.own[1] - start]
+        for p in b.params:
+            i = self.flat_grads.index_of[id(p)]
+            for piece in pieces.get(self.layout.offsets[i], []):
+                at = piece.shard_offset - b.shard_offset
+                mine[at: at + piece.numel()].copy_(value_of(piece))
+        return full, mine
+
+    def _agree(self, error: Exception | None, bucket: int) -> None:
+        """Raise on every rank of the data group if any rank's `error` is set: the rank that
+        failed its own error, the others one line naming it. Collective (one small
+        all-reduce, and a host read: a save's, never the step loop's)."""
+        if self.size > 1:
+            failed = torch.zeros(self.size, dtype=torch.int32, device=self.model_buffer.device)
+            failed[self.rank] = error is not None
+            dist.all_reduce(failed, group=self.group)
+            ranks = failed.nonzero().flatten().tolist()
+        else:
+            ranks = [self.rank] if error is not None else []
+        if error is not None:
+            raise error
+        if ranks:
+            where = (f"before bucket {bucket} of {len(self.buckets)}"
+                     if bucket < len(self.buckets) else "after its last bucket")
+            group = dist.group.WORLD if self.group is None else self.group
+            ranks = [dist.get_global_rank(group, r) for r in ranks]
+            raise RuntimeError(f"distributed-optimizer save stopped {where}: rank(s) {ranks} "
+                               f"of its data group failed (their own error says why)")
 
     def full_grads(self) -> list[torch.Tensor]:
         """The reduced gradients of whole parameters (after `reduce_gradients`)."""

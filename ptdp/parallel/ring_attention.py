@@ -23,8 +23,10 @@ sum of the blocks is the whole attention's gradient.
 Packed documents (`data.reset_attention_mask`) and sliding windows make some blocks masked:
 every context rank holds the whole sequence's document ids, so a block's keep-mask is built
 from the document ids and the global positions of its (query chunk, key chunk) pair
-(`block_keep`); with a window, blocks wholly outside it are skipped and blocks wholly inside
-it need no mask. A query row with no visible key in a block has log-sum-exp -inf and weight 0
+(`block_keep`, by `visible`: the one rule every attention mask of the project follows, here
+because models/attention.py sits above this package); with a window, blocks wholly outside it
+are skipped and blocks wholly inside it need no mask (`visible_blocks`, the same rule decided
+per block from the chunks' nearest and furthest (query, key) pairs). A query row with no visible key in a block has log-sum-exp -inf and weight 0
 in the merge (`_merge` keeps such rows at 0 until a block gives them keys).
 
 Inside a rank, each block runs a fused kernel that returns the log-sum-exp, chosen by device
@@ -48,20 +50,36 @@ FULL, DIAGONAL, MASKED = "full", "diagonal", "masked"
 FUSED_CPU = True   # CPU blocks through torch's flash kernel (tests switch to the math path)
 
 
+def visible(q, k, causal: bool = True, window: int | None = None, q_document=None,
+            k_document=None) -> torch.Tensor:
+    """The rule of every attention mask (models/attention.py's masks, FlexAttention's mask_mod,
+    generation's, the ring's blocks): key position `k` is visible to query position `q` iff
+    it is not after it (when causal), within the `window` (q - k < window: the query and the
+    window - 1 positions before it, Hugging Face's `sliding_window_causal`) and in the same
+    document (when documents are given). Index tensors broadcast against each other."""
+    keep = k <= q if causal else torch.ones_like(q - k, dtype=torch.bool)
+    if window is not None:
+        keep = keep & (q - k < window)
+    if q_document is not None:
+        keep = keep & (q_document == k_document)
+    return keep
+
+
 def visible_blocks(q_chunks: tuple, k_chunks: tuple, causal: bool, window: int | None = None,
                    length: int = 0, documents: bool = False) -> list[tuple[int, int, str]]:
-    """(query slot, key slot, kind) of every block with something to attend to. Chunks are
-    `length` tokens long (needed with a `window`); `documents`: a document mask applies, so
-    every block is MASKED (which keys a document hides is data, not known here)."""
+    """(query slot, key slot, kind) of every block with something to attend to under `visible`:
+    FULL (every key), DIAGONAL (the lower triangle) or MASKED (`block_keep` says which).
+    Chunks are `length` tokens long (needed with a `window`); `documents`: a document mask
+    applies, so every block is MASKED (which keys a document hides is data, not known here)."""
     out = []
     for a, qc in enumerate(q_chunks):
         for j, kc in enumerate(k_chunks):
             if causal and kc > qc:
                 continue
             kind = FULL if not causal or kc < qc else DIAGONAL
-            if window is not None and causal:
-                nearest = max(0, (qc - kc - 1) * length + 1)   # the closest (query, key) pair
-                farthest = (qc - kc + 1) * length - 1          # the furthest
+            if window is not None:
+                nearest = max(0, (qc - kc - 1) * length + 1)   # the smallest q - k (or 0)
+                farthest = (qc - kc + 1) * length - 1          # the largest q - k
                 if nearest >= window:
                     continue   # every key is outside the window
                 if farthest >= window:
@@ -72,18 +90,12 @@ def visible_blocks(q_chunks: tuple, k_chunks: tuple, causal: bool, window: int |
 
 def block_keep(q_chunk: int, k_chunk: int, length: int, causal: bool, window: int | None,
                documents: torch.Tensor | None, device) -> torch.Tensor:
-    """The keep-mask [b or 1, 1, L, L] of one MASKED block: causal, the window, and the same
-    document, from the global positions of its chunks and the whole sequence's document ids."""
-    q_pos = torch.arange(q_chunk * length, (q_chunk + 1) * length, device=device)
-    k_pos = torch.arange(k_chunk * length, (k_chunk + 1) * length, device=device)
-    keep = torch.ones(length, length, dtype=torch.bool, device=device)[None]
-    if causal:
-        keep = keep & (k_pos[None, :] <= q_pos[:, None])
-        if window is not None:
-            keep = keep & (q_pos[:, None] - k_pos[None, :] < window)
-    if documents is not None:
-        keep = keep & (documents[:, q_pos, None] == documents[:, None, k_pos])
-    return keep[:, None]
+    """The keep-mask [b or 1, 1, L, L] of one MASKED block: `visible` at the global positions
+    of its chunks, with the whole sequence's document ids."""
+    q_pos = torch.arange(q_chunk * length, (q_chunk + 1) * length, device=device)[:, None]
+    k_pos = torch.arange(k_chunk * length, (k_chunk + 1) * length, device=device)[None, :]
+    docs = () if documents is None else (documents[:, q_pos], documents[:, k_pos])
+    return visible(q_pos, k_pos, causal, window, *docs).reshape(-1, 1, length, length)
 
 
 def expand_heads(x: torch.Tensor, repeats: int) -> torch.Tensor:

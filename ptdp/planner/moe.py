@@ -14,8 +14,9 @@ An MoE layer replaces the dense MLP (width f = shape.ffn) by
   with an optional sigmoid gate h -> 1 (Qwen2-MoE).
 
 Layer i (from 0) is MoE when E > 0, i >= moe_first_dense_layers and
-(i - moe_first_dense_layers) % moe_layer_freq == 0 (`is_moe_layer`): DeepSeek-V3 keeps its
-first 3 layers dense, moe_layer_freq = 2 alternates MoE and dense layers from the first MoE one.
+(i - moe_first_dense_layers) % moe_layer_freq == 0 (`is_moe_layer`: the model's own rule,
+ptdp/config/schema.py's `moe_layer`): DeepSeek-V3 keeps its first 3 layers dense,
+moe_layer_freq = 2 alternates MoE and dense layers from the first MoE one.
 
 A token passes its k routed experts and the shared one: "active" parameters and FLOPs count
 those (Megatron reports MFU on them), the parameter total counts all E.
@@ -25,12 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ptdp.config.schema import moe_layer
 from ptdp.config.stages import StageMap
 
 
 def is_moe_layer(shape, layer: int) -> bool:
-    first = shape.dense_first
-    return shape.experts > 0 and layer >= first and (layer - first) % shape.moe_freq == 0
+    return moe_layer(layer, shape.experts, shape.dense_first, shape.moe_freq)
 
 
 def moe_layer_count(shape) -> int:

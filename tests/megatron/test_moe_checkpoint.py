@@ -157,3 +157,27 @@ def test_the_selection_bias_goes_with_sigmoid_scores_only():
     assert moe_config(args, get)["moe_expert_bias_rate"] == 0.0
     args.moe_router_score_function = "sigmoid"
     assert moe_config(args, get)["moe_expert_bias_rate"] == 1e-3
+
+
+def test_expert_names_are_read_one_way_in_every_layout():
+    """ptdp/megatron/experts.py's one reading of megatron-core's expert names: full and
+    layer-relative (torch_dist's extra states) names, written back by `local_name`; the
+    shared expert and the router are not experts; the args-less shape counts the experts."""
+    from ptdp.megatron.experts import expert_name, local_name, stacked, stacked_name
+    from ptdp.megatron.shape import from_weights
+    full = "decoder.layers.1.mlp.experts.local_experts.12.linear_fc1.weight"
+    assert expert_name(full) == ("decoder.layers.1.mlp.experts.", 12, "linear_fc1.weight")
+    assert local_name(*expert_name(full)) == full
+    assert expert_name("mlp.experts.local_experts.3.linear_fc2._extra_state") == (
+        "mlp.experts.", 3, "linear_fc2._extra_state")
+    for other in ("decoder.layers.1.mlp.shared_experts.linear_fc1.weight",
+                  "decoder.layers.1.mlp.router.weight", "decoder.layers.1.mlp.experts.weight1"):
+        assert expert_name(other) is None
+    state = {local_name("decoder.layers.0.mlp.experts.", j, f"linear_fc{i}.weight"):
+             torch.zeros((12, 8) if i == 1 else (8, 6)) for j in range(3) for i in (1, 2)}
+    assert set(stacked(state)) == {stacked_name("decoder.layers.0.mlp.experts.", rest)
+                                   for rest in ("linear_fc1.weight", "linear_fc2.weight")}
+    state["embedding.word_embeddings.weight"] = torch.zeros(64, 8)
+    shape = from_weights(state)
+    assert (shape["num_experts"], shape["moe_ffn_hidden_size"], shape["activation"]) == (
+        3, 6, "swiglu")

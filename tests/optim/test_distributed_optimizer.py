@@ -89,7 +89,37 @@ def precision_job() -> dict:
     out["skipped"] = trainer.step.optimizer_step(0, norm)
     out["scale_halved"] = trainer.state.loss_scaler.scale == scale / 2
     out["masters_unchanged"] = torch.equal(before, trainer.state.weights.master_shard)
+    out["failed_save"] = _save_failing_on_rank_1()
     return out
+
+
+def _save_failing_on_rank_1() -> dict:
+    """A save's gather (`gather_to_host`, three buckets) whose values fail on data rank 1 in
+    the second bucket: what each rank raised and how long it took, then a normal gather (the
+    collectives must still pair up) against the weights."""
+    import time
+
+    from ptdp.optim.distributed import ShardedMasterWeights
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(100)) for _ in range(3)]
+    weights = ShardedMasterWeights(params, "fp32", dist.group.WORLD, dist.get_rank(), 2,
+                                   bucket_mb=400 / 2**20)
+    second = {id(p) for p in weights.buckets[1].params}
+
+    def value_of(piece):
+        if dist.get_rank() == 1 and id(weights.params[piece.param_index]) in second:
+            raise ValueError("injected on rank 1")
+        return piece.detach()
+
+    start, raised = time.monotonic(), None
+    try:
+        weights.gather_to_host(value_of)
+    except Exception as err:   # noqa: BLE001 - the test reports what was raised
+        raised = f"{type(err).__name__}: {err}"
+    after = weights.gather_to_host(lambda piece: piece.detach())
+    return {"buckets": len(weights.buckets), "raised": raised,
+            "seconds": time.monotonic() - start,
+            "then_whole": all(torch.equal(a, p.detach()) for a, p in zip(after, params))}
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +139,19 @@ def test_fp16_overflow_in_one_shard_skips_the_step_on_every_rank(precision_ranks
     assert rank0["own_shard_finite"] and not rank1["own_shard_finite"]
     for rank in (rank0, rank1):
         assert rank["finite_before"] and rank["skipped"] and rank["scale_halved"] and rank["masters_unchanged"]
+
+
+def test_a_save_failing_on_one_rank_raises_on_every_rank(precision_ranks):
+    """The failing rank raises its own error, the other one line naming it, both promptly and
+    at the same bucket (the next gather still pairs up: collectives stayed in step)."""
+    rank0, rank1 = (r["failed_save"] for r in precision_ranks)
+    assert rank0["buckets"] == 3
+    assert rank1["raised"] == "ValueError: injected on rank 1"
+    assert rank0["raised"] == ("RuntimeError: distributed-optimizer save stopped before bucket "
+                               "1 of 3: rank(s) [1] of its data group failed (their own error "
+                               "says why)")
+    for rank in (rank0, rank1):
+        assert rank["seconds"] < 20 and rank["then_whole"], rank
 
 
 def test_each_data_rank_keeps_half_of_the_optimizer_state(precision_ranks):
