@@ -434,7 +434,8 @@ def memory_per_stage(cfg: Config, hardware=None) -> list:
                   reserved_gb=hardware.memory_reserved_gb if hardware else 0.0, hw=hardware,
                   vertical_sync=cfg.schedule.vertical_sync,
                   distributed_optimizer=tr.distributed_optimizer,
-                  sequence_parallel=par.sequence_parallel, c=par.context, expert=par.expert)
+                  sequence_parallel=par.sequence_parallel, c=par.context, expert=par.expert,
+                  recompute_modules=tr.recompute_modules)
     shapes = rank_shapes(ModelShape.from_config(cfg.model), cfg)   # uneven: each rank's layers
     return [gpu_memory(shapes[r], rank=r, **kwargs) for r in range(par.pipeline)]
 
