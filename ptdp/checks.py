@@ -428,14 +428,13 @@ def memory_per_stage(cfg: Config, hardware=None) -> list:
     par, tr = cfg.parallel, cfg.train
     kwargs = dict(p=par.pipeline, t=par.tensor, v=par.chunks, m=cfg.num_micro_batches,
                   b=tr.micro_batch_size, d=par.data, schedule=cfg.schedule.name,
-                  recompute=tr.recompute, precision=tr.precision,
-                  attention=hardware.attention if hardware else "flash",
+                  recompute=tr.recompute, recompute_modules=tr.recompute_modules,
+                  precision=tr.precision, attention=hardware.attention if hardware else "flash",
                   vocab_padded=cfg.padded_vocab_size,
                   reserved_gb=hardware.memory_reserved_gb if hardware else 0.0, hw=hardware,
                   vertical_sync=cfg.schedule.vertical_sync,
                   distributed_optimizer=tr.distributed_optimizer,
-                  sequence_parallel=par.sequence_parallel, c=par.context, expert=par.expert,
-                  recompute_modules=tr.recompute_modules)
+                  sequence_parallel=par.sequence_parallel, c=par.context, expert=par.expert)
     shapes = rank_shapes(ModelShape.from_config(cfg.model), cfg)   # uneven: each rank's layers
     return [gpu_memory(shapes[r], rank=r, **kwargs) for r in range(par.pipeline)]
 
