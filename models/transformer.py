@@ -20,6 +20,11 @@ Core attention (which kernel, with which mask) is models/attention.py: the chunk
 for the rotary angles as for the learned table (models/embedding.py). With context
 parallelism (c > 1) each rank holds two chunks of the sequence and attention is a ring over
 the context group (ptdp/parallel/ring_attention.py); rotary angles follow the chunks.
+
+With `train.recompute: selective` a layer recomputes the modules of `train.recompute_modules`
+in backward (models/recompute.py): the core attention, the pre-norms (applied inside
+ParallelAttention and ParallelMLP, so that the linear after each can drop the norm's output),
+the activation, or the whole MLP.
 """
 
 from __future__ import annotations
