@@ -103,6 +103,7 @@ from dataclasses import dataclass, field
 
 from ptdp.config import padded_vocab_size
 from ptdp.config.catalogue import DEFAULT, Planner, names_where, schedule_spec
+from ptdp.config.recompute import selective_modules
 from ptdp.hardware import HardwareProfile
 from ptdp.planner import comm
 from ptdp.planner.compute import (BYTES, ModelShape, _attention_times, head_times, layer_times,
@@ -142,6 +143,12 @@ class Layout:
     def replicas(self) -> int:
         """Ranks holding the same weights: gradients are reduced over them (d * c)."""
         return self.data * self.context
+
+    @property
+    def recomputed(self) -> tuple:
+        """recompute=selective's modules with flash attention (ptdp/config/recompute.py)."""
+        return (selective_modules(self.recompute_modules, self.sequence_parallel)
+                if self.recompute == "selective" else ())
 
     @property
     def _modules(self) -> str:
@@ -281,7 +288,8 @@ def _ring_time(hw: HardwareProfile, work: Workload, lay: Layout, busy: int, step
     all of them when they do not."""
     c, t = lay.context, lay.tensor
     link = comm.context_link(hw, t, c, work.gpus_per_node, busy)
-    forward, backward_kv, backward_grad = ring_blocks_per_layer(c, lay.recompute)
+    repeats = lay.recompute == "full" or "core_attn" in lay.recomputed   # the forward ring
+    forward, backward_kv, backward_grad = ring_blocks_per_layer(c, "full" if repeats else "none")
     kv = comm.p2p_time(ring_block_bytes(work.shape, lay.micro_batch, t, c,
                                         BYTES[work.precision]), link)
     grad = comm.p2p_time(ring_block_bytes(work.shape, lay.micro_batch, t, c, 4), link)
