@@ -28,7 +28,7 @@ class LayerTimes:
 
     forward: float
     backward: float
-    attention_forward: float   # the core attention part of `forward` (selective recompute)
+    attention_forward: float   # the core attention part of `forward` (recomputed by core_attn)
     backward_split: float      # backward as zb-h1 runs it: B now, W held back for a bubble
 
 
