@@ -20,6 +20,11 @@ Core attention (which kernel, with which mask) is models/attention.py: the chunk
 for the rotary angles as for the learned table (models/embedding.py). With context
 parallelism (c > 1) each rank holds two chunks of the sequence and attention is a ring over
 the context group (ptdp/parallel/ring_attention.py); rotary angles follow the chunks.
+
+With `train.recompute: selective` a layer recomputes the modules of `train.recompute_modules`
+in backward (models/recompute.py): the core attention, the pre-norms (applied inside
+ParallelAttention and ParallelMLP, so that the linear after each can drop the norm's output),
+the activation, or the whole MLP.
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from ptdp.config import ModelConfig
+from ptdp.config.recompute import selective_modules
 from ptdp.kernels import ACTIVATIONS, bias_dropout_add
 from ptdp.models.attention import core_attention
 from ptdp.models.moe import MoEMLP
 from ptdp.models.norms import head_norm, norm
+from ptdp.models.recompute import checkpointed, recompute, without_output
 from ptdp.models.rotary import RotaryEmbedding, rotate
 from ptdp.parallel.context import ContextParallel
 from ptdp.parallel.experts import ExpertParallel
@@ -55,9 +61,25 @@ class ModelContext:
     padded_vocab_size: int
     recompute: str = "none"          # none | full | selective
     recompute_num_layers: int = 1
+    recompute_modules: tuple | None = None   # selective's (train.recompute_modules; None: default)
     compile: bool = False            # torch.compile each TransformerLayer (train.compile)
     cp: ContextParallel = field(default_factory=ContextParallel)   # the context ring (c)
     ep: ExpertParallel = field(default_factory=ExpertParallel)      # the expert group (e)
+
+    def recomputes(self, module: str) -> bool:
+        """recompute=selective recomputes this module (ptdp/config/recompute.py)."""
+        return self.recompute == "selective" and module in selective_modules(
+            self.recompute_modules, self.tp.sequence_parallel)
+
+
+def after_norm(ctx: ModelContext, norm_module, consume, x):
+    """consume(norm(x)); with the layernorm module recomputed, norm(x) is not kept for
+    consume's backward but rebuilt from x (models/recompute.py). No norm: consume(x)."""
+    if norm_module is None:
+        return consume(x)
+    if ctx.recomputes("layernorm"):
+        return without_output(norm_module, consume, x)
+    return consume(norm_module(x))
 
 
 def hidden_dropout_add(x, bias, residual, p: float, training: bool, tp: TensorParallel):
@@ -107,11 +129,13 @@ class ParallelAttention(nn.Module):
         return core_attention(q, k, v, mask, causal=self.causal, window=self.window,
                               dropout=dropout, rng=self.ctx.rng, cp=self.ctx.cp)
 
-    def project(self, x, positions=None):
-        """x [s, b, h] -> q [b, heads, s, d], k and v [b, groups, s, d] of my heads (q and k
-        normalised with model.qk_norm), rotated for `positions` [s], or [b, s] per sample (default 0 .. s-1, or this context rank's
-        chunks' positions) with rotary embeddings."""
-        qkv = self.qkv(x)  # the whole sequence (all-gathered first with sequence parallelism)
+    def project(self, x, positions=None, norm=None):
+        """x [s, b, h] (normalised by `norm` first when given) -> q [b, heads, s, d], k and v
+        [b, groups, s, d] of my heads (q and k normalised with model.qk_norm), rotated for
+        `positions` [s], or [b, s] per sample (default 0 .. s-1, or this context rank's chunks'
+        positions) with rotary embeddings."""
+        # the whole sequence (all-gathered first with sequence parallelism)
+        qkv = after_norm(self.ctx, norm, self.qkv, x)
         s, b, _ = qkv.shape
         qkv = qkv.view(s, b, self.local_groups, self.group_size + 2, -1)
         # split, not indexing: its backward writes the three gradients into one tensor, where
@@ -131,11 +155,12 @@ class ParallelAttention(nn.Module):
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         return q, k, v
 
-    def forward(self, x, mask=None, positions=None):
-        """-> (output without the projection's bias, that bias)."""
-        q, k, v = self.project(x, positions)
-        if self.ctx.recompute == "selective":
-            out = recompute(self.ctx.rng, self.core_attention, q, k, v, mask)
+    def forward(self, x, mask=None, positions=None, norm=None):
+        """-> (output without the projection's bias, that bias); `norm`: the pre-norm, applied
+        to x here so that the layernorm module can rebuild its output."""
+        q, k, v = self.project(x, positions, norm)
+        if self.ctx.recomputes("core_attn"):
+            out = checkpointed(self.ctx.rng, lambda *qkv: self.core_attention(*qkv, mask), q, k, v)
         else:
             out = self.core_attention(q, k, v, mask)
         out = out.permute(2, 0, 1, 3)  # [s, b, heads, d]
@@ -164,6 +189,7 @@ class ParallelMLP(nn.Module):
         cfg, tp = ctx.model, ctx.tp
         key = key or f"layers.{layer}.mlp"
         hidden = hidden or cfg.ffn_hidden_size     # (an MoE layer's shared experts: their own)
+        self.ctx = ctx
         width = 2 * hidden if cfg.gated else hidden
         self.activation = ACTIVATIONS[cfg.activation]
         self.fc1 = ColumnParallelLinear(cfg.hidden_size, width, tp, seed=ctx.seed,
@@ -173,9 +199,24 @@ class ParallelMLP(nn.Module):
                                      key=f"{key}.fc2", std=scaled_std(cfg.init_std, cfg.num_layers),
                                      skip_bias_add=True, bias=cfg.bias)
 
-    def forward(self, x):
-        """-> (output without fc2's bias, that bias)."""
-        return self.fc2(self.activation(*self.fc1(x)))
+    def forward(self, x, norm=None):
+        """-> (output without fc2's bias, that bias); `norm`: the pre-norm, applied here.
+        Recomputed (selective), the whole MLP keeps only its input (`mlp`), or fc2's input is
+        rebuilt from the activation's input (`activation`, the bias added first as the fused
+        chain adds it, ptdp/kernels/fused.py)."""
+        if self.ctx.recomputes("mlp"):
+            run = lambda y: checkpointed(None, self._output, y)   # noqa: E731
+            return after_norm(self.ctx, norm, run, x), self.fc2.bias
+        h, bias = after_norm(self.ctx, norm, self.fc1, x)
+        if not self.ctx.recomputes("activation"):
+            return self.fc2(self.activation(h, bias))
+        return without_output(self._activate, self.fc2, h if bias is None else h.add_(bias))
+
+    def _activate(self, h):
+        return self.activation(h, None)
+
+    def _output(self, x):
+        return self.fc2(self.activation(*self.fc1(x)))[0]
 
 
 class TransformerLayer(nn.Module):
@@ -185,7 +226,7 @@ class TransformerLayer(nn.Module):
     def __init__(self, ctx: ModelContext, layer: int, causal: bool):
         super().__init__()
         cfg = ctx.model
-        self.tp = ctx.tp
+        self.tp, self.ctx = ctx.tp, ctx
         self.ln1 = norm(cfg, ctx.tp)
         self.attention = ParallelAttention(ctx, layer, causal)
         self.ln2 = norm(cfg, ctx.tp)
@@ -196,9 +237,11 @@ class TransformerLayer(nn.Module):
     def forward(self, x, mask=None, positions=None):
         """x: [s, b, h], or [s/t, b, h] with sequence parallelism; `mask` and `positions` as
         ParallelAttention takes them."""
-        x = hidden_dropout_add(*self.attention(self.ln1(x), mask, positions), x, self.dropout,
-                               self.training, self.tp)
-        return hidden_dropout_add(*self.mlp(self.ln2(x)), x, self.dropout, self.training, self.tp)
+        x = hidden_dropout_add(*self.attention(x, mask, positions, norm=self.ln1), x,
+                               self.dropout, self.training, self.tp)
+        mlp = (self.mlp(x, norm=self.ln2) if isinstance(self.mlp, ParallelMLP)
+               else after_norm(self.ctx, self.ln2, self.mlp, x))
+        return hidden_dropout_add(*mlp, x, self.dropout, self.training, self.tp)
 
 
 class TransformerStack(nn.Module):
@@ -238,28 +281,3 @@ class TransformerStack(nn.Module):
         for start in range(0, len(self.layers), step):
             x = recompute(self.ctx.rng, self._run, start, start + step, x, mask, positions)
         return x
-
-
-@torch.compiler.disable  # selective recomputation runs inside a compiled layer: keep it eager
-def recompute(rng: TensorParallelRNG, fn, *args):
-    """torch.utils.checkpoint that also replays the tensor-parallel dropout stream.
-
-    torch's checkpoint restores the default generator for the re-run; the tensor-parallel
-    stream is ours, so the re-run starts from the state the first run saw and then puts back
-    whatever state the stream had reached meanwhile (other micro-batches may have run).
-    """
-    start_state = rng.get_state()
-    calls = []
-
-    def run(*a):
-        if not calls:
-            calls.append(1)
-            return fn(*a)
-        current = rng.get_state()
-        rng.set_state(start_state)
-        try:
-            return fn(*a)
-        finally:
-            rng.set_state(current)
-
-    return checkpoint(run, *args, use_reentrant=False)

@@ -428,8 +428,8 @@ def memory_per_stage(cfg: Config, hardware=None) -> list:
     par, tr = cfg.parallel, cfg.train
     kwargs = dict(p=par.pipeline, t=par.tensor, v=par.chunks, m=cfg.num_micro_batches,
                   b=tr.micro_batch_size, d=par.data, schedule=cfg.schedule.name,
-                  recompute=tr.recompute, precision=tr.precision,
-                  attention=hardware.attention if hardware else "flash",
+                  recompute=tr.recompute, recompute_modules=tr.recompute_modules,
+                  precision=tr.precision, attention=hardware.attention if hardware else "flash",
                   vocab_padded=cfg.padded_vocab_size,
                   reserved_gb=hardware.memory_reserved_gb if hardware else 0.0, hw=hardware,
                   vertical_sync=cfg.schedule.vertical_sync,

@@ -48,6 +48,12 @@ def run_jobs(metrics_dir: str) -> dict:
         step = run.step.forward_backward(0)
         run.step.reduce_gradients()
         out[f"dropout_{mode}"] = (step.loss, run.full_state(grads=True))
+    # every other module (the default above: layernorm, activation), tensor-parallel dropout on
+    run = trainer("parallel.tensor=2", "parallel.data=2", "model.dropout=0.1",
+                  "train.recompute=selective", "train.recompute_modules=[core_attn,layernorm,mlp]")
+    step = run.step.forward_backward(0)
+    run.step.reduce_gradients()
+    out["dropout_modules"] = (step.loss, run.full_state(grads=True))
 
     path = f"{metrics_dir}/metrics.jsonl"
     logged = trainer("parallel.pipeline=2", "parallel.tensor=2", "model.arch=bert", "train.iters=4",
@@ -105,7 +111,7 @@ def test_data_parallel_buckets_are_launched_during_backward(jobs):
     assert jobs["buckets_launched_in_backward"] == jobs["buckets"]
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "modules"])
 def test_recomputation_replays_dropout_exactly(jobs, mode):
     from tests.equivalence import relative_error
     loss, grads = jobs[f"dropout_{mode}"]

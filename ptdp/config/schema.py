@@ -189,6 +189,8 @@ class TrainConfig:
     precision: str = "fp32"              # fp32 | bf16 | fp16
     recompute: str = "none"              # none | full | selective
     recompute_num_layers: int = 1        # layers per checkpointed group with recompute=full
+    recompute_modules: list | None = None  # recompute=selective's modules (ptdp/config/
+                                           # recompute.py); null: its default
     # Learning rate (ptdp/optim/lr.py): Megatron-LM's schedule, lengths counted in samples
     lr: float = 1e-3
     min_lr: float = 0.0

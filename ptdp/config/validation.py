@@ -12,6 +12,7 @@ from ptdp.config.experts import check_moe_layout, check_moe_model
 from ptdp.config.models import (ACTIVATIONS, DEFAULT_PRESET, EXTRA_BLOCK_OPTIONS, FAMILY_NAMES,
                                 MODEL_FAMILIES, PRESETS, Samples, family_names)
 from ptdp.config.problems import Problems as _Problems
+from ptdp.config.recompute import check_recompute_modules
 from ptdp.config.run_length import check_rampup_layout, check_run_length_and_schedule
 from ptdp.config.stages import stage_layers_problem
 from ptdp.config.windows import check_window, window_notes
@@ -73,6 +74,7 @@ def validate(cfg: Config, world_size: int) -> list[str]:
     _check_data(cfg.data, problems)
     _check_document_options(cfg, problems)
     _check_log_and_checkpoint(cfg, problems)
+    check_recompute_modules(cfg, problems)
     # The layout divides model and batch sizes: only meaningful once those are sane.
     if _check_parallel_sizes(cfg.parallel, problems) and model_ok and train_ok:
         _check_layout(cfg, world_size, problems)

@@ -22,6 +22,7 @@ from ptdp.megatron.converters import (
     rope_scaling_factor, seed, split, tokenizer, vocab_size)
 from ptdp.megatron.moe_flags import MOE_ARGS, expert_tensor_parallel
 from ptdp.megatron.rows import Arg
+from ptdp.megatron.recompute_modules import recompute_modules, selective_default
 from ptdp.megatron.script_converters import (
     GELU_FUSION_DEFAULT, gelu_fusion, grad_reduce_in_bf16, head_size, low_precision, partial_load,
     step_schedule)
@@ -242,8 +243,9 @@ ARGS: tuple[Arg, ...] = (
     Arg("--recompute-activations", "train.recompute", EXACT, const("selective"), nargs=0),
     Arg("--checkpoint-activations", "train.recompute", EXACT, const("full"), nargs=0,
         note="Megatron's old spelling of --recompute-granularity full"),
-    Arg("--recompute-modules", None, REFUSED,
-        refuse("ptdp's selective recomputation has no module choice"), nargs="*"),
+    Arg("--recompute-modules", "train.recompute_modules", EXACT, recompute_modules, nargs="*",
+        default=Default(selective_default, "[core_attn] with selective granularity"),
+        note="core_attn, layernorm, mlp; moe_act, moe, shared_experts, mla_up_proj refused"),
     Arg("--optimizer", None, EXACT,
         only("adam", "ptdp trains with AdamW"), note="only adam (AdamW)"),
     Arg("--lr", "train.lr", EXACT, number),

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ptdp.hardware import HardwareProfile
+from ptdp.planner.compute import measured_tensor_comm, recompute_collectives
+from ptdp.planner.formulas import context_shape
 
 
 @dataclass(frozen=True)
@@ -173,3 +175,29 @@ def all_to_all_time(n: int, nbytes: float, link: Link) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+
+
+def layer_tensor_comm(hw: HardwareProfile, work, lay, act_bytes: float,
+                      all_reduce: float, busy: int) -> float:
+    """Seconds of one layer's tensor-parallel communication per micro-batch: measured inside
+    a layer on this many busy ranks when the profile has it (CPU ranks, where it is several
+    times the collectives' own cost), else 2 all-reduces forward and 2 backward (more to
+    recompute: compute.recompute_collectives), or with sequence parallelism an all-gather +
+    reduce-scatter for each. `work` and `lay`: cost_model.py's Workload and Layout."""
+    t, extra = lay.tensor, recompute_collectives(lay.recompute, lay.recompute_modules)
+    if t == 1:
+        return 0.0
+    inside_node = crossing_members(t, 1, work.gpus_per_node, True) is None
+    local = context_shape(work.shape, lay.context)
+    measured = measured_tensor_comm(hw, work.precision, local, lay.micro_batch, t,
+                                    lay.sequence_parallel, busy) if inside_node else None
+    if measured is not None:   # forward and backward each half of it
+        return measured * (1 + extra / 4)
+    collectives = 4 + extra
+    if not lay.sequence_parallel:
+        return collectives * all_reduce
+    gather = all_gather_time(t, act_bytes, tensor_link(
+        hw, t, work.gpus_per_node, busy, "all_gather"))
+    scatter = reduce_scatter_time(t, act_bytes, tensor_link(
+        hw, t, work.gpus_per_node, busy, "reduce_scatter"))
+    return collectives * (gather + scatter)

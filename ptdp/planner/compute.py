@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ptdp.config.recompute import selective_modules
 from ptdp.hardware import HardwareProfile
 from ptdp.planner.formulas import ModelShape
 
@@ -27,7 +28,7 @@ class LayerTimes:
 
     forward: float
     backward: float
-    attention_forward: float   # the core attention part of `forward` (selective recompute)
+    attention_forward: float   # the core attention part of `forward` (recomputed by core_attn)
     backward_split: float      # backward as zb-h1 runs it: B now, W held back for a bubble
 
 
@@ -239,3 +240,35 @@ def head_times(hw: HardwareProfile, precision: str, shape: ModelShape, b: int, t
                vocab_padded: int) -> HeadTimes:
     return (_measured_head(hw, precision, shape, b, t, vocab_padded)
             or _analytic_head(hw, precision, shape, b, t, vocab_padded))
+
+
+def recompute_seconds(hw: HardwareProfile, precision: str, shape: ModelShape, b: int, t: int,
+                      attention: str, lt: LayerTimes, recompute: str,
+                      modules: tuple | None = None, sequence_parallel: bool = False) -> float:
+    """Seconds one layer's recomputation adds per micro-batch: a whole forward (`full`), or
+    recompute=selective's modules (ptdp/config/recompute.py; None: the default for this
+    attention): core_attn the attention forward; layernorm the two norms (read x, write the
+    output: 4sbh elements); activation its kernel ((2 + g)sbf/t elements); mlp fc1 and fc2's
+    forward GEMMs and the activation. (fc2's all-reduce, which mlp repeats, is tensor
+    communication: cost_model.py.)"""
+    if recompute != "selective":
+        return lt.forward if recompute == "full" else 0.0
+    modules = selective_modules(modules, sequence_parallel, keeps_scores=attention != "flash")
+    e, tokens, h, f, g = BYTES[precision], b * shape.seq, shape.hidden, shape.ffn, shape.gated
+    seconds = lt.attention_forward if "core_attn" in modules else 0.0
+    if "layernorm" in modules:
+        seconds += elementwise_time(hw, 4 * tokens * h * e, 2)
+    if "mlp" in modules or "activation" in modules:
+        seconds += elementwise_time(hw, (2 + g) * tokens * f / t * e, 1)
+    if "mlp" in modules:
+        seconds += (gemm_time(hw, precision, tokens, (1 + g) * f / t, h)
+                    + gemm_time(hw, precision, tokens, h, f / t))
+    return seconds
+
+
+def recompute_collectives(recompute: str, modules: tuple | None = None) -> int:
+    """Tensor-parallel collectives a layer's recomputation repeats per micro-batch: a full
+    recompute the forward's 2, selective's mlp module fc2's 1."""
+    if recompute == "full":
+        return 2
+    return int(recompute == "selective" and "mlp" in (modules or ()))

@@ -15,8 +15,8 @@ Compute (compute.py)
   * zb-h1 splits the backward (B now, W later): the profile's split timing with W held
     back, or the trainer's own split cost measured on one rank, whichever is larger.
   * Backward = data-gradient + weight-gradient GEMMs (2x forward FLOPs). Recomputation
-    re-runs the forward of every layer ("full", the paper's 4/3 c_extra) or only the
-    attention core ("selective").
+    re-runs the forward of every layer ("full", the paper's 4/3 c_extra) or selective's
+    modules (compute.recompute_seconds; mlp also repeats fc2's collective).
 
 Communication (comm.py)
   * Ranks are laid out (p, d, t) with t fastest: a group is on NVLink when its span of
@@ -103,10 +103,11 @@ from dataclasses import dataclass, field
 
 from ptdp.config import padded_vocab_size
 from ptdp.config.catalogue import DEFAULT, Planner, names_where, schedule_spec
+from ptdp.config.recompute import selective_modules
 from ptdp.hardware import HardwareProfile
 from ptdp.planner import comm
 from ptdp.planner.compute import (BYTES, ModelShape, _attention_times, head_times, layer_times,
-                                  measured_tensor_comm)
+                                  recompute_seconds)
 from ptdp.planner.formulas import (bubble_fraction, context_shape, iteration_flops,
                                    ring_block_bytes, ring_blocks_per_layer)
 from ptdp.planner.expert_cost import all_to_all_seconds, expert_gradient_comm, moe_layer_time_change
@@ -132,6 +133,7 @@ class Layout:
     sequence_parallel: bool = False
     context: int = 1
     expert: int = 1      # e, folded out of d * c: each rank holds E/e experts
+    recompute_modules: tuple | None = None   # recompute=selective's (None: its default)
 
     @property
     def gpus(self) -> int:
@@ -141,6 +143,16 @@ class Layout:
     def replicas(self) -> int:
         """Ranks holding the same weights: gradients are reduced over them (d * c)."""
         return self.data * self.context
+
+    @property
+    def recomputed(self) -> tuple:
+        """recompute=selective's modules with flash attention (ptdp/config/recompute.py)."""
+        return (selective_modules(self.recompute_modules, self.sequence_parallel)
+                if self.recompute == "selective" else ())
+
+    @property
+    def _modules(self) -> str:
+        return f"({'+'.join(self.recompute_modules)})" if self.recompute_modules else ""
 
     def micro_batches(self, global_batch: int) -> int:
         return global_batch // (self.micro_batch * self.data)
@@ -152,7 +164,7 @@ class Layout:
         c = f" c={self.context}" if self.context > 1 else ""
         e = f" e={self.expert}" if self.expert > 1 else ""
         return (f"p={self.pipeline} t={self.tensor}{c} d={self.data}{e}{v} b={self.micro_batch} "
-                f"{self.schedule} rc={self.recompute}{sg}{zero}")
+                f"{self.schedule} rc={self.recompute}{self._modules}{sg}{zero}")
 
 
 @dataclass(frozen=True)
@@ -210,14 +222,13 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     layers = shape.layers // p
     attention = "flash" if c > 1 else attention   # the ring's blocks keep no scores
     lt = layer_times(hw, prec, shape, b, t, attention)
-    attention_forward, ring = lt.attention_forward, 0.0
+    ring = 0.0
     if c > 1:   # its queries attend to the whole sequence: c times an s/c sequence's attention
         attn_fwd, attn_bwd = _attention_times(hw, prec, shape, b, t, "flash")
         lt = type(lt)(forward=lt.forward + (c - 1) * attn_fwd,
                       backward=lt.backward + (c - 1) * attn_bwd,
                       attention_forward=c * attn_fwd,
                       backward_split=lt.backward_split + (c - 1) * attn_bwd)
-        attention_forward = c * attn_fwd
         # one ring step attends to one block: the s/c sequence's attention time
         ring = layers * _ring_time(hw, work, lay, min(lay.gpus, work.gpus_per_node), attn_fwd,
                                    attn_bwd)
@@ -234,8 +245,8 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     # The trainer's own cost per layer and micro-batch beyond the kernels (measured profiles).
     overhead = layers * measured.get("layer_overhead_s", 0.0)
     fwd, bwd = fwd + overhead / 2, bwd + overhead / 2
-    recompute = {"none": 0.0, "selective": layers * attention_forward,
-                 "full": layers * lt.forward}[lay.recompute]
+    recompute = layers * recompute_seconds(hw, prec, shape, b, t, attention, lt, lay.recompute,
+                                           lay.recompute_modules, lay.sequence_parallel)
     all_to_all, moe = 0.0, max(rank_moe_layers(shape, p, v))   # the busiest rank's MoE layers
     if shape.experts:
         moe_fwd, moe_bwd = moe_layer_time_change(hw, prec, shape, b, t, lay.expert)
@@ -243,7 +254,7 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
         recompute += moe * moe_fwd if lay.recompute == "full" else 0.0
         all_to_all = moe * all_to_all_seconds(hw, prec, shape, b, t, lay.expert, lay.recompute,
                                               lay.sequence_parallel, work.gpus_per_node, busy)
-    tensor_comm = layers * _layer_tensor_comm(hw, work, lay, act_bytes, ar, busy)
+    tensor_comm = layers * comm.layer_tensor_comm(hw, work, lay, act_bytes, ar, busy)
     if first or last:
         ht = head_times(hw, prec, shape, b, t, padded_vocab_size(shape.vocab, t))
         if first:   # embedding lookup + its all-reduce over the vocab shards
@@ -277,7 +288,8 @@ def _ring_time(hw: HardwareProfile, work: Workload, lay: Layout, busy: int, step
     all of them when they do not."""
     c, t = lay.context, lay.tensor
     link = comm.context_link(hw, t, c, work.gpus_per_node, busy)
-    forward, backward_kv, backward_grad = ring_blocks_per_layer(c, lay.recompute)
+    repeats = lay.recompute == "full" or "core_attn" in lay.recomputed   # the forward ring
+    forward, backward_kv, backward_grad = ring_blocks_per_layer(c, "full" if repeats else "none")
     kv = comm.p2p_time(ring_block_bytes(work.shape, lay.micro_batch, t, c,
                                         BYTES[work.precision]), link)
     grad = comm.p2p_time(ring_block_bytes(work.shape, lay.micro_batch, t, c, 4), link)
@@ -308,31 +320,6 @@ def _exposed_p2p(schedule: str, p: int, v: int, one_way: float) -> tuple[float, 
     if schedule_spec(schedule).all_forwards_first:
         return 0.0, 2 * v * one_way
     return 2 * (p - 1) / p * one_way, 2 * v * (p - 2) / (p - 1) * one_way
-
-
-def _layer_tensor_comm(hw: HardwareProfile, work: Workload, lay: Layout, act_bytes: float,
-                       all_reduce: float, busy: int) -> float:
-    """Seconds of one layer's tensor-parallel communication per micro-batch: measured inside
-    a layer on this many busy ranks when the profile has it (CPU ranks, where it is several
-    times the collectives' own cost), else 2 all-reduces forward and 2 backward (2 more to
-    recompute), or with sequence parallelism an all-gather + reduce-scatter for each."""
-    t, full = lay.tensor, lay.recompute == "full"
-    if t == 1:
-        return 0.0
-    inside_node = comm.crossing_members(t, 1, work.gpus_per_node, True) is None
-    local = context_shape(work.shape, lay.context)
-    measured = measured_tensor_comm(hw, work.precision, local, lay.micro_batch, t,
-                                    lay.sequence_parallel, busy) if inside_node else None
-    if measured is not None:   # forward and backward each half of it
-        return measured * (1.5 if full else 1.0)
-    collectives = 6 if full else 4
-    if not lay.sequence_parallel:
-        return collectives * all_reduce
-    gather = comm.all_gather_time(t, act_bytes, comm.tensor_link(
-        hw, t, work.gpus_per_node, busy, "all_gather"))
-    scatter = comm.reduce_scatter_time(t, act_bytes, comm.tensor_link(
-        hw, t, work.gpus_per_node, busy, "reduce_scatter"))
-    return collectives * (gather + scatter)
 
 
 def _flush_rank_time(ranks: list, p: int, compute_factor: float) -> float:
@@ -431,7 +418,8 @@ def _worst_memory(hw, work: Workload, lay: Layout, attention: str) -> MemoryBrea
                   vocab_padded=padded_vocab_size(work.shape.vocab, lay.tensor),
                   reserved_gb=hw.memory_reserved_gb, hw=hw,
                   distributed_optimizer=lay.distributed_optimizer,
-                  sequence_parallel=lay.sequence_parallel, c=lay.context, expert=lay.expert)
+                  sequence_parallel=lay.sequence_parallel, c=lay.context, expert=lay.expert,
+                  recompute_modules=lay.recompute_modules)
     ranks = {0, lay.pipeline - 1}
     return max((gpu_memory(work.shape, rank=r, **kwargs) for r in ranks), key=lambda mb: mb.total)
 

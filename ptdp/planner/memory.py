@@ -36,8 +36,17 @@ more than this count, where the GPT block's measures 7 % less.
 With sequence parallelism the norms' inputs and the dropout masks are split by t as well
 (`sequence_parallel_replicated`); the QKV and fc1 inputs are kept all-gathered by the trainer
 (Megatron-LM re-gathers them in backward instead), so they stay whole.
-Recompute "selective" keeps everything but the attention core's internals; "full" keeps only
-each layer's input (sbh elements; checkpoints every layer, §4.3.5 "every 1 or 2 layers").
+Recompute "full" keeps only each layer's input (sbh elements; checkpoints every layer, §4.3.5
+"every 1 or 2 layers"). Recompute "selective" keeps what "none" keeps less what its modules
+rebuild in backward (ptdp/config/recompute.py, `selective_saving`): core_attn the scores (a
+materialized kernel) or the fp32 log-sum-exp (flash: its output is the projection's input, a
+view of the same storage, so it stays; the "none" count above holds that output twice, as
+calibrated); layernorm the QKV and fc1 inputs 2sbh (nothing with sequence parallelism);
+activation fc2's input sbf/t; mlp the MLP's split activations (2 + g)sbf/t, and with sequence
+parallelism fc1's all-gathered input less the norm's output it keeps. The default modules are
+layernorm and activation, plus core_attn for materialized attention. Measured on tiny eager
+layers (tests/test_recompute_modules.py) the savings equal these terms, except that an eager
+SwiGLU's whole-MLP recomputation also drops SiLU(gate), sbf/t more.
 
 Context parallelism (c > 1, ptdp/parallel/ring_attention.py) splits every sequence over c ranks:
 each holds s/c tokens, so every activation term above, the stage-boundary buffers and the
@@ -68,6 +77,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config.catalogue import schedule_spec
+from ptdp.config.recompute import selective_modules
 from ptdp.planner.compute import BYTES, ModelShape, same_block
 from ptdp.planner.formulas import context_shape, layer_parameter_split, ring_block_bytes
 from ptdp.planner.moe import (moe_activation_bytes, rank_expert_parameters, rank_moe_layers,
@@ -202,8 +212,15 @@ def sequence_parallel_replicated(sbh: float, e: int, dropout: bool, t: int,
 
 
 def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, recompute: str,
-                           attention: str, hw=None, sequence_parallel: bool = False) -> float:
-    """Bytes one layer keeps for backward per micro-batch on one tensor rank."""
+                           attention: str, hw=None, sequence_parallel: bool = False,
+                           modules: tuple | None = None) -> float:
+    """Bytes one layer keeps for backward per micro-batch on one tensor rank; `modules`:
+    recompute=selective's (train.recompute_modules; None: the default for this attention)."""
+    if recompute == "selective":   # what "none" keeps (measured or counted) less the modules'
+        modules = selective_modules(modules, sequence_parallel, keeps_scores=attention != "flash")
+        return (layer_activation_bytes(shape, b, t, precision, "none", attention, hw,
+                                       sequence_parallel)
+                - selective_saving(shape, b, t, precision, attention, modules, sequence_parallel))
     if hw is not None and not sequence_parallel:   # the profile measures layers without it
         measured = measured_activation_bytes(hw, shape, b, t, precision, recompute)
         if measured is not None:
@@ -221,9 +238,29 @@ def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, re
         core = s * b * q / t * e + a * s * b / t * 4     # saved output + fp32 logsumexp
     else:
         core = a * s * s * b / t * (2 * e + (1 if shape.dropout else 0))
-    if recompute == "selective":
-        core = 0.0
     return replicated + split + core
+
+
+def selective_saving(shape: ModelShape, b: int, t: int, precision: str, attention: str,
+                     modules: tuple, sequence_parallel: bool = False) -> float:
+    """Bytes per layer and micro-batch that recompute=selective's `modules` do not keep (see
+    the module's docstring; models/recompute.py)."""
+    s, h, a, f = shape.seq, shape.hidden, shape.heads, shape.ffn
+    e = BYTES[precision]
+    sbh, sbf = s * b * h * e, s * b * f / t * e
+    saved = 0.0
+    if "core_attn" in modules:
+        saved += (a * s * b / t * 4 if attention == "flash"
+                  else a * s * s * b / t * (2 * e + (1 if shape.dropout else 0)))
+    if "layernorm" in modules and not sequence_parallel:
+        saved += 2 * sbh
+    if "mlp" in modules:
+        saved += (2 + shape.gated) * sbf
+        if sequence_parallel:   # fc1's gathered input, less the norm output the MLP keeps
+            saved += sbh * (1 - 1 / t)
+    elif "activation" in modules:
+        saved += sbf
+    return saved
 
 
 def pending_weight_grad_bytes(shape: ModelShape, b: int, t: int, precision: str,
@@ -295,7 +332,8 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
                reserved_gb: float, rank: int, d: int = 1, hw=None,
                vertical_sync: bool = False, distributed_optimizer: bool = False,
                bucket_mb: float = 25.0, sequence_parallel: bool = False,
-               c: int = 1, expert: int = 1) -> MemoryBreakdown:
+               c: int = 1, expert: int = 1,
+               recompute_modules: tuple | None = None) -> MemoryBreakdown:
     """Peak memory of pipeline rank `rank` (0 = first stage, p-1 = last), with `c` context
     ranks splitting every sequence.
 
@@ -324,7 +362,8 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     activations = _activation_stashes(shape, p=p, v=v, m=m, b=b, t=t, schedule=schedule,
                                       recompute=recompute, precision=precision,
                                       attention=attention, rank=rank, hw=hw,
-                                      sequence_parallel=sequence_parallel)
+                                      sequence_parallel=sequence_parallel,
+                                      modules=recompute_modules)
     sbh = shape.seq * b * shape.hidden
     local_sbh = sbh / (t if sequence_parallel else 1)          # boundary and embedding tensors
     if first and shape.dropout:
@@ -388,13 +427,14 @@ def _moe_extra(shape: ModelShape, b: int, t: int, precision: str) -> float:
 
 def _activation_stashes(shape: ModelShape, *, p: int, v: int, m: int, b: int, t: int,
                         schedule: str, recompute: str, precision: str, attention: str,
-                        rank: int, hw, sequence_parallel: bool) -> float:
+                        rank: int, hw, sequence_parallel: bool,
+                        modules: tuple | None = None) -> float:
     """Bytes of the (micro-batch, layer) stashes `rank` holds at its peak. With ZB-H1,
     1F1B's min(p - rank, m) micro-batches hold forward stashes and up to `rank` more wait
     for their W pass, holding `pending_weight_grad_bytes` per layer instead."""
     layers_per_rank = shape.layers // p
     stash = layer_activation_bytes(shape, b, t, precision, recompute, attention, hw,
-                                   sequence_parallel)
+                                   sequence_parallel, modules)
     if shape.experts and recompute != "full":   # the mean layer: its MoE layers keep more
         moe = max(rank_moe_layers(shape, p, v))
         stash += moe / layers_per_rank * _moe_extra(shape, b, t, precision)

@@ -107,8 +107,11 @@ def trainer_config(raw: dict, pred: Prediction, global_batch: int, precision: st
                        "sequence_parallel": lay.sequence_parallel, **_context(lay),
                        **_expert(lay), **uneven}
     cfg["schedule"] = {**(cfg.get("schedule") or {}), "name": lay.schedule}
-    cfg["train"] = {**(cfg.get("train") or {}), "micro_batch_size": lay.micro_batch,
-                    "global_batch_size": global_batch, "recompute": lay.recompute,
+    # the layout's recomputation replaces the model file's (its modules included)
+    train = {k: v for k, v in (cfg.get("train") or {}).items() if k != "recompute_modules"}
+    modules = {"recompute_modules": list(lay.recompute_modules)} if lay.recompute_modules else {}
+    cfg["train"] = {**train, "micro_batch_size": lay.micro_batch,
+                    "global_batch_size": global_batch, "recompute": lay.recompute, **modules,
                     "precision": precision, "distributed_optimizer": lay.distributed_optimizer}
     return cfg
 

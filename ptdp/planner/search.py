@@ -244,6 +244,12 @@ def expert_options(experts: int, replicas: int, fixed: dict, rej: Rejections,
     return options
 
 
+def _modules(recompute: str, fixed: dict) -> tuple | None:
+    """recompute=selective's modules: `fixed["recompute_modules"]` (the API's; e.g. the
+    paper's ("core_attn",)), else None, the trainer's default (ptdp/config/recompute.py)."""
+    return fixed.get("recompute_modules") if recompute == "selective" else None
+
+
 def _try_micro_batch(hw, work, t, p, d, b, fixed, attention, rej, ranked, schedules,
                      experts: dict) -> int:
     m = work.global_batch // (d * b)
@@ -267,7 +273,8 @@ def _try_micro_batch(hw, work, t, p, d, b, fixed, attention, rej, ranked, schedu
                         for e in expert_options(work.shape.experts, d * c, fixed, rej, where):
                             lay = Layout(p, t, d, v, b, schedule, recompute, sg,
                                          distributed_optimizer=zero, sequence_parallel=sp,
-                                         context=c, expert=e)
+                                         context=c, expert=e,
+                                         recompute_modules=_modules(recompute, fixed))
                             evaluated += 1
                             if work.shape.experts:
                                 experts[e] = experts.get(e, 0) + 1

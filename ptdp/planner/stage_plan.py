@@ -55,10 +55,12 @@ def layer_profiles(hw, work, lay, attention: str | None = None) -> list[LayerPro
     profiles = transformer_layer_profiles(hw, shape, lay.micro_batch, work.precision,
                                           attention, t=lay.tensor)
     if lay.recompute != "none":
-        from ptdp.planner.compute import layer_times
-        lt = layer_times(hw, work.precision, shape, lay.micro_batch, lay.tensor,
-                         attention or hw.attention)
-        extra = lt.forward if lay.recompute == "full" else lt.attention_forward
+        from ptdp.planner.compute import layer_times, recompute_seconds
+        attention = attention or hw.attention
+        lt = layer_times(hw, work.precision, shape, lay.micro_batch, lay.tensor, attention)
+        extra = recompute_seconds(hw, work.precision, shape, lay.micro_batch, lay.tensor,
+                                  attention, lt, lay.recompute, lay.recompute_modules,
+                                  lay.sequence_parallel)
         body = replace(profiles[1], compute=profiles[1].compute + extra)
         profiles = [profiles[0]] + [body] * shape.layers + [profiles[-1]]
     return profiles
@@ -123,7 +125,8 @@ def rank_memory(hw, work, lay, counts, attention: str | None = None) -> list:
                   vocab_padded=padded_vocab_size(work.shape.vocab, lay.tensor),
                   reserved_gb=hw.memory_reserved_gb, hw=hw,
                   distributed_optimizer=lay.distributed_optimizer,
-                  sequence_parallel=lay.sequence_parallel, c=lay.context)
+                  sequence_parallel=lay.sequence_parallel, c=lay.context,
+                  recompute_modules=lay.recompute_modules)
     return [gpu_memory(replace(work.shape, layers=n * p), rank=r, **kwargs)
             for r, n in enumerate(per_rank(counts, lay))]
 
@@ -156,7 +159,8 @@ def stage_lines(cfg, hardware=None) -> list[str]:
                         hardware.gpus_per_node)
         lay = Layout(pipeline=par.pipeline, tensor=par.tensor, chunks=par.chunks,
                      micro_batch=tr.micro_batch_size, schedule=cfg.schedule.name,
-                     recompute=tr.recompute, context=par.context)
+                     recompute=tr.recompute, context=par.context,
+                     recompute_modules=tr.recompute_modules)
         times = stage_times(layer_profiles(hardware, work, lay), list(par.stage_layers))
     lines = [f"stages (parallel.stage_layers = {list(par.stage_layers)}):"]
     for s, layers in enumerate(ranges):

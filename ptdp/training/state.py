@@ -249,7 +249,8 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
     ctx = ModelContext(cfg.model, tp, tr.seed, rng.tensor_parallel, cfg.padded_vocab_size,
                        tr.recompute, tr.recompute_num_layers,
                        compile=should_compile(tr.compile, device),
-                       cp=ContextParallel.from_grid(grid), ep=ExpertParallel.from_grid(grid))
+                       cp=ContextParallel.from_grid(grid), ep=ExpertParallel.from_grid(grid),
+                       recompute_modules=tr.recompute_modules)
     num_stages = par.pipeline * par.chunks
     with drawing_in_threads():   # the initial weights, drawn on this rank's share of the cores
         chunks = {s: build_chunk(ctx, s, num_stages, par.stage_layers)

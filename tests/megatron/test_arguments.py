@@ -191,6 +191,14 @@ def test_megatrons_defaults_are_written_where_they_differ_from_ptdps():
     (["--not-an-argument", "3"],
      "unknown: --not-an-argument 3: not in ptdp's table of Megatron-LM arguments: not translated"),
     (["stray"], "unknown: stray: a word that is not an argument"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "moe_act"],
+     "refused: --recompute-modules moe_act: moe_act: ptdp's activation module recomputes the "
+     "dense MLP's and the shared experts' activations, not the routed experts'"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "attn"],
+     "refused: --recompute-modules core_attn attn: 'attn' is no module of Megatron's "
+     "--recompute-modules"),
+    (["--recompute-granularity", "full", "--recompute-modules", "mlp"], "ignored: "
+     "--recompute-modules mlp: Megatron uses it only with --recompute-granularity selective"),
     (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/d/v.json", "--merge-file",
       "/e/m.txt"], "approximate: --merge-file /e/m.txt: ptdp reads the merges beside the "
      "vocabulary (/d/merges.txt); copy or link /e/m.txt there"),
@@ -453,3 +461,13 @@ def test_under_torchrun_rank_zero_says_it_once_and_the_restart_loop_is_told_not_
     assert cli.main(["train", str(ROOT / "configs" / "gpt_tiny.yaml"), "--seq-length", "64"]) == 2
     assert capsys.readouterr().err == ""
     assert (tmp_path / "rank1").read_text() == "2\n"
+
+
+def test_recompute_modules_translate_with_megatrons_selective_default():
+    """Megatron's selective granularity recomputes core_attn unless --recompute-modules says
+    otherwise; ptdp's default differs (ptdp/config/recompute.py), so it is written in."""
+    v = translate(["--recompute-granularity", "selective"]).values
+    assert (v["train.recompute"], v["train.recompute_modules"]) == ("selective", ["core_attn"])
+    v = translate(["--recompute-activations", "--recompute-modules", "layernorm", "mlp"]).values
+    assert v["train.recompute_modules"] == ["layernorm", "mlp"]
+    assert "train.recompute_modules" not in translate(["--recompute-granularity", "full"]).values

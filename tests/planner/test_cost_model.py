@@ -185,8 +185,14 @@ def test_korthikanti_activation_formula():
     for t in (1, 2, 8):
         got = layer_activation_bytes(shape, b, t, "bf16", "none", "materialized")
         assert got == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
-    sel = layer_activation_bytes(shape, b, 8, "bf16", "selective", "materialized")
+    # the paper's selective recomputation: the core attention alone
+    sel = layer_activation_bytes(shape, b, 8, "bf16", "selective", "materialized",
+                                 modules=("core_attn",))
     assert sel == pytest.approx(s * b * h * (10 + 24 / 8))
+    # ptdp's default adds the norms' outputs (4 bytes: the QKV and fc1 inputs) and fc2's
+    # input (8/t bytes), ptdp/config/recompute.py
+    sel = layer_activation_bytes(shape, b, 8, "bf16", "selective", "materialized")
+    assert sel == pytest.approx(s * b * h * (6 + 16 / 8))
     assert layer_activation_bytes(shape, b, 8, "bf16", "full", "materialized") == s * b * h * 2
 
 

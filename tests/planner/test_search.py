@@ -15,13 +15,15 @@ def _search(hw, shape, batch, gpus, fixed=None, **kw):
     return search(hw, Workload(shape, batch, "bf16", hw.gpus_per_node), gpus, fixed, **kw)
 
 
-# The source's takeaways are about the source's techniques: without sequence parallelism and
-# the zero-bubble schedule (which make deeper pipelines and smaller t pay; tested below).
+# The source's takeaways are about the source's techniques: without sequence parallelism,
+# the zero-bubble schedule and the recomputation of norms and activations (which make deeper
+# pipelines and smaller t pay; tested below); its selective recomputation is core_attn alone.
 SOURCE_ONLY = {"schedules": ("gpipe", "1f1b", "interleaved")}
 
 
 def _source_search(hw, shape, batch, gpus, fixed=None, **kw):
-    return _search(hw, shape, batch, gpus, {"sequence_parallel": False, **(fixed or {})},
+    return _search(hw, shape, batch, gpus, {"sequence_parallel": False,
+                                            "recompute_modules": ("core_attn",), **(fixed or {})},
                    **SOURCE_ONLY, **kw)
 
 
