@@ -156,7 +156,7 @@ class ParallelAttention(nn.Module):
         return q, k, v
 
     def forward(self, x, mask=None, positions=None, norm=None):
-        """-> (output, the projection's bias or None where its GEMM added it); `norm`: the pre-norm, applied
+        """-> (output without the projection's bias, that bias); `norm`: the pre-norm, applied
         to x here so that the layernorm module can rebuild its output."""
         q, k, v = self.project(x, positions, norm)
         if self.ctx.recomputes("core_attn"):
@@ -200,13 +200,13 @@ class ParallelMLP(nn.Module):
                                      skip_bias_add=True, bias=cfg.bias)
 
     def forward(self, x, norm=None):
-        """-> (output, fc2's bias or None where it is added already); `norm`: the pre-norm.
+        """-> (output without fc2's bias, that bias); `norm`: the pre-norm, applied here.
         Recomputed (selective), the whole MLP keeps only its input (`mlp`), or fc2's input is
         rebuilt from the activation's input (`activation`, the bias added first as the fused
         chain adds it, ptdp/kernels/fused.py)."""
         if self.ctx.recomputes("mlp"):
             run = lambda y: checkpointed(None, self._output, y)   # noqa: E731
-            return after_norm(self.ctx, norm, run, x), None
+            return after_norm(self.ctx, norm, run, x), self.fc2.bias
         h, bias = after_norm(self.ctx, norm, self.fc1, x)
         if not self.ctx.recomputes("activation"):
             return self.fc2(self.activation(h, bias))
@@ -216,9 +216,7 @@ class ParallelMLP(nn.Module):
         return self.activation(h, None)
 
     def _output(self, x):
-        """The MLP with fc2's bias added (in its GEMM, or here when handed back)."""
-        y, bias = self.fc2(self.activation(*self.fc1(x)))
-        return y if bias is None else y + bias
+        return self.fc2(self.activation(*self.fc1(x)))[0]
 
 
 class TransformerLayer(nn.Module):

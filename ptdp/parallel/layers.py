@@ -62,23 +62,12 @@ def shard_param(full: torch.Tensor, split_dim: int | None, tp: TensorParallel) -
     return param
 
 
-def fold_bias(layer: nn.Module) -> bool:
-    """Whether a layer asked to hand its bias to a fused chain (`skip_bias_add`) adds it in the
-    GEMM instead. Eagerly, the chain's bias add is one more pass over the output that the GEMM
-    (addmm) does for free; a compiled layer keeps the bias for the chain, which inductor fuses
-    with the activation or the residual add (ptdp/kernels/fused.py), and so does a layer whose
-    weight gradients zb-h1 defers (the chains' bias gradients stay in B)."""
-    return (layer.skip_bias_add and layer.bias is not None and layer.weight_ops is PLAIN
-            and not torch.compiler.is_compiling())
-
-
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns: each rank computes Y_i = X A_i + b_i.
 
     The input must be replicated across the tensor group (f is applied here); the output
     stays split unless `gather_output`. With `skip_bias_add` the layer returns (X A_i, b_i)
-    and the caller adds the bias inside a fused elementwise chain (ptdp/kernels/fused.py), or
-    (X A_i + b_i, None) where the GEMM adds it (`fold_bias`).
+    and the caller adds the bias inside a fused elementwise chain (ptdp/kernels/fused.py).
     """
 
     weight_ops = PLAIN   # zb-h1 rebinds it (ptdp/parallel/weight_grad.py), as every layer's below
@@ -93,11 +82,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = shard_param(torch.zeros(out_features), 0, tp) if bias else None
 
     def forward(self, x):
-        fold = fold_bias(self)
-        bias = self.bias if fold or not self.skip_bias_add else None
+        bias = None if self.skip_bias_add else self.bias
         y = self.weight_ops.linear(enter_tensor_region(x, self.tp), self.weight, bias)
         if self.skip_bias_add:
-            return y, None if fold else self.bias
+            return y, self.bias
         return gather_from_tensor_region(y, self.tp) if self.gather_output else y
 
 
@@ -106,8 +94,7 @@ class RowParallelLinear(nn.Module):
 
     The input is normally already split (`input_is_parallel`, the output of a
     ColumnParallelLinear); the bias is added once, after the all-reduce, or with
-    `skip_bias_add` returned as (Y without bias, b) for the caller's fused chain (with one
-    tensor rank and `fold_bias`, (Y + b, None): the GEMM adds it).
+    `skip_bias_add` returned as (Y without bias, b) for the caller's fused chain.
     """
 
     weight_ops = PLAIN
@@ -124,13 +111,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tensor_region(x, self.tp)
-        # one tensor rank: nothing to reduce first, so the bias may join the GEMM as below
-        fold = self.tp.size == 1 and fold_bias(self)
-        y = leave_tensor_region(self.weight_ops.linear(x, self.weight, self.bias if fold else None),
-                                self.tp)
+        y = leave_tensor_region(self.weight_ops.linear(x, self.weight), self.tp)
         if self.skip_bias_add:
-            return y, None if fold else self.bias
-        return y + self.bias if self.bias is not None and not fold else y
+            return y, self.bias
+        return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
