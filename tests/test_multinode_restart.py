@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from ptdp.metrics.log import read_metrics
 from ptdp.runtime.local_ranks import free_port, run_on_ranks
@@ -24,17 +25,18 @@ def test_both_nodes_restart_into_a_fresh_rendezvous(tmp_path):
                         tmp_path, MAX_RESTARTS="1", PTDP_TEST_MARKER=marker, NNODES="2",
                         NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                         GPUS_PER_NODE="1") for node in (0, 1)]
-    try:
-        # The uninterrupted run, while the nodes start up.
-        reference = run_on_ranks(2, _reference_losses,
-                                 [o for o in JOB if not o.startswith("checkpoint.")],
-                                 timeout_s=180)[0]
-        jobs.wait_for_iteration(metrics, nodes[0], 12)
-        os.kill(jobs.pid_of_rank(1, marker), signal.SIGKILL)
-        outputs = [node.communicate(timeout=400)[0] for node in nodes]
-    finally:
-        for node in nodes:   # the launchers, their torchruns and every worker (own sessions)
-            jobs.stop(node)
+    with ThreadPoolExecutor(1) as pool:   # the uninterrupted run, beside the job
+        reference = pool.submit(run_on_ranks, 2, _reference_losses,
+                                [o for o in JOB if not o.startswith("checkpoint.")],
+                                timeout_s=180)
+        try:
+            jobs.wait_for_iteration(metrics, nodes[0], 12)
+            os.kill(jobs.pid_of_rank(1, marker), signal.SIGKILL)
+            outputs = [node.communicate(timeout=400)[0] for node in nodes]
+        finally:
+            for node in nodes:   # the launchers, their torchruns, every worker (own sessions)
+                jobs.stop(node)
+        reference = reference.result()[0]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     for output in outputs:
         assert f"attempt 1 meets at 127.0.0.1:{port + 1}" in output

@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -64,20 +65,29 @@ def failed_twice(tmp_path_factory):
     reader = threading.Thread(target=_continue_when_named, args=(job, stopped, lines),
                               daemon=True)
     reader.start()
+    # The uninterrupted run, beside the job (whose start-ups and waits leave cores idle).
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(run_on_ranks, 2, _reference_losses, uninterrupted,
+                                timeout_s=120)
+        _kill_then_stop(job, metrics, stopped)
+        reader.join(timeout=10)
+        reference = reference.result()[0]
+    return {"rc": job.returncode, "lines": lines, "reference": reference,
+            "metrics": read_metrics(metrics)}
+
+
+def _kill_then_stop(job, metrics: Path, stopped: list) -> None:
+    """Kill rank 0 in iteration ~16, stop rank 1 in iteration ~36 of the restarted job; wait
+    until the job ends."""
     try:
-        # The uninterrupted run, while the job starts up (its waits leave cores idle).
-        reference = run_on_ranks(2, _reference_losses, uninterrupted, timeout_s=120)[0]
         _wait_for_iteration(metrics, job, 15)
         os.kill(jobs.pid_of_rank(0, job.marker), signal.SIGKILL)  # a crash in iteration ~16
         _wait_for_iteration(metrics, job, 35)                     # restarted, and past it
         stopped.append(jobs.pid_of_rank(1, job.marker))
         os.kill(stopped[0], signal.SIGSTOP)                       # a hang in iteration ~36
         job.wait(timeout=240)
-        reader.join(timeout=10)
     finally:
         jobs.stop(job)   # its workers too, had the test failed half-way
-    return {"rc": job.returncode, "lines": lines, "reference": reference,
-            "metrics": read_metrics(metrics)}
 
 
 def test_the_job_restarts_twice_and_ends_by_itself(failed_twice):

@@ -74,6 +74,38 @@ def time_steps(step, steps: int, warmup: int = 0, device=None) -> Timings:
     return Timings(seconds, results)
 
 
+@dataclass
+class Lap:
+    """One side's timed call in a round of `alternating`."""
+    wall: float      # seconds by the host's clock
+    cpu: float       # seconds of this thread's CPU time (without what other processes took)
+    result: object   # what the call returned
+
+
+def alternating(sides: dict, rounds: int, warmup: int = 0, swap: bool = False,
+                first: int = 0) -> list[dict]:
+    """Time `step(i)` of each side once per round, the sides one after the other, so that a
+    machine whose load drifts (a shared one) slows every side of a round alike: `warmup`
+    untimed rounds, then `rounds` timed ones; i counts the rounds from `first`. `swap`: every
+    other timed round runs the sides in reverse order, so that neither always goes first.
+
+    `sides` is {name: step}; returns the timed rounds, each {name: Lap}."""
+    names = list(sides)
+    for i in range(warmup):
+        for name in names:
+            sides[name](first + i)
+    timed = []
+    for r in range(rounds):
+        order = names[::-1] if swap and r % 2 else names
+        laps = {}
+        for name in order:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            result = sides[name](first + warmup + r)
+            laps[name] = Lap(time.perf_counter() - wall, time.thread_time() - cpu, result)
+        timed.append({name: laps[name] for name in names})
+    return timed
+
+
 # --------------------------------------------------------------------------------------------
 # A world of one rank, for the Trainer at (p, t, d) = (1, 1, 1) in this process
 # --------------------------------------------------------------------------------------------
