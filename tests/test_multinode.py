@@ -106,15 +106,19 @@ def _wait_all(jobs, logs, timeout_s: float) -> None:
         assert job.returncode == 0, log.read_text()[-3000:]
 
 
+def _one_process(overrides: list[str]) -> list[float]:
+    from ptdp.config import load_config
+    from ptdp.training import Trainer
+    cfg = load_config(str(ROOT / "configs/gpt_tiny.yaml"), overrides, world_size=1)
+    return [record["loss"] for record in Trainer(cfg).train()]
+
+
 @pytest.fixture(scope="module")
-def single_process_losses(tmp_path_factory):
+def single_process_losses():
     """The oracle: the same model, data and seed in one process (p = t = d = 1)."""
-    metrics = tmp_path_factory.mktemp("single") / "metrics.jsonl"
-    subprocess.run([sys.executable, "-m", "ptdp", "train", "configs/gpt_tiny.yaml",
-                    "train.device=cpu", "log.progress=false", f"train.iters={ITERS}",
-                    f"log.metrics_file={metrics}"], cwd=ROOT, env=_job_env(), check=True,
-                   capture_output=True, timeout=120)
-    return _losses(metrics)
+    from ptdp.runtime.local_ranks import run_on_ranks
+    return run_on_ranks(1, _one_process, ["train.device=cpu", "log.progress=false",
+                                          f"train.iters={ITERS}"], timeout_s=120)[0]
 
 
 def test_slurm_script_launches_one_node_per_namespace(cluster, single_process_losses, tmp_path):

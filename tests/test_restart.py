@@ -191,7 +191,7 @@ def test_a_config_error_ends_the_script_before_any_attempt(scripts):
 
 
 # --------------------------------------------------------------------------------------------
-# checkpoint.load=auto and asynchronous saves (one spawned job of 2 ranks, then one more)
+# checkpoint.load=auto and asynchronous saves (a spawned job of 2 ranks, killed; then one more)
 # --------------------------------------------------------------------------------------------
 
 SAVES = TINY + ["parallel.pipeline=2", "model.dropout=0.1", "train.iters=6",
@@ -259,21 +259,23 @@ def killed_job(root: str) -> None:
     _trainer([f"checkpoint.dir={Path(root) / 'killed'}", "checkpoint.async_save=true"]).train()
 
 
-def resume_job(root: str) -> dict:
+def resume_and_async_jobs(root: str) -> dict:
+    """The killed job resumed, then async_job (apart from it: one spawn for both)."""
     trainer = _trainer([f"checkpoint.dir={Path(root) / 'killed'}", "checkpoint.load=auto"])
-    return {"start": trainer.iteration, "losses": [r["loss"] for r in trainer.train()]}
+    resumed = {"start": trainer.iteration, "losses": [r["loss"] for r in trainer.train()]}
+    return {**async_job(root), "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory):
     root = tmp_path_factory.mktemp("async")
-    out = run_on_ranks(2, async_job, str(root), timeout_s=240)[0]
     with pytest.raises(RankFailure) as died:
         run_on_ranks(2, killed_job, str(root), timeout_s=240)
     killed = root / "killed"
-    out.update(died=str(died.value), on_disk=sorted(p.name for p in killed.iterdir()),
+    out = dict(died=str(died.value), on_disk=sorted(p.name for p in killed.iterdir()),
                found=find_checkpoint(killed)[0].name, latest=(killed / "latest").read_text(),
-               resumed=run_on_ranks(2, resume_job, str(root), timeout_s=240)[0], root=root)
+               root=root)
+    out.update(run_on_ranks(2, resume_and_async_jobs, str(root), timeout_s=240)[0])
     return out
 
 
