@@ -1,17 +1,13 @@
 """The planner and the distributed optimizer: memory term, time model, search flag, config."""
 
-import inspect
-
 import pytest
 import yaml
 
-from ptdp.commands import plan as plan_command
 from ptdp.config import ModelConfig, load_config
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.cost_model import Layout, Workload, predict
 from ptdp.planner.memory import gpu_memory, optimizer_state_bytes
-from ptdp.planner.search import search
-from tests.planner.conftest import plan
+from tests.planner.conftest import plan, searched
 
 GPT3 = ModelConfig(arch="gpt", num_layers=96, hidden_size=12288, num_heads=96, seq_length=2048,
                    vocab_size=51200)
@@ -23,24 +19,6 @@ T4 = dict(pipeline=16, tensor=4, data=16, chunks=6, micro_batch=1, schedule="int
 @pytest.fixture(scope="module")
 def work():
     return Workload(ModelShape.from_config(GPT3), 1536, "bf16", 8)
-
-
-@pytest.fixture(scope="module")
-def searched():
-    """`search`, each distinct call made once in this module: the pure-Python search over
-    1,024 GPUs takes seconds, and `ptdp plan --nodes 128` below asks exactly what
-    test_search_considers_it_only_when_asked asked (same profile, workload and options)."""
-    done = {}
-
-    def once(*args, **kwargs):
-        bound = inspect.signature(search).bind(*args, **kwargs)
-        bound.apply_defaults()
-        bound.arguments["fixed"] = bound.arguments["fixed"] or {}   # None and {}: the same
-        key = repr(sorted(bound.arguments.items()))
-        if key not in done:
-            done[key] = search(*args, **kwargs)
-        return done[key]
-    return once
 
 
 def test_optimizer_state_is_divided_by_d():
@@ -70,7 +48,7 @@ def test_time_model_splits_the_all_reduce_and_shards_the_step(a100, work):
     assert "distopt" in Layout(**T4, distributed_optimizer=True).describe()
 
 
-def test_search_considers_it_only_when_asked(a100, work, searched):
+def test_search_considers_it_only_when_asked(a100, work):
     plain = searched(a100, work, 1024)
     assert not any(p.layout.distributed_optimizer for p in plain.ranked)
     allowed = searched(a100, work, 1024, distributed_optimizer=True)
@@ -81,9 +59,7 @@ def test_search_considers_it_only_when_asked(a100, work, searched):
 
 
 @pytest.mark.parametrize("flag", [[], ["--allow-distributed-optimizer"], ["--fix", "distopt=true"]])
-def test_written_config_sets_the_key_the_trainer_reads(tmp_path, capsys, monkeypatch, searched,
-                                                       flag):
-    monkeypatch.setattr(plan_command, "search", searched)
+def test_written_config_sets_the_key_the_trainer_reads(tmp_path, capsys, flag):
     model = tmp_path / "model.yaml"
     model.write_text(yaml.safe_dump({"model": {k: getattr(GPT3, k) for k in (
         "arch", "num_layers", "hidden_size", "num_heads", "seq_length", "vocab_size")}}))
