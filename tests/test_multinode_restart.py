@@ -12,8 +12,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from ptdp.metrics.log import read_metrics
-from ptdp.runtime.local_ranks import free_port, run_on_ranks
-from tests.test_joblock import JOB, ITERS, _reference_losses
+from ptdp.runtime.local_ranks import free_port
+from tests.test_joblock import ITERS, JOB, uninterrupted_losses
 from tools import jobs
 from tools.jobs import ROOT, SCRIPT
 
@@ -26,9 +26,7 @@ def test_both_nodes_restart_into_a_fresh_rendezvous(tmp_path):
                         NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                         GPUS_PER_NODE="1") for node in (0, 1)]
     with ThreadPoolExecutor(1) as pool:   # the uninterrupted run, beside the job
-        reference = pool.submit(run_on_ranks, 2, _reference_losses,
-                                [o for o in JOB if not o.startswith("checkpoint.")],
-                                timeout_s=180)
+        reference = pool.submit(uninterrupted_losses)
         try:
             jobs.wait_for_iteration(metrics, nodes[0], 12)
             os.kill(jobs.pid_of_rank(1, marker), signal.SIGKILL)
@@ -36,7 +34,7 @@ def test_both_nodes_restart_into_a_fresh_rendezvous(tmp_path):
         finally:
             for node in nodes:   # the launchers, their torchruns, every worker (own sessions)
                 jobs.stop(node)
-        reference = reference.result()[0]
+        reference = reference.result()
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     for output in outputs:
         assert f"attempt 1 meets at 127.0.0.1:{port + 1}" in output
