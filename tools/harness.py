@@ -1,5 +1,5 @@
-"""What the benchmarks in tools/ share: timing steps, a world of one rank, the JSON they write and
-the tables they print. Local multi-rank jobs are ptdp's own (ptdp/runtime/local_ranks.py).
+"""What the benchmarks in tools/ share: timing steps (alone, or sides alternating per round), a
+world of one rank, the JSON they write and the tables they print. Local multi-rank jobs are ptdp's own (ptdp/runtime/local_ranks.py).
 
 The tools import the installed `ptdp` and this module as a sibling: `python tools/bench_x.py`
 puts tools/ first on sys.path, where `import harness` finds it; `python -m tools.bench_x` (from
