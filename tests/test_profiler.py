@@ -1,6 +1,5 @@
 """`ptdp profile` on this machine's CPU, and the fits it uses."""
 
-import os
 import subprocess
 import sys
 
@@ -20,36 +19,17 @@ TINY = {"model": {"arch": "gpt", "num_layers": 2, "hidden_size": 64, "num_heads"
                   "seq_length": 32, "vocab_size": 100, "ffn_hidden_size": 256}}
 
 
-# What `ptdp profile` changes in the process that runs it: the world it makes and its threads.
-PROCESS_STATE = ("MASTER_ADDR", "MASTER_PORT")
-
-
 @pytest.fixture(scope="module")
 def profile_path(tmp_path_factory):
-    """One `ptdp profile` for every test below, run in this process (its measurements that
-    need ranks or fresh interpreters start their own; test_bad_profile_arguments runs the
-    command itself), which saves an interpreter and a forkserver start; what it changes here
-    is put back."""
-    import torch
-
-    from ptdp.cli import main
     tmp = tmp_path_factory.mktemp("profile")
     model = tmp / "tiny.yaml"
     model.write_text(yaml.safe_dump(TINY))
     out = tmp / "cpu-test.yaml"
-    saved = {name: os.environ.get(name) for name in PROCESS_STATE}
-    threads = torch.get_num_threads()
-    try:
-        assert main(["profile", str(model), "--out", str(out), "--micro-batches", "1,2",
-                     "--tensor", "1,2", "--ranks", "2", "--iters", "2",
-                     "--memory-repeats", "1"]) == 0
-    finally:
-        torch.set_num_threads(threads)
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    proc = subprocess.run([sys.executable, "-m", "ptdp", "profile", str(model), "--out", str(out),
+                           "--micro-batches", "1,2", "--tensor", "1,2", "--ranks", "2",
+                           "--iters", "2", "--memory-repeats", "1"],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
 
