@@ -35,7 +35,7 @@ from tools import jobs
 # (other tests import these from here)
 from tools.jobs import ROOT, SCRIPT, env as _env, wait_for_iteration as _wait_for_iteration
 
-ITERS = 60
+ITERS = 40
 JOB = ["parallel.pipeline=2", f"train.iters={ITERS}", "checkpoint.save_interval=10",
        "checkpoint.load=auto", "model.dropout=0.1", "train.timeout_s=6", "log.progress=false",
        "log.interval=1000"]
@@ -77,14 +77,14 @@ def failed_twice(tmp_path_factory):
 
 
 def _kill_then_stop(job, metrics: Path, stopped: list) -> None:
-    """Kill rank 0 in iteration ~16, stop rank 1 in iteration ~36 of the restarted job; wait
+    """Kill rank 0 in iteration ~16, stop rank 1 in iteration ~26 of the restarted job; wait
     until the job ends."""
     try:
         _wait_for_iteration(metrics, job, 15)
         os.kill(jobs.pid_of_rank(0, job.marker), signal.SIGKILL)  # a crash in iteration ~16
-        _wait_for_iteration(metrics, job, 35)                     # restarted, and past it
+        _wait_for_iteration(metrics, job, 25)                     # restarted, and past it
         stopped.append(jobs.pid_of_rank(1, job.marker))
-        os.kill(stopped[0], signal.SIGSTOP)                       # a hang in iteration ~36
+        os.kill(stopped[0], signal.SIGSTOP)                       # a hang in iteration ~26
         job.wait(timeout=240)
     finally:
         jobs.stop(job)   # its workers too, had the test failed half-way
