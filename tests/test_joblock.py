@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -49,6 +50,13 @@ def _reference_losses(overrides: list[str]) -> list[float]:
     return [record["loss"] for record in Trainer(cfg).train()]
 
 
+@functools.lru_cache(maxsize=None)
+def uninterrupted_losses() -> list[float]:
+    """JOB's losses without a fault (once: tests/test_multinode_restart.py asks too)."""
+    return run_on_ranks(2, _reference_losses, [o for o in JOB if not o.startswith("checkpoint.")],
+                        timeout_s=180)[0]
+
+
 def _agent_pid(script_pid: int) -> int | None:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -82,8 +90,7 @@ def _gone(pid: int, within_s: float) -> bool:
 def test_a_killed_agent_takes_its_workers_and_the_restart_loses_nothing(tmp_path):
     metrics, marker = tmp_path / "metrics.jsonl", uuid.uuid4().hex
     overrides = JOB + [f"checkpoint.dir={tmp_path / 'ck'}", f"log.metrics_file={metrics}"]
-    reference = run_on_ranks(2, _reference_losses,
-                             [o for o in JOB if not o.startswith("checkpoint.")], timeout_s=180)[0]
+    reference = uninterrupted_losses()
     job = subprocess.Popen(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), *overrides],
                            cwd=tmp_path, env=_env(MAX_RESTARTS="1", PTDP_TEST_MARKER=marker),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

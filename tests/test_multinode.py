@@ -17,9 +17,12 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
+
+from tools.jobs import MARKER, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 SIMCLUSTER = ROOT / "tools/simcluster.sh"
@@ -71,11 +74,20 @@ def _job_env(**extra) -> dict:
 
 def _launch_node(node: int, overrides: list[str], log: Path, port: int) -> subprocess.Popen:
     """tools/pretrain_gpt.sh on one node, exactly as on a cluster."""
-    env = _job_env(NNODES="2", NODE_RANK=str(node), MASTER_ADDR=f"{NAME}-n0",
-                   MASTER_PORT=str(port), GPUS_PER_NODE="2")
-    return subprocess.Popen([str(SIMCLUSTER), "run", str(node), str(ROOT / "tools/pretrain_gpt.sh"),
-                             "configs/gpt_tiny.yaml", *LAYOUT, *overrides],
-                            cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    return _started([str(SIMCLUSTER), "run", str(node), str(ROOT / "tools/pretrain_gpt.sh"),
+                     "configs/gpt_tiny.yaml", *LAYOUT, *overrides], log,
+                    _job_env(NNODES="2", NODE_RANK=str(node), MASTER_ADDR=f"{NAME}-n0",
+                             MASTER_PORT=str(port), GPUS_PER_NODE="2"))
+
+
+def _started(command: list[str], log: Path, env: dict) -> subprocess.Popen:
+    """`command` in a session of its own with a marker of its own, for tools/jobs.py's `stop`
+    to end it and every process it started (torchrun's workers have sessions of their own)."""
+    marker = uuid.uuid4().hex
+    job = subprocess.Popen(command, cwd=ROOT, env={**env, MARKER: marker}, stdout=log.open("w"),
+                           stderr=subprocess.STDOUT, start_new_session=True)
+    job.marker = marker
+    return job
 
 
 def _losses(metrics: Path) -> list[float]:
@@ -89,21 +101,24 @@ def _wait_all(jobs, logs, timeout_s: float) -> None:
             job.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for job in jobs:
-            if job.poll() is None:
-                job.kill()
+            stop(job)
     for job, log in zip(jobs, logs):
         assert job.returncode == 0, log.read_text()[-3000:]
 
 
+def _one_process(overrides: list[str]) -> list[float]:
+    from ptdp.config import load_config
+    from ptdp.training import Trainer
+    cfg = load_config(str(ROOT / "configs/gpt_tiny.yaml"), overrides, world_size=1)
+    return [record["loss"] for record in Trainer(cfg).train()]
+
+
 @pytest.fixture(scope="module")
-def single_process_losses(tmp_path_factory):
+def single_process_losses():
     """The oracle: the same model, data and seed in one process (p = t = d = 1)."""
-    metrics = tmp_path_factory.mktemp("single") / "metrics.jsonl"
-    subprocess.run([sys.executable, "-m", "ptdp", "train", "configs/gpt_tiny.yaml",
-                    "train.device=cpu", "log.progress=false", f"train.iters={ITERS}",
-                    f"log.metrics_file={metrics}"], cwd=ROOT, env=_job_env(), check=True,
-                   capture_output=True, timeout=120)
-    return _losses(metrics)
+    from ptdp.runtime.local_ranks import run_on_ranks
+    return run_on_ranks(1, _one_process, ["train.device=cpu", "log.progress=false",
+                                          f"train.iters={ITERS}"], timeout_s=120)[0]
 
 
 def test_slurm_script_launches_one_node_per_namespace(cluster, single_process_losses, tmp_path):
@@ -153,9 +168,7 @@ def test_a_node_that_dies_ends_the_other_with_a_line_naming_its_ranks(cluster, t
         elapsed = time.monotonic() - killed
     finally:
         for job in jobs:
-            if job.poll() is None:
-                job.kill()
-            job.wait(timeout=30)
+            stop(job)
     out = logs[0].read_text()
     ours = [line for line in out.splitlines() if line.startswith("ptdp train: ")]
     assert jobs[0].returncode != 0
@@ -177,12 +190,10 @@ def test_srun_one_task_per_rank_without_torchrun_forms_the_job(single_process_lo
     slurm = dict(SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="1(x2)",
                  SLURM_STEP_NODELIST="localhost", SLURM_JOB_ID=str(os.getpid()))
     logs = [tmp_path / f"task{task}.log" for task in (0, 1)]
-    jobs = [subprocess.Popen([sys.executable, "-m", "ptdp", "train", "configs/gpt_tiny.yaml",
-                              *LAYOUT[1:], f"train.iters={ITERS}",
-                              f"log.metrics_file={metrics}"], cwd=ROOT,
-                             env=_job_env(SLURM_PROCID=str(task), SLURM_LOCALID="0",
-                                          SLURM_NODEID=str(task), **slurm),
-                             stdout=log.open("w"), stderr=subprocess.STDOUT)
+    jobs = [_started([sys.executable, "-m", "ptdp", "train", "configs/gpt_tiny.yaml", *LAYOUT[1:],
+                      f"train.iters={ITERS}", f"log.metrics_file={metrics}"], log,
+                     _job_env(SLURM_PROCID=str(task), SLURM_LOCALID="0", SLURM_NODEID=str(task),
+                              **slurm))
             for task, log in zip((0, 1), logs)]
     _wait_all(jobs, logs, timeout_s=120)
     out = [log.read_text() for log in logs]

@@ -8,35 +8,33 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from ptdp.metrics.log import read_metrics
-from ptdp.runtime.local_ranks import free_port, run_on_ranks
-from tests.test_joblock import JOB, ITERS, _reference_losses
-from tests.test_restart import ROOT, SCRIPT, _env, _wait_for_iteration
-from tests.test_watchdog import _pid_of_rank
+from ptdp.runtime.local_ranks import free_port
+from tests.test_joblock import ITERS, JOB, uninterrupted_losses
+from tools import jobs
+from tools.jobs import ROOT, SCRIPT
 
 
 def test_both_nodes_restart_into_a_fresh_rendezvous(tmp_path):
     metrics, marker, port = tmp_path / "metrics.jsonl", uuid.uuid4().hex, free_port()
     overrides = JOB + [f"checkpoint.dir={tmp_path / 'ck'}", f"log.metrics_file={metrics}"]
-    reference = run_on_ranks(2, _reference_losses,
-                             [o for o in JOB if not o.startswith("checkpoint.")], timeout_s=180)[0]
-    nodes = [subprocess.Popen(
-        ["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), *overrides], cwd=tmp_path,
-        env=_env(MAX_RESTARTS="1", PTDP_TEST_MARKER=marker, NNODES="2", NODE_RANK=str(node),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GPUS_PER_NODE="1"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
-    try:
-        _wait_for_iteration(metrics, nodes[0], 12)
-        os.kill(_pid_of_rank(1, marker), signal.SIGKILL)
-        outputs = [node.communicate(timeout=400)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
+    nodes = [jobs.start(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), *overrides],
+                        tmp_path, MAX_RESTARTS="1", PTDP_TEST_MARKER=marker, NNODES="2",
+                        NODE_RANK=str(node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                        GPUS_PER_NODE="1") for node in (0, 1)]
+    with ThreadPoolExecutor(1) as pool:   # the uninterrupted run, beside the job
+        reference = pool.submit(uninterrupted_losses)
+        try:
+            jobs.wait_for_iteration(metrics, nodes[0], 12)
+            os.kill(jobs.pid_of_rank(1, marker), signal.SIGKILL)
+            outputs = [node.communicate(timeout=400)[0] for node in nodes]
+        finally:
+            for node in nodes:   # the launchers, their torchruns, every worker (own sessions)
+                jobs.stop(node)
+        reference = reference.result()
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     for output in outputs:
         assert f"attempt 1 meets at 127.0.0.1:{port + 1}" in output

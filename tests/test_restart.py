@@ -19,8 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,21 +30,15 @@ from ptdp.checkpoint.layout import find_checkpoint, iteration_dir_name
 from ptdp.metrics.log import read_metrics
 from ptdp.runtime.local_ranks import RankFailure, run_on_ranks
 from tests.equivalence import TINY
-from tests.test_watchdog import _continue_when_named, _pid_of_rank, _signal
+from tests.test_watchdog import _continue_when_named
+from tools import jobs
+# (other tests import these from here)
+from tools.jobs import ROOT, SCRIPT, env as _env, wait_for_iteration as _wait_for_iteration
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tools/pretrain_gpt.sh"
-ITERS = 60
+ITERS = 40
 JOB = ["parallel.pipeline=2", f"train.iters={ITERS}", "checkpoint.save_interval=10",
        "checkpoint.load=auto", "model.dropout=0.1", "train.timeout_s=6", "log.progress=false",
        "log.interval=1000"]
-
-
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update({"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-                "NPROC": "2", "PYTHON": sys.executable, **extra})
-    return env
 
 
 # --------------------------------------------------------------------------------------------
@@ -60,43 +53,41 @@ def _reference_losses(overrides: list[str]) -> list[float]:
     return [record["loss"] for record in Trainer(cfg).train()]
 
 
-def _wait_for_iteration(metrics: Path, job, at_least: int, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and job.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= at_least:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the job did not reach iteration {at_least}")
-
-
 @pytest.fixture(scope="module")
 def failed_twice(tmp_path_factory):
     root = tmp_path_factory.mktemp("restart")
-    metrics, marker = root / "metrics.jsonl", uuid.uuid4().hex
+    metrics = root / "metrics.jsonl"
     overrides = JOB + [f"checkpoint.dir={root / 'ck'}", f"log.metrics_file={metrics}"]
     uninterrupted = [o for o in JOB if not o.startswith("checkpoint.")]
-    reference = run_on_ranks(2, _reference_losses, uninterrupted, timeout_s=120)[0]
-    job = subprocess.Popen(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), *overrides],
-                           cwd=root, env=_env(MAX_RESTARTS="2", PTDP_TEST_MARKER=marker),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = jobs.start(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), *overrides],
+                     root, MAX_RESTARTS="2")
     lines, stopped = [], []
     reader = threading.Thread(target=_continue_when_named, args=(job, stopped, lines),
                               daemon=True)
     reader.start()
-    try:
-        _wait_for_iteration(metrics, job, 15)
-        os.kill(_pid_of_rank(0, marker), signal.SIGKILL)          # a crash in iteration ~16
-        _wait_for_iteration(metrics, job, 35)                     # restarted, and past it
-        stopped.append(_pid_of_rank(1, marker))
-        os.kill(stopped[0], signal.SIGSTOP)                       # a hang in iteration ~36
-        job.wait(timeout=240)
+    # The uninterrupted run, beside the job (whose start-ups and waits leave cores idle).
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(run_on_ranks, 2, _reference_losses, uninterrupted,
+                                timeout_s=120)
+        _kill_then_stop(job, metrics, stopped)
         reader.join(timeout=10)
-    finally:
-        _signal(stopped, signal.SIGCONT, signal.SIGKILL)
-        if job.poll() is None:
-            job.kill()
+        reference = reference.result()[0]
     return {"rc": job.returncode, "lines": lines, "reference": reference,
             "metrics": read_metrics(metrics)}
+
+
+def _kill_then_stop(job, metrics: Path, stopped: list) -> None:
+    """Kill rank 0 in iteration ~16, stop rank 1 in iteration ~26 of the restarted job; wait
+    until the job ends."""
+    try:
+        _wait_for_iteration(metrics, job, 15)
+        os.kill(jobs.pid_of_rank(0, job.marker), signal.SIGKILL)  # a crash in iteration ~16
+        _wait_for_iteration(metrics, job, 25)                     # restarted, and past it
+        stopped.append(jobs.pid_of_rank(1, job.marker))
+        os.kill(stopped[0], signal.SIGSTOP)                       # a hang in iteration ~26
+        job.wait(timeout=240)
+    finally:
+        jobs.stop(job)   # its workers too, had the test failed half-way
 
 
 def test_the_job_restarts_twice_and_ends_by_itself(failed_twice):
@@ -139,38 +130,68 @@ sys.exit(1)
 """
 
 
-@pytest.mark.parametrize("plan,max_restarts,rc,attempts", [
+PLANS = [
     ("4,crash,0", 3, 0, 3),       # a hang, then a crash: both restarted
     ("2", 3, 2, 1),               # a configuration error: not restarted
     ("3", 3, 3, 1),               # divergence: not restarted
     ("crash", 2, 1, 3),           # the restarts run out
-])
-def test_the_loop_restarts_what_is_worth_it(tmp_path, plan, max_restarts, rc, attempts):
-    fake, log = tmp_path / "fake_torchrun.py", tmp_path / "attempts.log"
+]
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory):
+    """Every launch of the script below, started at once (each spends seconds in its
+    `ptdp check`, mostly one core's work): {plan, or "itres": (exit code, stderr, the
+    attempts' log lines)}."""
+    root = tmp_path_factory.mktemp("loop")
+    fake = root / "fake_torchrun.py"
     fake.write_text(FAKE_TORCHRUN)
-    result = subprocess.run(
-        ["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), "train.iters=2"],
-        env=_env(MAX_RESTARTS=str(max_restarts), TORCHRUN=f"{sys.executable} {fake}", PLAN=plan,
-                 LOG=str(log), NPROC="2"),
-        cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert result.returncode == rc, result.stderr
-    assert [line.split()[0] for line in log.read_text().splitlines()] == \
-        [str(i) for i in range(attempts)]
+    started = {}
+    for plan, max_restarts, _, _ in PLANS:
+        log = root / f"attempts-{plan}.log"
+        started[plan] = (log, _script(root, "train.iters=2", MAX_RESTARTS=str(max_restarts),
+                                      TORCHRUN=f"{sys.executable} {fake}", PLAN=plan,
+                                      LOG=str(log)))
+    started["itres"] = (None, _script(root, "train.itres=2", MAX_RESTARTS="3"))
+    out = {}
+    try:
+        for name, (log, proc) in started.items():
+            _, stderr = proc.communicate(timeout=120)
+            out[name] = (proc.returncode, stderr,
+                         log.read_text().splitlines() if log and log.exists() else [])
+    finally:
+        for _, proc in started.values():
+            jobs.stop(proc)
+    return out
+
+
+def _script(root: Path, override: str, **extra) -> subprocess.Popen:
+    """The launch script in a folder of its own under `root` (its outputs apart)."""
+    cwd = root / f"run{len(list(root.glob('run*')))}"
+    cwd.mkdir()
+    return subprocess.Popen(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), override],
+                            env=_env(**extra), cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.mark.parametrize("plan,max_restarts,rc,attempts", PLANS)
+def test_the_loop_restarts_what_is_worth_it(scripts, plan, max_restarts, rc, attempts):
+    returncode, stderr, log = scripts[plan]
+    assert returncode == rc, stderr
+    assert [line.split()[0] for line in log] == [str(i) for i in range(attempts)]
     if rc in (2, 3):
-        assert "not restarting" in result.stderr
+        assert "not restarting" in stderr
 
 
-def test_a_config_error_ends_the_script_before_any_attempt(tmp_path):
-    result = subprocess.run(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"),
-                             "train.itres=2"], env=_env(MAX_RESTARTS="3"), cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert "unknown key 'train.itres' (did you mean 'iters'?)" in result.stderr
-    assert "restart" not in result.stderr
+def test_a_config_error_ends_the_script_before_any_attempt(scripts):
+    returncode, stderr, _ = scripts["itres"]
+    assert returncode == 2
+    assert "unknown key 'train.itres' (did you mean 'iters'?)" in stderr
+    assert "restart" not in stderr
 
 
 # --------------------------------------------------------------------------------------------
-# checkpoint.load=auto and asynchronous saves (one spawned job of 2 ranks, then one more)
+# checkpoint.load=auto and asynchronous saves (a spawned job of 2 ranks, killed; then one more)
 # --------------------------------------------------------------------------------------------
 
 SAVES = TINY + ["parallel.pipeline=2", "model.dropout=0.1", "train.iters=6",
@@ -238,21 +259,23 @@ def killed_job(root: str) -> None:
     _trainer([f"checkpoint.dir={Path(root) / 'killed'}", "checkpoint.async_save=true"]).train()
 
 
-def resume_job(root: str) -> dict:
+def resume_and_async_jobs(root: str) -> dict:
+    """The killed job resumed, then async_job (apart from it: one spawn for both)."""
     trainer = _trainer([f"checkpoint.dir={Path(root) / 'killed'}", "checkpoint.load=auto"])
-    return {"start": trainer.iteration, "losses": [r["loss"] for r in trainer.train()]}
+    resumed = {"start": trainer.iteration, "losses": [r["loss"] for r in trainer.train()]}
+    return {**async_job(root), "resumed": resumed}
 
 
 @pytest.fixture(scope="module")
 def saves(tmp_path_factory):
     root = tmp_path_factory.mktemp("async")
-    out = run_on_ranks(2, async_job, str(root), timeout_s=240)[0]
     with pytest.raises(RankFailure) as died:
         run_on_ranks(2, killed_job, str(root), timeout_s=240)
     killed = root / "killed"
-    out.update(died=str(died.value), on_disk=sorted(p.name for p in killed.iterdir()),
+    out = dict(died=str(died.value), on_disk=sorted(p.name for p in killed.iterdir()),
                found=find_checkpoint(killed)[0].name, latest=(killed / "latest").read_text(),
-               resumed=run_on_ranks(2, resume_job, str(root), timeout_s=240)[0], root=root)
+               root=root)
+    out.update(run_on_ranks(2, resume_and_async_jobs, str(root), timeout_s=240)[0])
     return out
 
 

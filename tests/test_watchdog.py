@@ -21,6 +21,7 @@ import pytest
 from ptdp.runtime.progress import DeviceProgress, Label
 from ptdp.runtime.trace import NO_SPANS
 from ptdp.runtime.watchdog import Watchdog, is_communication_error
+from tools.jobs import pid_of_rank as _pid_of_rank   # (other tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -299,22 +300,6 @@ def test_a_slow_first_iteration_and_a_long_validation_do_not_end_a_healthy_job()
     histories = run_on_ranks(2, _slow_first_iteration_and_validation, timeout_s=60)
     assert [len(h) for h in histories] == [2, 2]
     assert all(record["valid_loss"] > 0 for record in (histories[0][1], histories[1][1]))
-
-
-def _pid_of_rank(rank: int, marker: str) -> int | None:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"PTDP_TEST_MARKER={marker}".encode() in env and f"RANK={rank}".encode() in env \
-                and b"TORCHELASTIC_RUN_ID" in b"\0".join(env):
-            cmdline = (entry / "cmdline").read_bytes()
-            if b"ptdp" in cmdline and b"torch.distributed.run" not in cmdline:
-                return int(entry.name)
-    return None
 
 
 def _continue_when_named(job, stopped: list, lines: list) -> None:

@@ -29,54 +29,40 @@ import time
 from pathlib import Path
 
 if __package__:      # python -m tools.attack_long_runs
-    from . import harness
+    from . import harness, jobs
 else:                # python tools/attack_long_runs.py
     import harness
+    import jobs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = jobs.ROOT
 CONFIG = str(ROOT / "configs/gpt_tiny.yaml")
-SCRIPT = str(ROOT / "tools/pretrain_gpt.sh")
+SCRIPT = str(jobs.SCRIPT)
 ITERS = 20
 RUN = ["parallel.pipeline=2", f"train.iters={ITERS}", "model.dropout=0.1", "train.timeout_s=60",
        "log.progress=false", "log.interval=1000"]
 SAVING = RUN + ["checkpoint.save_interval=5", "checkpoint.load=auto"]
 
 
-def env(**extra) -> dict:
-    out = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    out.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", NPROC="2",
-               PYTHON=sys.executable, **extra)
-    return out
-
-
-STARTED: list[subprocess.Popen] = []   # every job, each in its own session: stop_all ends them
-
-
-def _start(command: list[str], cwd: Path, **extra) -> subprocess.Popen:
-    job = subprocess.Popen(command, cwd=cwd, env=env(**extra), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    STARTED.append(job)
-    return job
+STARTED: list[subprocess.Popen] = []   # every job: stop_all ends it and what it started
 
 
 def torchrun(overrides: list[str], cwd: Path, **extra) -> subprocess.Popen:
-    return _start([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node", "2", "-m", "ptdp", "train", CONFIG, *overrides], cwd, **extra)
+    STARTED.append(jobs.start([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc-per-node", "2", "-m", "ptdp", "train", CONFIG, *overrides],
+                              cwd, **extra))
+    return STARTED[-1]
 
 
 def launch(overrides: list[str], cwd: Path, **extra) -> subprocess.Popen:
-    return _start(["bash", SCRIPT, CONFIG, *overrides], cwd, **extra)
+    STARTED.append(jobs.start(["bash", SCRIPT, CONFIG, *overrides], cwd, **extra))
+    return STARTED[-1]
 
 
 def stop_all() -> None:
     """End every job an attack left running (one that failed half-way), its workers too."""
     while STARTED:
         job = STARTED.pop()
-        for sig in (signal.SIGCONT, signal.SIGKILL):   # a frozen rank too
-            try:
-                os.killpg(job.pid, sig)
-            except ProcessLookupError:
-                pass
+        jobs.stop(job)
         job.communicate()
 
 
@@ -91,7 +77,7 @@ def finish(job: subprocess.Popen, timeout_s: float = 600) -> tuple[int, str]:
 
 
 def ptdp(*args: str, cwd: Path) -> tuple[int, list[str]]:
-    done = subprocess.run([sys.executable, "-m", "ptdp", *args], cwd=cwd, env=env(),
+    done = subprocess.run([sys.executable, "-m", "ptdp", *args], cwd=cwd, env=jobs.env(),
                           capture_output=True, text=True, timeout=300)
     return done.returncode, [line for line in done.stderr.splitlines() if line.strip()]
 
@@ -101,41 +87,10 @@ def records(metrics: Path) -> list[dict]:
         if metrics.exists() else []
 
 
-def wait_for_iteration(metrics: Path, job: subprocess.Popen, n: int, limit_s: float = 300):
+def wait_for_iteration(metrics: Path, job: subprocess.Popen, n: int) -> None:
     """Until the job has logged n iterations; raises if it ends or stalls first (the attack
     then counts as failed, and stop_all ends the job)."""
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline and job.poll() is None:
-        if len(records(metrics)) >= n:
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"the job never reached iteration {n} ({metrics})")
-
-
-def pids(marker: str, agent: bool) -> list[int]:
-    """The workers (or torchrun agents) of the job started with PTDP_TEST_MARKER=marker."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            environ = (entry / "environ").read_bytes()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if f"PTDP_TEST_MARKER={marker}".encode() in environ.split(b"\0") \
-                and (b"torch.distributed.run" in cmdline) == agent \
-                and b"ptdp\0train" in cmdline:   # (not the launch script, nor its checks)
-            found.append(int(entry.name))
-    return sorted(found)
-
-
-def worker_of_rank(marker: str, rank: int) -> int:
-    for pid in pids(marker, agent=False):
-        try:
-            if f"RANK={rank}".encode() in (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0"):
-                return pid
-        except OSError:
-            continue
-    raise RuntimeError(f"no worker of rank {rank} found")
+    jobs.wait_for_iteration(metrics, job, n, timeout=300)
 
 
 class Attack:
@@ -172,8 +127,8 @@ class Attack:
         job = launch(SAVING + [f"checkpoint.dir={folder / 'ck'}", f"log.metrics_file={folder / 'm.jsonl'}"],
                      folder, MAX_RESTARTS="1", PTDP_TEST_MARKER=marker)
         wait_for_iteration(folder / "m.jsonl", job, 8)
-        agents = pids(marker, agent=True)
-        workers = pids(marker, agent=False)
+        agents = jobs.trainers(marker, agent=True)
+        workers = jobs.trainers(marker)
         os.kill(agents[0], signal.SIGKILL)
         time.sleep(5)
         orphans = [p for p in workers if Path(f"/proc/{p}").exists()
@@ -191,7 +146,7 @@ class Attack:
                             f"checkpoint.dir={folder / 'ck'}", f"log.metrics_file={folder / 'm.jsonl'}"],
                      folder, MAX_RESTARTS="1", PTDP_TEST_MARKER=marker)
         wait_for_iteration(folder / "m.jsonl", job, 3)
-        os.kill(worker_of_rank(marker, 1), signal.SIGKILL)
+        os.kill(jobs.pid_of_rank(1, marker), signal.SIGKILL)
         return self._continued(folder, *finish(job))
 
     # 3 ----------------------------------------------------------------------------------------
@@ -253,17 +208,13 @@ class Attack:
                               f"checkpoint.dir={folder / 'ck'}", f"log.metrics_file={folder / 'm.jsonl'}"],
                        folder, PTDP_TEST_MARKER=marker)
         wait_for_iteration(folder / "m.jsonl", job, 4)
-        stopped = worker_of_rank(marker, 1)
+        stopped = jobs.pid_of_rank(1, marker)
         os.kill(stopped, signal.SIGSTOP)
         start = time.monotonic()
         try:
             code, out = finish(job, timeout_s=200)
         finally:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                try:
-                    os.kill(stopped, sig)
-                except ProcessLookupError:
-                    pass
+            jobs.send([stopped], signal.SIGCONT, signal.SIGKILL)
         elapsed = time.monotonic() - start
         ours = [line for line in out.splitlines() if line.startswith("ptdp train: rank(s) stopped")]
         ok = code != 0 and len(ours) == 1 and "rank 1 " in ours[0] and "last in iteration" in ours[0]
@@ -307,7 +258,7 @@ class Attack:
         job = torchrun(RUN + ["train.iters=100000", f"log.metrics_file={folder / 'm.jsonl'}"], folder,
                        PTDP_TEST_MARKER=marker)
         wait_for_iteration(folder / "m.jsonl", job, 3)
-        os.kill(worker_of_rank(marker, 1), signal.SIGKILL)
+        os.kill(jobs.pid_of_rank(1, marker), signal.SIGKILL)
         code, out = finish(job, timeout_s=200)
         ours = [line for line in out.splitlines() if line.startswith("ptdp train: ") and "rank" in line]
         return code != 0 and len(ours) == 1 and "rank 1" in ours[0], f"exit {code}: {ours[:2]}"

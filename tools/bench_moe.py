@@ -157,18 +157,14 @@ def forward_backward(module, x, grad):
 
 
 def time_alternating(cases: dict, x, steps: int, warmup: int) -> dict:
-    """{name: [seconds of each timed step]}: the cases' steps alternate, after `warmup` rounds."""
-    import time
+    """{name: [seconds of each timed step]}: the cases' steps alternate, after `warmup` rounds
+    (tools/harness.py's `alternating`)."""
     import torch
     grad = torch.ones_like(x)
-    seconds = {name: [] for name in cases}
-    for i in range(warmup + steps):
-        for name, module in cases.items():
-            start = time.perf_counter()
-            forward_backward(module, x, grad)
-            if i >= warmup:
-                seconds[name].append(time.perf_counter() - start)
-    return seconds
+    rounds = harness.alternating(
+        {name: lambda _, module=module: forward_backward(module, x, grad)
+         for name, module in cases.items()}, steps, warmup)
+    return {name: [laps[name].wall for laps in rounds] for name in cases}
 
 
 def _row(case: str, seconds: list[float], scale: float = 1.0, **extra) -> dict:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 import torch
 
@@ -51,12 +50,6 @@ def spread(values: list[float]) -> dict:
             "min": ordered[0], "max": ordered[-1], "rounds": values}
 
 
-def _timed(step, iteration: int) -> tuple[float, float, float]:
-    wall, cpu = time.perf_counter(), time.thread_time()
-    loss = step(iteration)
-    return time.perf_counter() - wall, time.thread_time() - cpu, loss
-
-
 def one_rank(args) -> dict:
     """ptdp's Trainer and the plain GPT in one process, one step of each per round."""
     argv = ["--device", "cpu", "--layers", str(args.layers), "--hidden", str(args.hidden),
@@ -69,16 +62,10 @@ def one_rank(args) -> dict:
         sides = [bench_gpu.PtdpRunner(opts, opts.shape, device),
                  PlainRunner(opts, opts.shape, device)]
         first = [side.step(0) for side in sides]
-        for i in range(1, args.warmup):
-            for side in sides:
-                side.step(i)
-        wall, cpu = [], []
-        for r in range(args.rounds):
-            order = sides if r % 2 == 0 else sides[::-1]
-            timed = {id(side): _timed(side.step, args.warmup + r) for side in order}
-            ours, ref = timed[id(sides[0])], timed[id(sides[1])]
-            wall.append(ref[0] / ours[0])
-            cpu.append(ref[1] / ours[1])
+        rounds = harness.alternating({"ptdp": sides[0].step, "plain": sides[1].step},
+                                     args.rounds, warmup=args.warmup - 1, swap=True, first=1)
+    wall = [laps["plain"].wall / laps["ptdp"].wall for laps in rounds]
+    cpu = [laps["plain"].cpu / laps["ptdp"].cpu for laps in rounds]
     return {"what": "ptdp tokens/s over plain PyTorch's (one rank)", "wall": spread(wall),
             "cpu": spread(cpu), "first_loss": first, "vocab": opts.shape["vocab"],
             "heads": opts.shape["heads"]}

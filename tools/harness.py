@@ -1,5 +1,5 @@
-"""What the benchmarks in tools/ share: timing steps, a world of one rank, the JSON they write and
-the tables they print. Local multi-rank jobs are ptdp's own (ptdp/runtime/local_ranks.py).
+"""What the benchmarks in tools/ share: timing steps (alone, or sides alternating per round), a
+world of one rank, the JSON they write and the tables they print. Local multi-rank jobs are ptdp's own (ptdp/runtime/local_ranks.py).
 
 The tools import the installed `ptdp` and this module as a sibling: `python tools/bench_x.py`
 puts tools/ first on sys.path, where `import harness` finds it; `python -m tools.bench_x` (from
@@ -72,6 +72,38 @@ def time_steps(step, steps: int, warmup: int = 0, device=None) -> Timings:
         if i >= warmup:
             seconds.append(elapsed)
     return Timings(seconds, results)
+
+
+@dataclass
+class Lap:
+    """One side's timed call in a round of `alternating`."""
+    wall: float      # seconds by the host's clock
+    cpu: float       # seconds of this thread's CPU time (without what other processes took)
+    result: object   # what the call returned
+
+
+def alternating(sides: dict, rounds: int, warmup: int = 0, swap: bool = False,
+                first: int = 0) -> list[dict]:
+    """Time `step(i)` of each side once per round, the sides one after the other, so that a
+    machine whose load drifts (a shared one) slows every side of a round alike: `warmup`
+    untimed rounds, then `rounds` timed ones; i counts the rounds from `first`. `swap`: every
+    other timed round runs the sides in reverse order, so that neither always goes first.
+
+    `sides` is {name: step}; returns the timed rounds, each {name: Lap}."""
+    names = list(sides)
+    for i in range(warmup):
+        for name in names:
+            sides[name](first + i)
+    timed = []
+    for r in range(rounds):
+        order = names[::-1] if swap and r % 2 else names
+        laps = {}
+        for name in order:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            result = sides[name](first + warmup + r)
+            laps[name] = Lap(time.perf_counter() - wall, time.thread_time() - cpu, result)
+        timed.append({name: laps[name] for name in names})
+    return timed
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,13 +16,16 @@ from tests.equivalence import TINY
 M = 8
 
 
-def _traced_run(path: str, overrides: list[str]) -> None:
+def _traced_runs(runs: dict) -> None:
+    """Each {trace path: overrides} in turn (one spawn for all)."""
     from ptdp.config import load_config
     from ptdp.training import Trainer
-    cfg = load_config(None, TINY + overrides + ["train.iters=4", f"log.trace_file={path}",
-                                                "log.interval=100", "train.global_batch_size=16"],
-                      world_size=dist.get_world_size())
-    Trainer(cfg).train()
+    for path, overrides in runs.items():
+        cfg = load_config(None, TINY + overrides + ["train.iters=4", f"log.trace_file={path}",
+                                                    "log.interval=100",
+                                                    "train.global_batch_size=16"],
+                          world_size=dist.get_world_size())
+        Trainer(cfg).train()
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +33,8 @@ def traces(tmp_path_factory):
     root = tmp_path_factory.mktemp("traces")
     runs = {"1f1b": ["parallel.pipeline=4"],
             "interleaved": ["parallel.pipeline=4", "parallel.chunks=2", "schedule.name=interleaved"]}
-    for name, overrides in runs.items():
-        run_on_ranks(4, _traced_run, str(root / f"{name}.json"), overrides, timeout_s=180)
+    run_on_ranks(4, _traced_runs, {str(root / f"{name}.json"): overrides
+                                   for name, overrides in runs.items()}, timeout_s=240)
     return root
 
 

@@ -1,21 +1,43 @@
-"""Shared fixtures and helpers: hardware profiles, `ptdp plan` in process, model YAML files."""
+"""Shared fixtures and helpers: hardware profiles, `ptdp plan` in process, model YAML files,
+searches answered once."""
 
 import argparse
 import dataclasses
+import inspect
 
 import pytest
 import yaml
 
 from ptdp.commands import plan as plan_command
 from ptdp.hardware import load_hardware
+from ptdp.planner.search import SearchResult, search
+
+_ANSWERS: dict = {}
+
+
+def searched(*args, **kwargs) -> SearchResult:
+    """`search`, each distinct question asked once in the session: the pure-Python search over
+    1,024 GPUs takes seconds, and GPT-3 on 128 A100 nodes is asked by several tests and by
+    `ptdp plan` in several more (the answers are read, never changed)."""
+    bound = inspect.signature(search).bind(*args, **kwargs)
+    bound.apply_defaults()
+    bound.arguments["fixed"] = bound.arguments["fixed"] or {}   # None and {}: the same
+    key = repr(sorted(bound.arguments.items()))
+    if key not in _ANSWERS:
+        _ANSWERS[key] = search(*args, **kwargs)
+    return _ANSWERS[key]
 
 
 def plan(argv: list[str]) -> int:
-    """`ptdp plan ARGV` in this process; its exit code."""
+    """`ptdp plan ARGV` in this process (its search through `searched`); its exit code."""
     parser = argparse.ArgumentParser()
     plan_command.register(parser.add_subparsers())
     args = parser.parse_args(["plan"] + argv)
-    return args.func(args)
+    real, plan_command.search = plan_command.search, searched
+    try:
+        return args.func(args)
+    finally:
+        plan_command.search = real
 
 
 @pytest.fixture

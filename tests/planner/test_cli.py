@@ -1,7 +1,8 @@
 """`ptdp plan` end to end: table, JSON, --write-config, and clear errors with exit code 2."""
 
+import contextlib
+import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,9 @@ import pytest
 import yaml
 
 from ptdp.config import load_config
+from ptdp.runtime.local_ranks import free_port
 from tests.planner.conftest import plan
+from tools import jobs
 
 GPT3 = {"model": {"arch": "gpt", "num_layers": 96, "hidden_size": 12288, "num_heads": 96,
                   "seq_length": 2048, "vocab_size": 51200}}
@@ -125,40 +128,53 @@ def _small_model(tmp_path, iters: int) -> Path:
 CPU_LOCAL = str(Path(__file__).resolve().parents[2] / "configs" / "hardware" / "cpu-local.yaml")
 
 
-def _train_written(config: Path, ranks: int, tmp_path) -> list[int]:
-    """`ptdp train CONFIG` under torchrun as a user would run a written plan: the iterations
-    it logged."""
-    from ptdp.runtime.local_ranks import free_port
-    metrics = tmp_path / "metrics.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           str(ranks), "--master-port", str(free_port()), "-m", "ptdp", "train",
-                           str(config), f"log.metrics_file={metrics}"],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return [json.loads(line)["iter"] for line in metrics.read_text().splitlines()]
+# name -> (iterations, ranks, `ptdp plan` arguments after the model and the profile)
+WRITTEN = {"2bw": (3, 2, ["--gpus", "2", "--allow-2bw"]),
+           "zb-h1 sp": (2, 4, ["--gpus", "4", "--fix", "p=2,t=2,schedule=zb-h1"])}
 
 
-def test_allow_2bw_writes_a_layout_ptdp_train_runs_unchanged(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """Each of WRITTEN planned by `ptdp plan --write-config`, then the written YAML trained by
+    `ptdp train` under torchrun as a user would run it, both trainings at once (they are mostly
+    interpreter start-ups): {name: (the plan's table, the YAML, the iterations logged)}."""
+    out, started = {}, {}
+    try:
+        for name, (iters, ranks, argv) in WRITTEN.items():
+            folder = tmp_path_factory.mktemp("written")
+            config, table = folder / "plan.yaml", io.StringIO()
+            with contextlib.redirect_stdout(table):
+                assert plan([str(_small_model(folder, iters)), "--hardware", CPU_LOCAL, *argv,
+                             "--write-config", str(config)]) == 0
+            out[name] = (table.getvalue(), yaml.safe_load(config.read_text()))
+            metrics = folder / "metrics.jsonl"
+            started[name] = metrics, jobs.start([
+                sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                "--master-port", str(free_port()), "-m", "ptdp", "train", str(config),
+                f"log.metrics_file={metrics}"], folder)
+        for name, (metrics, job) in started.items():
+            output, _ = job.communicate(timeout=300)
+            assert job.returncode == 0, output[-5000:]
+            out[name] += ([json.loads(line)["iter"] for line in metrics.read_text().splitlines()],)
+    finally:
+        for _, job in started.values():
+            jobs.stop(job)
+    return out
+
+
+def test_allow_2bw_writes_a_layout_ptdp_train_runs_unchanged(written):
     """On two CPU ranks the measured profile makes 2BW (no flush) the best layout; the written
     config trains under torchrun as it is, one metrics record per iteration."""
-    out_yaml = tmp_path / "plan.yaml"
-    assert plan([str(_small_model(tmp_path, 3)), "--hardware", CPU_LOCAL, "--gpus", "2",
-                 "--allow-2bw", "--write-config", str(out_yaml)]) == 0
-    assert "2bw" in capsys.readouterr().out
-    written = yaml.safe_load(out_yaml.read_text())
-    assert written["schedule"]["name"] == "2bw" and written["parallel"]["pipeline"] == 2
-    assert _train_written(out_yaml, 2, tmp_path) == [1, 2, 3]
+    table, config, iterations = written["2bw"]
+    assert "2bw" in table
+    assert config["schedule"]["name"] == "2bw" and config["parallel"]["pipeline"] == 2
+    assert iterations == [1, 2, 3]
 
 
-def test_plan_writes_sequence_parallel_and_zero_bubble_that_train_runs(tmp_path, capsys):
+def test_plan_writes_sequence_parallel_and_zero_bubble_that_train_runs(written):
     """With p = t = 2 and zb-h1 fixed on four CPU ranks (on two cores the bubble costs no
     time, so the planner alone would not split the backward), the plan adds sequence
     parallelism (no extra time, less memory); `ptdp train` runs the written YAML."""
-    out_yaml = tmp_path / "plan.yaml"
-    assert plan([str(_small_model(tmp_path, 2)), "--hardware", CPU_LOCAL, "--gpus", "4",
-                 "--fix", "p=2,t=2,schedule=zb-h1", "--write-config", str(out_yaml)]) == 0
-    capsys.readouterr()
-    written = yaml.safe_load(out_yaml.read_text())
-    assert written["schedule"]["name"] == "zb-h1" and written["parallel"]["sequence_parallel"]
-    assert _train_written(out_yaml, 4, tmp_path) == [1, 2]
+    _, config, iterations = written["zb-h1 sp"]
+    assert config["schedule"]["name"] == "zb-h1" and config["parallel"]["sequence_parallel"]
+    assert iterations == [1, 2]

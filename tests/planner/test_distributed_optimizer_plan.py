@@ -1,6 +1,5 @@
 """The planner and the distributed optimizer: memory term, time model, search flag, config."""
 
-
 import pytest
 import yaml
 
@@ -8,8 +7,7 @@ from ptdp.config import ModelConfig, load_config
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.cost_model import Layout, Workload, predict
 from ptdp.planner.memory import gpu_memory, optimizer_state_bytes
-from ptdp.planner.search import search
-from tests.planner.conftest import plan
+from tests.planner.conftest import plan, searched
 
 GPT3 = ModelConfig(arch="gpt", num_layers=96, hidden_size=12288, num_heads=96, seq_length=2048,
                    vocab_size=51200)
@@ -51,9 +49,9 @@ def test_time_model_splits_the_all_reduce_and_shards_the_step(a100, work):
 
 
 def test_search_considers_it_only_when_asked(a100, work):
-    plain = search(a100, work, 1024)
+    plain = searched(a100, work, 1024)
     assert not any(p.layout.distributed_optimizer for p in plain.ranked)
-    allowed = search(a100, work, 1024, distributed_optimizer=True)
+    allowed = searched(a100, work, 1024, distributed_optimizer=True)
     assert allowed.best.layout.distributed_optimizer
     assert allowed.best.step_time_s < plain.best.step_time_s
     assert not any(p.layout.distributed_optimizer and (p.layout.data == 1 or p.layout.schedule == "2bw")
