@@ -148,7 +148,8 @@ def test_why_slower_names_the_cause(a100):
 def test_search_over_3072_gpus_takes_seconds(a100):
     start = time.perf_counter()   # the search itself, never an answer kept from before
     result = search(a100, Workload(GPT_1T, 3072, "bf16", a100.gpus_per_node), 3072,
-                    {"sequence_parallel": False}, **SOURCE_ONLY)
+                    {"sequence_parallel": False, "recompute_modules": ("core_attn",)},
+                    **SOURCE_ONLY)
     elapsed = time.perf_counter() - start
     assert elapsed < 10, f"search took {elapsed:.1f} s"
     best = result.best.layout
