@@ -42,8 +42,10 @@ def _bias_gated(x: torch.Tensor, bias: torch.Tensor | None, gate) -> torch.Tenso
     """gate(g) * up of x + bias, whose last dimension alternates gate and up columns
     (models/transformer.py ParallelMLP): [..., 2f] -> [..., f]. Overwrites `x`."""
     x = x if bias is None else x.add_(bias)
-    pairs = x.unflatten(-1, (-1, 2))
-    return gate(pairs[..., 0]) * pairs[..., 1]
+    # unbind, not two selects: its backward stacks both gradients into one tensor, where each
+    # select's would zero-fill a full-width gradient for autograd to sum (bit-identical, faster)
+    g, up = x.unflatten(-1, (-1, 2)).unbind(-1)
+    return gate(g) * up
 
 
 def bias_swiglu(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
