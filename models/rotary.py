@@ -65,6 +65,8 @@ class RotaryEmbedding(nn.Module):
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [b, heads, s, d] rotated by the tables [s, d] (cast to x's precision, as HF does)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    # chunk, not two slices: its backward concatenates the halves' gradients, where each
+    # slice's would zero-fill a full-size gradient for autograd to sum (bit-identical, faster)
+    first, second = x.chunk(2, dim=-1)
+    rotated_half = torch.cat([-second, first], dim=-1)
     return x * cos + rotated_half * sin
