@@ -22,7 +22,8 @@ from ptdp.checkpoint.layout import iteration_dir_name
 from ptdp.checkpoint.retention import prune, protect, sweep_leftovers
 from ptdp.runtime.local_ranks import run_on_ranks
 from tests.equivalence import TINY
-from tests.test_restart import FAKE_TORCHRUN, SCRIPT, ROOT, _env
+from tests.test_restart import FAKE_TORCHRUN
+from tools.jobs import ROOT, SCRIPT, env as _env
 
 JOB = TINY + ["parallel.pipeline=2", "checkpoint.save_interval=2", "log.progress=false"]
 

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from ptdp.metrics.log import read_metrics
 from ptdp.runtime.joblock import wait_until_free
 from ptdp.runtime.local_ranks import run_on_ranks
-from tests.test_restart import ROOT, SCRIPT, _env, _wait_for_iteration
-from tests.test_watchdog import _pid_of_rank
+from tools.jobs import ROOT, SCRIPT, env as _env, wait_for_iteration as _wait_for_iteration
+from tools.jobs import pid_of_rank as _pid_of_rank
 
 ITERS = 30
 JOB = ["parallel.pipeline=2", f"train.iters={ITERS}", "checkpoint.save_interval=10",

@@ -8,31 +8,26 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import uuid
 
-from tests.test_restart import ROOT, _env, _wait_for_iteration
-from tests.test_watchdog import _pid_of_rank
+from tools import jobs
+from tools.jobs import ROOT
 
 
 def test_a_killed_rank_is_named_once_by_ptdp(tmp_path):
-    marker, metrics = uuid.uuid4().hex, tmp_path / "metrics.jsonl"
+    metrics = tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "ptdp", "train", str(ROOT / "configs/gpt_tiny.yaml"), "parallel.pipeline=2",
            "train.iters=100000", "log.interval=1000", f"log.metrics_file={metrics}",
            "log.progress=false"]
-    job = subprocess.Popen(cmd, cwd=tmp_path, env=_env(PTDP_TEST_MARKER=marker),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = jobs.start(cmd, tmp_path)
     try:
-        _wait_for_iteration(metrics, job, 3)
-        killed = _pid_of_rank(1, marker)
-        assert killed, "rank 1 not found"
+        jobs.wait_for_iteration(metrics, job, 3)
+        killed = jobs.pid_of_rank(1, job.marker)
         os.kill(killed, signal.SIGKILL)
         out, _ = job.communicate(timeout=120)
     finally:
-        if job.poll() is None:
-            job.kill()
+        jobs.stop(job)   # the other worker too, whatever happened
     ours = [line for line in out.splitlines() if line.startswith("ptdp train: ")]
     assert job.returncode != 0
     assert len(ours) == 1, out[-3000:]

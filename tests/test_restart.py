@@ -32,7 +32,6 @@ from ptdp.runtime.local_ranks import RankFailure, run_on_ranks
 from tests.equivalence import TINY
 from tests.test_watchdog import _continue_when_named
 from tools import jobs
-# (other tests import these from here)
 from tools.jobs import ROOT, SCRIPT, env as _env, wait_for_iteration as _wait_for_iteration
 
 ITERS = 40

@@ -9,11 +9,9 @@ the job ends, non-zero, naming it.
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ import pytest
 from ptdp.runtime.progress import DeviceProgress, Label
 from ptdp.runtime.trace import NO_SPANS
 from ptdp.runtime.watchdog import Watchdog, is_communication_error
-from tools.jobs import pid_of_rank as _pid_of_rank   # (other tests import it from here)
+from tools import jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -310,38 +308,20 @@ def _continue_when_named(job, stopped: list, lines: list) -> None:
     for line in job.stdout:
         lines.append(line.rstrip("\n"))
         if line.startswith("ptdp train: rank(s) stopped making progress"):
-            _signal(stopped, signal.SIGCONT)
-
-
-def _signal(pids: list, *signals) -> None:
-    """Send each signal to each pid that is still there."""
-    for pid in pids:
-        for sig in signals:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+            jobs.send(stopped, signal.SIGCONT)
 
 
 def test_sigstop_on_one_of_4_ranks_ends_the_job_naming_it(tmp_path):
-    marker, metrics = uuid.uuid4().hex, tmp_path / "metrics.jsonl"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PYTHONPATH=str(ROOT), PTDP_TEST_MARKER=marker, OMP_NUM_THREADS="1")
+    metrics = tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "-m", "ptdp", "train", str(ROOT / "configs/gpt_tiny.yaml"), "parallel.pipeline=2",
            "parallel.tensor=2", "train.iters=100000", "train.timeout_s=6", "log.interval=1000",
            f"log.metrics_file={metrics}", "log.progress=false"]
-    job = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-    stopped, lines, reader = None, [], None
+    job = jobs.start(cmd, tmp_path)
+    lines, reader = [], None
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and job.poll() is None:
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
-                break
-            time.sleep(0.5)
-        stopped = _pid_of_rank(3, marker)
-        assert stopped, "rank 3 not found"
+        jobs.wait_for_iteration(metrics, job, 3)
+        stopped = jobs.pid_of_rank(3, job.marker)
         reader = threading.Thread(target=_continue_when_named, args=(job, [stopped], lines),
                                   daemon=True)
         reader.start()
@@ -351,9 +331,7 @@ def test_sigstop_on_one_of_4_ranks_ends_the_job_naming_it(tmp_path):
         elapsed = time.monotonic() - start
         reader.join(timeout=10)
     finally:
-        _signal([stopped] if stopped else [], signal.SIGCONT, signal.SIGKILL)
-        if job.poll() is None:
-            job.kill()
+        jobs.stop(job)   # the workers too, whatever happened
     out = "\n".join(lines)
     ours = [line for line in lines if line.startswith("ptdp train: ")]
     assert job.returncode != 0
