@@ -139,8 +139,9 @@ ARGS: tuple[Arg, ...] = (
     Arg("--openai-gelu", None, IGNORED,
         ignore("megatron-core's GPT ignores it (Megatron-LM's legacy models only): its GeLU "
                "follows --bias-gelu-fusion"), nargs=0),
-    Arg("--squared-relu", None, REFUSED, refuse("ptdp has GeLU and SwiGLU"), nargs=0, model=True),
-    Arg("--quick-geglu", None, REFUSED, refuse("ptdp has GeLU and SwiGLU"), nargs=0, model=True),
+    Arg("--squared-relu", None, REFUSED, refuse("ptdp has GeLU, SwiGLU and GeGLU"), nargs=0, model=True),
+    Arg("--quick-geglu", None, REFUSED, refuse("ptdp's GeGLU gates with the tanh GeLU, not "
+                                                        "the quick (sigmoid) GeLU"), nargs=0, model=True),
     Arg("--disable-bias-linear", "model.bias", EXACT, const(False), nargs=0),
     Arg("--add-qkv-bias", "model.qkv_bias", EXACT, const(True), nargs=0),
     Arg("--untie-embeddings-and-output-weights", "model.tie_embeddings", EXACT,

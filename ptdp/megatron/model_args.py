@@ -174,6 +174,8 @@ def refuse_for_megatron(cfg: ModelConfig) -> None:
     require(cfg.activation != "gelu_tanh" or cfg.bias,
             "model.activation=gelu_tanh without biases: megatron-core computes the tanh GeLU "
             "only fused with the MLP's bias (--bias-gelu-fusion)")
+    require(cfg.activation != "geglu", "model.activation=geglu: megatron-core's gated MLP is "
+                                        "SwiGLU (--swiglu); it has no GeGLU")
     require(not cfg.qk_norm, "model.qk_norm=true: the converter does not write Megatron's "
                              "q_layernorm/k_layernorm weights yet (--qk-layernorm)")
     require(not cfg.scale_embeddings, "model.scale_embeddings=true: Megatron-LM's GPT has no "
@@ -224,7 +226,7 @@ def megatron_args(cfg: ModelConfig, split: dict, padded_vocab: int, progress: di
         rope_scaling_factor=cfg.rope_scaling_factor if scaled else 8.0,
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm",
         layernorm_epsilon=cfg.layernorm_eps, apply_layernorm_1p=cfg.norm_zero_centered,
-        swiglu=cfg.gated, squared_relu=False, openai_gelu=False,
+        swiglu=cfg.activation == "swiglu", squared_relu=False, openai_gelu=False,
         # Megatron-LM's default: its fused bias-GeLU is the tanh GeLU; off, the exact one
         bias_gelu_fusion=cfg.activation == "gelu_tanh",
         add_bias_linear=cfg.bias, add_qkv_bias=cfg.qkv_bias,

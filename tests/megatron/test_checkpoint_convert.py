@@ -479,3 +479,18 @@ def test_zero_centred_norm_and_tanh_gelu_convert_exactly(megatron, tmp_path):
     fresh = mc.build_gpt(args, seed=99)
     mc.load_legacy_into(fresh, info["directory"])
     _close(mc.gpt_logits(fresh, TOKENS), reference)
+
+
+@pytest.mark.parametrize("activation, refused", [("swiglu", None), ("geglu", "geglu")])
+def test_only_swiglu_is_written_as_megatrons_gated_mlp(activation, refused):
+    """megatron-core's gated MLP is SwiGLU: a GeGLU model would silently change there."""
+    from ptdp.config import ModelConfig
+    from ptdp.megatron.model_args import refuse_for_megatron
+    from ptdp.megatron.names import MegatronConversionError
+    cfg = ModelConfig(preset="llama", num_layers=2, hidden_size=32, num_heads=4, seq_length=8,
+                      vocab_size=64, activation=activation)
+    if refused is None:
+        refuse_for_megatron(cfg)
+        return
+    with pytest.raises(MegatronConversionError, match="model.activation=geglu"):
+        refuse_for_megatron(cfg)
