@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import torch.distributed as dist
@@ -25,8 +24,8 @@ import torch.distributed as dist
 from ptdp.metrics.log import read_metrics
 from ptdp.runtime.joblock import wait_until_free
 from ptdp.runtime.local_ranks import run_on_ranks
-from tools.jobs import ROOT, SCRIPT, env as _env, wait_for_iteration as _wait_for_iteration
-from tools.jobs import pid_of_rank as _pid_of_rank
+from tools import jobs
+from tools.jobs import ROOT, SCRIPT, env as _env
 
 ITERS = 30
 JOB = ["parallel.pipeline=2", f"train.iters={ITERS}", "checkpoint.save_interval=10",
@@ -57,20 +56,6 @@ def uninterrupted_losses() -> list[float]:
                         timeout_s=180)[0]
 
 
-def _agent_pid(script_pid: int) -> int | None:
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == script_pid and b"torch.distributed.run" in cmdline:
-            return int(entry.name)
-    return None
-
-
 def _gone(pid: int, within_s: float) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -88,23 +73,20 @@ def _gone(pid: int, within_s: float) -> bool:
 
 
 def test_a_killed_agent_takes_its_workers_and_the_restart_loses_nothing(tmp_path):
-    metrics, marker = tmp_path / "metrics.jsonl", uuid.uuid4().hex
+    metrics = tmp_path / "metrics.jsonl"
     overrides = JOB + [f"checkpoint.dir={tmp_path / 'ck'}", f"log.metrics_file={metrics}"]
     reference = uninterrupted_losses()
-    job = subprocess.Popen(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), *overrides],
-                           cwd=tmp_path, env=_env(MAX_RESTARTS="1", PTDP_TEST_MARKER=marker),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = jobs.start(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), *overrides],
+                     tmp_path, MAX_RESTARTS="1")
     try:
-        _wait_for_iteration(metrics, job, 12)
-        workers = [_pid_of_rank(rank, marker) for rank in (0, 1)]
-        agent = _agent_pid(job.pid)
-        assert agent is not None and None not in workers
+        jobs.wait_for_iteration(metrics, job, 12)
+        workers = [jobs.pid_of_rank(rank, job.marker) for rank in (0, 1)]
+        [agent] = jobs.trainers(job.marker, agent=True)
         os.kill(agent, signal.SIGKILL)
         assert all(_gone(pid, 10) for pid in workers)   # no orphan trains on
         output, _ = job.communicate(timeout=300)
     finally:
-        if job.poll() is None:
-            job.kill()
+        jobs.stop(job)   # whatever happened: the workers too
     assert job.returncode == 0, output[-3000:]
     records = read_metrics(metrics)
     assert [r["iter"] for r in records] == list(range(1, ITERS + 1))

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tools import harness, jobs
 
 
@@ -45,10 +47,12 @@ def _alive(pid: int) -> bool:
 
 def test_stop_ends_the_job_and_its_workers_in_their_own_sessions(tmp_path):
     job = jobs.start([sys.executable, "-c", LAUNCHER], tmp_path)
-    worker = int(job.stdout.readline())
-    assert os.getsid(worker) != os.getsid(job.pid)   # beyond the job's group and session
-    assert jobs.processes(job.marker) == sorted([job.pid, worker])
-    jobs.stop(job)
+    try:
+        worker = int(job.stdout.readline())
+        assert os.getsid(worker) != os.getsid(job.pid)   # beyond the job's group and session
+        assert jobs.processes(job.marker) == sorted([job.pid, worker])
+    finally:
+        jobs.stop(job)
     deadline = time.monotonic() + 10
     while _alive(worker) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -63,9 +67,5 @@ def test_iterations_are_the_metrics_lines_and_a_job_that_ends_first_fails_the_wa
     assert jobs.count_iterations(metrics) == 2
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
-    try:
+    with pytest.raises(AssertionError, match="did not reach iteration 3"):
         jobs.wait_for_iteration(metrics, ended, 3, timeout=5)
-    except AssertionError as err:
-        assert "did not reach iteration 3" in str(err)
-    else:
-        raise AssertionError("the wait did not fail")
