@@ -9,7 +9,8 @@ The names are Megatron-LM's `--recompute-modules` where it has them:
 * `layernorm`: the two pre-norms; their outputs (the QKV and fc1 inputs, 2sbh) are rebuilt from
   the norms' inputs when backward needs them. With sequence parallelism the linears keep their
   all-gathered inputs instead, so it would save nothing: refused;
-* `activation`: the MLP's GeLU, SwiGLU or GeGLU (Megatron's `moe_act` for experts); its output,
+* `activation`: the dense MLP's (and shared experts') GeLU, SwiGLU or GeGLU, not the routed
+  experts' (Megatron's `moe_act`); its output,
   fc2's input (sbf/t), is rebuilt from its input, which it keeps anyway;
 * `mlp`: the whole dense MLP (fc1, activation, fc2 and fc2's all-reduce re-run in backward),
   keeping only its input. Not for models with experts (their layers have no dense MLP).

@@ -31,6 +31,12 @@ def recompute_modules(value, given):
             raise Unmapped(REFUSED, f"{name}: {REFUSED_MODULES[name]}")
         if name not in SAME:
             raise Unmapped(REFUSED, f"{name!r} is no module of Megatron's --recompute-modules")
+    # what train.recompute_modules refuses (ptdp/config/recompute.py), refused here first
+    if "layernorm" in modules and "--sequence-parallel" in given:
+        raise Unmapped(REFUSED, "layernorm with --sequence-parallel: ptdp's linears keep their "
+                                "all-gathered inputs, so recomputing the norms saves nothing")
+    if "mlp" in modules and int(given.get("--num-experts") or 0) > 0:
+        raise Unmapped(REFUSED, "mlp with --num-experts: ptdp recomputes the dense MLP only")
     return modules
 
 

@@ -58,13 +58,13 @@ class _Bucket:
         if self.in_place is not None:   # the flat buffer's slice (and this rank's shard of it)
             into = self.shard if self.shard is not None else self.in_place
             sent = self._cast(self.in_place)
-            received = into if sent is self.in_place else sent.new_empty(into.shape)
-            self.wire = (sent, received, into)   # alive until the collective is done
             if self.shard is not None:
+                received = into if sent is self.in_place else sent.new_empty(into.shape)
                 self.work = dist.reduce_scatter_single(received, sent, group=group, async_op=True)
-            else:
+            else:   # summed in place on the wire tensor
+                received = sent
                 self.work = dist.all_reduce(sent, group=group, async_op=True)
-                self.wire = (sent, sent, into)
+            self.wire = (sent, received, into)   # alive until the collective is done
             return
         grads = [grad_of(p) for p in self.params]
         grads = [g if g is not None else torch.zeros_like(p, dtype=torch.float32)

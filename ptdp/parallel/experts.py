@@ -242,7 +242,7 @@ def _weight_grads(grads: list[torch.Tensor], x: torch.Tensor, groups: Groups) ->
 class _GroupedLinear(torch.autograd.Function):
     """x [R, in] -> `halves` tensors [R, out / halves]: rows of expert i times each row set of
     weights[i] (transposed). With a queue, the weights enter detached and their gradients go
-    to `queue.collect` (as ptdp/parallel/weight_grad.py's `_Linear`); without one they are
+    to `queue.collect` (as ptdp/parallel/weight_grad.py's deferred linear does); without one they are
     returned to autograd."""
 
     @staticmethod

@@ -297,8 +297,8 @@ def layer_parameter_split(shape: ModelShape) -> tuple[int, int]:
 
     QKV h*(h_q + 2*h_kv) (+ h_q + 2*h_kv biases with qkv_bias), projection h_q*h (+ h), fc1
     h*(1+g)*f (+ (1+g)*f), fc2 f*h (+ h), two norms of n*h each (n = 2 for LayerNorm's weight
-    and bias, 1 for RMSNorm's gain), and with QK-norm two of n*d (one for every query head, one
-    for every key head). The dissertation's block: 12h^2 + 13h, Eq. 4.3's layer."""
+    and bias, 1 for RMSNorm's gain), and with QK-norm two norms of n*d (one shared by the query heads,
+    one by the key heads). The dissertation's block: 12h^2 + 13h, Eq. 4.3's layer."""
     h, f, g = shape.hidden, shape.ffn, shape.gated
     qkv = shape.q_hidden + 2 * shape.kv_hidden
     split = (h * qkv + (qkv if shape.qkv_bias else 0) + shape.q_hidden * h

@@ -38,7 +38,7 @@ With sequence parallelism the norms' inputs and the dropout masks are split by t
 (Megatron-LM re-gathers them in backward instead), so they stay whole.
 Recompute "full" keeps only each layer's input (sbh elements; checkpoints every layer, §4.3.5
 "every 1 or 2 layers"). Recompute "selective" keeps what "none" keeps less what its modules
-rebuild in backward (ptdp/config/recompute.py, `selective_saving`): core_attn the scores (a
+rebuild in backward (`selective_saving` below; the modules: ptdp/config/recompute.py): core_attn the scores (a
 materialized kernel) or the fp32 log-sum-exp (flash: its output is the projection's input, a
 view of the same storage, so it stays; the "none" count above holds that output twice, as
 calibrated); layernorm the QKV and fc1 inputs 2sbh (nothing with sequence parallelism);

@@ -197,6 +197,13 @@ def test_megatrons_defaults_are_written_where_they_differ_from_ptdps():
     (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "attn"],
      "refused: --recompute-modules core_attn attn: 'attn' is no module of Megatron's "
      "--recompute-modules"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "layernorm",
+      "--sequence-parallel"], "refused: --recompute-modules layernorm: layernorm with "
+     "--sequence-parallel: ptdp's linears keep their all-gathered inputs, so recomputing the "
+     "norms saves nothing"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mlp", "--num-experts", "4"],
+     "refused: --recompute-modules mlp: mlp with --num-experts: ptdp recomputes the dense MLP "
+     "only"),
     (["--recompute-granularity", "full", "--recompute-modules", "mlp"], "ignored: "
      "--recompute-modules mlp: Megatron uses it only with --recompute-granularity selective"),
     (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/d/v.json", "--merge-file",
