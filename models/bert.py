@@ -12,7 +12,7 @@ from ptdp.models.embedding import logits
 from ptdp.models.norms import layer_norm
 from ptdp.models.transformer import ModelContext
 from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
-from ptdp.parallel.layers import full_normal, shard_param
+from ptdp.parallel.layers import normal_param, shard_param
 from ptdp.parallel.roles import declare_role
 from ptdp.parallel.sequence import gather_from_sequence_region
 from ptdp.parallel.weight_grad import PLAIN
@@ -25,8 +25,8 @@ class Linear(nn.Module):
 
     def __init__(self, ctx: ModelContext, n_in: int, n_out: int, key: str):
         super().__init__()
-        self.weight = shard_param(full_normal((n_out, n_in), ctx.model.init_std, ctx.seed,
-                                              f"{key}.weight"), None, ctx.tp)
+        self.weight = normal_param((n_out, n_in), ctx.model.init_std, ctx.seed, f"{key}.weight",
+                                   None, ctx.tp)
         self.bias = nn.Parameter(torch.zeros(n_out))
 
     def forward(self, x):

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ptdp.models.transformer import ModelContext, _sequence_parallel_dropout
-from ptdp.parallel.layers import VocabParallelEmbedding, full_normal, parallel_logits, shard_param
+from ptdp.parallel.layers import VocabParallelEmbedding, normal_param, parallel_logits
 from ptdp.parallel.roles import declare_role
 from ptdp.parallel.sequence import mark_sequence_parallel, sequence_shard
 from ptdp.parallel.weight_grad import PLAIN, WeightOps
@@ -43,8 +43,8 @@ class Embedding(nn.Module):
         super().__init__()
         cfg = ctx.model
         self.word = word_embedding(ctx)
-        replicated = lambda shape, key: mark_sequence_parallel(shard_param(  # noqa: E731
-            full_normal(shape, cfg.init_std, ctx.seed, key), None, ctx.tp), ctx.tp)
+        replicated = lambda shape, key: mark_sequence_parallel(  # noqa: E731
+            normal_param(shape, cfg.init_std, ctx.seed, key, None, ctx.tp), ctx.tp)
         self.position = (replicated((cfg.seq_length, cfg.hidden_size), "embedding.position")
                          if cfg.position_embedding == "learned" else None)
         self.tokentype = (replicated((num_tokentypes, cfg.hidden_size), "embedding.tokentype")
