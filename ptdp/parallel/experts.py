@@ -273,6 +273,6 @@ def grouped_linear(x: torch.Tensor, weights: list[torch.Tensor], groups: Groups,
     if not isinstance(weight_ops, WeightGradQueue):
         return _GroupedLinear.apply(x, groups, halves, None, None, None, *weights)
     # detached weights and an input that requires grad, as weight_grad.py's ops (it says why)
-    trigger = torch.empty(0, device=x.device, requires_grad=True)
-    return _GroupedLinear.apply(x, groups, halves, weight_ops, tuple(weights), trigger,
+    return _GroupedLinear.apply(x, groups, halves, weight_ops, tuple(weights),
+                                weight_ops._trigger(x.device),
                                 *(w.detach() for w in weights))
