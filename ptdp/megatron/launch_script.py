@@ -174,12 +174,12 @@ def read_invocation(path: str | Path) -> Invocation:
             continue
         match = _ASSIGN.match(line)
         if match and _is_assignment(match.group(3)):
-            if branches.counts(line):
+            if branches.counts():
                 env.assign(match.group(1), bool(match.group(2)), match.group(3))
             continue
         before = list(env.unresolved)
         words = _command(_words(env.expand(line)))
-        if words and branches.counts(line):
+        if words and branches.counts():
             found = words
         else:
             env.unresolved = before   # what an unrelated line could not expand does not matter
@@ -242,7 +242,7 @@ class _Branches:
         self.open: list[_If] = []
         self.reports: list[tuple[str, str]] = []
 
-    def counts(self, line: str) -> bool:
+    def counts(self) -> bool:
         """Whether a line that sets a variable or runs Megatron counts here (and note it)."""
         for frame in self.open:
             frame.work = True

@@ -153,10 +153,10 @@ def _other_live_jobs(target: Target, job: str) -> list[str]:
             by_job.setdefault(other, []).append(path)
     alive = []
     for other, paths in sorted(by_job.items()):
-        if not other:   # written by older code: alive unless its process is known dead
-            alive += holders(target.folder, target, only=paths)
-        elif _job_alive(target, other):
-            alive += holders(target.folder, target, only=paths)
+        # (a file without a job line, written by older code: alive unless its process is
+        # known dead, which `holders` checks)
+        if not other or _job_alive(target, other):
+            alive += holders(target, only=paths)
         else:
             for path in paths:
                 path.unlink(missing_ok=True)
@@ -177,11 +177,9 @@ def _job_alive(target: Target, job: str) -> bool:
     return False
 
 
-def holders(directory: Path, target: Target | None = None, only: list | None = None) -> list[str]:
-    """Who holds the lock of `target` (the checkpoint directory `directory`'s by default), as
-    the holder files say ('rank R pid P on HOST'; `only`: these files); files of processes
-    known dead (on this host) are removed."""
-    target = target or checkpoint_target(directory)
+def holders(target: Target, only: list | None = None) -> list[str]:
+    """Who holds the lock of `target`, as the holder files say ('rank R pid P on HOST';
+    `only`: these files); files of processes known dead (on this host) are removed."""
     here, out = socket.gethostname(), []
     for path in sorted(only if only is not None else
                        target.folder.glob(target.holder_prefix + "*")):
@@ -222,7 +220,7 @@ def wait_until_free(target: Target | Path, patience_s: float) -> list[str]:
                 return []
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    return (holders(target.folder, target)
+                    return (holders(target)
                             or ["a process this host cannot name"])
                 time.sleep(0.2)
 
