@@ -96,27 +96,24 @@ def test_masks_are_built_once_per_micro_batch_and_only_when_needed():
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu", "math"])
-def test_ring_blocks_with_documents_and_windows_equal_dense_attention(fused):
+def test_ring_blocks_with_documents_and_windows_equal_dense_attention(fused, monkeypatch):
     """A ring of one rank runs both chunks' blocks (full, diagonal, masked) and merges them by
     their log-sum-exp: outputs and gradients equal SDPA with the dense mask to round-off,
     with grouped-query heads, documents, a window, both, and a window past the sequence."""
-    ring.FUSED_CPU = fused
-    try:
-        cases = ((None, None), (DOCS, None), (None, 5), (DOCS, 3), (None, 99))
-        for documents, window in cases if fused else cases[2:4]:
-            q, k, v = _qkv()
-            dense = keep_mask(DOCS if documents is not None else torch.zeros_like(DOCS), window)
-            want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None],
-                                                  enable_gqa=True)
-            got = ring.ring_attention(q, k, v, ContextParallel(), True, documents=documents,
-                                      window=window)
-            dout = torch.randn_like(want)
-            pairs = zip((got, *torch.autograd.grad(got, (q, k, v), dout)),
-                        (want, *torch.autograd.grad(want, (q, k, v), dout)))
-            for a, b in pairs:
-                assert (a - b).abs().max() < 2e-6, (documents is not None, window)
-    finally:
-        ring.FUSED_CPU = True
+    monkeypatch.setattr(ring, "FUSED_CPU", fused)
+    cases = ((None, None), (DOCS, None), (None, 5), (DOCS, 3), (None, 99))
+    for documents, window in cases if fused else cases[2:4]:
+        q, k, v = _qkv()
+        dense = keep_mask(DOCS if documents is not None else torch.zeros_like(DOCS), window)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None],
+                                              enable_gqa=True)
+        got = ring.ring_attention(q, k, v, ContextParallel(), True, documents=documents,
+                                  window=window)
+        dout = torch.randn_like(want)
+        pairs = zip((got, *torch.autograd.grad(got, (q, k, v), dout)),
+                    (want, *torch.autograd.grad(want, (q, k, v), dout)))
+        for a, b in pairs:
+            assert (a - b).abs().max() < 2e-6, (documents is not None, window)
 
 
 def test_ring_skips_blocks_outside_the_window():

@@ -376,8 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"faults survived {survived}/{len(results['faults'])}, bad inputs handled in one line "
           f"{handled}/{len(results['bad_inputs'])}")
     harness.write_json(args.out, results, tool="attack_long_runs", argv=argv)
-    shutil.rmtree(work, ignore_errors=True)
-    return 0
+    every = survived == len(results["faults"]) and handled == len(results["bad_inputs"])
+    if every:   # a failed attack keeps its folder: the jobs' outputs are the evidence
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"attack_long_runs: the failed attacks' outputs are in {work}", file=sys.stderr)
+    return 0 if every else 1
 
 
 if __name__ == "__main__":
