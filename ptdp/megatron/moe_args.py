@@ -13,7 +13,7 @@ makes layer i MoE when i % N == 0; a list gives each layer's 0/1.
 
 from __future__ import annotations
 
-from ptdp.megatron.names import MegatronConversionError, require
+from ptdp.megatron.names import require
 
 # Megatron-LM 0.16.1's defaults (megatron/core/transformer/transformer_config.py): what a
 # dense checkpoint carries, and the base of a MoE one.
@@ -73,6 +73,18 @@ def _one(value, name: str):
     return value
 
 
+def pattern_layout(pattern: list[int]) -> tuple[int, int] | None:
+    """(model.moe_layer_freq, model.moe_first_dense_layers) of a per-layer 0/1 MoE pattern
+    (Megatron's --moe-layer-freq list): layer i is MoE iff i >= first and (i - first) % freq
+    == 0. None when no such pair gives the pattern, or it has no MoE layer."""
+    if 1 not in pattern:
+        return None
+    first, n = pattern.index(1), len(pattern)
+    return next(((every, first) for every in range(1, n - first + 1)
+                 if pattern == [int(i >= first and (i - first) % every == 0) for i in range(n)]),
+                None)
+
+
 def _layer_pattern(freq, num_layers: int) -> tuple[int, int]:
     """(model.moe_layer_freq, model.moe_first_dense_layers) of --moe-layer-freq."""
     if isinstance(freq, int):
@@ -80,12 +92,10 @@ def _layer_pattern(freq, num_layers: int) -> tuple[int, int]:
     pattern = [int(x) for x in freq]
     require(len(pattern) == num_layers, f"--moe-layer-freq has {len(pattern)} entries for "
                                         f"{num_layers} layers")
-    first = pattern.index(1) if 1 in pattern else num_layers
-    for every in range(1, num_layers + 1):
-        if pattern == [int(i >= first and (i - first) % every == 0) for i in range(num_layers)]:
-            return every, first
-    raise MegatronConversionError(f"--moe-layer-freq={pattern}: ptdp's MoE layers are every "
-                                  f"n-th after the first dense ones")
+    layout = pattern_layout(pattern)
+    require(layout is not None, f"--moe-layer-freq={pattern}: ptdp's MoE layers are every "
+                                f"n-th after the first dense ones, at least one")
+    return layout
 
 
 def moe_config(args, get) -> dict:

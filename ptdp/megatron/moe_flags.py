@@ -19,6 +19,7 @@ import ast
 
 from ptdp.megatron.converters import (EXACT, IGNORED, REFUSED, Differs, Unmapped, const,
                                       given_int, ignore, integer, number, refuse)
+from ptdp.megatron.moe_args import pattern_layout
 from ptdp.megatron.rows import Arg
 
 
@@ -124,13 +125,11 @@ def layer_freq(value, given):
     layers = given_int(given, "--num-layers")
     if layers is not None and len(pattern) != layers:
         raise Unmapped(REFUSED, f"the pattern has {len(pattern)} layers, --num-layers {layers}")
-    dense = next((i for i, moe in enumerate(pattern) if moe), len(pattern))
-    rest = pattern[dense:]
-    freq = next((f for f in range(1, len(rest) + 1)
-                 if rest == [int(i % f == 0) for i in range(len(rest))]), None)
-    if not rest or freq is None:
+    layout = pattern_layout(pattern)
+    if layout is None:
         raise Unmapped(REFUSED, "ptdp's MoE layers are every n-th after the first dense ones "
                                 "(model.moe_first_dense_layers, model.moe_layer_freq)")
+    freq, dense = layout
     return {"model.moe_layer_freq": freq, **({"model.moe_first_dense_layers": dense} if dense
                                              else {})}
 

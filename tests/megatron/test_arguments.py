@@ -478,3 +478,22 @@ def test_recompute_modules_translate_with_megatrons_selective_default():
     v = translate(["--recompute-activations", "--recompute-modules", "layernorm", "mlp"]).values
     assert v["train.recompute_modules"] == ["layernorm", "mlp"]
     assert "train.recompute_modules" not in translate(["--recompute-granularity", "full"]).values
+
+
+@pytest.mark.parametrize("pattern, layout", [([1, 1, 1, 1], (1, 0)), ([0, 1, 0, 1], (2, 1)),
+                                             ([0, 0, 1, 1], (1, 2)), ([1, 1, 0, 1], None),
+                                             ([0, 0, 0, 0], None)])
+def test_a_moe_layer_pattern_is_read_one_way_from_flags_and_checkpoints(pattern, layout):
+    """--moe-layer-freq as a list, on a command line and in a checkpoint's args: one reading
+    (moe_args.pattern_layout); what ptdp cannot place is refused by both."""
+    from ptdp.megatron.moe_args import _layer_pattern, pattern_layout
+    from ptdp.megatron.names import MegatronConversionError
+    assert pattern_layout(pattern) == layout
+    words = ["--num-experts", "4", "--num-layers", "4", "--moe-layer-freq", str(pattern)]
+    if layout is None:
+        assert any(line.startswith("refused: --moe-layer-freq") for line in lines(words))
+        with pytest.raises(MegatronConversionError, match="--moe-layer-freq"):
+            _layer_pattern(pattern, 4)
+    else:
+        assert _layer_pattern(pattern, 4) == layout
+        assert values(words)["model.moe_layer_freq"] == layout[0]
