@@ -19,11 +19,10 @@ import threading
 import time
 from pathlib import Path
 
-import torch.distributed as dist
-
 from ptdp.metrics.log import read_metrics
 from ptdp.runtime.joblock import wait_until_free
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.test_restart import _reference_losses
 from tools import jobs
 from tools.jobs import ROOT, SCRIPT, env as _env
 
@@ -39,14 +38,6 @@ hold(sys.argv[1], 3)
 print("held", flush=True)
 time.sleep(600)
 """
-
-
-def _reference_losses(overrides: list[str]) -> list[float]:
-    from ptdp.config import load_config
-    from ptdp.training import Trainer
-    cfg = load_config(str(ROOT / "configs/gpt_tiny.yaml"), overrides,
-                      world_size=dist.get_world_size())
-    return [record["loss"] for record in Trainer(cfg).train()]
 
 
 @functools.lru_cache(maxsize=None)
