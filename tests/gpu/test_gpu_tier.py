@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -31,24 +30,6 @@ SMALL = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "mod
          "train.global_batch_size=16", "train.lr=1e-3", "train.lr_warmup_iters=0",
          "log.progress=false", "log.interval=1000", "train.seed=5"]
 EXACT = ["train.precision=fp32", "train.tf32=false", "train.compile=false"]
-
-
-@pytest.fixture(scope="module")
-def world():
-    from ptdp.runtime.local_ranks import free_port
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                                            "LOCAL_RANK")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                      WORLD_SIZE="1", LOCAL_RANK="0")
-    torch.cuda.set_device(0)
-    dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
 
 
 def _trainer(*overrides):

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.gpu.test_gpu_tier import EXACT, SMALL, _losses, world  # noqa: F401 (fixture)
+from tests.gpu.test_gpu_tier import EXACT, SMALL, _losses
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
