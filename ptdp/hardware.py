@@ -129,6 +129,19 @@ def available_hardware() -> list[str]:
     return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
 
 
+def profile_of_gpu(gpu_name: str, memory_gib: float) -> str | None:
+    """The profile in configs/hardware/ of a GPU by its device name and memory: the family in
+    the name ("a100", "h100", ...) and the size in GiB within 8 of the profile's ("a100-40gb"
+    against "a100-80gb", "h100-80gb" against the NVL's "h100-94gb"); None when none fits."""
+    gpu = gpu_name.lower()
+    found = None
+    for candidate in available_hardware():
+        family, _, size = candidate.partition("-")
+        if family in gpu and size.endswith("gb") and abs(float(size[:-2]) - memory_gib) < 8:
+            found = candidate
+    return found
+
+
 def load_hardware(name_or_path: str) -> HardwareProfile:
     """A catalogue name ('a100-80gb') or a path to a profile YAML."""
     path = Path(name_or_path)

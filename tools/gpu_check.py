@@ -86,20 +86,15 @@ def measure(name: str, steps: int, warmup: int) -> dict:
 
 
 def hardware_name() -> str:
-    """The hardware profile of the GPU here (configs/hardware/), else h100-80gb."""
+    """The hardware profile of the GPU here (ptdp.hardware.profile_of_gpu, as the trainer's MFU
+    finds it), else h100-80gb."""
     try:
         import torch
+        from ptdp.hardware import profile_of_gpu
         if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_name(0).lower()
-            if "a100" in gpu:
-                gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-                return "a100-80gb" if gib > 60 else "a100-40gb"
-            if "v100" in gpu:
-                return "v100-32gb"
-            if "h200" in gpu:
-                return "h200-141gb"
-            if "h100 nvl" in gpu:
-                return "h100-94gb"
+            found = profile_of_gpu(torch.cuda.get_device_name(0),
+                                   torch.cuda.get_device_properties(0).total_memory / 2**30)
+            return found or "h100-80gb"
     except Exception:
         pass
     return "h100-80gb"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ptdp.config import Config
-from ptdp.hardware import available_hardware, load_hardware
+from ptdp.hardware import load_hardware, profile_of_gpu
 from ptdp.planner.formulas import ModelShape, iteration_flops
 from ptdp.runtime.process_memory import peak_rss_gb
 
@@ -25,12 +25,8 @@ def peak_tflops(cfg: Config, device: torch.device) -> float | None:
     a measured profile keeps it and records its GEMM rate as an efficiency)."""
     name = cfg.log.hardware
     if name is None and device.type == "cuda":
-        gpu = torch.cuda.get_device_name(device).lower()
-        gib = torch.cuda.get_device_properties(device).total_memory / 2**30
-        for candidate in available_hardware():
-            family, _, size = candidate.partition("-")
-            if family in gpu and size.endswith("gb") and abs(float(size[:-2]) - gib) < 8:
-                name = candidate
+        name = profile_of_gpu(torch.cuda.get_device_name(device),
+                              torch.cuda.get_device_properties(device).total_memory / 2**30)
     if name is None:
         return None
     peaks = load_hardware(name).peak_tflops

@@ -71,3 +71,13 @@ def test_ptdp_plan_warns_about_a_foreign_profile(tmp_path, capsys):
                  "--global-batch-size", "16", "--top", "1"]) == 0
     err = capsys.readouterr().err
     assert "was measured on 8 x NVIDIA A100-SXM4-80GB, Some Other CPU (128 cores)" in err
+
+
+@pytest.mark.parametrize("name, gib, profile", [
+    ("NVIDIA H100 80GB HBM3", 79.2, "h100-80gb"), ("NVIDIA H100 NVL", 93.1, "h100-94gb"),
+    ("NVIDIA H200", 139.8, "h200-141gb"), ("NVIDIA A100-SXM4-40GB", 39.4, "a100-40gb"),
+    ("NVIDIA A100-SXM4-80GB", 79.2, "a100-80gb"), ("NVIDIA L4", 22.0, None)])
+def test_a_gpu_is_matched_to_its_profile_by_name_and_memory(name, gib, profile):
+    """One matching (ptdp.hardware.profile_of_gpu) for the trainer's MFU and the GPU check."""
+    from ptdp.hardware import profile_of_gpu
+    assert profile_of_gpu(name, gib) == profile
