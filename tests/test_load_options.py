@@ -73,7 +73,9 @@ def job(root: str) -> dict:
     saved = _trainer(["train.iters=2", f"checkpoint.dir={root}/a"])
     saved.train()
     named = f"checkpoint.load={root}/a/iter_0000002"
-    out = {"saved": _summary(saved)}
+    out = {"saved": _summary(saved), # a run whose seed is the one a resume at iteration 2 without streams takes
+           # (ptdp/training/state.py StreamsState: train.seed 7 + 1,000,003 x 2)
+           "reseeded": _summary(_trainer(["train.iters=4", "train.seed=2000013"]))}
     for name, extra in (("whole", []), ("no_optimizer", ["checkpoint.load_optimizer=false"]),
                         ("no_rng", ["checkpoint.load_rng=false"]),
                         ("finetune", ["checkpoint.finetune=true", f"checkpoint.dir={root}/b"])):
@@ -110,9 +112,12 @@ def test_load_optimizer_false_starts_a_fresh_optimizer_at_the_saved_iteration(ru
 
 
 def test_load_rng_false_leaves_the_saved_streams(runs):
+    """...and reseeds them from the seed and the iteration: as a fresh run of that seed."""
     no_rng = runs["no_rng"]
     assert no_rng["iteration"] == 2 and no_rng["optimizer_states"] > 0
     assert not torch.equal(no_rng["rng"]["cpu"], runs["saved"]["rng"]["cpu"])
+    for stream in ("cpu", "tensor_parallel"):
+        assert torch.equal(no_rng["rng"][stream], runs["reseeded"]["rng"][stream]), stream
 
 
 def test_finetune_loads_the_weights_only_and_starts_at_iteration_zero(runs):
