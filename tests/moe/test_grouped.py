@@ -79,3 +79,24 @@ def test_a_permutation_backward_equals_index_selects():
     (x.index_select(0, order // k) * grad).sum().backward()
     assert rows.equal(x.index_select(0, order // k)) and back.equal(x.repeat_interleave(k, 0))
     assert ours.equal(x.grad)
+
+
+@pytest.mark.parametrize("halves", [1, 2])
+def test_grouped_mm_calls_pass_the_cuda_kernels_checks(halves):
+    """The bf16 `torch._grouped_mm` calls of forward, input and weight gradients against the
+    CUDA kernel's own checks (dtype, contraction sizes, 16-byte strides), on meta tensors (no
+    GPU here; torch's meta function implements the checks of `_grouped_mm_cuda`)."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no _grouped_mm")
+    ends = torch.tensor([5, 5, 16, 24], dtype=torch.int32, device="meta")
+    meta = dict(dtype=torch.bfloat16, device="meta", requires_grad=True)
+    for inner, out, sets in ((64, 32 * halves, halves), (32, 64, 1)):   # fc1, then fc2
+        x = torch.empty(24, inner, **meta)
+        weights = [torch.empty(out, inner, **meta) for _ in range(4)]
+        outs = grouped_linear(x, weights, Groups(ends=ends), PLAIN, sets)
+        assert [o.shape for o in outs] == [(24, out // sets)] * sets
+        torch.autograd.backward(list(outs), [torch.empty_like(o) for o in outs])
+        assert x.grad.shape == x.shape and all(w.grad.shape == w.shape for w in weights)
+    with pytest.raises(RuntimeError, match="16 bytes"):   # the check is live: 60 columns fail it
+        torch._grouped_mm(torch.empty(24, 60, dtype=torch.bfloat16, device="meta"),
+                          torch.empty(4, 60, 32, dtype=torch.bfloat16, device="meta"), offs=ends)
