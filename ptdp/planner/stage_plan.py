@@ -55,8 +55,8 @@ def layer_profiles(hw, work, lay, attention: str | None = None) -> list[LayerPro
     profiles = transformer_layer_profiles(hw, shape, lay.micro_batch, work.precision,
                                           attention, t=lay.tensor)
     if lay.recompute != "none":
-        from ptdp.planner.compute import layer_times, recompute_seconds
-        attention = attention or hw.attention
+        from ptdp.planner.compute import attention_kernel, layer_times, recompute_seconds
+        attention = attention_kernel(attention or hw.attention, lay.context)
         lt = layer_times(hw, work.precision, shape, lay.micro_batch, lay.tensor, attention)
         extra = recompute_seconds(hw, work.precision, shape, lay.micro_batch, lay.tensor,
                                   attention, lt, lay.recompute, lay.recompute_modules,
