@@ -144,8 +144,8 @@ class Layout:
         return self.data * self.context
 
     def recomputed(self, attention: str) -> tuple:
-        """recompute=selective's modules as the plan models them with this attention kernel
-        (compute.planned_modules; () for none and full)."""
+        """recompute=selective's modules as the plan models them with `attention` (the
+        profile's or --attention's kernel; compute.planned_modules; () for none and full)."""
         return planned_modules(self.recompute, self.recompute_modules, self.sequence_parallel,
                                attention_kernel(attention, self.context))
 

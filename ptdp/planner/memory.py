@@ -44,9 +44,9 @@ view of the same storage, so it stays; the "none" count above holds that output 
 calibrated); layernorm the QKV and fc1 inputs 2sbh (nothing with sequence parallelism);
 activation fc2's input sbf/t; mlp the MLP's split activations (2 + g)sbf/t, and with sequence
 parallelism fc1's all-gathered input less the norm's output it keeps. The default modules are
-layernorm and activation, plus core_attn for materialized attention. Measured on tiny eager
-layers (tests/test_recompute_modules.py) the savings equal these terms, except that an eager
-SwiGLU's whole-MLP recomputation also drops SiLU(gate), sbf/t more.
+layernorm and activation, plus core_attn for materialized attention (compute.planned_modules).
+Measured on tiny eager layers (tests/test_recompute_modules.py) the savings equal these terms,
+except that an eager SwiGLU's whole-MLP recomputation also drops SiLU(gate), sbf/t more.
 
 Context parallelism (c > 1, ptdp/parallel/ring_attention.py) splits every sequence over c ranks:
 each holds s/c tokens, so every activation term above, the stage-boundary buffers and the

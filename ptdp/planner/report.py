@@ -112,9 +112,9 @@ def trainer_config(raw: dict, pred: Prediction, global_batch: int, precision: st
     cfg["schedule"] = {**(cfg.get("schedule") or {}), "name": lay.schedule}
     # the layout's recomputation replaces the model file's (its modules included)
     train = {k: v for k, v in (cfg.get("train") or {}).items() if k != "recompute_modules"}
-    planned = lay.recomputed(attention)
-    pinned = lay.recompute_modules is not None or planned != lay.recomputed("flash")
-    modules = {"recompute_modules": list(planned)} if planned and pinned else {}
+    planned = lay.recomputed(attention)   # the trainer's default: the same layout, flash
+    write = planned and (lay.recompute_modules is not None or planned != lay.recomputed("flash"))
+    modules = {"recompute_modules": list(planned)} if write else {}
     cfg["train"] = {**train, "micro_batch_size": lay.micro_batch,
                     "global_batch_size": global_batch, "recompute": lay.recompute, **modules,
                     "precision": precision, "distributed_optimizer": lay.distributed_optimizer}
