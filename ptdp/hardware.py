@@ -101,6 +101,13 @@ _REQUIRED = ("name", "memory_gb", "memory_bandwidth_GBps", "peak_tflops", "gpus_
              "intra_node_bandwidth_GBps", "inter_node_bandwidth_GBps")
 
 
+# What `ptdp profile` writes under `measured:` (ptdp/profiler/build.py): provenance, then what
+# the planner reads.
+MEASURED_KEYS = ("threads", "device", "torch", "host", "optimizer_s_per_param", "layers", "heads",
+                 "all_reduce", "p2p", "busy", "tensor_layers", "layer_overhead_s",
+                 "split_backward_overhead_s", "memory_calibration", "heap_retention")
+
+
 def profile_from_dict(raw: dict, source: str = "profile") -> HardwareProfile:
     if not isinstance(raw, dict):
         raise HardwareError(f"{source}: a hardware profile must be a mapping")
@@ -111,6 +118,9 @@ def profile_from_dict(raw: dict, source: str = "profile") -> HardwareProfile:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise HardwareError(f"{source}: unknown hardware key(s) {', '.join(unknown)}")
+    strange = sorted(set(raw.get("measured") or {}) - set(MEASURED_KEYS))
+    if strange:
+        raise HardwareError(f"{source}: unknown measured key(s) {', '.join(strange)}")
     values = dict(raw)
     eff_raw = values.pop("efficiency", None) or {}
     eff_known = {f.name for f in dataclasses.fields(Efficiency)}

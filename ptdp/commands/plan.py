@@ -168,7 +168,8 @@ def _plan(args) -> int:
             print(f"({skipped} not considered: it changes the weight-update rule; --allow-2bw to "
                   f"include)")
     if args.write_config:
-        out = trainer_config(raw, result.best, batch, precision, stages)
+        out = trainer_config(raw, result.best, batch, precision, stages,
+                             args.attention or hw.attention)
         _check_trainer_accepts(out, gpus)
         Path(args.write_config).write_text(yaml.safe_dump(out, sort_keys=False))
         if not args.json:

@@ -30,7 +30,7 @@ def selective_modules(modules, sequence_parallel: bool = False,
     """The modules recompute=selective recomputes: `modules` (train.recompute_modules) when
     given, else the default: layernorm (not with sequence parallelism, where it saves nothing)
     and activation, plus core_attn where the attention kernel keeps its scores (`keeps_scores`:
-    the planner's materialized attention)."""
+    the planner's materialized attention, ptdp/planner/compute.py planned_modules)."""
     if modules is not None:
         return tuple(modules)
     default = ("activation",) if sequence_parallel else ("layernorm", "activation")

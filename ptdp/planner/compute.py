@@ -242,18 +242,37 @@ def head_times(hw: HardwareProfile, precision: str, shape: ModelShape, b: int, t
             or _analytic_head(hw, precision, shape, b, t, vocab_padded))
 
 
+def attention_kernel(attention: str, context: int) -> str:
+    """The kernel a layer's attention is modelled with: the profile's or --attention's, but
+    with context parallelism the ring's blocks keep no scores, whatever the kernel
+    (ptdp/parallel/ring_attention.py)."""
+    return "flash" if context > 1 else attention
+
+
+def planned_modules(recompute: str, modules, sequence_parallel: bool, attention: str) -> tuple:
+    """The one rule of what a plan recomputes, read by its memory, compute and context-ring
+    terms: recompute=selective's modules (`modules`, train.recompute_modules; None: the
+    default), with core_attn added to the default where `attention` (attention_kernel's) keeps
+    the scores. The trainer resolves the same way with flash attention (models/transformer.py),
+    so where the two differ, a materialized plan's unpinned default, `ptdp plan
+    --write-config` writes the modules out (report.trainer_config)."""
+    if recompute != "selective":
+        return ()
+    return selective_modules(modules, sequence_parallel, keeps_scores=attention != "flash")
+
+
 def recompute_seconds(hw: HardwareProfile, precision: str, shape: ModelShape, b: int, t: int,
                       attention: str, lt: LayerTimes, recompute: str,
                       modules: tuple | None = None, sequence_parallel: bool = False) -> float:
     """Seconds one layer's recomputation adds per micro-batch: a whole forward (`full`), or
-    recompute=selective's modules (ptdp/config/recompute.py; None: the default for this
-    attention): core_attn the attention forward; layernorm the two norms (read x, write the
+    recompute=selective's modules (planned_modules; None: the default for this attention):
+    core_attn the attention forward; layernorm the two norms (read x, write the
     output: 4sbh elements); activation its kernel ((2 + g)sbf/t elements); mlp fc1 and fc2's
     forward GEMMs and the activation. (fc2's all-reduce, which mlp repeats, is tensor
     communication: cost_model.py.)"""
     if recompute != "selective":
         return lt.forward if recompute == "full" else 0.0
-    modules = selective_modules(modules, sequence_parallel, keeps_scores=attention != "flash")
+    modules = planned_modules(recompute, modules, sequence_parallel, attention)
     e, tokens, h, f, g = BYTES[precision], b * shape.seq, shape.hidden, shape.ffn, shape.gated
     seconds = lt.attention_forward if "core_attn" in modules else 0.0
     if "layernorm" in modules:

@@ -103,11 +103,10 @@ from dataclasses import dataclass, field
 
 from ptdp.config import padded_vocab_size
 from ptdp.config.catalogue import DEFAULT, Planner, names_where, schedule_spec
-from ptdp.config.recompute import selective_modules
 from ptdp.hardware import HardwareProfile
 from ptdp.planner import comm
-from ptdp.planner.compute import (BYTES, ModelShape, _attention_times, head_times, layer_times,
-                                  recompute_seconds)
+from ptdp.planner.compute import (BYTES, ModelShape, _attention_times, attention_kernel,
+                                  head_times, layer_times, planned_modules, recompute_seconds)
 from ptdp.planner.formulas import (bubble_fraction, context_shape, iteration_flops,
                                    ring_block_bytes, ring_blocks_per_layer)
 from ptdp.planner.expert_cost import all_to_all_seconds, expert_gradient_comm, moe_layer_time_change
@@ -144,11 +143,11 @@ class Layout:
         """Ranks holding the same weights: gradients are reduced over them (d * c)."""
         return self.data * self.context
 
-    @property
-    def recomputed(self) -> tuple:
-        """recompute=selective's modules with flash attention (ptdp/config/recompute.py)."""
-        return (selective_modules(self.recompute_modules, self.sequence_parallel)
-                if self.recompute == "selective" else ())
+    def recomputed(self, attention: str) -> tuple:
+        """recompute=selective's modules as the plan models them with `attention` (the
+        profile's or --attention's kernel; compute.planned_modules; () for none and full)."""
+        return planned_modules(self.recompute, self.recompute_modules, self.sequence_parallel,
+                               attention_kernel(attention, self.context))
 
     @property
     def _modules(self) -> str:
@@ -220,7 +219,7 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     shape = context_shape(whole, c)   # this rank's s/c tokens
     split = schedule_spec(lay.schedule).split_backward   # backward as B now and W later
     layers = shape.layers // p
-    attention = "flash" if c > 1 else attention   # the ring's blocks keep no scores
+    attention = attention_kernel(attention, c)
     lt = layer_times(hw, prec, shape, b, t, attention)
     ring = 0.0
     if c > 1:   # its queries attend to the whole sequence: c times an s/c sequence's attention
@@ -230,8 +229,8 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
                       attention_forward=c * attn_fwd,
                       backward_split=lt.backward_split + (c - 1) * attn_bwd)
         # one ring step attends to one block: the s/c sequence's attention time
-        ring = layers * _ring_time(hw, work, lay, min(lay.gpus, work.gpus_per_node), attn_fwd,
-                                   attn_bwd)
+        ring = layers * _ring_time(hw, work, lay, attention, min(lay.gpus, work.gpus_per_node),
+                                   attn_fwd, attn_bwd)
     act_bytes = shape.seq * b * shape.hidden * BYTES[prec]
     busy = min(lay.gpus, work.gpus_per_node)
     tp_link = comm.tensor_link(hw, t, work.gpus_per_node, busy)
@@ -281,14 +280,14 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
                       p2p_fill, ring, all_to_all)
 
 
-def _ring_time(hw: HardwareProfile, work: Workload, lay: Layout, busy: int, step_forward: float,
-                step_backward: float) -> float:
+def _ring_time(hw: HardwareProfile, work: Workload, lay: Layout, attention: str, busy: int,
+               step_forward: float, step_backward: float) -> float:
     """Seconds of one layer's context ring per micro-batch on the critical path (module
     docstring): the transfers beyond each step's block computation when they overlap it,
     all of them when they do not."""
     c, t = lay.context, lay.tensor
     link = comm.context_link(hw, t, c, work.gpus_per_node, busy)
-    repeats = lay.recompute == "full" or "core_attn" in lay.recomputed   # the forward ring
+    repeats = lay.recompute == "full" or "core_attn" in lay.recomputed(attention)   # forward ring
     forward, backward_kv, backward_grad = ring_blocks_per_layer(c, "full" if repeats else "none")
     kv = comm.p2p_time(ring_block_bytes(work.shape, lay.micro_batch, t, c,
                                         BYTES[work.precision]), link)

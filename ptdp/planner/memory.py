@@ -44,9 +44,9 @@ view of the same storage, so it stays; the "none" count above holds that output 
 calibrated); layernorm the QKV and fc1 inputs 2sbh (nothing with sequence parallelism);
 activation fc2's input sbf/t; mlp the MLP's split activations (2 + g)sbf/t, and with sequence
 parallelism fc1's all-gathered input less the norm's output it keeps. The default modules are
-layernorm and activation, plus core_attn for materialized attention. Measured on tiny eager
-layers (tests/test_recompute_modules.py) the savings equal these terms, except that an eager
-SwiGLU's whole-MLP recomputation also drops SiLU(gate), sbf/t more.
+layernorm and activation, plus core_attn for materialized attention (compute.planned_modules).
+Measured on tiny eager layers (tests/test_recompute_modules.py) the savings equal these terms,
+except that an eager SwiGLU's whole-MLP recomputation also drops SiLU(gate), sbf/t more.
 
 Context parallelism (c > 1, ptdp/parallel/ring_attention.py) splits every sequence over c ranks:
 each holds s/c tokens, so every activation term above, the stage-boundary buffers and the
@@ -77,8 +77,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config.catalogue import schedule_spec
-from ptdp.config.recompute import selective_modules
-from ptdp.planner.compute import BYTES, ModelShape, same_block
+from ptdp.planner.compute import BYTES, ModelShape, attention_kernel, planned_modules, same_block
 from ptdp.planner.formulas import context_shape, layer_parameter_split, ring_block_bytes
 from ptdp.planner.moe import (moe_activation_bytes, rank_expert_parameters, rank_moe_layers,
                               rank_moe_parameter_change)
@@ -217,7 +216,7 @@ def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, re
     """Bytes one layer keeps for backward per micro-batch on one tensor rank; `modules`:
     recompute=selective's (train.recompute_modules; None: the default for this attention)."""
     if recompute == "selective":   # what "none" keeps (measured or counted) less the modules'
-        modules = selective_modules(modules, sequence_parallel, keeps_scores=attention != "flash")
+        modules = planned_modules(recompute, modules, sequence_parallel, attention)
         return (layer_activation_bytes(shape, b, t, precision, "none", attention, hw,
                                        sequence_parallel)
                 - selective_saving(shape, b, t, precision, attention, modules, sequence_parallel))
@@ -352,8 +351,7 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     params = stage_parameters(shape, t, p, vocab_padded, first, last, expert, v)
     experts = rank_expert_parameters(shape, t, p, v, expert)   # sharded over d*c/e ranks
     whole, shape = shape, context_shape(shape, c)   # activations: this rank's s/c tokens
-    if c > 1:   # the ring's blocks keep no scores, whatever the kernel
-        attention = "flash"
+    attention = attention_kernel(attention, c)
     spec = schedule_spec(schedule)
     weights = params * w * spec.weight_copies(p, rank, vertical_sync)
     # 2BW: batch t's gradients wait for every rank to finish it while batch t+1 accumulates;

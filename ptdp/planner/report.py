@@ -94,9 +94,12 @@ def result_dict(result: SearchResult, header: dict, precision: str, top: int) ->
 
 
 def trainer_config(raw: dict, pred: Prediction, global_batch: int, precision: str,
-                   stages: StagePlan | None = None) -> dict:
+                   stages: StagePlan | None = None, attention: str = "flash") -> dict:
     """The input YAML with parallel/schedule/train set to the plan (other keys kept); the
-    partitioner's stage sizes when they are predicted faster than even ones."""
+    partitioner's stage sizes when they are predicted faster than even ones. The recomputed
+    modules the plan modelled with `attention` are written whenever they were pinned or
+    differ from the trainer's default (a materialized plan's default adds core_attn), so
+    that training the config runs what was predicted."""
     cfg = copy.deepcopy(raw or {})
     lay = pred.layout
     uneven = {"stage_layers": list(stages.planned)} if stages and stages.uneven_wins else {}
@@ -109,7 +112,9 @@ def trainer_config(raw: dict, pred: Prediction, global_batch: int, precision: st
     cfg["schedule"] = {**(cfg.get("schedule") or {}), "name": lay.schedule}
     # the layout's recomputation replaces the model file's (its modules included)
     train = {k: v for k, v in (cfg.get("train") or {}).items() if k != "recompute_modules"}
-    modules = {"recompute_modules": list(lay.recompute_modules)} if lay.recompute_modules else {}
+    planned = lay.recomputed(attention)   # the trainer's default: the same layout, flash
+    write = planned and (lay.recompute_modules is not None or planned != lay.recomputed("flash"))
+    modules = {"recompute_modules": list(planned)} if write else {}
     cfg["train"] = {**train, "micro_batch_size": lay.micro_batch,
                     "global_batch_size": global_batch, "recompute": lay.recompute, **modules,
                     "precision": precision, "distributed_optimizer": lay.distributed_optimizer}

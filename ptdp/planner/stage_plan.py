@@ -51,12 +51,12 @@ class StagePlan:
 def layer_profiles(hw, work, lay, attention: str | None = None) -> list[LayerProfile]:
     """[embedding, layers.., head] for one rank of the layout: its t, micro-batch, s/c tokens,
     recomputation (added to every transformer layer's time)."""
+    from ptdp.planner.compute import attention_kernel, layer_times, recompute_seconds
     shape = context_shape(work.shape, lay.context)
+    attention = attention_kernel(attention or hw.attention, lay.context)   # as cost_model's
     profiles = transformer_layer_profiles(hw, shape, lay.micro_batch, work.precision,
                                           attention, t=lay.tensor)
     if lay.recompute != "none":
-        from ptdp.planner.compute import layer_times, recompute_seconds
-        attention = attention or hw.attention
         lt = layer_times(hw, work.precision, shape, lay.micro_batch, lay.tensor, attention)
         extra = recompute_seconds(hw, work.precision, shape, lay.micro_batch, lay.tensor,
                                   attention, lt, lay.recompute, lay.recompute_modules,

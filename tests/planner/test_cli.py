@@ -11,6 +11,9 @@ import pytest
 import yaml
 
 from ptdp.config import load_config
+from ptdp.config.recompute import selective_modules
+from ptdp.planner.compute import ModelShape
+from ptdp.planner.cost_model import Layout, Workload, predict
 from ptdp.runtime.local_ranks import free_port
 from tests.planner.conftest import plan
 from tools import jobs
@@ -64,6 +67,34 @@ def test_other_sections_survive_and_batch_comes_from_yaml(model_file, tmp_path, 
     cfg = load_config(out_yaml, world_size=4)
     assert cfg.parallel.data == 2 and cfg.train.global_batch_size == 32
     assert cfg.train.precision == "fp16"     # V100 has no bf16
+
+
+@pytest.mark.parametrize("fix,core_attn", [
+    ("p=8,t=8,d=2,b=1,schedule=1f1b,recompute=selective,sg=false,sp=false", True),
+    ("p=8,t=8,c=2,d=1,b=1,schedule=1f1b,recompute=selective,sg=false,sp=false", False)])
+def test_a_materialized_plan_writes_the_modules_it_modelled(model_file, tmp_path, capsys, a100,
+                                                           fix, core_attn):
+    """Under --attention materialized the plan's selective adds core_attn to the trainer's
+    default (not with context parallelism, whose ring keeps no scores): the written config
+    must name the modules, so that what the trainer resolves from it (models/transformer.py's
+    rule) priced as a pinned plan gives the plan's own memory, time and context ring."""
+    out_yaml = tmp_path / "plan.yaml"
+    assert plan([model_file(GPT3), "--hardware", "a100-80gb", "--gpus", "128",
+                 "--global-batch-size", "64", "--attention", "materialized", "--fix", fix,
+                 "--json", "--write-config", str(out_yaml)]) == 0
+    planned = json.loads(capsys.readouterr().out)["predicted"]
+    cfg = load_config(out_yaml, world_size=128)
+    par, tr = cfg.parallel, cfg.train
+    trained = selective_modules(tr.recompute_modules, par.sequence_parallel)
+    assert ("core_attn" in trained) == core_attn
+    lay = Layout(par.pipeline, par.tensor, par.data, par.chunks, tr.micro_batch_size,
+                 cfg.schedule.name, tr.recompute, par.scatter_gather, context=par.context,
+                 recompute_modules=trained)
+    pinned = predict(a100, Workload(ModelShape.from_config(cfg.model), 64, "bf16", 8), lay,
+                     attention="materialized")
+    assert pinned.memory == planned["memory_breakdown_gb"]
+    assert round(pinned.step_time_s, 6) == planned["step_time_s"]
+    assert round(pinned.time["context_ring"], 6) == planned["time_breakdown_s"]["context_ring"]
 
 
 @pytest.mark.parametrize("argv,message", [

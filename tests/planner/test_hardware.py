@@ -41,6 +41,19 @@ def test_profile_from_a_path_and_bad_keys(tmp_path):
         profile_from_dict({k: v for k, v in raw.items() if k != "memory_gb"})
 
 
+@pytest.mark.parametrize("extra,message", [
+    ({"nvlink": 1}, "unknown hardware key(s) nvlink"),
+    ({"efficiency": {"gemm_max": 0.7, "gemm_peak": 0.7}}, "unknown efficiency key(s) gemm_peak"),
+    ({"measured": {"threads": 1, "heap_retension": 1.5}}, "unknown measured key(s) heap_retension")])
+def test_a_profile_key_nothing_reads_is_refused_naming_file_and_key(tmp_path, extra, message):
+    raw = yaml.safe_load(open(load_hardware.__globals__["HARDWARE_DIR"] / "a100-40gb.yaml"))
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump({**raw, **extra}))
+    with pytest.raises(HardwareError) as err:
+        load_hardware(str(path))
+    assert str(err.value) == f"{path}: {message}"
+
+
 def test_a_profile_knows_the_machine_it_was_measured_on():
     from ptdp.hardware import foreign_profile, machine_fingerprint
     here = machine_fingerprint()

@@ -156,6 +156,20 @@ def test_search_over_3072_gpus_takes_seconds(a100):
     assert best.tensor == 8 and result.best.tflops_per_gpu > 130
 
 
+def test_gpt_1t_crosses_nodes_with_tensor_parallelism_only_where_t8_cannot_fit(a100):
+    """Without sequence parallelism the search over 3,072 GPUs picks t = 16 (docs/planner.md):
+    selective's default fits there and not at t = 8, where only full recomputation fits, and
+    the 16-GPU all-reduces over the network cost less than recomputing every forward."""
+    def layout(t, d, recompute, v=1):
+        return Layout(64, t, d, v, 1, "interleaved" if v > 1 else "1f1b", recompute, True)
+    t16, t8 = run(a100, GPT_1T, 3072, layout(16, 3, "selective")), \
+        run(a100, GPT_1T, 3072, layout(8, 6, "selective"))
+    full = run(a100, GPT_1T, 3072, layout(8, 6, "full", v=2))
+    assert t16.fits and full.fits and not t8.fits
+    assert t8.step_time_s < t16.step_time_s < full.step_time_s
+    assert t16.time["tensor_comm"] - full.time["tensor_comm"] < full.time["recompute"]
+
+
 def test_recomputation_chosen_when_it_buys_throughput(a100):
     # With 2021-style attention kernels (scores kept in memory), GPT-3 on 1024 GPUs can run
     # without recomputation only on deeper pipelines; recomputing lets shallower, faster
