@@ -306,3 +306,16 @@ def test_process_groups_are_built_only_by_the_grid():
             if name in builders:
                 found.append(f"{module}:{getattr(node, 'lineno', '?')} {name}")
     assert found == []
+
+
+def test_collectives_new_in_torch_come_through_their_fallbacks():
+    """`dist.all_gather_single` and `dist.reduce_scatter_single` exist only in torch releases
+    after 2.11, the GPU machines' one: code calls ptdp/parallel/mappings.py's names, which fall
+    back to all_gather_into_tensor and reduce_scatter_tensor."""
+    newer = {"all_gather_single", "reduce_scatter_single"}
+    found = [f"{module}:{node.lineno} dist.{node.attr}"
+             for module, path in MODULES.items() if module != "ptdp.parallel.mappings"
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr in newer
+             and isinstance(node.value, ast.Name) and node.value.id == "dist"]
+    assert found == []

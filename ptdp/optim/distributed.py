@@ -39,6 +39,7 @@ from ptdp.optim.buffers import FlatGrads, FlatLayout, bucket_indices
 from ptdp.optim.mixed_precision import _add_to_main_grad, _master_copy
 from ptdp.optim.optimizer import optimizer_moment_bytes
 from ptdp.optim.weights import MOMENTS, has_moments, load_optimizer_states
+from ptdp.parallel.mappings import all_gather_single
 from ptdp.parallel.roles import reduce_sets, role_of
 
 
@@ -165,7 +166,7 @@ class ShardedMasterWeights:
             torch._foreach_copy_([self.model_buffer[slice(*b.own)] for b in self.buckets],
                                  [self._shard_of(self.master_shard, b) for b in self.buckets])
         if self.size > 1:
-            works = [dist.all_gather_single(self.model_buffer[slice(*b.span)],
+            works = [all_gather_single(self.model_buffer[slice(*b.span)],
                                             self.model_buffer[slice(*b.own)], group=self.group,
                                             async_op=True) for b in self.buckets]
             for work in works:
@@ -217,7 +218,7 @@ class ShardedMasterWeights:
         for b in self.buckets:
             mine = self._shard_of(shard, b)
             if self.size > 1:
-                dist.all_gather_single(full[slice(*b.span)], mine, group=self.group)
+                all_gather_single(full[slice(*b.span)], mine, group=self.group)
             else:
                 full[slice(*b.own)].copy_(mine)
         return self.layout.views(full)
@@ -246,7 +247,7 @@ class ShardedMasterWeights:
                     failed = err
             self._agree(failed, index)
             if self.size > 1:
-                dist.all_gather_single(full, mine, group=self.group)   # in place, as NCCL allows
+                all_gather_single(full, mine, group=self.group)   # in place, as NCCL allows
             try:
                 for p in b.params:
                     i = self.flat_grads.index_of[id(p)]

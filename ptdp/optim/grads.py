@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from ptdp.optim.buffers import FlatGrads, bucket_indices
 from ptdp.optim.mixed_precision import grad_of, set_grad
+from ptdp.parallel.mappings import reduce_scatter_single
 from ptdp.parallel.roles import reduce_sets, role_of, writes
 
 
@@ -60,7 +61,7 @@ class _Bucket:
             sent = self._cast(self.in_place)
             if self.shard is not None:
                 received = into if sent is self.in_place else sent.new_empty(into.shape)
-                self.work = dist.reduce_scatter_single(received, sent, group=group, async_op=True)
+                self.work = reduce_scatter_single(received, sent, group=group, async_op=True)
             else:   # summed in place on the wire tensor
                 received = sent
                 self.work = dist.all_reduce(sent, group=group, async_op=True)

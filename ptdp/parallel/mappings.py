@@ -38,8 +38,8 @@ class TensorParallel:
         return n // self.size
 
 
-# torch 2.10 renamed the tensor forms (all_gather_into_tensor, reduce_scatter_tensor) to
-# *_single; keep older releases working
+# Newer torch names the tensor forms (all_gather_into_tensor, reduce_scatter_tensor) *_single;
+# torch 2.11, the GPU machines' release, has only the older names. Call these, never dist.*_single.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
                          or dist.reduce_scatter_tensor)

@@ -85,12 +85,14 @@ def _collective(kind: str, buf, group, n: int):
     """fn() running one `kind` collective of the n-rank `group` over the whole `buf` (an
     all-gather's result, a reduce-scatter's input), with the calls the trainer makes."""
     import torch.distributed as dist
+
+    from ptdp.parallel.mappings import all_gather_single, reduce_scatter_single
     shard = buf[: buf.numel() // n].clone()
     if kind == "all_reduce":
         return lambda: dist.all_reduce(buf, group=group)
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_single(shard, buf, group=group)
-    return lambda: dist.all_gather_single(buf, shard, group=group)
+        return lambda: reduce_scatter_single(shard, buf, group=group)
+    return lambda: all_gather_single(buf, shard, group=group)
 
 
 def _bench_busy_node(sizes, iters: int, threads: int) -> dict:
