@@ -232,14 +232,15 @@ def _own(queue: WeightGradQueue, *weights) -> None:
         entry = _OWNERS.get(key)
         if entry is not None and entry[0]() is weight and entry[1]() is queue:
             continue
-        _OWNERS[key] = (weakref.ref(weight, functools.partial(_forget, key)), weakref.ref(queue))
+        forget = functools.partial(_forget, _OWNERS, key)   # (no global lookup at exit)
+        _OWNERS[key] = (weakref.ref(weight, forget), weakref.ref(queue))
 
 
-def _forget(key: tuple, ref: weakref.ref) -> None:
+def _forget(table: dict, key: tuple, ref: weakref.ref) -> None:
     """A weight died: drop its entry, unless another weight has taken its key since."""
-    entry = _OWNERS.get(key)
+    entry = table.get(key)
     if entry is not None and entry[0] is ref:
-        del _OWNERS[key]
+        del table[key]
 
 
 def _owner(weight: torch.Tensor) -> tuple:
