@@ -6,6 +6,7 @@
   and the run ends with exit 0, every iteration once and the uninterrupted run's losses.
 * A second launch on a checkpoint.dir in use waits, then stops with one line naming the
   processes that hold it (exit 2).
+* A refusal found by one rank only ends every rank with exit 2 and one line.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from ptdp.metrics.log import read_metrics
-from ptdp.runtime.joblock import wait_until_free
-from ptdp.runtime.local_ranks import run_on_ranks
+from ptdp.runtime.joblock import agree, wait_until_free
+from ptdp.runtime.local_ranks import free_port, run_on_ranks
 from tests.test_restart import _reference_losses
 from tools import jobs
 from tools.jobs import ROOT, SCRIPT, env as _env
@@ -164,3 +167,50 @@ def test_a_direct_launch_on_a_metrics_file_in_use_is_refused_in_one_line(tmp_pat
     second.wait()
     assert sorted(p.name for p in tmp_path.glob(".metrics.jsonl.ptdp-holder-*")) == \
         [f".metrics.jsonl.ptdp-holder-{os.uname().nodename}-{second.pid}"]
+
+
+def test_a_refusal_found_by_one_rank_only_ends_every_rank_in_one_line(tmp_path):
+    """Rank 1 alone finds its output held, as when nodes see a folder differently (here each
+    rank is given a metrics file of its own): both ranks exit 2 before any process group, and
+    rank 0 prints the refusal, naming rank 1. Rank 1 used to leave without a word, and rank 0
+    to wait for it in the process group's rendezvous until the backend's timeout."""
+    held = tmp_path / "1" / "metrics.jsonl"
+    holder = _metrics_holder(held, "1")
+    port, ranks = str(free_port()), []
+    try:
+        for rank in (0, 1):
+            ranks.append(subprocess.Popen(
+                [sys.executable, "-m", "ptdp", "train", str(ROOT / "configs/gpt_tiny.yaml"),
+                 "train.iters=1", f"log.metrics_file={tmp_path / str(rank) / 'metrics.jsonl'}"],
+                env=_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                         LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        said = [rank.communicate(timeout=120)[1] for rank in ranks]   # (no hang: seconds)
+    finally:
+        for rank in ranks:
+            rank.kill()
+        holder.kill()
+        holder.wait()
+    assert [rank.returncode for rank in ranks] == [2, 2], said
+    lines = [[line for line in err.splitlines() if line.startswith("ptdp train")] for err in said]
+    assert lines == [[f"ptdp train: rank 1 (1 of 2 ranks found it): log.metrics_file {held} is "
+                      f"in use by another job: rank 3 pid {holder.pid} on {os.uname().nodename}; "
+                      f"stop it, or give this job another log.metrics_file"], []], said
+
+
+@pytest.mark.parametrize("refusals, expected", [
+    ([None, None, None], None),
+    (["held", "held", "held"], "held"),                                 # every rank saw it
+    ([None, None, "held"], "rank 2 (1 of 3 ranks found it): held"),
+])
+def test_the_ranks_verdicts_are_made_one(refusals, expected):
+    """joblock.agree over one store (threads as ranks): every rank gets the same verdict."""
+    import torch.distributed as dist
+    store, out = dist.HashStore(), {}
+    ranks = [threading.Thread(target=lambda r=r: out.update({r: agree(store, r, 3, refusals[r])}))
+             for r in range(3)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join(30)
+    assert out == {r: expected for r in range(3)}

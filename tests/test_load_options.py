@@ -161,3 +161,27 @@ def test_load_options_refused_in_one_line(overrides, line):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides, world_size=1)
     assert len(err.value.errors) == 1 and line in err.value.errors[0]
+
+
+def test_a_null_grad_reduce_dtype_is_the_older_spelling_of_fp32():
+    """train.grad_reduce_dtype: null, as older configs spelled the default, is still accepted
+    and reduces every bucket in fp32, as `fp32` (the default now) does."""
+    from ptdp.config.schema import TrainConfig
+    from ptdp.optim.grads import DataParallelGradients
+
+    class Grid:   # two data-parallel ranks
+        def size(self, *axes):
+            return 2
+
+        def group(self, *axes):
+            return None
+
+    assert TrainConfig().grad_reduce_dtype == "fp32"
+    assert load_config(None, SMALL + ["train.grad_reduce_dtype=null"],
+                       world_size=2).train.grad_reduce_dtype is None
+    params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(3)]
+    wires = {spelling: [b.wire_dtype for b in DataParallelGradients(
+        params, Grid(), 1, bucket_mb=1e-4, reduce_dtype=spelling).buckets]
+        for spelling in (None, "fp32", "bf16")}
+    assert wires[None] and wires[None] == wires["fp32"] == [torch.float32] * len(wires[None])
+    assert wires["bf16"] == [torch.bfloat16] * len(wires[None])

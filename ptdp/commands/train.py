@@ -56,14 +56,13 @@ def run(args) -> int:
     if _env_int("RANK", 0) == 0:
         for line in found.warnings:   # e.g. tensor groups that straddle nodes
             print(f"ptdp train: warning: {line}", file=sys.stderr)
-    from ptdp.runtime.joblock import JobInUse, die_with_parent, hold_outputs
+    from ptdp.runtime.joblock import die_with_parent
     if os.environ.get("TORCHELASTIC_RUN_ID"):   # under torchrun: never outlive its agent
         die_with_parent()
-    try:   # one job per checkpoint.dir and metrics file (ptdp/runtime/joblock.py)
-        hold_outputs(found.cfg, _env_int("RANK", 0))
-    except JobInUse as err:
+    refusal = _hold_outputs(found.cfg)
+    if refusal:
         if _env_int("RANK", 0) == 0:
-            print(f"ptdp train: {err}", file=sys.stderr)
+            print(f"ptdp train: {refusal}", file=sys.stderr)
         record_exit(CONFIG_ERROR)
         return CONFIG_ERROR
     from ptdp.data.indexed import IndexedDataError
@@ -87,6 +86,25 @@ def run(args) -> int:
     finally:
         shutdown()
     return 0
+
+
+def _hold_outputs(cfg) -> str | None:
+    """Hold the job's outputs (one job per checkpoint.dir and metrics file,
+    ptdp/runtime/joblock.py): the refusal every rank ends with, or None. Ranks may find
+    different things (a folder nodes see differently), so they agree through the job's store:
+    a rank leaving alone would leave the others waiting for it in the process group's
+    rendezvous."""
+    from ptdp.runtime.joblock import JobInUse, agree, hold_outputs
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    try:
+        hold_outputs(cfg, rank)
+        refusal = None
+    except JobInUse as err:
+        refusal = str(err)
+    if world == 1:
+        return refusal
+    from ptdp.runtime.startup import backend_timeout_s, job_store
+    return agree(job_store(backend_timeout_s(cfg)), rank, world, refusal)
 
 
 def _final_exits() -> dict:

@@ -222,8 +222,9 @@ class TrainConfig:
     startup_timeout_s: float = 600.0     # the same for the first iteration and validation
                                          # (compilation); the backend gives up after the larger
     tf32: bool = True                    # CUDA: TF32 tensor cores for fp32 matmuls/convolutions
-    grad_reduce_dtype: str | None = None  # null | fp32 | bf16: the data-parallel gradient
-                                          # reduction's dtype (null: the gradients', fp32)
+    grad_reduce_dtype: str | None = "fp32"  # fp32 | bf16: the data-parallel gradient
+                                            # reduction's dtype (gradients are fp32 always);
+                                            # null, older configs' default, is fp32
 
 
 @dataclass(frozen=True)

@@ -200,7 +200,7 @@ def _check_train(tr: TrainConfig, out: _Problems) -> bool:
     out.positive(tr.timeout_s, "train.timeout_s")
     out.positive(tr.startup_timeout_s, "train.startup_timeout_s")
     out.require(tr.fp16_max_skips >= 1, f"train.fp16_max_skips must be >= 1, got {tr.fp16_max_skips}")
-    if tr.grad_reduce_dtype is not None:
+    if tr.grad_reduce_dtype is not None:   # (null: fp32, as older configs spelled it)
         out.choice(tr.grad_reduce_dtype, ("fp32", "bf16"), "train.grad_reduce_dtype")
     return batches_ok and ramp_ok
 

@@ -38,12 +38,12 @@ REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class _Bucket:
     def __init__(self, params: list[nn.Parameter], group, in_place: torch.Tensor | None = None,
                  shard: torch.Tensor | None = None, copy_back: bool = False,
-                 wire_dtype: torch.dtype | None = None):
+                 wire_dtype: torch.dtype = torch.float32):
         self.params, self.group = params, group   # group: the params' reduce group
         self.in_place = in_place     # the bucket's slice of the flat gradient buffer, if any
         self.shard = shard           # this rank's part of in_place, when reduce-scattered
         self.copy_back = copy_back   # the sums go back into the gradients (flat buffer views)
-        self.wire_dtype = wire_dtype  # reduce in this dtype (train.grad_reduce_dtype), else as is
+        self.wire_dtype = wire_dtype  # reduce in this dtype (train.grad_reduce_dtype)
         self.ready = 0
         self.work = None
         self.flat = None
@@ -51,9 +51,7 @@ class _Bucket:
 
     def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` in the wire dtype (itself when that is its own)."""
-        if self.wire_dtype is None or tensor.dtype == self.wire_dtype:
-            return tensor
-        return tensor.to(self.wire_dtype)
+        return tensor if tensor.dtype == self.wire_dtype else tensor.to(self.wire_dtype)
 
     def launch(self, group) -> None:
         if self.in_place is not None:   # the flat buffer's slice (and this rank's shard of it)
@@ -106,14 +104,16 @@ class DataParallelGradients:
     reduce group), whose layouts fix the buckets and which part of each this rank receives.
     `reduce_dtype` (train.grad_reduce_dtype): "bf16" sends each bucket as a bf16 copy and
     casts the sums back into the fp32 gradients (half the bytes; Megatron's
-    --grad-reduce-in-bf16, which also accumulates in bf16); None or "fp32" sums them as fp32.
+    --grad-reduce-in-bf16, which also accumulates in bf16); "fp32" sums them as they are
+    (the gradients to reduce are fp32 always: ptdp/optim/mixed_precision.py), and None, the
+    older configs' spelling of the default, is "fp32".
     """
 
     def __init__(self, params: list[nn.Parameter], grid, accumulations: int,
                  bucket_mb: float = 25.0, flat: FlatGrads | None = None, sharded=None,
                  reduce_dtype: str | None = None):
         self.accumulations = accumulations
-        wire = REDUCE_DTYPES[reduce_dtype] if reduce_dtype else None
+        wire = REDUCE_DTYPES[reduce_dtype or "fp32"]
         self.params = [p for p in params if p.requires_grad]
         self.flat = flat
         self.buckets: list[_Bucket] = []

@@ -27,6 +27,7 @@ bias-add chains and the position-embedding slice keep their (cheap) weight gradi
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Callable
 
@@ -220,10 +221,26 @@ _OWNERS: dict = {}   # (data_ptr, shape) of a weight -> weak references to it an
 
 
 def _own(queue: WeightGradQueue, *weights) -> None:
-    """Note whose `weights` are (eager forwards: a compiled layer's are found by `_owner`)."""
+    """Note whose `weights` are (eager forwards: a compiled layer's are found by `_owner`).
+    An entry goes when its weight dies (`_forget`), so the table holds live weights only
+    however many chunks are built and dropped; a known entry is left as it is (every forward
+    after the first: no new references)."""
     for weight in weights:
-        if weight is not None:
-            _OWNERS[(weight.data_ptr(), weight.shape)] = (weakref.ref(weight), weakref.ref(queue))
+        if weight is None:
+            continue
+        key = (weight.data_ptr(), weight.shape)
+        entry = _OWNERS.get(key)
+        if entry is not None and entry[0]() is weight and entry[1]() is queue:
+            continue
+        forget = functools.partial(_forget, _OWNERS, key)   # (no global lookup at exit)
+        _OWNERS[key] = (weakref.ref(weight, forget), weakref.ref(queue))
+
+
+def _forget(table: dict, key: tuple, ref: weakref.ref) -> None:
+    """A weight died: drop its entry, unless another weight has taken its key since."""
+    entry = table.get(key)
+    if entry is not None and entry[0] is ref:
+        del table[key]
 
 
 def _owner(weight: torch.Tensor) -> tuple:

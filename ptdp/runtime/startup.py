@@ -64,6 +64,7 @@ def set_tf32(enabled: bool) -> None:
 
 def init_distributed(cfg: Config) -> tuple[RankGrid, torch.device]:
     """Initialise torch.distributed (if not yet) and build the rank grid for cfg.parallel."""
+    global _store
     for name, value in cuda_environment(cfg.parallel.tensor, cfg.parallel.context).items():
         os.environ[name] = value   # before the first CUDA call creates the context
     device = pick_device(cfg.train.device)
@@ -76,7 +77,11 @@ def init_distributed(cfg: Config) -> tuple[RankGrid, torch.device]:
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+        store, _store = job_store(timeout_s), None   # (the process group owns it from here)
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store),
+                                rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timedelta(seconds=timeout_s),
                                 **({"device_id": device} if device.type == "cuda" else {}))
     par = cfg.parallel
     # The tied embedding's group: the pipeline ranks holding the first and the last stage,
@@ -87,6 +92,21 @@ def init_distributed(cfg: Config) -> tuple[RankGrid, torch.device]:
                     context=par.context, embedding_pipeline_ranks=first_and_last,
                     expert=par.expert)
     return grid, device
+
+
+_store = None   # this process's rendezvous store (`job_store`)
+
+
+def job_store(timeout_s: float):
+    """The job's rendezvous store, made once per process as torch's env:// rendezvous makes it:
+    a client of torchrun's agent store, else (srun, one process) rank 0 hosts it at
+    MASTER_ADDR:MASTER_PORT. `ptdp train` agrees on the job lock's verdict through it before
+    any process group exists (ptdp/runtime/joblock.py `agree`); `init_distributed` then starts
+    the process group on it (rank 0 could not host a second store on that port)."""
+    global _store
+    if _store is None:
+        _store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout_s)))
+    return _store
 
 
 def shutdown() -> None:

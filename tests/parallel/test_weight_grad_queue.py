@@ -127,3 +127,24 @@ def test_a_deferring_layer_compiles_into_one_graph():
         stack(x).sum().backward()
         assert counters["stats"]["unique_graphs"] == 1, arch   # both layers share it
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+def test_the_owner_table_forgets_the_weights_of_dropped_chunks():
+    """The table that finds a weight's queue at backward time (weight_grad._OWNERS) holds live
+    weights only: building, training and dropping chunks leaves it as it was."""
+    import gc
+
+    from ptdp.parallel import weight_grad
+    gc.collect()
+    before = len(weight_grad._OWNERS)
+    x = torch.randn(8, 2, 32, requires_grad=True)
+    for _ in range(2):
+        stack = TransformerStack(_context("gpt"), 0, 1, causal=True)
+        queue = defer_weight_grads(stack)
+        with queue.defer(0):
+            stack(x).sum().backward()
+        queue.run(0)
+        assert len(weight_grad._OWNERS) > before   # its weights are known while it lives
+        del stack, queue
+        gc.collect()
+        assert len(weight_grad._OWNERS) == before
