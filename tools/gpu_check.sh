@@ -13,8 +13,10 @@
 #
 # --dry-run: print each stage's command and run only what needs no GPU (the planner's
 # predictions and the report), e.g. on a CPU machine to check the script itself.
-# Offline machines: what the GPU machine lacks (its image may have no pytest) is fetched
-# beforehand on a machine with network, into the ignored folder .whl/ of the repository:
+# Offline machines: what the GPU machine lacks is fetched beforehand on a machine with
+# network, into the ignored folder .whl/ of the repository (the lent H100/H200 image, Python
+# 3.12 with torch 2.11 and transformers, has pytest and pytest-timeout: nothing to fetch there;
+# the pre-flight names whatever is missing):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux2014_x86_64 --platform any -d .whl pytest pytest-timeout pluggy iniconfig packaging
 # and installed from there (no network) into a private folder before the stages run.
