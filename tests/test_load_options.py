@@ -37,11 +37,11 @@ def _summary(trainer) -> dict:
 
 
 class _Recorder:
-    """Stands in for torch.distributed inside ptdp/optim/grads.py: records the dtype and bytes
-    of every tensor the data-parallel reduction sends."""
+    """Stands in for torch.distributed and the reduce-scatter inside ptdp/optim/grads.py:
+    records the dtype and bytes of every tensor the data-parallel reduction sends."""
 
-    def __init__(self, real):
-        self.real, self.sent = real, []
+    def __init__(self, real, reduce_scatter):
+        self.real, self.reduce_scatter, self.sent = real, reduce_scatter, []
 
     def __getattr__(self, name):
         return getattr(self.real, name)
@@ -54,17 +54,18 @@ class _Recorder:
 
     def reduce_scatter_single(self, output, tensor, **kw):
         self.sent.append((str(tensor.dtype), tensor.numel() * tensor.element_size()))
-        return self.real.reduce_scatter_single(output, tensor, **kw)
+        return self.reduce_scatter(output, tensor, **kw)
 
 
 def _reduced(overrides: list[str]) -> tuple[list, list]:
     """(losses, what the reduction sent) of 2 iterations."""
     import ptdp.optim.grads as grads
-    recorder = grads.dist = _Recorder(grads.dist)
+    recorder = grads.dist = _Recorder(grads.dist, grads.reduce_scatter_single)
+    grads.reduce_scatter_single = recorder.reduce_scatter_single
     try:
         losses = [r["loss"] for r in _trainer(["train.iters=2"] + overrides).train()]
     finally:
-        grads.dist = recorder.real
+        grads.dist, grads.reduce_scatter_single = recorder.real, recorder.reduce_scatter
     return losses, recorder.sent
 
 
