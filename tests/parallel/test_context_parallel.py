@@ -249,13 +249,16 @@ def _no_flush(overrides: list[str], iters: int = 4) -> dict:
 
 
 def _resume(root: str) -> dict:
-    save = [f"checkpoint.dir={root}/saved", "checkpoint.save_interval=2", "train.iters=4"]
-    load = [f"checkpoint.load={root}/saved/iter_0000002", "train.iters=4"]
+    """(c, d) = (2, 2) for 3 iterations, saving at 2; each RESUME layout continues from 2 for
+    the one iteration that shows the loaded weights, data position and Adam moments right
+    (its loss, then its update)."""
+    save = [f"checkpoint.dir={root}/saved", "checkpoint.save_interval=2", "train.iters=3"]
+    load = [f"checkpoint.load={root}/saved/iter_0000002", "train.iters=3"]
     out = {}
     straight = _trainer([*MODELS["llama"], *RESUME["c2 d2"], *save])
     out["straight"] = ([r["loss"] for r in straight.train()], straight.full_state())
     for name, overrides in RESUME.items():
-        extra = save if name == "c2 d2" else []   # itself: saving again at 4, as straight did
+        extra = save if name == "c2 d2" else []   # itself: saving again at 3, as straight did
         trainer = _trainer([*MODELS["llama"], *overrides, *load, *extra])
         out[name] = ([r["loss"] for r in trainer.train()], trainer.full_state())
     return out
