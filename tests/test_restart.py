@@ -165,11 +165,13 @@ def scripts(tmp_path_factory):
 
 
 def _script(root: Path, override: str, **extra) -> subprocess.Popen:
-    """The launch script in a folder of its own under `root` (its outputs apart)."""
+    """The launch script in a folder of its own under `root` (its outputs apart). Given
+    GPUS_PER_NODE, it does not import torch to count devices (a second of CPU per launch, five
+    launches at once): these tests are about its restart loop."""
     cwd = root / f"run{len(list(root.glob('run*')))}"
     cwd.mkdir()
     return subprocess.Popen(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), override],
-                            env=_env(**extra), cwd=cwd, stdout=subprocess.PIPE,
+                            env=_env(GPUS_PER_NODE="2", **extra), cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
