@@ -21,6 +21,7 @@ from ptdp.parallel.context import (chunk_ids, context_shard, context_unshard, lo
 from ptdp.parallel.grid import Coordinates, coordinates_of, group_rows
 from ptdp.parallel.ring_attention import DIAGONAL, visible_blocks
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.equivalence import (ITERS, MODELS, RTOL, TINY, assert_equivalent, reference,
                                relative_error)
 
@@ -273,7 +274,7 @@ def _results(world: int, resume_root: str | None = None) -> dict:
         runs += [[*MODELS[arch], *overrides] for arch, overrides in FEATURES.values()]
     no_flush = NO_FLUSH.get(world, {})
     per_rank = run_on_ranks(world, _job, runs, no_flush, resume_root if world == 4 else None,
-                            timeout_s=500)
+                            timeout_s=within(500))
     out = {key: [rank["runs"][i] for rank in per_rank] for i, key in enumerate(keys)}
     out.update({name: [rank[name] for rank in per_rank] for name in (
         [*no_flush, *(["resume", "ring"] if world == 4 else [])])})

@@ -19,6 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.equivalence import MODELS, TINY, relative_error
 from tests.pipeline.no_flush_oracles import (oracle_overrides, pipedream_versions,
                                              simulate_pipedream, simulate_two_bw)
@@ -97,7 +98,8 @@ def train_runs(runs: list[list[str]]) -> list[dict]:
 @functools.lru_cache(maxsize=None)
 def _world(world: int) -> dict:
     keys = [(name, arch) for name, (w, _, archs) in RUNS.items() if w == world for arch in archs]
-    per_rank = run_on_ranks(world, train_runs, [_overrides(*k) for k in keys], timeout_s=280)
+    per_rank = run_on_ranks(world, train_runs, [_overrides(*k) for k in keys],
+                            timeout_s=within(280))
     return {k: [per_rank[r][i] for r in range(world)] for i, k in enumerate(keys)}
 
 
@@ -137,7 +139,7 @@ def _oracles() -> dict:
     wanted = {(name, arch): _oracle_job(name, arch)
               for name, (_, _, archs) in RUNS.items() for arch in archs}
     distinct = list({repr(job): job for job in wanted.values()}.values())
-    simulated = run_on_ranks(1, oracle_runs, distinct, timeout_s=280)[0]
+    simulated = run_on_ranks(1, oracle_runs, distinct, timeout_s=within(280))[0]
     by_job = dict(zip(map(repr, distinct), simulated))
     return {key: by_job[repr(job)] for key, job in wanted.items()}
 
@@ -270,6 +272,7 @@ def _resume_job(directory: str, overrides: list[str]):
 def test_two_bw_resumes_with_both_versions_and_the_exact_loss_sequence(tmp_path):
     """Saved after 3 iterations: W(3) and the shadow W(2), which batch 3 still runs with."""
     whole, again, versions = run_on_ranks(2, _resume_job, str(tmp_path),
-                                          TWO_BW + ["parallel.pipeline=2"], timeout_s=200)[0]
+                                          TWO_BW + ["parallel.pipeline=2"],
+                                          timeout_s=within(200))[0]
     assert versions == [2, 3]
     assert again == whole[3:]
