@@ -18,7 +18,8 @@ from ptdp.config import ConfigError, load_config
 from ptdp.config.stages import layer_counts, layer_ranges
 from ptdp.runtime.local_ranks import run_on_ranks
 from tests.deadline import within
-from tests.equivalence import ITERS, MODELS, TINY, assert_equivalent, train_and_collect
+from tests.equivalence import (ITERS, MODELS, TINY, assert_equivalent, reference,
+                               train_and_collect)
 
 P4 = ["parallel.pipeline=4", "parallel.stage_layers=[1,3,3,1]"]
 P3V2 = ["parallel.pipeline=3", "parallel.chunks=2", "schedule.name=interleaved",
@@ -92,16 +93,20 @@ def _oracle_job(references: list[list[str]], two_bw: list[str], pipedream: tuple
 
 @functools.lru_cache(maxsize=None)
 def _oracles() -> dict:
-    """The single-process references and the no-flush rules, in one single-process job."""
-    references = sorted({tuple(_reference_overrides(n)) for n in FLUSHING})
+    """The single-process references and the no-flush rules, in one single-process job; the
+    references of the plain models are tests/equivalence.py's, from its shared job."""
+    wanted = sorted({tuple(_reference_overrides(n)) for n in FLUSHING})
+    plain = {tuple(MODELS[arch]): arch for arch in MODELS}
+    own = [r for r in wanted if r not in plain]
     stage_of = {}
     for rank in result("pd-p2"):
         stage_of.update(rank["stage_of"])
     pd = [*MODELS["gpt"], *NO_FLUSH["pd-p2"][1]]
     refs, two_bw, pipedream = run_on_ranks(
-        1, _oracle_job, [list(r) for r in references], [*MODELS["gpt"], *NO_FLUSH["2bw-p4"][1]],
+        1, _oracle_job, [list(r) for r in own], [*MODELS["gpt"], *NO_FLUSH["2bw-p4"][1]],
         (pd, 3, 2, 1, stage_of, False), timeout_s=within(400))[0]
-    return {"refs": dict(zip(references, refs)), "2bw-p4": two_bw, "pd-p2": pipedream}
+    refs = {**dict(zip(own, refs)), **{r: reference(plain[r]) for r in wanted if r in plain}}
+    return {"refs": refs, "2bw-p4": two_bw, "pd-p2": pipedream}
 
 
 # ---------------------------------------------------------------------------- layer ranges
