@@ -1,4 +1,4 @@
-"""Every wait of a test ends inside pytest's per-test limit, so that its own message is the one read.
+"""Every wait of a test ends inside pytest's per-test limit, so that its own message is read.
 
 pytest-timeout (`timeout` in pyproject.toml, 300 s, or a test's `pytest.mark.timeout`) ends a
 test that runs too long with a stack dump that does not say what was awaited, and it counts the
