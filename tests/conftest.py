@@ -7,11 +7,16 @@ machine with one visible GPU would put every multi-rank test's rank 1 on a GPU i
 The GPU tier (tests marked `gpu`, tests/gpu/) is the exception: `PTDP_GPU_TESTS=1 pytest -m gpu`
 (tools/gpu_check.sh) leaves the GPUs visible. Without CUDA every `gpu` test is skipped, so the
 plain suite (CI: `pytest -q`) never needs a GPU and never sees one.
+
+Each test's waits end inside pytest's per-test limit (tests/deadline.py): its budget starts here,
+before its fixtures, as pytest-timeout's clock does.
 """
 
 import os
 
 import pytest
+
+from tests import deadline
 
 GPU_TIER = os.environ.get("PTDP_GPU_TESTS") == "1"
 if not GPU_TIER:
@@ -29,3 +34,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=why))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    deadline.start(deadline.limit_of(item))

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 
 RTOL = 1e-5
 
@@ -102,7 +103,7 @@ def run_layouts(world_size: int, runs: list[list[str]], timeout_s: float = 240.0
                 nccl_rules: bool = False) -> list[list[dict]]:
     """[per run][per rank] results of `train_and_collect`."""
     per_rank = run_on_ranks(world_size, train_and_collect, runs, ITERS, nccl_rules,
-                            timeout_s=timeout_s)
+                            timeout_s=within(timeout_s))
     return [[per_rank[r][i] for r in range(world_size)] for i in range(len(runs))]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from tests.deadline import within
 from tests.equivalence import ARCHS, MODELS, TINY, run_layouts
 
 SP = ["parallel.sequence_parallel=true"]
@@ -31,7 +32,7 @@ def feature_results(feature: tuple[str, ...], world: int) -> dict:
     GPT, BERT and Llama-style, all under the in-order (NCCL-rules) transport: one spawned job."""
     names = [n for n in LAYOUTS if n[0] * n[1] * n[2] == world]
     runs = [[*MODELS[arch], *LAYOUTS[n], *feature] for n in names for arch in ARCHS]
-    results = iter(run_layouts(world, runs, timeout_s=400, nccl_rules=True))
+    results = iter(run_layouts(world, runs, timeout_s=within(400), nccl_rules=True))
     return {(n, arch): next(results) for n in names for arch in ARCHS}
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.equivalence import ARCHS, MODELS, RTOL, assert_equivalent, reference, relative_error
 from tests.features import LAYOUTS, SP, ZB, feature_layout, resume_job
 
@@ -37,7 +38,7 @@ RESUME = {"all": [*LAYOUTS[(1, 2, 2)], "model.dropout=0.1", *ALL],
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("all-features")
-    return run_on_ranks(4, resume_job, str(root), RESUME, timeout_s=500)[0]
+    return run_on_ranks(4, resume_job, str(root), RESUME, timeout_s=within(500))[0]
 
 
 @pytest.mark.parametrize("name", ["all", "llama all", "llama pipeline"])

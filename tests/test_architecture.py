@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.deadline import within
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The packages from the ground up (docs/architecture.md, "Floors"): a package imports itself and
@@ -220,7 +222,7 @@ def test_a_source_checkout_imports_ptdp_models_without_an_install(tmp_path):
             "import ptdp.models.gpt, ptdp.training\n"
             "print(ptdp.models.gpt.__file__)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
+                         timeout=within(120), cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(ROOT / "models" / "gpt.py")
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.deadline import within
+
 ROOT = Path(__file__).resolve().parents[1]
 ROW_FIELDS = {"model", "micro_batch", "micro_batches", "step_ms", "step_ms_all", "tokens_per_s",
               "tflops", "tflops_eq42", "mfu", "peak_memory_gb", "loss_first", "loss_last",
@@ -26,7 +28,7 @@ def test_bench_gpu_tiny_on_cpu(tmp_path, arch, extra, program):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, *program, "--device", "cpu", "--tiny",
            "--arch", arch, "--steps", "2", "--warmup", "1", "--json", str(out), *extra]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=within(240), cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
     for heading in ("step ms", "tokens/s", "TFLOP/s eq4.2", "MFU", "peak GiB"):
         assert heading in run.stdout

@@ -7,13 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.deadline import within
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_schedules_tiny(tmp_path):
     cmd = [sys.executable, str(ROOT / "tools" / "bench_schedules.py"), "--iters", "4",
            "--synthetic", "--out", str(tmp_path), "--timeout", "200"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=within(240), cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "final loss" in run.stdout and "median step ms" in run.stdout
     rows = {r["schedule"]: r for r in json.loads((tmp_path / "schedules.json").read_text())["rows"]}

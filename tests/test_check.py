@@ -23,6 +23,7 @@ import pytest
 
 from ptdp import checks, cli
 from ptdp.config import load_config
+from tests.deadline import within
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512
@@ -81,7 +82,7 @@ def assets(tmp_path_factory) -> dict:
              "short": str(root / "short"), "empty": str(root / "empty"), "ckpt": str(root / "ckpt")}
     base = root / "base.yaml"
     base.write_text(BASE.format(vocab=VOCAB, out=root / "unused", **paths))
-    run_on_ranks(1, save_job, str(base), paths["ckpt"], timeout_s=120)
+    run_on_ranks(1, save_job, str(base), paths["ckpt"], timeout_s=within(120))
     return paths
 
 
@@ -430,7 +431,8 @@ def test_torchrun_ranks_exit_2_before_any_process_group(assets, tmp_path):
     config, overrides, expect, out = _prepare(ROW["everything-at-once"], tmp_path, assets)
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", "2", "-m", "ptdp", "train", config, *overrides],
-                         cwd=tmp_path, env=_env(), text=True, capture_output=True, timeout=120)
+                         cwd=tmp_path, env=_env(), text=True, capture_output=True,
+                         timeout=within(120))
     text = res.stdout + res.stderr
     assert res.returncode != 0
     ours = [line for line in text.splitlines() if line.startswith("ptdp train: ")]
@@ -450,7 +452,7 @@ def test_launch_script_stops_before_torchrun(assets, tmp_path):
     env = {**_env(), "PYTHON": sys.executable, "NPROC": "2", "CUDA_VISIBLE_DEVICES": "",
            "TORCHRUN": "false"}   # a launcher that would fail the test if it ran
     res = subprocess.run(["bash", str(ROOT / "tools" / "pretrain_gpt.sh"), config, *overrides],
-                         env=env, text=True, capture_output=True, timeout=120)
+                         env=env, text=True, capture_output=True, timeout=within(120))
     assert res.returncode == 2, res.stderr
     for want in expect:
         assert want in res.stderr

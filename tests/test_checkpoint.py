@@ -20,6 +20,7 @@ from ptdp.checkpoint.layout import (CheckpointError, check_model_config, read_me
 from ptdp.checkpoint.reshard import ShardReader
 from ptdp.config import ModelConfig
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.equivalence import RTOL, TINY, relative_error
 
 P2_T2 = ["parallel.pipeline=2", "parallel.tensor=2"]
@@ -127,8 +128,8 @@ def world1_job(root: str) -> dict:
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
-    world4 = run_on_ranks(4, world4_job, str(root), timeout_s=280)
-    world1 = run_on_ranks(1, world1_job, str(root), timeout_s=120)[0]
+    world4 = run_on_ranks(4, world4_job, str(root), timeout_s=within(280))
+    world1 = run_on_ranks(1, world1_job, str(root), timeout_s=within(120))[0]
     return root, world4, world1
 
 

@@ -21,6 +21,7 @@ from ptdp.checkpoint.layout import (CheckpointError, find_checkpoint, iteration_
                                     resolve_checkpoint)
 from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.metrics.log import drop_records_after, read_metrics
+from tests.deadline import within
 from tests.equivalence import TINY
 
 ITERS = 6                      # saves at 2, 4 and 6
@@ -111,7 +112,8 @@ def crash_job(root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    return run_on_ranks(2, crash_job, str(tmp_path_factory.mktemp("crash")), timeout_s=280)[0]
+    return run_on_ranks(2, crash_job, str(tmp_path_factory.mktemp("crash")),
+                        timeout_s=within(280))[0]
 
 
 # --------------------------------------------------------------------------------------------

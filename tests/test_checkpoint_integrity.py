@@ -26,6 +26,7 @@ from ptdp.checkpoint.integrity import (DamagedCheckpoint, file_checksum, is_disk
                                        save_durably, seal, verify_metadata)
 from ptdp.checkpoint.layout import iteration_dir_name
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.equivalence import TINY
 
 JOB = TINY + ["parallel.pipeline=2", "model.dropout=0.1", "train.iters=4",
@@ -82,14 +83,14 @@ def _damage(directory: Path, kind: str) -> None:
 @pytest.fixture(scope="module")
 def damaged(tmp_path_factory):
     root = tmp_path_factory.mktemp("integrity")
-    reference = run_on_ranks(2, _reference, str(root / "ref"), timeout_s=300)[0]
+    reference = run_on_ranks(2, _reference, str(root / "ref"), timeout_s=within(300))[0]
     for kind in DAMAGES:   # one copy for the resumed runs (which save iteration 4 again),
         for copy in (kind, f"check {kind}"):   # one for `ptdp check`
             shutil.copytree(root / "ref", root / copy)
             _damage(root / copy / iteration_dir_name(4), kind)
     shutil.copytree(root / "ref", root / "named")
     _damage(root / "named" / iteration_dir_name(4), DAMAGES[0])
-    return root, reference, run_on_ranks(2, _resume_each, str(root), timeout_s=300)[0]
+    return root, reference, run_on_ranks(2, _resume_each, str(root), timeout_s=within(300))[0]
 
 
 @pytest.mark.parametrize("kind", DAMAGES)

@@ -14,6 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.equivalence import RTOL, TINY
 
 UNEVEN = ["parallel.pipeline=4", "parallel.stage_layers=[1,3,3,1]"]
@@ -54,9 +55,9 @@ def single_loads(root: str) -> dict:
 @pytest.fixture(scope="module")
 def losses(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("uneven_checkpoints"))
-    out = run_on_ranks(1, single_saves, root, timeout_s=200)[0]
-    out.update(run_on_ranks(4, world4_job, root, timeout_s=400)[0])
-    out.update(run_on_ranks(1, single_loads, root, timeout_s=200)[0])
+    out = run_on_ranks(1, single_saves, root, timeout_s=within(200))[0]
+    out.update(run_on_ranks(4, world4_job, root, timeout_s=within(400))[0])
+    out.update(run_on_ranks(1, single_loads, root, timeout_s=within(200))[0])
     return out
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import yaml
 
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 
 FIXTURES = Path(__file__).resolve().parent / "checkpoint_v1"
 CASES = json.loads((FIXTURES / "cases.json").read_text())
@@ -45,7 +46,7 @@ def _resume_job(root: str) -> dict:
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("v1")
-    return run_on_ranks(2, _resume_job, str(root), timeout_s=300)[0]
+    return run_on_ranks(2, _resume_job, str(root), timeout_s=within(300))[0]
 
 
 def _same(a, b, where: str) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.config import Config, ConfigError, load_config
+from tests.deadline import within
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -133,7 +134,7 @@ def run_script(args, env=None, cwd=ROOT):
                              "GPUS_PER_NODE", "NPROC", "TORCHRUN", "TORCHRUN_ARGS")}
     full_env.update(PYTHON=sys.executable, DRY_RUN="1", **(env or {}))
     return subprocess.run(["bash", *map(str, args)], cwd=cwd, env=full_env, text=True,
-                          capture_output=True, timeout=120)
+                          capture_output=True, timeout=within(120))
 
 
 def torchrun_line(stderr: str) -> list[list[str]]:

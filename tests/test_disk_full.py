@@ -21,6 +21,7 @@ import torch.distributed as dist
 from ptdp.checkpoint.layout import iteration_dir_name
 from ptdp.checkpoint.retention import prune, protect, sweep_leftovers
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.equivalence import TINY
 from tests.test_restart import FAKE_TORCHRUN
 from tools.jobs import ROOT, SCRIPT, env as _env
@@ -53,7 +54,8 @@ def _fill_the_disk_at_iteration_4(directory: str) -> dict:
 
 def test_a_full_disk_ends_the_job_with_one_line(tmp_path):
     directory = tmp_path / "ck"
-    ranks = run_on_ranks(2, _fill_the_disk_at_iteration_4, str(directory), timeout_s=300)
+    ranks = run_on_ranks(2, _fill_the_disk_at_iteration_4, str(directory),
+                         timeout_s=within(300))
     assert ranks[0]["left"] == [iteration_dir_name(2), "latest"]   # rank 0 removed the .tmp
     for rank in ranks:
         line = rank["error"]
@@ -73,7 +75,7 @@ def test_a_full_disk_is_exit_5_and_not_retried(tmp_path):
         ["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), "train.iters=2"],
         env=_env(MAX_RESTARTS="3", TORCHRUN=f"{sys.executable} {fake}", PLAN="5",
                  LOG=str(log), NPROC="2"),
-        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        cwd=tmp_path, capture_output=True, text=True, timeout=within(120))
     assert result.returncode == 5
     assert len(log.read_text().splitlines()) == 1
     assert "a full disk (exit 5): not restarting" in result.stderr
@@ -115,7 +117,7 @@ def _keep_two(directory: str) -> list[str]:
 
 
 def test_a_run_keeps_its_newest_checkpoints(tmp_path):
-    kept = run_on_ranks(2, _keep_two, str(tmp_path / "ck"), timeout_s=300)[0]
+    kept = run_on_ranks(2, _keep_two, str(tmp_path / "ck"), timeout_s=within(300))[0]
     assert kept == [iteration_dir_name(8), iteration_dir_name(10), "latest"]
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.equivalence import TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +45,7 @@ def test_non_finite_loss_stops_the_run_before_any_bad_checkpoint(tmp_path, preci
     out = run_on_ranks(2, _train_until_it_stops,
                        ["parallel.pipeline=2", f"train.precision={precision}", *EXPLODE,
                         f"checkpoint.dir={ckpt}", "checkpoint.save_interval=1",
-                        f"log.metrics_file={tmp_path}/m.jsonl"], timeout_s=120)
+                        f"log.metrics_file={tmp_path}/m.jsonl"], timeout_s=within(120))
     errors = {r["error"] for r in out}
     assert len(errors) == 1 and None not in errors, errors     # every rank stops together
     error = errors.pop()
@@ -60,7 +61,7 @@ def test_non_finite_loss_stops_the_run_before_any_bad_checkpoint(tmp_path, preci
 def test_fp16_gives_up_after_max_skips_at_the_minimum_scale():
     out = run_on_ranks(2, _train_until_it_stops,
                        ["parallel.tensor=2", "train.precision=fp16", "train.initial_loss_scale=4",
-                        "train.fp16_max_skips=3", *EXPLODE], timeout_s=120)
+                        "train.fp16_max_skips=3", *EXPLODE], timeout_s=within(120))
     for rank in out:
         assert "fp16 overflowed on 3 consecutive steps at the minimum loss scale 1" in rank["error"]
         assert rank["skips"] == 3 and rank["iteration"] < 20
@@ -72,7 +73,7 @@ def test_ptdp_train_prints_one_line_and_exits_3(tmp_path):
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", "2", "-m", "ptdp", "train", str(ROOT / "configs/gpt_tiny.yaml"), *TINY,
                           "parallel.pipeline=2", *EXPLODE, "log.progress=false"],
-                         cwd=tmp_path, env=env, text=True, capture_output=True, timeout=180)
+                         cwd=tmp_path, env=env, text=True, capture_output=True, timeout=within(180))
     text = res.stdout + res.stderr
     ours = [line for line in text.splitlines() if line.startswith("ptdp train: iteration")]
     assert res.returncode != 0 and len(ours) == 1, text

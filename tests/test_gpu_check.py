@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.deadline import within
 import tools.gpu_check as gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -14,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_dry_run_predicts_and_reports(tmp_path):
     run = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), "--dry-run", "--out",
-                          str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          str(tmp_path)], capture_output=True, text=True, timeout=within(120),
                          env={**os.environ, "PYTHON": sys.executable})
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 
+from tests.deadline import within
 from tools import jobs
 from tools.jobs import ROOT
 
@@ -22,10 +23,10 @@ def test_a_killed_rank_is_named_once_by_ptdp(tmp_path):
            "log.progress=false"]
     job = jobs.start(cmd, tmp_path)
     try:
-        jobs.wait_for_iteration(metrics, job, 3)
+        jobs.wait_for_iteration(metrics, job, 3, timeout=within(120))
         killed = jobs.pid_of_rank(1, job.marker)
         os.kill(killed, signal.SIGKILL)
-        out, _ = job.communicate(timeout=120)
+        out, _ = job.communicate(timeout=within(120))
     finally:
         jobs.stop(job)   # the other worker too, whatever happened
     ours = [line for line in out.splitlines() if line.startswith("ptdp train: ")]

@@ -19,6 +19,7 @@ from ptdp.checkpoint.load import PROGRESS, withheld_parts
 from ptdp.config import load_config
 from ptdp.config.schema import CheckpointConfig, ConfigError
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.equivalence import TINY
 
 SMALL = TINY + ["model.num_layers=2", "parallel.data=2", "model.dropout=0.1"]
@@ -91,7 +92,8 @@ def job(root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_on_ranks(2, job, str(tmp_path_factory.mktemp("load_options")), timeout_s=240)[0]
+    return run_on_ranks(2, job, str(tmp_path_factory.mktemp("load_options")),
+                        timeout_s=within(240))[0]
 
 
 def _same_weights(a: dict, b: dict) -> bool:

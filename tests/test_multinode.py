@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.deadline import within
 from tools.jobs import MARKER, stop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +50,7 @@ def _cannot_make_namespaces() -> str | None:
 def _sim(*args, check=True, **kwargs):
     env = {**os.environ, "SIMCLUSTER_NAME": NAME}
     return subprocess.run([str(SIMCLUSTER), *args], env=env, check=check, text=True,
-                          capture_output=True, timeout=60, **kwargs)
+                          capture_output=True, timeout=within(60), **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +119,7 @@ def single_process_losses():
     """The oracle: the same model, data and seed in one process (p = t = d = 1)."""
     from ptdp.runtime.local_ranks import run_on_ranks
     return run_on_ranks(1, _one_process, ["train.device=cpu", "log.progress=false",
-                                          f"train.iters={ITERS}"], timeout_s=120)[0]
+                                          f"train.iters={ITERS}"], timeout_s=within(120))[0]
 
 
 def test_slurm_script_launches_one_node_per_namespace(cluster, single_process_losses, tmp_path):
@@ -141,7 +142,8 @@ def test_slurm_script_launches_one_node_per_namespace(cluster, single_process_lo
                    SLURM_SUBMIT_DIR=str(ROOT), SLURM_GPUS_ON_NODE="2")
     res = subprocess.run([str(ROOT / "tools/slurm_pretrain.sh"), "configs/gpt_tiny.yaml", *LAYOUT,
                           f"train.iters={ITERS}", f"log.metrics_file={metrics}"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+                         cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=within(180))
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"master {NAME}-n0:24242" in res.stderr
     for node in (0, 1):
@@ -156,7 +158,7 @@ def test_a_node_that_dies_ends_the_other_with_a_line_naming_its_ranks(cluster, t
     jobs = [_launch_node(n, ["train.iters=100000", f"log.metrics_file={metrics}"], logs[n], 29412)
             for n in (0, 1)]
     try:
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + within(150)
         while time.monotonic() < deadline and jobs[0].poll() is None:
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
                 break
@@ -164,7 +166,7 @@ def test_a_node_that_dies_ends_the_other_with_a_line_naming_its_ranks(cluster, t
         assert jobs[0].poll() is None, logs[0].read_text()[-3000:]
         _sim("kill", "1")
         killed = time.monotonic()
-        jobs[0].wait(timeout=90)
+        jobs[0].wait(timeout=within(90))
         elapsed = time.monotonic() - killed
     finally:
         for job in jobs:
@@ -195,7 +197,7 @@ def test_srun_one_task_per_rank_without_torchrun_forms_the_job(single_process_lo
                      _job_env(SLURM_PROCID=str(task), SLURM_LOCALID="0", SLURM_NODEID=str(task),
                               **slurm))
             for task, log in zip((0, 1), logs)]
-    _wait_all(jobs, logs, timeout_s=120)
+    _wait_all(jobs, logs, timeout_s=within(120))
     out = [log.read_text() for log in logs]
     assert "(p, t, d) = (1, 2, 1)" in out[0]
     warnings = [line for text in out for line in text.splitlines()

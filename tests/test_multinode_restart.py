@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ptdp.metrics.log import read_metrics
 from ptdp.runtime.local_ranks import free_port
+from tests.deadline import within
 from tests.test_joblock import ITERS, JOB, uninterrupted_losses
 from tools import jobs
 from tools.jobs import ROOT, SCRIPT
@@ -28,9 +29,9 @@ def test_both_nodes_restart_into_a_fresh_rendezvous(tmp_path):
     with ThreadPoolExecutor(1) as pool:   # the uninterrupted run, beside the job
         reference = pool.submit(uninterrupted_losses)
         try:
-            jobs.wait_for_iteration(metrics, nodes[0], 12)
+            jobs.wait_for_iteration(metrics, nodes[0], 12, timeout=within(120))
             os.kill(jobs.pid_of_rank(1, marker), signal.SIGKILL)
-            outputs = [node.communicate(timeout=400)[0] for node in nodes]
+            outputs = [node.communicate(timeout=within(400))[0] for node in nodes]
         finally:
             for node in nodes:   # the launchers, their torchruns, every worker (own sessions)
                 jobs.stop(node)

@@ -14,6 +14,7 @@ from ptdp.profiler.calibration import RESERVE_RUNS
 from ptdp.profiler.build import _assemble
 from ptdp.profiler.kernels import fit_half_dim
 from ptdp.profiler.collectives import fit_latency_bandwidth
+from tests.deadline import within
 
 TINY = {"model": {"arch": "gpt", "num_layers": 2, "hidden_size": 64, "num_heads": 4,
                   "seq_length": 32, "vocab_size": 100, "ffn_hidden_size": 256}}
@@ -28,7 +29,7 @@ def profile_path(tmp_path_factory):
     proc = subprocess.run([sys.executable, "-m", "ptdp", "profile", str(model), "--out", str(out),
                            "--micro-batches", "1,2", "--tensor", "1,2", "--ranks", "2",
                            "--iters", "2", "--memory-repeats", "1"],
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=within(240))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
@@ -98,7 +99,7 @@ def test_plan_runs_on_the_measured_profile(profile_path, tmp_path):
     model.write_text(yaml.safe_dump(TINY))
     proc = subprocess.run([sys.executable, "-m", "ptdp", "plan", str(model), "--hardware",
                            str(profile_path), "--gpus", "4", "--global-batch-size", "8", "--json"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=within(120))
     assert proc.returncode == 0, proc.stderr
     assert yaml.safe_load(proc.stdout)["precision"] == "fp32"
     assert "warning" not in proc.stderr     # measured here: not foreign
@@ -132,7 +133,7 @@ def test_bad_profile_arguments(tmp_path):
     model.write_text(yaml.safe_dump(TINY))
     proc = subprocess.run([sys.executable, "-m", "ptdp", "profile", str(model), "--out",
                            str(tmp_path / "x.yaml"), "--tensor", "3"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=within(120))
     assert proc.returncode == 2 and "--tensor 3" in proc.stderr and "Traceback" not in proc.stderr
 
 

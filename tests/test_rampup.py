@@ -15,6 +15,7 @@ from ptdp.config import ConfigError, load_config
 from ptdp.config.batches import BatchSchedule
 from ptdp.optim.lr import learning_rate
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 
 SHAPE = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=4", "model.seq_length=16",
          "model.vocab_size=100", "train.lr=1e-2", "train.adam_eps=1e-3", "train.seed=7",
@@ -160,13 +161,13 @@ def ramped(tmp_path_factory):
     single = run_on_ranks(1, _ramped_runs, tmp, [
         ("single", []), ("resume", []), ("gradients", []),
         ("fp16", ["train.precision=fp16", f"train.initial_loss_scale={2 ** 21}"])],
-        timeout_s=120)[0]
+        timeout_s=within(120))[0]
     layouts = run_on_ranks(4, _ramped_runs, tmp, [
         ("1f1b", ["parallel.pipeline=2", "parallel.data=2", "train.distributed_optimizer=true"]),
         ("interleaved", ["parallel.pipeline=2", "parallel.data=2", "schedule.name=interleaved",
                          "parallel.chunks=2"]),
         ("zb-h1", ["parallel.pipeline=2", "parallel.tensor=2", "schedule.name=zb-h1"])],
-        timeout_s=120)[0]
+        timeout_s=within(120))[0]
     return {**single, **layouts}
 
 

@@ -15,6 +15,7 @@ from ptdp.config import load_config
 from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.metrics.report import end_summary, format_bytes, startup_report
 from ptdp.metrics.log import format_tflops
+from tests.deadline import within
 
 TINY = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4", "model.seq_length=16",
         "model.vocab_size=100", "train.micro_batch_size=2", "train.global_batch_size=8",
@@ -83,7 +84,7 @@ def _run_and_resume(root: str) -> dict:
 
 
 def test_a_run_reports_saves_summary_and_stretch(tmp_path):
-    out = run_on_ranks(1, _run_and_resume, str(tmp_path), timeout_s=120)[0]
+    out = run_on_ranks(1, _run_and_resume, str(tmp_path), timeout_s=within(120))[0]
     first, resumed = out["first"], out["resumed"]
     assert len(first.splitlines()) < 16, first
     assert f"saved checkpoint {tmp_path}/ck/iter_0000002 (" in first and "KiB" in first

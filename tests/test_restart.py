@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ptdp.checkpoint.layout import find_checkpoint, iteration_dir_name
 from ptdp.metrics.log import read_metrics
 from ptdp.runtime.local_ranks import RankFailure, run_on_ranks
+from tests.deadline import within
 from tests.equivalence import TINY
 from tests.test_watchdog import _continue_when_named
 from tools import jobs
@@ -67,7 +68,7 @@ def failed_twice(tmp_path_factory):
     # The uninterrupted run, beside the job (whose start-ups and waits leave cores idle).
     with ThreadPoolExecutor(1) as pool:
         reference = pool.submit(run_on_ranks, 2, _reference_losses, uninterrupted,
-                                timeout_s=120)
+                                timeout_s=within(120))
         _kill_then_stop(job, metrics, stopped)
         reader.join(timeout=10)
         reference = reference.result()[0]
@@ -79,12 +80,12 @@ def _kill_then_stop(job, metrics: Path, stopped: list) -> None:
     """Kill rank 0 in iteration ~16, stop rank 1 in iteration ~26 of the restarted job; wait
     until the job ends."""
     try:
-        _wait_for_iteration(metrics, job, 15)
+        _wait_for_iteration(metrics, job, 15, timeout=within(120))
         os.kill(jobs.pid_of_rank(0, job.marker), signal.SIGKILL)  # a crash in iteration ~16
-        _wait_for_iteration(metrics, job, 25)                     # restarted, and past it
+        _wait_for_iteration(metrics, job, 25, timeout=within(120))  # restarted, past it
         stopped.append(jobs.pid_of_rank(1, job.marker))
         os.kill(stopped[0], signal.SIGSTOP)                       # a hang in iteration ~26
-        job.wait(timeout=240)
+        job.wait(timeout=within(240))
     finally:
         jobs.stop(job)   # its workers too, had the test failed half-way
 
@@ -155,7 +156,7 @@ def scripts(tmp_path_factory):
     out = {}
     try:
         for name, (log, proc) in started.items():
-            _, stderr = proc.communicate(timeout=120)
+            _, stderr = proc.communicate(timeout=within(120))
             out[name] = (proc.returncode, stderr,
                          log.read_text().splitlines() if log and log.exists() else [])
     finally:
@@ -165,11 +166,13 @@ def scripts(tmp_path_factory):
 
 
 def _script(root: Path, override: str, **extra) -> subprocess.Popen:
-    """The launch script in a folder of its own under `root` (its outputs apart)."""
+    """The launch script in a folder of its own under `root` (its outputs apart). Given
+    GPUS_PER_NODE, it does not import torch to count devices (a second of CPU per launch, five
+    launches at once): these tests are about its restart loop."""
     cwd = root / f"run{len(list(root.glob('run*')))}"
     cwd.mkdir()
     return subprocess.Popen(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), override],
-                            env=_env(**extra), cwd=cwd, stdout=subprocess.PIPE,
+                            env=_env(GPUS_PER_NODE="2", **extra), cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -269,12 +272,12 @@ def resume_and_async_jobs(root: str) -> dict:
 def saves(tmp_path_factory):
     root = tmp_path_factory.mktemp("async")
     with pytest.raises(RankFailure) as died:
-        run_on_ranks(2, killed_job, str(root), timeout_s=240)
+        run_on_ranks(2, killed_job, str(root), timeout_s=within(240))
     killed = root / "killed"
     out = dict(died=str(died.value), on_disk=sorted(p.name for p in killed.iterdir()),
                found=find_checkpoint(killed)[0].name, latest=(killed / "latest").read_text(),
                root=root)
-    out.update(run_on_ranks(2, resume_and_async_jobs, str(root), timeout_s=240)[0])
+    out.update(run_on_ranks(2, resume_and_async_jobs, str(root), timeout_s=within(240))[0])
     return out
 
 

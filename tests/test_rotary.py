@@ -14,6 +14,7 @@ import torch
 from ptdp.config import load_config
 from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.models.rotary import RotaryEmbedding
+from tests.deadline import within
 
 LLAMA = ["model.arch=gpt", "model.preset=llama", "model.num_layers=2", "model.hidden_size=64",
          "model.num_heads=4", "model.num_kv_heads=2", "model.vocab_size=128",
@@ -50,7 +51,7 @@ def test_llama_in_bf16_follows_fp32_on_long_sequences():
     follow fp32's. The rotation is where positions enter them; weights drawn with std 0.2 make
     attention sharp enough for positions to matter. Measured relative errors: at most 0.036
     with fp32 frequencies, 0.11 with the bf16 ones a cast used to leave."""
-    grads = run_on_ranks(1, _first_gradients, ["fp32", "bf16"], timeout_s=240)[0]
+    grads = run_on_ranks(1, _first_gradients, ["fp32", "bf16"], timeout_s=within(240))[0]
     errors = {name: ((grads["bf16"][name] - want).norm() / want.norm()).item()
               for name, want in grads["fp32"].items()}
     assert errors and max(errors.values()) < 0.06, errors

@@ -18,6 +18,7 @@ import pytest
 from ptdp.data.gpt_dataset import GPTDataset
 from ptdp.data.indexed import IndexedDataset, IndexedDatasetWriter, TokenIdError, sidecar_path
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.equivalence import TINY
 
 BAD_DOCUMENT = 3
@@ -82,7 +83,7 @@ def test_ptdp_train_ends_with_exit_2_and_one_line(tmp_path):
     prefix = _megatron_pair(tmp_path)
     exit_dir = tmp_path / "exits"
     exit_dir.mkdir()
-    out = run_on_ranks(1, _train_past_the_check, prefix, str(exit_dir), timeout_s=300)[0]
+    out = run_on_ranks(1, _train_past_the_check, prefix, str(exit_dir), timeout_s=within(300))[0]
     assert out["code"] == 2
     lines = [line for line in out["stderr"].splitlines() if "holds token id" in line]
     assert lines == [f"ptdp train: rank 0: {prefix}.bin: document {BAD_DOCUMENT} holds token "

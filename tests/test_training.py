@@ -7,6 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.equivalence import TINY, reference
 
 REQUIRED_METRICS = {"iter", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s",
@@ -70,7 +71,7 @@ def metrics_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def jobs(metrics_dir):
-    return run_on_ranks(4, run_jobs, str(metrics_dir), timeout_s=240)[0]
+    return run_on_ranks(4, run_jobs, str(metrics_dir), timeout_s=within(240))[0]
 
 
 def test_bf16_trains_with_fp32_master_weights_close_to_fp32(jobs):

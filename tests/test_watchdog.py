@@ -19,6 +19,7 @@ import pytest
 from ptdp.runtime.progress import DeviceProgress, Label
 from ptdp.runtime.trace import NO_SPANS
 from ptdp.runtime.watchdog import Watchdog, is_communication_error
+from tests.deadline import within
 from tools import jobs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -320,14 +321,14 @@ def test_sigstop_on_one_of_4_ranks_ends_the_job_naming_it(tmp_path):
     job = jobs.start(cmd, tmp_path)
     lines, reader = [], None
     try:
-        jobs.wait_for_iteration(metrics, job, 3)
+        jobs.wait_for_iteration(metrics, job, 3, timeout=within(120))
         stopped = jobs.pid_of_rank(3, job.marker)
         reader = threading.Thread(target=_continue_when_named, args=(job, [stopped], lines),
                                   daemon=True)
         reader.start()
         os.kill(stopped, signal.SIGSTOP)
         start = time.monotonic()
-        job.wait(timeout=150)
+        job.wait(timeout=within(150))
         elapsed = time.monotonic() - start
         reader.join(timeout=10)
     finally:

@@ -12,6 +12,7 @@ import pytest
 
 from ptdp.data.indexed import IndexedDatasetWriter
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.equivalence import MODELS, assert_equivalent, train_and_collect
 
 EOD = 3
@@ -44,7 +45,7 @@ def results(tmp_path_factory):
             writer.add_document([np.append(rng.integers(4, 100, int(rng.integers(0, 12))), EOD)])
     data = ["data.source=indexed", f"data.paths=[{prefix}]", "data.split=1", "model.num_layers=4"]
     runs = [overrides + data for overrides in RUNS.values()]
-    per_rank = run_on_ranks(4, train_and_collect, runs, 2, False, timeout_s=240)
+    per_rank = run_on_ranks(4, train_and_collect, runs, 2, False, timeout_s=within(240))
     return {name: [per_rank[r][i] for r in range(4)] for i, name in enumerate(RUNS)}
 
 

@@ -29,6 +29,7 @@ from ptdp.cli import main  # noqa: E402
 from ptdp.inference.local_model import LocalModel, read_full_state  # noqa: E402
 from ptdp.runtime.local_ranks import run_on_ranks  # noqa: E402
 from tests.data.conftest import load_make_corpus  # noqa: E402
+from tests.deadline import within
 from tests.hf.hf_models import (hf_tokenizer, logits_diff, random_hf_model,  # noqa: E402
                                 released_configs, same_state)
 
@@ -111,7 +112,7 @@ def converted(tmp_path_factory):
     tok = train_tokenizer(corpus, root / "tok", VOCAB, "bpe")
     llama_from_hf(root, corpus)
     families_from_hf(root)
-    out = run_on_ranks(4, job, str(root), tok.path, timeout_s=280)[0]
+    out = run_on_ranks(4, job, str(root), tok.path, timeout_s=within(280))[0]
     return root, out, tok, corpus
 
 

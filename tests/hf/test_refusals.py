@@ -13,6 +13,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from ptdp.cli import main  # noqa: E402
+from tests.deadline import within
 
 GPT2 = dict(vocab_size=64, n_embd=16, n_layer=1, n_head=2, n_positions=8, bos_token_id=None,
             eos_token_id=None)
@@ -144,7 +145,7 @@ def test_a_directory_without_tokenizer_files_converts_with_a_note(tmp_path, caps
 def test_the_command_line_refuses_without_a_traceback(hf_dirs, tmp_path):
     run = subprocess.run([sys.executable, "-m", "ptdp", "convert", str(hf_dirs / "corrupt_weights"),
                           "--from", "hf", "--out", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=within(120))
     assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert "cannot read the weights" in run.stderr and "Traceback" not in run.stderr
 

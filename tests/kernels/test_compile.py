@@ -15,6 +15,7 @@ from ptdp.kernels import should_compile
 from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import TensorParallelRNG
+from tests.deadline import within
 from tests.equivalence import TINY, relative_error
 
 RTOL = 1e-5
@@ -95,5 +96,5 @@ def tensor_parallel_runs() -> list:
 
 
 def test_compiled_layers_with_tensor_parallel_collectives_match_eager():
-    eager, compiled = run_on_ranks(2, tensor_parallel_runs, timeout_s=240)[0]
+    eager, compiled = run_on_ranks(2, tensor_parallel_runs, timeout_s=within(240))[0]
     assert_close(compiled, eager)

@@ -17,6 +17,7 @@ import yaml
 
 from ptdp import cli
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 
 EXAMPLES = Path(__file__).resolve().parent / "examples"
 BERT, LLAMA, MIXTRAL, GPT3 = ("train_bert_340m_distributed", "train_llama3_8b_h100_fp8",
@@ -142,7 +143,7 @@ def test_a_tiny_version_of_each_trains_a_few_iterations(tmp_path, capsys):
         values, _ = _translate(name, tmp_path, capsys)
         configs.append((name, str(tmp_path / f"{name}.yaml"),
                         _shrunk(name, values, tmp_path, SHRUNK[name][1])))
-    rank0 = run_on_ranks(2, _train_each, configs, timeout_s=240)[0]
+    rank0 = run_on_ranks(2, _train_each, configs, timeout_s=within(240))[0]
     for name, result in rank0.items():
         assert result["losses"] and all(math.isfinite(x) for x in result["losses"]), name
     assert rank0[MIXTRAL]["experts"] == (4, 2) and rank0[MIXTRAL]["aux"]["moe_aux_loss"] > 0

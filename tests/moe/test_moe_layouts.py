@@ -9,6 +9,7 @@ import functools
 
 import pytest
 
+from tests.deadline import within
 from tests.equivalence import MOE, RTOL, assert_equivalent, run_layouts
 
 LAYOUTS = {
@@ -42,9 +43,9 @@ LAYOUTS = {
 @functools.lru_cache(maxsize=None)
 def _results(world: int) -> dict:
     if world == 1:
-        return {"single": run_layouts(1, [MOE], timeout_s=300)[0]}
+        return {"single": run_layouts(1, [MOE], timeout_s=within(300))[0]}
     names = [n for n, (w, _) in LAYOUTS.items() if w == world]
-    runs = run_layouts(world, [MOE + LAYOUTS[n][1] for n in names], timeout_s=600,
+    runs = run_layouts(world, [MOE + LAYOUTS[n][1] for n in names], timeout_s=within(600),
                        nccl_rules=True)
     return dict(zip(names, runs))
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.equivalence import MOE, TINY
 
 RUN = TINY + MOE + ["train.iters=4", "log.interval=1"]
@@ -85,7 +86,8 @@ def expert_job(root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def expert_checkpoint(tmp_path_factory):
-    return run_on_ranks(4, expert_job, str(tmp_path_factory.mktemp("moe_ep")), timeout_s=400)[0]
+    return run_on_ranks(4, expert_job, str(tmp_path_factory.mktemp("moe_ep")),
+                        timeout_s=within(400))[0]
 
 
 def test_a_checkpoint_saved_at_e2_resumes_at_e4(expert_checkpoint):
@@ -98,7 +100,7 @@ def test_a_checkpoint_saved_at_e2_resumes_at_e4(expert_checkpoint):
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
-    return run_on_ranks(2, save_job, str(root), timeout_s=400)[0]
+    return run_on_ranks(2, save_job, str(root), timeout_s=within(400))[0]
 
 
 def test_records_carry_the_aux_losses_and_the_load(job):

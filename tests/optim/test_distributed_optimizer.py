@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.optim.buffers import ALIGN, FlatLayout
+from tests.deadline import within
 from tests.equivalence import ARCHS, RTOL, TINY, assert_equivalent, layout_result, reference
 
 DISTOPT = ["train.distributed_optimizer=true"]
@@ -124,7 +125,7 @@ def _save_failing_on_rank_1() -> dict:
 
 @pytest.fixture(scope="module")
 def precision_ranks():
-    return run_on_ranks(2, precision_job, timeout_s=240)
+    return run_on_ranks(2, precision_job, timeout_s=within(240))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -234,8 +235,8 @@ def single_job(root: str) -> dict:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("distopt_checkpoints")
-    world4 = run_on_ranks(4, checkpoint_job, str(root), timeout_s=400)
-    world1 = run_on_ranks(1, single_job, str(root), timeout_s=120)[0]
+    world4 = run_on_ranks(4, checkpoint_job, str(root), timeout_s=within(400))
+    world1 = run_on_ranks(1, single_job, str(root), timeout_s=within(120))[0]
     return root, world4[0], world1
 
 
@@ -274,7 +275,7 @@ def test_checkpoints_load_across_layouts_with_and_without_sharding(checkpoints, 
 def test_divergence_names_the_parameter_from_the_shards():
     from tests.test_divergence import EXPLODE, _train_until_it_stops
     out = run_on_ranks(2, _train_until_it_stops, ["parallel.data=2", *DISTOPT, *EXPLODE],
-                       timeout_s=120)
+                       timeout_s=within(120))
     errors = {r["error"] for r in out}
     assert len(errors) == 1 and None not in errors, errors     # every rank stops together
     error = errors.pop()

@@ -14,6 +14,7 @@ from ptdp.optim.buffers import ALIGN, FlatLayout
 from ptdp.optim.mixed_precision import MasterWeights
 from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import TensorParallelRNG
+from tests.deadline import within
 from tests.equivalence import TINY
 
 
@@ -106,7 +107,7 @@ def compare_storage(iters: int = 3) -> dict:
 
 @pytest.fixture(scope="module")
 def storage_runs():
-    return run_on_ranks(2, compare_storage, timeout_s=240)
+    return run_on_ranks(2, compare_storage, timeout_s=within(240))
 
 
 @pytest.mark.parametrize("run", list(RUNS))

@@ -21,6 +21,7 @@ from ptdp.parallel.context import (chunk_ids, context_shard, context_unshard, lo
 from ptdp.parallel.grid import Coordinates, coordinates_of, group_rows
 from ptdp.parallel.ring_attention import DIAGONAL, visible_blocks
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.equivalence import (ITERS, MODELS, RTOL, TINY, assert_equivalent, reference,
                                relative_error)
 
@@ -249,13 +250,16 @@ def _no_flush(overrides: list[str], iters: int = 4) -> dict:
 
 
 def _resume(root: str) -> dict:
-    save = [f"checkpoint.dir={root}/saved", "checkpoint.save_interval=2", "train.iters=4"]
-    load = [f"checkpoint.load={root}/saved/iter_0000002", "train.iters=4"]
+    """(c, d) = (2, 2) for 3 iterations, saving at 2; each RESUME layout continues from 2 for
+    the one iteration that shows the loaded weights, data position and Adam moments right
+    (its loss, then its update)."""
+    save = [f"checkpoint.dir={root}/saved", "checkpoint.save_interval=2", "train.iters=3"]
+    load = [f"checkpoint.load={root}/saved/iter_0000002", "train.iters=3"]
     out = {}
     straight = _trainer([*MODELS["llama"], *RESUME["c2 d2"], *save])
     out["straight"] = ([r["loss"] for r in straight.train()], straight.full_state())
     for name, overrides in RESUME.items():
-        extra = save if name == "c2 d2" else []   # itself: saving again at 4, as straight did
+        extra = save if name == "c2 d2" else []   # itself: saving again at 3, as straight did
         trainer = _trainer([*MODELS["llama"], *overrides, *load, *extra])
         out[name] = ([r["loss"] for r in trainer.train()], trainer.full_state())
     return out
@@ -270,7 +274,7 @@ def _results(world: int, resume_root: str | None = None) -> dict:
         runs += [[*MODELS[arch], *overrides] for arch, overrides in FEATURES.values()]
     no_flush = NO_FLUSH.get(world, {})
     per_rank = run_on_ranks(world, _job, runs, no_flush, resume_root if world == 4 else None,
-                            timeout_s=500)
+                            timeout_s=within(500))
     out = {key: [rank["runs"][i] for rank in per_rank] for i, key in enumerate(keys)}
     out.update({name: [rank[name] for rank in per_rank] for name in (
         [*no_flush, *(["resume", "ring"] if world == 4 else [])])})

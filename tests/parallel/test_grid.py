@@ -9,6 +9,7 @@ import torch
 from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.parallel.grid import (Coordinates, RankGrid, axis_rows, coordinates_of,
                                 embedding_rows, grid_layout, group_rows)
+from tests.deadline import within
 
 SHAPES = [(p, d, c, t) for p, d, c, t in itertools.product((1, 2, 3), (1, 2, 3), (1, 2), (1, 2, 4))]
 
@@ -112,7 +113,7 @@ def grid_groups(p, t, d, c=1):
 
 @pytest.fixture(scope="module")
 def grid_2_2_2():
-    return run_on_ranks(8, grid_groups, 2, 2, 2, timeout_s=120)
+    return run_on_ranks(8, grid_groups, 2, 2, 2, timeout_s=within(120))
 
 
 def test_groups_for_p2_t2_d2(grid_2_2_2):
@@ -139,7 +140,7 @@ def test_every_rank_in_exactly_one_group_of_each_kind(grid_2_2_2):
 
 def test_context_ranks_index_data_major():
     """p=1, d=2, c=2, t=1: rank = d*2 + c; the replica index is d*c + c (data-major)."""
-    ranks = run_on_ranks(4, grid_groups, 1, 1, 2, 2, timeout_s=120)
+    ranks = run_on_ranks(4, grid_groups, 1, 1, 2, 2, timeout_s=within(120))
     assert [r["replica"] for r in ranks] == [[0, 1, 2, 3]] * 4
     assert [r["replica_index"] for r in ranks] == [0, 1, 2, 3]
     assert [r["replica_size"] for r in ranks] == [4] * 4

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 
 DATA_ONLY = ("data",)
 
@@ -79,7 +80,7 @@ def roles_on_a_rank(flat: bool):
 
 @pytest.fixture(scope="module", params=[False, True], ids=["own storage", "flat buffer"])
 def ranks(request):
-    return run_on_ranks(4, roles_on_a_rank, request.param, timeout_s=120)
+    return run_on_ranks(4, roles_on_a_rank, request.param, timeout_s=within(120))
 
 
 def test_a_dense_gradient_is_summed_over_data_and_context_a_data_only_one_over_data(ranks):

@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.equivalence import ARCHS, ITERS, RTOL, assert_equivalent, reference, relative_error
 from tests.features import LAYOUTS, SP, _trainer, feature_layout, resume_job
 from tests.pipeline.test_pipeline_equivalence import boundary_sends
@@ -45,14 +46,14 @@ def _dropout_job() -> dict:
 
 def test_dropout_masks_equal_those_without_sequence_parallelism():
     """Each rank drops its rows of the full tensor's mask (default generator, same draws)."""
-    out = run_on_ranks(2, _dropout_job, timeout_s=240)[0]
+    out = run_on_ranks(2, _dropout_job, timeout_s=within(240))[0]
     ref_loss, ref_grads = out["plain"]
     for name in ("sp", "sp-full", "sp-selective"):
         loss, grads = out[name]
         assert abs(loss - ref_loss) <= RTOL * abs(ref_loss), (name, loss, ref_loss)
         for key, expected in ref_grads.items():
             assert relative_error(grads[key], expected) <= RTOL, (name, key)
-    no_dropout = run_on_ranks(1, _single_loss, timeout_s=120)[0]
+    no_dropout = run_on_ranks(1, _single_loss, timeout_s=within(120))[0]
     assert abs(no_dropout - ref_loss) > 1e-4  # dropout really ran
 
 
@@ -70,7 +71,7 @@ RESUME = {"sp": ["parallel.pipeline=2", "parallel.tensor=2", "model.dropout=0.1"
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("sp-checkpoints")
-    return run_on_ranks(4, resume_job, str(root), RESUME, timeout_s=400)[0]
+    return run_on_ranks(4, resume_job, str(root), RESUME, timeout_s=within(400))[0]
 
 
 @pytest.mark.parametrize("name", ["sp", "sp0"])
@@ -97,7 +98,8 @@ def test_sharded_regions_keep_one_tth_of_the_activations():
     fp32 scaled mask: 4), plus its 0-d scale."""
     from tools.bench_sequence_parallel import SHARDED, measure
     shape = {"hidden": 32, "heads": 4, "seq": 16, "batch": 2}
-    plain, sp = (run_on_ranks(2, measure, shape, flag, timeout_s=120)[0] for flag in (False, True))
+    plain, sp = (run_on_ranks(2, measure, shape, flag, timeout_s=within(120))[0]
+                 for flag in (False, True))
     for region in SHARDED:
         if region == "dropout+add":
             assert sp[region] == plain[region] // (2 * 4) + 8, (region, sp[region], plain[region])

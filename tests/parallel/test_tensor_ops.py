@@ -19,6 +19,7 @@ from ptdp.parallel.sequence import gather_from_sequence_region, reduce_scatter_t
 from ptdp.pipeline.p2p import P2P
 from ptdp.parallel.rng import TensorParallelRNG
 from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
+from tests.deadline import within
 
 T = 2
 
@@ -237,7 +238,7 @@ def run_checks():
 
 @pytest.fixture(scope="module")
 def results():
-    return run_on_ranks(T, run_checks, timeout_s=120)
+    return run_on_ranks(T, run_checks, timeout_s=within(120))
 
 
 def test_f_and_g_pass_gradcheck(results):

@@ -11,14 +11,18 @@ import torch
 from tests.equivalence import TINY
 
 
+def oracle_overrides(overrides: list[str]) -> list[str]:
+    """What a simulation reads of a run's overrides: the model and the optimizer settings, not
+    the layout, the schedule or recomputation (runs that differ only there share one oracle)."""
+    return [o for o in overrides if o.startswith(("model.", "train.")) and
+            not o.startswith(("train.iters", "train.recompute"))]
+
+
 def _trainer(overrides: list[str], iters: int):
     from ptdp.config import load_config
     from ptdp.training import Trainer
-    # the model and the optimizer settings, not the layout or the schedule
-    kept = [o for o in overrides if o.startswith(("model.", "train.")) and
-            not o.startswith(("train.iters", "train.recompute"))]
-    cfg = load_config(None, TINY + kept + [f"train.iters={iters}", "schedule.name=1f1b"],
-                      world_size=1)
+    cfg = load_config(None, TINY + oracle_overrides(overrides)
+                      + [f"train.iters={iters}", "schedule.name=1f1b"], world_size=1)
     return Trainer(cfg)
 
 

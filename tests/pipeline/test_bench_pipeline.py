@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.deadline import within
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -17,7 +19,7 @@ def test_bench_pipeline_tiny(tmp_path):
     cmd = [sys.executable, str(ROOT / "tools" / "bench_pipeline.py"), "--p", "2", "--m", "2",
            "--layers", "4", "--hidden", "16", "--heads", "2", "--seq", "8", "--micro-batch", "1",
            "--iters", "1", "--warmup", "1", "--timeout", "120", "--json", str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=within(180), cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "measured bubble" in run.stdout and "interleaved" in run.stdout
     assert "2bw vs torch's 1F1B" in run.stdout

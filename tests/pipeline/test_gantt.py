@@ -11,6 +11,7 @@ from ptdp.config.catalogue import INTERLEAVED
 from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.pipeline import gantt
 from ptdp.pipeline.schedules import build_schedule
+from tests.deadline import within
 from tests.equivalence import TINY
 
 M = 8
@@ -34,7 +35,7 @@ def traces(tmp_path_factory):
     runs = {"1f1b": ["parallel.pipeline=4"],
             "interleaved": ["parallel.pipeline=4", "parallel.chunks=2", "schedule.name=interleaved"]}
     run_on_ranks(4, _traced_runs, {str(root / f"{name}.json"): overrides
-                                   for name, overrides in runs.items()}, timeout_s=240)
+                                   for name, overrides in runs.items()}, timeout_s=within(240))
     return root
 
 

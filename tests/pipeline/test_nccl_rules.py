@@ -17,6 +17,7 @@ from ptdp.runtime.local_ranks import RankFailure, run_on_ranks
 from ptdp.pipeline.comm_plan import PlanError, Step, Transfer, check_plans, needed_message, produced_message
 from ptdp.pipeline.schedules import build_all
 from ptdp.config.catalogue import schedule_spec
+from tests.deadline import within
 from tests.equivalence import LAYOUTS, TINY, assert_equivalent, reference, run_layouts
 
 # every layout of the equivalence tests with p > 1; GPT in all, BERT in the richest one
@@ -102,7 +103,8 @@ def _no_flush_both_ways(directory: str) -> list:
 
 
 def test_no_flush_schedules_train_the_same_under_nccl_rules_with_checkpoints(tmp_path):
-    for (strict, plain) in run_on_ranks(4, _no_flush_both_ways, str(tmp_path), timeout_s=240)[0]:
+    for (strict, plain) in run_on_ranks(4, _no_flush_both_ways, str(tmp_path),
+                                        timeout_s=within(240))[0]:
         assert strict[2] > 0, "the in-order transport was not used"
         assert strict[0] == plain[0]
         for name, value in plain[1].items():

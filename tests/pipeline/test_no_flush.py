@@ -19,9 +19,10 @@ import pytest
 import torch.distributed as dist
 
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.equivalence import MODELS, TINY, relative_error
-from tests.pipeline.no_flush_oracles import (pipedream_versions, simulate_pipedream,
-                                             simulate_two_bw)
+from tests.pipeline.no_flush_oracles import (oracle_overrides, pipedream_versions,
+                                             simulate_pipedream, simulate_two_bw)
 
 RTOL = 1e-5
 ITERS = {"2bw": 4, "pipedream": 3}
@@ -97,7 +98,8 @@ def train_runs(runs: list[list[str]]) -> list[dict]:
 @functools.lru_cache(maxsize=None)
 def _world(world: int) -> dict:
     keys = [(name, arch) for name, (w, _, archs) in RUNS.items() if w == world for arch in archs]
-    per_rank = run_on_ranks(world, train_runs, [_overrides(*k) for k in keys], timeout_s=280)
+    per_rank = run_on_ranks(world, train_runs, [_overrides(*k) for k in keys],
+                            timeout_s=within(280))
     return {k: [per_rank[r][i] for r in range(world)] for i, k in enumerate(keys)}
 
 
@@ -113,25 +115,33 @@ def oracle_runs(jobs: list[tuple]) -> list[dict]:
     return out
 
 
+def _oracle_job(name: str, arch: str) -> tuple:
+    """The simulation run (name, arch) is held to: (kind, overrides, arguments); fp32, the
+    oracle of the bf16/fp16 runs too."""
+    fp32 = oracle_overrides([o for o in _overrides(name, arch)
+                             if not o.startswith("train.precision")])
+    if name.startswith("2bw"):
+        return ("2bw", fp32, (ITERS["2bw"],))
+    stage_of = {}
+    for rank in result(name, arch):
+        stage_of.update(rank["stage_of"])
+    p = 1 + max(stage_of.values())
+    d = 1 + max(r["coords"].data for r in result(name, arch))
+    return ("pipedream", fp32, (ITERS["pipedream"], p, d, stage_of,
+                                "schedule.vertical_sync=true" in RUNS[name][1]))
+
+
 @functools.lru_cache(maxsize=None)
 def _oracles() -> dict:
-    """Every oracle in one single-process job (fp32: the oracle of the bf16/fp16 runs too)."""
-    jobs, keys = [], []
-    for name, (_, overrides, archs) in RUNS.items():
-        for arch in archs:
-            fp32 = [o for o in _overrides(name, arch) if not o.startswith("train.precision")]
-            if name.startswith("2bw"):
-                jobs.append(("2bw", fp32, (ITERS["2bw"],)))
-            else:
-                stage_of = {}
-                for rank in result(name, arch):
-                    stage_of.update(rank["stage_of"])
-                p = 1 + max(stage_of.values())
-                d = 1 + max(r["coords"].data for r in result(name, arch))
-                jobs.append(("pipedream", fp32, (ITERS["pipedream"], p, d, stage_of,
-                                                 "schedule.vertical_sync=true" in overrides)))
-            keys.append((name, arch))
-    return dict(zip(keys, run_on_ranks(1, oracle_runs, jobs, timeout_s=280)[0]))
+    """Every distinct oracle once, in one single-process job. A rule reads the model and the
+    optimizer settings, not the layout (oracle_overrides), so e.g. every fp32 2BW run of GPT
+    shares one simulation: 13 for the 27 runs."""
+    wanted = {(name, arch): _oracle_job(name, arch)
+              for name, (_, _, archs) in RUNS.items() for arch in archs}
+    distinct = list({repr(job): job for job in wanted.values()}.values())
+    simulated = run_on_ranks(1, oracle_runs, distinct, timeout_s=within(280))[0]
+    by_job = dict(zip(map(repr, distinct), simulated))
+    return {key: by_job[repr(job)] for key, job in wanted.items()}
 
 
 def assert_matches(got: dict, want: dict, what: str, rtol: float = RTOL) -> None:
@@ -262,6 +272,7 @@ def _resume_job(directory: str, overrides: list[str]):
 def test_two_bw_resumes_with_both_versions_and_the_exact_loss_sequence(tmp_path):
     """Saved after 3 iterations: W(3) and the shadow W(2), which batch 3 still runs with."""
     whole, again, versions = run_on_ranks(2, _resume_job, str(tmp_path),
-                                          TWO_BW + ["parallel.pipeline=2"], timeout_s=200)[0]
+                                          TWO_BW + ["parallel.pipeline=2"],
+                                          timeout_s=within(200))[0]
     assert versions == [2, 3]
     assert again == whole[3:]

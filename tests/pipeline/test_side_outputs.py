@@ -25,6 +25,7 @@ from ptdp.pipeline.executor import PipelineExecutor
 from ptdp.pipeline.p2p import P2P
 from ptdp.pipeline.schedules import build_all
 from ptdp.runtime.local_ranks import run_on_ranks
+from tests.deadline import within
 from tests.pipeline.side_chunks import (AUX_NAMES, SideChunk, batch, boundary_shapes,
                                         train_pipelined, train_single)
 
@@ -38,7 +39,7 @@ CASES = [(p, *run, rules) for p in RUNS for run in RUNS[p] for rules in (False, 
 
 @functools.lru_cache(maxsize=None)
 def _pipelined(p: int, nccl_rules: bool) -> dict:
-    per_rank = run_on_ranks(p, train_pipelined, RUNS[p], ITERS, nccl_rules, timeout_s=300)
+    per_rank = run_on_ranks(p, train_pipelined, RUNS[p], ITERS, nccl_rules, timeout_s=within(300))
     return {run: [per_rank[r][i] for r in range(p)] for i, run in enumerate(RUNS[p])}
 
 

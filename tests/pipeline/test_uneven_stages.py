@@ -17,7 +17,9 @@ import pytest
 from ptdp.config import ConfigError, load_config
 from ptdp.config.stages import layer_counts, layer_ranges
 from ptdp.runtime.local_ranks import run_on_ranks
-from tests.equivalence import ITERS, MODELS, TINY, assert_equivalent, train_and_collect
+from tests.deadline import within
+from tests.equivalence import (ITERS, MODELS, TINY, assert_equivalent, reference,
+                               train_and_collect)
 
 P4 = ["parallel.pipeline=4", "parallel.stage_layers=[1,3,3,1]"]
 P3V2 = ["parallel.pipeline=3", "parallel.chunks=2", "schedule.name=interleaved",
@@ -71,7 +73,8 @@ def _world(world: int) -> dict:
     per_rank = run_on_ranks(world, _rank_job,
                             [([*MODELS[FLUSHING[n][1]], *FLUSHING[n][2]], FLUSHING[n][3])
                              for n in flushing],
-                            [[*MODELS["gpt"], *NO_FLUSH[n][1]] for n in no_flush], timeout_s=400)
+                            [[*MODELS["gpt"], *NO_FLUSH[n][1]] for n in no_flush],
+                            timeout_s=within(400))
     results = {n: [per_rank[r][0][i] for r in range(world)] for i, n in enumerate(flushing)}
     results.update({n: [per_rank[r][1][i] for r in range(world)] for i, n in enumerate(no_flush)})
     return results
@@ -90,16 +93,20 @@ def _oracle_job(references: list[list[str]], two_bw: list[str], pipedream: tuple
 
 @functools.lru_cache(maxsize=None)
 def _oracles() -> dict:
-    """The single-process references and the no-flush rules, in one single-process job."""
-    references = sorted({tuple(_reference_overrides(n)) for n in FLUSHING})
+    """The single-process references and the no-flush rules, in one single-process job; the
+    references of the plain models are tests/equivalence.py's, from its shared job."""
+    wanted = sorted({tuple(_reference_overrides(n)) for n in FLUSHING})
+    plain = {tuple(MODELS[arch]): arch for arch in MODELS}
+    own = [r for r in wanted if r not in plain]
     stage_of = {}
     for rank in result("pd-p2"):
         stage_of.update(rank["stage_of"])
     pd = [*MODELS["gpt"], *NO_FLUSH["pd-p2"][1]]
     refs, two_bw, pipedream = run_on_ranks(
-        1, _oracle_job, [list(r) for r in references], [*MODELS["gpt"], *NO_FLUSH["2bw-p4"][1]],
-        (pd, 3, 2, 1, stage_of, False), timeout_s=400)[0]
-    return {"refs": dict(zip(references, refs)), "2bw-p4": two_bw, "pd-p2": pipedream}
+        1, _oracle_job, [list(r) for r in own], [*MODELS["gpt"], *NO_FLUSH["2bw-p4"][1]],
+        (pd, 3, 2, 1, stage_of, False), timeout_s=within(400))[0]
+    refs = {**dict(zip(own, refs)), **{r: reference(plain[r]) for r in wanted if r in plain}}
+    return {"refs": refs, "2bw-p4": two_bw, "pd-p2": pipedream}
 
 
 # ---------------------------------------------------------------------------- layer ranges

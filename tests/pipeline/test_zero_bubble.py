@@ -14,6 +14,7 @@ import torch
 from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.pipeline.schedules import build_all, format_schedule, max_in_flight
 from ptdp.pipeline.timeline import simulate
+from tests.deadline import within
 from tests.equivalence import ARCHS, RTOL, assert_equivalent, reference, relative_error
 from tests.features import LAYOUTS, SP, ZB, _trainer, feature_layout, resume_job
 
@@ -86,7 +87,7 @@ def test_weight_gradients_wait_for_the_wg_pass():
     """GEMM, LayerNorm and embedding weights get their gradients only in Wg; the fused chains'
     biases and the position table in B; every data-parallel bucket that holds a deferred weight
     launches inside a Wg (after the B of the last micro-batch)."""
-    for out in run_on_ranks(4, _where_weights_get_gradients, timeout_s=240):
+    for out in run_on_ranks(4, _where_weights_get_gradients, timeout_s=within(240)):
         seen = out["seen"]
         for name, passes in seen.items():
             deferred = not name.endswith(("proj.bias", "fc1.bias", "fc2.bias", "position"))
@@ -104,7 +105,7 @@ RESUME = {"zb": ["parallel.pipeline=2", "parallel.tensor=2", "model.dropout=0.1"
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     root = tmp_path_factory.mktemp("zb-checkpoints")
-    return run_on_ranks(4, resume_job, str(root), RESUME, timeout_s=500)[0]
+    return run_on_ranks(4, resume_job, str(root), RESUME, timeout_s=within(500))[0]
 
 
 @pytest.mark.parametrize("name", ["zb", "zb-sp", "zb0"])
@@ -126,7 +127,7 @@ def _recomputed() -> dict:
     from tests.equivalence import run_layouts
     modes = ("full", "selective")
     runs = [["parallel.pipeline=2", *ZB, f"train.recompute={mode}"] for mode in modes]
-    return dict(zip(modes, run_layouts(2, runs, timeout_s=300)))   # one spawned job
+    return dict(zip(modes, run_layouts(2, runs, timeout_s=within(300))))   # one spawned job
 
 
 @pytest.mark.parametrize("recompute", ["full", "selective"])
