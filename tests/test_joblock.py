@@ -25,6 +25,7 @@ import pytest
 from ptdp.metrics.log import read_metrics
 from ptdp.runtime.joblock import agree, wait_until_free
 from ptdp.runtime.local_ranks import free_port, run_on_ranks
+from tests.deadline import within
 from tests.test_restart import _reference_losses
 from tools import jobs
 from tools.jobs import ROOT, SCRIPT, env as _env
@@ -47,7 +48,7 @@ time.sleep(600)
 def uninterrupted_losses() -> list[float]:
     """JOB's losses without a fault (once: tests/test_multinode_restart.py asks too)."""
     return run_on_ranks(2, _reference_losses, [o for o in JOB if not o.startswith("checkpoint.")],
-                        timeout_s=180)[0]
+                        timeout_s=within(180))[0]
 
 
 def _gone(pid: int, within_s: float) -> bool:
@@ -78,7 +79,7 @@ def test_a_killed_agent_takes_its_workers_and_the_restart_loses_nothing(tmp_path
         [agent] = jobs.trainers(job.marker, agent=True)
         os.kill(agent, signal.SIGKILL)
         assert all(_gone(pid, 10) for pid in workers)   # no orphan trains on
-        output, _ = job.communicate(timeout=300)
+        output, _ = job.communicate(timeout=within(300))
     finally:
         jobs.stop(job)   # whatever happened: the workers too
     assert job.returncode == 0, output[-3000:]
