@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ptdp.config import Config, ConfigError, parse_config, parse_paths, parse_split, validate
 from ptdp.config.models import DEFAULT_PRESET, Samples
+from ptdp.config.recompute import selective_modules
 
 
 @dataclass
@@ -424,15 +425,14 @@ def memory_per_stage(cfg: Config, hardware=None) -> list:
     from ptdp.planner.compute import ModelShape
     from ptdp.planner.memory import gpu_memory
     from ptdp.planner.stage_plan import rank_shapes
-
     par, tr = cfg.parallel, cfg.train
     kwargs = dict(p=par.pipeline, t=par.tensor, v=par.chunks, m=cfg.num_micro_batches,
                   b=tr.micro_batch_size, d=par.data, schedule=cfg.schedule.name,
-                  recompute=tr.recompute, recompute_modules=tr.recompute_modules,
+                  recompute=tr.recompute,   # with the trainer's modules, not the plan's default
+                  recompute_modules=selective_modules(tr.recompute_modules, par.sequence_parallel),
                   precision=tr.precision, attention=hardware.attention if hardware else "flash",
-                  vocab_padded=cfg.padded_vocab_size,
+                  vocab_padded=cfg.padded_vocab_size, vertical_sync=cfg.schedule.vertical_sync,
                   reserved_gb=hardware.memory_reserved_gb if hardware else 0.0, hw=hardware,
-                  vertical_sync=cfg.schedule.vertical_sync,
                   distributed_optimizer=tr.distributed_optimizer,
                   sequence_parallel=par.sequence_parallel, c=par.context, expert=par.expert)
     shapes = rank_shapes(ModelShape.from_config(cfg.model), cfg)   # uneven: each rank's layers

@@ -475,3 +475,25 @@ def test_preprocess_refuses_an_empty_input_in_one_line(assets, tmp_path, capfd, 
     assert rc == 2 and "Traceback" not in err
     assert len(lines) == 1 and message in lines[0] and str(source) in lines[0], err
     assert not list(tmp_path.glob("out*"))
+
+
+def test_check_models_what_the_trainer_recomputes_whatever_the_profile_says():
+    """`ptdp check`'s memory estimate is the trainer's: plain recompute=selective resolves as the
+    trainer resolves it (layernorm, activation), even with a profile modelling materialized
+    attention, where the planner's own default would add core_attn."""
+    import dataclasses
+
+    from ptdp.checks import memory_per_stage
+    from ptdp.config import load_config
+    from ptdp.hardware import load_hardware
+
+    hw = dataclasses.replace(load_hardware("a100-80gb"), attention="materialized")
+    base = ["model.num_layers=4", "model.hidden_size=64", "model.num_heads=4",
+            "parallel.pipeline=2", "train.recompute=selective"]
+    plain = memory_per_stage(load_config(None, base, world_size=2), hw)
+    pinned = memory_per_stage(load_config(
+        None, base + ["train.recompute_modules=[layernorm,activation]"], world_size=2), hw)
+    with_scores = memory_per_stage(load_config(
+        None, base + ["train.recompute_modules=[core_attn,layernorm,activation]"],
+        world_size=2), hw)
+    assert plain == pinned != with_scores
