@@ -147,7 +147,7 @@ def _plan(args) -> int:
                             "tie_embeddings": m.tie_embeddings, **_moe_header(m, shape)},
                   "hardware": hw.name, "gpus": gpus, "gpus_per_node": per_node,
                   "global_batch_size": batch}
-        out = result_dict(result, header, precision, args.top)
+        out = result_dict(result, header, precision, args.top, args.attention or hw.attention)
         if uneven:
             out["stages"] = stages_dict(stages)
         print(json.dumps(out, indent=2))

@@ -60,8 +60,9 @@ def _expert_lines(result: SearchResult) -> list[str]:
     return lines
 
 
-def plan_dict(pred: Prediction, precision: str) -> dict:
-    """The JSON shape of one layout (what `ptdp plan --json` prints)."""
+def plan_dict(pred: Prediction, precision: str, attention: str = "flash") -> dict:
+    """The JSON shape of one layout (what `ptdp plan --json` prints); `recompute_modules`:
+    what it recomputes as the plan modelled it with `attention` (empty unless selective)."""
     lay = pred.layout
     return {
         "parallel": {"tensor": lay.tensor, "pipeline": lay.pipeline, "data": lay.data,
@@ -72,6 +73,7 @@ def plan_dict(pred: Prediction, precision: str) -> dict:
         "micro_batch_size": lay.micro_batch,
         "schedule": lay.schedule,
         "recompute": lay.recompute,
+        "recompute_modules": list(lay.recomputed(attention)),
         "precision": precision,
         "predicted": {**{k: round(v, 6) for k, v in pred.summary().items()},
                       "time_breakdown_s": {k: round(v, 6) for k, v in pred.time.items()},
@@ -79,11 +81,12 @@ def plan_dict(pred: Prediction, precision: str) -> dict:
     }
 
 
-def result_dict(result: SearchResult, header: dict, precision: str, top: int) -> dict:
+def result_dict(result: SearchResult, header: dict, precision: str, top: int,
+                attention: str = "flash") -> dict:
     best = result.best
     out = dict(header)
-    out.update(plan_dict(best, precision))
-    out["alternatives"] = [{**plan_dict(p, precision), "why_slower": why_slower(p, best)}
+    out.update(plan_dict(best, precision, attention))
+    out["alternatives"] = [{**plan_dict(p, precision, attention), "why_slower": why_slower(p, best)}
                            for p in result.ranked[1:top]]
     out["rejected"] = result.rejected.as_dict()
     out["search"] = {"evaluated": result.evaluated, "feasible": len(result.ranked),

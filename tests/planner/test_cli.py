@@ -54,6 +54,9 @@ def test_json_and_written_config_run_unchanged(model_file, tmp_path, capsys):
     assert cfg.train.micro_batch_size == result["micro_batch_size"]
     assert cfg.schedule.name == result["schedule"] and cfg.train.recompute == result["recompute"]
     assert cfg.parallel.sequence_parallel == par["sequence_parallel"]
+    trained = (selective_modules(cfg.train.recompute_modules, cfg.parallel.sequence_parallel)
+               if cfg.train.recompute == "selective" else ())
+    assert result["recompute_modules"] == list(trained)   # what the plan modelled, trained
     assert cfg.model.ffn_hidden_size == 4 * 12288     # the shape that was planned
 
 
