@@ -114,10 +114,10 @@ WORLD_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RA
 
 
 @contextlib.contextmanager
-def world_of_one(device="cpu"):
+def world_of_one(device="cpu", backend: str | None = None):
     """A 1-rank process group on a free port (the Trainer's default 29500 may be taken): NCCL on
-    CUDA, gloo on CPU. A world already up (the caller's) is used and left up. The environment
-    variables it sets are restored afterwards."""
+    CUDA, gloo on CPU, or `backend` (e.g. "cpu:gloo,cuda:nccl"). A world already up (the
+    caller's) is used and left up. The environment variables it sets are restored afterwards."""
     import torch
     import torch.distributed as dist
 
@@ -132,8 +132,8 @@ def world_of_one(device="cpu"):
     extra = {}
     if device.type == "cuda":
         extra["device_id"] = torch.device("cuda", device.index or 0)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
-                            **extra)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(backend, rank=0, world_size=1, **extra)
     try:
         yield
     finally:
