@@ -1,5 +1,6 @@
 """Smoke test of tools/bench_schedules.py (a benchmark, not a test of speed or convergence): it
-runs every schedule end to end with the tiniest settings and writes its table, JSON and picture;
+runs every schedule end to end with the tiniest settings and writes its table, JSON and picture
+(without matplotlib, an optional extra, a line saying there is none);
 the flushing schedules and 2BW start from the same loss (same weights, same first batch)."""
 
 import json
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 from tests.deadline import within
+from tests.optional import assert_picture
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,4 +29,4 @@ def test_bench_schedules_tiny(tmp_path):
     assert len(set(first.values())) == 1, first
     for x, y in zip(rows["interleaved"]["losses"], rows["1f1b"]["losses"]):   # same updates
         assert abs(x - y) <= 1e-5 * y
-    assert (tmp_path / "schedules.png").stat().st_size > 0
+    assert_picture(tmp_path / "schedules.png", run.stdout)

@@ -23,7 +23,9 @@ import pytest
 
 from ptdp import checks, cli
 from ptdp.config import load_config
+from tests.data.tokenised import write_tokenised
 from tests.deadline import within
+from tests.optional import needs
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512
@@ -67,7 +69,6 @@ def save_job(config: str, directory: str) -> None:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict:
-    from ptdp.data.preprocess import preprocess
     from ptdp.data.tokenizer import train_tokenizer
     from ptdp.runtime.local_ranks import run_on_ranks
 
@@ -75,7 +76,7 @@ def assets(tmp_path_factory) -> dict:
     _make_corpus(root / "corpus.jsonl", 120)
     tok = train_tokenizer(root / "corpus.jsonl", root / "tok", VOCAB)
     other = train_tokenizer(root / "corpus.jsonl", root / "other", VOCAB + 88)
-    preprocess(root / "corpus.jsonl", tok.path, root / "gpt", workers=1, progress=False)
+    write_tokenised(root / "corpus.jsonl", tok.path, root / "gpt")   # no `datasets` needed
     _write_dataset(root / "short", tok, [[5, 6, 7, 8, 9]])   # 5 tokens: shorter than s + 1
     _write_dataset(root / "empty", tok, [])
     paths = {"data": str(root / "gpt"), "tok": tok.path, "other_tok": other.path,
@@ -466,6 +467,7 @@ def test_launch_script_stops_before_torchrun(assets, tmp_path):
     ('{"text": ""}\n{"text": ""}\n', "every document is empty, nothing to write"),
 ])
 def test_preprocess_refuses_an_empty_input_in_one_line(assets, tmp_path, capfd, content, message):
+    needs("datasets")
     source = tmp_path / "input.jsonl"
     source.write_text(content)
     rc = cli.main(["preprocess", "--input", str(source), "--tokenizer", assets["tok"],

@@ -186,7 +186,8 @@ def main(argv=None) -> int:
     title = f"gpt_demo on {a.p} CPU ranks, {a.iters} iterations, {lr}"
     drawn = plot(rows, out / "schedules.png", title)
     print(f"wrote {out / 'schedules.json'}" + (f" and {out / 'schedules.png'}" if drawn else
-                                                "; matplotlib missing: no picture"))
+                                                "; matplotlib missing: no picture (pip "
+                                                "install 'ptdp[plot]')"))
     return 0
 
 

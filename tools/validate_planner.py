@@ -27,7 +27,8 @@ correction off.
 The profile must come from this machine: one measured elsewhere (its fingerprint differs, or
 it has none) is not used; the tool measures a fresh one (`ptdp profile`, 1 thread per rank)
 into --out and says so. Results: OUT/validate_planner.json (rows with `layout`, `step_error`
-and `mem_error`) and OUT/validate_planner.png (predicted against measured).
+and `mem_error`) and OUT/validate_planner.png (predicted against measured; matplotlib, `pip
+install 'ptdp[plot]'`: without it only the JSON).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ LAYOUTS = {
 }
 TOLERANCE = 0.15          # step time, either side
 MEMORY_UNDER = 0.03       # memory may be over-predicted, but under by at most this
+NO_PICTURE = "matplotlib missing: no picture (pip install 'ptdp[plot]')"
 
 
 def config_dict(layout: Layout, iters: int) -> dict:
@@ -248,10 +250,15 @@ def ranking_layouts(hw, ranks: int) -> tuple[Layout, dict]:
     return best, candidates
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(rows: list[dict], path: Path) -> bool:
+    """Predicted against measured, to `path`; False (no picture) without matplotlib, an
+    optional extra: the JSON holds the results."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.6))
     for ax, key, unit, scale in ((axes[0], "step", "ms", 1e3), (axes[1], "mem", "GiB", 1.0)):
         measured = [r[f"measured_{key}"] * scale for r in rows]
@@ -275,6 +282,8 @@ def plot(rows: list[dict], path: Path) -> None:
                  f"±{TOLERANCE:.0%} time, ±{MEMORY_UNDER:.0%} memory)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def main(argv=None) -> int:
@@ -367,8 +376,9 @@ def write(rows: list[dict], stem: Path, hw, argv=None) -> None:
                                                                     time.gmtime())}
     harness.write_json(stem.with_suffix(".json"), {**meta, "rows": rows}, tool=__file__,
                        argv=argv)
-    plot(rows, stem.with_suffix(".png"))
-    print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.png')}")
+    drawn = plot(rows, stem.with_suffix(".png"))
+    print(f"wrote {stem.with_suffix('.json')}" + (f" and {stem.with_suffix('.png')}" if drawn
+                                                   else f"; {NO_PICTURE}"))
 
 
 def rank_check(hw, args, out: Path, argv=None) -> int:
@@ -387,7 +397,8 @@ def rank_check(hw, args, out: Path, argv=None) -> int:
     harness.write_json(out / "ranking.json", {
         "first_choice": first.describe(), "fastest_measured": fastest["layout"], "gap": gap,
         "fingerprint": machine_fingerprint(), "rows": rows}, tool=__file__, argv=argv)
-    plot(rows, out / "ranking.png")
+    if not plot(rows, out / "ranking.png"):
+        print(f"wrote {out / 'ranking.json'}; {NO_PICTURE}")
     return 1 if args.check and gap > 0.10 else 0
 
 

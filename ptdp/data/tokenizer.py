@@ -169,6 +169,17 @@ def _materialised(path: str) -> Path:
     return out
 
 
+def _require_tokenizers(path) -> None:
+    """`tokenizers` (an optional extra) reads every file but a sentencepiece model: its absence
+    is one line naming the install, not a misleading "not a vocabulary" or a traceback."""
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        raise TokenizerError(f"{path}: reading a Hugging Face tokenizer or a GPT-2/WordPiece "
+                             f"vocabulary needs the tokenizers package: pip install 'ptdp[hf]' "
+                             f"(or pip install tokenizers)") from None
+
+
 class HFTokenizer:
     """A Hugging Face fast tokenizer with `Tokenizer`'s interface: from a tokenizer.json, or
     built from a GPT-2 vocab.json + merges.txt or a WordPiece vocab.txt
@@ -177,6 +188,7 @@ class HFTokenizer:
     def __init__(self, path: str | os.PathLike, merge_file: str | os.PathLike | None = None,
                  lowercase: bool | None = None):
         self.merge_file, self.lowercase = merge_file, lowercase
+        _require_tokenizers(path)
         found = vocab_files(path)
         if found is None:
             self.kind = "tokenizer.json"

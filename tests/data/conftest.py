@@ -1,5 +1,6 @@
 """Shared fixtures: a small stdlib-docstring corpus, tokenizers trained on it, and its
-preprocessed GPT and BERT datasets, built once per test session in a temporary directory."""
+preprocessed GPT and BERT datasets, built once per test session in a temporary directory (on a
+core install too: no optional extra is needed)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 
 from ptdp.config import load_config
 from ptdp.data.indexed import IndexedDatasetWriter
+
+from .tokenised import write_tokenised
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 512
@@ -44,20 +47,14 @@ def tokenizer(workdir, corpus):
 
 @pytest.fixture(scope="session")
 def gpt_prefix(workdir, corpus, tokenizer) -> str:
-    from ptdp.data.preprocess import preprocess
-
-    prefix = str(workdir / "gpt")
-    preprocess(corpus, tokenizer.path, prefix, workers=1, progress=False)
-    return prefix
+    """What `ptdp preprocess` makes of the corpus, written without `datasets` (tokenised.py)."""
+    return write_tokenised(corpus, tokenizer.path, workdir / "gpt")
 
 
 @pytest.fixture(scope="session")
 def bert_prefix(workdir, corpus, tokenizer) -> str:
-    from ptdp.data.preprocess import preprocess
-
-    prefix = str(workdir / "bert")
-    preprocess(corpus, tokenizer.path, prefix, workers=1, sentences=True, progress=False)
-    return prefix
+    """The same with --split-sentences."""
+    return write_tokenised(corpus, tokenizer.path, workdir / "bert", sentences=True)
 
 
 def write_counting_dataset(prefix, doc_sizes, vocab_size=1 << 20, meta=None) -> np.ndarray:

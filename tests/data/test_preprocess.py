@@ -1,4 +1,7 @@
-"""`ptdp preprocess` and the demo corpus builder."""
+"""`ptdp preprocess` and the demo corpus builder.
+
+Preprocessing needs Hugging Face `datasets`, GPT-2 and WordPiece vocabularies `tokenizers`
+(optional extras): the tests that run them skip without them (tests/optional.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from ptdp.data.indexed import IndexedDataset
 from ptdp.data.preprocess import preprocess, split_sentences
 from ptdp.data.tokenizer import load_tokenizer
 
+from tests.optional import needs
+
 from .conftest import load_make_corpus
 from .tiny_vocabs import TEXTS, write_gpt2_files, write_wordpiece_vocab
 
@@ -21,8 +26,27 @@ def texts(corpus):
     return [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
 
 
-def test_documents_are_tokenised_in_order_and_end_with_eod(corpus, tokenizer, gpt_prefix):
-    ds = IndexedDataset(gpt_prefix)
+@pytest.fixture(scope="module")
+def preprocessed(workdir, corpus, tokenizer) -> dict[str, str]:
+    """`preprocess` of the corpus, for GPT and (sentences) for BERT."""
+    needs("datasets")
+    prefixes = {"gpt": str(workdir / "preprocessed_gpt"), "bert": str(workdir / "preprocessed_bert")}
+    for name, prefix in prefixes.items():
+        preprocess(corpus, tokenizer.path, prefix, workers=1, sentences=name == "bert",
+                   progress=False)
+    return prefixes
+
+
+def test_the_shared_datasets_are_what_preprocess_writes(preprocessed, gpt_prefix, bert_prefix):
+    """The data fixtures (tests/data/tokenised.py, no `datasets` needed) are preprocess's bytes."""
+    for name, prefix in (("gpt", gpt_prefix), ("bert", bert_prefix)):
+        for suffix in (".bin", ".idx", ".ptdp.json"):
+            with open(preprocessed[name] + suffix, "rb") as ours, open(prefix + suffix, "rb") as f:
+                assert ours.read() == f.read(), (name, suffix)
+
+
+def test_documents_are_tokenised_in_order_and_end_with_eod(corpus, tokenizer, preprocessed):
+    ds = IndexedDataset(preprocessed["gpt"])
     docs = texts(corpus)
     assert ds.num_documents == len(docs) == len(ds)  # one sequence per document for GPT
     assert ds.vocab_size == tokenizer.vocab_size
@@ -35,8 +59,8 @@ def test_documents_are_tokenised_in_order_and_end_with_eod(corpus, tokenizer, gp
     assert eods[ds.document_bounds()[1:] - 1].all()
 
 
-def test_sentence_split_keeps_documents_together(corpus, tokenizer, bert_prefix):
-    ds = IndexedDataset(bert_prefix)
+def test_sentence_split_keeps_documents_together(corpus, tokenizer, preprocessed):
+    ds = IndexedDataset(preprocessed["bert"])
     docs = texts(corpus)
     assert ds.meta["sentences"] is True and ds.num_documents == len(docs)
     assert len(ds) > 2 * ds.num_documents  # docstrings average several sentences
@@ -53,7 +77,8 @@ def test_split_sentences():
     assert split_sentences("") == []
 
 
-def test_workers_give_identical_output_via_cli(tmp_path, corpus, tokenizer, gpt_prefix):
+def test_workers_give_identical_output_via_cli(tmp_path, corpus, tokenizer, preprocessed):
+    gpt_prefix = preprocessed["gpt"]
     out = tmp_path / "w2"
     rc = main(["preprocess", "--input", str(corpus), "--tokenizer", tokenizer.path,
                "--output-prefix", str(out), "--workers", "2", "--quiet"])
@@ -66,16 +91,22 @@ def test_workers_give_identical_output_via_cli(tmp_path, corpus, tokenizer, gpt_
 
 
 def test_empty_documents_are_skipped(tmp_path, tokenizer):
+    needs("datasets")
     (tmp_path / "c.jsonl").write_text('{"text": "Hello there."}\n{"text": ""}\n{"text": "Bye."}\n')
     summary = preprocess(tmp_path / "c.jsonl", tokenizer.path, tmp_path / "o", progress=False)
     assert summary["documents"] == 2 and summary["skipped"] == 1
     assert IndexedDataset(tmp_path / "o").num_documents == 2
 
 
-def test_preprocess_errors(tmp_path, corpus, tokenizer, capsys):
+def test_a_missing_field_is_one_error(tmp_path, corpus, tokenizer, capsys):
+    needs("datasets")
     rc = main(["preprocess", "--input", str(corpus), "--tokenizer", tokenizer.path,
                "--output-prefix", str(tmp_path / "o"), "--json-key", "body", "--quiet"])
     assert rc == 2 and "no 'body' field" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_tokenizer_is_one_error(tmp_path, corpus, capsys):
     rc = main(["preprocess", "--input", str(corpus), "--tokenizer", str(tmp_path / "no.model"),
                "--output-prefix", str(tmp_path / "o"), "--quiet"])
     assert rc == 2 and "no.model" in capsys.readouterr().err
@@ -109,13 +140,21 @@ def test_make_corpus_with_nothing_to_read_fails(tmp_path, capsys):
 # Megatron's tools/preprocess_data.py command line ---------------------------------------------
 
 @pytest.fixture(scope="module")
-def megatron_inputs(tmp_path_factory):
-    """Tiny GPT-2 and WordPiece vocabularies and a JSONL with two fields per document."""
+def megatron_jsonl(tmp_path_factory):
+    """A JSONL with two fields per document, and a directory for the vocabularies."""
     directory = tmp_path_factory.mktemp("megatron_inputs")
-    write_gpt2_files(directory)
-    write_wordpiece_vocab(directory)
     records = [{"title": f"Title {i}.", "text": TEXTS[i % 3] + f" Number {i}."} for i in range(12)]
     (directory / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return directory, records
+
+
+@pytest.fixture(scope="module")
+def megatron_inputs(megatron_jsonl):
+    """The JSONL, tiny GPT-2 and WordPiece vocabularies beside it, and `datasets` to read it."""
+    needs("datasets")
+    directory, records = megatron_jsonl
+    write_gpt2_files(directory)
+    write_wordpiece_vocab(directory)
     return directory, records
 
 
@@ -185,11 +224,12 @@ def test_hugging_face_tokenizer_json_gives_the_same_data(tmp_path, megatron_inpu
         IndexedDataset(bpe).meta["tokenizer_fingerprint"]
 
 
-def test_llama2_tokenizer_starts_every_sequence_with_bos(tmp_path, megatron_inputs):
+def test_llama2_tokenizer_starts_every_sequence_with_bos(tmp_path, megatron_jsonl):
     """Megatron's Llama2Tokenizer: <s> + ids (+ </s> with --append-eod) per document."""
     import sentencepiece as spm
 
-    src, records = megatron_inputs
+    needs("datasets")
+    src, records = megatron_jsonl
     spm.SentencePieceTrainer.Train(sentence_iterator=iter(TEXTS * 20), model_prefix=str(tmp_path / "llama"),
                                    vocab_size=120, model_type="bpe", minloglevel=2)
     assert run("--input", src / "c.jsonl", "--output-prefix", tmp_path / "l", "--tokenizer-type",
@@ -201,8 +241,8 @@ def test_llama2_tokenizer_starts_every_sequence_with_bos(tmp_path, megatron_inpu
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{src}/vocab.txt"],
-     "--tokenizer-type GPT2BPETokenizer does not read {src}/vocab.txt (a wordpiece file)"),
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{src}/words/vocab.txt"],
+     "--tokenizer-type GPT2BPETokenizer does not read {src}/words/vocab.txt (a wordpiece file)"),
     (["--tokenizer-type", "TikTokenizer", "--tokenizer-model", "x"], "--tokenizer-type TikTokenizer: ptdp reads"),
     (["--tokenizer-type", "GPT2BPETokenizer"], "no tokenizer: pass --vocab-file"),
     ([], "no tokenizer: pass --tokenizer"),
@@ -210,8 +250,11 @@ def test_llama2_tokenizer_starts_every_sequence_with_bos(tmp_path, megatron_inpu
      "--tokenizer-type HuggingFaceTokenizer: org/model not found (a local file or directory is "
      "needed: Hugging Face hub names are not downloaded)"),
 ])
-def test_tokenizer_arguments_errors_in_one_line(tmp_path, megatron_inputs, capsys, flags, message):
-    src, _ = megatron_inputs
+def test_tokenizer_arguments_errors_in_one_line(tmp_path, megatron_jsonl, capsys, flags, message):
+    """Refused before any tokenizer is read: no optional extra needed."""
+    src, _ = megatron_jsonl
+    (src / "words").mkdir(exist_ok=True)
+    (src / "words" / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nthe\n")
     flags, message = [f.format(src=src) for f in flags], message.format(src=src)
     assert run("--input", src / "c.jsonl", "--output-prefix", tmp_path / "x", *flags) == 2
     err = capsys.readouterr().err

@@ -8,8 +8,11 @@ import json
 import pytest
 
 from ptdp.cli import main
+from tests.optional import needs
 
 from .tiny_vocabs import TEXTS, write_gpt2_files
+
+needs("datasets")   # the lines are checked as preprocess reads them (write_gpt2_files: tokenizers)
 
 GOOD = json.dumps({"text": TEXTS[0]}) + "\n"
 

@@ -1,10 +1,12 @@
 """Tiny GPT-2 BPE (vocab.json + merges.txt) and WordPiece (vocab.txt) vocabularies, trained in
 a few milliseconds by the `tokenizers` library: Megatron-style tokenizer files without a
-download."""
+download. Without `tokenizers` (an optional extra) the test asking for them skips."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from tests.optional import needs
 
 TEXTS = ["Hello world! The quick brown fox jumps over the lazy dog.",
          "Ünïcödé  text,   with  spaces\n\nand two lines. Another sentence here.",
@@ -13,6 +15,7 @@ TEXTS = ["Hello world! The quick brown fox jumps over the lazy dog.",
 
 def write_gpt2_files(directory: Path) -> tuple[Path, Path]:
     """gpt2-vocab.json and gpt2-merges.txt (Megatron's names), <|endoftext|> included."""
+    needs("tokenizers")
     from tokenizers.implementations import ByteLevelBPETokenizer
 
     bpe = ByteLevelBPETokenizer()
@@ -24,6 +27,7 @@ def write_gpt2_files(directory: Path) -> tuple[Path, Path]:
 
 def write_wordpiece_vocab(directory: Path) -> Path:
     """An uncased BERT vocab.txt with [PAD] [UNK] [CLS] [SEP] [MASK]."""
+    needs("tokenizers")
     from tokenizers.implementations import BertWordPieceTokenizer
 
     wp = BertWordPieceTokenizer(lowercase=True)

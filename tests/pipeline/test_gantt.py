@@ -13,6 +13,7 @@ from ptdp.pipeline import gantt
 from ptdp.pipeline.schedules import build_schedule
 from tests.deadline import within
 from tests.equivalence import TINY
+from tests.optional import needs
 
 M = 8
 
@@ -63,6 +64,7 @@ def test_interleaved_order_and_chunks(traces):
 
 
 def test_ptdp_timeline_draws_png_and_chrome_trace(traces, tmp_path, capsys):
+    needs("matplotlib")
     png, chrome = tmp_path / "t.png", tmp_path / "t.json"
     assert main(["timeline", str(traces / "1f1b.json"), "--out", str(png),
                  "--chrome", str(chrome)]) == 0
