@@ -40,6 +40,7 @@ def installed(module: str) -> bool:
 
 def needs(module: str):
     """The module, or skip the calling test with a line naming the extra to install."""
+    __tracebackhide__ = True   # the skip is reported at the caller's line
     return pytest.importorskip(module, reason=reason(module))
 
 

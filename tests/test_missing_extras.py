@@ -50,7 +50,7 @@ def one_line(capfd, rc: int) -> str:
     ("gpt2-vocab.json", "tokenizers",
      "error: {root}/gpt2-vocab.json: reading a Hugging Face tokenizer or a GPT-2/WordPiece "
      "vocabulary needs the tokenizers package: pip install 'ptdp[hf]' (or pip install tokenizers)"),
-])
+], ids=["datasets", "tokenizers"])
 def test_preprocess(inputs, tmp_path, capfd, monkeypatch, tokenizer, hidden, expect):
     hide(monkeypatch, hidden)
     rc = main(["preprocess", "--input", str(inputs / "c.jsonl"), "--tokenizer",
