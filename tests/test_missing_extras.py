@@ -4,12 +4,15 @@ sys.modules, which makes `import NAME` fail as on a core install (`pip install -
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
 from ptdp.cli import main
+from tests.optional import EXTRA_OF
 
 
 def hide(monkeypatch, *packages: str) -> None:
@@ -74,3 +77,98 @@ def test_timeline(tmp_path, capfd, monkeypatch):
     assert one_line(capfd, rc) == ("ptdp timeline: drawing needs matplotlib: pip install "
                                    "'ptdp[plot]'")
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# The guard: every use of an extra in tests/ is behind a skip
+# --------------------------------------------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parent
+GUARDS = {"needs", "importorskip", "skip_without"}     # tests/optional.py, pytest's own
+CALLS = {"preprocess": "datasets"}   # ptdp functions that import an extra (preprocess.py)
+IMPLIED = {"transformers": {"tokenizers", "safetensors"}}   # transformers requires both
+
+
+def _extra(module: str) -> str | None:
+    return next((name for name in EXTRA_OF if module == name or module.startswith(f"{name}.")),
+                None)
+
+
+def _guarded(node: ast.AST) -> set[str]:
+    """The extras a guard call under `node` skips without (`needs("datasets")`, ...)."""
+    found = set()
+    for sub in ast.walk(node):
+        if (isinstance(sub, ast.Call) and getattr(sub.func, "attr", getattr(sub.func, "id", ""))
+                in GUARDS and sub.args and isinstance(sub.args[0], ast.Constant)
+                and (extra := _extra(str(sub.args[0].value)))):
+            found |= {extra, *IMPLIED.get(extra, ())}
+    return found
+
+
+def _uses(node: ast.AST) -> list[str]:
+    """The extras this one statement or expression node imports or calls into."""
+    if isinstance(node, ast.Import):
+        return [e for alias in node.names if (e := _extra(alias.name))]
+    if isinstance(node, ast.ImportFrom):
+        return [e] if (e := _extra(node.module or "")) else []
+    if isinstance(node, ast.Call):
+        name = getattr(node.func, "attr", getattr(node.func, "id", ""))
+        return [CALLS[name]] if name in CALLS else []
+    return []
+
+
+def unguarded_uses(source: str, where: str) -> list[str]:
+    """'where:line extra' for each use of an extra not covered by a guard at module level or in
+    an enclosing function; a helper (neither a test nor a fixture) may rely on its callers, if
+    its module guards that extra somewhere."""
+    tree = ast.parse(source)
+    anywhere = _guarded(tree)
+    found = []
+
+    def visit(node: ast.AST, covered: set[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                helper = not child.name.startswith("test_") and not any(
+                    "fixture" in ast.unparse(d) for d in child.decorator_list)
+                visit(child, covered | _guarded(child) | (anywhere if helper else set()))
+                continue
+            found.extend(f"{where}:{child.lineno} {e}" for e in _uses(child) if e not in covered)
+            visit(child, covered)
+
+    top = ast.Module(body=[s for s in tree.body if not isinstance(
+        s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))], type_ignores=[])
+    visit(tree, _guarded(top))
+    return found
+
+
+def test_every_use_of_an_extra_in_the_tests_is_behind_a_skip():
+    """A core install skips, never fails: each test module that imports an optional extra (or
+    calls preprocess, which imports `datasets`) skips first (tests/optional.py). What ptdp's
+    commands import is out of sight here: tests/test_missing_extras.py's command tests and a
+    core-install run of the suite cover that."""
+    found = [use for path in sorted(TESTS.rglob("*.py"))
+             for use in unguarded_uses(path.read_text(), str(path.relative_to(TESTS)))]
+    assert found == []
+
+
+def test_the_guard_finds_an_unguarded_use():
+    source = """import pytest
+from tests.optional import needs
+
+def helper():
+    import wandb                               # 5: no guard for wandb in this module
+    from datasets import load_dataset          # covered: test_one guards datasets
+
+@pytest.fixture
+def data():
+    preprocess("c.jsonl")                      # 10: a fixture guards itself
+    needs("transformers")
+    import transformers, safetensors           # covered (transformers requires safetensors)
+
+def test_one():
+    needs("datasets")
+    preprocess("c.jsonl")                      # covered
+    import matplotlib.pyplot                   # 17
+"""
+    assert unguarded_uses(source, "m.py") == ["m.py:5 wandb", "m.py:10 datasets",
+                                               "m.py:17 matplotlib"]

@@ -7,6 +7,10 @@ from pathlib import Path
 
 import torch
 
+from tests.optional import needs
+
+needs("transformers")   # the tests/hf modules importing this one skip without it too
+
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 
 

@@ -139,13 +139,13 @@ def llama_from_hf(root: Path, corpus: Path) -> None:
     """hf_llama: a random LlamaForCausalLM with a tokenizer.json; llama: its (2, 2, 1)
     checkpoint; llama_data: the corpus tokenised with that tokenizer.json."""
     import transformers
-    from ptdp.data.preprocess import preprocess
     from ptdp.hf.convert import from_hf
+    from tests.data.tokenised import write_tokenised   # preprocess's bytes, without `datasets`
     texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
     hf_tokenizer(texts, root / "hf_llama", HF_TOKENS)
     random_hf_model(transformers.LlamaConfig(**LLAMA), root / "hf_llama")
     from_hf(root / "hf_llama", root / "llama", ["parallel.tensor=2", "parallel.pipeline=2"])
-    preprocess(corpus, root / "hf_llama" / "tokenizer.json", root / "llama_data", progress=False)
+    write_tokenised(corpus, root / "hf_llama" / "tokenizer.json", root / "llama_data")
 
 
 def _hf_model(path: Path):
