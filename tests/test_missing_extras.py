@@ -1,6 +1,11 @@
-"""A command that needs an optional extra it lacks stops in one line naming the package and the
-pip command, exit 2, no traceback, nothing written: the extras are hidden here by putting None in
-sys.modules, which makes `import NAME` fail as on a core install (`pip install -e .`)."""
+"""A core install (`pip install -e .`, none of pyproject.toml's optional extras):
+
+* a command that needs an extra it lacks stops in one line naming the package and the pip
+  command, exit 2, no traceback, nothing written (the extras are hidden here by putting None in
+  sys.modules, which makes `import NAME` fail as where it is not installed);
+* the tests skip rather than fail: every use of an extra in tests/ is behind a skip
+  (tests/optional.py), checked on the source.
+"""
 
 from __future__ import annotations
 
