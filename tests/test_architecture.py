@@ -27,7 +27,7 @@ FLOORS = [
     ["pipeline"],
     ["metrics"],
     ["checkpoint"],
-    ["training", "inference", "checks"],
+    ["training", "inference", "checks", "job_summary"],
     ["hf", "megatron", "profiler"],
     ["commands"],
     ["cli"],

@@ -485,7 +485,7 @@ def test_check_models_what_the_trainer_recomputes_whatever_the_profile_says():
     attention, where the planner's own default would add core_attn."""
     import dataclasses
 
-    from ptdp.checks import memory_per_stage
+    from ptdp.job_summary import memory_per_stage
     from ptdp.config import load_config
     from ptdp.hardware import load_hardware
 

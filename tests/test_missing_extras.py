@@ -179,3 +179,15 @@ def test_one():
 """
     assert unguarded_uses(source, "m.py") == ["m.py:5 wandb", "m.py:10 datasets",
                                                "m.py:17 matplotlib"]
+
+
+def test_ptdp_check_names_the_extra_for_a_tokenizers_file(monkeypatch):
+    """`ptdp check` (before any rank starts) says which install reads a tokenizer.json."""
+    import ptdp.checks
+    from ptdp.checks import Findings, check_packages
+    from ptdp.config import load_config
+    monkeypatch.setattr(ptdp.checks, "package_installed", lambda name: name != "tokenizers")
+    found = Findings()
+    check_packages(load_config(None, ["data.tokenizer=tok/tokenizer.json"], world_size=1), found)
+    assert found.errors == ["data.tokenizer needs the tokenizers package: pip install "
+                            "'ptdp[hf]' (or pip install tokenizers)"]

@@ -28,7 +28,8 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ptdp.checks import check_job, summary
+    from ptdp.checks import check_job
+    from ptdp.job_summary import summary
 
     world = args.world_size if args.world_size is not None else int(os.environ.get("WORLD_SIZE") or 1)
     if world < 1:

@@ -3,7 +3,7 @@
 
 import pytest
 
-from ptdp.checks import summary
+from ptdp.job_summary import summary
 from ptdp.config import ModelConfig, load_config
 from ptdp.hardware import load_hardware
 from ptdp.planner.compute import ModelShape

@@ -73,7 +73,7 @@ def test_written_config_sets_the_key_the_trainer_reads(tmp_path, capsys, flag):
 
 
 def test_ptdp_check_predicts_the_sharded_state():
-    from ptdp.checks import memory_per_stage, summary
+    from ptdp.job_summary import memory_per_stage, summary
     base = ["parallel.pipeline=2", "parallel.data=4", "train.precision=bf16"]
     whole, sharded = (load_config(None, base + extra, world_size=8)
                       for extra in ([], ["train.distributed_optimizer=true"]))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ptdp.checks import summary
+from ptdp.job_summary import summary
 from ptdp.config import load_config
 from ptdp.planner.compute import ModelShape
 from ptdp.planner.formulas import active_parameters, decoder_parameters

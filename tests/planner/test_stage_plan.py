@@ -88,7 +88,7 @@ def test_plan_keeps_even_stages_when_the_split_gains_nothing(tmp_path, capsys):
 
 
 def test_check_prints_each_stage_and_its_time():
-    from ptdp.checks import summary
+    from ptdp.job_summary import summary
     from ptdp.hardware import load_hardware
     cfg = load_config("configs/gpt_tiny.yaml", ["parallel.pipeline=4",
                                                 "parallel.stage_layers=[0,2,2,0]"], world_size=4)
@@ -104,7 +104,7 @@ def test_check_prints_each_stage_and_its_time():
 
 
 def test_check_prices_each_rank_at_its_own_layers():
-    from ptdp.checks import memory_per_stage
+    from ptdp.job_summary import memory_per_stage
     uneven = load_config("configs/gpt_tiny.yaml", ["parallel.pipeline=4",
                                                    "parallel.stage_layers=[0,2,2,0]"], world_size=4)
     even = load_config("configs/gpt_tiny.yaml", ["parallel.pipeline=4"], world_size=4)
