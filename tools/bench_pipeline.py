@@ -1,7 +1,8 @@
 """Benchmark (not a test): the same small GPT under each pipeline schedule on local CPU ranks.
 
 One gloo job of p*t local ranks (``ptdp.runtime.local_ranks.run_on_ranks``) runs every schedule in turn
-(gpipe, 1f1b and 2bw with v=1, interleaved with v=--chunks). Per schedule it reports
+(gpipe, 1f1b and 2bw with v=1, interleaved with v=--chunks; zb-h1 with v=1 when named in
+--schedules). Per schedule it reports
 
 * ``ours step s``: median wall time of one training step (forward_backward + reduce_gradients
   + optimizer_step) of ``ptdp.training.Trainer``, from the first rank leaving the barrier to the
@@ -13,11 +14,12 @@ One gloo job of p*t local ranks (``ptdp.runtime.local_ranks.run_on_ranks``) runs
   2bw is compared with torch's Schedule1F1B (the same p and m; torch has no 2BW). Its
   iterations run back to back, as in training (a barrier between them would be a flush): its
   step is the time between consecutive iterations' ends (the last rank's), over the timed
-  ones, the drain excluded; torch's steps then run after them;
+  ones, the drain excluded; torch's steps then run after them. zb-h1 is compared with torch's
+  Schedule1F1B too (torch's zero-bubble schedules need several stages per rank);
 * ``measured bubble``: from the executor trace, per rank (makespan - compute) / compute, where
   the makespan runs from the first action start to the last action end over all ranks and
   compute is the rank's action time minus the time spent waiting for receives; the mean over
-  ranks is compared with (p-1)/(v*m);
+  ranks is compared with (p-1)/(v*m) (zb-h1: (p-1)/(3m), t_F = t_B = t_W);
 * ``bytes/msg``: ``P2P.bytes_sent / messages_sent`` per iteration, against b*s*h*4 (/t with
   scatter/gather).
 
@@ -53,8 +55,10 @@ else:                # python tools/bench_pipeline.py (tools/harness.py says why
     import harness
     from pipeline_reference import TorchSide, lm_loss
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
-THEIRS = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "2bw": "1f1b"}
+DEFAULT_SCHEDULES = ("gpipe", "1f1b", "interleaved", "2bw")
+SCHEDULES = DEFAULT_SCHEDULES + ("zb-h1",)   # zb-h1 when named (--schedules 1f1b,zb-h1)
+THEIRS = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved", "2bw": "1f1b",
+          "zb-h1": "1f1b"}
 
 
 # ------------------------------------------------------------------------ per-rank benchmark
@@ -300,7 +304,7 @@ def aggregate(s: dict, per_rank: list[list[dict]]) -> list[dict]:
             "ours_step_s": ours_med, "torch_step_s": theirs_med,
             "ratio": ours_med / theirs_med if theirs_steps else None,
             "measured_bubble": _median(bubbles),
-            "formula_bubble": 0.0 if name == "2bw" else (s["p"] - 1) / (v * s["m"]),
+            "formula_bubble": _formula_bubble(name, s["p"], v, s["m"]),
             "torch_schedule": THEIRS[name],
             "bytes_per_msg": sent / msgs if msgs else 0, "bytes_per_msg_formula": formula,
             "bytes_per_boundary_per_iter": sent / boundaries / t if boundaries else 0,
@@ -321,6 +325,13 @@ def aggregate(s: dict, per_rank: list[list[dict]]) -> list[dict]:
             "torch_error": "; ".join(sorted(errors)) or None,
         })
     return rows
+
+
+def _formula_bubble(name: str, p: int, v: int, m: int) -> float:
+    """Eq. 4.1's (p-1)/(v*m); none for 2BW (no flush); zb-h1's (p-1)/(3m) with t_F = t_B = t_W."""
+    if name == "2bw":
+        return 0.0
+    return (p - 1) / (v * m) / (3 if name == "zb-h1" else 1)
 
 
 def _fmt(x, spec):
@@ -355,7 +366,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tensor", type=int, default=1,
                     help="t (ours only; torch.distributed.pipelining is skipped when t > 1)")
     ap.add_argument("--scatter-gather", action="store_true")
-    ap.add_argument("--schedules", default=",".join(SCHEDULES))
+    ap.add_argument("--schedules", default=",".join(DEFAULT_SCHEDULES),
+                    help=f"comma-separated, from {', '.join(SCHEDULES)}")
     ap.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole job")
     ap.add_argument("--json", help="write the rows (with per-iteration detail) here")

@@ -8,9 +8,10 @@ W into what would otherwise be the pipeline's bubbles.
 Every layer that owns weights computes its weighted products (linear, LayerNorm, embedding
 lookup, an RMSNorm's gain) through its `weight_ops`: `PLAIN`, torch's own functions, unless
 `defer_weight_grads(chunk)` binds the chunk's layers to a `WeightGradQueue`, the chunk's own
-(kept as `chunk.weight_grads`). The queue's ops are custom operators (an autograd Function for
-the embedding) whose backward returns the input gradient and, while a B pass of the queue is open (`queue.defer(mb)`), hands the
-weight gradient over as a closure instead of computing it. `queue.run(mb)` (the W pass)
+(kept as `chunk.weight_grads`). The queue's ops are autograd Functions in eager code and custom
+operators inside a compiled layer (one implementation of each backward, below); their backward
+returns the input gradient and, while a B pass of the queue is open (`queue.defer(mb)`), hands
+the weight gradient over as a closure instead of computing it. `queue.run(mb)` (the W pass)
 evaluates the closures of that micro-batch, sums them per weight and accumulates them through
 autograd (`torch.autograd.backward` on the weights), so the hooks that follow an accumulation
 fire as after a plain backward: fp32 gradient accumulation and the data-parallel buckets,
@@ -124,11 +125,12 @@ class WeightGradQueue(WeightOps):
         return self._triggers[device]
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        if not torch.compiler.is_compiling():
-            _own(self, weight, bias)
-        return torch.ops.ptdp.deferred_linear(x, weight.detach(),
-                                              None if bias is None else bias.detach(),
-                                              self._trigger(x.device))
+        args = (x, weight.detach(), None if bias is None else bias.detach(),
+                self._trigger(x.device))
+        if torch.compiler.is_compiling():
+            return torch.ops.ptdp.deferred_linear(*args)
+        _own(self, weight, bias)
+        return _EagerLinear.apply(*args)
 
     @torch.compiler.disable
     def embedding(self, ids: torch.Tensor, weight: torch.Tensor):
@@ -137,16 +139,18 @@ class WeightGradQueue(WeightOps):
     def layer_norm(self, x: torch.Tensor, shape, weight: torch.Tensor, bias: torch.Tensor,
                    eps: float, offset: float = 0.0):
         assert tuple(shape) == tuple(weight.shape), "the normalised shape is the weight's"
-        if not torch.compiler.is_compiling():
-            _own(self, weight, bias)
-        return torch.ops.ptdp.deferred_layer_norm(x, weight.detach(), bias.detach(), eps,
-                                                  float(offset), self._trigger(x.device))[0]
+        args = (x, weight.detach(), bias.detach(), eps, float(offset), self._trigger(x.device))
+        if torch.compiler.is_compiling():
+            return torch.ops.ptdp.deferred_layer_norm(*args)[0]
+        _own(self, weight, bias)
+        return _EagerLayerNorm.apply(*args)
 
     def scale(self, x: torch.Tensor, weight: torch.Tensor, offset: float = 0.0):
-        if not torch.compiler.is_compiling():
-            _own(self, weight)
-        return torch.ops.ptdp.deferred_scale(x, weight.detach(), float(offset),
-                                             self._trigger(x.device))
+        args = (x, weight.detach(), float(offset), self._trigger(x.device))
+        if torch.compiler.is_compiling():
+            return torch.ops.ptdp.deferred_scale(*args)
+        _own(self, weight)
+        return _EagerScale.apply(*args)
 
 
 def defer_weight_grads(chunk: nn.Module) -> WeightGradQueue:
@@ -290,14 +294,17 @@ def _(x, weight, bias, trigger):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-@torch.library.custom_op("ptdp::deferred_linear_backward", mutates_args=())
-def _deferred_linear_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                              bias: torch.Tensor | None, copy: bool) -> torch.Tensor:
+def _linear_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None, copy: bool) -> torch.Tensor:
     def compute(grad, x):
         g = _flat(grad)
         return [g.t().matmul(_flat(x)), g.sum(0) if bias is not None else None]
     _hand_over([weight, bias], compute, [grad, x], copy)
     return grad.matmul(weight)
+
+
+_deferred_linear_backward = torch.library.custom_op(
+    "ptdp::deferred_linear_backward", _linear_input_grad, mutates_args=())
 
 
 @_deferred_linear_backward.register_fake
@@ -333,16 +340,19 @@ def _(x, weight, bias, eps, offset, trigger):
     return x.new_empty(x.shape), stats, stats.new_empty(stats.shape)
 
 
-@torch.library.custom_op("ptdp::deferred_layer_norm_backward", mutates_args=())
-def _deferred_layer_norm_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                                  bias: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                                  offset: float, copy: bool) -> torch.Tensor:
+def _layer_norm_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                           offset: float, copy: bool) -> torch.Tensor:
     backward = torch.ops.aten.native_layer_norm_backward
     g = gain(weight, offset)   # the gain's gradient is the weight's
     _hand_over([weight, bias], lambda *t: list(backward(
         *t[:2], weight.shape, *t[2:], g, bias, [False, True, True])[1:]),
         [grad, x, mean, rstd], copy)
     return backward(grad, x, weight.shape, mean, rstd, g, bias, [True, False, False])[0]
+
+
+_deferred_layer_norm_backward = torch.library.custom_op(
+    "ptdp::deferred_layer_norm_backward", _layer_norm_input_grad, mutates_args=())
 
 
 @_deferred_layer_norm_backward.register_fake
@@ -378,12 +388,15 @@ def _(x, weight, offset, trigger):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("ptdp::deferred_scale_backward", mutates_args=())
-def _deferred_scale_backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                             offset: float, copy: bool) -> torch.Tensor:
+def _scale_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                      offset: float, copy: bool) -> torch.Tensor:
     _hand_over([weight], lambda grad, x: [(_flat(grad) * _flat(x)).sum(0).to(weight.dtype)],
                [grad, x], copy)
     return _scale(grad, weight, offset)   # the input's gradient: grad times the gain
+
+
+_deferred_scale_backward = torch.library.custom_op(
+    "ptdp::deferred_scale_backward", _scale_input_grad, mutates_args=())
 
 
 @_deferred_scale_backward.register_fake
@@ -404,6 +417,48 @@ def _scale_backward(ctx, grad):
 
 
 _deferred_scale.register_autograd(_scale_backward, setup_context=_scale_context)
+
+# Eager forwards take the same ops as autograd Functions: the same forward, the same backward
+# bodies called directly (copy=False: nothing reuses an eager tensor's buffer), without the
+# custom operators' dispatch, which cost a zb-h1 chunk 6 % of its forward and backward on CPU
+# (docs/performance.md, "Host overhead on CPU").
+
+class _EagerLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, trigger):
+        ctx.save_for_backward(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _linear_input_grad(grad, *ctx.saved_tensors, False), None, None, None
+
+
+class _EagerLayerNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, offset, trigger):
+        out, mean, rstd = torch.native_layer_norm(x, weight.shape, gain(weight, offset), bias, eps)
+        ctx.offset = offset
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_x = _layer_norm_input_grad(grad, *ctx.saved_tensors, ctx.offset, False)
+        return grad_x, None, None, None, None, None
+
+
+class _EagerScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, offset, trigger):
+        ctx.offset = offset
+        ctx.save_for_backward(x, weight)
+        return _scale(x, weight, offset)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _scale_input_grad(grad, *ctx.saved_tensors, ctx.offset, False), None, None, None
+
 
 # The backward operators act through their queue: never dropped as unused nor reordered.
 # torch's AOTAutograd cache keys a compiled layer on its forward graph, not on these
