@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -70,18 +71,20 @@ def _gone(pid: int, within_s: float) -> bool:
 def test_a_killed_agent_takes_its_workers_and_the_restart_loses_nothing(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     overrides = JOB + [f"checkpoint.dir={tmp_path / 'ck'}", f"log.metrics_file={metrics}"]
-    reference = uninterrupted_losses()
     job = jobs.start(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), *overrides],
                      tmp_path, MAX_RESTARTS="1")
-    try:
-        jobs.wait_for_iteration(metrics, job, 12)
-        workers = [jobs.pid_of_rank(rank, job.marker) for rank in (0, 1)]
-        [agent] = jobs.trainers(job.marker, agent=True)
-        os.kill(agent, signal.SIGKILL)
-        assert all(_gone(pid, 10) for pid in workers)   # no orphan trains on
-        output, _ = job.communicate(timeout=within(300))
-    finally:
-        jobs.stop(job)   # whatever happened: the workers too
+    with ThreadPoolExecutor(1) as pool:   # the uninterrupted run, beside the job
+        reference = pool.submit(uninterrupted_losses)
+        try:
+            jobs.wait_for_iteration(metrics, job, 12, timeout=within(120))
+            workers = [jobs.pid_of_rank(rank, job.marker) for rank in (0, 1)]
+            [agent] = jobs.trainers(job.marker, agent=True)
+            os.kill(agent, signal.SIGKILL)
+            assert all(_gone(pid, 10) for pid in workers)   # no orphan trains on
+            output, _ = job.communicate(timeout=within(300))
+        finally:
+            jobs.stop(job)   # whatever happened: the workers too
+        reference = reference.result()
     assert job.returncode == 0, output[-3000:]
     records = read_metrics(metrics)
     assert [r["iter"] for r in records] == list(range(1, ITERS + 1))

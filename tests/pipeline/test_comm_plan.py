@@ -39,14 +39,20 @@ def _cases():
 @pytest.mark.parametrize("scatter_gather", [False, True])
 @pytest.mark.parametrize("name", FLUSHING)
 def test_every_schedule_matches_and_completes_under_nccl_rules(name, scatter_gather):
+    """Both wire shapes must pair up send for receive (check_plans compares shapes). Which
+    messages go where does not depend on the shapes (plan_exchanges only records
+    `shape_of(message)` in each transfer), so the boundary coverage is checked once, with
+    the full activation shape."""
     checked = 0
     for case in _cases():
         if case[0] != name:
             continue
         _, p, v, m = case
-        plans = plan_exchanges(build_all(name, p, v, m), p, v, _wire_shapes(2, scatter_gather))
+        schedule = build_all(name, p, v, m)
+        plans = plan_exchanges(schedule, p, v, _wire_shapes(2, scatter_gather))
         check_plans(plans)
-        _assert_covers_every_boundary(plans, build_all(name, p, v, m), p, v)
+        if not scatter_gather:
+            _assert_covers_every_boundary(plans, schedule, p, v)
         checked += 1
     assert checked > 100
 

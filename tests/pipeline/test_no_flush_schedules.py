@@ -160,7 +160,10 @@ def comm_cases():
 @pytest.mark.parametrize("name", ["2bw", "pipedream"])
 def test_no_flush_plans_match_and_complete_under_nccl_rules(name, scatter_gather):
     """p <= 8, v <= 4 (2bw), m from p to 4p: order-matched, deadlock-free with an iteration
-    barrier at every E and without, and no exchange crosses an iteration boundary."""
+    barrier at every E and without, and no exchange crosses an iteration boundary. Which
+    messages go where does not depend on the wire shape (plan_exchanges only records
+    `shape(message)` in each transfer): with the scatter/gather shape, only the pairing (shapes
+    included) and the replay with barriers are checked again."""
     shape = (lambda msg: (16 * 2 * 32 // 2,)) if scatter_gather else (lambda msg: (16, 2, 32))
     checked = 0
     for case in comm_cases():
@@ -169,8 +172,9 @@ def test_no_flush_plans_match_and_complete_under_nccl_rules(name, scatter_gather
         _, p, v, m = case
         plans = plan_exchanges(build_all(name, p, v, m, 3), p, v, shape)
         check_plans(plans)
-        check_plans(plans, barriers=False)
-        _assert_iterations_are_closed(plans)
+        if not scatter_gather:
+            check_plans(plans, barriers=False)
+            _assert_iterations_are_closed(plans)
         checked += 1
     assert checked > 100
 
