@@ -72,7 +72,7 @@ def test_a_killed_agent_takes_its_workers_and_the_restart_loses_nothing(tmp_path
     metrics = tmp_path / "metrics.jsonl"
     overrides = JOB + [f"checkpoint.dir={tmp_path / 'ck'}", f"log.metrics_file={metrics}"]
     job = jobs.start(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), *overrides],
-                     tmp_path, MAX_RESTARTS="1")
+                     tmp_path, MAX_RESTARTS="1", GPUS_PER_NODE="2")   # (no torch to count GPUs)
     with ThreadPoolExecutor(1) as pool:   # the uninterrupted run, beside the job
         reference = pool.submit(uninterrupted_losses)
         try:
@@ -115,8 +115,8 @@ def test_a_second_job_on_a_checkpoint_dir_in_use_stops_naming_the_holder(tmp_pat
         assert held == [f"rank 3 pid {holder.pid} on {os.uname().nodename}"]
         result = subprocess.run(
             ["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), "train.iters=2",
-             f"checkpoint.dir={directory}"], env=_env(PTDP_LOCK_WAIT_S="1"), cwd=tmp_path,
-            capture_output=True, text=True, timeout=120)
+             f"checkpoint.dir={directory}"], cwd=tmp_path, capture_output=True, text=True,
+            env=_env(PTDP_LOCK_WAIT_S="1", GPUS_PER_NODE="2"), timeout=120)
         assert result.returncode == 2
         lines = [line for line in result.stderr.splitlines() if "is in use by another job" in line]
         assert lines == [f"checkpoint.dir {directory} is in use by another job (waited 1 s): rank 3 "

@@ -59,8 +59,10 @@ def failed_twice(tmp_path_factory):
     metrics = root / "metrics.jsonl"
     overrides = JOB + [f"checkpoint.dir={root / 'ck'}", f"log.metrics_file={metrics}"]
     uninterrupted = [o for o in JOB if not o.startswith("checkpoint.")]
+    # GPUS_PER_NODE given: the script does not import torch to count devices (a launch's
+    # device detection is tests/test_configs.py's; this is about its restarts).
     job = jobs.start(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), *overrides],
-                     root, MAX_RESTARTS="2")
+                     root, MAX_RESTARTS="2", GPUS_PER_NODE="2")
     lines, stopped = [], []
     reader = threading.Thread(target=_continue_when_named, args=(job, stopped, lines),
                               daemon=True)
