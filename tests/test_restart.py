@@ -36,8 +36,10 @@ from tools import jobs
 from tools.jobs import ROOT, SCRIPT, env as _env, wait_for_iteration as _wait_for_iteration
 
 ITERS = 40
+# train.timeout_s=3: the stopped rank is named after a stall of 2.4 s (tests/test_watchdog.py's
+# STALL_TIMEOUT_S says why that is enough), the job's cores idle meanwhile.
 JOB = ["parallel.pipeline=2", f"train.iters={ITERS}", "checkpoint.save_interval=10",
-       "checkpoint.load=auto", "model.dropout=0.1", "train.timeout_s=6", "log.progress=false",
+       "checkpoint.load=auto", "model.dropout=0.1", "train.timeout_s=3", "log.progress=false",
        "log.interval=1000"]
 
 
