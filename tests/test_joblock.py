@@ -32,8 +32,10 @@ from tools import jobs
 from tools.jobs import ROOT, SCRIPT, env as _env
 
 ITERS = 30
+# train.timeout_s=15: heartbeats every 0.5 s (the shortest), so a rank lost in
+# tests/test_multinode_restart.py is found stale within ~2 s.
 JOB = ["parallel.pipeline=2", f"train.iters={ITERS}", "checkpoint.save_interval=10",
-       "checkpoint.load=auto", "model.dropout=0.1", "train.timeout_s=20", "log.progress=false",
+       "checkpoint.load=auto", "model.dropout=0.1", "train.timeout_s=15", "log.progress=false",
        "log.interval=1000"]
 
 HOLDER = """
