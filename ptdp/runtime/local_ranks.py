@@ -97,6 +97,7 @@ def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, threads: 
         p.start()
     out: dict[int, object] = {}
     deadline = time.monotonic() + timeout_s
+    finished = False
     try:
         while len(out) < world_size:
             remaining = deadline - time.monotonic()
@@ -116,9 +117,12 @@ def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, threads: 
             if status == "error":
                 raise RankFailure(f"rank {rank} failed:\n{value}")
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        finished = True
     finally:
+        # Ranks that returned are leaving; after a failure the others are usually blocked on
+        # the failed rank (a collective, a receive) and would only run out the grace.
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=5 if finished else 0)
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(world_size)]
