@@ -49,10 +49,13 @@ def _trainer(overrides: list[str]):
 def resume_job(root: str, runs: dict[str, list[str]]) -> dict:
     """For each named layout: 4 iterations straight (saving at 2 and 4), then a new Trainer
     that resumes from iteration 2; plus, for each (name, other) in `runs["reshard"]`, a Trainer
-    of layout `other` resuming from `name`'s checkpoint. Losses and final weights."""
+    of layout `other` resuming from `name`'s checkpoint (`other` from the named layouts, or
+    from `runs["targets"]`: layouts only loaded into, not trained on their own). Losses and
+    final weights."""
     out = {}
+    layouts = {**runs, **runs.get("targets", {})}
     for name, overrides in runs.items():
-        if name == "reshard":
+        if name in ("reshard", "targets"):
             continue
         directory = Path(root) / name
         save = [f"checkpoint.dir={directory}", "checkpoint.save_interval=2", "train.iters=4"]
@@ -63,7 +66,7 @@ def resume_job(root: str, runs: dict[str, list[str]]) -> dict:
         out[f"{name} resumed"] = [r["loss"] for r in resumed.train()]
         out[f"{name} resumed weights"] = resumed.full_state()
     for source, target in runs.get("reshard", []):
-        trainer = _trainer(runs[target] + ["train.iters=4",
+        trainer = _trainer(layouts[target] + ["train.iters=4",
                                            f"checkpoint.load={root}/{source}/iter_0000002"])
         out[f"{source} -> {target}"] = [r["loss"] for r in trainer.train()]
         out[f"{source} -> {target} weights"] = trainer.full_state()

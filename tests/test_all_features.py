@@ -28,7 +28,7 @@ def test_all_three_together_match_single_process(arch, layout):
 
 LLAMA = MODELS["llama"]
 RESUME = {"all": [*LAYOUTS[(1, 2, 2)], "model.dropout=0.1", *ALL],
-          "plain": [*LAYOUTS[(1, 2, 2)], "model.dropout=0.1"],
+          "targets": {"plain": [*LAYOUTS[(1, 2, 2)], "model.dropout=0.1"]},   # loaded into only
           # the Llama-style decoder resharded from (1, 2, 2) with everything to a pipeline
           "llama all": [*LLAMA, *LAYOUTS[(1, 2, 2)], *ALL],
           "llama pipeline": [*LLAMA, *LAYOUTS[(2, 2, 1)]],

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,8 +32,10 @@ from tools import jobs
 from tools.jobs import ROOT, SCRIPT, env as _env
 
 ITERS = 30
+# train.timeout_s=15: heartbeats every 0.5 s (the shortest), so a rank lost in
+# tests/test_multinode_restart.py is found stale within ~2 s.
 JOB = ["parallel.pipeline=2", f"train.iters={ITERS}", "checkpoint.save_interval=10",
-       "checkpoint.load=auto", "model.dropout=0.1", "train.timeout_s=20", "log.progress=false",
+       "checkpoint.load=auto", "model.dropout=0.1", "train.timeout_s=15", "log.progress=false",
        "log.interval=1000"]
 
 HOLDER = """
@@ -70,18 +73,20 @@ def _gone(pid: int, within_s: float) -> bool:
 def test_a_killed_agent_takes_its_workers_and_the_restart_loses_nothing(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     overrides = JOB + [f"checkpoint.dir={tmp_path / 'ck'}", f"log.metrics_file={metrics}"]
-    reference = uninterrupted_losses()
     job = jobs.start(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), *overrides],
-                     tmp_path, MAX_RESTARTS="1")
-    try:
-        jobs.wait_for_iteration(metrics, job, 12)
-        workers = [jobs.pid_of_rank(rank, job.marker) for rank in (0, 1)]
-        [agent] = jobs.trainers(job.marker, agent=True)
-        os.kill(agent, signal.SIGKILL)
-        assert all(_gone(pid, 10) for pid in workers)   # no orphan trains on
-        output, _ = job.communicate(timeout=within(300))
-    finally:
-        jobs.stop(job)   # whatever happened: the workers too
+                     tmp_path, MAX_RESTARTS="1", GPUS_PER_NODE="2")   # (no torch to count GPUs)
+    with ThreadPoolExecutor(1) as pool:   # the uninterrupted run, beside the job
+        reference = pool.submit(uninterrupted_losses)
+        try:
+            jobs.wait_for_iteration(metrics, job, 12, timeout=within(120))
+            workers = [jobs.pid_of_rank(rank, job.marker) for rank in (0, 1)]
+            [agent] = jobs.trainers(job.marker, agent=True)
+            os.kill(agent, signal.SIGKILL)
+            assert all(_gone(pid, 10) for pid in workers)   # no orphan trains on
+            output, _ = job.communicate(timeout=within(300))
+        finally:
+            jobs.stop(job)   # whatever happened: the workers too
+        reference = reference.result()
     assert job.returncode == 0, output[-3000:]
     records = read_metrics(metrics)
     assert [r["iter"] for r in records] == list(range(1, ITERS + 1))
@@ -112,8 +117,8 @@ def test_a_second_job_on_a_checkpoint_dir_in_use_stops_naming_the_holder(tmp_pat
         assert held == [f"rank 3 pid {holder.pid} on {os.uname().nodename}"]
         result = subprocess.run(
             ["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), "train.iters=2",
-             f"checkpoint.dir={directory}"], env=_env(PTDP_LOCK_WAIT_S="1"), cwd=tmp_path,
-            capture_output=True, text=True, timeout=120)
+             f"checkpoint.dir={directory}"], cwd=tmp_path, capture_output=True, text=True,
+            env=_env(PTDP_LOCK_WAIT_S="1", GPUS_PER_NODE="2"), timeout=120)
         assert result.returncode == 2
         lines = [line for line in result.stderr.splitlines() if "is in use by another job" in line]
         assert lines == [f"checkpoint.dir {directory} is in use by another job (waited 1 s): rank 3 "

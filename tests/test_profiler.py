@@ -22,15 +22,37 @@ TINY = {"model": {"arch": "gpt", "num_layers": 2, "hidden_size": 64, "num_heads"
 
 @pytest.fixture(scope="module")
 def profile_path(tmp_path_factory):
+    """`ptdp profile`'s command (ptdp.cli.main) in this process, which has torch imported and
+    usually a fork server for its ranks running already (seconds of CPU each as a fresh
+    `python -m ptdp`; test_bad_profile_arguments runs that). What the command changes in its
+    process is put back: torch's threads, the environment (MASTER_ADDR, MASTER_PORT); its
+    one-process group it destroys itself. A group left by another test would be taken over
+    and destroyed: then it runs as its own process, as before."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from ptdp.cli import main
     tmp = tmp_path_factory.mktemp("profile")
     model = tmp / "tiny.yaml"
     model.write_text(yaml.safe_dump(TINY))
     out = tmp / "cpu-test.yaml"
-    proc = subprocess.run([sys.executable, "-m", "ptdp", "profile", str(model), "--out", str(out),
-                           "--micro-batches", "1,2", "--tensor", "1,2", "--ranks", "2",
-                           "--iters", "2", "--memory-repeats", "1"],
-                          capture_output=True, text=True, timeout=within(240))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    args = ["profile", str(model), "--out", str(out), "--micro-batches", "1,2", "--tensor", "1,2",
+            "--ranks", "2", "--iters", "2", "--memory-repeats", "1"]
+    if dist.is_initialized():
+        proc = subprocess.run([sys.executable, "-m", "ptdp", *args], capture_output=True,
+                              text=True, timeout=within(240))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return out
+    environ, threads = dict(os.environ), torch.get_num_threads()
+    try:
+        assert main(args) == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(threads)
+    assert not dist.is_initialized()
     return out
 
 

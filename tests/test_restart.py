@@ -36,8 +36,10 @@ from tools import jobs
 from tools.jobs import ROOT, SCRIPT, env as _env, wait_for_iteration as _wait_for_iteration
 
 ITERS = 40
+# train.timeout_s=3: the stopped rank is named after a stall of 2.4 s (tests/test_watchdog.py's
+# STALL_TIMEOUT_S says why that is enough), the job's cores idle meanwhile.
 JOB = ["parallel.pipeline=2", f"train.iters={ITERS}", "checkpoint.save_interval=10",
-       "checkpoint.load=auto", "model.dropout=0.1", "train.timeout_s=6", "log.progress=false",
+       "checkpoint.load=auto", "model.dropout=0.1", "train.timeout_s=3", "log.progress=false",
        "log.interval=1000"]
 
 
@@ -59,8 +61,10 @@ def failed_twice(tmp_path_factory):
     metrics = root / "metrics.jsonl"
     overrides = JOB + [f"checkpoint.dir={root / 'ck'}", f"log.metrics_file={metrics}"]
     uninterrupted = [o for o in JOB if not o.startswith("checkpoint.")]
+    # GPUS_PER_NODE given: the script does not import torch to count devices (a launch's
+    # device detection is tests/test_configs.py's; this is about its restarts).
     job = jobs.start(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), *overrides],
-                     root, MAX_RESTARTS="2")
+                     root, MAX_RESTARTS="2", GPUS_PER_NODE="2")
     lines, stopped = [], []
     reader = threading.Thread(target=_continue_when_named, args=(job, stopped, lines),
                               daemon=True)

@@ -215,35 +215,39 @@ def test_a_slow_first_iteration_and_first_validation_get_the_start_up_budget():
     assert dog.budget_s == pytest.approx(8.0)
 
 
-def test_stall_check_fires_only_after_the_first_iteration_and_not_in_checkpoint_saves():
-    fired = []
+# Three tests that mostly wait on real clocks (a stall budget, a reporter's grace, a late rank
+# and a slow validation: ~12 s together) run their scenarios at once, in threads of the
+# `waits` fixture below; each test asserts on its own scenario's outcome.
+
+def _stall_scenario() -> dict:
+    """A detector with timeout_s=1 through the job's first iteration, a checkpoint save and a
+    stalled iteration, 1.6 s each: what it had fired after each."""
+    fired, seen = [], []
     dog = Watchdog(0, 2, str, timeout_s=1.0, store=MemoryStore(), first_iteration=5,
                    on_hang=fired.append)
-    assert dog.stall_s == pytest.approx(0.8) and dog.interval_s == 0.5
+    budgets = (dog.stall_s, dog.interval_s)
     dog.start()
     try:
         dog.doing("iteration 5", iteration=5)      # the job's first: start-up budget
         time.sleep(1.6)
-        assert fired == []
+        seen.append(list(fired))
         dog.doing("checkpoint save", iteration=6, watch=False)
         time.sleep(1.6)
-        assert fired == []
+        seen.append(list(fired))
         dog.doing("iteration 7", iteration=7)
         time.sleep(1.6)
     finally:
         dog.stop()
-    assert len(fired) == 1
+    return {"budgets": budgets, "seen": seen, "fired": fired}
 
 
-def test_a_rank_that_does_not_report_gives_the_reporter_time_to_speak():
-    """Rank 1 sees the stall first but rank 0 reports: rank 1 ends only after a grace, so that
-    torchrun does not stop rank 0 before it has printed (the job's one line)."""
+def _reporter_scenario() -> dict:
+    """Rank 1 blocks 0.1 s before rank 0, both with timeout_s=2: who ended, when, saying what."""
     calls = []
     store = MemoryStore()
     dogs = [Watchdog(r, 2, str, timeout_s=2.0, store=store, first_iteration=1,
                      on_hang=lambda line, r=r: calls.append((r, line, time.time())))
             for r in range(2)]
-    assert dogs[1].reporter_grace_s == pytest.approx(1.0)   # two heartbeat intervals
     for dog in dogs:
         dog.start()
     try:
@@ -256,7 +260,35 @@ def test_a_rank_that_does_not_report_gives_the_reporter_time_to_speak():
     finally:
         for dog in dogs:
             dog.stop()
-    (first, line, at), (second, quiet, end) = sorted(calls, key=lambda c: c[2])
+    return {"grace": dogs[1].reporter_grace_s, "calls": calls}
+
+
+@pytest.fixture(scope="module")
+def waits():
+    """The waiting scenarios, started together: {name: future of its outcome}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ptdp.runtime.local_ranks import run_on_ranks
+    with ThreadPoolExecutor(3) as pool:
+        yield {"stall": pool.submit(_stall_scenario),
+               "reporter": pool.submit(_reporter_scenario),
+               "slow start": pool.submit(run_on_ranks, 2, _slow_first_iteration_and_validation,
+                                         timeout_s=60)}
+
+
+def test_stall_check_fires_only_after_the_first_iteration_and_not_in_checkpoint_saves(waits):
+    out = waits["stall"].result()
+    assert out["budgets"][0] == pytest.approx(0.8) and out["budgets"][1] == 0.5
+    assert out["seen"] == [[], []]     # not in the first iteration, not in the save
+    assert len(out["fired"]) == 1
+
+
+def test_a_rank_that_does_not_report_gives_the_reporter_time_to_speak(waits):
+    """Rank 1 sees the stall first but rank 0 reports: rank 1 ends only after a grace, so that
+    torchrun does not stop rank 0 before it has printed (the job's one line)."""
+    out = waits["reporter"].result()
+    assert out["grace"] == pytest.approx(1.0)   # two heartbeat intervals
+    (first, line, at), (second, quiet, end) = sorted(out["calls"], key=lambda c: c[2])
     assert first == 0 and line.startswith("no progress for") and (second, quiet) == (1, None)
 
 
@@ -291,12 +323,11 @@ def _slow_first_iteration_and_validation() -> list[dict]:
     return trainer.train()
 
 
-def test_a_slow_first_iteration_and_a_long_validation_do_not_end_a_healthy_job():
+def test_a_slow_first_iteration_and_a_long_validation_do_not_end_a_healthy_job(waits):
     """Issue 22, item 2: the stall check counts every validation forward as progress, and the
     first iteration (and validation) get train.startup_timeout_s, which the backend's own
     timeout follows; before, this job ended with exit 4 (or gloo's timeout) on both."""
-    from ptdp.runtime.local_ranks import run_on_ranks
-    histories = run_on_ranks(2, _slow_first_iteration_and_validation, timeout_s=60)
+    histories = waits["slow start"].result()
     assert [len(h) for h in histories] == [2, 2]
     assert all(record["valid_loss"] > 0 for record in (histories[0][1], histories[1][1]))
 
@@ -312,12 +343,18 @@ def _continue_when_named(job, stopped: list, lines: list) -> None:
             jobs.send(stopped, signal.SIGCONT)
 
 
+# The stopped rank is named after 80 % of this (2.4 s, while the job's cores sit idle); the
+# heartbeat interval is 0.5 s either way, so the stopped rank is still watched for four
+# intervals before the budget runs out, as with a longer timeout.
+STALL_TIMEOUT_S = 3
+
+
 def test_sigstop_on_one_of_4_ranks_ends_the_job_naming_it(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "-m", "ptdp", "train", str(ROOT / "configs/gpt_tiny.yaml"), "parallel.pipeline=2",
-           "parallel.tensor=2", "train.iters=100000", "train.timeout_s=6", "log.interval=1000",
-           f"log.metrics_file={metrics}", "log.progress=false"]
+           "parallel.tensor=2", "train.iters=100000", f"train.timeout_s={STALL_TIMEOUT_S}",
+           "log.interval=1000", f"log.metrics_file={metrics}", "log.progress=false"]
     job = jobs.start(cmd, tmp_path)
     lines, reader = [], None
     try:
@@ -339,7 +376,7 @@ def test_sigstop_on_one_of_4_ranks_ends_the_job_naming_it(tmp_path):
     assert len(ours) == 1, out
     assert ours[0].startswith("ptdp train: rank(s) stopped making progress: rank 3 (p=1, d=0, t=1)")
     assert "no heartbeat for" in ours[0] and "last in iteration" in ours[0]
-    assert elapsed < 6 + 45, elapsed   # the stall check, then torchrun's shutdown
+    assert elapsed < STALL_TIMEOUT_S + 45, elapsed   # the stall check, then torchrun's shutdown
 
 
 def test_a_single_rank_records_no_device_events():

@@ -62,6 +62,9 @@ RETENTION_PAIR = ("p2-2bw", "p2-2bw-b4")
 # tensors are alive together), and the prediction should err on the safe side.
 RESERVE_REPEATS = 2
 
+# Calibration runs at once (each of RESERVE_RUNS' worlds is 2 ranks): 4 processes.
+CONCURRENT_RUNS = 2
+
 
 def _calibration_peak(model: dict, precision: str, parallel: dict, schedule: str,
                       micro_batch: int, batch: int) -> float:
@@ -159,20 +162,29 @@ def calibrate_reserve(profile: HardwareProfile, model_cfg, precision: str,
     growth per byte of activations a micro-batch allocates is `heap_retention`, and the
     reserve the largest of what is left."""
     import dataclasses
+    from concurrent.futures import ThreadPoolExecutor
 
     from ptdp.runtime.local_ranks import run_on_ranks
     model = {f.name: getattr(model_cfg, f.name) for f in dataclasses.fields(model_cfg)}
-    runs = {}
-    for name, (parallel, schedule, micro_batch, batch) in RESERVE_RUNS.items():
-        stages = parallel.get("pipeline", 1) * parallel.get("chunks", 1)
-        if model_cfg.num_layers % stages:
-            continue   # the profiled model cannot be split that way
+
+    def peak_of(name: str) -> float:
+        parallel, schedule, micro_batch, batch = RESERVE_RUNS[name]
         world = parallel.get("pipeline", 1) * parallel.get("data", 1)
-        peak = max(max(run_on_ranks(world, _calibration_peak, model, precision, parallel,
+        return max(max(run_on_ranks(world, _calibration_peak, model, precision, parallel,
                                     schedule, micro_batch, batch, timeout_s=600.0,
                                     threads=threads, fresh_interpreters=True))
                    for _ in range(repeats))
-        runs[name] = reserve_from_peak(profile, model_cfg, precision, peak, name)
+
+    names = [name for name, (parallel, _, _, _) in RESERVE_RUNS.items()   # those the model
+             if model_cfg.num_layers % (parallel.get("pipeline", 1)       # can be split into
+                                        * parallel.get("chunks", 1)) == 0]
+    # Each run's ranks are processes of their own and only their own peaks are read, so
+    # CONCURRENT_RUNS of them run at once: one run's start-up (its interpreters importing
+    # torch) overlaps another's training and exit.
+    with ThreadPoolExecutor(CONCURRENT_RUNS) as pool:
+        peaks = dict(zip(names, pool.map(peak_of, names)))
+    runs = {name: reserve_from_peak(profile, model_cfg, precision, peaks[name], name)
+            for name in names}
     return {**reserve_and_retention(runs), "runs": runs}
 
 

@@ -13,6 +13,7 @@ dies ends the whole run with an error naming it, never a hung caller.
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import queue
@@ -69,6 +70,11 @@ def _rank_main(rank, world_size, port, fn, args, results, timeout_s, threads, en
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # A fresh interpreter (spawn) ends through the interpreter's shutdown, whose cyclic
+        # collection over torch's ~300,000 objects the caller would wait for (0.3-1 s);
+        # frozen, they are left to the OS (ptdp/__main__.py does the same). Forked ranks
+        # leave with os._exit anyway.
+        gc.freeze()
 
 
 def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, threads: int = 1,
@@ -91,6 +97,7 @@ def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, threads: 
         p.start()
     out: dict[int, object] = {}
     deadline = time.monotonic() + timeout_s
+    finished = False
     try:
         while len(out) < world_size:
             remaining = deadline - time.monotonic()
@@ -98,7 +105,8 @@ def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, threads: 
                 missing = sorted(set(range(world_size)) - set(out))
                 raise RankFailure(f"ranks {missing} did not finish within {timeout_s:.0f}s")
             try:
-                rank, status, value = results.get(timeout=min(remaining, 1.0))
+                # (a rank that dies without a word is noticed within 0.2 s + the 0.5 s below)
+                rank, status, value = results.get(timeout=min(remaining, 0.2))
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out]
                 if dead:
@@ -110,9 +118,12 @@ def run_on_ranks(world_size: int, fn, *args, timeout_s: float = 120.0, threads: 
             if status == "error":
                 raise RankFailure(f"rank {rank} failed:\n{value}")
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        finished = True
     finally:
+        # Ranks that returned are leaving; after a failure the others are usually blocked on
+        # the failed rank (a collective, a receive) and would only run out the grace.
         for p in procs:
-            p.join(timeout=5)
+            p.join(timeout=5 if finished else 0)
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(world_size)]

@@ -208,7 +208,6 @@ def checkpoint_job(root: str) -> dict:
     out["dropout_full"] = _losses(_trainer(dropout + _ckpt(root / "dropout")))
     resumed = _trainer(dropout + _ckpt(root / "dropout", root / "dropout" / "iter_0000002"))
     out["dropout_resumed"] = _losses(resumed)
-    out["dropout_resumed_weights"] = resumed.full_state()
     # bf16: the fp32 masters come back exactly, not from the bf16 weights.
     bf16 = T2_D2 + DISTOPT + four + ["train.precision=bf16"]
     out["bf16_full"] = _losses(_trainer(bf16 + _ckpt(root / "bf16")))
@@ -216,7 +215,6 @@ def checkpoint_job(root: str) -> dict:
     # The same run with and without sharding saves the same tensors.
     ref = _trainer(T2_D2 + DISTOPT + four + _ckpt(root / "distopt"))
     out["ref"] = _losses(ref)
-    out["ref_weights"] = ref.full_state()
     _trainer(T2_D2 + four + _ckpt(root / "unsharded")).train()   # same LR schedule
     for name, layout in LOADERS.items():
         trainer = _trainer(layout + four + [f"checkpoint.load={root}/distopt/iter_0000002"])

@@ -83,11 +83,11 @@ def _where_weights_get_gradients() -> dict:
     return {"seen": seen, "launches": launches, "rank": trainer.state.grid.coords.pipeline}
 
 
-def test_weight_gradients_wait_for_the_wg_pass():
+def test_weight_gradients_wait_for_the_wg_pass(four_ranks):
     """GEMM, LayerNorm and embedding weights get their gradients only in Wg; the fused chains'
     biases and the position table in B; every data-parallel bucket that holds a deferred weight
     launches inside a Wg (after the B of the last micro-batch)."""
-    for out in run_on_ranks(4, _where_weights_get_gradients, timeout_s=within(240)):
+    for out in (rank["wg"] for rank in four_ranks):
         seen = out["seen"]
         for name, passes in seen.items():
             deferred = not name.endswith(("proj.bias", "fc1.bias", "fc2.bias", "position"))
@@ -98,14 +98,24 @@ def test_weight_gradients_wait_for_the_wg_pass():
 RESUME = {"zb": ["parallel.pipeline=2", "parallel.tensor=2", "model.dropout=0.1", *ZB],
           "zb-sp": ["parallel.pipeline=2", "parallel.tensor=2", "model.dropout=0.1", *ZB, *SP],
           "zb0": ["parallel.pipeline=2", "parallel.tensor=2", *ZB, *SP],
-          "1f1b": ["parallel.pipeline=2", "parallel.tensor=2"],
+          "targets": {"1f1b": ["parallel.pipeline=2", "parallel.tensor=2"]},   # loaded into only
           "reshard": [("zb0", "1f1b")]}
 
 
+def _four_rank_job(root: str, runs: dict) -> dict:
+    """The resumes, then where the weights get their gradients: one spawn of 4 ranks."""
+    return {"resume": resume_job(root, runs), "wg": _where_weights_get_gradients()}
+
+
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
+def four_ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("zb-checkpoints")
-    return run_on_ranks(4, resume_job, str(root), RESUME, timeout_s=within(500))[0]
+    return run_on_ranks(4, _four_rank_job, str(root), RESUME, timeout_s=within(500))
+
+
+@pytest.fixture(scope="module")
+def resumed(four_ranks):
+    return four_ranks[0]["resume"]
 
 
 @pytest.mark.parametrize("name", ["zb", "zb-sp", "zb0"])
