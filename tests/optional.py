@@ -28,7 +28,8 @@ EXTRA_OF = {"datasets": "data", "tokenizers": "hf", "transformers": "hf", "safet
 
 
 def reason(module: str) -> str:
-    return f"needs {module}: pip install 'ptdp[{EXTRA_OF[module]}]'"
+    extra = EXTRA_OF.get(module) or EXTRA_OF[module.split(".")[0]]   # a submodule: its package's
+    return f"needs {module}: pip install 'ptdp[{extra}]'"
 
 
 def installed(module: str) -> bool:

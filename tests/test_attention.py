@@ -21,6 +21,7 @@ from ptdp.models.attention import (attention, attention_mask, decoding_mask,
 from ptdp.parallel import ring_attention as ring
 from ptdp.parallel.context import ContextParallel
 from ptdp.planner.formulas import ModelShape, iteration_flops
+from tests.optional import needs
 
 DOCS = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3],
                      [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 2]])
@@ -28,7 +29,7 @@ DOCS = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3],
 
 def test_window_is_hugging_face_sliding_window_causal():
     """Key j visible to query i iff j <= i and i - j < window, as transformers' mask function."""
-    masking = pytest.importorskip("transformers.masking_utils")
+    masking = needs("transformers.masking_utils")
     s, window = 12, 4
     hf = masking.sliding_window_causal_mask_function(window)
     idx = torch.arange(s)

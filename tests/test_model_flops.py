@@ -18,6 +18,7 @@ from ptdp.planner.compute import ModelShape
 from ptdp.planner.formulas import (bert_parameter_count, decoder_parameters, iteration_flops,
                                    model_flops)
 from ptdp.planner.memory import stage_parameters
+from tests.optional import needs
 
 L, H, A, S, V, B = 2, 32, 4, 16, 128, 3
 # Model options beyond the sizes: GPT-2's block, BERT, a Llama-style block with 2 K/V heads,
@@ -107,7 +108,7 @@ HF_SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
     ("qwen2", {}),                                                     # Q, K, V only
 ])
 def test_general_parameter_count_equals_hugging_face(model, biases, tie):
-    transformers = pytest.importorskip("transformers")
+    transformers = needs("transformers")
     if model == "llama":
         config = transformers.LlamaConfig(**HF_SMALL, tie_word_embeddings=tie, **biases)
         net = transformers.LlamaForCausalLM(config)

@@ -16,6 +16,7 @@ from ptdp.runtime.local_ranks import run_on_ranks
 from ptdp.metrics.report import end_summary, format_bytes, startup_report
 from ptdp.metrics.log import format_tflops
 from tests.deadline import within
+from tests.optional import needs
 
 TINY = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4", "model.seq_length=16",
         "model.vocab_size=100", "train.micro_batch_size=2", "train.global_batch_size=8",
@@ -112,7 +113,7 @@ def test_resume_command_swaps_checkpoint_load(monkeypatch):
 
 
 def test_plot_draws_several_runs(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+    needs("matplotlib")
     from ptdp.cli import main
     paths = []
     for run in ("a", "b"):
@@ -147,7 +148,7 @@ def test_version_and_every_help_shows_defaults(capsys):
 
 
 def test_plot_adds_the_expert_load_and_aux_losses_for_a_mixture_of_experts(tmp_path):
-    pytest.importorskip("matplotlib")
+    needs("matplotlib")
     from ptdp.metrics.plot import MOE_PANELS, PANELS, _series, panels_for, plot_metrics
     dense = [{"iter": i, "loss": 5.0, "lr": 1e-3} for i in (1, 2)]
     moe = [{**r, "moe/load_max_over_mean": 1.5 - r["iter"] / 10, "aux/moe_aux_loss": 0.01,

@@ -10,6 +10,7 @@ from ptdp.cli import main
 from ptdp.data.tokenizer import SPECIAL_TOKENS, Tokenizer, TokenizerError, read_texts
 
 from .conftest import VOCAB
+from tests.optional import needs
 
 TEXT = "Return the number of items in the sequence. Raise ValueError if it is empty."
 
@@ -102,7 +103,7 @@ def vocab_dir(tmp_path_factory):
 def test_vocabulary_files_encode_like_transformers(vocab_dir):
     """The ids transformers' GPT2Tokenizer / BertTokenizer give (what Megatron's
     GPT2BPETokenizer and BertWordPiece* use), with Megatron's special tokens."""
-    transformers = pytest.importorskip("transformers")
+    transformers = needs("transformers")
     from ptdp.data.tokenizer import EOD, HFTokenizer, load_tokenizer
 
     from .tiny_vocabs import TEXTS

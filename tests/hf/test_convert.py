@@ -22,8 +22,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytest.importorskip("transformers")
-pytest.importorskip("google.protobuf")
+from tests.optional import needs
+needs("transformers")
+needs("google.protobuf")
 
 from ptdp.cli import main  # noqa: E402
 from ptdp.inference.local_model import LocalModel, read_full_state  # noqa: E402

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.optional import needs
+transformers = needs("transformers")
 
 from ptdp.cli import main  # noqa: E402
 from ptdp.config import load_config  # noqa: E402

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.optional import needs
+transformers = needs("transformers")
 
 from ptdp.hf.convert import from_hf  # noqa: E402
 from ptdp.inference.generate import Sampling, generate  # noqa: E402

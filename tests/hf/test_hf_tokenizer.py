@@ -9,8 +9,9 @@ import shutil
 
 import pytest
 
-pytest.importorskip("tokenizers")
-pytest.importorskip("transformers")
+from tests.optional import needs
+needs("tokenizers")
+needs("transformers")
 
 from ptdp.data.tokenizer import EOD, HFTokenizer, TokenizerError, load_tokenizer  # noqa: E402
 from tests.hf.hf_models import BOS, EOS, hf_tokenizer  # noqa: E402

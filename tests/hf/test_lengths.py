@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+from tests.optional import needs
+transformers = needs("transformers")
 
 from ptdp.checkpoint.layout import CheckpointError, check_model_config, read_metadata  # noqa: E402
 from ptdp.cli import main  # noqa: E402

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-transformers = pytest.importorskip("transformers")
+from tests.optional import needs
+transformers = needs("transformers")
 
 from ptdp.cli import main  # noqa: E402
 from tests.deadline import within
