@@ -499,3 +499,21 @@ def test_check_models_what_the_trainer_recomputes_whatever_the_profile_says():
         None, base + ["train.recompute_modules=[core_attn,layernorm,activation]"],
         world_size=2), hw)
     assert plain == pinned != with_scores
+
+
+@pytest.mark.parametrize("rank, world, waits", [("1", "2", True), ("0", "2", False),
+                                                ("0", "1", False)])
+def test_ranks_other_than_0_leave_after_rank_0_had_time_to_say_why(monkeypatch, rank, world,
+                                                                   waits):
+    """torchrun ends every worker once one exits: a rank that found the same problem as rank 0,
+    and prints nothing, must not leave first, or rank 0 may be killed before its line is out
+    (test_torchrun_ranks_exit_2_before_any_process_group lost that race under load)."""
+    import time
+
+    from ptdp.commands import train
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    assert train._after_rank_0_said_why(2) == 2
+    assert slept == ([train.SAID_WHY_GRACE_S] if waits else [])

@@ -50,9 +50,9 @@ def run(args) -> int:
         if _env_int("RANK", 0) == 0:  # every rank found the same: one copy is enough
             from ptdp.megatron.translate import explain_config_errors
             for line in explain_config_errors(found.errors):   # + what a Megatron spelling is
-                print(f"ptdp train: {line}", file=sys.stderr)
+                print(f"ptdp train: {line}", file=sys.stderr, flush=True)
         record_exit(CONFIG_ERROR)   # not worth a restart (ptdp/runtime/exit_status.py)
-        return CONFIG_ERROR
+        return _after_rank_0_said_why(CONFIG_ERROR)
     if _env_int("RANK", 0) == 0:
         for line in found.warnings:   # e.g. tensor groups that straddle nodes
             print(f"ptdp train: warning: {line}", file=sys.stderr)
@@ -62,9 +62,9 @@ def run(args) -> int:
     refusal = _hold_outputs(found.cfg)
     if refusal:
         if _env_int("RANK", 0) == 0:
-            print(f"ptdp train: {refusal}", file=sys.stderr)
+            print(f"ptdp train: {refusal}", file=sys.stderr, flush=True)
         record_exit(CONFIG_ERROR)
-        return CONFIG_ERROR
+        return _after_rank_0_said_why(CONFIG_ERROR)
     from ptdp.data.indexed import IndexedDataError
     from ptdp.runtime.startup import shutdown
     from ptdp.training import Trainer
@@ -86,6 +86,21 @@ def run(args) -> int:
     finally:
         shutdown()
     return 0
+
+
+# How long a rank other than 0 stays, at most, after a problem every rank found and rank 0 prints.
+SAID_WHY_GRACE_S = 3.0
+
+
+def _after_rank_0_said_why(code: int) -> int:
+    """`code`, returned once rank 0 has had time to print why. Every rank finds the same
+    problem before any process group exists, and only rank 0 prints it; torchrun's agent ends
+    the other workers as soon as one exits, so a rank that left first could have rank 0 killed
+    before its line was out. Under torchrun the agent ends this wait when rank 0 exits."""
+    if _env_int("RANK", 0) != 0 and _env_int("WORLD_SIZE", 1) > 1:
+        import time
+        time.sleep(SAID_WHY_GRACE_S)
+    return code
 
 
 def _hold_outputs(cfg) -> str | None:
