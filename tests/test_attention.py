@@ -225,12 +225,15 @@ def test_planner_counts_the_window():
 def test_cuda_ring_kernels_take_their_arguments(dtype):
     """The CUDA block calls (flash for bf16 without a mask, memory-efficient otherwise) against
     torch's schemas and shape rules, on meta tensors (no GPU here): the log-sum-exp comes back
-    [b, h, L] (the efficient kernel's padded rows sliced off) and the backward takes it."""
+    [b, h, L] (the efficient kernel's padded rows sliced off) and the backward takes it; the
+    bias has q's batch and heads, not only shapes that broadcast to them."""
     keep = torch.ones(2, 1, 12, 12, dtype=torch.bool, device="meta")
-    for mask in (None, keep):
+    for mask in (None, keep, keep[:1]):   # keep[:1]: one mask for the batch (a window alone)
         q, k, v = (torch.empty(2, 4, 12, 64, dtype=dtype, device="meta") for _ in range(3))
         out, lse = ring._cuda_forward(q, k, v, mask is None, 0.125, mask)
         assert out.shape == q.shape and lse.shape == (2, 4, 12) and lse.dtype == torch.float32
         grads = ring._cuda_backward(out, q, k, v, out, lse, mask is None, 0.125, mask)
         assert [g.shape for g in grads] == [q.shape] * 3
+        if mask is not None:   # the CUDA kernel refuses a bias that only broadcasts (H200 run)
+            assert ring._bias(mask, q, align=16).shape == q.shape[:3] + (12,)
     assert ring._flash_on_cuda(q, None) == (dtype == torch.bfloat16)

@@ -94,7 +94,8 @@ class PtdpRunner:
             f"model.seq_length={s['seq']}", f"model.vocab_size={s['vocab']}", "model.dropout=0.0",
             f"train.micro_batch_size={args.micro_batch}",
             f"train.global_batch_size={args.micro_batch * args.micro_batches}",
-            f"train.iters={args.warmup + args.steps}", f"train.precision={args.precision}",
+            f"train.iters={args.warmup + args.steps + bool(args.profile)}",
+            f"train.precision={args.precision}",
             f"train.recompute={args.recompute}", f"train.compile={str(args.compile).lower()}",
             f"train.device={device.type}", "train.lr=1e-4", "log.progress=false",
             "data.source=synthetic", f"train.tf32={str(args.tf32).lower()}",
@@ -145,6 +146,9 @@ def run_one(make, args, s: dict, device, vocab: int, peak: float | None) -> dict
     flops = {passes: model_flops_per_iteration(batch, s["seq"], s["layers"], s["hidden"], vocab,
                                                recompute_forward=passes == 4) for passes in (3, 4)}
     tflops3, tflops4 = flops[3] / step / 1e12, flops[4] / step / 1e12
+    if args.profile:
+        profile_step(runner, args.warmup + args.steps, device,
+                     Path(args.profile) / f"profile_{args.arch}_{runner.name.split()[0]}.txt")
     row = {"model": runner.name, "micro_batch": args.micro_batch, "micro_batches": args.micro_batches,
            "step_ms": step * 1e3, "step_ms_all": [x * 1e3 for x in seconds],
            "tokens_per_s": batch * s["seq"] / step, "tflops": tflops3, "tflops_eq42": tflops4,
@@ -158,6 +162,34 @@ def run_one(make, args, s: dict, device, vocab: int, peak: float | None) -> dict
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def profile_step(runner, iteration: int, device, path: Path) -> None:
+    """One step under torch.profiler: where a step's time goes, to compare the two models
+    operator by operator. `busy` is the device's summed kernel time over the step's wall time
+    (on a GPU, the rest is the device waiting for the host)."""
+    from time import perf_counter
+
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = perf_counter()
+        runner.step(iteration)
+        if cuda:
+            torch.cuda.synchronize(device)
+        wall = perf_counter() - start
+    averages = prof.key_averages()
+    head = f"{runner.name}: one step, {wall * 1e3:.1f} ms wall (profiled)"
+    if cuda:
+        from torch.autograd import DeviceType
+        kernels = sum(e.self_device_time_total for e in averages
+                      if e.device_type == DeviceType.CUDA) / 1e6   # the kernels' own rows
+        head += f"; kernels {kernels * 1e3:.1f} ms, busy {kernels / wall:.1%}"
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(head + "\n" + averages.table(sort_by=sort, row_limit=40) + "\n")
+    print(head, f"-> {path}")
 
 
 def compare(rows: list[dict], arch: str, device) -> dict:
@@ -221,6 +253,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="CPU threads (torch.set_num_threads) on --device cpu; 1 keeps a "
                              "shared machine's timings steady (default 1)")
     parser.add_argument("--json", help="write the rows and the comparison here")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="after timing, profile one more step of each model (torch.profiler) "
+                             "and write DIR/profile_<arch>_<model>.txt: the operators by self "
+                             "device time (CPU time on CPU) and how busy the device was")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():

@@ -161,6 +161,11 @@ def evaluate(directory: Path) -> dict:
         report["bench"][arch] = result
         if not result:
             continue
+        if len(result.get("rows", [])) < 2 or "speedup" not in result:   # stopped part-way
+            checks.append({"what": f"{arch} tokens/s vs reference", "value": None,
+                           "target": f">= {TARGETS[f'{arch}_speedup']:.2f}x", "met": None,
+                           "note": "the stage stopped before both models were measured"})
+            continue
         ours, ref = result["rows"]
         checks.append({"what": f"{arch} tokens/s vs {ref['model']}", "value": result["speedup"],
                        "target": f">= {TARGETS[f'{arch}_speedup']:.2f}x",

@@ -114,15 +114,16 @@ def _fold(x: torch.Tensor, repeats: int) -> torch.Tensor:
     return x.view(b, h // repeats, repeats, n, d).sum(2)
 
 
-def _bias(keep: torch.Tensor, dtype, heads: int, align: int = 1) -> torch.Tensor:
-    """A keep-mask [b, 1, Lq, Lk] as the additive bias fused kernels take: 0 or -inf, expanded
-    over the heads; rows padded to a multiple of `align` and sliced back (the memory-efficient
-    kernel wants aligned rows, as torch's SDPA pads them)."""
+def _bias(keep: torch.Tensor, q: torch.Tensor, align: int = 1) -> torch.Tensor:
+    """A keep-mask [b|1, 1, Lq, Lk] as the additive bias fused kernels take: 0 or -inf, expanded
+    over q's batch and heads (CUDA's memory-efficient kernel refuses a bias that only
+    broadcasts, e.g. one mask for the whole batch: a window without documents); rows padded to
+    a multiple of `align` and sliced back (that kernel wants aligned rows, as SDPA pads them)."""
     lq, lk = keep.shape[-2:]
     padded = -(-lk // align) * align
-    bias = torch.zeros(keep.shape[0], 1, lq, padded, dtype=dtype, device=keep.device)
+    bias = torch.zeros(keep.shape[0], 1, lq, padded, dtype=q.dtype, device=keep.device)
     bias[..., :lk].masked_fill_(~keep, float("-inf"))
-    return bias[..., :lk].expand(keep.shape[0], heads, lq, lk)
+    return bias[..., :lk].expand(q.shape[0], q.shape[1], lq, lk)
 
 
 def _kernel(q: torch.Tensor) -> str:
@@ -139,7 +140,7 @@ def block_forward(q, k, v, causal: bool, scale: float, keep: torch.Tensor | None
     if kernel == "math":
         return _math_forward(q, k, v, causal, scale, keep)
     if kernel == "cpu":
-        bias = None if keep is None else _bias(keep, q.dtype, q.shape[1])
+        bias = None if keep is None else _bias(keep, q)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
         lse = lse.float()
@@ -158,7 +159,7 @@ def block_backward(dout, q, k, v, out, lse, causal: bool, scale: float,
     if kernel == "math":
         return _math_backward(dout, q, k, v, out, lse, causal, scale, keep)
     if kernel == "cpu":
-        bias = None if keep is None else _bias(keep, q.dtype, q.shape[1])
+        bias = None if keep is None else _bias(keep, q)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
     return _cuda_backward(dout, q, k, v, out, lse, causal, scale, keep)
@@ -177,7 +178,7 @@ def _cuda_forward(q, k, v, causal: bool, scale: float, keep):
         out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
                                                                 scale=scale)
         return out, lse
-    bias = None if keep is None else _bias(keep, q.dtype, q.shape[1], align=16)
+    bias = None if keep is None else _bias(keep, q, align=16)
     out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal,
                                                                scale=scale)
     return out, lse[..., :q.shape[2]]   # its rows are padded to a multiple of 32
@@ -192,7 +193,7 @@ def _cuda_backward(dout, q, k, v, out, lse, causal: bool, scale: float, keep):
         offset = torch.empty((), dtype=torch.uint64, device=q.device)
         return aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse, None, None, lq, lk, 0.0, causal, seed, offset, scale=scale)
-    bias = None if keep is None else _bias(keep, q.dtype, q.shape[1], align=16)
+    bias = None if keep is None else _bias(keep, q, align=16)
     padded = -(-lq // 32) * 32   # the layout its forward returned
     lse = torch.nn.functional.pad(lse, (0, padded - lq)).contiguous()
     seed = offset = torch.empty((), dtype=torch.long, device=q.device)
