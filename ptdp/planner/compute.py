@@ -72,9 +72,11 @@ def _attention_times(hw, precision, shape: ModelShape, b: int, t: int, attention
     e = BYTES[precision]
     if attention == "flash":
         # One fused kernel; backward recomputes scores and does 5 matmuls against 2 -> 2.5x.
+        # A causal kernel skips the tiles above the diagonal: half the work (measured on one
+        # H200: GPT-1.3B's attention took 0.41x what the full square predicts, docs/performance.md).
         eff = hw.efficiency
         shape_eff = _sat(s, eff.gemm_half_dim) * _sat(dh, eff.gemm_half_dim)
-        flops = 4.0 * s * s * dh * heads
+        flops = 4.0 * s * s * dh * heads * (0.5 if shape.family.causal else 1.0)
         fwd = flops / (hw.peak_flops(precision) * eff.gemm_max * eff.attention * shape_eff)
         fwd += eff.kernel_launch_us * 1e-6
         return fwd, 2.5 * fwd

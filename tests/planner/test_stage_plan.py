@@ -67,15 +67,15 @@ def test_plan_proposes_and_writes_an_uneven_split(tmp_path, capsys):
     fix = "p=4,t=2,v=1,schedule=1f1b"
     assert _plan(model, "--fix", fix, "--write-config", str(out)) == 0
     text = capsys.readouterr().out
-    assert "parallel.stage_layers = [8, 8, 9, 7] instead of even [8, 8, 8, 8]" in text
+    assert "parallel.stage_layers = [8, 9, 8, 7] instead of even [8, 8, 8, 8]" in text
     assert "  stage 3: 7 layers + output layer and loss" in text
     written = yaml.safe_load(out.read_text())
-    assert written["parallel"]["stage_layers"] == [8, 8, 9, 7]
+    assert written["parallel"]["stage_layers"] == [8, 9, 8, 7]
     cfg = load_config(str(out), [], world_size=8)   # the trainer accepts it
-    assert cfg.parallel.stage_layers == [8, 8, 9, 7]
+    assert cfg.parallel.stage_layers == [8, 9, 8, 7]
     assert _plan(model, "--fix", fix, "--json") == 0
     stages = json.loads(capsys.readouterr().out)["stages"]
-    assert stages["stage_layers"] == [8, 8, 9, 7] and stages["predicted_saving_s"] > 0
+    assert stages["stage_layers"] == [8, 9, 8, 7] and stages["predicted_saving_s"] > 0
 
 
 def test_plan_keeps_even_stages_when_the_split_gains_nothing(tmp_path, capsys):
