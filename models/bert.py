@@ -54,7 +54,7 @@ class BertHeads(nn.Module):
         per_token = vocab_parallel_cross_entropy(logits(lm, table, self.ctx, self.lm_bias,
                                                         ops=self.weight_ops),
                                                  batch["labels"].t(), self.ctx.model.vocab_size,
-                                                 self.ctx.tp)
+                                                 self.ctx.tp, fused=self.ctx.compile)
         mask = batch["loss_mask"].t().to(per_token.dtype)
         lm_loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
         pooled = torch.tanh(self.pooler(hidden[0]))  # the [CLS] position

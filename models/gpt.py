@@ -38,7 +38,7 @@ class GPTChunk(ModelChunk):
         out = logits(self.final_ln(hidden), self.output_table(), self.ctx,
                      sequence_sharded=self.ctx.tp.sequence_parallel, ops=self.weight_ops)
         per_token = vocab_parallel_cross_entropy(out, batch["labels"].t(), self.ctx.model.vocab_size,
-                                                 self.ctx.tp)
+                                                 self.ctx.tp, fused=self.ctx.compile)
         mask = batch["loss_mask"].t().to(per_token.dtype)
         # with context parallelism this rank holds part of the sequence: its share of the
         # micro-batch's mean, over the whole sequence's mask count (the batch carries it)

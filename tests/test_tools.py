@@ -15,6 +15,7 @@ import pytest
 import ptdp.runtime.local_ranks as local_ranks
 import tools.bench_checkpoint as bench_checkpoint
 import tools.bench_context as bench_context
+import tools.bench_cross_entropy as bench_cross_entropy
 import tools.bench_data_loading as bench_data_loading
 import tools.bench_distributed_optimizer as bench_distributed_optimizer
 import tools.bench_sequence_parallel as bench_sequence_parallel
@@ -141,6 +142,17 @@ def test_bench_topology_needs_root(monkeypatch, capsys):
 
 
 # ------------------------------------------------------------------------------ local ranks
+def test_bench_cross_entropy_times_both_paths_on_the_same_loss(tmp_path, capsys):
+    out = tmp_path / "ce.json"
+    assert bench_cross_entropy.main(["--seq", "8", "--batch", "2", "--vocab", "64", "--rounds",
+                                     "1", "--warmup", "1", "--dtype", "fp32", "--json",
+                                     str(out)]) == 0
+    data = _written(out, "bench_cross_entropy")
+    assert data["eager_ms"] > 0 and data["fused_ms"] > 0 and data["peak_gb"] is None
+    assert data["loss"]["eager"] == pytest.approx(data["loss"]["fused"], rel=1e-6)
+    assert "fused / eager:" in capsys.readouterr().out
+
+
 def test_bench_sequence_parallel_shards_by_t(tmp_path):
     assert bench_sequence_parallel.main(["--tensor", "2", "--hidden", "32", "--heads", "4",
                                          "--seq", "16", "--batch", "2", "--out",

@@ -3,6 +3,8 @@ the tensor group, computed without ever gathering them."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -65,12 +67,88 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.logits_dtype), None, None, None
 
 
+# ------------------------------------------------------------------ fused (train.compile)
+def _shifted(logits, logits_max, real_here: int):
+    """logits - max in the max's dtype (fp32; fp64 stays fp64), the padding columns -inf.
+    Inside the compiled kernels below it is never stored: each pass recomputes it from the
+    logits as it reads them."""
+    shifted = logits.to(logits_max.dtype) - logits_max.unsqueeze(-1)
+    if real_here < logits.shape[-1]:
+        columns = torch.arange(logits.shape[-1], device=logits.device)
+        shifted = shifted.masked_fill(columns >= real_here, float("-inf"))
+    return shifted
+
+
+def _target_and_sum_exp(logits, logits_max, local_target, outside, real_here: int):
+    shifted = _shifted(logits, logits_max, real_here)
+    target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+    return target_logit.masked_fill(outside, 0.0), shifted.exp().sum(dim=-1)
+
+
+def _logits_grad(logits, logits_max, sum_exp, local_target, outside, grad_loss,
+                 real_here: int):
+    softmax = _shifted(logits, logits_max, real_here).exp() / sum_exp.unsqueeze(-1)
+    columns = torch.arange(logits.shape[-1], device=logits.device)
+    hit = (columns == local_target.unsqueeze(-1)) & ~outside.unsqueeze(-1)
+    return ((softmax - hit.to(softmax.dtype)) * grad_loss.unsqueeze(-1)).to(logits.dtype)
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn)
+
+
+class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
+    """The same loss and gradient, each pass one compiled kernel over the logits as they are
+    (bf16 on a GPU) instead of eager PyTorch's passes over an fp32 copy: forward reads them
+    twice (max; the exponentials' sum with the target logit), backward once and writes the
+    gradient in their dtype. It keeps the logits for backward instead of an fp32 softmax
+    (half the bytes in bf16) and makes no fp32 tensor of their shape. The all-reduces between
+    the passes stay eager. Equal to the eager Function up to float round-off (the reductions'
+    order; tests/parallel/test_cross_entropy.py)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, vocab_size: int, tp: TensorParallel):
+        per_rank = logits.shape[-1]
+        start = tp.rank * per_rank
+        real_here = max(0, min(per_rank, vocab_size - start))
+        compute = torch.promote_types(logits.dtype, torch.float32)
+        if real_here > 0:
+            logits_max = logits[..., :real_here].amax(dim=-1).to(compute)
+        else:
+            logits_max = torch.full(logits.shape[:-1], float("-inf"), dtype=compute,
+                                    device=logits.device)
+        if tp.size > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp.group)
+        local_target = target - start
+        outside = (local_target < 0) | (local_target >= per_rank)
+        local_target = local_target.masked_fill(outside, 0)
+        target_logit, sum_exp = _compiled(_target_and_sum_exp)(
+            logits, logits_max, local_target, outside, real_here)
+        sums = torch.stack([target_logit, sum_exp])
+        if tp.size > 1:
+            dist.all_reduce(sums, group=tp.group)
+        target_logit, sum_exp = sums[0], sums[1]
+        ctx.real_here = real_here
+        ctx.save_for_backward(logits, logits_max, sum_exp, local_target, outside)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, logits_max, sum_exp, local_target, outside = ctx.saved_tensors
+        grad = _compiled(_logits_grad)(logits, logits_max, sum_exp, local_target, outside,
+                                       grad_loss, ctx.real_here)
+        return grad, None, None, None
+
+
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
-                                 tp: TensorParallel) -> torch.Tensor:
+                                 tp: TensorParallel, fused: bool = False) -> torch.Tensor:
     """Per-token loss ([s, b], fp32) from this rank's [s, b, V_padded/t] logits slice.
 
     `vocab_size` is the real vocabulary; columns past it are padding and are masked out.
     t = 1 takes the same path (with no communication): F.cross_entropy on the unpadded
     columns would make two fp32 copies of the logits (the upcast and the log-softmax).
+    `fused` (train.compile): each pass over the logits one compiled kernel, no fp32 copy.
     """
-    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, tp)
+    function = _FusedVocabParallelCrossEntropy if fused else _VocabParallelCrossEntropy
+    return function.apply(logits, target, vocab_size, tp)

@@ -372,8 +372,10 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
         transient += layer_activation_bytes(shape, b, t, precision, "none", attention, hw,
                                             sequence_parallel) + _moe_extra(shape, b, t, precision)
     transient += ring_working_bytes(whole, b, t, c, precision)
-    if last:   # the logits, their one fp32 copy (exp, then softmax) and the gradient
-        transient += shape.seq * b * vocab_padded / t * (2 * e + 4)   # (ptdp/parallel/cross_entropy.py)
+    if last:   # the logits, their one fp32 copy (exp, then softmax) and the gradient; on GPUs,
+        # where train.compile fuses the loss's passes, the logits kept and the gradient only
+        fp32_copy = 0 if hw is not None and hw.device != "cpu" else 4   # (ptdp/parallel/cross_entropy.py)
+        transient += shape.seq * b * vocab_padded / t * (2 * e + fp32_copy)
         if shape.bert_heads:  # the LM transform's dense output, GeLU and LayerNorm inputs
             transient += 3 * sbh * e
     if spec.split_backward:   # a W pass computes all the stage's weight gradients of one

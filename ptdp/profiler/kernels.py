@@ -85,15 +85,17 @@ def _attention_time(attention, x, device, iters: int) -> float:
 
 
 def measure_head(model_cfg, t: int, b: int, precision: str, device, iters: int) -> dict:
-    """One row of `measured.heads`: embedding and final LN + logits + loss at micro-batch b."""
+    """One row of `measured.heads`: embedding and final LN + logits + loss at micro-batch b, the
+    loss fused as training runs it by default (compiled on CUDA: train.compile's null)."""
     import torch
+    from ptdp.kernels import should_compile
     from ptdp.models.embedding import Embedding, logits
     from ptdp.models.norms import layer_norm
     from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
     from ptdp.parallel.weight_grad import defer_weight_grads
     m = model_cfg
     dtype = getattr(torch, DTYPES[precision])
-    ctx = layer_context(m, t, device)
+    ctx = layer_context(m, t, device, compile=should_compile(None, device))
     embedding = Embedding(ctx).to(device, dtype)
     final_ln = layer_norm(m.hidden_size, m.layernorm_eps).to(device, dtype)
     tokens = torch.randint(0, m.vocab_size, (b, m.seq_length), device=device)
@@ -106,7 +108,8 @@ def measure_head(model_cfg, t: int, b: int, precision: str, device, iters: int) 
 
     def head():
         out = logits(final_ln(hidden), embedding.word.weight, ctx)
-        state["h"] = vocab_parallel_cross_entropy(out, tokens.t(), m.vocab_size, ctx.tp).mean()
+        state["h"] = vocab_parallel_cross_entropy(out, tokens.t(), m.vocab_size, ctx.tp,
+                                                  fused=ctx.compile).mean()
 
     row = dict(hidden=m.hidden_size, seq=m.seq_length, tensor=t, vocab=ctx.padded_vocab_size,
                precision=precision, micro_batch=b)
@@ -124,7 +127,7 @@ def measure_head(model_cfg, t: int, b: int, precision: str, device, iters: int) 
     row["head_backward_split_s"] = _split_backward_time(
         queue, lambda: vocab_parallel_cross_entropy(
             logits(final_ln(hidden), split_embedding.word.weight, ctx, ops=queue), tokens.t(),
-            m.vocab_size, ctx.tp).mean(),
+            m.vocab_size, ctx.tp, fused=ctx.compile).mean(),
         lambda loss: loss.backward(), device, iters)
     return row
 

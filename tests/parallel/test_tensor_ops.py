@@ -71,15 +71,16 @@ def _mlp_matches_dense(tp):
             "b1_grad": torch.allclose(col.bias.grad, shard(b1.grad, 0), atol=1e-5)}
 
 
-def _cross_entropy(tp):
-    """Vocab-parallel CE over padded logits equals F.cross_entropy on the real vocabulary."""
+def _cross_entropy(tp, fused=False):
+    """Vocab-parallel CE over padded logits equals F.cross_entropy on the real vocabulary
+    (`fused`: train.compile's compiled passes, to round-off)."""
     vocab, padded = 13, 16
     g = torch.Generator().manual_seed(5)
     full = torch.randn(5, 3, padded, generator=g, dtype=torch.float64)
     target = torch.randint(0, vocab, (5, 3), generator=g)
     target[0, 0], target[1, 1] = 0, vocab - 1  # both edges of the vocabulary
     local = full.chunk(tp.size, -1)[tp.rank].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(local, target, vocab, tp)
+    loss = vocab_parallel_cross_entropy(local, target, vocab, tp, fused=fused)
     loss.sum().backward()
     ref_logits = full[..., :vocab].clone().requires_grad_()
     ref = F.cross_entropy(ref_logits.reshape(-1, vocab), target.reshape(-1), reduction="none")
@@ -108,18 +109,21 @@ class _CountFullSizeFloat32(TorchDispatchMode):
         return out
 
 
-def _cross_entropy_low_precision(tp, vocab=13, padded=16):
+def _cross_entropy_low_precision(tp, vocab=13, padded=16, fused=False):
     """bf16 logits: the loss equals F.cross_entropy on the fp32 upcast, the gradient comes back
-    in bf16, and forward + backward make exactly one fp32 [s, b, V/t] tensor. With vocab=6 the
-    second rank holds only padding columns."""
+    in bf16, and forward + backward make exactly one fp32 [s, b, V/t] tensor (eager; `fused`:
+    the compiled passes, which keep the bf16 logits themselves for backward and no fp32
+    tensor of their shape). With vocab=6 the second rank holds only padding columns."""
     g = torch.Generator().manual_seed(6)
     full = torch.randn(5, 3, padded, generator=g).to(torch.bfloat16)
     target = torch.randint(0, vocab, (5, 3), generator=g)
     local = full.chunk(tp.size, -1)[tp.rank].clone().requires_grad_()
     counter = _CountFullSizeFloat32(local.numel())
     with counter:
-        loss = vocab_parallel_cross_entropy(local, target, vocab, tp)
+        loss = vocab_parallel_cross_entropy(local, target, vocab, tp, fused=fused)
+        kept = loss.grad_fn.saved_tensors
         loss.sum().backward()
+    full_size = [x for x in kept if x.numel() == local.numel()]
     ref_logits = full[..., :vocab].float().requires_grad_()
     ref = F.cross_entropy(ref_logits.reshape(-1, vocab), target.reshape(-1), reduction="none")
     ref.sum().backward()
@@ -128,7 +132,9 @@ def _cross_entropy_low_precision(tp, vocab=13, padded=16):
             "grad_dtype": local.grad.dtype == torch.bfloat16,
             "grad": torch.allclose(local.grad.float(), ref_grad.chunk(tp.size, -1)[tp.rank].to(
                 torch.bfloat16).float(), atol=1e-2),
-            "one_fp32_copy": counter.count == 1}
+            "one_fp32_copy": (counter.count == 1 if not fused else
+                              [x.dtype for x in full_size] == [torch.bfloat16]
+                              and full_size[0].data_ptr() == local.data_ptr())}
 
 
 class _NewBytes(TorchDispatchMode):
@@ -231,6 +237,8 @@ def run_checks():
     return {"gradcheck_mlp": _gradcheck_mlp(tp), "mlp": _mlp_matches_dense(tp),
             "ce": _cross_entropy(tp), "ce_bf16": _cross_entropy_low_precision(tp),
             "ce_padding_rank": _cross_entropy_low_precision(tp, vocab=6),
+            "ce_fused": _cross_entropy(tp, fused=True),
+            "ce_fused_padding_rank": _cross_entropy_low_precision(tp, vocab=6, fused=True),
             "modes": _gather_and_scatter_modes(tp),
             "embedding": _embedding(tp), "dropout": _dropout_streams(tp),
             "copies": _collective_copies(tp)}
@@ -250,20 +258,22 @@ def test_parallel_mlp_equals_dense(results, what):
     assert all(r["mlp"][what] for r in results), what
 
 
+@pytest.mark.parametrize("case", ["ce", "ce_fused"])
 @pytest.mark.parametrize("what", ["loss", "grad", "padding_grad_zero"])
-def test_vocab_parallel_cross_entropy(results, what):
-    assert all(r["ce"][what] for r in results), what
+def test_vocab_parallel_cross_entropy(results, case, what):
+    assert all(r[case][what] for r in results), (case, what)
 
 
-@pytest.mark.parametrize("case", ["ce_bf16", "ce_padding_rank"])
+@pytest.mark.parametrize("case", ["ce_bf16", "ce_padding_rank", "ce_fused_padding_rank"])
 @pytest.mark.parametrize("what", ["loss", "grad_dtype", "grad", "one_fp32_copy"])
 def test_vocab_parallel_cross_entropy_low_precision(results, case, what):
     assert all(r[case][what] for r in results), (case, what)
 
 
-def test_single_process_cross_entropy_low_precision():
-    assert all(_cross_entropy_low_precision(TensorParallel()).values())
-    assert all(_cross_entropy_low_precision(TensorParallel(), vocab=6).values())
+@pytest.mark.parametrize("fused", [False, True])
+def test_single_process_cross_entropy_low_precision(fused):
+    assert all(_cross_entropy_low_precision(TensorParallel(), fused=fused).values())
+    assert all(_cross_entropy_low_precision(TensorParallel(), vocab=6, fused=fused).values())
 
 
 @pytest.mark.parametrize("mode", ["gather_output", "input_is_parallel=False"])

@@ -1,0 +1,101 @@
+"""Benchmark (not a test): the loss's two paths, eager and fused (ptdp/parallel/cross_entropy.py).
+
+Times forward + backward of `vocab_parallel_cross_entropy` on one rank (t = 1) over logits
+[s, b, V], eager (passes over one fp32 copy of the logits) against fused (train.compile: one
+compiled kernel per pass over the logits as they are), in alternating rounds after a warm-up
+that compiles, and reports the median of each, their ratio and, on CUDA, the peak memory each
+adds above the logits. The default shape is GPT-1.3B's loss at bench_gpu.py's micro-batch on
+CUDA (s 2048, b 8, V 51,200, bf16: what one H200 profiled at about 50 ms of a 1.09 s step,
+docs/performance.md) and a smaller one on CPU.
+
+    python tools/bench_cross_entropy.py [--device cuda] [--seq S --batch B --vocab V]
+        [--dtype bf16|fp32] [--rounds 7] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+if __package__:      # python -m tools.bench_cross_entropy
+    from . import harness
+else:                # python tools/bench_cross_entropy.py (tools/harness.py says why)
+    import harness
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--seq", type=int, help="s (default: CUDA 2048, CPU 256)")
+    parser.add_argument("--batch", type=int, help="b (default: CUDA 8, CPU 4)")
+    parser.add_argument("--vocab", type=int, default=51200, help="V, padded (default 51,200)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda but no CUDA device is visible")
+    args.seq = args.seq or (2048 if cuda else 256)
+    args.batch = args.batch or (8 if cuda else 4)
+    return args
+
+
+def main(argv=None) -> int:
+    from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
+    from ptdp.parallel.mappings import TensorParallel
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(args.seq, args.batch, args.vocab, device=device, generator=g,
+                         dtype=DTYPES[args.dtype]).requires_grad_()
+    target = torch.randint(0, args.vocab, (args.seq, args.batch), device=device, generator=g)
+    peaks, losses = {}, {}
+
+    def side(fused: bool):
+        name = "fused" if fused else "eager"
+
+        def step(_):
+            logits.grad = None
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            loss = vocab_parallel_cross_entropy(logits, target, args.vocab, TensorParallel(),
+                                                fused=fused).mean()
+            loss.backward()
+            if cuda:
+                torch.cuda.synchronize()
+                peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**30
+            losses[name] = loss.item()
+        return step
+
+    rounds = harness.alternating({"eager": side(False), "fused": side(True)}, args.rounds,
+                                 warmup=args.warmup, swap=True)
+    median = {name: statistics.median(r[name].wall for r in rounds) for name in ("eager", "fused")}
+    result = {"shape": {"seq": args.seq, "batch": args.batch, "vocab": args.vocab},
+              "dtype": args.dtype, "rounds": args.rounds,
+              "eager_ms": median["eager"] * 1e3, "fused_ms": median["fused"] * 1e3,
+              "fused_over_eager": median["fused"] / median["eager"],
+              "peak_gb": peaks or None, "loss": losses}
+    print(f"cross-entropy forward + backward, s {args.seq}, b {args.batch}, V {args.vocab}, "
+          f"{args.dtype}, {device}: median of {args.rounds} alternating rounds")
+    rows = [(name, f"{median[name] * 1e3:.2f}",
+             f"{peaks[name]:.2f}" if name in peaks else "n/a", f"{losses[name]:.6f}")
+            for name in ("eager", "fused")]
+    print(harness.table(("path", "ms", "peak GiB above the logits", "loss"), rows, align="<"))
+    print(f"fused / eager: {result['fused_over_eager']:.3f}x time")
+    if args.json:
+        harness.write_json(args.json, result, tool=__file__, argv=argv, device=device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
