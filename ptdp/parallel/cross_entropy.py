@@ -11,6 +11,43 @@ import torch.distributed as dist
 from ptdp.parallel.mappings import TensorParallel
 
 
+class _Slice:
+    """This rank's part of the vocabulary: columns [start, start + per_rank), of which the
+    first `real_here` are real (the rest is padding), and the targets as local columns
+    (`outside`: the target lies on another rank; its local column is then 0)."""
+
+    def __init__(self, logits, target, vocab_size: int, tp: TensorParallel):
+        self.per_rank = logits.shape[-1]
+        self.start = tp.rank * self.per_rank
+        self.real_here = max(0, min(self.per_rank, vocab_size - self.start))
+        local_target = target - self.start
+        self.outside = (local_target < 0) | (local_target >= self.per_rank)
+        self.local_target = local_target.masked_fill(self.outside, 0)
+
+
+def _global_max(logits, part: _Slice, tp: TensorParallel):
+    """The max over the whole vocabulary's real columns, in fp32 (fp64 stays fp64): taken on
+    the input dtype (a max needs no rounding) over this rank's real columns only, so neither
+    an fp32 copy nor a masked clone of the padded logits is needed; then all-reduced."""
+    compute = torch.promote_types(logits.dtype, torch.float32)
+    if part.real_here > 0:
+        logits_max = logits[..., :part.real_here].amax(dim=-1).to(compute)
+    else:  # this rank holds only padding columns
+        logits_max = torch.full(logits.shape[:-1], float("-inf"), dtype=compute,
+                                device=logits.device)
+    if tp.size > 1:
+        dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp.group)
+    return logits_max
+
+
+def _summed(target_logit, sum_exp, tp: TensorParallel):
+    """The target logit and the exponentials' sum over the tensor group, in one all-reduce."""
+    sums = torch.stack([target_logit, sum_exp])
+    if tp.size > 1:
+        dist.all_reduce(sums, group=tp.group)
+    return sums[0], sums[1]
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Cross-entropy over logits split along the vocabulary, never gathering them.
 
@@ -21,40 +58,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     micro-batch 8: 0.8 G elements, 1.7 GB in bf16). Exactly one fp32 tensor of that shape is
     made: `logits - max` (fp32 by type promotion, which also upcasts bf16 exactly), turned in
     place into exp, then the softmax that backward keeps, then in backward into the gradient.
-    The max is taken on the input dtype (a max needs no rounding) over the real columns only,
-    so neither an fp32 copy nor a masked clone of the padded logits is needed.
     """
 
     @staticmethod
     def forward(ctx, logits, target, vocab_size: int, tp: TensorParallel):
         ctx.logits_dtype = logits.dtype
-        compute = torch.promote_types(logits.dtype, torch.float32)  # fp32; fp64 stays fp64
-        per_rank = logits.shape[-1]
-        start = tp.rank * per_rank
-        real_here = max(0, min(per_rank, vocab_size - start))
-        if real_here > 0:
-            logits_max = logits[..., :real_here].amax(dim=-1).to(compute)
-        else:  # this rank holds only padding columns
-            logits_max = torch.full(logits.shape[:-1], float("-inf"), dtype=compute,
-                                    device=logits.device)
-        if tp.size > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp.group)
+        part = _Slice(logits, target, vocab_size, tp)
+        logits_max = _global_max(logits, part, tp)
         shifted = torch.sub(logits, logits_max.unsqueeze(-1))  # the one fp32 copy
-        if real_here < per_rank:  # padded columns never win and get no gradient
-            shifted[..., real_here:] = float("-inf")
-
-        local_target = target - start
-        outside = (local_target < 0) | (local_target >= per_rank)
-        local_target = local_target.masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        target_logit = target_logit.masked_fill(outside, 0.0)
+        if part.real_here < part.per_rank:  # padded columns never win and get no gradient
+            shifted[..., part.real_here:] = float("-inf")
+        target_logit = shifted.gather(-1, part.local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = target_logit.masked_fill(part.outside, 0.0)
         exp = shifted.exp_()
-        sums = torch.stack([target_logit, exp.sum(dim=-1)])
-        if tp.size > 1:
-            dist.all_reduce(sums, group=tp.group)
-        target_logit, sum_exp = sums[0], sums[1]
-
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, outside)
+        target_logit, sum_exp = _summed(target_logit, exp.sum(dim=-1), tp)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), part.local_target, part.outside)
         return sum_exp.log() - target_logit
 
     @staticmethod
@@ -105,32 +123,16 @@ class _FusedVocabParallelCrossEntropy(torch.autograd.Function):
     gradient in their dtype. It keeps the logits for backward instead of an fp32 softmax
     (half the bytes in bf16) and makes no fp32 tensor of their shape. The all-reduces between
     the passes stay eager. Equal to the eager Function up to float round-off (the reductions'
-    order; tests/parallel/test_cross_entropy.py)."""
+    order; tests/parallel/test_tensor_ops.py)."""
 
     @staticmethod
     def forward(ctx, logits, target, vocab_size: int, tp: TensorParallel):
-        per_rank = logits.shape[-1]
-        start = tp.rank * per_rank
-        real_here = max(0, min(per_rank, vocab_size - start))
-        compute = torch.promote_types(logits.dtype, torch.float32)
-        if real_here > 0:
-            logits_max = logits[..., :real_here].amax(dim=-1).to(compute)
-        else:
-            logits_max = torch.full(logits.shape[:-1], float("-inf"), dtype=compute,
-                                    device=logits.device)
-        if tp.size > 1:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=tp.group)
-        local_target = target - start
-        outside = (local_target < 0) | (local_target >= per_rank)
-        local_target = local_target.masked_fill(outside, 0)
-        target_logit, sum_exp = _compiled(_target_and_sum_exp)(
-            logits, logits_max, local_target, outside, real_here)
-        sums = torch.stack([target_logit, sum_exp])
-        if tp.size > 1:
-            dist.all_reduce(sums, group=tp.group)
-        target_logit, sum_exp = sums[0], sums[1]
-        ctx.real_here = real_here
-        ctx.save_for_backward(logits, logits_max, sum_exp, local_target, outside)
+        part = _Slice(logits, target, vocab_size, tp)
+        logits_max = _global_max(logits, part, tp)
+        target_logit, sum_exp = _summed(*_compiled(_target_and_sum_exp)(
+            logits, logits_max, part.local_target, part.outside, part.real_here), tp)
+        ctx.real_here = part.real_here
+        ctx.save_for_backward(logits, logits_max, sum_exp, part.local_target, part.outside)
         return sum_exp.log() - target_logit
 
     @staticmethod
