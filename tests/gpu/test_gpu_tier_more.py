@@ -81,3 +81,26 @@ def test_asynchronous_save_on_cuda_writes_what_a_synchronous_one_does(world, tmp
         assert _same(content, background[name]), name
     resumed = _trainer(*run, f"checkpoint.load={tmp_path / 'async' / 'iter_0000002'}")
     assert _losses(resumed) == pytest.approx(saved["sync"][2:], rel=1e-6)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_training_step_reads_the_device_once(world, compile):
+    """No hidden host syncs: after warm-up (compilation, the allocator's first sizes), a bf16
+    step synchronises with the GPU only where the Trainer reads its statistics, once, at the
+    end (StepResult.resolve, ptdp/training/results.py). torch's sync debug mode reports every
+    synchronising call; the failure lists where each came from."""
+    import warnings
+    trainer = _trainer("train.precision=bf16", f"train.compile={str(compile).lower()}",
+                       "train.iters=4")
+    for it in range(2):
+        trainer.train_step(it)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            trainer.train_step(2)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1 and syncs[0].split(":")[0].endswith("ptdp/training/results.py"), syncs
