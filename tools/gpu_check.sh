@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check, one command on one GPU (about 7 minutes on one H100 or H200, compilation
-# included; the budget leaves slack inside a 10-minute command limit):
+# The GPU check, one command on one GPU (about 6 minutes on one H200, compilation included:
+# its stages took 82 + 119 + 91 + 38 s on 2026-11-27; the budget leaves slack inside a
+# 10-minute command limit):
 #   0. pre-flight (fails fast): CUDA visible, free GPU memory, Triton's compiler, pytest;
 #   1. the GPU tier of the suite (PTDP_GPU_TESTS=1 pytest -m gpu, tests/gpu/), over 4
 #      processes when pytest-xdist is installed (most of its time is compiling, on the CPU);
@@ -17,7 +18,8 @@
 # predictions and the report), e.g. on a CPU machine to check the script itself.
 # Offline machines: what the GPU machine lacks is fetched beforehand on a machine with
 # network, into the ignored folder .whl/ of the repository (the lent H100/H200 image, Python
-# 3.12 with torch 2.11 and transformers, has pytest and pytest-timeout: nothing to fetch there;
+# 3.12 with torch 2.11 and transformers, has pytest, pytest-timeout and pytest-xdist: nothing
+# to fetch there;
 # the pre-flight names whatever is missing):
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux2014_x86_64 --platform any -d .whl pytest pytest-timeout pluggy iniconfig packaging
