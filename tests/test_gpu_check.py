@@ -49,3 +49,35 @@ def test_report_judges_each_target(tmp_path):
                    "planner step time, L2": False, "planner memory, L2": True}
     assert report["tier"]["passed"] == 2 and report["tier"]["failed"] == ["b"]
     assert "**no**" in gpu_check.markdown(report)
+
+
+def test_stages_picks_stages_and_a_misspelt_one_is_one_line(tmp_path):
+    """STAGES reruns what a cut-short run missed; a name that is not a stage stops the check
+    before it does anything (it would otherwise run nothing, silently)."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    run = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), "--dry-run", "--out",
+                          str(tmp_path / "some")], capture_output=True, text=True,
+                         timeout=within(120), env={**env, "STAGES": "gpu_tier,bench_bert"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    stages = json.loads((tmp_path / "some" / "stages.json").read_text())["stages"]
+    assert stages["bench_gpt"]["rc"] == "not run" and stages["gpu_tier"]["rc"] == "dry-run"
+    assert stages["bench_bert"]["rc"] == "dry-run"
+    bad = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), "--dry-run", "--out",
+                          str(tmp_path / "bad")], capture_output=True, text=True,
+                         timeout=within(60), env={**env, "STAGES": "gpu-tier"})
+    assert bad.returncode == 2 and not (tmp_path / "bad").exists()
+    assert bad.stderr.strip().splitlines() == [
+        "gpu_check.sh: STAGES names 'gpu-tier'; the stages are gpu_tier, bench_gpt, "
+        "bench_bert, plan"]
+
+
+def test_report_keeps_a_benchmark_stopped_after_one_model(tmp_path):
+    """A bench stage stopped while the reference ran leaves ptdp's row alone (bench_gpu.py
+    writes each row as it goes): the report says n/a for it instead of failing (the first
+    H200 run's report did)."""
+    (tmp_path / "bench_bert.json").write_text(json.dumps(
+        {"rows": [{"model": "ptdp", "mfu": 0.3, "peak_memory_gb": 13.0}], "complete": False}))
+    report = gpu_check.evaluate(tmp_path)
+    (check,) = report["checks"]
+    assert check["what"] == "bert tokens/s vs reference" and check["met"] is None
+    assert "| bert tokens/s vs reference | n/a |" in gpu_check.markdown(report)

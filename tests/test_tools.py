@@ -151,6 +151,9 @@ def test_bench_cross_entropy_times_both_paths_on_the_same_loss(tmp_path, capsys)
     assert data["eager_ms"] > 0 and data["fused_ms"] > 0 and data["peak_gb"] is None
     assert data["loss"]["eager"] == pytest.approx(data["loss"]["fused"], rel=1e-6)
     assert "fused / eager:" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        bench_cross_entropy.main(["--rounds", "0"])
+    assert stop.value.code == 2 and "--rounds must be >= 1" in capsys.readouterr().err
 
 
 def test_bench_sequence_parallel_shards_by_t(tmp_path):

@@ -39,6 +39,11 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
+    for name in ("seq", "batch", "vocab", "rounds"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda but no CUDA device is visible")

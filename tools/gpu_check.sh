@@ -47,6 +47,13 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 BUDGET_S="${BUDGET_S:-450}"
+STAGES="${STAGES:-gpu_tier,bench_gpt,bench_bert,plan}"
+for name in ${STAGES//,/ }; do   # a misspelt stage would silently run nothing
+    case "$name" in
+        gpu_tier|bench_gpt|bench_bert|plan) ;;
+        *) echo "gpu_check.sh: STAGES names '$name'; the stages are gpu_tier, bench_gpt, bench_bert, plan" >&2; exit 2 ;;
+    esac
+done
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 START=$(date +%s)
@@ -92,7 +99,6 @@ else
 fi
 
 # stage NAME SECONDS COMMAND...: run it under `timeout`, for at most what the budget has left
-STAGES="${STAGES:-gpu_tier,bench_gpt,bench_bert,plan}"
 stage() {
     local name="$1" share="$2"; shift 2
     if [[ ",$STAGES," != *",$name,"* ]]; then

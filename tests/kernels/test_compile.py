@@ -63,8 +63,16 @@ def assert_close(got, ref):
 
 
 @pytest.mark.parametrize("recompute", ["none", "full"])
-def test_compiled_layers_match_eager(recompute):
+def test_compiled_layers_match_eager(recompute, monkeypatch):
+    """...and a compiled chunk's loss is the fused one (ptdp/parallel/cross_entropy.py), an
+    eager chunk's the eager one."""
+    import ptdp.models.gpt as gpt
+    fused = []
+    real = gpt.vocab_parallel_cross_entropy
+    monkeypatch.setattr(gpt, "vocab_parallel_cross_entropy",
+                        lambda *args, **kw: fused.append(kw["fused"]) or real(*args, **kw))
     assert_close(loss_and_grads(True, recompute), loss_and_grads(False, recompute))
+    assert fused == [True, False]
 
 
 def test_compiled_llama_layers_match_eager():

@@ -272,7 +272,8 @@ def test_fused_cross_entropy_passes_on_two_vocabulary_halves():
     """The fused loss's compiled passes on each rank's half of a padded vocabulary (the second
     half all padding), their sums added as the all-reduce adds them: F.cross_entropy's loss
     and gradient. (The max and the all-reduces are the eager loss's, checked on 2 ranks
-    above; compiling in each spawned rank would cost the suite seconds per rank.)"""
+    above; the fused loss on 2 tensor ranks runs in tests/kernels/test_compile.py's compiled
+    model, against eager.)"""
     vocab, padded = 6, 16
     g = torch.Generator().manual_seed(7)
     full = torch.randn(5, 3, padded, generator=g, dtype=torch.float64)
