@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.metrics.log import read_metrics
-from ptdp.runtime.joblock import agree, wait_until_free
+from ptdp.runtime.joblock import wait_until_free
 from ptdp.runtime.local_ranks import free_port, run_on_ranks
 from tests.deadline import within
 from tests.test_restart import _reference_losses
@@ -202,21 +202,3 @@ def test_a_refusal_found_by_one_rank_only_ends_every_rank_in_one_line(tmp_path):
     assert lines == [[f"ptdp train: rank 1 (1 of 2 ranks found it): log.metrics_file {held} is "
                       f"in use by another job: rank 3 pid {holder.pid} on {os.uname().nodename}; "
                       f"stop it, or give this job another log.metrics_file"], []], said
-
-
-@pytest.mark.parametrize("refusals, expected", [
-    ([None, None, None], None),
-    (["held", "held", "held"], "held"),                                 # every rank saw it
-    ([None, None, "held"], "rank 2 (1 of 3 ranks found it): held"),
-])
-def test_the_ranks_verdicts_are_made_one(refusals, expected):
-    """joblock.agree over one store (threads as ranks): every rank gets the same verdict."""
-    import torch.distributed as dist
-    store, out = dist.HashStore(), {}
-    ranks = [threading.Thread(target=lambda r=r: out.update({r: agree(store, r, 3, refusals[r])}))
-             for r in range(3)]
-    for rank in ranks:
-        rank.start()
-    for rank in ranks:
-        rank.join(30)
-    assert out == {r: expected for r in range(3)}

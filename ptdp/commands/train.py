@@ -43,28 +43,21 @@ def run(args) -> int:
         print(f"ptdp train: {err}", file=sys.stderr)
         record_exit(CONFIG_ERROR)
         return CONFIG_ERROR
-    overrides = list(args.overrides) + (["log.verbose=true"] if args.verbose else [])
-    found = check_job(args.config, overrides, _env_int("WORLD_SIZE", 1),
-                      ranks_per_node=_env_int("LOCAL_WORLD_SIZE", 1))
-    if found.errors:
-        if _env_int("RANK", 0) == 0:  # every rank found the same: one copy is enough
-            from ptdp.megatron.translate import explain_config_errors
-            for line in explain_config_errors(found.errors):   # + what a Megatron spelling is
-                print(f"ptdp train: {line}", file=sys.stderr, flush=True)
-        record_exit(CONFIG_ERROR)   # not worth a restart (ptdp/runtime/exit_status.py)
-        return _after_rank_0_said_why(CONFIG_ERROR)
-    if _env_int("RANK", 0) == 0:
-        for line in found.warnings:   # e.g. tensor groups that straddle nodes
-            print(f"ptdp train: warning: {line}", file=sys.stderr)
     from ptdp.runtime.joblock import die_with_parent
     if os.environ.get("TORCHELASTIC_RUN_ID"):   # under torchrun: never outlive its agent
         die_with_parent()
-    refusal = _hold_outputs(found.cfg)
-    if refusal:
-        if _env_int("RANK", 0) == 0:
-            print(f"ptdp train: {refusal}", file=sys.stderr, flush=True)
-        record_exit(CONFIG_ERROR)
-        return _after_rank_0_said_why(CONFIG_ERROR)
+    overrides = list(args.overrides) + (["log.verbose=true"] if args.verbose else [])
+    found = check_job(args.config, overrides, _env_int("WORLD_SIZE", 1),
+                      ranks_per_node=_env_int("LOCAL_WORLD_SIZE", 1))
+    if not found.errors and _env_int("RANK", 0) == 0:
+        for line in found.warnings:   # e.g. tensor groups that straddle nodes
+            print(f"ptdp train: warning: {line}", file=sys.stderr)
+    code, shown = _agreed_verdict(found)
+    if code:
+        for line in shown:
+            print(f"ptdp train: {line}", file=sys.stderr, flush=True)
+        record_exit(code)   # a config error is not worth a restart (ptdp/runtime/exit_status.py)
+        return _after_rank_0_said_why(code)
     from ptdp.data.indexed import IndexedDataError
     from ptdp.runtime.startup import shutdown
     from ptdp.training import Trainer
@@ -88,6 +81,8 @@ def run(args) -> int:
     return 0
 
 
+RENDEZVOUS = ("RANK", "MASTER_ADDR", "MASTER_PORT")   # what the job's store is found by
+
 # How long a rank other than 0 stays, at most, after a problem every rank found and rank 0 prints.
 SAID_WHY_GRACE_S = 3.0
 
@@ -103,23 +98,47 @@ def _after_rank_0_said_why(code: int) -> int:
     return code
 
 
-def _hold_outputs(cfg) -> str | None:
-    """Hold the job's outputs (one job per checkpoint.dir and metrics file,
-    ptdp/runtime/joblock.py): the refusal every rank ends with, or None. Ranks may find
-    different things (a folder nodes see differently), so they agree through the job's store:
-    a rank leaving alone would leave the others waiting for it in the process group's
-    rendezvous."""
-    from ptdp.runtime.joblock import JobInUse, agree, hold_outputs
+def _agreed_verdict(found) -> tuple[int, list[str]]:
+    """The exit code that stops the job (0: it goes on), the same on every rank, and the lines
+    this rank prints. A rank stops the job with the checks' errors, else with a refusal to
+    hold the job's outputs (one job per checkpoint.dir and metrics file,
+    ptdp/runtime/joblock.py); the ranks pool their verdicts (ptdp/runtime/agreement.py), since
+    ranks on different nodes can find different things, and rank 0 prints them. When some
+    ranks never arrive, the lowest rank that did names them (exit 4, like a lost peer: a
+    restart may mend it)."""
+    from ptdp.runtime.agreement import MissingRanks, agree
+    from ptdp.runtime.exit_status import CONFIG_ERROR, HUNG
+    problems = _own_problems(found)
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-    try:
-        hold_outputs(cfg, rank)
-        refusal = None
-    except JobInUse as err:
-        refusal = str(err)
-    if world == 1:
-        return refusal
+    if world == 1 or not all(os.environ.get(name) for name in RENDEZVOUS):
+        # (a job of one, or a rank started without torchrun's or srun's variables: no store
+        # to agree through, only its own findings)
+        return (CONFIG_ERROR if problems else 0), problems if rank == 0 else []
+    from ptdp.config.schema import Config
     from ptdp.runtime.startup import backend_timeout_s, job_store
-    return agree(job_store(backend_timeout_s(cfg)), rank, world, refusal)
+    timeout_s = backend_timeout_s(found.cfg or Config())
+    try:
+        verdict = agree(job_store(timeout_s), rank, world, problems, timeout_s)
+    except MissingRanks as err:
+        first_here = min(set(range(world)) - set(err.missing), default=0)
+        return HUNG, [str(err)] if rank == first_here else []
+    return (CONFIG_ERROR if verdict else 0), verdict if rank == 0 else []
+
+
+def _own_problems(found) -> list[str]:
+    """This rank's verdict: the checks' errors (with what a Megatron spelling means), or,
+    when they pass, whether it can hold the job's outputs."""
+    if found.errors:
+        from ptdp.megatron.translate import explain_config_errors
+        return list(explain_config_errors(found.errors))
+    from ptdp.runtime.joblock import JobInUse, hold_outputs
+    try:
+        hold_outputs(found.cfg, _env_int("RANK", 0))
+    except JobInUse as err:
+        return [str(err)]
+    except OSError as err:   # e.g. a folder this node cannot create: named, not a traceback
+        return [f"cannot hold the job's outputs: {err}"]
+    return []
 
 
 def _final_exits() -> dict:

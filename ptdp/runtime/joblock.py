@@ -22,10 +22,10 @@ So a restart never runs beside its predecessor, and two jobs never share an outp
 
 Ranks can disagree: a folder that nodes see differently (a node's own disk), or two jobs
 starting at the same moment, each of whose ranks may find the other's. `ptdp train` therefore
-makes the verdict one through the job's rendezvous store (`agree`, before any process group):
-if any rank was refused, every rank exits 2 and rank 0 prints the refusal, naming the rank that
-found it when not all did; no rank is left waiting in the process group's rendezvous for one
-that left.
+makes the verdict one with the start-up checks' (ptdp/runtime/agreement.py, before any process
+group): if any rank was refused, every rank exits 2 and rank 0 prints the refusal, naming the
+rank that found it when not all did; no rank is left waiting in the process group's rendezvous
+for one that left.
 
 `die_with_parent`: a rank asks the kernel to kill it when the process that started it (the
 torchrun agent) dies (prctl PR_SET_PDEATHSIG, Linux), so that a killed agent leaves no
@@ -47,7 +47,6 @@ from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
 JOB_LINE = "job "   # the holder file's second line: its job's digest
-AGREEMENT = "ptdp-joblock/"   # the prefix of `agree`'s keys in the job's store
 _held: list = []    # this process's open lock files: closing them (at exit) releases the locks
 
 
@@ -118,28 +117,6 @@ def hold_outputs(cfg, rank: int) -> None:
     another live job holds one."""
     for target in targets(cfg):
         hold(target, rank)
-
-
-def agree(store, rank: int, world: int, refusal: str | None) -> str | None:
-    """Every rank's verdict on holding the outputs (`refusal`: its JobInUse line, or None),
-    made one through `store` (a torch.distributed Store: ptdp/runtime/startup.py `job_store`):
-    the refusal to print when any rank was refused (the first to arrive; named with its rank
-    when not every rank found it), else None. Each rank adds to two counters and waits once,
-    whatever the number of ranks."""
-    refused, line, arrived, done = (AGREEMENT + name for name in
-                                    ("refused", "line", "arrived", "done"))
-    if refusal is not None and store.add(refused, 1) == 1:
-        store.set(line, f"{rank}\n{refusal}")   # (set before this rank arrives: read after all)
-    if store.add(arrived, 1) == world:
-        store.set(done, "1")
-    store.wait([done])
-    count = store.add(refused, 0)
-    if count == 0:
-        return None
-    first, text = store.get(line).decode().split("\n", 1)
-    if count == world:
-        return text
-    return f"rank {first} ({count} of {world} ranks found it): {text}"
 
 
 def hold(target: Target | str | os.PathLike, rank: int) -> None:

@@ -100,8 +100,8 @@ _store = None   # this process's rendezvous store (`job_store`)
 def job_store(timeout_s: float):
     """The job's rendezvous store, made once per process as torch's env:// rendezvous makes it:
     a client of torchrun's agent store, else (srun, one process) rank 0 hosts it at
-    MASTER_ADDR:MASTER_PORT. `ptdp train` agrees on the job lock's verdict through it before
-    any process group exists (ptdp/runtime/joblock.py `agree`); `init_distributed` then starts
+    MASTER_ADDR:MASTER_PORT. `ptdp train` makes the ranks' start-up verdicts one through it before
+    any process group exists (ptdp/runtime/agreement.py); `init_distributed` then starts
     the process group on it (rank 0 could not host a second store on that port)."""
     global _store
     if _store is None:

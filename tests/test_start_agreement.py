@@ -1,0 +1,93 @@
+"""Every rank's start-up verdict made one (ptdp/runtime/agreement.py, ptdp/commands/train.py).
+
+* Over one store, ranks as threads: every rank gets the same verdict, named with the rank that
+  found it when not all did; a rank that never arrives is named once the timeout passes.
+* Two ranks launched directly, one of which finds a problem the other does not (a checkpoint
+  to load that only its node lacks): both exit 2 at once and rank 0 prints the problem, naming
+  rank 1. Rank 1 used to exit alone without a word and leave rank 0 waiting for it until the
+  backend's timeout (600 s).
+* A folder the rank cannot create is one line, not a traceback.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from ptdp.runtime.agreement import MissingRanks, agree
+from ptdp.runtime.local_ranks import free_port
+from tools.jobs import ROOT, env as _env
+
+
+def _on_threads(world: int, problems: dict, timeout_s: float = 30.0, absent=()) -> dict:
+    import torch.distributed as dist
+    store, out = dist.HashStore(), {}
+
+    def rank(r: int) -> None:
+        try:
+            out[r] = agree(store, r, world, problems.get(r, []), timeout_s)
+        except MissingRanks as err:
+            out[r] = (str(err), err.missing)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world) if r not in absent]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s + 30)
+    return out
+
+
+@pytest.mark.parametrize("problems, expected", [
+    ({}, []),
+    ({r: ["held"] for r in range(3)}, ["held"]),                        # every rank saw it
+    ({2: ["no data", "no tokenizer"]},
+     ["rank 2 (1 of 3 ranks found it): no data", "rank 2 (1 of 3 ranks found it): no tokenizer"]),
+])
+def test_the_ranks_verdicts_are_made_one(problems, expected):
+    assert _on_threads(3, problems) == {r: expected for r in range(3)}
+
+
+def test_a_rank_that_never_arrives_is_named_after_the_timeout():
+    out = _on_threads(4, {}, timeout_s=1.0, absent=(2,))
+    line = ("1 of 4 ranks never reached start-up within 1 s (rank 2): they ended or hang before "
+            "it; see their output")
+    assert out == {r: (line, [2]) for r in (0, 1, 3)}
+
+
+def test_a_problem_found_by_one_rank_only_ends_every_rank_with_one_line(tmp_path):
+    missing = tmp_path / "only-on-node-0"
+    port, ranks = str(free_port()), []
+    try:
+        for rank in (0, 1):
+            load = [f"checkpoint.load={missing}"] if rank == 1 else []
+            ranks.append(subprocess.Popen(
+                [sys.executable, "-m", "ptdp", "train", str(ROOT / "configs/gpt_tiny.yaml"),
+                 "train.iters=1", *load],
+                env=_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                         LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        said = [rank.communicate(timeout=120)[1] for rank in ranks]   # (no hang: seconds)
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [2, 2], said
+    lines = [[line for line in err.splitlines() if line.startswith("ptdp train")] for err in said]
+    assert len(lines[0]) == 1 and lines[1] == [], said
+    assert lines[0][0].startswith("ptdp train: rank 1 (1 of 2 ranks found it): checkpoint.load")
+    assert str(missing) in lines[0][0]
+    assert "Traceback" not in said[0] + said[1]
+
+
+def test_a_folder_the_rank_cannot_create_is_one_line(tmp_path):
+    from ptdp.checks import Findings
+    from ptdp.commands.train import _own_problems
+    from ptdp.config.loading import parse_config
+    (tmp_path / "file").write_text("not a folder")
+    cfg = parse_config(str(ROOT / "configs/gpt_tiny.yaml"),
+                       [f"checkpoint.dir={tmp_path / 'file' / 'checkpoints'}"])
+    problems = _own_problems(Findings(cfg=cfg))
+    assert len(problems) == 1 and problems[0].startswith("cannot hold the job's outputs: ")
+    assert "Not a directory" in problems[0] and "file/checkpoints" in problems[0], problems
