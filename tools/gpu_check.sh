@@ -26,8 +26,9 @@
 # and installed from there (no network) into a private folder before the stages run.
 # Environment: PYTHON [python3]; OUT [bench/gpu_check/<date-time>]; WHEELS [.whl]; BUDGET_S,
 # the whole run's limit [450]; STAGES, the stages to run [gpu_tier,bench_gpt,bench_bert,plan]
-# (to rerun what a cut-short run missed); each stage stops at its share (TIER_S 120, GPT_S 130,
-# BERT_S 150, PLAN_S 50: about 1.1x what each took on one H200, 2026-11-27) or at what the
+# (to rerun what a cut-short run missed); each stage stops at its share (TIER_S 120, GPT_S 140,
+# BERT_S 140, PLAN_S 50: what each took on one H200, 2026-11-27, 82, 119, 91 and 38 s, with
+# room for an H100's slower memory where the step is longest) or at what the
 # budget has left, whichever is less, with SIGINT first (pytest then still writes its junit
 # file, bench_gpu.py has written each model's row as it went), and the report says which
 # stopped.
@@ -132,9 +133,9 @@ TIER_ARGS=(--deselect tests/gpu/test_gpu_tier.py::test_bench_gpu_tiny_on_cuda)
 if "$PYTHON" -c "import xdist" 2> /dev/null; then TIER_ARGS+=(-n 4); fi
 stage gpu_tier "${TIER_S:-120}" env PTDP_GPU_TESTS=1 "$PYTHON" -m pytest -m gpu tests/gpu -q \
     -p no:cacheprovider --junitxml "$OUT/gpu_tier.xml" "${TIER_ARGS[@]}"
-stage bench_gpt "${GPT_S:-130}" "$PYTHON" tools/bench_gpu.py --device cuda --arch gpt \
+stage bench_gpt "${GPT_S:-140}" "$PYTHON" tools/bench_gpu.py --device cuda --arch gpt \
     --steps 6 --warmup 3 --json "$OUT/bench_gpt.json" --profile "$OUT"
-stage bench_bert "${BERT_S:-150}" "$PYTHON" tools/bench_gpu.py --device cuda --arch bert \
+stage bench_bert "${BERT_S:-140}" "$PYTHON" tools/bench_gpu.py --device cuda --arch bert \
     --steps 6 --warmup 3 --json "$OUT/bench_bert.json" --profile "$OUT"
 if [[ "$DRY_RUN" -eq 1 ]]; then   # the planner's half needs no GPU
     "$PYTHON" tools/gpu_check.py plan --out "$OUT" --hardware h100-80gb
