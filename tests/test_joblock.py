@@ -21,7 +21,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import pytest
 
 from ptdp.metrics.log import read_metrics
 from ptdp.runtime.joblock import wait_until_free
@@ -182,22 +181,15 @@ def test_a_refusal_found_by_one_rank_only_ends_every_rank_in_one_line(tmp_path):
     to wait for it in the process group's rendezvous until the backend's timeout."""
     held = tmp_path / "1" / "metrics.jsonl"
     holder = _metrics_holder(held, "1")
-    port, ranks = str(free_port()), []
-    try:
-        for rank in (0, 1):
-            ranks.append(subprocess.Popen(
-                [sys.executable, "-m", "ptdp", "train", str(ROOT / "configs/gpt_tiny.yaml"),
-                 "train.iters=1", f"log.metrics_file={tmp_path / str(rank) / 'metrics.jsonl'}"],
-                env=_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                         LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        said = [rank.communicate(timeout=120)[1] for rank in ranks]   # (no hang: seconds)
+    try:   # (no hang: seconds)
+        ended = jobs.train_direct([["train.iters=1",
+                                    f"log.metrics_file={tmp_path / str(rank) / 'metrics.jsonl'}"]
+                                   for rank in (0, 1)], free_port())
     finally:
-        for rank in ranks:
-            rank.kill()
         holder.kill()
         holder.wait()
-    assert [rank.returncode for rank in ranks] == [2, 2], said
+    said = [err for _, err in ended]
+    assert [code for code, _ in ended] == [2, 2], said
     lines = [[line for line in err.splitlines() if line.startswith("ptdp train")] for err in said]
     assert lines == [[f"ptdp train: rank 1 (1 of 2 ranks found it): log.metrics_file {held} is "
                       f"in use by another job: rank 3 pid {holder.pid} on {os.uname().nodename}; "

@@ -11,15 +11,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 
 import pytest
 
 from ptdp.runtime.agreement import MissingRanks, agree
 from ptdp.runtime.local_ranks import free_port
-from tools.jobs import ROOT, env as _env
+from tools.jobs import ROOT, train_direct
 
 
 def _on_threads(world: int, problems: dict, timeout_s: float = 30.0, absent=()) -> dict:
@@ -30,7 +28,7 @@ def _on_threads(world: int, problems: dict, timeout_s: float = 30.0, absent=()) 
         try:
             out[r] = agree(store, r, world, problems.get(r, []), timeout_s)
         except MissingRanks as err:
-            out[r] = (str(err), err.missing)
+            out[r] = (err.line, err.missing)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world) if r not in absent]
     for thread in threads:
@@ -54,26 +52,39 @@ def test_a_rank_that_never_arrives_is_named_after_the_timeout():
     out = _on_threads(4, {}, timeout_s=1.0, absent=(2,))
     line = ("1 of 4 ranks never reached start-up within 1 s (rank 2): they ended or hang before "
             "it; see their output")
-    assert out == {r: (line, [2]) for r in (0, 1, 3)}
+    assert out == {0: (line, [2]), 1: (None, []), 3: (None, [])}   # one line, from rank 0
+
+
+class _GoneStore:
+    """A store whose host has ended (rank 0 under srun): every call fails."""
+
+    def add(self, key, value):
+        return 1
+
+    def set(self, key, value):
+        pass
+
+    def wait(self, keys, timeout=None):
+        raise RuntimeError("Connection reset by peer")
+
+    check = wait
+
+
+def test_a_store_that_went_away_is_one_line_from_rank_1():
+    lines = {}
+    for rank in (1, 2):
+        with pytest.raises(MissingRanks) as err:
+            agree(_GoneStore(), rank, 3, [], 5.0)
+        lines[rank] = err.value.line
+    assert lines[2] is None and lines[1].startswith("the job's rendezvous store went away")
 
 
 def test_a_problem_found_by_one_rank_only_ends_every_rank_with_one_line(tmp_path):
     missing = tmp_path / "only-on-node-0"
-    port, ranks = str(free_port()), []
-    try:
-        for rank in (0, 1):
-            load = [f"checkpoint.load={missing}"] if rank == 1 else []
-            ranks.append(subprocess.Popen(
-                [sys.executable, "-m", "ptdp", "train", str(ROOT / "configs/gpt_tiny.yaml"),
-                 "train.iters=1", *load],
-                env=_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                         LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        said = [rank.communicate(timeout=120)[1] for rank in ranks]   # (no hang: seconds)
-    finally:
-        for rank in ranks:
-            rank.kill()
-    assert [rank.returncode for rank in ranks] == [2, 2], said
+    ended = train_direct([["train.iters=1"], ["train.iters=1", f"checkpoint.load={missing}"]],
+                         free_port())   # (no hang: seconds)
+    said = [err for _, err in ended]
+    assert [code for code, _ in ended] == [2, 2], said
     lines = [[line for line in err.splitlines() if line.startswith("ptdp train")] for err in said]
     assert len(lines[0]) == 1 and lines[1] == [], said
     assert lines[0][0].startswith("ptdp train: rank 1 (1 of 2 ranks found it): checkpoint.load")

@@ -43,6 +43,28 @@ def start(command: list[str], cwd, **extra) -> subprocess.Popen:
     return job
 
 
+def train_direct(overrides_of_rank: list[list[str]], port: int,
+                 timeout_s: float = 120) -> list[tuple[int, str]]:
+    """`ptdp train configs/gpt_tiny.yaml` on len(overrides_of_rank) ranks started directly, each
+    with its own overrides and the rendezvous variables torchrun would set (rank 0 hosts the
+    store, as under srun): each rank's exit code and stderr."""
+    world, ranks = len(overrides_of_rank), []
+    try:
+        for rank, overrides in enumerate(overrides_of_rank):
+            ranks.append(subprocess.Popen(
+                [sys.executable, "-m", "ptdp", "train", str(ROOT / "configs/gpt_tiny.yaml"),
+                 *overrides],
+                env=env(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(port)),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        said = [rank.communicate(timeout=timeout_s)[1] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    return [(rank.returncode, err) for rank, err in zip(ranks, said)]
+
+
 def stop(job: subprocess.Popen) -> None:
     """End `job` and everything it started, whether it is running, frozen or done: its process
     group (the launch script, torchrun, the script's checks) if it was started in a session of

@@ -120,8 +120,7 @@ def _agreed_verdict(found) -> tuple[int, list[str]]:
     try:
         verdict = agree(job_store(timeout_s), rank, world, problems, timeout_s)
     except MissingRanks as err:
-        first_here = min(set(range(world)) - set(err.missing), default=0)
-        return HUNG, [str(err)] if rank == first_here else []
+        return HUNG, [err.line] if err.line else []
     return (CONFIG_ERROR if verdict else 0), verdict if rank == 0 else []
 
 

@@ -22,11 +22,12 @@ READ_BACK_S = 30.0          # how long rank 0 keeps its store up for the others 
 
 
 class MissingRanks(RuntimeError):
-    """Some ranks never reached the agreement (one line naming them)."""
+    """Some ranks never reached the agreement. `line` names them on the lowest rank that did
+    arrive (None on the others: one line for the job, not one per rank)."""
 
-    def __init__(self, line: str, missing: list[int]):
-        super().__init__(line)
-        self.missing = missing
+    def __init__(self, line: str | None, missing: list[int]):
+        super().__init__(line or "ranks missing at start-up")
+        self.line, self.missing = line, missing
 
 
 def _key(name: str) -> str:
@@ -45,7 +46,7 @@ def agree(store, rank: int, world: int, problems: list[str], timeout_s: float) -
     try:
         store.wait([_key("done")], timedelta(seconds=timeout_s))
     except RuntimeError as err:   # the store's timeout, or a store that went away
-        raise _missing(store, world, timeout_s) from err
+        raise _missing(store, rank, world, timeout_s) from err
     verdict = _verdict(store, world)
     _keep_store_until_read(store, rank, world)
     return verdict
@@ -73,12 +74,20 @@ def _keep_store_until_read(store, rank: int, world: int) -> None:
             pass   # a rank died after the verdict: nothing left to wait for
 
 
-def _missing(store, world: int, timeout_s: float) -> MissingRanks:
+def _missing(store, rank: int, world: int, timeout_s: float) -> MissingRanks:
+    """The ranks that never arrived, named by the lowest rank that did (a rank below this one
+    that arrived names them: a check or two per rank, not world² of them on the store)."""
+    def here(r: int) -> bool:
+        return store.check([_key(f"here/{r}")])
+
     try:
-        missing = [r for r in range(world) if not store.check([_key(f"here/{r}")])]
+        if any(here(r) for r in range(rank)):
+            return MissingRanks(None, [])
+        missing = [*range(rank), *(r for r in range(rank + 1, world) if not here(r))]
     except RuntimeError:   # the store itself is gone: its host (rank 0 under srun) ended
-        return MissingRanks(f"the job's rendezvous store went away before every rank reached "
-                            f"start-up (rank 0 ended?); see the other ranks' output", [0])
+        line = ("the job's rendezvous store went away before every rank reached start-up "
+                "(rank 0 ended?); see its output")
+        return MissingRanks(line if rank == 1 else None, [0])
     shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
     return MissingRanks(f"{len(missing)} of {world} ranks never reached start-up within "
                         f"{timeout_s:g} s (rank{'s' if len(missing) > 1 else ''} {shown}): "
