@@ -1,5 +1,5 @@
 """More of the GPU tier (issue 34, item 7): Llama in bf16, the attention kernel actually used,
-compilation with full recomputation, asynchronous saves on CUDA.
+compilation with full recomputation, asynchronous saves on CUDA, the fused loss.
 
 Run with the rest of the tier (`PTDP_GPU_TESTS=1 pytest -m gpu`, tools/gpu_check.sh). Written
 without a GPU at hand: a failure here is as likely to be the test's as the code's.
@@ -104,3 +104,42 @@ def test_a_training_step_reads_the_device_once(world, compile):
             torch.cuda.set_sync_debug_mode("default")
     syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 1 and syncs[0].split(":")[0].endswith("ptdp/training/results.py"), syncs
+
+
+def _loss_and_peak(logits, target, vocab, fused):
+    """Per-token loss, the logits' gradient and the peak of memory allocated above what was
+    held before (CUDA) through one forward and backward of the vocabulary-parallel loss."""
+    from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
+    from ptdp.parallel.mappings import TensorParallel
+    local = logits.clone().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    held = torch.cuda.memory_allocated()
+    loss = vocab_parallel_cross_entropy(local, target, vocab, TensorParallel(), fused=fused)
+    loss.sum().backward()
+    torch.cuda.synchronize()
+    return loss.detach(), local.grad, torch.cuda.max_memory_allocated() - held
+
+
+def test_the_fused_loss_on_cuda_is_exact_and_makes_no_fp32_copy(world):
+    """train.compile's loss (ptdp/parallel/cross_entropy.py, the default on CUDA): each pass
+    over bf16 logits one Triton kernel. Its loss equals F.cross_entropy on the fp32 upcast,
+    its gradient the eager loss's to bf16 round-off, and its peak memory stays below the
+    eager loss's by at least half of the fp32 [s, b, V] copy the eager one keeps."""
+    import torch.nn.functional as F
+    s, b, vocab, padded = 256, 4, 8000, 8192
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(s, b, padded, device="cuda", generator=g).to(torch.bfloat16)
+    target = torch.randint(0, vocab, (s, b), device="cuda", generator=g)
+    eager_loss, eager_grad, eager_peak = _loss_and_peak(logits, target, vocab, fused=False)
+    _loss_and_peak(logits, target, vocab, fused=True)          # compiles
+    loss, grad, peak = _loss_and_peak(logits, target, vocab, fused=True)
+    want = F.cross_entropy(logits[..., :vocab].float().reshape(-1, vocab), target.reshape(-1),
+                           reduction="none").view(s, b)
+    assert torch.allclose(loss, want, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(eager_loss, want, rtol=1e-5, atol=1e-5)
+    assert grad.dtype == torch.bfloat16 and torch.allclose(grad.float(), eager_grad.float(),
+                                                           atol=1e-2)
+    assert grad[..., vocab:].abs().max().item() == 0.0   # padding columns get no gradient
+    fp32_copy = s * b * padded * 4
+    assert peak <= eager_peak - fp32_copy // 2, (peak, eager_peak, fp32_copy)
