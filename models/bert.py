@@ -34,7 +34,8 @@ class Linear(nn.Module):
 
 
 class BertHeads(nn.Module):
-    """Masked-LM head (dense, GeLU, LN, tied logits + vocab-parallel bias) and binary head."""
+    """Masked-LM head (dense, GeLU, LN, tied logits + vocab-parallel bias) on the masked
+    positions, and the binary head on [CLS]."""
 
     weight_ops = PLAIN   # the tied logits
 
@@ -50,13 +51,20 @@ class BertHeads(nn.Module):
         self.binary = Linear(ctx, h, 2, "heads.binary")
 
     def forward(self, hidden, table, batch):
-        lm = self.lm_ln(F.gelu(self.lm_dense(hidden)))
+        # The masked-LM loss reads only the masked positions (about one token in seven): the
+        # head's dense layer, norm, logits and loss run on those rows alone, not on all s * b.
+        mask = batch["loss_mask"].t().reshape(-1)
+        rows = batch.get("loss_rows")   # listed on the host (ptdp/data/batching.py), or here
+        rows = mask.nonzero().squeeze(1) if rows is None else rows
+        picked = hidden.flatten(0, 1).index_select(0, rows).unsqueeze(1)   # [n, 1, h]
+        lm = self.lm_ln(F.gelu(self.lm_dense(picked)))
+        labels = batch["labels"].t().reshape(-1).index_select(0, rows).unsqueeze(1)
         per_token = vocab_parallel_cross_entropy(logits(lm, table, self.ctx, self.lm_bias,
                                                         ops=self.weight_ops),
-                                                 batch["labels"].t(), self.ctx.model.vocab_size,
-                                                 self.ctx.tp, fused=self.ctx.compile)
-        mask = batch["loss_mask"].t().to(per_token.dtype)
-        lm_loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+                                                 labels, self.ctx.model.vocab_size, self.ctx.tp,
+                                                 fused=self.ctx.compile)
+        weights = mask.index_select(0, rows).to(per_token.dtype).unsqueeze(1)
+        lm_loss = (per_token * weights).sum() / mask.to(per_token.dtype).sum().clamp(min=1.0)
         pooled = torch.tanh(self.pooler(hidden[0]))  # the [CLS] position
         sop_loss = F.cross_entropy(self.binary(pooled).float(), batch["sop_label"].view(-1))
         return lm_loss + sop_loss, {"lm_loss": lm_loss.detach(), "sop_loss": sop_loss.detach()}

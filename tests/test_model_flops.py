@@ -49,6 +49,12 @@ def test_flop_formula_equals_the_counted_matmuls(arch):
         # torch's counter does not see the CPU SDPA kernel: add its QK^T and AV matmuls,
         # forward and backward (3 x 4 B s^2 h per layer), as Eq. 4.2 counts them.
         counted += 3 * L * 4 * B * S * S * A * cfg.head_dim
+    if arch == "bert":
+        # The formula counts BERT's masked-LM head (its dense layer and the logits) on every
+        # token, as Megatron's and Hugging Face's models compute it; ptdp's runs it on the
+        # masked positions only (models/bert.py): forward and backward of the others skipped.
+        unmasked = B * S - int(batch["loss_mask"].sum())
+        counted += 3 * unmasked * (2 * H * H + 2 * H * V)
     assert counted == iteration_flops(ModelShape.from_config(cfg), B, V, recompute_forward=False)
     if arch in ("gpt", "bert"):   # the dissertation's block: the arch's own formula, unchanged
         assert counted == model_flops(arch, B, S, L, H, V, recompute_forward=False)

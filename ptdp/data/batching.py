@@ -88,11 +88,21 @@ class MicroBatches:
                                   micro_batch_size=self.micro_batch_size, data_rank=self.data_rank,
                                   data_size=self.data_size,
                                   consumed=self.schedule.consumed(iteration))
-        batch = collate([self.dataset[i % n] for i in idx])
-        return context_split(batch, self.context_rank, self.context_size)
+        batch = context_split(collate([self.dataset[i % n] for i in idx]), self.context_rank,
+                              self.context_size)
+        if getattr(self.dataset, "masked_lm", False):
+            batch["loss_rows"] = loss_rows(batch["loss_mask"])
+        return batch
 
     def get(self, iteration: int, micro_batch: int) -> dict:
         return to_device(self.build(iteration, micro_batch), self.device)
+
+
+def loss_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+    """The rows of the [s * b] token layout (sequence-major, as the model's activations) whose
+    loss counts: a masked LM computes its head on those alone (models/bert.py). Listed on the
+    host, so that the device never has to say how many there are (a sync per micro-batch)."""
+    return loss_mask.t().reshape(-1).nonzero().squeeze(1)
 
 
 def context_split(batch: dict, rank: int, size: int) -> dict:

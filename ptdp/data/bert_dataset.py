@@ -79,6 +79,8 @@ class BertDataset:
     """Map-style BERT pretraining samples over documents [doc_begin, doc_end), or over the
     document ids `documents` when given (the split's share, ptdp/data/build.py)."""
 
+    masked_lm = True   # its loss reads only the masked positions (ptdp/data/batching.py)
+
     def __init__(self, indexed: IndexedDataset, doc_begin: int, doc_end: int,
                  seq_length: int, seed: int, mask_prob: float = 0.15, name: str = "train",
                  documents=None):

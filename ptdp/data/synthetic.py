@@ -41,6 +41,8 @@ class SyntheticGPT:
 
 
 class SyntheticBERT:
+    masked_lm = True   # its loss reads only the masked positions (ptdp/data/batching.py)
+
     def __init__(self, model: ModelConfig, seed: int, mask_prob: float = 0.15, size: int = 1 << 30):
         if model.vocab_size <= FIRST_WORD + 1:
             raise ValueError(f"model.vocab_size must exceed {FIRST_WORD + 1} for synthetic BERT data")

@@ -124,18 +124,19 @@ def _analytic_head(hw, precision, shape: ModelShape, b: int, t: int, vocab_padde
     traffic, kernels = (2, 1) if shape.rope else (3, 3)
     embed_fwd = elementwise_time(hw, traffic * tokens * h * e, kernels)
     embed_bwd = elementwise_time(hw, traffic * tokens * h * e, kernels)
-    logits = gemm_time(hw, precision, tokens, vocab_padded / t, h)
-    logits_bwd = (gemm_time(hw, precision, tokens, h, vocab_padded / t)
-                  + gemm_time(hw, precision, h, vocab_padded / t, tokens))
-    # Cross-entropy in fp32 over [s, b, V/t]: max, exp-sum, loss forward; softmax-grad backward.
-    ce_bytes = tokens * vocab_padded / t * 4
-    layer_norm = elementwise_time(hw, 2 * tokens * h * e, 1)
+    rows = shape.head_rows(tokens)   # BERT: the masked positions only
+    logits = gemm_time(hw, precision, rows, vocab_padded / t, h)
+    logits_bwd = (gemm_time(hw, precision, rows, h, vocab_padded / t)
+                  + gemm_time(hw, precision, h, vocab_padded / t, rows))
+    # Cross-entropy in fp32 over [rows, V/t]: max, exp-sum, loss forward; softmax-grad backward.
+    ce_bytes = rows * vocab_padded / t * 4
+    layer_norm = elementwise_time(hw, 2 * tokens * h * e, 1)   # the final norm: every token
     head_fwd = logits + layer_norm + elementwise_time(hw, 3 * ce_bytes, 4)
     head_bwd = logits_bwd + 2 * layer_norm + elementwise_time(hw, 2 * ce_bytes, 2)
     if shape.bert_heads:  # LM transform (dense h x h, GeLU, LayerNorm) before the logits
-        dense = gemm_time(hw, precision, tokens, h, h)
-        head_fwd += dense + elementwise_time(hw, 4 * tokens * h * e, 2)
-        head_bwd += 2 * dense + elementwise_time(hw, 8 * tokens * h * e, 4)
+        dense = gemm_time(hw, precision, rows, h, h)
+        head_fwd += dense + elementwise_time(hw, 4 * rows * h * e, 2)
+        head_bwd += 2 * dense + elementwise_time(hw, 8 * rows * h * e, 4)
     return HeadTimes(embed_fwd, embed_bwd, head_fwd, head_bwd, embed_bwd, head_bwd)
 
 
@@ -199,10 +200,13 @@ def _measured_head(hw, precision, shape: ModelShape, b: int, t: int, vocab_padde
         if fallback and not all(key in r for r in rows):
             return pick(fallback)
         return _interpolate([(r["micro_batch"], r[key]) for r in rows], b)
+    # (rows measured over every token, `ptdp profile`'s logits and loss; BERT's head computes
+    # the masked share of them, its final norm a small part of the time)
+    share = shape.head_rows(1.0)
     return HeadTimes(pick("embed_forward_s"), pick("embed_backward_s"),
-                     pick("head_forward_s"), pick("head_backward_s"),
+                     share * pick("head_forward_s"), share * pick("head_backward_s"),
                      pick("embed_backward_split_s", "embed_backward_s"),
-                     pick("head_backward_split_s", "head_backward_s"))
+                     share * pick("head_backward_split_s", "head_backward_s"))
 
 
 def measured_tensor_comm(hw: HardwareProfile, precision: str, shape: ModelShape, b: int, t: int,

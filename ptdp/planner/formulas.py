@@ -28,10 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config.models import GATED_ACTIVATIONS, Heads, ModelFamily, model_family
+from ptdp.config.schema import DataConfig
 from ptdp.planner.moe import (dense_mlp_forward_flops, moe_layer_count, moe_mlp_forward_flops,
                               moe_parameter_change)
 
 SECONDS_PER_DAY = 86_400.0
+BERT_MASKED_SHARE = DataConfig.mask_prob   # the share of tokens BERT's loss reads (its default)
 
 
 def _any_dropout(m) -> bool:
@@ -116,6 +118,13 @@ class ModelShape:
         """BERT's heads and token types on top of the layers (models/bert.py), counted by the
         bert_* formulas, instead of a decoder's output layer."""
         return self.family.heads is Heads.BERT
+
+    def head_rows(self, tokens: float) -> float:
+        """The rows the output layer and the loss compute: every token for a decoder; for BERT
+        the masked ones only (models/bert.py runs its masked-LM head on those), at
+        data.mask_prob's default share. The FLOP formulas still count every token (the
+        model's FLOPs, as Megatron and Hugging Face compute them)."""
+        return tokens * BERT_MASKED_SHARE if self.bert_heads else tokens
 
     @property
     def q_hidden(self) -> int:

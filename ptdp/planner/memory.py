@@ -375,9 +375,10 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     if last:   # the logits, their one fp32 copy (exp, then softmax) and the gradient; on GPUs,
         # where train.compile fuses the loss's passes, the logits kept and the gradient only
         fp32_copy = 0 if hw is not None and hw.device != "cpu" else 4   # (ptdp/parallel/cross_entropy.py)
-        transient += shape.seq * b * vocab_padded / t * (2 * e + fp32_copy)
+        rows = shape.head_rows(shape.seq * b)   # BERT: its masked positions only
+        transient += rows * vocab_padded / t * (2 * e + fp32_copy)
         if shape.bert_heads:  # the LM transform's dense output, GeLU and LayerNorm inputs
-            transient += 3 * sbh * e
+            transient += 3 * rows * shape.hidden * e
     if spec.split_backward:   # a W pass computes all the stage's weight gradients of one
         transient = max(transient, params * e)   # micro-batch before accumulating them
     working += transient
