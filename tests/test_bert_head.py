@@ -87,3 +87,12 @@ def test_the_data_pipeline_lists_the_rows_on_the_host():
                        global_batch=B, micro_batch_size=B, data_rank=0, data_size=1,
                        device=torch.device("cpu"))
     assert "loss_rows" not in gpt.build(0, 0)   # a decoder's loss reads every token
+
+
+def test_a_blend_of_masked_lm_datasets_is_one():
+    from ptdp.data.blend import BlendedDataset
+    bert_cfg, _ = _chunk()
+    bert = synthetic_datasets(bert_cfg, 3)
+    gpt = synthetic_datasets(ModelConfig(seq_length=S, vocab_size=V), 3)
+    assert BlendedDataset([bert["train"], bert["valid"]], [1, 1], size=8).masked_lm
+    assert not BlendedDataset([bert["train"], gpt["train"]], [1, 1], size=8).masked_lm

@@ -57,6 +57,10 @@ class BlendedDataset:
     def __len__(self) -> int:
         return self.size
 
+    @property
+    def masked_lm(self) -> bool:
+        return _masked_lm(self.datasets)
+
     def __getitem__(self, i: int):
         ds = self.datasets[int(self.dataset_index[i])]
         return ds[int(self.sample_index[i]) % len(ds)]
@@ -87,5 +91,14 @@ class MegatronBlendedDataset:
     def __len__(self) -> int:
         return self.size
 
+    @property
+    def masked_lm(self) -> bool:
+        return _masked_lm(self.datasets)
+
     def __getitem__(self, i: int):
         return self.datasets[int(self.dataset_index[i])][int(self.dataset_sample_index[i])]
+
+
+def _masked_lm(datasets: list) -> bool:
+    """A blend of masked-LM datasets is one (ptdp/data/batching.py lists its loss rows)."""
+    return all(getattr(d, "masked_lm", False) for d in datasets)
