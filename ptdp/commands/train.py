@@ -83,13 +83,13 @@ def run(args) -> int:
 
 RENDEZVOUS = ("RANK", "MASTER_ADDR", "MASTER_PORT")   # what the job's store is found by
 
-# How long a rank other than 0 stays, at most, after a problem every rank found and rank 0 prints.
+# How long a rank other than 0 stays, at most, after the verdict that stops every rank.
 SAID_WHY_GRACE_S = 3.0
 
 
 def _after_rank_0_said_why(code: int) -> int:
-    """`code`, returned once rank 0 has had time to print why. Every rank finds the same
-    problem before any process group exists, and only rank 0 prints it; torchrun's agent ends
+    """`code`, returned once rank 0 has had time to print why. Every rank stops on the same
+    verdict before any process group exists, and only rank 0 prints it; torchrun's agent ends
     the other workers as soon as one exits, so a rank that left first could have rank 0 killed
     before its line was out. Under torchrun the agent ends this wait when rank 0 exits."""
     if _env_int("RANK", 0) != 0 and _env_int("WORLD_SIZE", 1) > 1:
