@@ -15,6 +15,7 @@ import pytest
 import ptdp.runtime.local_ranks as local_ranks
 import tools.bench_checkpoint as bench_checkpoint
 import tools.bench_context as bench_context
+import tools.bench_bert_head as bench_bert_head
 import tools.bench_cross_entropy as bench_cross_entropy
 import tools.bench_data_loading as bench_data_loading
 import tools.bench_distributed_optimizer as bench_distributed_optimizer
@@ -154,6 +155,20 @@ def test_bench_cross_entropy_times_both_paths_on_the_same_loss(tmp_path, capsys)
     with pytest.raises(SystemExit) as stop:
         bench_cross_entropy.main(["--rounds", "0"])
     assert stop.value.code == 2 and "--rounds must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_bert_head_times_both_heads_on_the_same_loss(tmp_path, capsys):
+    out = tmp_path / "head.json"
+    assert bench_bert_head.main(["--seq", "16", "--batch", "2", "--hidden", "32", "--vocab", "64",
+                                 "--rounds", "1", "--warmup", "1", "--json", str(out)]) == 0
+    data = _written(out, "bench_bert_head")
+    assert 0 < data["masked_rows"] < 16 * 2 and data["peak_gb"] is None
+    assert all(ms > 0 for ms in data["ms"].values())
+    assert data["loss"]["masked rows"] == pytest.approx(data["loss"]["every token"], rel=1e-6)
+    assert "masked rows / every token:" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        bench_bert_head.main(["--masked", "0"])
+    assert stop.value.code == 2 and "--masked must be in (0, 1]" in capsys.readouterr().err
 
 
 def test_bench_sequence_parallel_shards_by_t(tmp_path):

@@ -83,15 +83,16 @@ def test_asynchronous_save_on_cuda_writes_what_a_synchronous_one_does(world, tmp
     assert _losses(resumed) == pytest.approx(saved["sync"][2:], rel=1e-6)
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_a_training_step_reads_the_device_once(world, compile):
+@pytest.mark.parametrize("arch, compile", [("gpt", False), ("gpt", True), ("bert", True)])
+def test_a_training_step_reads_the_device_once(world, arch, compile):
     """No hidden host syncs: after warm-up (compilation, the allocator's first sizes), a bf16
     step synchronises with the GPU only where the Trainer reads its statistics, once, at the
     end (StepResult.resolve, ptdp/training/results.py). torch's sync debug mode reports every
-    synchronising call; the failure lists where each came from."""
+    synchronising call; the failure lists where each came from. BERT's masked-LM head gathers
+    its masked rows by positions listed on the host (ptdp/data/batching.py `loss_rows`)."""
     import warnings
-    trainer = _trainer("train.precision=bf16", f"train.compile={str(compile).lower()}",
-                       "train.iters=4")
+    trainer = _trainer(f"model.arch={arch}", "train.precision=bf16",
+                       f"train.compile={str(compile).lower()}", "train.iters=4")
     for it in range(2):
         trainer.train_step(it)
     torch.cuda.synchronize()
