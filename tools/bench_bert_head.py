@@ -18,7 +18,6 @@ both).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
@@ -34,27 +33,18 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    harness.add_pass_arguments(parser)
     parser.add_argument("--seq", type=int, help="s (default: CUDA 512, CPU 128)")
     parser.add_argument("--batch", type=int, help="b (default: CUDA 16, CPU 4)")
     parser.add_argument("--hidden", type=int, help="h (default: CUDA 1,024, CPU 256)")
     parser.add_argument("--vocab", type=int, help="V (default: CUDA 30,522, CPU 7,680)")
     parser.add_argument("--masked", type=float, default=0.15, help="share of masked tokens")
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="default: CUDA bf16, CPU fp32")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    for name in ("seq", "batch", "hidden", "vocab", "rounds"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1")
-    if args.warmup < 0:
-        parser.error("--warmup must be >= 0")
+    harness.check_pass_arguments(parser, args, ("seq", "batch", "hidden", "vocab"))
     if not 0 < args.masked <= 1:
         parser.error("--masked must be in (0, 1]")
     cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        parser.error("--device cuda but no CUDA device is visible")
     args.seq = args.seq or (512 if cuda else 128)
     args.batch = args.batch or (16 if cuda else 4)
     args.hidden = args.hidden or (1024 if cuda else 256)
@@ -109,34 +99,19 @@ def _every_token(heads, hidden, table, batch):
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
-    cuda = device.type == "cuda"
     heads, table, batch = _heads(args, device)
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(args.seq, args.batch, args.hidden, generator=g).to(
         device, DTYPES[args.dtype]).requires_grad_()
     paths = {"masked rows": lambda: heads(hidden, table, batch)[0],
              "every token": lambda: _every_token(heads, hidden, table, batch)}
-    peaks, losses = {}, {}
 
-    def side(name):
-        def step(_):
-            hidden.grad = table.grad = None
-            heads.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-            loss = paths[name]()
-            loss.backward()
-            if cuda:
-                torch.cuda.synchronize()
-                peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**30
-            losses[name] = loss.item()
-        return step
+    def zero_grads():
+        hidden.grad = table.grad = None
+        heads.zero_grad(set_to_none=True)
 
-    rounds = harness.alternating({name: side(name) for name in paths}, args.rounds,
-                                 warmup=args.warmup, swap=True)
-    median = {name: statistics.median(r[name].wall for r in rounds) for name in paths}
+    median, peaks, losses = harness.loss_passes(paths, zero_grads, device, args.rounds,
+                                                args.warmup)
     ratio = median["masked rows"] / median["every token"]
     result = {"shape": {"seq": args.seq, "batch": args.batch, "hidden": args.hidden,
                         "vocab": args.vocab, "masked": args.masked},

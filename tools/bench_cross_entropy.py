@@ -15,7 +15,6 @@ docs/performance.md) and a smaller one on CPU.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
@@ -30,23 +29,14 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    harness.add_pass_arguments(parser)
     parser.add_argument("--seq", type=int, help="s (default: CUDA 2048, CPU 256)")
     parser.add_argument("--batch", type=int, help="b (default: CUDA 8, CPU 4)")
     parser.add_argument("--vocab", type=int, default=51200, help="V, padded (default 51,200)")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    for name in ("seq", "batch", "vocab", "rounds"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1")
-    if args.warmup < 0:
-        parser.error("--warmup must be >= 0")
+    harness.check_pass_arguments(parser, args, ("seq", "batch", "vocab"))
     cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        parser.error("--device cuda but no CUDA device is visible")
     args.seq = args.seq or (2048 if cuda else 256)
     args.batch = args.batch or (8 if cuda else 4)
     return args
@@ -57,34 +47,20 @@ def main(argv=None) -> int:
     from ptdp.parallel.mappings import TensorParallel
     args = parse_args(argv)
     device = torch.device(args.device)
-    cuda = device.type == "cuda"
     g = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(args.seq, args.batch, args.vocab, device=device, generator=g,
                          dtype=DTYPES[args.dtype]).requires_grad_()
     target = torch.randint(0, args.vocab, (args.seq, args.batch), device=device, generator=g)
-    peaks, losses = {}, {}
 
-    def side(fused: bool):
-        name = "fused" if fused else "eager"
+    def loss(fused: bool):
+        return lambda: vocab_parallel_cross_entropy(logits, target, args.vocab, TensorParallel(),
+                                                    fused=fused).mean()
 
-        def step(_):
-            logits.grad = None
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-            loss = vocab_parallel_cross_entropy(logits, target, args.vocab, TensorParallel(),
-                                                fused=fused).mean()
-            loss.backward()
-            if cuda:
-                torch.cuda.synchronize()
-                peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**30
-            losses[name] = loss.item()
-        return step
+    def zero_grads():
+        logits.grad = None
 
-    rounds = harness.alternating({"eager": side(False), "fused": side(True)}, args.rounds,
-                                 warmup=args.warmup, swap=True)
-    median = {name: statistics.median(r[name].wall for r in rounds) for name in ("eager", "fused")}
+    median, peaks, losses = harness.loss_passes({"eager": loss(False), "fused": loss(True)},
+                                                zero_grads, device, args.rounds, args.warmup)
     result = {"shape": {"seq": args.seq, "batch": args.batch, "vocab": args.vocab},
               "dtype": args.dtype, "rounds": args.rounds,
               "eager_ms": median["eager"] * 1e3, "fused_ms": median["fused"] * 1e3,

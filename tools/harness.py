@@ -106,6 +106,59 @@ def alternating(sides: dict, rounds: int, warmup: int = 0, swap: bool = False,
     return timed
 
 
+def add_pass_arguments(parser) -> None:
+    """The options of a tool that times forward + backward passes (`loss_passes`)."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", help="write the results here")
+
+
+def check_pass_arguments(parser, args, sizes: tuple[str, ...]) -> None:
+    """One line (parser.error) for a size, a round count or a warm-up out of range, or CUDA
+    asked for and absent."""
+    for name in (*sizes, "rounds"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0")
+    if args.device == "cuda" and not _cuda_available():
+        parser.error("--device cuda but no CUDA device is visible")
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def loss_passes(paths: dict, zero_grads, device, rounds: int, warmup: int):
+    """Forward + backward of each of `paths` ({name: () -> scalar loss}) in alternating rounds
+    (`alternating`, every other round reversed): each path's median seconds, its last loss,
+    and on CUDA the peak memory its pass adds (GiB; {} elsewhere). `zero_grads()` runs before
+    every pass."""
+    import torch
+    cuda, peaks, losses = _is_cuda(device), {}, {}
+
+    def side(name):
+        def step(_):
+            zero_grads()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            loss = paths[name]()
+            loss.backward()
+            if cuda:
+                torch.cuda.synchronize()
+                peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2**30
+            losses[name] = loss.item()
+        return step
+
+    timed = alternating({name: side(name) for name in paths}, rounds, warmup=warmup, swap=True)
+    median = {name: statistics.median(r[name].wall for r in timed) for name in paths}
+    return median, peaks, losses
+
+
 # --------------------------------------------------------------------------------------------
 # A world of one rank, for the Trainer at (p, t, d) = (1, 1, 1) in this process
 # --------------------------------------------------------------------------------------------
