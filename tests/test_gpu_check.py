@@ -61,7 +61,7 @@ def test_stages_picks_stages_and_a_misspelt_one_is_one_line(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     stages = json.loads((tmp_path / "some" / "stages.json").read_text())["stages"]
     assert stages["bench_gpt"]["rc"] == "not run" and stages["gpu_tier"]["rc"] == "dry-run"
-    assert stages["bench_bert"]["rc"] == "dry-run"
+    assert stages["bench_bert"]["rc"] == "dry-run" and stages["plan"]["rc"] == "not run"
     bad = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), "--dry-run", "--out",
                           str(tmp_path / "bad")], capture_output=True, text=True,
                          timeout=within(60), env={**env, "STAGES": "gpu-tier"})

@@ -48,12 +48,13 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 BUDGET_S="${BUDGET_S:-450}"
-STAGES="${STAGES:-gpu_tier,bench_gpt,bench_bert,plan}"
+ALL_STAGES="gpu_tier,bench_gpt,bench_bert,plan"
+STAGES="${STAGES:-$ALL_STAGES}"
 for name in ${STAGES//,/ }; do   # a misspelt stage would silently run nothing
-    case "$name" in
-        gpu_tier|bench_gpt|bench_bert|plan) ;;
-        *) echo "gpu_check.sh: STAGES names '$name'; the stages are gpu_tier, bench_gpt, bench_bert, plan" >&2; exit 2 ;;
-    esac
+    if [[ ",$ALL_STAGES," != *",$name,"* ]]; then
+        echo "gpu_check.sh: STAGES names '$name'; the stages are ${ALL_STAGES//,/, }" >&2
+        exit 2
+    fi
 done
 mkdir -p "$OUT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -137,7 +138,7 @@ stage bench_gpt "${GPT_S:-140}" "$PYTHON" tools/bench_gpu.py --device cuda --arc
     --steps 6 --warmup 3 --json "$OUT/bench_gpt.json" --profile "$OUT"
 stage bench_bert "${BERT_S:-140}" "$PYTHON" tools/bench_gpu.py --device cuda --arch bert \
     --steps 6 --warmup 3 --json "$OUT/bench_bert.json" --profile "$OUT"
-if [[ "$DRY_RUN" -eq 1 ]]; then   # the planner's half needs no GPU
+if [[ "$DRY_RUN" -eq 1 && ",$STAGES," == *",plan,"* ]]; then   # the planner's half needs no GPU
     "$PYTHON" tools/gpu_check.py plan --out "$OUT" --hardware h100-80gb
     printf 'plan\t%s\t0\n' "$?" >> "$STAGES_FILE"
 else

@@ -25,9 +25,9 @@ class MissingRanks(RuntimeError):
     """Some ranks never reached the agreement. `line` names them on the lowest rank that did
     arrive (None on the others: one line for the job, not one per rank)."""
 
-    def __init__(self, line: str | None, missing: list[int]):
+    def __init__(self, line: str | None):
         super().__init__(line or "ranks missing at start-up")
-        self.line, self.missing = line, missing
+        self.line = line
 
 
 def _key(name: str) -> str:
@@ -82,13 +82,13 @@ def _missing(store, rank: int, world: int, timeout_s: float) -> MissingRanks:
 
     try:
         if any(here(r) for r in range(rank)):
-            return MissingRanks(None, [])
+            return MissingRanks(None)
         missing = [*range(rank), *(r for r in range(rank + 1, world) if not here(r))]
     except RuntimeError:   # the store itself is gone: its host (rank 0 under srun) ended
         line = ("the job's rendezvous store went away before every rank reached start-up "
                 "(rank 0 ended?); see its output")
-        return MissingRanks(line if rank == 1 else None, [0])
+        return MissingRanks(line if rank == 1 else None)
     shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
     return MissingRanks(f"{len(missing)} of {world} ranks never reached start-up within "
                         f"{timeout_s:g} s (rank{'s' if len(missing) > 1 else ''} {shown}): "
-                        f"they ended or hang before it; see their output", missing)
+                        f"they ended or hang before it; see their output")
