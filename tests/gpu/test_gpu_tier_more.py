@@ -96,14 +96,15 @@ def test_a_training_step_reads_the_device_once(world, arch, compile):
     for it in range(2):
         trainer.train_step(it)
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
+    torch.cuda.set_sync_debug_mode("warn")   # outside the record: torch 2.11 warns once
+    try:                                     # on enabling it, before any step (H200 run)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             trainer.train_step(2)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno} {w.message}" for w in caught
+             if "synchroniz" in str(w.message)]
     assert len(syncs) == 1 and syncs[0].split(":")[0].endswith("ptdp/training/results.py"), syncs
 
 
