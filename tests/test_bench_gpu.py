@@ -20,11 +20,15 @@ ROW_FIELDS = {"model", "micro_batch", "micro_batches", "step_ms", "step_ms_all",
 
 
 @pytest.mark.parametrize("arch,extra,program", [
-    ("gpt", ["--no-tf32", "--data-workers", "1"], [str(ROOT / "tools" / "bench_gpu.py")]),
+    ("gpt", ["--no-tf32", "--data-workers", "1", "--rounds", "0"],
+     [str(ROOT / "tools" / "bench_gpu.py")]),
     ("bert", [], ["-m", "tools.bench_gpu"])])   # both ways of running a tool (tools/harness.py)
 def test_bench_gpu_tiny_on_cpu(tmp_path, arch, extra, program):
     """Like with like: the same TF32 setting for both (ptdp's train.tf32), and both take each
-    micro-batch from host memory during the step (ptdp's built ahead by data.num_workers)."""
+    micro-batch from host memory during the step (ptdp's built ahead by data.num_workers).
+    By default the two then alternate for as many rounds as timed steps (ptdp kept in memory
+    while the reference is measured), and the speedup is those rounds'; `--rounds 0` skips
+    them and the speedup is the sequential medians'."""
     out = tmp_path / "bench.json"
     cmd = [sys.executable, *program, "--device", "cpu", "--tiny",
            "--arch", arch, "--steps", "2", "--warmup", "1", "--json", str(out), *extra]
@@ -53,7 +57,17 @@ def test_bench_gpu_tiny_on_cpu(tmp_path, arch, extra, program):
         assert abs(row["loss_first"] - start) < 0.2 * start, row
     if "plain" in ref["model"]:  # same shape, same parameters (V = 512 needs no padding)
         assert ours["parameters"] == ref["parameters"]
-    assert result["speedup"] == pytest.approx(ours["tokens_per_s"] / ref["tokens_per_s"])
+    sequential = ours["tokens_per_s"] / ref["tokens_per_s"]
+    assert result["speedup_sequential"] == pytest.approx(sequential)
+    paired = result["paired"]
+    if extra:
+        assert paired is None and result["speedup"] == pytest.approx(sequential)
+        assert "paired: not run (--rounds 0)" in run.stdout
+    else:
+        assert paired["rounds"] == 2
+        assert len(paired["ptdp_ms_all"]) == len(paired["reference_ms_all"]) == 2
+        assert result["speedup"] == pytest.approx(paired["reference_ms"] / paired["ptdp_ms"])
+        assert "(medians of 2 alternating rounds)" in run.stdout
     assert result["targets"]["speedup"] > 1 and result["met"] is None  # targets are for GPUs
 
 
@@ -62,11 +76,11 @@ def test_the_json_is_written_after_each_measurement(tmp_path, monkeypatch):
     import tools.bench_gpu as bench_gpu
     measured = []
 
-    def run_one(make, args, s, device, vocab, peak):
+    def run_one(make, args, s, device, vocab, peak, keep=False):
         if make is bench_gpu.PlainRunner:
             raise MemoryError("the reference ran out of memory")
         measured.append(make.name)
-        return {"model": make.name}
+        return {"model": make.name}, None
 
     import contextlib
     monkeypatch.setattr(bench_gpu, "run_one", run_one)

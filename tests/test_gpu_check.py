@@ -31,10 +31,11 @@ def test_report_judges_each_target(tmp_path):
         '<testcase name="a"/><testcase name="b"><failure/></testcase><testcase name="c"/>'
         '</testsuite></testsuites>')
     row = {"model": "ptdp", "mfu": 0.6, "peak_memory_gb": 50.0, "step_ms": 1300.0}
-    for arch, speedup, memory in (("gpt", 1.2, 1.05), ("bert", 1.1, 1.2)):
+    for arch, speedup, memory, paired in (("gpt", 1.2, 1.05, {"rounds": 6}),
+                                          ("bert", 1.1, 1.2, None)):
         (tmp_path / f"bench_{arch}.json").write_text(json.dumps(
             {"rows": [row, {"model": "reference (x)"}], "speedup": speedup,
-             "memory_ratio": memory}))
+             "memory_ratio": memory, "paired": paired}))
     (tmp_path / "plan.json").write_text(json.dumps([
         {"layout": "L1", "predicted_step_s": 1.05, "predicted_memory_gb": 48.0,
          "measured_step_s": 1.0, "measured_memory_gb": 50.0},
@@ -42,8 +43,9 @@ def test_report_judges_each_target(tmp_path):
          "measured_step_s": 1.0, "measured_memory_gb": 30.0}]))
     report = gpu_check.evaluate(tmp_path)
     met = {check["what"]: check["met"] for check in report["checks"]}
-    assert met == {"gpt tokens/s vs reference (x)": True, "gpt MFU (3 passes)": True,
-                   "gpt peak memory vs reference": True, "bert tokens/s vs reference (x)": False,
+    assert met == {"gpt tokens/s vs reference (x), paired rounds": True,
+                   "gpt MFU (3 passes)": True, "gpt peak memory vs reference": True,
+                   "bert tokens/s vs reference (x)": False, "bert MFU (3 passes)": True,
                    "bert peak memory vs reference": False,
                    "planner step time, L1": True, "planner memory, L1": False,
                    "planner step time, L2": False, "planner memory, L2": True}

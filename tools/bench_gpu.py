@@ -19,21 +19,30 @@ during the step, ptdp's built ahead by `--data-workers` processes (`data.num_wor
 on CUDA), the reference's built once before timing and kept in (pinned) host memory, as a
 `DataLoader` with `pin_memory` would hand them over; after
 `--warmup` untimed steps (compilation happens there). A step's time is the median over
-`--steps` steps, by CUDA events on GPU and perf_counter on CPU (tools/harness.py). The table gives tokens/s,
+`--steps` steps, by CUDA events on GPU and perf_counter on CPU (tools/harness.py). Then, where
+the device holds both models at once (always on CPU; on a GPU when twice ptdp's peak
+reservation fits), ptdp stays in memory while the reference is measured, and the two take
+`--rounds` steps in alternation, every other round in reverse order: the ratio of their
+medians there is the speedup reported (`paired`), since a host whose speed drifts between
+the two sequential measurements (one H200 measured the same BERT-large job at 224 and 276 ms
+minutes apart) slows both sides of a round alike; the sequential ratio is kept beside it.
+The table gives tokens/s,
 model TFLOP/s by Eq. 4.2 (ptdp/planner/formulas.py) with 3 passes per layer (forward and
 backward: the model's FLOPs) and with the 4 passes the formula counts as written (one more
 forward for recomputation), MFU = 3-pass TFLOP/s / the hardware's peak for the precision
 (configs/hardware/, `--hardware` or auto-detected on known GPUs; null on CPU), peak memory
-(CUDA: max allocated; CPU: the process's peak resident set since the model was built), the
-first loss and the parameter count.
+(CUDA: max allocated; CPU: the process's peak resident set; each less what the process held
+before the model was built, ptdp's model when it is kept), the first loss and the parameter
+count.
 
 ptdp's fast paths on one GPU (docs/performance.md, "Speed on one GPU"):
 * `train.compile` (default on for CUDA): each transformer layer is torch.compile'd, fusing
   LayerNorm, bias + GeLU and bias + dropout + residual add (ptdp/kernels/fused.py);
 * attention is F.scaled_dot_product_attention: flash for GPT (causal, no mask), the
   memory-efficient/cuDNN kernel for BERT (boolean padding mask);
-* the vocab-parallel cross-entropy makes one fp32 copy of the logits, reused in place for
-  the softmax and its gradient;
+* with compile, the vocab-parallel cross-entropy is fused (ptdp/parallel/cross_entropy.py):
+  each pass over the bf16 logits one compiled kernel, no fp32 copy; BERT's masked-LM head
+  runs on the masked positions only (models/bert.py);
 * model weights, fp32 master weights and gradients live in one flat buffer each, so zeroing,
   unscaling, the master-to-model copy and the data-parallel all-reduce are one kernel each;
   AdamW is torch's fused implementation on CUDA.
@@ -56,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import sys
 from pathlib import Path
 
@@ -94,7 +104,7 @@ class PtdpRunner:
             f"model.seq_length={s['seq']}", f"model.vocab_size={s['vocab']}", "model.dropout=0.0",
             f"train.micro_batch_size={args.micro_batch}",
             f"train.global_batch_size={args.micro_batch * args.micro_batches}",
-            f"train.iters={args.warmup + args.steps + bool(args.profile)}",
+            f"train.iters={args.warmup + args.steps + bool(args.profile) + args.rounds}",
             f"train.precision={args.precision}",
             f"train.recompute={args.recompute}", f"train.compile={str(args.compile).lower()}",
             f"train.device={device.type}", "train.lr=1e-4", "log.progress=false",
@@ -136,9 +146,25 @@ def peak_memory_gb(device) -> float | None:
     return process_peak(device)
 
 
-def run_one(make, args, s: dict, device, vocab: int, peak: float | None) -> dict:
+def memory_held_gb(device) -> tuple[float, float]:
+    """(allocated, reserved) GiB the process holds now: the base a model's peaks are taken
+    over (on CPU both are the resident set)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()   # what a released model left cached is not held
+        return (torch.cuda.memory_allocated(device) / 2**30,
+                torch.cuda.memory_reserved(device) / 2**30)
+    from ptdp.runtime.process_memory import process_status_bytes
+    rss = (process_status_bytes("VmRSS") or 0) / 2**30
+    return rss, rss
+
+
+def run_one(make, args, s: dict, device, vocab: int, peak: float | None,
+            keep: bool = False) -> tuple[dict, object]:
+    """Build and time one model: its row, and its runner when `keep` (else the runner is
+    released, compiled graphs and all, before the next model is measured)."""
     from ptdp.planner.formulas import model_flops_per_iteration
     reset_peak_memory(device)
+    held, held_reserved = memory_held_gb(device)
     runner = make(args, s, device)
     timed = harness.time_steps(runner.step, args.steps, args.warmup, device)
     seconds, losses, step = timed.seconds, timed.results, timed.median
@@ -152,16 +178,55 @@ def run_one(make, args, s: dict, device, vocab: int, peak: float | None) -> dict
     row = {"model": runner.name, "micro_batch": args.micro_batch, "micro_batches": args.micro_batches,
            "step_ms": step * 1e3, "step_ms_all": [x * 1e3 for x in seconds],
            "tokens_per_s": batch * s["seq"] / step, "tflops": tflops3, "tflops_eq42": tflops4,
-           "mfu": tflops3 / peak if peak else None, "peak_memory_gb": peak_memory_gb(device),
-           "peak_reserved_gb": peak_reserved_gb(device),
+           "mfu": tflops3 / peak if peak else None,
+           "peak_memory_gb": peak_memory_gb(device) - held,
+           "peak_reserved_gb": peak_reserved_gb(device) - held_reserved,
            "loss_first": losses[0], "loss_last": losses[-1], "parameters": runner.parameters,
            "vocab": vocab}
+    if keep:
+        return row, runner
     del runner
-    torch.compiler.reset()  # drop compiled graphs before the next model is measured
+    forget_models(device)
+    return row, None
+
+
+def forget_models(device) -> None:
+    """Release what models no longer referenced leave behind (compiled graphs, reference
+    cycles, cached GPU blocks) before the next model is measured."""
+    torch.compiler.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return row
+
+
+def room_for_both(device, ours: dict) -> bool:
+    """Whether the reference can be measured beside ptdp's model (the two about the same
+    size): on a GPU, twice ptdp's peak reservation with 15 % to spare."""
+    if device.type != "cuda":
+        return True
+    total = torch.cuda.get_device_properties(device).total_memory / 2**30
+    return 2 * ours["peak_reserved_gb"] * 1.15 <= total
+
+
+def paired_rounds(ours, reference, args, device) -> dict:
+    """`args.rounds` steps of each model in alternation (tools/harness.py `alternating`, every
+    other round reversed), each step waited for: their medians and the speedup they give."""
+    def waited(runner):
+        def step(i):
+            loss = runner.step(i)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return loss
+        return step
+
+    first = args.warmup + args.steps + bool(args.profile)   # ptdp's next iteration
+    rounds = harness.alternating({"ptdp": waited(ours), "reference": waited(reference)},
+                                 args.rounds, swap=True, first=first)
+    ms = {side: [r[side].wall * 1e3 for r in rounds] for side in ("ptdp", "reference")}
+    median = {side: statistics.median(values) for side, values in ms.items()}
+    return {"rounds": args.rounds, "ptdp_ms": median["ptdp"], "reference_ms": median["reference"],
+            "ptdp_ms_all": ms["ptdp"], "reference_ms_all": ms["reference"],
+            "speedup": median["reference"] / median["ptdp"]}
 
 
 def profile_step(runner, iteration: int, device, path: Path) -> None:
@@ -192,9 +257,13 @@ def profile_step(runner, iteration: int, device, path: Path) -> None:
     print(head, f"-> {path}")
 
 
-def compare(rows: list[dict], arch: str, device) -> dict:
+def compare(rows: list[dict], arch: str, device, paired: dict | None = None) -> dict:
+    """The speedup (the paired rounds' where they ran, else the sequential medians'), the peak
+    memory ratio and, on CUDA, which targets are met."""
     ours, ref = rows
-    out = {"speedup": ours["tokens_per_s"] / ref["tokens_per_s"],
+    sequential = ours["tokens_per_s"] / ref["tokens_per_s"]
+    out = {"speedup": paired["speedup"] if paired else sequential,
+           "speedup_sequential": sequential, "paired": paired,
            "memory_ratio": (ours["peak_memory_gb"] / ref["peak_memory_gb"]
                             if ours["peak_memory_gb"] and ref["peak_memory_gb"] else None),
            "targets": TARGETS[arch], "met": None}
@@ -232,6 +301,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, help="b (default: GPT 8, BERT 16, tiny 2)")
     parser.add_argument("--micro-batches", type=int, help="m per step (default 4, tiny 2)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
+    parser.add_argument("--rounds", type=int,
+                        help="paired rounds, the two models alternating, where the device holds "
+                             "both (default: --steps; 0: none)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (default: 3 CUDA, 1 CPU)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile both models: ptdp per layer (train.compile), the "
@@ -272,8 +344,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.compile = cuda if args.compile is None else args.compile
     args.data_workers = (2 if cuda else 0) if args.data_workers is None else args.data_workers
     args.precision = args.precision or ("bf16" if cuda else "fp32")
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be >= 1 and --warmup >= 0")
+    args.rounds = args.steps if args.rounds is None else args.rounds
+    if args.steps < 1 or args.warmup < 0 or args.rounds < 0:
+        parser.error("--steps must be >= 1, --warmup and --rounds >= 0")
     return args
 
 
@@ -294,14 +367,22 @@ def main(argv=None) -> int:
               "compile": args.compile, "recompute": args.recompute, "steps": args.steps,
               "tf32": args.tf32, "data_workers": args.data_workers, "warmup": args.warmup,
               "peak_tflops": peak}
-    rows, measure = [], ((PtdpRunner, padded_vocab_size(s["vocab"], 1)), (PlainRunner, s["vocab"]))
+    paired = None
     with harness.world_of_one(device):
-        for runner, vocab in measure:   # the JSON after each: a later crash keeps what was measured
-            rows.append(run_one(runner, args, s, device, vocab, peak))
-            if args.json and len(rows) < len(measure):
-                harness.write_json(args.json, {**header, "rows": rows, "complete": False},
-                                   tool=__file__, argv=argv, device=device)
-    summary = compare(rows, args.arch, device)
+        ours, kept = run_one(PtdpRunner, args, s, device, padded_vocab_size(s["vocab"], 1), peak,
+                             keep=args.rounds > 0)
+        if kept is not None and not room_for_both(device, ours):
+            kept = None
+            forget_models(device)
+        if args.json:   # a later crash keeps what was measured
+            harness.write_json(args.json, {**header, "rows": [ours], "complete": False},
+                               tool=__file__, argv=argv, device=device)
+        reference, reference_runner = run_one(PlainRunner, args, s, device, s["vocab"], peak,
+                                              keep=kept is not None)
+        rows = [ours, reference]
+        if kept is not None:
+            paired = paired_rounds(kept, reference_runner, args, device)
+    summary = compare(rows, args.arch, device, paired)
     if args.json:
         harness.write_json(args.json, {**header, "rows": rows, **summary, "complete": True},
                            tool=__file__, argv=argv, device=device)
@@ -312,8 +393,15 @@ def main(argv=None) -> int:
           f"median of {args.steps} steps after {args.warmup} warm-up")
     print(table(rows))
     mem = summary["memory_ratio"]
-    print(f"ptdp / reference: {summary['speedup']:.3f}x tokens/s, "
-          f"{'n/a' if mem is None else f'{mem:.3f}x'} peak memory")
+    if paired:
+        print(f"paired: ptdp {paired['ptdp_ms']:.1f} ms, reference {paired['reference_ms']:.1f} ms "
+              f"(medians of {paired['rounds']} alternating rounds); sequential medians' ratio "
+              f"{summary['speedup_sequential']:.3f}x")
+    else:
+        print("paired: not run (" + ("--rounds 0" if args.rounds == 0 else
+                                     "the device cannot hold both models") + ")")
+    print(f"ptdp / reference: {summary['speedup']:.3f}x tokens/s"
+          f"{' (paired)' if paired else ''}, {'n/a' if mem is None else f'{mem:.3f}x'} peak memory")
     if device.type == "cuda":
         print(targets_line(args.arch, torch.cuda.get_device_name(device), summary["met"]))
     else:

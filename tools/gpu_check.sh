@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, one command on one GPU (about 6 minutes on one H200, compilation included:
-# its stages took 82 + 119 + 91 + 38 s on 2026-11-27; the budget leaves slack inside a
-# 10-minute command limit):
+# its stages took 82 + 119 + 91 + 38 s, and 102 + 111 + 105 + 33 s on a later run, on
+# 2026-11-27; the budget leaves slack inside a 10-minute command limit):
 #   0. pre-flight (fails fast): CUDA visible, free GPU memory, Triton's compiler, pytest;
 #   1. the GPU tier of the suite (PTDP_GPU_TESTS=1 pytest -m gpu, tests/gpu/), over 4
 #      processes when pytest-xdist is installed (most of its time is compiling, on the CPU);
