@@ -1,5 +1,7 @@
-"""Benchmark (not a test): BERT's heads on the masked positions (models/bert.py) against the
-same heads over every token (as Hugging Face's BertForPreTraining and Megatron's BERT run them).
+"""Benchmark (not a test): BERT's heads on the masked positions against every token.
+
+BERT's heads as ptdp runs them, on the masked positions (models/bert.py), against the same
+heads over every token (as Hugging Face's BertForPreTraining and Megatron's BERT run them).
 
 Times forward + backward of the masked-LM head (dense, GeLU, LayerNorm, tied logits, the
 vocabulary-parallel loss) and the sentence-order head on one rank (t = 1), from the last

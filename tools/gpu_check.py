@@ -40,6 +40,11 @@ LAYOUTS = {   # name -> (model, b, m, recompute); bf16, (p, t, d) = (1, 1, 1), c
     "gpt-1.3b b=8 m=4": (GPT_13B, 8, 4, "none"),             # bench_gpu's GPT configuration
     "gpt-1.3b b=8 m=4 recompute=full": (GPT_13B, 8, 4, "full"),
 }
+# The kernel stages' files, what the report calls each and the ratio it reads: the new path's
+# time over the one it replaces, which it must beat (tools/bench_cross_entropy.py,
+# tools/bench_bert_head.py).
+KERNELS = (("loss", "loss time, fused / eager", "fused_over_eager"),
+           ("bert_head", "BERT heads' time, masked rows / every token", "masked_over_every_token"))
 TARGETS = {"gpt_speedup": 1.10, "gpt_mfu": 0.58, "bert_speedup": 1.25, "bert_mfu": 0.40,
            "memory_ratio": 1.10,
            "plan_step_error": 0.10, "plan_memory_under": 0.03}
@@ -179,6 +184,11 @@ def evaluate(directory: Path) -> dict:
         checks.append({"what": f"{arch} peak memory vs reference", "value": result["memory_ratio"],
                        "target": f"<= {TARGETS['memory_ratio']:.2f}x",
                        "met": _check(result["memory_ratio"], TARGETS["memory_ratio"], False)})
+    for name, what, key in KERNELS:
+        result = _load(directory / f"{name}.json")
+        if result:
+            checks.append({"what": what, "value": result[key], "target": "< 1.00x",
+                           "met": result[key] < 1.0})
     for row in _load(directory / "plan.json") or []:
         report["plan"].append(row)
         if "measured_step_s" not in row:

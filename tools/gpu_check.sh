@@ -9,6 +9,9 @@
 #      profiled step per model (OUT/profile_<arch>_<model>.txt: where each step's time goes);
 #   3. ptdp plan's predicted step time and memory against measured ones for two layouts
 #      (tools/gpu_check.py plan --measure);
+#   4. the loss, fused against eager (tools/bench_cross_entropy.py), and BERT's heads on the
+#      masked positions against every token (tools/bench_bert_head.py), at the two models'
+#      shapes;
 # then one JSON and one Markdown table (tools/gpu_check.py report): OUT/gpu_check.json and
 # OUT/gpu_check.md, each target with its measured value and whether it is met.
 #
@@ -25,10 +28,12 @@
 #       --platform manylinux2014_x86_64 --platform any -d .whl pytest pytest-timeout pluggy iniconfig packaging
 # and installed from there (no network) into a private folder before the stages run.
 # Environment: PYTHON [python3]; OUT [bench/gpu_check/<date-time>]; WHEELS [.whl]; BUDGET_S,
-# the whole run's limit [450]; STAGES, the stages to run [gpu_tier,bench_gpt,bench_bert,plan]
-# (to rerun what a cut-short run missed); each stage stops at its share (TIER_S 120, GPT_S 140,
-# BERT_S 140, PLAN_S 50: what each took on one H200, 2026-11-27, 82, 119, 91 and 38 s, with
-# room for an H100's slower memory where the step is longest) or at what the
+# the whole run's limit [450]; STAGES, the stages to run
+# [gpu_tier,bench_gpt,bench_bert,plan,loss,bert_head] (to rerun what a cut-short run missed);
+# each stage stops at its share (TIER_S 120, GPT_S 140, BERT_S 140, PLAN_S 50: what each took
+# on one H200, 2026-11-27, 82, 119, 91 and 38 s, with room for an H100's slower memory where
+# the step is longest, and for bench_gpu's paired rounds, about 15 s more for GPT; LOSS_S 25,
+# HEAD_S 25: about 12 s each there) or at what the
 # budget has left, whichever is less, with SIGINT first (pytest then still writes its junit
 # file, bench_gpu.py has written each model's row as it went), and the report says which
 # stopped.
@@ -48,7 +53,7 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 BUDGET_S="${BUDGET_S:-450}"
-ALL_STAGES="gpu_tier,bench_gpt,bench_bert,plan"
+ALL_STAGES="gpu_tier,bench_gpt,bench_bert,plan,loss,bert_head"
 STAGES="${STAGES:-$ALL_STAGES}"
 for name in ${STAGES//,/ }; do   # a misspelt stage would silently run nothing
     if [[ ",$ALL_STAGES," != *",$name,"* ]]; then
@@ -144,6 +149,10 @@ if [[ "$DRY_RUN" -eq 1 && ",$STAGES," == *",plan,"* ]]; then   # the planner's h
 else
     stage plan "${PLAN_S:-50}" "$PYTHON" tools/gpu_check.py plan --out "$OUT" --measure
 fi
+stage loss "${LOSS_S:-25}" "$PYTHON" tools/bench_cross_entropy.py --device cuda \
+    --json "$OUT/loss.json"
+stage bert_head "${HEAD_S:-25}" "$PYTHON" tools/bench_bert_head.py --device cuda \
+    --json "$OUT/bert_head.json"
 
 "$PYTHON" - "$STAGES_FILE" "$OUT/stages.json" "$DEVICE" "$START" <<'EOF'
 import json, sys, time
