@@ -268,6 +268,20 @@ def test_fused_cross_entropy_equals_torch_in_fp64():
     assert all(_cross_entropy(TensorParallel(), fused=True).values())
 
 
+def test_the_fused_loss_silences_only_inductors_online_softmax_warning():
+    """Inductor warns, in every BERT job's log, that online softmax is off when it splits a
+    pass's reduction over few long rows (one H200 run); the passes take the max as an input,
+    so that one warning is filtered, and no other."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ce._quiet_inductor():
+            warnings.warn("\nOnline softmax is disabled on the fly since Inductor decides to\n"
+                          "split the reduction.", UserWarning)
+            warnings.warn("another warning", UserWarning)
+    assert [str(w.message) for w in caught] == ["another warning"]
+
+
 def test_fused_cross_entropy_passes_on_two_vocabulary_halves():
     """The fused loss's compiled passes on each rank's half of a padded vocabulary (the second
     half all padding), their sums added as the all-reduce adds them: F.cross_entropy's loss
