@@ -3,6 +3,7 @@ shape it runs ptdp's Trainer and the plain-PyTorch reference end to end, prints 
 writes every field of its JSON; the two models have the same shape (the plain references:
 the same parameter count) and both start at the loss of a uniform guess."""
 
+import gzip
 import json
 import math
 import subprocess
@@ -32,6 +33,8 @@ def test_bench_gpu_tiny_on_cpu(tmp_path, arch, extra, program):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, *program, "--device", "cpu", "--tiny",
            "--arch", arch, "--steps", "2", "--warmup", "1", "--json", str(out), *extra]
+    if not extra:   # one profiled step of each model: its tables and its timeline
+        cmd += ["--profile", str(tmp_path / "profile")]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=within(240), cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
     for heading in ("step ms", "tokens/s", "TFLOP/s eq4.2", "MFU", "peak GiB"):
@@ -68,6 +71,11 @@ def test_bench_gpu_tiny_on_cpu(tmp_path, arch, extra, program):
         assert len(paired["ptdp_ms_all"]) == len(paired["reference_ms_all"]) == 2
         assert result["speedup"] == pytest.approx(paired["reference_ms"] / paired["ptdp_ms"])
         assert "(medians of 2 alternating rounds)" in run.stdout
+        for model in ("ptdp", "reference"):   # the paired rounds came after the profiled step
+            table = (tmp_path / "profile" / f"profile_{arch}_{model}.txt").read_text()
+            assert "one step" in table and "Self CPU" in table
+            trace = tmp_path / "profile" / f"profile_{arch}_{model}.trace.json.gz"
+            assert json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     assert result["targets"]["speedup"] > 1 and result["met"] is None  # targets are for GPUs
 
 

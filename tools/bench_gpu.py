@@ -231,8 +231,10 @@ def paired_rounds(ours, reference, args, device) -> dict:
 
 def profile_step(runner, iteration: int, device, path: Path) -> None:
     """One step under torch.profiler: where a step's time goes, to compare the two models
-    operator by operator. `busy` is the device's summed kernel time over the step's wall time
-    (on a GPU, the rest is the device waiting for the host)."""
+    operator by operator (by device time on a GPU, then by the host's time) and on a timeline
+    (`path` with .trace.json.gz: chrome://tracing, Perfetto). `busy` is the device's summed
+    kernel time over the step's wall time (on a GPU, the rest is the device waiting for the
+    host)."""
     from time import perf_counter
 
     from torch.profiler import ProfilerActivity, profile
@@ -251,10 +253,14 @@ def profile_step(runner, iteration: int, device, path: Path) -> None:
         kernels = sum(e.self_device_time_total for e in averages
                       if e.device_type == DeviceType.CUDA) / 1e6   # the kernels' own rows
         head += f"; kernels {kernels * 1e3:.1f} ms, busy {kernels / wall:.1%}"
-    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=40)]
+    if cuda:   # and by the host's time, which decides a step the device waits on
+        tables.insert(0, averages.table(sort_by="self_device_time_total", row_limit=40))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(head + "\n" + averages.table(sort_by=sort, row_limit=40) + "\n")
-    print(head, f"-> {path}")
+    path.write_text(head + "\n" + "\n\nBy self CPU time:\n".join(tables) + "\n")
+    trace = path.with_suffix(".trace.json.gz")   # the timeline: where the device waited
+    prof.export_chrome_trace(str(trace))
+    print(head, f"-> {path}, {trace}")
 
 
 def compare(rows: list[dict], arch: str, device, paired: dict | None = None) -> dict:
@@ -328,7 +334,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--profile", metavar="DIR",
                         help="after timing, profile one more step of each model (torch.profiler) "
                              "and write DIR/profile_<arch>_<model>.txt: the operators by self "
-                             "device time (CPU time on CPU) and how busy the device was")
+                             "device time, then by self CPU time, and how busy the device was; "
+                             "and the step's timeline beside it (.trace.json.gz)")
     args = parser.parse_args(argv)
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():

@@ -6,7 +6,8 @@
 #   1. the GPU tier of the suite (PTDP_GPU_TESTS=1 pytest -m gpu, tests/gpu/), over 4
 #      processes when pytest-xdist is installed (most of its time is compiling, on the CPU);
 #   2. tools/bench_gpu.py for GPT-1.3B and BERT-large against their references, each with one
-#      profiled step per model (OUT/profile_<arch>_<model>.txt: where each step's time goes);
+#      profiled step per model (OUT/profile_<arch>_<model>.txt: where each step's time goes,
+#      by device and by host time; .trace.json.gz beside it, the step's timeline);
 #   3. ptdp plan's predicted step time and memory against measured ones for two layouts
 #      (tools/gpu_check.py plan --measure);
 #   4. the loss, fused against eager (tools/bench_cross_entropy.py), and BERT's heads on the
