@@ -54,7 +54,8 @@ class BertHeads(nn.Module):
         # The masked-LM loss reads only the masked positions (about one token in seven): the
         # head's dense layer, norm, logits and loss run on those rows alone, not on all s * b.
         mask = batch["loss_mask"].t().reshape(-1)
-        rows = batch.get("loss_rows")   # listed on the host (ptdp/data/batching.py), or here
+        # listed on the host (ptdp/data/batching.py; rounded up with rows of weight 0), or here
+        rows = batch.get("loss_rows")
         rows = mask.nonzero().squeeze(1) if rows is None else rows
         picked = hidden.flatten(0, 1).index_select(0, rows).unsqueeze(1)   # [n, 1, h]
         lm = self.lm_ln(F.gelu(self.lm_dense(picked)))

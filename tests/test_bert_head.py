@@ -7,6 +7,7 @@ by the data pipeline (ptdp/data/batching.py `loss_rows`), so a GPU never has to 
 there are; a batch without them (a test's, a tool's) finds them on the device.
 """
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -52,11 +53,17 @@ def _loss_and_grads(chunk, batch, head):
                            if p.grad is not None}
 
 
-def test_the_head_on_the_masked_rows_equals_the_head_on_every_token():
+@pytest.mark.parametrize("listed", [False, True])
+def test_the_head_on_the_masked_rows_equals_the_head_on_every_token(listed):
+    """`listed`: the rows as the data pipeline lists them, padded with a position whose loss
+    does not count; else found on the device."""
     cfg, chunk = _chunk()
     batch = torch.utils.data.default_collate(
         [synthetic_datasets(cfg, 3)["train"][i] for i in range(B)])
     assert 0 < batch["loss_mask"].sum() < B * S / 4   # most rows are skipped
+    if listed:
+        batch["loss_rows"] = loss_rows(batch["loss_mask"])
+        assert len(batch["loss_rows"]) > batch["loss_mask"].sum()   # padded
     sparse, sparse_grads = _loss_and_grads(
         chunk, batch, lambda h: chunk.heads(h, chunk.output_table(), batch)[0])
     dense, dense_grads = _loss_and_grads(
@@ -81,12 +88,25 @@ def test_the_data_pipeline_lists_the_rows_on_the_host():
     batch = micro.build(0, 0)
     rows = batch["loss_rows"]
     assert rows.dtype == torch.int64 and rows.device.type == "cpu"
-    assert torch.equal(rows, batch["loss_mask"].t().reshape(-1).nonzero().squeeze(1))
+    flat = batch["loss_mask"].t().reshape(-1)
+    masked = flat.nonzero().squeeze(1)
+    assert torch.equal(rows[:len(masked)], masked)
+    # rounded up to a multiple of 64 with positions whose loss does not count
+    assert len(rows) == 64 and flat[rows[len(masked):]].eq(0).all()
     assert torch.equal(loss_rows(batch["loss_mask"]), rows)
     gpt = MicroBatches(synthetic_datasets(ModelConfig(seq_length=S, vocab_size=V), 3)["train"],
                        global_batch=B, micro_batch_size=B, data_rank=0, data_size=1,
                        device=torch.device("cpu"))
     assert "loss_rows" not in gpt.build(0, 0)   # a decoder's loss reads every token
+
+
+def test_the_rows_are_rounded_up_only_while_unmasked_positions_remain():
+    """Every token masked: nothing to pad with, and s * b rows is one shape anyway."""
+    assert torch.equal(loss_rows(torch.ones(2, 5)), torch.arange(10))
+    assert len(loss_rows(torch.zeros(2, 5))) == 0
+    mask = torch.zeros(3, 50)
+    mask[0, :3] = 1
+    assert loss_rows(mask).tolist() == [0, 3, 6] + [1] * 61   # [s * b] is sequence-major
 
 
 def test_a_blend_of_masked_lm_datasets_is_one():

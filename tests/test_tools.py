@@ -163,6 +163,7 @@ def test_bench_bert_head_times_both_heads_on_the_same_loss(tmp_path, capsys):
                                  "--rounds", "1", "--warmup", "1", "--json", str(out)]) == 0
     data = _written(out, "bench_bert_head")
     assert 0 < data["masked_rows"] < 16 * 2 and data["peak_gb"] is None
+    assert data["head_rows"] == 16 * 2   # rounded up to 64, at most every token
     assert all(ms > 0 for ms in data["ms"].values())
     assert data["loss"]["masked rows"] == pytest.approx(data["loss"]["every token"], rel=1e-6)
     assert "masked rows / every token:" in capsys.readouterr().out

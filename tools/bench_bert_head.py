@@ -118,11 +118,13 @@ def main(argv=None) -> int:
     result = {"shape": {"seq": args.seq, "batch": args.batch, "hidden": args.hidden,
                         "vocab": args.vocab, "masked": args.masked},
               "dtype": args.dtype, "rounds": args.rounds,
-              "masked_rows": int(batch["loss_rows"].numel()),
+              "masked_rows": int(batch["loss_mask"].sum()),
+              "head_rows": int(batch["loss_rows"].numel()),   # rounded up (loss_rows)
               "ms": {name: median[name] * 1e3 for name in paths},
               "masked_over_every_token": ratio, "peak_gb": peaks or None, "loss": losses}
     print(f"BERT heads forward + backward, s {args.seq}, b {args.batch}, h {args.hidden}, "
-          f"V {args.vocab}, {result['masked_rows']} masked tokens, {args.dtype}, {device}: "
+          f"V {args.vocab}, {result['masked_rows']} masked tokens ({result['head_rows']} rows "
+          f"with the rounding), {args.dtype}, {device}: "
           f"median of {args.rounds} alternating rounds")
     rows = [(name, f"{median[name] * 1e3:.2f}",
              f"{peaks[name]:.3f}" if name in peaks else "n/a", f"{losses[name]:.6f}")
