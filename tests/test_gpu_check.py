@@ -3,6 +3,7 @@ and the report's verdicts on made-up results of a GPU run."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,19 @@ def test_dry_run_predicts_and_reports(tmp_path):
     assert [row["layout"] for row in report["plan"]] == list(gpu_check.LAYOUTS)
     assert all(row["predicted_step_s"] > 0 and row["fits"] for row in report["plan"])
     assert "| gpt-1.3b b=8 m=4 |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_a_dry_run_without_out_writes_outside_the_checkout():
+    """Its files go to a temporary folder: a dry run leaves nothing untracked in the checkout
+    (bench/gpu_check/ holds the recorded runs)."""
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    run = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), "--dry-run"],
+                         capture_output=True, text=True, timeout=within(120), cwd=ROOT,
+                         env={**env, "PYTHON": sys.executable, "STAGES": "gpu_tier"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    written = ROOT / run.stderr.strip().splitlines()[-1].split()[1]   # ".../gpu_check.json"
+    assert written.is_file() and ROOT not in written.parents, written
+    shutil.rmtree(written.parent)
 
 
 def test_report_judges_each_target(tmp_path):

@@ -19,7 +19,8 @@
 #   tools/gpu_check.sh [--dry-run] [--out DIR]
 #
 # --dry-run: print each stage's command and run only what needs no GPU (the planner's
-# predictions and the report), e.g. on a CPU machine to check the script itself.
+# predictions and the report), e.g. on a CPU machine to check the script itself; its files go
+# to a fresh temporary folder unless OUT or --out names one (not into the checkout).
 # Offline machines: what the GPU machine lacks is fetched beforehand on a machine with
 # network, into the ignored folder .whl/ of the repository (the lent H100/H200 image, Python
 # 3.12 with torch 2.11 and transformers, has pytest, pytest-timeout and pytest-xdist: nothing
@@ -28,7 +29,8 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux2014_x86_64 --platform any -d .whl pytest pytest-timeout pluggy iniconfig packaging
 # and installed from there (no network) into a private folder before the stages run.
-# Environment: PYTHON [python3]; OUT [bench/gpu_check/<date-time>]; WHEELS [.whl]; BUDGET_S,
+# Environment: PYTHON [python3]; OUT [bench/gpu_check/<date-time>; a dry run: a temporary
+# folder]; WHEELS [.whl]; BUDGET_S,
 # the whole run's limit [450]; STAGES, the stages to run
 # [gpu_tier,bench_gpt,bench_bert,plan,loss,bert_head] (to rerun what a cut-short run missed);
 # each stage stops at its share (TIER_S 120, GPT_S 140, BERT_S 140, PLAN_S 50: what each took
@@ -43,7 +45,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
-OUT="${OUT:-bench/gpu_check/$(date +%Y%m%d-%H%M%S)}"
+OUT="${OUT:-}"
 DRY_RUN=0
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -53,6 +55,10 @@ while [[ $# -gt 0 ]]; do
         *) echo "gpu_check.sh: unknown argument '$1' (--dry-run, --out DIR)" >&2; exit 2 ;;
     esac
 done
+if [[ -z "$OUT" ]]; then
+    if [[ "$DRY_RUN" -eq 1 ]]; then OUT="$(mktemp -d -t gpu_check-dry-run.XXXXXX)"
+    else OUT="bench/gpu_check/$(date +%Y%m%d-%H%M%S)"; fi
+fi
 BUDGET_S="${BUDGET_S:-450}"
 ALL_STAGES="gpu_tier,bench_gpt,bench_bert,plan,loss,bert_head"
 STAGES="${STAGES:-$ALL_STAGES}"
