@@ -70,7 +70,10 @@ def test_bench_gpu_tiny_on_cpu(tmp_path, arch, extra, program):
         assert paired["rounds"] == 2
         assert len(paired["ptdp_ms_all"]) == len(paired["reference_ms_all"]) == 2
         assert result["speedup"] == pytest.approx(paired["reference_ms"] / paired["ptdp_ms"])
-        assert "(medians of 2 alternating rounds)" in run.stdout
+        assert "(medians of 2 alternating rounds; single rounds " in run.stdout
+        spread = paired["round_speedups"]
+        assert len(spread) == 2 and spread[0] <= result["speedup"] * (1 + 1e-9) and \
+            spread == sorted(spread)
         for model in ("ptdp", "reference"):   # the paired rounds came after the profiled step
             table = (tmp_path / "profile" / f"profile_{arch}_{model}.txt").read_text()
             assert "one step" in table and "Self CPU" in table

@@ -224,9 +224,11 @@ def paired_rounds(ours, reference, args, device) -> dict:
                                  args.rounds, swap=True, first=first)
     ms = {side: [r[side].wall * 1e3 for r in rounds] for side in ("ptdp", "reference")}
     median = {side: statistics.median(values) for side, values in ms.items()}
+    ratios = sorted(ref / ours for ours, ref in zip(ms["ptdp"], ms["reference"]))
     return {"rounds": args.rounds, "ptdp_ms": median["ptdp"], "reference_ms": median["reference"],
             "ptdp_ms_all": ms["ptdp"], "reference_ms_all": ms["reference"],
-            "speedup": median["reference"] / median["ptdp"]}
+            "speedup": median["reference"] / median["ptdp"],
+            "round_speedups": ratios}   # each round's, sorted: how far one round can stray
 
 
 def profile_step(runner, iteration: int, device, path: Path) -> None:
@@ -401,8 +403,10 @@ def main(argv=None) -> int:
     print(table(rows))
     mem = summary["memory_ratio"]
     if paired:
+        spread = paired["round_speedups"]
         print(f"paired: ptdp {paired['ptdp_ms']:.1f} ms, reference {paired['reference_ms']:.1f} ms "
-              f"(medians of {paired['rounds']} alternating rounds); sequential medians' ratio "
+              f"(medians of {paired['rounds']} alternating rounds; single rounds "
+              f"{spread[0]:.3f}-{spread[-1]:.3f}x); sequential medians' ratio "
               f"{summary['speedup_sequential']:.3f}x")
     else:
         print("paired: not run (" + ("--rounds 0" if args.rounds == 0 else
