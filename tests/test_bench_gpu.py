@@ -110,3 +110,17 @@ def test_the_targets_line_names_the_gpu_that_measured():
         "targets (one H100 80GB): >= 1.10x tokens/s")
     assert targets_line("gpt", "NVIDIA H200", {"mfu": False}).startswith(
         "targets (stated for one H100 80GB, measured on one NVIDIA H200): >= 1.10x")
+
+
+def test_the_models_are_paired_only_where_the_gpu_holds_both(monkeypatch):
+    """Twice ptdp's peak reservation with 15 % to spare: an H200 (140 GiB) holds GPT-1.3B's
+    pair (ptdp reserved 51.7 GiB there) and an H100 (80 GiB) only BERT-large's (13 GiB)."""
+    import types
+    import torch
+    from tools.bench_gpu import room_for_both
+    cuda = torch.device("cuda", 0)
+    for total_gib, reserved, fits in ((140, 51.7, True), (80, 51.7, False), (80, 13.0, True)):
+        properties = types.SimpleNamespace(total_memory=total_gib * 2**30)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+        assert room_for_both(cuda, {"peak_reserved_gb": reserved}) is fits
+    assert room_for_both(torch.device("cpu"), {"peak_reserved_gb": 1e9})
