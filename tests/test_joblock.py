@@ -21,7 +21,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-
 from ptdp.metrics.log import read_metrics
 from ptdp.runtime.joblock import wait_until_free
 from ptdp.runtime.local_ranks import free_port, run_on_ranks

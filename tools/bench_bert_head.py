@@ -30,18 +30,15 @@ if __package__:      # python -m tools.bench_bert_head
 else:                # python tools/bench_bert_head.py (tools/harness.py says why)
     import harness
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    harness.add_pass_arguments(parser)
+    harness.add_pass_arguments(parser, dtype_help="default: CUDA bf16, CPU fp32")
     parser.add_argument("--seq", type=int, help="s (default: CUDA 512, CPU 128)")
     parser.add_argument("--batch", type=int, help="b (default: CUDA 16, CPU 4)")
     parser.add_argument("--hidden", type=int, help="h (default: CUDA 1,024, CPU 256)")
     parser.add_argument("--vocab", type=int, help="V (default: CUDA 30,522, CPU 7,680)")
     parser.add_argument("--masked", type=float, default=0.15, help="share of masked tokens")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), help="default: CUDA bf16, CPU fp32")
     args = parser.parse_args(argv)
     harness.check_pass_arguments(parser, args, ("seq", "batch", "hidden", "vocab"))
     if not 0 < args.masked <= 1:
@@ -70,7 +67,7 @@ def _heads(args, device):
                       dropout=0.0)
     padded = padded_vocab_size(args.vocab, 1)
     ctx = ModelContext(cfg, TensorParallel(), 7, TensorParallelRNG(7, 0, device), padded)
-    dtype = DTYPES[args.dtype]
+    dtype = harness.pass_dtype(args.dtype)
     heads = BertHeads(ctx).to(device, dtype)
     g = torch.Generator().manual_seed(0)
     table = (torch.randn(padded, args.hidden, generator=g) * 0.02).to(device, dtype)
@@ -104,7 +101,7 @@ def main(argv=None) -> int:
     heads, table, batch = _heads(args, device)
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(args.seq, args.batch, args.hidden, generator=g).to(
-        device, DTYPES[args.dtype]).requires_grad_()
+        device, harness.pass_dtype(args.dtype)).requires_grad_()
     paths = {"masked rows": lambda: heads(hidden, table, batch)[0],
              "every token": lambda: _every_token(heads, hidden, table, batch)}
 

@@ -24,20 +24,18 @@ if __package__:      # python -m tools.bench_cross_entropy
 else:                # python tools/bench_cross_entropy.py (tools/harness.py says why)
     import harness
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    harness.add_pass_arguments(parser)
+    harness.add_pass_arguments(parser, dtype_help="default bf16")
     parser.add_argument("--seq", type=int, help="s (default: CUDA 2048, CPU 256)")
     parser.add_argument("--batch", type=int, help="b (default: CUDA 8, CPU 4)")
     parser.add_argument("--vocab", type=int, default=51200, help="V, padded (default 51,200)")
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     args = parser.parse_args(argv)
     harness.check_pass_arguments(parser, args, ("seq", "batch", "vocab"))
     cuda = args.device == "cuda"
     args.seq = args.seq or (2048 if cuda else 256)
+    args.dtype = args.dtype or "bf16"
     args.batch = args.batch or (8 if cuda else 4)
     return args
 
@@ -49,7 +47,7 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     g = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(args.seq, args.batch, args.vocab, device=device, generator=g,
-                         dtype=DTYPES[args.dtype]).requires_grad_()
+                         dtype=harness.pass_dtype(args.dtype)).requires_grad_()
     target = torch.randint(0, args.vocab, (args.seq, args.batch), device=device, generator=g)
 
     def loss(fused: bool):

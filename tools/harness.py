@@ -106,12 +106,22 @@ def alternating(sides: dict, rounds: int, warmup: int = 0, swap: bool = False,
     return timed
 
 
-def add_pass_arguments(parser) -> None:
-    """The options of a tool that times forward + backward passes (`loss_passes`)."""
+PASS_DTYPES = ("bf16", "fp32")   # a pass tool's --dtype (`pass_dtype` turns it into torch's)
+
+
+def add_pass_arguments(parser, dtype_help: str) -> None:
+    """The options of a tool that times forward + backward passes (`loss_passes`); --dtype's
+    default is the tool's to set (None here)."""
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--dtype", choices=PASS_DTYPES, help=dtype_help)
+
+
+def pass_dtype(name: str):
+    import torch
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
 def check_pass_arguments(parser, args, sizes: tuple[str, ...]) -> None:
