@@ -19,6 +19,7 @@ import tools.bench_bert_head as bench_bert_head
 import tools.bench_cross_entropy as bench_cross_entropy
 import tools.bench_data_loading as bench_data_loading
 import tools.bench_distributed_optimizer as bench_distributed_optimizer
+import tools.bench_mlp_chain as bench_mlp_chain
 import tools.bench_sequence_parallel as bench_sequence_parallel
 import tools.bench_startup as bench_startup
 import tools.bench_topology as bench_topology
@@ -170,6 +171,21 @@ def test_bench_bert_head_times_both_heads_on_the_same_loss(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         bench_bert_head.main(["--masked", "0"])
     assert stop.value.code == 2 and "--masked must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_bench_mlp_chain_adds_the_biases_three_ways_to_the_same_mlp(tmp_path, capsys):
+    out = tmp_path / "mlp.json"
+    assert bench_mlp_chain.main(["--seq", "8", "--batch", "2", "--hidden", "16", "--rounds", "1",
+                                 "--warmup", "1", "--no-compile", "--json", str(out)]) == 0
+    data = _written(out, "bench_mlp_chain")
+    assert set(data["ms"]) == {"layer", "rows", "addmm"} and data["over_layer"]["layer"] == 1.0
+    losses = data["loss"]
+    assert losses["rows"] == pytest.approx(losses["layer"], rel=1e-5, abs=1e-7)
+    assert losses["addmm"] == pytest.approx(losses["layer"], rel=1e-5, abs=1e-7)
+    assert "/ layer" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        bench_mlp_chain.main(["--kernels"])
+    assert stop.value.code == 2 and "--kernels needs --device cuda" in capsys.readouterr().err
 
 
 def test_bench_sequence_parallel_shards_by_t(tmp_path):
