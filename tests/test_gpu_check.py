@@ -25,6 +25,22 @@ def test_dry_run_predicts_and_reports(tmp_path):
     assert [row["layout"] for row in report["plan"]] == list(gpu_check.LAYOUTS)
     assert all(row["predicted_step_s"] > 0 and row["fits"] for row in report["plan"])
     assert "| gpt-1.3b b=8 m=4 |" in (tmp_path / "gpu_check.md").read_text()
+    assert "[dry run] offline install: none (" in run.stdout   # the default .whl/ is empty here
+
+
+def test_a_dry_run_shows_the_offline_install_of_the_fetched_wheels(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for name in ("pytest-8.0.0-py3-none-any.whl", "pluggy-1.5.0-py3-none-any.whl"):
+        (wheels / name).write_bytes(b"")
+    run = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), "--dry-run", "--out",
+                          str(tmp_path / "out")], capture_output=True, text=True,
+                         timeout=within(120),
+                         env={**os.environ, "PYTHON": sys.executable, "WHEELS": str(wheels),
+                              "STAGES": "loss"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    line = next(line for line in run.stdout.splitlines() if "offline install" in line)
+    assert "--no-index" in line and f"{wheels}/*.whl (2 wheels)" in line
 
 
 def test_a_dry_run_without_out_writes_outside_the_checkout():

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check, one command on one GPU (about 6 minutes on one H200, compilation included:
+# The GPU check, one command on one GPU (about 7 minutes on one H200, compilation included:
 # its stages took 82 + 119 + 91 + 38 s, and 102 + 111 + 105 + 33 s on a later run, on
-# 2026-11-27; the budget leaves slack inside a 10-minute command limit):
+# 2026-11-27; with paired rounds and the kernel stages 96 + 132 + 105 + 34 + 22 + 10 s, 412 s
+# in all; the budget leaves slack inside a 10-minute command limit):
 #   0. pre-flight (fails fast): CUDA visible, free GPU memory, Triton's compiler, pytest;
 #   1. the GPU tier of the suite (PTDP_GPU_TESTS=1 pytest -m gpu, tests/gpu/), over 4
 #      processes when pytest-xdist is installed (most of its time is compiling, on the CPU);
@@ -33,9 +34,9 @@
 # folder]; WHEELS [.whl]; BUDGET_S,
 # the whole run's limit [450]; STAGES, the stages to run
 # [gpu_tier,bench_gpt,bench_bert,plan,loss,bert_head] (to rerun what a cut-short run missed);
-# each stage stops at its share (TIER_S 120, GPT_S 140, BERT_S 140, PLAN_S 50: what each took
+# each stage stops at its share (TIER_S 120, GPT_S 160, BERT_S 140, PLAN_S 50: what each took
 # on one H200, 2026-11-27, 82, 119, 91 and 38 s, with room for an H100's slower memory where
-# the step is longest, and for bench_gpu's paired rounds, about 15 s more for GPT; LOSS_S 25,
+# the step is longest, and for bench_gpu's paired rounds: GPT took 132 s with them; LOSS_S 25,
 # HEAD_S 25: about 12 s each there) or at what the
 # budget has left, whichever is less, with SIGINT first (pytest then still writes its junit
 # file, bench_gpu.py has written each model's row as it went), and the report says which
@@ -75,10 +76,11 @@ STAGES_FILE="$OUT/stages.tsv"
 : > "$STAGES_FILE"
 
 WHEELS="${WHEELS:-$ROOT/.whl}"
+INSTALL=("$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir
+         --target "$OUT/site")
 if [[ "$DRY_RUN" -eq 0 ]]; then
     if compgen -G "$WHEELS/*.whl" > /dev/null; then   # offline: the wheels fetched beforehand
-        "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-            --target "$OUT/site" "$WHEELS"/*.whl || { echo "gpu_check.sh: installing $WHEELS failed" >&2; exit 2; }
+        "${INSTALL[@]}" "$WHEELS"/*.whl || { echo "gpu_check.sh: installing $WHEELS failed" >&2; exit 2; }
         export PYTHONPATH="$OUT/site${PYTHONPATH:+:$PYTHONPATH}"
     fi
     # Pre-flight: each missing piece is one line, before any stage spends the budget.
@@ -110,6 +112,11 @@ PREFLIGHT
     DEVICE="$("$PYTHON" -c "import torch; print(torch.cuda.get_device_name(0))")"
 else
     DEVICE="dry run (no GPU used)"
+    if compgen -G "$WHEELS/*.whl" > /dev/null; then   # the offline step as a real run takes it
+        echo "[dry run] offline install: ${INSTALL[*]} $WHEELS/*.whl ($(compgen -G "$WHEELS/*.whl" | wc -l) wheels)"
+    else
+        echo "[dry run] offline install: none ($WHEELS holds no wheels: the machine's own packages; the fetch command: --help)"
+    fi
 fi
 
 # stage NAME SECONDS COMMAND...: run it under `timeout`, for at most what the budget has left
@@ -146,7 +153,7 @@ TIER_ARGS=(--deselect tests/gpu/test_gpu_tier.py::test_bench_gpu_tiny_on_cuda)
 if "$PYTHON" -c "import xdist" 2> /dev/null; then TIER_ARGS+=(-n 4); fi
 stage gpu_tier "${TIER_S:-120}" env PTDP_GPU_TESTS=1 "$PYTHON" -m pytest -m gpu tests/gpu -q \
     -p no:cacheprovider --junitxml "$OUT/gpu_tier.xml" "${TIER_ARGS[@]}"
-stage bench_gpt "${GPT_S:-140}" "$PYTHON" tools/bench_gpu.py --device cuda --arch gpt \
+stage bench_gpt "${GPT_S:-160}" "$PYTHON" tools/bench_gpu.py --device cuda --arch gpt \
     --steps 6 --warmup 3 --json "$OUT/bench_gpt.json" --profile "$OUT"
 stage bench_bert "${BERT_S:-140}" "$PYTHON" tools/bench_gpu.py --device cuda --arch bert \
     --steps 6 --warmup 3 --json "$OUT/bench_bert.json" --profile "$OUT"
