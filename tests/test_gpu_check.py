@@ -66,7 +66,8 @@ def test_report_judges_each_target(tmp_path):
                                           ("bert", 1.1, 1.2, None)):
         (tmp_path / f"bench_{arch}.json").write_text(json.dumps(
             {"rows": [row, {"model": "reference (x)"}], "speedup": speedup,
-             "memory_ratio": memory, "paired": paired}))
+             "memory_ratio": memory, "paired": paired,
+             "speedup_sequential": 0.9 if paired else None}))
     (tmp_path / "plan.json").write_text(json.dumps([
         {"layout": "L1", "predicted_step_s": 1.05, "predicted_memory_gb": 48.0,
          "measured_step_s": 1.0, "measured_memory_gb": 50.0},
@@ -76,7 +77,7 @@ def test_report_judges_each_target(tmp_path):
     (tmp_path / "bert_head.json").write_text(json.dumps({"masked_over_every_token": 1.3}))
     report = gpu_check.evaluate(tmp_path)
     met = {check["what"]: check["met"] for check in report["checks"]}
-    assert met == {"gpt tokens/s vs reference (x), paired rounds": True,
+    assert met == {"gpt tokens/s vs reference (x), paired rounds (sequential 0.900x)": True,
                    "gpt MFU (3 passes)": True, "gpt peak memory vs reference": True,
                    "bert tokens/s vs reference (x)": False, "bert MFU (3 passes)": True,
                    "bert peak memory vs reference": False,

@@ -173,7 +173,10 @@ def evaluate(directory: Path) -> dict:
                            "note": "the stage stopped before both models were measured"})
             continue
         ours, ref = result["rows"]
-        paired = ", paired rounds" if result.get("paired") else ""   # bench_gpu.py --rounds
+        paired = ""   # bench_gpu.py --rounds; the sequential ratio beside it shows the spread
+        if result.get("paired"):
+            sequential = result.get("speedup_sequential")
+            paired = ", paired rounds" + (f" (sequential {sequential:.3f}x)" if sequential else "")
         checks.append({"what": f"{arch} tokens/s vs {ref['model']}{paired}",
                        "value": result["speedup"],
                        "target": f">= {TARGETS[f'{arch}_speedup']:.2f}x",
