@@ -239,9 +239,21 @@ class TransformerLayer(nn.Module):
         ParallelAttention takes them."""
         x = hidden_dropout_add(*self.attention(x, mask, positions, norm=self.ln1), x,
                                self.dropout, self.training, self.tp)
-        mlp = (self.mlp(x, norm=self.ln2) if isinstance(self.mlp, ParallelMLP)
-               else after_norm(self.ctx, self.ln2, self.mlp, x))
-        return hidden_dropout_add(*mlp, x, self.dropout, self.training, self.tp)
+        if not isinstance(self.mlp, ParallelMLP):   # a mixture of experts routes [s, b, h]
+            return hidden_dropout_add(*after_norm(self.ctx, self.ln2, self.mlp, x), x,
+                                      self.dropout, self.training, self.tp)
+        # The dense MLP runs on the tokens as one [s·b, h] matrix (s-major, so the
+        # sequence-parallel gather and scatter along dimension 0 are unchanged): fc1's bias
+        # gradient is then a sum over one dimension of the stored gradient; over [s, b],
+        # inductor fused it into a slow reduction that recomputes the GeLU backward
+        # (tools/bench_mlp_chain.py, docs/performance.md). fc2's bias goes into its fresh
+        # output before the view, as the fused chain would add it (an in-place add on a view
+        # would cost a copy in backward), and the residual add makes the layer's output a
+        # tensor of its own, not a view (a pipeline stage frees what it sent,
+        # ptdp/pipeline/executor.py, which a view would defeat).
+        y, bias = self.mlp(x.reshape(-1, x.shape[-1]), norm=self.ln2)
+        y = (y if bias is None else y.add_(bias)).view(x.shape)
+        return hidden_dropout_add(y, None, x, self.dropout, self.training, self.tp)
 
 
 class TransformerStack(nn.Module):

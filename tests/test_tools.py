@@ -178,11 +178,11 @@ def test_bench_mlp_chain_adds_the_biases_three_ways_to_the_same_mlp(tmp_path, ca
     assert bench_mlp_chain.main(["--seq", "8", "--batch", "2", "--hidden", "16", "--rounds", "1",
                                  "--warmup", "1", "--no-compile", "--json", str(out)]) == 0
     data = _written(out, "bench_mlp_chain")
-    assert set(data["ms"]) == {"layer", "rows", "addmm"} and data["over_layer"]["layer"] == 1.0
+    assert set(data["ms"]) == {"rows", "sbh", "addmm"} and data["over_rows"]["rows"] == 1.0
     losses = data["loss"]
-    assert losses["rows"] == pytest.approx(losses["layer"], rel=1e-5, abs=1e-7)
-    assert losses["addmm"] == pytest.approx(losses["layer"], rel=1e-5, abs=1e-7)
-    assert "/ layer" in capsys.readouterr().out
+    assert losses["sbh"] == pytest.approx(losses["rows"], rel=1e-5, abs=1e-7)
+    assert losses["addmm"] == pytest.approx(losses["rows"], rel=1e-5, abs=1e-7)
+    assert "/ rows" in capsys.readouterr().out
     with pytest.raises(SystemExit) as stop:
         bench_mlp_chain.main(["--kernels"])
     assert stop.value.code == 2 and "--kernels needs --device cuda" in capsys.readouterr().err

@@ -1,16 +1,17 @@
 """Benchmark (not a test): where a GeLU MLP's biases are added, compiled, forward + backward.
 
 A GPT layer's MLP is fc1, bias + GeLU, fc2, bias + residual. ptdp's layers hand the biases to
-the fused chains of ptdp/kernels/fused.py and run on [s, b, h]; this times that block three
-ways, each through torch.compile (off with --no-compile), in alternating rounds:
+the fused chains of ptdp/kernels/fused.py; this times that block three ways, each through
+torch.compile (off with --no-compile), in alternating rounds:
 
-* `layer`: as ptdp's layers run it (models/transformer.py ParallelMLP): [s, b, h], the GEMMs
-  without bias, `bias_gelu` and `bias_dropout_add` after them;
-* `rows`: the same functions on the tokens as one [s * b, h] matrix, viewed back at the end;
+* `rows`: as ptdp's layers run it (models/transformer.py TransformerLayer): the tokens as one
+  [s * b, h] matrix, the GEMMs without bias, `bias_gelu` and `bias_dropout_add` after them,
+  viewed back to [s, b, h] at the end;
+* `sbh`: the same functions on [s, b, h] (ptdp's layers until 2026-11-27);
 * `addmm`: the biases inside the GEMMs (`F.linear(x, w, b)`), as the compiled reference of
   tools/bench_gpu.py does.
 
-On one H200 at GPT-1.3B's shape, inductor compiled `layer`'s bias-GeLU backward into a
+On one H200 at GPT-1.3B's shape, inductor compiled `sbh`'s bias-GeLU backward into a
 reduction that recomputes the GeLU backward (0.30 ms) beside the kernel that writes the input
 gradient (0.28 ms), where `rows` and `addmm` store the gradient and sum it (0.06 ms):
 docs/performance.md, "Fourth run". `--kernels` (CUDA) lists each way's longest kernels other
@@ -62,16 +63,16 @@ def mlp_ways() -> dict:
     """name -> f(x, w1, b1, w2, b2) = x + fc2(GeLU(fc1(x))), biases added three ways."""
     from ptdp.kernels import bias_dropout_add, bias_gelu
 
-    def layer(x, w1, b1, w2, b2):
+    def sbh(x, w1, b1, w2, b2):
         return bias_dropout_add(F.linear(bias_gelu(F.linear(x, w1), b1), w2), b2, x, 0.0, True)
 
     def rows(x, w1, b1, w2, b2):
-        return layer(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2).view(x.shape)
+        return sbh(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2).view(x.shape)
 
     def addmm(x, w1, b1, w2, b2):
         return x + F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
 
-    return {"layer": layer, "rows": rows, "addmm": addmm}
+    return {"rows": rows, "sbh": sbh, "addmm": addmm}
 
 
 def longest_kernels(pass_, top: int = 4) -> list[tuple[str, float]]:
@@ -114,15 +115,15 @@ def main(argv=None) -> int:
     result = {"shape": {"seq": s, "batch": b, "hidden": h}, "dtype": args.dtype,
               "compile": args.compile, "rounds": args.rounds,
               "ms": {name: median[name] * 1e3 for name in ways},
-              "over_layer": {name: median[name] / median["layer"] for name in ways},
+              "over_rows": {name: median[name] / median["rows"] for name in ways},
               "peak_gb": peaks or None, "loss": losses,
               "kernels": {name: [{"name": k, "ms": ms} for k, ms in ks]
                           for name, ks in kernels.items()} or None}
     print(f"GeLU MLP forward + backward, s {s}, b {b}, h {h}, {args.dtype}, {device}, "
           f"compile {'on' if args.compile else 'off'}: median of {args.rounds} alternating rounds")
-    rows = [(name, f"{median[name] * 1e3:.3f}", f"{result['over_layer'][name]:.3f}",
-             f"{losses[name]:.6f}") for name in ways]
-    print(harness.table(("biases", "ms", "/ layer", "loss"), rows, align="<"))
+    lines = [(name, f"{median[name] * 1e3:.3f}", f"{result['over_rows'][name]:.3f}",
+              f"{losses[name]:.6f}") for name in ways]
+    print(harness.table(("biases", "ms", "/ rows", "loss"), lines, align="<"))
     for name, ks in kernels.items():
         print(f"{name}: " + "; ".join(f"{k[:48]} {ms:.3f} ms" for k, ms in ks))
     if args.json:

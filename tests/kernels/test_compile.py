@@ -106,3 +106,37 @@ def tensor_parallel_runs() -> list:
 def test_compiled_layers_with_tensor_parallel_collectives_match_eager():
     eager, compiled = run_on_ranks(2, tensor_parallel_runs, timeout_s=within(240))[0]
     assert_close(compiled, eager)
+
+
+def test_a_compiled_layer_sums_fc1s_bias_gradient_over_token_rows():
+    """The dense MLP runs on [s·b, h] rows (models/transformer.py TransformerLayer), so in the
+    backward graph inductor compiles, fc1's bias gradient is one sum over dimension 0 of the
+    stored gradient, with no copy of a viewed tensor. On [s, b, h] it was a sum over two
+    dimensions, which inductor fused into a reduction recomputing the GeLU backward: five
+    times slower on one H200 (docs/performance.md, "Fourth run"); CPU can only check the
+    graph."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+    graphs = []
+    backend = aot_autograd(fw_compiler=lambda gm, _: gm,
+                           bw_compiler=lambda gm, _: graphs.append(gm) or gm,
+                           decompositions=select_decomp_table())
+    cfg = ModelConfig(num_layers=1, hidden_size=8, num_heads=2, seq_length=16, vocab_size=100,
+                      dropout=0.0)
+    ctx = ModelContext(cfg, TensorParallel(), 7, TensorParallelRNG(7, 0, torch.device("cpu")),
+                       128)
+    from ptdp.models.transformer import TransformerLayer
+    layer = TransformerLayer(ctx, 0, causal=True)
+    x = torch.randn(16, 2, 8, requires_grad=True)
+    torch._dynamo.reset()
+    torch.compile(layer, backend=backend)(x).sum().backward()
+    torch._dynamo.reset()
+    (graph,) = graphs
+    shapes = lambda node: [tuple(a.meta["val"].shape) for a in node.args   # noqa: E731
+                           if isinstance(a, torch.fx.Node)]
+    calls = [n for n in graph.graph.nodes if n.op == "call_function"]
+    fc1_bias = [n for n in calls if n.target == torch.ops.aten.sum.dim_IntList
+                and shapes(n)[0][-1] == cfg.ffn_hidden_size]
+    assert [(shapes(n)[0], list(n.args[1])) for n in fc1_bias] == [((32, 32), [0])]
+    assert not [n for n in calls if n.target in (torch.ops.aten.as_strided_scatter.default,
+                                                 torch.ops.aten.new_empty_strided.default)]
