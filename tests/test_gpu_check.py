@@ -21,7 +21,7 @@ def test_dry_run_predicts_and_reports(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert set(report["stages"]["stages"]) == {"gpu_tier", "bench_gpt", "bench_bert", "plan",
-                                               "loss", "bert_head"}
+                                               "loss", "bert_head", "mlp_chain"}
     assert [row["layout"] for row in report["plan"]] == list(gpu_check.LAYOUTS)
     assert all(row["predicted_step_s"] > 0 and row["fits"] for row in report["plan"])
     assert "| gpt-1.3b b=8 m=4 |" in (tmp_path / "gpu_check.md").read_text()
@@ -75,6 +75,7 @@ def test_report_judges_each_target(tmp_path):
          "measured_step_s": 1.0, "measured_memory_gb": 30.0}]))
     (tmp_path / "loss.json").write_text(json.dumps({"fused_over_eager": 0.22}))
     (tmp_path / "bert_head.json").write_text(json.dumps({"masked_over_every_token": 1.3}))
+    (tmp_path / "mlp_chain.json").write_text(json.dumps({"rows_over_sbh": 0.9}))
     report = gpu_check.evaluate(tmp_path)
     met = {check["what"]: check["met"] for check in report["checks"]}
     assert met == {"gpt tokens/s vs reference (x), paired rounds (sequential 0.900x)": True,
@@ -84,7 +85,8 @@ def test_report_judges_each_target(tmp_path):
                    "planner step time, L1": True, "planner memory, L1": False,
                    "planner step time, L2": False, "planner memory, L2": True,
                    "loss time, fused / eager": True,
-                   "BERT heads' time, masked rows / every token": False}
+                   "BERT heads' time, masked rows / every token": False,
+                   "GPT MLP block's time, token rows / [s, b, h]": True}
     assert report["tier"]["passed"] == 2 and report["tier"]["failed"] == ["b"]
     assert "**no**" in gpu_check.markdown(report)
 
@@ -106,7 +108,7 @@ def test_stages_picks_stages_and_a_misspelt_one_is_one_line(tmp_path):
     assert bad.returncode == 2 and not (tmp_path / "bad").exists()
     assert bad.stderr.strip().splitlines() == [
         "gpu_check.sh: STAGES names 'gpu-tier'; the stages are gpu_tier, bench_gpt, "
-        "bench_bert, plan, loss, bert_head"]
+        "bench_bert, plan, loss, bert_head, mlp_chain"]
 
 
 def test_report_keeps_a_benchmark_stopped_after_one_model(tmp_path):

@@ -179,6 +179,7 @@ def test_bench_mlp_chain_adds_the_biases_three_ways_to_the_same_mlp(tmp_path, ca
                                  "--warmup", "1", "--no-compile", "--json", str(out)]) == 0
     data = _written(out, "bench_mlp_chain")
     assert set(data["ms"]) == {"rows", "sbh", "addmm"} and data["over_rows"]["rows"] == 1.0
+    assert data["rows_over_sbh"] == pytest.approx(data["ms"]["rows"] / data["ms"]["sbh"])
     losses = data["loss"]
     assert losses["sbh"] == pytest.approx(losses["rows"], rel=1e-5, abs=1e-7)
     assert losses["addmm"] == pytest.approx(losses["rows"], rel=1e-5, abs=1e-7)

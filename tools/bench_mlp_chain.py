@@ -116,6 +116,7 @@ def main(argv=None) -> int:
               "compile": args.compile, "rounds": args.rounds,
               "ms": {name: median[name] * 1e3 for name in ways},
               "over_rows": {name: median[name] / median["rows"] for name in ways},
+              "rows_over_sbh": median["rows"] / median["sbh"],   # the GPU check's figure
               "peak_gb": peaks or None, "loss": losses,
               "kernels": {name: [{"name": k, "ms": ms} for k, ms in ks]
                           for name, ks in kernels.items()} or None}

@@ -42,9 +42,10 @@ LAYOUTS = {   # name -> (model, b, m, recompute); bf16, (p, t, d) = (1, 1, 1), c
 }
 # The kernel stages' files, what the report calls each and the ratio it reads: the new path's
 # time over the one it replaces, which it must beat (tools/bench_cross_entropy.py,
-# tools/bench_bert_head.py).
+# tools/bench_bert_head.py, tools/bench_mlp_chain.py).
 KERNELS = (("loss", "loss time, fused / eager", "fused_over_eager"),
-           ("bert_head", "BERT heads' time, masked rows / every token", "masked_over_every_token"))
+           ("bert_head", "BERT heads' time, masked rows / every token", "masked_over_every_token"),
+           ("mlp_chain", "GPT MLP block's time, token rows / [s, b, h]", "rows_over_sbh"))
 TARGETS = {"gpt_speedup": 1.10, "gpt_mfu": 0.58, "bert_speedup": 1.25, "bert_mfu": 0.40,
            "memory_ratio": 1.10,
            "plan_step_error": 0.10, "plan_memory_under": 0.03}

@@ -11,9 +11,10 @@
 #      by device and by host time; .trace.json.gz beside it, the step's timeline);
 #   3. ptdp plan's predicted step time and memory against measured ones for two layouts
 #      (tools/gpu_check.py plan --measure);
-#   4. the loss, fused against eager (tools/bench_cross_entropy.py), and BERT's heads on the
+#   4. the loss, fused against eager (tools/bench_cross_entropy.py), BERT's heads on the
 #      masked positions against every token (tools/bench_bert_head.py), at the two models'
-#      shapes;
+#      shapes, and GPT-1.3B's MLP block on token rows against [s, b, h]
+#      (tools/bench_mlp_chain.py --kernels);
 # then one JSON and one Markdown table (tools/gpu_check.py report): OUT/gpu_check.json and
 # OUT/gpu_check.md, each target with its measured value and whether it is met.
 #
@@ -33,11 +34,12 @@
 # Environment: PYTHON [python3]; OUT [bench/gpu_check/<date-time>; a dry run: a temporary
 # folder]; WHEELS [.whl]; BUDGET_S,
 # the whole run's limit [450]; STAGES, the stages to run
-# [gpu_tier,bench_gpt,bench_bert,plan,loss,bert_head] (to rerun what a cut-short run missed);
+# [gpu_tier,bench_gpt,bench_bert,plan,loss,bert_head,mlp_chain] (to rerun what a cut-short
+# run missed);
 # each stage stops at its share (TIER_S 120, GPT_S 160, BERT_S 140, PLAN_S 50: what each took
 # on one H200, 2026-11-27, 82, 119, 91 and 38 s, with room for an H100's slower memory where
 # the step is longest, and for bench_gpu's paired rounds: GPT took 132 s with them; LOSS_S 25,
-# HEAD_S 25: about 12 s each there) or at what the
+# HEAD_S 25: about 12 s each there; MLP_S 25, three compiled MLP blocks) or at what the
 # budget has left, whichever is less, with SIGINT first (pytest then still writes its junit
 # file, bench_gpu.py has written each model's row as it went), and the report says which
 # stopped.
@@ -61,7 +63,7 @@ if [[ -z "$OUT" ]]; then
     else OUT="bench/gpu_check/$(date +%Y%m%d-%H%M%S)"; fi
 fi
 BUDGET_S="${BUDGET_S:-450}"
-ALL_STAGES="gpu_tier,bench_gpt,bench_bert,plan,loss,bert_head"
+ALL_STAGES="gpu_tier,bench_gpt,bench_bert,plan,loss,bert_head,mlp_chain"
 STAGES="${STAGES:-$ALL_STAGES}"
 for name in ${STAGES//,/ }; do   # a misspelt stage would silently run nothing
     if [[ ",$ALL_STAGES," != *",$name,"* ]]; then
@@ -167,6 +169,8 @@ stage loss "${LOSS_S:-25}" "$PYTHON" tools/bench_cross_entropy.py --device cuda 
     --json "$OUT/loss.json"
 stage bert_head "${HEAD_S:-25}" "$PYTHON" tools/bench_bert_head.py --device cuda \
     --json "$OUT/bert_head.json"
+stage mlp_chain "${MLP_S:-25}" "$PYTHON" tools/bench_mlp_chain.py --device cuda --kernels \
+    --json "$OUT/mlp_chain.json"
 
 "$PYTHON" - "$STAGES_FILE" "$OUT/stages.json" "$DEVICE" "$START" <<'EOF'
 import json, sys, time
