@@ -5,8 +5,8 @@ the fused chains of ptdp/kernels/fused.py; this times that block three ways, eac
 torch.compile (off with --no-compile), in alternating rounds:
 
 * `rows`: as ptdp's layers run it (models/transformer.py TransformerLayer): the tokens as one
-  [s * b, h] matrix, the GEMMs without bias, `bias_gelu` and `bias_dropout_add` after them,
-  viewed back to [s, b, h] at the end;
+  [s * b, h] matrix, the GEMMs without bias, `bias_gelu` after fc1, fc2's bias added into its
+  output, which is viewed back to [s, b, h] for the residual add;
 * `sbh`: the same functions on [s, b, h] (ptdp's layers until 2026-11-27);
 * `addmm`: the biases inside the GEMMs (`F.linear(x, w, b)`), as the compiled reference of
   tools/bench_gpu.py does.
@@ -66,8 +66,9 @@ def mlp_ways() -> dict:
     def sbh(x, w1, b1, w2, b2):
         return bias_dropout_add(F.linear(bias_gelu(F.linear(x, w1), b1), w2), b2, x, 0.0, True)
 
-    def rows(x, w1, b1, w2, b2):
-        return sbh(x.reshape(-1, x.shape[-1]), w1, b1, w2, b2).view(x.shape)
+    def rows(x, w1, b1, w2, b2):   # models/transformer.py TransformerLayer, step by step
+        y = F.linear(bias_gelu(F.linear(x.reshape(-1, x.shape[-1]), w1), b1), w2)
+        return bias_dropout_add(y.add_(b2).view(x.shape), None, x, 0.0, True)
 
     def addmm(x, w1, b1, w2, b2):
         return x + F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
