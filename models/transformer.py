@@ -90,6 +90,23 @@ def hidden_dropout_add(x, bias, residual, p: float, training: bool, tp: TensorPa
     return bias_dropout_add(x, bias, residual, p, training)
 
 
+def residual_mlp_on_rows(mlp, x, p: float, training: bool, tp: TensorParallel):
+    """x + Dropout(MLP(x)), the MLP run on the tokens as one [s·b, h] matrix: `mlp(rows)` ->
+    (its output without the last bias, that bias).
+
+    Rows are s-major, so the sequence-parallel gather and scatter along dimension 0 are
+    unchanged. Compiled, fc1's bias gradient is then a sum over one dimension of the stored
+    gradient; over [s, b], inductor fused it into a slow reduction that recomputes the GeLU
+    backward (tools/bench_mlp_chain.py times both, docs/performance.md). The last bias goes
+    into the MLP's fresh output before the view back, as the fused chain would add it (an
+    in-place add on a view costs a copy in backward), and the residual add makes the result a
+    tensor of its own, not a view: a pipeline stage frees what it sent
+    (ptdp/pipeline/executor.py), which a view would defeat."""
+    y, bias = mlp(x.reshape(-1, x.shape[-1]))
+    y = (y if bias is None else y.add_(bias)).view(x.shape)
+    return hidden_dropout_add(y, None, x, p, training, tp)
+
+
 @torch.compiler.disable  # eager: the mask must be the default generator's, not inductor's
 def _sequence_parallel_dropout(x, p: float, tp: TensorParallel):
     return sequence_parallel_dropout(x, p, tp)
@@ -242,18 +259,8 @@ class TransformerLayer(nn.Module):
         if not isinstance(self.mlp, ParallelMLP):   # a mixture of experts routes [s, b, h]
             return hidden_dropout_add(*after_norm(self.ctx, self.ln2, self.mlp, x), x,
                                       self.dropout, self.training, self.tp)
-        # The dense MLP runs on the tokens as one [s·b, h] matrix (s-major, so the
-        # sequence-parallel gather and scatter along dimension 0 are unchanged): fc1's bias
-        # gradient is then a sum over one dimension of the stored gradient; over [s, b],
-        # inductor fused it into a slow reduction that recomputes the GeLU backward
-        # (tools/bench_mlp_chain.py, docs/performance.md). fc2's bias goes into its fresh
-        # output before the view, as the fused chain would add it (an in-place add on a view
-        # would cost a copy in backward), and the residual add makes the layer's output a
-        # tensor of its own, not a view (a pipeline stage frees what it sent,
-        # ptdp/pipeline/executor.py, which a view would defeat).
-        y, bias = self.mlp(x.reshape(-1, x.shape[-1]), norm=self.ln2)
-        y = (y if bias is None else y.add_(bias)).view(x.shape)
-        return hidden_dropout_add(y, None, x, self.dropout, self.training, self.tp)
+        return residual_mlp_on_rows(lambda rows: self.mlp(rows, norm=self.ln2), x,
+                                    self.dropout, self.training, self.tp)
 
 
 class TransformerStack(nn.Module):

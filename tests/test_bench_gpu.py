@@ -102,6 +102,7 @@ def test_the_json_is_written_after_each_measurement(tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert measured == ["ptdp"] and result["rows"] == [{"model": "ptdp"}]
     assert result["complete"] is False
+    assert result["targets"] == bench_gpu.TARGETS["gpt"]   # what tools/gpu_check.py judges by
 
 
 def test_the_targets_line_names_the_gpu_that_measured():

@@ -62,11 +62,12 @@ def test_report_judges_each_target(tmp_path):
         '<testcase name="a"/><testcase name="b"><failure/></testcase><testcase name="c"/>'
         '</testsuite></testsuites>')
     row = {"model": "ptdp", "mfu": 0.6, "peak_memory_gb": 50.0, "step_ms": 1300.0}
+    targets = {"speedup": 1.15, "mfu": 0.65, "memory_ratio": 1.10}   # the bench's own
     for arch, speedup, memory, paired in (("gpt", 1.2, 1.05, {"rounds": 6}),
                                           ("bert", 1.1, 1.2, None)):
         (tmp_path / f"bench_{arch}.json").write_text(json.dumps(
             {"rows": [row, {"model": "reference (x)"}], "speedup": speedup,
-             "memory_ratio": memory, "paired": paired,
+             "memory_ratio": memory, "paired": paired, "targets": targets,
              "speedup_sequential": 0.9 if paired else None}))
     (tmp_path / "plan.json").write_text(json.dumps([
         {"layout": "L1", "predicted_step_s": 1.05, "predicted_memory_gb": 48.0,
@@ -79,8 +80,8 @@ def test_report_judges_each_target(tmp_path):
     report = gpu_check.evaluate(tmp_path)
     met = {check["what"]: check["met"] for check in report["checks"]}
     assert met == {"gpt tokens/s vs reference (x), paired rounds (sequential 0.900x)": True,
-                   "gpt MFU (3 passes)": True, "gpt peak memory vs reference": True,
-                   "bert tokens/s vs reference (x)": False, "bert MFU (3 passes)": True,
+                   "gpt MFU (3 passes)": False, "gpt peak memory vs reference": True,
+                   "bert tokens/s vs reference (x)": False, "bert MFU (3 passes)": False,
                    "bert peak memory vs reference": False,
                    "planner step time, L1": True, "planner memory, L1": False,
                    "planner step time, L2": False, "planner memory, L2": True,
@@ -116,8 +117,22 @@ def test_report_keeps_a_benchmark_stopped_after_one_model(tmp_path):
     writes each row as it goes): the report says n/a for it instead of failing (the first
     H200 run's report did)."""
     (tmp_path / "bench_bert.json").write_text(json.dumps(
-        {"rows": [{"model": "ptdp", "mfu": 0.3, "peak_memory_gb": 13.0}], "complete": False}))
+        {"rows": [{"model": "ptdp", "mfu": 0.3, "peak_memory_gb": 13.0}], "complete": False,
+         "targets": {"speedup": 1.25, "mfu": 0.4, "memory_ratio": 1.1}}))
     report = gpu_check.evaluate(tmp_path)
     (check,) = report["checks"]
     assert check["what"] == "bert tokens/s vs reference" and check["met"] is None
+    assert check["target"] == ">= 1.25x"
     assert "| bert tokens/s vs reference | n/a |" in gpu_check.markdown(report)
+
+
+def test_a_time_share_that_is_not_whole_seconds_is_one_line(tmp_path):
+    """BUDGET_S and the stage shares are bash arithmetic: '5m' would fail mid-run and a word
+    would count as 0 seconds; each is refused before anything runs, by name."""
+    run = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), "--dry-run", "--out",
+                          str(tmp_path / "x")], capture_output=True, text=True,
+                         timeout=within(120),
+                         env={**os.environ, "PYTHON": sys.executable, "MLP_S": "5m"})
+    assert run.returncode == 2 and not (tmp_path / "x").exists()
+    assert run.stderr.strip().splitlines() == [
+        "gpu_check.sh: MLP_S='5m' is not a whole number of seconds"]

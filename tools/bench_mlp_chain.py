@@ -4,9 +4,10 @@ A GPT layer's MLP is fc1, bias + GeLU, fc2, bias + residual. ptdp's layers hand 
 the fused chains of ptdp/kernels/fused.py; this times that block three ways, each through
 torch.compile (off with --no-compile), in alternating rounds:
 
-* `rows`: as ptdp's layers run it (models/transformer.py TransformerLayer): the tokens as one
-  [s * b, h] matrix, the GEMMs without bias, `bias_gelu` after fc1, fc2's bias added into its
-  output, which is viewed back to [s, b, h] for the residual add;
+* `rows`: as ptdp's layers run it, through their own `residual_mlp_on_rows`
+  (models/transformer.py): the tokens as one [s * b, h] matrix, the GEMMs without bias,
+  `bias_gelu` after fc1, fc2's bias added into its output, which is viewed back to
+  [s, b, h] for the residual add;
 * `sbh`: the same functions on [s, b, h] (ptdp's layers until 2026-11-27);
 * `addmm`: the biases inside the GEMMs (`F.linear(x, w, b)`), as the compiled reference of
   tools/bench_gpu.py does.
@@ -61,14 +62,16 @@ def parse_args(argv=None):
 
 def mlp_ways() -> dict:
     """name -> f(x, w1, b1, w2, b2) = x + fc2(GeLU(fc1(x))), biases added three ways."""
+    from ptdp.models.transformer import residual_mlp_on_rows
     from ptdp.kernels import bias_dropout_add, bias_gelu
+    from ptdp.parallel.mappings import TensorParallel
 
     def sbh(x, w1, b1, w2, b2):
         return bias_dropout_add(F.linear(bias_gelu(F.linear(x, w1), b1), w2), b2, x, 0.0, True)
 
-    def rows(x, w1, b1, w2, b2):   # models/transformer.py TransformerLayer, step by step
-        y = F.linear(bias_gelu(F.linear(x.reshape(-1, x.shape[-1]), w1), b1), w2)
-        return bias_dropout_add(y.add_(b2).view(x.shape), None, x, 0.0, True)
+    def rows(x, w1, b1, w2, b2):   # the layer's own code (models/transformer.py)
+        return residual_mlp_on_rows(lambda r: (F.linear(bias_gelu(F.linear(r, w1), b1), w2), b2),
+                                    x, 0.0, True, TensorParallel())
 
     def addmm(x, w1, b1, w2, b2):
         return x + F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)

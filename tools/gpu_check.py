@@ -17,8 +17,9 @@ DIR/plan.json.
 plan.json, stages.json from the shell script) and writes DIR/gpu_check.json and
 DIR/gpu_check.md: one table, each target with its measured value and whether it is met. The
 targets (issue 22): GPT-1.3B >= 1.10x the compiled plain-PyTorch reference and >= 58 % MFU;
-BERT-large >= 1.25x Hugging Face; peak memory <= the reference's + 10 %; the planner within
-10 % on step time and never under on memory by more than 3 %.
+BERT-large >= 1.25x Hugging Face and >= 40 % MFU; peak memory <= the reference's + 10 % (each
+as `tools/bench_gpu.py` states it, read from the JSON it wrote); the planner within 10 % on
+step time and never under on memory by more than 3 %.
 """
 
 from __future__ import annotations
@@ -46,9 +47,8 @@ LAYOUTS = {   # name -> (model, b, m, recompute); bf16, (p, t, d) = (1, 1, 1), c
 KERNELS = (("loss", "loss time, fused / eager", "fused_over_eager"),
            ("bert_head", "BERT heads' time, masked rows / every token", "masked_over_every_token"),
            ("mlp_chain", "GPT MLP block's time, token rows / [s, b, h]", "rows_over_sbh"))
-TARGETS = {"gpt_speedup": 1.10, "gpt_mfu": 0.58, "bert_speedup": 1.25, "bert_mfu": 0.40,
-           "memory_ratio": 1.10,
-           "plan_step_error": 0.10, "plan_memory_under": 0.03}
+# The planner's targets; the models' are bench_gpu.py's, in the JSON of each benchmark.
+TARGETS = {"plan_step_error": 0.10, "plan_memory_under": 0.03}
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,16 +161,17 @@ def _check(value, target, at_least: bool):
 
 def evaluate(directory: Path) -> dict:
     report = {"stages": _load(directory / "stages.json") or {}, "tier": _tier(directory / "gpu_tier.xml"),
-              "bench": {}, "plan": [], "targets": TARGETS, "checks": []}
+              "bench": {}, "plan": [], "targets": dict(TARGETS), "checks": []}
     checks = report["checks"]
     for arch in ("gpt", "bert"):
         result = _load(directory / f"bench_{arch}.json")
         report["bench"][arch] = result
         if not result:
             continue
+        target = report["targets"][arch] = result["targets"]
         if len(result.get("rows", [])) < 2 or "speedup" not in result:   # stopped part-way
             checks.append({"what": f"{arch} tokens/s vs reference", "value": None,
-                           "target": f">= {TARGETS[f'{arch}_speedup']:.2f}x", "met": None,
+                           "target": f">= {target['speedup']:.2f}x", "met": None,
                            "note": "the stage stopped before both models were measured"})
             continue
         ours, ref = result["rows"]
@@ -180,14 +181,14 @@ def evaluate(directory: Path) -> dict:
             paired = ", paired rounds" + (f" (sequential {sequential:.3f}x)" if sequential else "")
         checks.append({"what": f"{arch} tokens/s vs {ref['model']}{paired}",
                        "value": result["speedup"],
-                       "target": f">= {TARGETS[f'{arch}_speedup']:.2f}x",
-                       "met": _check(result["speedup"], TARGETS[f"{arch}_speedup"], True)})
+                       "target": f">= {target['speedup']:.2f}x",
+                       "met": _check(result["speedup"], target["speedup"], True)})
         checks.append({"what": f"{arch} MFU (3 passes)", "value": ours["mfu"],
-                       "target": f">= {TARGETS[f'{arch}_mfu']:.0%}",
-                       "met": _check(ours["mfu"], TARGETS[f"{arch}_mfu"], True)})
+                       "target": f">= {target['mfu']:.0%}",
+                       "met": _check(ours["mfu"], target["mfu"], True)})
         checks.append({"what": f"{arch} peak memory vs reference", "value": result["memory_ratio"],
-                       "target": f"<= {TARGETS['memory_ratio']:.2f}x",
-                       "met": _check(result["memory_ratio"], TARGETS["memory_ratio"], False)})
+                       "target": f"<= {target['memory_ratio']:.2f}x",
+                       "met": _check(result["memory_ratio"], target["memory_ratio"], False)})
     for name, what, key in KERNELS:
         result = _load(directory / f"{name}.json")
         if result:

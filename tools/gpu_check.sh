@@ -63,6 +63,13 @@ if [[ -z "$OUT" ]]; then
     else OUT="bench/gpu_check/$(date +%Y%m%d-%H%M%S)"; fi
 fi
 BUDGET_S="${BUDGET_S:-450}"
+for name in BUDGET_S TIER_S GPT_S BERT_S PLAN_S LOSS_S HEAD_S MLP_S; do   # seconds, whole
+    value="${!name:-1}"
+    if ! [[ "$value" =~ ^[1-9][0-9]*$ ]]; then
+        echo "gpu_check.sh: $name='$value' is not a whole number of seconds" >&2
+        exit 2
+    fi
+done
 ALL_STAGES="gpu_tier,bench_gpt,bench_bert,plan,loss,bert_head,mlp_chain"
 STAGES="${STAGES:-$ALL_STAGES}"
 for name in ${STAGES//,/ }; do   # a misspelt stage would silently run nothing

@@ -106,7 +106,7 @@ def alternating(sides: dict, rounds: int, warmup: int = 0, swap: bool = False,
     return timed
 
 
-PASS_DTYPES = ("bf16", "fp32")   # a pass tool's --dtype (`pass_dtype` turns it into torch's)
+PASS_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}   # a pass tool's --dtype -> torch's name
 
 
 def add_pass_arguments(parser, dtype_help: str) -> None:
@@ -116,12 +116,13 @@ def add_pass_arguments(parser, dtype_help: str) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--dtype", choices=PASS_DTYPES, help=dtype_help)
+    parser.add_argument("--dtype", choices=tuple(PASS_DTYPES), help=dtype_help)
 
 
 def pass_dtype(name: str):
+    """--dtype's torch dtype (torch imported here: the harness itself is torch-free)."""
     import torch
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+    return getattr(torch, PASS_DTYPES[name])
 
 
 def check_pass_arguments(parser, args, sizes: tuple[str, ...]) -> None:
