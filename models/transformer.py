@@ -29,6 +29,7 @@ the activation, or the whole MLP.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -62,7 +63,8 @@ class ModelContext:
     recompute: str = "none"          # none | full | selective
     recompute_num_layers: int = 1
     recompute_modules: tuple | None = None   # selective's (train.recompute_modules; None: default)
-    compile: bool = False            # torch.compile each TransformerLayer (train.compile)
+    compile: bool = False            # torch.compile the layers (train.compile)...
+    compile_layers: int = 1          # ...in regions of this many (train.compile_layers)
     cp: ContextParallel = field(default_factory=ContextParallel)   # the context ring (c)
     ep: ExpertParallel = field(default_factory=ExpertParallel)      # the expert group (e)
 
@@ -263,11 +265,29 @@ class TransformerLayer(nn.Module):
                                     self.dropout, self.training, self.tp)
 
 
+def run_layers(layers: nn.ModuleList, x, mask, positions):
+    """The layers one after the other: what one compiled region traces."""
+    for layer in layers:
+        x = layer(x, mask, positions)
+    return x
+
+
+@functools.cache
+def compiled_run_layers():
+    """`run_layers` compiled once for every stack: regions of equal length and structure
+    (their weights are the graph's inputs) share one graph."""
+    return torch.compile(run_layers)
+
+
 class TransformerStack(nn.Module):
     """Layers [first, first + count) of the model, with optional full recomputation.
 
     With `recompute=full` the stack is cut into groups of `recompute_num_layers` layers and
     only each group's input is kept; the group is re-run during backward.
+
+    With `ctx.compile` the layers run in compiled regions of `ctx.compile_layers` consecutive
+    layers (ptdp/config/compilation.py: each compiled call costs host time, whatever its
+    length); a region never spans two recomputed groups.
     """
 
     def __init__(self, ctx: ModelContext, first: int, count: int, causal: bool):
@@ -275,9 +295,7 @@ class TransformerStack(nn.Module):
         self.ctx, self.first = ctx, first
         self.layers = nn.ModuleList(TransformerLayer(ctx, first + i, causal) for i in range(count))
         self.moe = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEMLP)]
-        if ctx.compile:  # in place: parameter names and state_dict keys stay the same
-            for layer in self.layers:
-                layer.compile()
+        self._regions: dict = {}   # (start, end) -> that slice of self.layers (not a submodule)
 
     def aux_losses(self) -> dict:
         """The MoE layers' aux losses of the latest forward, summed per name. (Read right after
@@ -289,9 +307,17 @@ class TransformerStack(nn.Module):
         return total
 
     def _run(self, start: int, end: int, x, mask, positions):
-        for layer in self.layers[start:end]:
-            x = layer(x, mask, positions)
+        if not self.ctx.compile:
+            return run_layers(self.layers[start:end], x, mask, positions)
+        compiled, k = compiled_run_layers(), self.ctx.compile_layers
+        for first in range(start, end, k):
+            x = compiled(self._region(first, min(first + k, end)), x, mask, positions)
         return x
+
+    def _region(self, start: int, end: int) -> nn.ModuleList:
+        if (start, end) not in self._regions:
+            self._regions[start, end] = self.layers[start:end]
+        return self._regions[start, end]
 
     def forward(self, x, mask=None, positions=None):
         if self.ctx.recompute != "full" or not self.training:

@@ -36,8 +36,10 @@ before the model was built, ptdp's model when it is kept), the first loss and th
 count.
 
 ptdp's fast paths on one GPU (docs/performance.md, "Speed on one GPU"):
-* `train.compile` (default on for CUDA): each transformer layer is torch.compile'd, fusing
-  LayerNorm, bias + GeLU and bias + dropout + residual add (ptdp/kernels/fused.py);
+* `train.compile` (default on for CUDA): the transformer layers are torch.compile'd in regions
+  of `train.compile_layers` consecutive layers (`--compile-layers`; by default up to 8 here,
+  ptdp/config/compilation.py), fusing LayerNorm, bias + GeLU and bias + dropout + residual
+  add (ptdp/kernels/fused.py);
 * attention is F.scaled_dot_product_attention: flash for GPT (causal, no mask), the
   memory-efficient/cuDNN kernel for BERT (boolean padding mask);
 * with compile, the vocab-parallel cross-entropy is fused (ptdp/parallel/cross_entropy.py):
@@ -112,7 +114,13 @@ class PtdpRunner:
             f"data.num_workers={args.data_workers}"]
         if args.hardware:
             overrides.append(f"log.hardware={args.hardware}")
+        if args.compile_layers is not None:
+            overrides.append(f"train.compile_layers={args.compile_layers}")
         self.cfg = load_config(None, overrides, world_size=1)
+        from ptdp.config.compilation import region_layers
+        # layers per compiled region as run here (one chunk: a region is at most all of them)
+        self.compile_layers = (min(region_layers(self.cfg), s["layers"]) if args.compile
+                               else None)
         self.trainer = Trainer(self.cfg)
         self.parameters = self.trainer.state.total_parameter_count()
 
@@ -182,12 +190,17 @@ def run_one(make, args, s: dict, device, vocab: int, peak: float | None,
            "peak_memory_gb": peak_memory_gb(device) - held,
            "peak_reserved_gb": peak_reserved_gb(device) - held_reserved,
            "loss_first": losses[0], "loss_last": losses[-1], "parameters": runner.parameters,
-           "vocab": vocab}
+           "vocab": vocab, "compile_layers": getattr(runner, "compile_layers", None)}
     if keep:
         return row, runner
     del runner
     forget_models(device)
     return row, None
+
+
+def _compile_words(ours: dict) -> str:
+    k = ours.get("compile_layers")
+    return "off" if k is None else f"on (ptdp's regions: {k} layer{'s' if k > 1 else ''})"
 
 
 def forget_models(device) -> None:
@@ -314,8 +327,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "both (default: --steps; 0: none)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (default: 3 CUDA, 1 CPU)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile both models: ptdp per layer (train.compile), the "
+                        help="torch.compile both models: ptdp in regions of layers (train.compile), the "
                              "reference whole (default: on for CUDA, off on CPU)")
+    parser.add_argument("--compile-layers", type=int,
+                        help="ptdp's train.compile_layers, layers per compiled region (default: "
+                             "its null, ptdp/config/compilation.py)")
     parser.add_argument("--recompute", choices=("none", "full", "selective"), default="none",
                         help="ptdp's train.recompute; the reference checkpoints each block "
                              "for full or selective")
@@ -397,7 +413,7 @@ def main(argv=None) -> int:
                            tool=__file__, argv=argv, device=device)
     print(f"{args.arch}: {s['layers']} layers, h {s['hidden']}, {s['heads']} heads, s {s['seq']}, "
           f"V {s['vocab']}, {args.precision}, recompute {args.recompute}, compile "
-          f"{'on' if args.compile else 'off'}, TF32 {'on' if args.tf32 else 'off'}, "
+          f"{_compile_words(rows[0])}, TF32 {'on' if args.tf32 else 'off'}, "
           f"{args.data_workers} data worker(s), {device} (peak {peak or 'unknown'} TFLOP/s); "
           f"median of {args.steps} steps after {args.warmup} warm-up")
     print(table(rows))

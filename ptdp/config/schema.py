@@ -217,7 +217,9 @@ class TrainConfig:
     eval_interval: int = 0               # 0 disables validation
     eval_iters: int = 2
     device: str = "auto"                 # auto | cpu | cuda
-    compile: bool | None = None          # torch.compile each layer; null = on for CUDA only
+    compile: bool | None = None          # torch.compile the layers; null = on for CUDA only
+    compile_layers: int | None = None    # layers per compiled region (ptdp/config/compilation.py);
+                                         # null = up to 8 with d = 1 and one-graph layers, else 1
     timeout_s: float = 180.0             # a rank stuck 80 % of this long ends the job (exit 4)
     startup_timeout_s: float = 600.0     # the same for the first iteration and validation
                                          # (compilation); the backend gives up after the larger

@@ -1,10 +1,12 @@
-"""`train.compile`: torch.compile each transformer layer, never the whole model.
+"""`train.compile`: torch.compile the transformer layers, never the whole model.
 
-Compiling per layer keeps everything around the layers eager and unchanged: pipeline chunks
-and the executor, activation recomputation (torch.utils.checkpoint around compiled layers)
-and the tensor-parallel collectives (graph breaks, see ptdp/parallel/mappings.py). Every layer
-runs the same code on same-shaped inputs, so one compiled graph serves all layers (plus one
-more for evaluation, which runs without autograd). The vocab-parallel loss takes its fused
+Compiling regions of consecutive layers (`train.compile_layers`, ptdp/config/compilation.py;
+models/transformer.py `TransformerStack`) keeps everything around them eager and unchanged:
+pipeline chunks and the executor, activation recomputation (torch.utils.checkpoint around
+compiled regions) and the tensor-parallel collectives (graph breaks, see
+ptdp/parallel/mappings.py). Every layer runs the same code on same-shaped inputs, so one
+compiled graph serves all regions of a length (plus one more for evaluation, which runs
+without autograd). The vocab-parallel loss takes its fused
 form: its passes over the logits are compiled kernels of their own, its all-reduces eager
 (ptdp/parallel/cross_entropy.py).
 

@@ -46,6 +46,7 @@ from ptdp.checkpoint.layout import PARAMETERS, StatePart
 from ptdp.config import Config
 from ptdp.config.batches import BatchSchedule
 from ptdp.config.catalogue import ScheduleSpec
+from ptdp.config.compilation import region_layers
 from ptdp.kernels import should_compile
 from ptdp.models import ModelContext, build_chunk, named_global_parameters
 from ptdp.optim.distributed import ShardedMasterWeights, shard_group
@@ -249,6 +250,7 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
     ctx = ModelContext(cfg.model, tp, tr.seed, rng.tensor_parallel, cfg.padded_vocab_size,
                        tr.recompute, tr.recompute_num_layers,
                        compile=should_compile(tr.compile, device),
+                       compile_layers=region_layers(cfg),
                        cp=ContextParallel.from_grid(grid), ep=ExpertParallel.from_grid(grid),
                        recompute_modules=tr.recompute_modules)
     num_stages = par.pipeline * par.chunks

@@ -40,11 +40,12 @@ def test_train_compile_is_true_false_or_null():
 LLAMA = dict(preset="llama", num_kv_heads=2, ffn_hidden_size=64)
 
 
-def loss_and_grads(compile: bool, recompute: str, dropout: float = 0.0, **block):
-    cfg = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, seq_length=16, vocab_size=100,
-                      dropout=dropout, **block)
+def loss_and_grads(compile: bool, recompute: str, dropout: float = 0.0, layers: int = 2,
+                   compile_layers: int = 1, **block):
+    cfg = ModelConfig(num_layers=layers, hidden_size=32, num_heads=4, seq_length=16,
+                      vocab_size=100, dropout=dropout, **block)
     ctx = ModelContext(cfg, TensorParallel(), 7, TensorParallelRNG(7, 0, torch.device("cpu")),
-                       128, recompute, 1, compile=compile)
+                       128, recompute, 1, compile=compile, compile_layers=compile_layers)
     chunk = build_chunk(ctx, 0, 1).train()
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 100, (2, 16), generator=g)
@@ -140,3 +141,82 @@ def test_a_compiled_layer_sums_fc1s_bias_gradient_over_token_rows():
     assert [(shapes(n)[0], list(n.args[1])) for n in fc1_bias] == [((32, 32), [0])]
     assert not [n for n in calls if n.target in (torch.ops.aten.as_strided_scatter.default,
                                                  torch.ops.aten.new_empty_strided.default)]
+
+
+# ------------------------------------------------------------- train.compile_layers (regions)
+def test_compiled_regions_match_eager():
+    """A 4-layer chunk compiled in two regions of 2 layers trains like the eager chunk."""
+    assert_close(loss_and_grads(True, "none", layers=4, compile_layers=2),
+                 loss_and_grads(False, "none", layers=4))
+
+
+def _stack(layers: int, k: int, recompute: str = "none", group: int = 1):
+    from ptdp.models.transformer import TransformerStack
+    cfg = ModelConfig(num_layers=layers, hidden_size=16, num_heads=2, seq_length=8,
+                      vocab_size=100, dropout=0.0)
+    ctx = ModelContext(cfg, TensorParallel(), 7, TensorParallelRNG(7, 0, torch.device("cpu")),
+                       128, recompute, group, compile=True, compile_layers=k)
+    return TransformerStack(ctx, 0, layers, causal=True).train()
+
+
+@pytest.mark.parametrize("layers, k, recompute, group, calls", [
+    (7, 3, "none", 1, [3, 3, 1]),
+    (4, 8, "none", 1, [4]),          # a chunk shorter than a region: one call
+    (7, 3, "full", 2, [2, 2, 2, 1]),  # a region never spans two recomputed groups
+    (6, 2, "full", 3, [2, 1, 2, 1]),
+])
+def test_regions_cut_the_stack(layers, k, recompute, group, calls, monkeypatch):
+    """One compiled call per region of k layers: the host cost of a call is paid per region."""
+    import ptdp.models.transformer as transformer
+    seen = []
+    monkeypatch.setattr(transformer, "compiled_run_layers", lambda: lambda region, *args: (
+        seen.append(len(region)) or transformer.run_layers(region, *args)))
+    _stack(layers, k, recompute, group)(torch.randn(8, 2, 16, requires_grad=True))
+    assert seen == calls
+
+
+def test_regions_of_equal_length_share_one_graph(monkeypatch):
+    """Dynamo traces a region once: the layers' weights are the graph's inputs, so the second
+    region of a 4-layer stack reuses the first one's graph, forward and backward."""
+    from torch._dynamo.utils import counters
+    import ptdp.models.transformer as transformer
+    compiled = torch.compile(transformer.run_layers, backend="eager")   # dynamo only
+    monkeypatch.setattr(transformer, "compiled_run_layers", lambda: compiled)
+    torch._dynamo.reset()
+    counters.clear()
+    stack = _stack(4, 2)
+    for _ in range(2):
+        stack(torch.randn(8, 2, 16, requires_grad=True)).sum().backward()
+    torch._dynamo.reset()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("overrides, world, expected", [
+    ([], 1, 8),                                               # nothing to overlap: regions
+    (["model.num_layers=8", "train.compile_layers=3"], 1, 3),
+    (["parallel.data=2"], 2, 1),                              # keeps the reduction's overlap
+    (["parallel.data=2", "train.compile_layers=4"], 2, 4),    # the user's trade
+    (["parallel.tensor=2"], 2, 1),                            # graph breaks: nothing to gain
+    (["model.attention_dropout=0.1"], 1, 1),
+    (["train.recompute=selective"], 1, 1),
+    (["model.num_experts=4"], 1, 1),
+])
+def test_the_region_length(overrides, world, expected):
+    from ptdp.config import load_config
+    from ptdp.config.compilation import region_layers
+    assert region_layers(load_config(None, TINY + overrides, world_size=world)) == expected
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.compile_layers=0"], "train.compile_layers must be a whole number >= 1 or null, "
+                                 "got 0"),
+    (["parallel.tensor=2", "train.compile_layers=4"],
+     "train.compile_layers=4 needs layers that compile to one graph, and parallel.tensor=2: "
+     "the tensor-parallel collectives run eagerly; set train.compile_layers=1 or null"),
+])
+def test_a_region_length_that_cannot_work_is_refused(overrides, message):
+    from ptdp.config import ConfigError, load_config
+    with pytest.raises(ConfigError) as err:
+        load_config(None, TINY + overrides, world_size=2)
+    assert message in err.value.errors

@@ -1,0 +1,62 @@
+"""`train.compile_layers`: how many consecutive transformer layers one compiled region holds.
+
+With `train.compile` each region is one `torch.compile`d call (models/transformer.py
+`TransformerStack`). Every call pays the same host work whatever its size: dynamo's guard
+check, AOTAutograd's forward and backward wrappers, the autograd node. Per layer that is ~0.2
+ms of host time per micro-batch, forward and backward, which a small model on a GPU cannot hide
+(BERT-large at micro-batch 16 waits on its host: docs/performance.md). A region of k layers
+pays it once for k; regions of the same length share one compiled graph, so compilation grows
+with k, not with the number of layers.
+
+The cost of a long region: its weight gradients all appear when its backward ends, so the
+data-parallel buckets launch later and overlap less of the backward. The default (`null`)
+therefore takes regions of up to `AUTO_REGION_LAYERS` layers only where there is nothing to
+overlap (one data-parallel replica) and the layer compiles to a single graph; otherwise one
+layer per region, as before. A layer with a graph break (eager islands: collectives,
+mixture-of-experts blocks, attention dropout, selectively recomputed modules) gains nothing
+from longer regions, so an explicit `train.compile_layers` > 1 is refused there.
+"""
+
+from __future__ import annotations
+
+AUTO_REGION_LAYERS = 8   # most of the host saving (8x fewer calls) at a bounded compile time
+
+
+def graph_break(cfg) -> str | None:
+    """Why a training layer of `cfg` is not one compiled graph, or None when it is."""
+    par, model, train = cfg.parallel, cfg.model, cfg.train
+    if par.tensor > 1:
+        return f"parallel.tensor={par.tensor}: the tensor-parallel collectives run eagerly"
+    if par.context > 1:
+        return f"parallel.context={par.context}: the attention ring runs eagerly"
+    if model.num_experts > 0:
+        return "model.num_experts > 0: the mixture-of-experts blocks run eagerly"
+    if model.attention_dropout_rate > 0:
+        return ("attention dropout (model.attention_dropout, else model.dropout) runs eagerly, "
+                "on the tensor-parallel random stream")
+    if train.recompute == "selective":
+        return "train.recompute=selective: the recomputed modules run eagerly"
+    return None
+
+
+def region_layers(cfg) -> int:
+    """Layers per compiled region: `train.compile_layers`, or the default described above.
+    With recompute=full a region never spans two recomputed groups (models/transformer.py)."""
+    if cfg.train.compile_layers is not None:
+        return cfg.train.compile_layers
+    if (cfg.parallel.data or 1) > 1 or graph_break(cfg) is not None:
+        return 1
+    return AUTO_REGION_LAYERS
+
+
+def check_compile_layers(cfg, out) -> None:
+    """An explicit train.compile_layers: >= 1, and > 1 only for layers that are one graph."""
+    k = cfg.train.compile_layers
+    if k is None:
+        return
+    if not out.require(isinstance(k, int) and k >= 1,
+                       f"train.compile_layers must be a whole number >= 1 or null, got {k!r}"):
+        return
+    reason = graph_break(cfg) if k > 1 else None
+    out.require(reason is None, f"train.compile_layers={k} needs layers that compile to one "
+                                f"graph, and {reason}; set train.compile_layers=1 or null")
