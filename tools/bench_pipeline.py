@@ -20,6 +20,10 @@ One gloo job of p*t local ranks (``ptdp.runtime.local_ranks.run_on_ranks``) runs
   the makespan runs from the first action start to the last action end over all ranks and
   compute is the rank's action time minus the time spent waiting for receives; the mean over
   ranks is compared with (p-1)/(v*m) (zb-h1: (p-1)/(3m), t_F = t_B = t_W);
+* ``makespan ... the least its own action times allow`` (GPipe and 1F1B, v = 1): our
+  forward_backward's makespan over sum_s (F_s + B_s) + (m - 1) max_s (F_s + B_s), from each
+  stage's mean forward and backward compute; 1.0 means the engine adds nothing to the stages'
+  own work but the pipeline's fill and drain (what is left is the model's, not the schedule's);
 * ``bytes/msg``: ``P2P.bytes_sent / messages_sent`` per iteration, against b*s*h*4 (/t with
   scatter/gather).
 
@@ -257,6 +261,24 @@ def _bubble(ranks_iter: list[dict]) -> tuple[float, list[float], dict]:
     return statistics.fmean(per_rank), per_rank, detail
 
 
+def _over_ideal(ranks_iter: list[dict], m: int) -> float:
+    """One iteration of a flushing schedule with one chunk per rank (GPipe, 1F1B): its makespan
+    over the least any such schedule could take with these very action times,
+    sum_s (F_s + B_s) + (m - 1) * max_s (F_s + B_s), where F_s and B_s are stage s's mean
+    forward and backward compute (the receive waits inside an action taken out). 1.0: the
+    engine adds nothing to the stages' own work but the unavoidable fill and drain."""
+    first = min(r["trace"][0][1] for r in ranks_iter)
+    last = max(r["trace"][-1][2] for r in ranks_iter)
+    per_stage = []
+    for r in ranks_iter:
+        times = {"F": [], "B": []}
+        for name, b, e in r["trace"]:
+            waited = sum(min(e, we) - max(b, wb) for wb, we in r["waits"] if wb < e and we > b)
+            times[name[0]].append(e - b - waited)
+        per_stage.append(statistics.fmean(times["F"]) + statistics.fmean(times["B"]))
+    return (last - first) / (sum(per_stage) + (m - 1) * max(per_stage))
+
+
 def aggregate(s: dict, per_rank: list[list[dict]]) -> list[dict]:
     rows = []
     world = len(per_rank)
@@ -266,6 +288,8 @@ def aggregate(s: dict, per_rank: list[list[dict]]) -> list[dict]:
         pipe = sorted((r for r in ranks if r["tp_rank"] == 0), key=lambda r: r["pp_rank"])
         ours_steps, theirs_steps, bubbles, bubbles_per_rank = [], [], [], []
         fb, post, overhead, comp, waits, cpu_ours, cpu_theirs = [], [], [], [], [], [], []
+        over_ideal = []   # GPipe and 1F1B with one chunk per rank: the makespan's floor is known
+        ideal_known = name in ("gpipe", "1f1b") and v == 1
         for i in range(s["iters"]):
             its = [r["ours"][i] for r in ranks]
             if "ends" in ranks[0]:   # 2bw: the period between consecutive iterations' ends
@@ -277,6 +301,8 @@ def aggregate(s: dict, per_rank: list[list[dict]]) -> list[dict]:
             fb.append(max(x["t_fb"] for x in its) - min(x["t0"] for x in its))
             post.append(max(x["t_end"] - x["t_fb"] for x in its))
             mean, per, detail = _bubble([r["ours"][i] for r in pipe])
+            if ideal_known:
+                over_ideal.append(_over_ideal([r["ours"][i] for r in pipe], s["m"]))
             bubbles.append(mean)
             bubbles_per_rank.append(per)
             overhead.append(max(detail["gaps"]))
@@ -318,6 +344,7 @@ def aggregate(s: dict, per_rank: list[list[dict]]) -> list[dict]:
             "ours_forward_backward_s": _median(fb), "ours_reduce_optimizer_s": _median(post),
             "ours_compute_per_rank_s": _median(comp), "ours_recv_wait_per_rank_s": _median(waits),
             "ours_gap_between_actions_median_s": _median(overhead),
+            "ours_makespan_over_ideal": _median(over_ideal) if over_ideal else None,
             "ours_cpu_s_all_ranks": _median(cpu_ours), "torch_cpu_s_all_ranks": _median(cpu_theirs),
             "measured_bubble_per_rank": [_median([b[r] for b in bubbles_per_rank])
                                          for r in range(len(pipe))],
@@ -416,6 +443,9 @@ def main(argv=None) -> int:
                  f"{1e3 * r['ours_gap_between_actions_median_s']:.3f}ms), reduce+optimizer "
                  f"{r['ours_reduce_optimizer_s']:.4f}s; bubble per rank "
                  + ", ".join(f"{b:.3f}" for b in r["measured_bubble_per_rank"]))
+        if r["ours_makespan_over_ideal"] is not None:
+            extra += (f"; makespan {r['ours_makespan_over_ideal']:.3f}x the least its own "
+                      f"action times allow")
         if r["ratio_paired_median"] is not None:
             extra += (f"; ratio paired-median {r['ratio_paired_median']:.3f}, of minima "
                       f"{r['ratio_of_minima']:.3f}; CPU s/step (all ranks) ours "

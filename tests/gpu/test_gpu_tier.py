@@ -68,8 +68,12 @@ def test_fp16_overflow_skips_steps_and_halves_the_scale(world):
     assert trainer.state.loss_scaler.scale < 1e12
 
 
-def test_compiled_layers_equal_eager(world):
-    """train.compile fuses the elementwise chains: round-off apart, the same layer."""
+@pytest.mark.parametrize("region", [1, 2])
+def test_compiled_layers_equal_eager(world, region):
+    """train.compile fuses the elementwise chains: round-off apart, the same layers, compiled
+    one by one or as one region of both (train.compile_layers)."""
+    import dataclasses
+
     from ptdp.config import load_config
     from ptdp.models.transformer import TransformerStack
     from ptdp.profiler.timing import layer_context
@@ -78,7 +82,8 @@ def test_compiled_layers_equal_eager(world):
     model = load_config(None, SMALL, world_size=1).model
     device = torch.device("cuda", 0)
     eager = TransformerStack(layer_context(model, 1, device), 0, 2, True).to(device)
-    compiled = TransformerStack(layer_context(model, 1, device, compile=True), 0, 2, True).to(device)
+    ctx = dataclasses.replace(layer_context(model, 1, device, compile=True), compile_layers=region)
+    compiled = TransformerStack(ctx, 0, 2, True).to(device)
     compiled.load_state_dict(eager.state_dict())
     x = torch.randn(64, 4, 64, device=device, requires_grad=True)
     x2 = x.detach().clone().requires_grad_()
