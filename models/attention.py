@@ -187,13 +187,21 @@ def attention_with_dropout(rng: TensorParallelRNG, q, k, v, mask, dropout: float
 
 
 def core_attention(q, k, v, mask: AttentionMask | None, *, causal: bool, window: int | None,
-                   dropout: float, rng: TensorParallelRNG, cp: ContextParallel):
+                   dropout: float, rng: TensorParallelRNG, cp: ContextParallel,
+                   tensor_ranks: int = 1):
     """A layer's attention over its heads: the ring with context parallelism (config: no
-    padding, no dropout there), else the kernel of the mask prepared for this layer's window."""
+    padding, no dropout there), else the kernel of the mask prepared for this layer's window.
+
+    Attention dropout draws from the tensor-parallel stream, eagerly (a graph break in a
+    compiled layer), except in a compiled layer with one tensor rank: there no other rank's
+    heads need other masks, and the graph draws them from torch's generator, as it does the
+    hidden dropout's (which torch.utils.checkpoint restores for recomputation)."""
     if cp.size > 1:
         documents = None if mask is None else mask.documents
         return ring_attention(q, k, v, cp, causal, documents=documents, window=window)
     prepared = None if mask is None else mask.prepared[effective_window(window, q.shape[2])]
     if dropout == 0.0:  # no randomness: skip swapping RNG states
         return attention(q, k, v, prepared, causal)
+    if tensor_ranks == 1 and torch.compiler.is_compiling():
+        return attention(q, k, v, prepared, causal, dropout)
     return attention_with_dropout(rng, q, k, v, prepared, dropout, causal)

@@ -146,7 +146,8 @@ class ParallelAttention(nn.Module):
         or None."""
         dropout = self.ctx.model.attention_dropout_rate if self.training else 0.0
         return core_attention(q, k, v, mask, causal=self.causal, window=self.window,
-                              dropout=dropout, rng=self.ctx.rng, cp=self.ctx.cp)
+                              dropout=dropout, rng=self.ctx.rng, cp=self.ctx.cp,
+                              tensor_ranks=self.ctx.tp.size)
 
     def project(self, x, positions=None, norm=None):
         """x [s, b, h] (normalised by `norm` first when given) -> q [b, heads, s, d], k and v

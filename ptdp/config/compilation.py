@@ -13,8 +13,9 @@ data-parallel buckets launch later and overlap less of the backward. The default
 therefore takes regions of up to `AUTO_REGION_LAYERS` layers only where there is nothing to
 overlap (one data-parallel replica) and the layer compiles to a single graph; otherwise one
 layer per region, as before. A layer with a graph break (eager islands: collectives,
-mixture-of-experts blocks, attention dropout, selectively recomputed modules) gains nothing
-from longer regions, so an explicit `train.compile_layers` > 1 is refused there.
+mixture-of-experts blocks, selectively recomputed modules) gains nothing from longer regions,
+so an explicit `train.compile_layers` > 1 is refused there. (Attention dropout is in the graph
+with one tensor rank, models/attention.py; with more, the collectives break it anyway.)
 """
 
 from __future__ import annotations
@@ -31,9 +32,6 @@ def graph_break(cfg) -> str | None:
         return f"parallel.context={par.context}: the attention ring runs eagerly"
     if model.num_experts > 0:
         return "model.num_experts > 0: the mixture-of-experts blocks run eagerly"
-    if model.attention_dropout_rate > 0:
-        return ("attention dropout (model.attention_dropout, else model.dropout) runs eagerly, "
-                "on the tensor-parallel random stream")
     if train.recompute == "selective":
         return "train.recompute=selective: the recomputed modules run eagerly"
     return None

@@ -96,6 +96,38 @@ def test_compiled_layers_equal_eager(world, region):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-3, atol=1e-6, msg=name)
 
 
+def test_compiled_dropout_is_replayed_by_recomputation_on_cuda(world):
+    """One tensor rank: a compiled region draws its hidden and attention dropout in the graph
+    (flash attention's own random state for the latter, models/attention.py); recompute=full
+    restores the generator and replays the same masks, so the gradients equal those of the
+    same region kept whole."""
+    import dataclasses
+
+    from ptdp.config import load_config
+    from ptdp.models.transformer import TransformerStack
+    from ptdp.profiler.timing import layer_context
+    model = dataclasses.replace(load_config(None, SMALL, world_size=1).model, dropout=0.1)
+    device = torch.device("cuda", 0)
+    grads, outs, weights = [], [], None
+    for recompute in ("none", "full"):
+        ctx = dataclasses.replace(layer_context(model, 1, device, recompute, compile=True),
+                                  compile_layers=2, recompute_num_layers=2)
+        stack = TransformerStack(ctx, 0, 2, True).to(device).train()
+        if weights is None:
+            weights = stack.state_dict()
+        stack.load_state_dict(weights)
+        x = torch.randn(64, 4, 64, device=device, generator=torch.Generator(device).manual_seed(1),
+                        requires_grad=True)
+        torch.cuda.manual_seed(7)
+        out = stack(x)
+        out.square().mean().backward()
+        outs.append(out.detach())
+        grads.append([p.grad for p in stack.parameters()] + [x.grad])
+    torch.testing.assert_close(outs[1], outs[0])
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want)
+
+
 def test_flat_buffers_and_fused_adamw_on_cuda(world):
     trainer = _trainer("train.precision=bf16", "train.compile=false")
     weights = trainer.state.weights

@@ -150,10 +150,10 @@ def test_compiled_regions_match_eager():
                  loss_and_grads(False, "none", layers=4))
 
 
-def _stack(layers: int, k: int, recompute: str = "none", group: int = 1):
+def _stack(layers: int, k: int, recompute: str = "none", group: int = 1, **model):
     from ptdp.models.transformer import TransformerStack
     cfg = ModelConfig(num_layers=layers, hidden_size=16, num_heads=2, seq_length=8,
-                      vocab_size=100, dropout=0.0)
+                      vocab_size=100, **{"dropout": 0.0, **model})
     ctx = ModelContext(cfg, TensorParallel(), 7, TensorParallelRNG(7, 0, torch.device("cpu")),
                        128, recompute, group, compile=True, compile_layers=k)
     return TransformerStack(ctx, 0, layers, causal=True).train()
@@ -198,7 +198,7 @@ def test_regions_of_equal_length_share_one_graph(monkeypatch):
     (["parallel.data=2"], 2, 1),                              # keeps the reduction's overlap
     (["parallel.data=2", "train.compile_layers=4"], 2, 4),    # the user's trade
     (["parallel.tensor=2"], 2, 1),                            # graph breaks: nothing to gain
-    (["model.attention_dropout=0.1"], 1, 1),
+    (["model.attention_dropout=0.1"], 1, 8),                  # in the graph at t = 1
     (["train.recompute=selective"], 1, 1),
     (["model.num_experts=4"], 1, 1),
 ])
@@ -220,3 +220,23 @@ def test_a_region_length_that_cannot_work_is_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(None, TINY + overrides, world_size=2)
     assert message in err.value.errors
+
+
+def test_attention_dropout_is_in_the_compiled_graph_with_one_tensor_rank(monkeypatch):
+    """With one tensor rank a compiled layer draws its attention dropout in the graph (no eager
+    island swapping generator states: models/attention.py), so the layer stays one graph, and
+    the masks are drawn afresh at every call. (Recomputation replays them:
+    test_compiled_dropout_is_replayed_by_recomputation, whose dropout is also attention's.)"""
+    from torch._dynamo.utils import counters
+    import ptdp.models.transformer as transformer
+    compiled = torch.compile(transformer.run_layers, backend="eager")   # dynamo only
+    monkeypatch.setattr(transformer, "compiled_run_layers", lambda: compiled)
+    torch._dynamo.reset()
+    counters.clear()
+    stack = _stack(2, 2, attention_dropout=0.5)
+    x = torch.randn(8, 2, 16)
+    first, second = stack(x), stack(x)
+    torch._dynamo.reset()
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not torch.equal(first, second)
