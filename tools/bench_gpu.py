@@ -75,10 +75,10 @@ import torch
 
 if __package__:      # python -m tools.bench_gpu, or imported by a test
     from . import harness
-    from .gpu_reference import DTYPES, PlainRunner
+    from .gpu_reference import DTYPES, PlainRunner, _has_transformers
 else:                # python tools/bench_gpu.py (tools/harness.py says why)
     import harness
-    from gpu_reference import DTYPES, PlainRunner
+    from gpu_reference import DTYPES, PlainRunner, _has_transformers
 
 SHAPES = {  # layers, hidden, heads, seq, vocab, micro-batch
     "gpt": dict(layers=24, hidden=2048, heads=16, seq=2048, vocab=51200, micro_batch=8),
@@ -103,7 +103,8 @@ class PtdpRunner:
         overrides = [
             f"model.arch={args.arch}", f"model.num_layers={s['layers']}",
             f"model.hidden_size={s['hidden']}", f"model.num_heads={s['heads']}",
-            f"model.seq_length={s['seq']}", f"model.vocab_size={s['vocab']}", "model.dropout=0.0",
+            f"model.seq_length={s['seq']}", f"model.vocab_size={s['vocab']}",
+            f"model.dropout={s['dropout']}",
             f"train.micro_batch_size={args.micro_batch}",
             f"train.global_batch_size={args.micro_batch * args.micro_batches}",
             f"train.iters={args.warmup + args.steps + bool(args.profile) + args.rounds}",
@@ -332,6 +333,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile-layers", type=int,
                         help="ptdp's train.compile_layers, layers per compiled region (default: "
                              "its null, ptdp/config/compilation.py)")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="hidden and attention dropout of both models (BERT against Hugging "
+                             "Face only: the plain references have none; default 0)")
     parser.add_argument("--recompute", choices=("none", "full", "selective"), default="none",
                         help="ptdp's train.recompute; the reference checkpoints each block "
                              "for full or selective")
@@ -362,6 +366,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("layers", "hidden", "heads", "seq", "vocab"):
         if getattr(args, name) is not None:
             shape[name] = getattr(args, name)
+    shape["dropout"] = args.dropout
+    if args.dropout and (args.arch != "bert" or args.reference == "plain"
+                         or not _has_transformers()):
+        parser.error("--dropout needs --arch bert and the Hugging Face reference (transformers "
+                     "installed, --reference auto or hf): the plain references have no dropout")
     args.shape = shape
     args.micro_batch = args.micro_batch or shape["micro_batch"]
     args.micro_batches = args.micro_batches or (2 if args.tiny else 4)

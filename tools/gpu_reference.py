@@ -106,7 +106,8 @@ class PlainBert(nn.Module):
 
 
 class HFBert(nn.Module):
-    """transformers.BertForPreTraining (post-LN, as published), SDPA attention, dropout 0."""
+    """transformers.BertForPreTraining (post-LN, as published), SDPA attention, dropout
+    s["dropout"] (hidden and attention; 0 unless bench_gpu.py's --dropout)."""
 
     def __init__(self, s: dict, recompute: bool):
         super().__init__()
@@ -114,7 +115,8 @@ class HFBert(nn.Module):
         config = BertConfig(vocab_size=s["vocab"], hidden_size=s["hidden"],
                             num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
                             intermediate_size=4 * s["hidden"], max_position_embeddings=s["seq"],
-                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                            hidden_dropout_prob=s.get("dropout", 0.0),
+                            attention_probs_dropout_prob=s.get("dropout", 0.0),
                             attn_implementation="sdpa")
         self.model = BertForPreTraining(config)
         if recompute:
