@@ -17,7 +17,7 @@ from tests.deadline import within
 ROOT = Path(__file__).resolve().parents[1]
 ROW_FIELDS = {"model", "micro_batch", "micro_batches", "step_ms", "step_ms_all", "tokens_per_s",
               "tflops", "tflops_eq42", "mfu", "peak_memory_gb", "loss_first", "loss_last",
-              "parameters", "vocab"}
+              "parameters", "vocab", "compile_layers"}
 
 
 @pytest.mark.parametrize("arch,extra,program", [
@@ -125,3 +125,23 @@ def test_the_models_are_paired_only_where_the_gpu_holds_both(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
         assert room_for_both(cuda, {"peak_reserved_gb": reserved}) is fits
     assert room_for_both(torch.device("cpu"), {"peak_reserved_gb": 1e9})
+
+
+@pytest.mark.parametrize("argv", [["--arch", "gpt", "--dropout", "0.1"],
+                                  ["--arch", "bert", "--reference", "plain", "--dropout", "0.1"]])
+def test_dropout_needs_a_reference_that_has_it(argv, capsys):
+    """--dropout sets both models' dropout: refused where the reference (plain GPT or BERT)
+    has none, rather than timing ptdp with dropout against a model without."""
+    from tools.bench_gpu import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cpu", "--tiny", *argv])
+    assert "--dropout needs --arch bert and the Hugging Face reference" in capsys.readouterr().err
+
+
+def test_the_row_names_the_compiled_regions():
+    """With compile, ptdp's row says how many layers each compiled region held (the header
+    line too); without, none."""
+    from tools.bench_gpu import _compile_words
+    assert _compile_words({"compile_layers": 8}) == "on (ptdp's regions: 8 layers)"
+    assert _compile_words({"compile_layers": 1}) == "on (ptdp's regions: 1 layer)"
+    assert _compile_words({"compile_layers": None}) == "off"
