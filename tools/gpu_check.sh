@@ -33,12 +33,14 @@
 # and installed from there (no network) into a private folder before the stages run.
 # Environment: PYTHON [python3]; OUT [bench/gpu_check/<date-time>; a dry run: a temporary
 # folder]; WHEELS [.whl]; BUDGET_S,
-# the whole run's limit [450]; STAGES, the stages to run
+# the whole run's limit [470]; STAGES, the stages to run
 # [gpu_tier,bench_gpt,bench_bert,plan,loss,bert_head,mlp_chain] (to rerun what a cut-short
 # run missed);
-# each stage stops at its share (TIER_S 120, GPT_S 160, BERT_S 140, PLAN_S 50: what each took
+# each stage stops at its share (TIER_S 140, GPT_S 190, BERT_S 170, PLAN_S 50: what each took
 # on one H200, 2026-11-27, 82, 119, 91 and 38 s, with room for an H100's slower memory where
-# the step is longest, and for bench_gpu's paired rounds: GPT took 132 s with them; LOSS_S 25,
+# the step is longest, and for bench_gpu's paired rounds: GPT took 132 s with them, BERT 105;
+# 30 s more each for compiling regions of 8 layers, and 20 s more for the tier's two new
+# compiled tests, none timed there yet; LOSS_S 25,
 # HEAD_S 25: about 12 s each there; MLP_S 25, three compiled MLP blocks) or at what the
 # budget has left, whichever is less, with SIGINT first (pytest then still writes its junit
 # file, bench_gpu.py has written each model's row as it went), and the report says which
@@ -62,7 +64,7 @@ if [[ -z "$OUT" ]]; then
     if [[ "$DRY_RUN" -eq 1 ]]; then OUT="$(mktemp -d -t gpu_check-dry-run.XXXXXX)"
     else OUT="bench/gpu_check/$(date +%Y%m%d-%H%M%S)"; fi
 fi
-BUDGET_S="${BUDGET_S:-450}"
+BUDGET_S="${BUDGET_S:-470}"
 for name in BUDGET_S TIER_S GPT_S BERT_S PLAN_S LOSS_S HEAD_S MLP_S; do   # seconds, whole
     value="${!name:-1}"
     if ! [[ "$value" =~ ^[1-9][0-9]*$ ]]; then
@@ -160,11 +162,11 @@ stage() {
 # The tier's tiny bench_gpu test is left to the bench stages, which run that script at scale.
 TIER_ARGS=(--deselect tests/gpu/test_gpu_tier.py::test_bench_gpu_tiny_on_cuda)
 if "$PYTHON" -c "import xdist" 2> /dev/null; then TIER_ARGS+=(-n 4); fi
-stage gpu_tier "${TIER_S:-120}" env PTDP_GPU_TESTS=1 "$PYTHON" -m pytest -m gpu tests/gpu -q \
+stage gpu_tier "${TIER_S:-140}" env PTDP_GPU_TESTS=1 "$PYTHON" -m pytest -m gpu tests/gpu -q \
     -p no:cacheprovider --junitxml "$OUT/gpu_tier.xml" "${TIER_ARGS[@]}"
-stage bench_gpt "${GPT_S:-160}" "$PYTHON" tools/bench_gpu.py --device cuda --arch gpt \
+stage bench_gpt "${GPT_S:-190}" "$PYTHON" tools/bench_gpu.py --device cuda --arch gpt \
     --steps 6 --warmup 3 --json "$OUT/bench_gpt.json" --profile "$OUT"
-stage bench_bert "${BERT_S:-140}" "$PYTHON" tools/bench_gpu.py --device cuda --arch bert \
+stage bench_bert "${BERT_S:-170}" "$PYTHON" tools/bench_gpu.py --device cuda --arch bert \
     --steps 6 --warmup 3 --json "$OUT/bench_bert.json" --profile "$OUT"
 if [[ "$DRY_RUN" -eq 1 && ",$STAGES," == *",plan,"* ]]; then   # the planner's half needs no GPU
     "$PYTHON" tools/gpu_check.py plan --out "$OUT" --hardware h100-80gb
