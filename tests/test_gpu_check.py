@@ -63,10 +63,11 @@ def test_report_judges_each_target(tmp_path):
         '</testsuite></testsuites>')
     row = {"model": "ptdp", "mfu": 0.6, "peak_memory_gb": 50.0, "step_ms": 1300.0}
     targets = {"speedup": 1.15, "mfu": 0.65, "memory_ratio": 1.10}   # the bench's own
-    for arch, speedup, memory, paired in (("gpt", 1.2, 1.05, {"rounds": 6}),
-                                          ("bert", 1.1, 1.2, None)):
+    for arch, speedup, memory, paired, regions in (("gpt", 1.2, 1.05, {"rounds": 6}, None),
+                                                   ("bert", 1.1, 1.2, None, 8)):
         (tmp_path / f"bench_{arch}.json").write_text(json.dumps(
-            {"rows": [row, {"model": "reference (x)"}], "speedup": speedup,
+            {"rows": [{**row, "compile_layers": regions}, {"model": "reference (x)"}],
+             "speedup": speedup,
              "memory_ratio": memory, "paired": paired, "targets": targets,
              "speedup_sequential": 0.9 if paired else None}))
     (tmp_path / "plan.json").write_text(json.dumps([
@@ -81,7 +82,8 @@ def test_report_judges_each_target(tmp_path):
     met = {check["what"]: check["met"] for check in report["checks"]}
     assert met == {"gpt tokens/s vs reference (x), paired rounds (sequential 0.900x)": True,
                    "gpt MFU (3 passes)": False, "gpt peak memory vs reference": True,
-                   "bert tokens/s vs reference (x)": False, "bert MFU (3 passes)": False,
+                   "bert tokens/s vs reference (x), ptdp compiled in regions of 8 layers": False,
+                   "bert MFU (3 passes)": False,
                    "bert peak memory vs reference": False,
                    "planner step time, L1": True, "planner memory, L1": False,
                    "planner step time, L2": False, "planner memory, L2": True,

@@ -179,6 +179,9 @@ def evaluate(directory: Path) -> dict:
         if result.get("paired"):
             sequential = result.get("speedup_sequential")
             paired = ", paired rounds" + (f" (sequential {sequential:.3f}x)" if sequential else "")
+        regions = ours.get("compile_layers")   # ptdp's layers per compiled call
+        if regions:
+            paired += f", ptdp compiled in regions of {regions} layer{'s' * (regions > 1)}"
         checks.append({"what": f"{arch} tokens/s vs {ref['model']}{paired}",
                        "value": result["speedup"],
                        "target": f">= {target['speedup']:.2f}x",
