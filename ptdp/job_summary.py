@@ -1,6 +1,7 @@
 """What `ptdp check` prints about a job that passes its checks (ptdp/checks.py): the model,
-the layout, the micro-batches and the bubble, and the planner's memory estimate for every
-pipeline rank (ptdp/planner/memory.py), with the modules the trainer recomputes."""
+the layout, the micro-batches and the bubble, compilation (train.compile and its regions of
+layers), and the planner's memory estimate for every pipeline rank (ptdp/planner/memory.py),
+with the modules the trainer recomputes."""
 
 from __future__ import annotations
 
@@ -26,6 +27,23 @@ def memory_per_stage(cfg: Config, hardware=None) -> list:
                   sequence_parallel=par.sequence_parallel, c=par.context, expert=par.expert)
     shapes = rank_shapes(ModelShape.from_config(cfg.model), cfg)   # uneven: each rank's layers
     return [gpu_memory(shapes[r], rank=r, **kwargs) for r in range(par.pipeline)]
+
+
+def compile_line(cfg: Config) -> str:
+    """train.compile and the layers one compiled call holds (ptdp/config/compilation.py)."""
+    from ptdp.config.compilation import graph_break, region_layers
+    tr = cfg.train
+    if tr.compile is False:
+        return "compile: off (train.compile=false)"
+    when = "on" if tr.compile else "on when training on CUDA (train.compile=null)"
+    k = region_layers(cfg)
+    why = ""
+    if tr.compile_layers is None:   # say why the default chose what it did
+        reason = graph_break(cfg) or ("parallel.data > 1: the gradient reduction overlaps "
+                                      "each layer's backward" if k == 1 else None)
+        why = f"; {reason}" if reason else ""
+    return (f"compile: {when}, in regions of up to {k} layer{'s' * (k > 1)} "
+            f"(train.compile_layers={tr.compile_layers if tr.compile_layers else 'null'}{why})")
 
 
 def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
@@ -55,7 +73,7 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
         f"micro-batches: m = {mb} of {tr.micro_batch_size} per pipeline per iteration "
         f"(global batch {tr.global_batch_size}); "
         + _bubble_line(schedule_spec(cfg.schedule.name), par.pipeline, par.chunks, mb),
-        *moe_lines(cfg, cfg.padded_vocab_size)]
+        *moe_lines(cfg, cfg.padded_vocab_size), compile_line(cfg)]
     lines += stage_lines(cfg, hardware)   # uneven stages: each one's layers (and time)
     stages = memory_per_stage(cfg, hardware)
     where = f"log.hardware {hardware.name}" if hardware else "analytic, flash attention"
