@@ -64,6 +64,20 @@ def test_compile_with_full_recomputation_does_not_recompile(world):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_compiled_bert_with_dropout_is_one_graph_and_trains(world):
+    """BERT's pretraining dropout (0.1, attention's too) with its padding mask (the
+    memory-efficient kernel, with dropout) compiled at t = 1: attention dropout is drawn in the
+    graph (models/attention.py), so there is no graph break, and the losses stay finite."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    trainer = _trainer("model.arch=bert", "model.dropout=0.1", "train.precision=bf16",
+                       "train.compile=true")
+    losses = [trainer.train_step(it).loss for it in range(3)]
+    assert all(math.isfinite(x) for x in losses), losses
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
 def test_asynchronous_save_on_cuda_writes_what_a_synchronous_one_does(world, tmp_path):
     """The background writer copies device tensors to pinned host memory before the next step
     changes them: its checkpoint equals a synchronous save's, and both resume alike."""
