@@ -188,7 +188,7 @@ def attention_with_dropout(rng: TensorParallelRNG, q, k, v, mask, dropout: float
 
 def core_attention(q, k, v, mask: AttentionMask | None, *, causal: bool, window: int | None,
                    dropout: float, rng: TensorParallelRNG, cp: ContextParallel,
-                   tensor_ranks: int = 1):
+                   tensor_ranks: int):
     """A layer's attention over its heads: the ring with context parallelism (config: no
     padding, no dropout there), else the kernel of the mask prepared for this layer's window.
 

@@ -296,7 +296,6 @@ class TransformerStack(nn.Module):
         self.ctx, self.first = ctx, first
         self.layers = nn.ModuleList(TransformerLayer(ctx, first + i, causal) for i in range(count))
         self.moe = [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoEMLP)]
-        self._regions: dict = {}   # (start, end) -> that slice of self.layers (not a submodule)
 
     def aux_losses(self) -> dict:
         """The MoE layers' aux losses of the latest forward, summed per name. (Read right after
@@ -312,13 +311,8 @@ class TransformerStack(nn.Module):
             return run_layers(self.layers[start:end], x, mask, positions)
         compiled, k = compiled_run_layers(), self.ctx.compile_layers
         for first in range(start, end, k):
-            x = compiled(self._region(first, min(first + k, end)), x, mask, positions)
+            x = compiled(self.layers[first:min(first + k, end)], x, mask, positions)
         return x
-
-    def _region(self, start: int, end: int) -> nn.ModuleList:
-        if (start, end) not in self._regions:
-            self._regions[start, end] = self.layers[start:end]
-        return self._regions[start, end]
 
     def forward(self, x, mask=None, positions=None):
         if self.ctx.recompute != "full" or not self.training:

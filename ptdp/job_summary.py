@@ -31,19 +31,16 @@ def memory_per_stage(cfg: Config, hardware=None) -> list:
 
 def compile_line(cfg: Config) -> str:
     """train.compile and the layers one compiled call holds (ptdp/config/compilation.py)."""
-    from ptdp.config.compilation import graph_break, region_layers
+    from ptdp.config.compilation import region_layers, why_one_layer
     tr = cfg.train
     if tr.compile is False:
         return "compile: off (train.compile=false)"
     when = "on" if tr.compile else "on when training on CUDA (train.compile=null)"
     k = region_layers(cfg)
-    why = ""
-    if tr.compile_layers is None:   # say why the default chose what it did
-        reason = graph_break(cfg) or ("parallel.data > 1: the gradient reduction overlaps "
-                                      "each layer's backward" if k == 1 else None)
-        why = f"; {reason}" if reason else ""
+    setting = "null" if tr.compile_layers is None else tr.compile_layers
+    why = why_one_layer(cfg) if tr.compile_layers is None else None   # the default's reason
     return (f"compile: {when}, in regions of up to {k} layer{'s' * (k > 1)} "
-            f"(train.compile_layers={tr.compile_layers if tr.compile_layers else 'null'}{why})")
+            f"(train.compile_layers={setting}{f'; {why}' if why else ''})")
 
 
 def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:

@@ -127,15 +127,21 @@ def test_the_models_are_paired_only_where_the_gpu_holds_both(monkeypatch):
     assert room_for_both(torch.device("cpu"), {"peak_reserved_gb": 1e9})
 
 
-@pytest.mark.parametrize("argv", [["--arch", "gpt", "--dropout", "0.1"],
-                                  ["--arch", "bert", "--reference", "plain", "--dropout", "0.1"]])
-def test_dropout_needs_a_reference_that_has_it(argv, capsys):
+DROPOUT_REFUSED = "--dropout needs --arch bert and the Hugging Face reference"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--arch", "gpt", "--dropout", "0.1"], DROPOUT_REFUSED),
+    (["--arch", "bert", "--reference", "plain", "--dropout", "0.1"], DROPOUT_REFUSED),
+    (["--compile-layers", "0"], "--compile-layers must be >= 1 (train.compile_layers), got 0")])
+def test_options_that_cannot_work_are_refused_in_one_line(argv, message, capsys):
     """--dropout sets both models' dropout: refused where the reference (plain GPT or BERT)
-    has none, rather than timing ptdp with dropout against a model without."""
+    has none, rather than timing ptdp with dropout against a model without; a region length
+    below 1 before any model is built."""
     from tools.bench_gpu import parse_args
     with pytest.raises(SystemExit):
         parse_args(["--device", "cpu", "--tiny", *argv])
-    assert "--dropout needs --arch bert and the Hugging Face reference" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_the_row_names_the_compiled_regions():

@@ -399,7 +399,7 @@ def test_a_good_job_prints_its_layout_micro_batches_and_memory(assets, tmp_path,
     assert "(p, t, d) = (2, 1, 2), v = 1, schedule 1f1b" in text
     assert "m = 2 of 2 per pipeline" in text          # 8 / (2 * 2)
     assert ("compile: on when training on CUDA (train.compile=null), in regions of up to 1 "
-            "layer (train.compile_layers=null; parallel.data > 1: the gradient reduction "
+            "layer (train.compile_layers=null; parallel.data=2: the gradient reduction "
             "overlaps each layer's backward)") in text
     cfg = load_config(config, overrides, world_size=4)
     for rank in (0, 1):   # the planner's memory model, for each pipeline rank

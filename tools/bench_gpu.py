@@ -75,10 +75,10 @@ import torch
 
 if __package__:      # python -m tools.bench_gpu, or imported by a test
     from . import harness
-    from .gpu_reference import DTYPES, PlainRunner, _has_transformers
+    from .gpu_reference import DTYPES, PlainRunner, has_transformers
 else:                # python tools/bench_gpu.py (tools/harness.py says why)
     import harness
-    from gpu_reference import DTYPES, PlainRunner, _has_transformers
+    from gpu_reference import DTYPES, PlainRunner, has_transformers
 
 SHAPES = {  # layers, hidden, heads, seq, vocab, micro-batch
     "gpt": dict(layers=24, hidden=2048, heads=16, seq=2048, vocab=51200, micro_batch=8),
@@ -366,9 +366,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("layers", "hidden", "heads", "seq", "vocab"):
         if getattr(args, name) is not None:
             shape[name] = getattr(args, name)
+    if args.compile_layers is not None and args.compile_layers < 1:
+        parser.error(f"--compile-layers must be >= 1 (train.compile_layers), got "
+                     f"{args.compile_layers}")
     shape["dropout"] = args.dropout
     if args.dropout and (args.arch != "bert" or args.reference == "plain"
-                         or not _has_transformers()):
+                         or not has_transformers()):
         parser.error("--dropout needs --arch bert and the Hugging Face reference (transformers "
                      "installed, --reference auto or hf): the plain references have no dropout")
     args.shape = shape

@@ -242,11 +242,15 @@ def _median(values):
     return statistics.median(values) if values else float("nan")
 
 
+def _makespan(ranks_iter: list[dict]) -> float:
+    """One iteration: from the first action's start to the last action's end, over all ranks."""
+    return (max(r["trace"][-1][2] for r in ranks_iter)
+            - min(r["trace"][0][1] for r in ranks_iter))
+
+
 def _bubble(ranks_iter: list[dict]) -> tuple[float, list[float], dict]:
     """One iteration, all pipeline ranks (tensor rank 0): mean (makespan - compute)/compute."""
-    first = min(r["trace"][0][1] for r in ranks_iter)
-    last = max(r["trace"][-1][2] for r in ranks_iter)
-    makespan = last - first
+    makespan = _makespan(ranks_iter)
     per_rank, detail = [], {"compute": [], "wait": [], "gaps": [], "actions": []}
     for r in ranks_iter:
         busy = sum(e - b for _, b, e in r["trace"])
@@ -267,8 +271,6 @@ def _over_ideal(ranks_iter: list[dict], m: int) -> float:
     sum_s (F_s + B_s) + (m - 1) * max_s (F_s + B_s), where F_s and B_s are stage s's mean
     forward and backward compute (the receive waits inside an action taken out). 1.0: the
     engine adds nothing to the stages' own work but the unavoidable fill and drain."""
-    first = min(r["trace"][0][1] for r in ranks_iter)
-    last = max(r["trace"][-1][2] for r in ranks_iter)
     per_stage = []
     for r in ranks_iter:
         times = {"F": [], "B": []}
@@ -276,7 +278,7 @@ def _over_ideal(ranks_iter: list[dict], m: int) -> float:
             waited = sum(min(e, we) - max(b, wb) for wb, we in r["waits"] if wb < e and we > b)
             times[name[0]].append(e - b - waited)
         per_stage.append(statistics.fmean(times["F"]) + statistics.fmean(times["B"]))
-    return (last - first) / (sum(per_stage) + (m - 1) * max(per_stage))
+    return _makespan(ranks_iter) / (sum(per_stage) + (m - 1) * max(per_stage))
 
 
 def aggregate(s: dict, per_rank: list[list[dict]]) -> list[dict]:

@@ -153,7 +153,7 @@ class PlainRunner:
         recompute = args.recompute != "none"
         if args.arch == "gpt":
             model, self.name = PlainGPT(s, recompute), "reference (plain GPT)"
-        elif args.reference == "hf" or (args.reference == "auto" and _has_transformers()):
+        elif args.reference == "hf" or (args.reference == "auto" and has_transformers()):
             model, self.name = HFBert(s, recompute), "reference (HF BertForPreTraining)"
         else:
             model, self.name = PlainBert(s, recompute), "reference (plain BERT)"
@@ -192,7 +192,7 @@ class PlainRunner:
         return total.item()  # one host sync per step, as ptdp's loss logging
 
 
-def _has_transformers() -> bool:
+def has_transformers() -> bool:
     try:
         import transformers  # noqa: F401
         return True

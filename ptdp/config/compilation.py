@@ -37,23 +37,29 @@ def graph_break(cfg) -> str | None:
     return None
 
 
+def why_one_layer(cfg) -> str | None:
+    """Why the default (train.compile_layers=null) compiles one layer per region, or None
+    when it takes regions of AUTO_REGION_LAYERS."""
+    if (cfg.parallel.data or 1) > 1:
+        return (f"parallel.data={cfg.parallel.data}: the gradient reduction overlaps each "
+                f"layer's backward")
+    return graph_break(cfg)
+
+
 def region_layers(cfg) -> int:
     """Layers per compiled region: `train.compile_layers`, or the default described above.
     With recompute=full a region never spans two recomputed groups (models/transformer.py)."""
     if cfg.train.compile_layers is not None:
         return cfg.train.compile_layers
-    if (cfg.parallel.data or 1) > 1 or graph_break(cfg) is not None:
-        return 1
-    return AUTO_REGION_LAYERS
+    return 1 if why_one_layer(cfg) else AUTO_REGION_LAYERS
 
 
 def check_compile_layers(cfg, out) -> None:
-    """An explicit train.compile_layers: >= 1, and > 1 only for layers that are one graph."""
+    """An explicit train.compile_layers (an integer, as the loader checks): >= 1, and > 1 only
+    for layers that are one graph."""
     k = cfg.train.compile_layers
-    if k is None:
-        return
-    if not out.require(isinstance(k, int) and k >= 1,
-                       f"train.compile_layers must be a whole number >= 1 or null, got {k!r}"):
+    if k is None or not out.require(k >= 1, f"train.compile_layers must be >= 1 or null, "
+                                            f"got {k}"):
         return
     reason = graph_break(cfg) if k > 1 else None
     out.require(reason is None, f"train.compile_layers={k} needs layers that compile to one "
