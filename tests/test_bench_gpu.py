@@ -74,7 +74,7 @@ def test_bench_gpu_tiny_on_cpu(tmp_path, arch, extra, program):
         spread = paired["round_speedups"]
         assert len(spread) == 2 and spread[0] <= result["speedup"] * (1 + 1e-9) and \
             spread == sorted(spread)
-        for model in ("ptdp", "reference"):   # the paired rounds came after the profiled step
+        for model in ("ptdp", "reference"):   # each model's profiled step, after the rounds
             table = (tmp_path / "profile" / f"profile_{arch}_{model}.txt").read_text()
             assert "one step" in table and "Self CPU" in table
             trace = tmp_path / "profile" / f"profile_{arch}_{model}.trace.json.gz"
@@ -103,6 +103,42 @@ def test_the_json_is_written_after_each_measurement(tmp_path, monkeypatch):
     assert measured == ["ptdp"] and result["rows"] == [{"model": "ptdp"}]
     assert result["complete"] is False
     assert result["targets"] == bench_gpu.TARGETS["gpt"]   # what tools/gpu_check.py judges by
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_no_model_is_timed_after_a_profiled_step(room, tmp_path, monkeypatch):
+    """A profiler can leave CUDA's tracing attached after it stops, slowing later launches:
+    the paired rounds come before either profiled step, and where the GPU cannot hold both
+    models, ptdp's profiled step is the one timing that comes before the reference's."""
+    import contextlib
+    import types
+    import tools.bench_gpu as bench_gpu
+    events = []
+
+    def run_one(make, args, s, device, vocab, peak, keep=False):
+        name = "ptdp" if make is bench_gpu.PtdpRunner else "reference"
+        events.append(f"time {name}")
+        row = {"model": name, "tokens_per_s": 1.0, "peak_memory_gb": None}
+        return row, (types.SimpleNamespace(name=name) if keep else None)
+
+    monkeypatch.setattr(bench_gpu, "run_one", run_one)
+    monkeypatch.setattr(bench_gpu, "room_for_both", lambda device, ours: room)
+    monkeypatch.setattr(bench_gpu, "paired_rounds",
+                        lambda ours, ref, args, device: events.append("paired"))
+    monkeypatch.setattr(bench_gpu, "compare", lambda *a: {"speedup": 1.0, "memory_ratio": None,
+                                                          "speedup_sequential": 1.0, "met": None})
+    monkeypatch.setattr(bench_gpu, "profile_step", lambda runner, i, device, path:
+                        events.append(f"profile {runner.name.split()[0]} at {i}"))
+    monkeypatch.setattr(bench_gpu, "table", lambda rows: "")
+    monkeypatch.setattr(bench_gpu.harness, "world_of_one", lambda device: contextlib.nullcontext())
+    bench_gpu.main(["--device", "cpu", "--tiny", "--steps", "3", "--warmup", "1", "--rounds",
+                    "2", "--profile", str(tmp_path)])
+    if room:
+        assert events == ["time ptdp", "time reference", "paired", "profile ptdp at 6",
+                          "profile reference at 6"]
+    else:
+        assert events == ["time ptdp", "profile ptdp at 6", "time reference",
+                          "profile reference at 6"]
 
 
 def test_the_targets_line_names_the_gpu_that_measured():

@@ -167,3 +167,23 @@ def test_memory_repeats_below_one_is_refused_before_any_measurement():
     from ptdp.profiler.build import _profile_from_args
     with pytest.raises(PlanError, match="--memory-repeats 0: run each memory calibration"):
         _profile_from_args(None, SimpleNamespace(memory_repeats=0), Path("x.yaml"))
+
+
+def test_the_one_process_group_needs_no_free_port():
+    """Four GPU tests at once once lost a port found free to another process before the
+    profiler's store could listen on it (EADDRINUSE). Its group's store lives in the process:
+    here every port the old way could pick is taken, and the group still forms."""
+    script = """
+import socket
+import torch, torch.distributed as dist
+import ptdp.runtime.local_ranks as local_ranks
+taken = socket.socket(); taken.bind(("127.0.0.1", 0)); taken.listen()
+local_ranks.free_port = lambda: taken.getsockname()[1]   # the race, lost every time
+from ptdp.profiler.timing import ensure_process_group
+ensure_process_group()
+x = torch.ones(2); dist.all_reduce(x); dist.destroy_process_group()
+print("formed", x.tolist())
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and "formed [1.0, 1.0]" in run.stdout, run.stderr[-2000:]

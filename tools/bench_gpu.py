@@ -26,7 +26,9 @@ reservation fits), ptdp stays in memory while the reference is measured, and the
 medians there is the speedup reported (`paired`), since a host whose speed drifts between
 the two sequential measurements (one H200 measured the same BERT-large job at 224 and 276 ms
 minutes apart) slows both sides of a round alike; the sequential ratio is kept beside it.
-The table gives tokens/s,
+`--profile` profiles one more step of each model after all of that: a profiler can leave
+CUDA's tracing attached once it stops, slowing every later kernel launch. The table gives
+tokens/s,
 model TFLOP/s by Eq. 4.2 (ptdp/planner/formulas.py) with 3 passes per layer (forward and
 backward: the model's FLOPs) and with the 4 passes the formula counts as written (one more
 forward for recomputation), MFU = 3-pass TFLOP/s / the hardware's peak for the precision
@@ -181,9 +183,6 @@ def run_one(make, args, s: dict, device, vocab: int, peak: float | None,
     flops = {passes: model_flops_per_iteration(batch, s["seq"], s["layers"], s["hidden"], vocab,
                                                recompute_forward=passes == 4) for passes in (3, 4)}
     tflops3, tflops4 = flops[3] / step / 1e12, flops[4] / step / 1e12
-    if args.profile:
-        profile_step(runner, args.warmup + args.steps, device,
-                     Path(args.profile) / f"profile_{args.arch}_{runner.name.split()[0]}.txt")
     row = {"model": runner.name, "micro_batch": args.micro_batch, "micro_batches": args.micro_batches,
            "step_ms": step * 1e3, "step_ms_all": [x * 1e3 for x in seconds],
            "tokens_per_s": batch * s["seq"] / step, "tflops": tflops3, "tflops_eq42": tflops4,
@@ -194,9 +193,13 @@ def run_one(make, args, s: dict, device, vocab: int, peak: float | None,
            "vocab": vocab, "compile_layers": getattr(runner, "compile_layers", None)}
     if keep:
         return row, runner
+    release(runner, device)
+    return row, None
+
+
+def release(runner, device) -> None:
     del runner
     forget_models(device)
-    return row, None
 
 
 def _compile_words(ours: dict) -> str:
@@ -233,7 +236,7 @@ def paired_rounds(ours, reference, args, device) -> dict:
             return loss
         return step
 
-    first = args.warmup + args.steps + bool(args.profile)   # ptdp's next iteration
+    first = args.warmup + args.steps   # ptdp's next iteration
     rounds = harness.alternating({"ptdp": waited(ours), "reference": waited(reference)},
                                  args.rounds, swap=True, first=first)
     ms = {side: [r[side].wall * 1e3 for r in rounds] for side in ("ptdp", "reference")}
@@ -243,6 +246,15 @@ def paired_rounds(ours, reference, args, device) -> dict:
             "ptdp_ms_all": ms["ptdp"], "reference_ms_all": ms["reference"],
             "speedup": median["reference"] / median["ptdp"],
             "round_speedups": ratios}   # each round's, sorted: how far one round can stray
+
+
+def profile_and_release(runner, args, device) -> None:
+    """With --profile, one more step of `runner` profiled (its iteration after the timed and
+    paired ones); then the runner is released."""
+    if args.profile:
+        profile_step(runner, args.warmup + args.steps + args.rounds, device,
+                     Path(args.profile) / f"profile_{args.arch}_{runner.name.split()[0]}.txt")
+    release(runner, device)
 
 
 def profile_step(runner, iteration: int, device, path: Path) -> None:
@@ -354,8 +366,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "shared machine's timings steady (default 1)")
     parser.add_argument("--json", help="write the rows and the comparison here")
     parser.add_argument("--profile", metavar="DIR",
-                        help="after timing, profile one more step of each model (torch.profiler) "
-                             "and write DIR/profile_<arch>_<model>.txt: the operators by self "
+                        help="after all timing (paired rounds too), profile one more step of "
+                             "each model (torch.profiler) and write "
+                             "DIR/profile_<arch>_<model>.txt: the operators by self "
                              "device time, then by self CPU time, and how busy the device was; "
                              "and the step's timeline beside it (.trace.json.gz)")
     args = parser.parse_args(argv)
@@ -406,19 +419,26 @@ def main(argv=None) -> int:
               "peak_tflops": peak, "targets": TARGETS[args.arch]}   # in every JSON it writes
     paired = None
     with harness.world_of_one(device):
+        # Every timing comes before any profiled step: the profiler can leave CUDA's tracing
+        # library attached after it stops, slowing each later kernel launch (PyTorch issue
+        # #144455), which costs a host-bound step most (session 40's BERT: ptdp 195 ms timed
+        # before any profiling, 237 ms paired after both profiled steps).
         ours, kept = run_one(PtdpRunner, args, s, device, padded_vocab_size(s["vocab"], 1), peak,
-                             keep=args.rounds > 0)
+                             keep=args.rounds > 0 or bool(args.profile))
         if kept is not None and not room_for_both(device, ours):
+            profile_and_release(kept, args, device)   # the reference is timed after it
             kept = None
-            forget_models(device)
         if args.json:   # a later crash keeps what was measured
             harness.write_json(args.json, {**header, "rows": [ours], "complete": False},
                                tool=__file__, argv=argv, device=device)
         reference, reference_runner = run_one(PlainRunner, args, s, device, s["vocab"], peak,
-                                              keep=kept is not None)
+                                              keep=kept is not None or bool(args.profile))
         rows = [ours, reference]
-        if kept is not None:
+        if kept is not None and args.rounds > 0:
             paired = paired_rounds(kept, reference_runner, args, device)
+        for runner in (kept, reference_runner):
+            if runner is not None:
+                profile_and_release(runner, args, device)
     summary = compare(rows, args.arch, device, paired)
     if args.json:
         harness.write_json(args.json, {**header, "rows": rows, **summary, "complete": True},

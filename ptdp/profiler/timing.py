@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -58,14 +57,13 @@ def saved_bytes(fn, exclude: set) -> tuple[object, int]:
 
 
 def ensure_process_group() -> None:
-    """A 1-process gloo world so layers that believe t > 1 can call their collectives."""
+    """A 1-process gloo world so layers that believe t > 1 can call their collectives. Its
+    store lives in this process: a TCP store on a port found free a moment earlier can lose
+    that port to another process first (seen with four GPU tests at once)."""
     import torch.distributed as dist
     if dist.is_initialized():
         return
-    from ptdp.runtime.local_ranks import free_port
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def layer_context(model_cfg, t: int, device, recompute: str = "none", compile: bool = False):
