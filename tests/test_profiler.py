@@ -25,7 +25,7 @@ def profile_path(tmp_path_factory):
     """`ptdp profile`'s command (ptdp.cli.main) in this process, which has torch imported and
     usually a fork server for its ranks running already (seconds of CPU each as a fresh
     `python -m ptdp`; test_bad_profile_arguments runs that). What the command changes in its
-    process is put back: torch's threads, the environment (MASTER_ADDR, MASTER_PORT); its
+    process is put back: torch's threads, the environment; its
     one-process group it destroys itself. A group left by another test would be taken over
     and destroyed: then it runs as its own process, as before."""
     import os
