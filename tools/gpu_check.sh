@@ -2,7 +2,8 @@
 # The GPU check, one command on one GPU (about 7 minutes on one H200, compilation included:
 # its stages took 82 + 119 + 91 + 38 s, and 102 + 111 + 105 + 33 s on a later run, on
 # 2026-11-27; with paired rounds and the kernel stages 96 + 132 + 105 + 34 + 22 + 10 s, 412 s
-# in all; the budget leaves slack inside a 10-minute command limit):
+# in all; with regions of 8 layers, 94 + 149 + 121 + 42 + 22 + 9 + 22 s, 472 s; the budget
+# leaves slack inside a 10-minute command limit):
 #   0. pre-flight (fails fast): CUDA visible, free GPU memory, Triton's compiler, pytest;
 #   1. the GPU tier of the suite (PTDP_GPU_TESTS=1 pytest -m gpu, tests/gpu/), over 4
 #      processes when pytest-xdist is installed (most of its time is compiling, on the CPU);
@@ -40,7 +41,7 @@
 # on one H200, 2026-11-27, 82, 119, 91 and 38 s, with room for an H100's slower memory where
 # the step is longest, and for bench_gpu's paired rounds: GPT took 132 s with them, BERT 105;
 # 30 s more each for compiling regions of 8 layers, and 40 s more for the tier's three new
-# compiled tests, none timed there yet; LOSS_S 25,
+# compiled tests: the fifth run took 149, 121 and 94 s there; LOSS_S 25,
 # HEAD_S 25: about 12 s each there; MLP_S 25, three compiled MLP blocks) or at what the
 # budget has left, whichever is less, with SIGINT first (pytest then still writes its junit
 # file, bench_gpu.py has written each model's row as it went), and the report says which
