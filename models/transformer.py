@@ -64,7 +64,8 @@ class ModelContext:
     recompute_num_layers: int = 1
     recompute_modules: tuple | None = None   # selective's (train.recompute_modules; None: default)
     compile: bool = False            # torch.compile the layers (train.compile)...
-    compile_layers: int = 1          # ...in regions of this many (train.compile_layers)
+    compile_layers: int = 1          # ...in regions of this many (train.compile_layers)...
+    cuda_graphs: bool = False        # ...each replayed as a CUDA graph (train.cuda_graphs)
     cp: ContextParallel = field(default_factory=ContextParallel)   # the context ring (c)
     ep: ExpertParallel = field(default_factory=ExpertParallel)      # the expert group (e)
 
@@ -274,10 +275,11 @@ def run_layers(layers: nn.ModuleList, x, mask, positions):
 
 
 @functools.cache
-def compiled_run_layers():
+def compiled_run_layers(cuda_graphs: bool = False):
     """`run_layers` compiled once for every stack: regions of equal length and structure
-    (their weights are the graph's inputs) share one graph."""
-    return torch.compile(run_layers)
+    (their weights are the graph's inputs) share one graph. With `cuda_graphs`, torch's CUDA
+    graph trees replay each region's kernels as one graph (ptdp/config/compilation.py)."""
+    return torch.compile(run_layers, mode="reduce-overhead" if cuda_graphs else None)
 
 
 class TransformerStack(nn.Module):
@@ -309,7 +311,7 @@ class TransformerStack(nn.Module):
     def _run(self, start: int, end: int, x, mask, positions):
         if not self.ctx.compile:
             return run_layers(self.layers[start:end], x, mask, positions)
-        compiled, k = compiled_run_layers(), self.ctx.compile_layers
+        compiled, k = compiled_run_layers(self.ctx.cuda_graphs), self.ctx.compile_layers
         for first in range(start, end, k):
             x = compiled(self.layers[first:min(first + k, end)], x, mask, positions)
         return x

@@ -278,6 +278,9 @@ def check_devices(cfg: Config, ranks_per_node: int, found: Findings) -> None:
         if cfg.train.device == "cuda":
             found.error(f"train.device=cuda but no GPU is visible{visible_devices(os.environ)}; "
                         f"train on CPU with train.device=cpu")
+        elif cfg.train.cuda_graphs:
+            found.error(f"train.cuda_graphs=true but no GPU is visible"
+                        f"{visible_devices(os.environ)}; set train.cuda_graphs=false on CPU")
         return
     local_rank = int(os.environ.get("LOCAL_RANK") or ranks_per_node - 1)  # (ptdp check: the last)
     try:

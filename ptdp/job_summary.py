@@ -39,8 +39,9 @@ def compile_line(cfg: Config) -> str:
     k = region_layers(cfg)
     setting = "null" if tr.compile_layers is None else tr.compile_layers
     why = why_one_layer(cfg) if tr.compile_layers is None else None   # the default's reason
+    graphs = ", each replayed as a CUDA graph (train.cuda_graphs=true)" if tr.cuda_graphs else ""
     return (f"compile: {when}, in regions of up to {k} layer{'s' * (k > 1)} "
-            f"(train.compile_layers={setting}{f'; {why}' if why else ''})")
+            f"(train.compile_layers={setting}{f'; {why}' if why else ''}){graphs}")
 
 
 def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:

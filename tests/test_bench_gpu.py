@@ -169,7 +169,8 @@ DROPOUT_REFUSED = "--dropout needs --arch bert and the Hugging Face reference"
 @pytest.mark.parametrize("argv, message", [
     (["--arch", "gpt", "--dropout", "0.1"], DROPOUT_REFUSED),
     (["--arch", "bert", "--reference", "plain", "--dropout", "0.1"], DROPOUT_REFUSED),
-    (["--compile-layers", "0"], "--compile-layers must be >= 1 (train.compile_layers), got 0")])
+    (["--compile-layers", "0"], "--compile-layers must be >= 1 (train.compile_layers), got 0"),
+    (["--device", "cpu", "--cuda-graphs"], "--cuda-graphs needs --device cuda and --compile")])
 def test_options_that_cannot_work_are_refused_in_one_line(argv, message, capsys):
     """--dropout sets both models' dropout: refused where the reference (plain GPT or BERT)
     has none, rather than timing ptdp with dropout against a model without; a region length

@@ -73,6 +73,14 @@ def test_cuda_without_gpus_is_refused(gpus):
                             "train on CPU with train.device=cpu"]
 
 
+def test_cuda_graphs_without_gpus_are_refused(gpus):
+    """train.device=auto trains on CPU where no GPU is visible: CUDA graphs would do nothing."""
+    gpus(0)
+    found = check_job(None, ["train.cuda_graphs=true"], world_size=1, ranks_per_node=1)
+    assert found.errors == ["train.cuda_graphs=true but no GPU is visible "
+                            "(CUDA_VISIBLE_DEVICES=); set train.cuda_graphs=false on CPU"]
+
+
 def test_the_suite_itself_runs_without_gpus():
     assert not torch.cuda.is_available()
 

@@ -119,11 +119,14 @@ class PtdpRunner:
             overrides.append(f"log.hardware={args.hardware}")
         if args.compile_layers is not None:
             overrides.append(f"train.compile_layers={args.compile_layers}")
+        if args.cuda_graphs:
+            overrides.append("train.cuda_graphs=true")
         self.cfg = load_config(None, overrides, world_size=1)
         from ptdp.config.compilation import region_layers
         # layers per compiled region as run here (one chunk: a region is at most all of them)
         self.compile_layers = (min(region_layers(self.cfg), s["layers"]) if args.compile
                                else None)
+        self.cuda_graphs = self.cfg.train.cuda_graphs
         self.trainer = Trainer(self.cfg)
         self.parameters = self.trainer.state.total_parameter_count()
 
@@ -190,7 +193,8 @@ def run_one(make, args, s: dict, device, vocab: int, peak: float | None,
            "peak_memory_gb": peak_memory_gb(device) - held,
            "peak_reserved_gb": peak_reserved_gb(device) - held_reserved,
            "loss_first": losses[0], "loss_last": losses[-1], "parameters": runner.parameters,
-           "vocab": vocab, "compile_layers": getattr(runner, "compile_layers", None)}
+           "vocab": vocab, "compile_layers": getattr(runner, "compile_layers", None),
+           "cuda_graphs": getattr(runner, "cuda_graphs", None)}
     if keep:
         return row, runner
     release(runner, device)
@@ -204,7 +208,8 @@ def release(runner, device) -> None:
 
 def _compile_words(ours: dict) -> str:
     k = ours.get("compile_layers")
-    return "off" if k is None else f"on (ptdp's regions: {k} layer{'s' if k > 1 else ''})"
+    graphs = ", CUDA graphs" if ours.get("cuda_graphs") else ""
+    return "off" if k is None else f"on (ptdp's regions: {k} layer{'s' if k > 1 else ''}{graphs})"
 
 
 def forget_models(device) -> None:
@@ -345,6 +350,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compile-layers", type=int,
                         help="ptdp's train.compile_layers, layers per compiled region (default: "
                              "its null, ptdp/config/compilation.py)")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="ptdp's train.cuda_graphs: each compiled region replayed as a CUDA "
+                             "graph (needs --compile on CUDA)")
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="hidden and attention dropout of both models (BERT against Hugging "
                              "Face only: the plain references have none; default 0)")
@@ -397,6 +405,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.rounds = args.steps if args.rounds is None else args.rounds
     if args.steps < 1 or args.warmup < 0 or args.rounds < 0:
         parser.error("--steps must be >= 1, --warmup and --rounds >= 0")
+    if args.cuda_graphs and not (cuda and args.compile):
+        parser.error("--cuda-graphs needs --device cuda and --compile (train.cuda_graphs replays "
+                     "the compiled regions)")
     return args
 
 

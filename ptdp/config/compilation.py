@@ -16,6 +16,16 @@ layer per region, as before. A layer with a graph break (eager islands: collecti
 mixture-of-experts blocks, selectively recomputed modules) gains nothing from longer regions,
 so an explicit `train.compile_layers` > 1 is refused there. (Attention dropout is in the graph
 with one tensor rank, models/attention.py; with more, the collectives break it anyway.)
+
+`train.cuda_graphs` goes one step further: each region is compiled with torch.compile's
+"reduce-overhead" mode, whose CUDA graph trees capture the region's kernels once and replay
+them with one launch, forward and backward. What a region's call still costs on the host is
+then the replay's bookkeeping, not one launch per kernel. A replay writes its outputs and
+saved activations where the capture did, so one micro-batch may be in flight at a time:
+one pipeline stage with 1F1B (forward, backward, forward, ...), no recomputation (which
+re-runs regions inside the backward), and layers that are one graph. Regions of equal length
+share their compiled graph, and the trees record one CUDA graph per region (their weights
+are static inputs, at fixed addresses).
 """
 
 from __future__ import annotations
@@ -64,3 +74,30 @@ def check_compile_layers(cfg, out) -> None:
     reason = graph_break(cfg) if k > 1 else None
     out.require(reason is None, f"train.compile_layers={k} needs layers that compile to one "
                                 f"graph, and {reason}; set train.compile_layers=1 or null")
+
+
+def check_cuda_graphs(cfg, out) -> None:
+    """train.cuda_graphs: compiled layers, one micro-batch in flight, one-graph layers."""
+    if not cfg.train.cuda_graphs:
+        return
+    reason = cuda_graphs_refusal(cfg)
+    out.require(reason is None, f"train.cuda_graphs=true needs {reason}; set "
+                                f"train.cuda_graphs=false")
+
+
+def cuda_graphs_refusal(cfg) -> str | None:
+    """What train.cuda_graphs lacks in `cfg`, or None when it can replay the regions."""
+    par, train = cfg.parallel, cfg.train
+    if train.compile is False:
+        return "compiled layers (it replays their regions), and train.compile=false"
+    if train.device == "cpu":
+        return "a CUDA device, and train.device=cpu"
+    if par.pipeline > 1 or cfg.schedule.name != "1f1b":
+        return (f"one micro-batch in flight (parallel.pipeline=1 with schedule 1f1b: a replay "
+                f"overwrites the activations of the last), and parallel.pipeline="
+                f"{par.pipeline}, schedule.name={cfg.schedule.name}")
+    if train.recompute == "full":
+        return "train.recompute=none (full recomputation re-runs the regions in the backward)"
+    if (broken := graph_break(cfg)) is not None:
+        return f"layers that compile to one graph, and {broken}"
+    return None

@@ -220,6 +220,8 @@ class TrainConfig:
     compile: bool | None = None          # torch.compile the layers; null = on for CUDA only
     compile_layers: int | None = None    # layers per compiled region (ptdp/config/compilation.py);
                                          # null = up to 8 with d = 1 and one-graph layers, else 1
+    cuda_graphs: bool = False            # CUDA: replay each compiled region as a CUDA graph
+                                         # (ptdp/config/compilation.py)
     timeout_s: float = 180.0             # a rank stuck 80 % of this long ends the job (exit 4)
     startup_timeout_s: float = 600.0     # the same for the first iteration and validation
                                          # (compilation); the backend gives up after the larger

@@ -8,7 +8,7 @@ import math
 import os
 
 from ptdp.config.catalogue import Chunks, DEFAULT, NAMES, SCHEDULES, ScheduleSpec, names_where
-from ptdp.config.compilation import check_compile_layers
+from ptdp.config.compilation import check_compile_layers, check_cuda_graphs
 from ptdp.config.experts import check_moe_layout, check_moe_model
 from ptdp.config.models import (ACTIVATIONS, DEFAULT_PRESET, EXTRA_BLOCK_OPTIONS, FAMILY_NAMES,
                                 MODEL_FAMILIES, PRESETS, Samples, family_names)
@@ -333,6 +333,7 @@ def _check_layout(cfg: Config, world_size: int, out: _Problems) -> None:
         _check_context(cfg, out)
     check_moe_layout(cfg, out)
     check_compile_layers(cfg, out)
+    check_cuda_graphs(cfg, out)
     if out.require(tr.global_batch_size % (tr.micro_batch_size * d) == 0,
                    f"train.global_batch_size ({tr.global_batch_size}) must be divisible by "
                    f"train.micro_batch_size * parallel.data = {tr.micro_batch_size} * {d} = "

@@ -250,7 +250,7 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
     ctx = ModelContext(cfg.model, tp, tr.seed, rng.tensor_parallel, cfg.padded_vocab_size,
                        tr.recompute, tr.recompute_num_layers,
                        compile=should_compile(tr.compile, device),
-                       compile_layers=region_layers(cfg),
+                       compile_layers=region_layers(cfg), cuda_graphs=tr.cuda_graphs,
                        cp=ContextParallel.from_grid(grid), ep=ExpertParallel.from_grid(grid),
                        recompute_modules=tr.recompute_modules)
     num_stages = par.pipeline * par.chunks

@@ -169,8 +169,8 @@ def test_regions_cut_the_stack(layers, k, recompute, group, calls, monkeypatch):
     """One compiled call per region of k layers: the host cost of a call is paid per region."""
     import ptdp.models.transformer as transformer
     seen = []
-    monkeypatch.setattr(transformer, "compiled_run_layers", lambda: lambda region, *args: (
-        seen.append(len(region)) or transformer.run_layers(region, *args)))
+    monkeypatch.setattr(transformer, "compiled_run_layers", lambda cuda_graphs: lambda region, *a: (
+        seen.append(len(region)) or transformer.run_layers(region, *a)))
     _stack(layers, k, recompute, group)(torch.randn(8, 2, 16, requires_grad=True))
     assert seen == calls
 
@@ -181,7 +181,7 @@ def test_regions_of_equal_length_share_one_graph(monkeypatch):
     from torch._dynamo.utils import counters
     import ptdp.models.transformer as transformer
     compiled = torch.compile(transformer.run_layers, backend="eager")   # dynamo only
-    monkeypatch.setattr(transformer, "compiled_run_layers", lambda: compiled)
+    monkeypatch.setattr(transformer, "compiled_run_layers", lambda cuda_graphs: compiled)
     torch._dynamo.reset()
     counters.clear()
     stack = _stack(4, 2)
@@ -221,6 +221,54 @@ def test_a_region_length_that_cannot_work_is_refused(overrides, message):
     assert message in err.value.errors
 
 
+@pytest.mark.parametrize("cuda_graphs, mode", [(False, None), (True, "reduce-overhead")])
+def test_cuda_graphs_compile_the_regions_to_replay_them(cuda_graphs, mode, monkeypatch):
+    """train.cuda_graphs reaches the stack, whose regions are compiled in torch.compile's
+    reduce-overhead mode (CUDA graph trees); without it, in the default mode."""
+    import dataclasses
+    import ptdp.models.transformer as transformer
+    modes = []
+
+    def spy(fn, mode=None):
+        modes.append(mode)
+        return fn   # eager: what is checked is how the regions were compiled
+    monkeypatch.setattr(torch, "compile", spy)
+    transformer.compiled_run_layers.cache_clear()
+    try:
+        stack = _stack(4, 2)
+        stack.ctx = dataclasses.replace(stack.ctx, cuda_graphs=cuda_graphs)
+        stack(torch.randn(8, 2, 16))
+        stack(torch.randn(8, 2, 16))
+    finally:
+        transformer.compiled_run_layers.cache_clear()
+    assert modes == [mode]   # one compiled function, shared by both regions and calls
+
+
+@pytest.mark.parametrize("overrides, world, needs", [
+    (["train.compile=false"], 1, "compiled layers (it replays their regions), and "
+                                 "train.compile=false"),
+    (["train.device=cpu"], 1, "a CUDA device, and train.device=cpu"),
+    (["parallel.pipeline=2", "model.num_layers=2"], 2,
+     "one micro-batch in flight (parallel.pipeline=1 with schedule 1f1b: a replay overwrites "
+     "the activations of the last), and parallel.pipeline=2, schedule.name=1f1b"),
+    (["schedule.name=gpipe"], 1, "one micro-batch in flight"),
+    (["train.recompute=full"], 1,
+     "train.recompute=none (full recomputation re-runs the regions in the backward)"),
+    (["parallel.tensor=2"], 2, "layers that compile to one graph, and parallel.tensor=2: the "
+                               "tensor-parallel collectives run eagerly"),
+])
+def test_cuda_graphs_that_cannot_replay_are_refused(overrides, world, needs):
+    """One line naming the key and what it lacks, before any process group starts."""
+    from ptdp.config import ConfigError, load_config
+    with pytest.raises(ConfigError) as err:
+        load_config(None, TINY + ["train.cuda_graphs=true"] + overrides, world_size=world)
+    lines = [line for line in err.value.errors if line.startswith("train.cuda_graphs")]
+    assert len(lines) == 1 and needs in lines[0] and \
+        lines[0].endswith("; set train.cuda_graphs=false"), err.value.errors
+    cfg = load_config(None, TINY + ["train.cuda_graphs=true"], world_size=1)
+    assert cfg.train.cuda_graphs is True   # one stage, 1f1b, one graph a layer: accepted
+
+
 def test_attention_dropout_is_in_the_compiled_graph_with_one_tensor_rank(monkeypatch):
     """With one tensor rank a compiled layer draws its attention dropout in the graph (no eager
     island swapping generator states: models/attention.py), so the layer stays one graph, and
@@ -229,7 +277,7 @@ def test_attention_dropout_is_in_the_compiled_graph_with_one_tensor_rank(monkeyp
     from torch._dynamo.utils import counters
     import ptdp.models.transformer as transformer
     compiled = torch.compile(transformer.run_layers, backend="eager")   # dynamo only
-    monkeypatch.setattr(transformer, "compiled_run_layers", lambda: compiled)
+    monkeypatch.setattr(transformer, "compiled_run_layers", lambda cuda_graphs: compiled)
     torch._dynamo.reset()
     counters.clear()
     stack = _stack(2, 2, attention_dropout=0.5)
@@ -239,3 +287,12 @@ def test_attention_dropout_is_in_the_compiled_graph_with_one_tensor_rank(monkeyp
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
     assert not torch.equal(first, second)
+
+
+def test_ptdp_check_says_the_regions_are_replayed_as_cuda_graphs():
+    from ptdp.config import load_config
+    from ptdp.job_summary import compile_line
+    cfg = load_config(None, TINY + ["train.cuda_graphs=true"], world_size=1)
+    assert compile_line(cfg) == (
+        "compile: on when training on CUDA (train.compile=null), in regions of up to 8 layers "
+        "(train.compile_layers=null), each replayed as a CUDA graph (train.cuda_graphs=true)")
