@@ -197,13 +197,9 @@ def run_one(make, args, s: dict, device, vocab: int, peak: float | None,
            "cuda_graphs": getattr(runner, "cuda_graphs", None)}
     if keep:
         return row, runner
-    release(runner, device)
-    return row, None
-
-
-def release(runner, device) -> None:
     del runner
     forget_models(device)
+    return row, None
 
 
 def _compile_words(ours: dict) -> str:
@@ -253,13 +249,11 @@ def paired_rounds(ours, reference, args, device) -> dict:
             "round_speedups": ratios}   # each round's, sorted: how far one round can stray
 
 
-def profile_and_release(runner, args, device) -> None:
-    """With --profile, one more step of `runner` profiled (its iteration after the timed and
-    paired ones); then the runner is released."""
+def profile_after_timing(runner, args, device) -> None:
+    """With --profile, one more step of `runner` profiled (after the timed and paired ones)."""
     if args.profile:
         profile_step(runner, args.warmup + args.steps + args.rounds, device,
                      Path(args.profile) / f"profile_{args.arch}_{runner.name.split()[0]}.txt")
-    release(runner, device)
 
 
 def profile_step(runner, iteration: int, device, path: Path) -> None:
@@ -437,8 +431,9 @@ def main(argv=None) -> int:
         ours, kept = run_one(PtdpRunner, args, s, device, padded_vocab_size(s["vocab"], 1), peak,
                              keep=args.rounds > 0 or bool(args.profile))
         if kept is not None and not room_for_both(device, ours):
-            profile_and_release(kept, args, device)   # the reference is timed after it
+            profile_after_timing(kept, args, device)   # the reference is timed after it
             kept = None
+            forget_models(device)
         if args.json:   # a later crash keeps what was measured
             harness.write_json(args.json, {**header, "rows": [ours], "complete": False},
                                tool=__file__, argv=argv, device=device)
@@ -449,7 +444,7 @@ def main(argv=None) -> int:
             paired = paired_rounds(kept, reference_runner, args, device)
         for runner in (kept, reference_runner):
             if runner is not None:
-                profile_and_release(runner, args, device)
+                profile_after_timing(runner, args, device)
     summary = compare(rows, args.arch, device, paired)
     if args.json:
         harness.write_json(args.json, {**header, "rows": rows, **summary, "complete": True},

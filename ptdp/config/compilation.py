@@ -92,12 +92,24 @@ def cuda_graphs_refusal(cfg) -> str | None:
         return "compiled layers (it replays their regions), and train.compile=false"
     if train.device == "cpu":
         return "a CUDA device, and train.device=cpu"
-    if par.pipeline > 1 or cfg.schedule.name != "1f1b":
-        return (f"one micro-batch in flight (parallel.pipeline=1 with schedule 1f1b: a replay "
-                f"overwrites the activations of the last), and parallel.pipeline="
-                f"{par.pipeline}, schedule.name={cfg.schedule.name}")
+    if not _one_micro_batch_in_flight(cfg):
+        return (f"one micro-batch in flight (one pipeline stage, whose schedule runs each "
+                f"backward whole before the next forward: a replay overwrites the last one's "
+                f"activations), and parallel.pipeline={par.pipeline}, parallel.chunks="
+                f"{par.chunks}, schedule.name={cfg.schedule.name}")
     if train.recompute == "full":
         return "train.recompute=none (full recomputation re-runs the regions in the backward)"
     if (broken := graph_break(cfg)) is not None:
         return f"layers that compile to one graph, and {broken}"
     return None
+
+
+def _one_micro_batch_in_flight(cfg) -> bool:
+    """One stage whose schedule finishes each micro-batch's backward (weight gradients too)
+    before the next forward: not GPipe's forwards first, not a split backward, not the weight
+    versions of the schedules without a flush (ptdp/config/catalogue.py)."""
+    from ptdp.config.catalogue import SCHEDULES
+    spec = SCHEDULES.get(cfg.schedule.name)
+    par = cfg.parallel
+    return (spec is not None and par.pipeline == 1 and par.chunks == 1 and spec.flushing
+            and not spec.all_forwards_first and not spec.split_backward)

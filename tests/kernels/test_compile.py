@@ -249,9 +249,11 @@ def test_cuda_graphs_compile_the_regions_to_replay_them(cuda_graphs, mode, monke
                                  "train.compile=false"),
     (["train.device=cpu"], 1, "a CUDA device, and train.device=cpu"),
     (["parallel.pipeline=2", "model.num_layers=2"], 2,
-     "one micro-batch in flight (parallel.pipeline=1 with schedule 1f1b: a replay overwrites "
-     "the activations of the last), and parallel.pipeline=2, schedule.name=1f1b"),
-    (["schedule.name=gpipe"], 1, "one micro-batch in flight"),
+     "one micro-batch in flight (one pipeline stage, whose schedule runs each backward whole "
+     "before the next forward: a replay overwrites the last one's activations), and "
+     "parallel.pipeline=2, parallel.chunks=1, schedule.name=1f1b"),
+    (["schedule.name=gpipe"], 1, "one micro-batch in flight"),   # every forward first
+    (["schedule.name=zb-h1"], 1, "one micro-batch in flight"),   # weight gradients later
     (["train.recompute=full"], 1,
      "train.recompute=none (full recomputation re-runs the regions in the backward)"),
     (["parallel.tensor=2"], 2, "layers that compile to one graph, and parallel.tensor=2: the "
