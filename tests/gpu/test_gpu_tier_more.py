@@ -187,8 +187,11 @@ def test_cuda_graphs_replay_the_regions_and_train_as_without(world):
 
 def test_cuda_graph_replays_draw_fresh_dropout_masks(world):
     """A replay must not repeat the captured dropout masks: two replays of the same region on
-    the same input differ (dropout 0.5), as two eager calls would."""
+    the same input differ (dropout 0.5), as two eager calls would; and the region with its
+    random kernels is replayed, not skipped (BERT pretrains with dropout 0.1)."""
     import dataclasses
+
+    from torch._dynamo.utils import counters
 
     from ptdp.config import load_config
     from ptdp.models.transformer import TransformerStack
@@ -200,9 +203,12 @@ def test_cuda_graph_replays_draw_fresh_dropout_masks(world):
     stack = TransformerStack(ctx, 0, 2, True).to(device).train()
     x = torch.randn(64, 4, 64, device=device)
     outputs = []
+    torch._dynamo.reset()
+    counters.clear()
     for _ in range(4):   # warm-up, capture, then two replays
         out = stack(x.clone().requires_grad_())
         out.square().mean().backward()
         outputs.append(out.detach().clone())
     assert all(torch.isfinite(o).all() for o in outputs)
     assert not torch.equal(outputs[2], outputs[3])
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
