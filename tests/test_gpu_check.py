@@ -111,7 +111,28 @@ def test_stages_picks_stages_and_a_misspelt_one_is_one_line(tmp_path):
     assert bad.returncode == 2 and not (tmp_path / "bad").exists()
     assert bad.stderr.strip().splitlines() == [
         "gpu_check.sh: STAGES names 'gpu-tier'; the stages are gpu_tier, bench_gpt, "
-        "bench_bert, plan, loss, bert_head, mlp_chain"]
+        "bench_bert, plan, loss, bert_head, mlp_chain (and on request bert_graphs)"]
+
+
+def test_the_cuda_graphs_stage_runs_only_when_named(tmp_path):
+    """bert_graphs (BERT-large with train.cuda_graphs) is not in a default run's budget; named
+    in STAGES it runs bench_gpu.py with --cuda-graphs and the report has its row."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    run = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), "--dry-run", "--out",
+                          str(tmp_path / "graphs")], capture_output=True, text=True,
+                         timeout=within(120), env={**env, "STAGES": "bert_graphs"})
+    assert run.returncode == 0, run.stdout + run.stderr
+    line = next(line for line in run.stdout.splitlines() if "bert_graphs" in line)
+    assert "--arch bert" in line and "--cuda-graphs" in line, line
+    row = {"model": "ptdp", "mfu": 0.45, "peak_memory_gb": 13.0, "compile_layers": 8,
+           "cuda_graphs": True}
+    (tmp_path / "bench_bert_graphs.json").write_text(json.dumps(
+        {"rows": [row, {"model": "reference (HF)"}], "speedup": 1.3, "memory_ratio": 1.0,
+         "paired": None, "targets": {"speedup": 1.25, "mfu": 0.4, "memory_ratio": 1.1}}))
+    checks = gpu_check.evaluate(tmp_path)["checks"]
+    assert checks[0]["what"] == ("bert_graphs tokens/s vs reference (HF), ptdp compiled in "
+                                 "regions of 8 layers replayed as CUDA graphs")
+    assert [c["met"] for c in checks] == [True, True, True]
 
 
 def test_report_keeps_a_benchmark_stopped_after_one_model(tmp_path):
