@@ -426,8 +426,9 @@ def main(argv=None) -> int:
     with harness.world_of_one(device):
         # Every timing comes before any profiled step: the profiler can leave CUDA's tracing
         # library attached after it stops, slowing each later kernel launch (PyTorch issue
-        # #144455), which costs a host-bound step most (session 40's BERT: ptdp 195 ms timed
-        # before any profiling, 237 ms paired after both profiled steps).
+        # #144455), which costs a host-bound step most (BERT-large on an H200: ptdp 195 ms
+        # timed before any profiling, 237 ms paired after both profiled steps;
+        # docs/performance.md, "Fifth run").
         ours, kept = run_one(PtdpRunner, args, s, device, padded_vocab_size(s["vocab"], 1), peak,
                              keep=args.rounds > 0 or bool(args.profile))
         if kept is not None and not room_for_both(device, ours):

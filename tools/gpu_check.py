@@ -14,8 +14,8 @@ is in DIR (`bench_gpt.json`) its ptdp row is used instead of training it again. 
 DIR/plan.json.
 
 `report` reads what DIR holds (gpu_tier.xml from pytest, bench_gpt.json, bench_bert.json,
-bench_bert_graphs.json when that stage ran, plan.json, stages.json from the shell script) and writes DIR/gpu_check.json and
-DIR/gpu_check.md: one table, each target with its measured value and whether it is met. The
+bench_bert_graphs.json when that stage ran, plan.json, stages.json from the shell script) and
+writes DIR/gpu_check.json and DIR/gpu_check.md: one table, each target with its measured value and whether it is met. The
 targets (issue 22): GPT-1.3B >= 1.10x the compiled plain-PyTorch reference and >= 58 % MFU;
 BERT-large >= 1.25x Hugging Face and >= 40 % MFU; peak memory <= the reference's + 10 % (each
 as `tools/bench_gpu.py` states it, read from the JSON it wrote); the planner within 10 % on

@@ -21,9 +21,11 @@ with one tensor rank, models/attention.py; with more, the collectives break it a
 "reduce-overhead" mode, whose CUDA graph trees capture the region's kernels once and replay
 them with one launch, forward and backward. What a region's call still costs on the host is
 then the replay's bookkeeping, not one launch per kernel. A replay writes its outputs and
-saved activations where the capture did, so one micro-batch may be in flight at a time:
-one pipeline stage with 1F1B (forward, backward, forward, ...), no recomputation (which
-re-runs regions inside the backward), and layers that are one graph. Regions of equal length
+saved activations where the capture did, so one micro-batch may be in flight at a time
+(the catalogue's count: one pipeline stage with 1F1B, forward, backward, forward, ...), each
+backward finished on one copy of the weights (no deferred weight gradients, no weight
+versions), no full recomputation (which re-runs regions inside the backward), and layers
+that are one graph. Regions of equal length
 share their compiled graph, and the trees record one CUDA graph per region (their weights
 are static inputs, at fixed addresses).
 """
@@ -87,16 +89,13 @@ def check_cuda_graphs(cfg, out) -> None:
 
 def cuda_graphs_refusal(cfg) -> str | None:
     """What train.cuda_graphs lacks in `cfg`, or None when it can replay the regions."""
-    par, train = cfg.parallel, cfg.train
+    train = cfg.train
     if train.compile is False:
         return "compiled layers (it replays their regions), and train.compile=false"
     if train.device == "cpu":
         return "a CUDA device, and train.device=cpu"
-    if not _one_micro_batch_in_flight(cfg):
-        return (f"one micro-batch in flight (one pipeline stage, whose schedule runs each "
-                f"backward whole before the next forward: a replay overwrites the last one's "
-                f"activations), and parallel.pipeline={par.pipeline}, parallel.chunks="
-                f"{par.chunks}, schedule.name={cfg.schedule.name}")
+    if (conflict := _replay_conflict(cfg)) is not None:
+        return conflict
     if train.recompute == "full":
         return "train.recompute=none (full recomputation re-runs the regions in the backward)"
     if (broken := graph_break(cfg)) is not None:
@@ -104,12 +103,21 @@ def cuda_graphs_refusal(cfg) -> str | None:
     return None
 
 
-def _one_micro_batch_in_flight(cfg) -> bool:
-    """One stage whose schedule finishes each micro-batch's backward (weight gradients too)
-    before the next forward: not GPipe's forwards first, not a split backward, not the weight
-    versions of the schedules without a flush (ptdp/config/catalogue.py)."""
+def _replay_conflict(cfg) -> str | None:
+    """Why a replay could overwrite what a micro-batch still needs under cfg's schedule, read
+    off its catalogue entry (ptdp/config/catalogue.py): weight gradients deferred past the
+    backward, weight versions, or more than one micro-batch's activations held at once."""
     from ptdp.config.catalogue import SCHEDULES
-    spec = SCHEDULES.get(cfg.schedule.name)
-    par = cfg.parallel
-    return (spec is not None and par.pipeline == 1 and par.chunks == 1 and spec.flushing
-            and not spec.all_forwards_first and not spec.split_backward)
+    spec, name, par = SCHEDULES.get(cfg.schedule.name), cfg.schedule.name, cfg.parallel
+    if spec is None:
+        return None   # an unknown schedule is its own error (validation)
+    if spec.split_backward or not spec.flushing:
+        kept = "defers weight gradients" if spec.split_backward else "keeps weight versions"
+        return (f"a schedule that finishes each backward on one copy of the weights, and "
+                f"schedule.name={name} {kept}")
+    held = spec.in_flight(par.pipeline, par.chunks, cfg.num_micro_batches, rank=0)
+    if held > 1:
+        return (f"one micro-batch in flight (a replay overwrites the last one's activations), "
+                f"and schedule.name={name} with parallel.pipeline={par.pipeline}, "
+                f"parallel.chunks={par.chunks} holds up to {held:g}")
+    return None

@@ -249,11 +249,12 @@ def test_cuda_graphs_compile_the_regions_to_replay_them(cuda_graphs, mode, monke
                                  "train.compile=false"),
     (["train.device=cpu"], 1, "a CUDA device, and train.device=cpu"),
     (["parallel.pipeline=2", "model.num_layers=2"], 2,
-     "one micro-batch in flight (one pipeline stage, whose schedule runs each backward whole "
-     "before the next forward: a replay overwrites the last one's activations), and "
-     "parallel.pipeline=2, parallel.chunks=1, schedule.name=1f1b"),
-    (["schedule.name=gpipe"], 1, "one micro-batch in flight"),   # every forward first
-    (["schedule.name=zb-h1"], 1, "one micro-batch in flight"),   # weight gradients later
+     "one micro-batch in flight (a replay overwrites the last one's activations), and "
+     "schedule.name=1f1b with parallel.pipeline=2, parallel.chunks=1 holds up to 2"),
+    (["schedule.name=gpipe"], 1, "schedule.name=gpipe with parallel.pipeline=1, "
+                                 "parallel.chunks=1 holds up to 4"),   # every forward first
+    (["schedule.name=zb-h1"], 1, "a schedule that finishes each backward on one copy of the "
+                                 "weights, and schedule.name=zb-h1 defers weight gradients"),
     (["train.recompute=full"], 1,
      "train.recompute=none (full recomputation re-runs the regions in the backward)"),
     (["parallel.tensor=2"], 2, "layers that compile to one graph, and parallel.tensor=2: the "
@@ -267,8 +268,9 @@ def test_cuda_graphs_that_cannot_replay_are_refused(overrides, world, needs):
     lines = [line for line in err.value.errors if line.startswith("train.cuda_graphs")]
     assert len(lines) == 1 and needs in lines[0] and \
         lines[0].endswith("; set train.cuda_graphs=false"), err.value.errors
-    cfg = load_config(None, TINY + ["train.cuda_graphs=true"], world_size=1)
-    assert cfg.train.cuda_graphs is True   # one stage, 1f1b, one graph a layer: accepted
+    for ok in ([], ["schedule.name=gpipe", "train.global_batch_size=2"]):   # GPipe with m = 1
+        cfg = load_config(None, TINY + ["train.cuda_graphs=true"] + ok, world_size=1)
+        assert cfg.train.cuda_graphs is True
 
 
 def test_attention_dropout_is_in_the_compiled_graph_with_one_tensor_rank(monkeypatch):
