@@ -174,7 +174,7 @@ DROPOUT_REFUSED = "--dropout needs --arch bert and the Hugging Face reference"
 def test_options_that_cannot_work_are_refused_in_one_line(argv, message, capsys):
     """--dropout sets both models' dropout: refused where the reference (plain GPT or BERT)
     has none, rather than timing ptdp with dropout against a model without; a region length
-    below 1 before any model is built."""
+    below 1, and CUDA graphs without compiled CUDA layers, before any model is built."""
     from tools.bench_gpu import parse_args
     with pytest.raises(SystemExit):
         parse_args(["--device", "cpu", "--tiny", *argv])
@@ -188,3 +188,5 @@ def test_the_row_names_the_compiled_regions():
     assert _compile_words({"compile_layers": 8}) == "on (ptdp's regions: 8 layers)"
     assert _compile_words({"compile_layers": 1}) == "on (ptdp's regions: 1 layer)"
     assert _compile_words({"compile_layers": None}) == "off"
+    assert _compile_words({"compile_layers": 8, "cuda_graphs": True}) == \
+        "on (ptdp's regions: 8 layers, CUDA graphs)"
