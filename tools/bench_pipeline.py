@@ -269,15 +269,18 @@ def _over_ideal(ranks_iter: list[dict], m: int) -> float:
     """One iteration of a flushing schedule with one chunk per rank (GPipe, 1F1B): its makespan
     over the least any such schedule could take with these very action times,
     sum_s (F_s + B_s) + (m - 1) * max_s (F_s + B_s), where F_s and B_s are stage s's mean
-    forward and backward compute (the receive waits inside an action taken out). 1.0: the
-    engine adds nothing to the stages' own work but the unavoidable fill and drain."""
+    forward and backward compute (the receive waits inside an action taken out; a split
+    backward's B and Wg together). 1.0: the engine adds nothing to the stages' own work but
+    the fill and drain of whole backwards; 1F1B's drain, which sends input gradients before
+    computing weight gradients (ptdp/pipeline/flushing.py), can go below."""
     per_stage = []
     for r in ranks_iter:
-        times = {"F": [], "B": []}
+        times = {"F": [], "B": [], "W": []}
         for name, b, e in r["trace"]:
             waited = sum(min(e, we) - max(b, wb) for wb, we in r["waits"] if wb < e and we > b)
             times[name[0]].append(e - b - waited)
-        per_stage.append(statistics.fmean(times["F"]) + statistics.fmean(times["B"]))
+        backward = (sum(times["B"]) + sum(times["W"])) / len(times["B"])
+        per_stage.append(statistics.fmean(times["F"]) + backward)
     return _makespan(ranks_iter) / (sum(per_stage) + (m - 1) * max(per_stage))
 
 

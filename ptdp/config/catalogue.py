@@ -72,6 +72,10 @@ class ScheduleSpec:
     family: Family = Family.FLUSH
     chunks: Chunks = Chunks.ONE
     split_backward: bool = False      # B computes input gradients only, Wg the weights' later
+    # Only the cooldown's backwards are split (those after a rank's last forward, on every
+    # stage but the first), each Wg right after its B: the input gradient leaves a W sooner
+    # at every step of the drain, where the earlier stages wait for it.
+    split_cooldown: bool = False
     all_forwards_first: bool = False  # GPipe: every forward of the batch before any backward
     planner: Planner = Planner.SEARCHED
     min_micro_batches: Callable[[int, int], int] = _one   # (p, v) -> fewest m per batch
@@ -159,10 +163,11 @@ class ScheduleSpec:
 
 # GPipe: all forwards, then all backwards, then a flush.
 GPIPE = ScheduleSpec("gpipe", all_forwards_first=True)
-# PipeDream-Flush: one forward, one backward in the steady state, then a flush.
-ONE_F_ONE_B = ScheduleSpec("1f1b")
-# 1F1B over v model chunks per rank: the bubble shrinks by v.
-INTERLEAVED = ScheduleSpec("interleaved", chunks=Chunks.REQUIRED)
+# PipeDream-Flush: one forward, one backward in the steady state, then a flush; the drain's
+# backwards send their input gradients before computing their weight gradients.
+ONE_F_ONE_B = ScheduleSpec("1f1b", split_cooldown=True)
+# 1F1B over v model chunks per rank: the bubble shrinks by v (the cooldown split as 1F1B's).
+INTERLEAVED = ScheduleSpec("interleaved", chunks=Chunks.REQUIRED, split_cooldown=True)
 # 1F1B with the backward split into input and weight gradients (zero bubble, ZB-H1).
 ZERO_BUBBLE_H1 = ScheduleSpec("zb-h1", split_backward=True)
 # PipeDream-2BW: no flush, two weight versions, delay-1 updates.

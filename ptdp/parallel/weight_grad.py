@@ -16,9 +16,11 @@ evaluates the closures of that micro-batch, sums them per weight and accumulates
 autograd (`torch.autograd.backward` on the weights), so the hooks that follow an accumulation
 fire as after a plain backward: fp32 gradient accumulation and the data-parallel buckets,
 which therefore launch after the last W of the iteration. Outside a B pass the same ops
-compute both gradients at once. The pipeline executor (ptdp/pipeline/executor.py) opens the B
-pass and runs the W pass on the queue of the stage it executes; a new chunk has a new queue,
-so nothing deferred outlives the model it belongs to.
+compute both gradients at once. The pipeline executor (ptdp/pipeline/executor.py) gives a chunk
+an unbound queue (`weight_grads_of`) and binds its layers only for the forwards and backwards
+of the micro-batches it splits (`queue.bound()`: zb-h1's every one, 1F1B's drain's), opens the
+B pass and runs the W pass on it; a new chunk has a new queue, so nothing deferred outlives
+the model it belongs to.
 
 The gradients come from the kernels autograd itself uses (the GEMMs, aten's LayerNorm and
 embedding backward), so a split backward equals a plain one to round-off. The elementwise
@@ -77,6 +79,8 @@ class WeightGradQueue(WeightOps):
         self._open: list | None = None
         self._pending: dict = {}
         self._triggers: dict = {}
+        self._layers: list = []     # the chunk's modules with `weight_ops` (defer_weight_grads)
+        self._always = True         # bound for good, or only inside `bound()`
 
     @contextlib.contextmanager
     def defer(self, mb):
@@ -89,6 +93,23 @@ class WeightGradQueue(WeightOps):
         finally:
             self._pending.setdefault(mb, []).extend(self._open)
             self._open = None
+
+    @contextlib.contextmanager
+    def bound(self):
+        """Run a forward (or a backward that recomputes one) whose backward may be split: the
+        chunk's layers use this queue's ops inside, torch's own again after (a queue made
+        with `bind=False`; a bound one always uses its ops)."""
+        if self._always:
+            yield
+            return
+        before = [module.weight_ops for module in self._layers]
+        for module in self._layers:
+            module.weight_ops = self
+        try:
+            yield
+        finally:
+            for module, ops in zip(self._layers, before):
+                module.weight_ops = ops
 
     def run(self, mb) -> None:
         """The W pass of `mb`: compute its weight gradients and accumulate them."""
@@ -153,28 +174,32 @@ class WeightGradQueue(WeightOps):
         return _EagerScale.apply(*args)
 
 
-def defer_weight_grads(chunk: nn.Module) -> WeightGradQueue:
-    """Bind every layer of `chunk` that owns weights (has `weight_ops`) to a new queue, kept as
-    `chunk.weight_grads`: the chunk's B passes then leave their weight gradients to its W."""
+def defer_weight_grads(chunk: nn.Module, bind: bool = True) -> WeightGradQueue:
+    """Give `chunk` a new queue, kept as `chunk.weight_grads`, and bind every layer of it that
+    owns weights (has `weight_ops`) to the queue: the chunk's B passes then leave their weight
+    gradients to its W. With `bind=False` the layers keep torch's own ops except inside
+    `queue.bound()`: only the micro-batches run there can split their backward (1F1B splits
+    only its cooldown's, ptdp/pipeline/flushing.py), and the others pay nothing for it."""
     queue = WeightGradQueue()
     queue.chunk = weakref.ref(chunk)   # where `_owner` finds a compiled layer's weights
     _QUEUES.add(queue)
     for device in {p.device for p in chunk.parameters()}:   # (not inside a compiled layer)
         queue._trigger(device)
-    for module in chunk.modules():
-        if hasattr(module, "weight_ops"):
+    queue._layers = [module for module in chunk.modules() if hasattr(module, "weight_ops")]
+    queue._always = bind
+    if bind:
+        for module in queue._layers:
             module.weight_ops = queue
     chunk.weight_grads = queue
     return queue
 
 
 def weight_grads_of(chunk: nn.Module) -> WeightGradQueue:
-    """The queue `defer_weight_grads` gave `chunk`, for the executor's B and W passes."""
+    """`chunk`'s queue, for the executor's split forwards, B and W passes: the one
+    `defer_weight_grads` gave it, or on first use an unbound one (its layers on the queue's
+    ops only inside `queue.bound()`)."""
     queue = getattr(chunk, "weight_grads", None)
-    if queue is None:
-        raise RuntimeError("the steps split the backward (Wg actions), but this chunk defers no "
-                           "weight gradients: build it with defer_weight_grads")
-    return queue
+    return queue if queue is not None else defer_weight_grads(chunk, bind=False)
 
 
 def pending_weight_grads(chunks: dict) -> list:

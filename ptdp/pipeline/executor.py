@@ -62,6 +62,7 @@ from ptdp.parallel.weight_grad import pending_weight_grads, weight_grads_of
 from ptdp.pipeline.actions import BACKWARD, END, FORWARD, REDUCE, WEIGHT_GRAD
 from ptdp.pipeline.comm_plan import Message, Step, needed_messages, produced_messages
 from ptdp.pipeline.p2p import P2P
+from ptdp.pipeline.schedules import split_units
 from ptdp.runtime.trace import NO_SPANS
 
 
@@ -165,13 +166,13 @@ class _Run:
         self.batches: dict = {}    # mb -> (batch, forwards of it still to run on this rank)
         self.posted: set = set()   # receives posted ahead of their step and not yet used
         self.unsent: dict = {}     # message -> stashed output to free once it is sent
-        self.split = False         # the steps hold Wg actions: B defers weight gradients
+        self.split: set = set()    # (mb, stage) with a Wg action: its B defers weight gradients
         self.result = self._new_result()
         self.spans = NO_SPANS
 
     def run(self, steps: list[Step], spans, stream: Stream | None = None) -> None:
         ex, self.spans = self.ex, spans
-        self.split = any(s.action is not None and s.action.kind == WEIGHT_GRAD for s in steps)
+        self.split = split_units(s.action for s in steps if s.action is not None)
         for k, step in enumerate(steps):
             transfers = self._to_post(steps, k)
             self.inbox.update(ex.p2p.exchange(transfers, self.outbox, ex.full_shape, ex.dtype,
@@ -262,7 +263,9 @@ class _Run:
             for tensor in inputs:
                 tensor.requires_grad_()
         ids = self.versions.forward(action.mb) if self.versions is not None else None
-        out = self.ex.chunks[action.stage](_unpacked(inputs), self._batch(action.mb))
+        chunk = self.ex.chunks[action.stage]
+        with self._splittable(action, chunk):
+            out = chunk(_unpacked(inputs), self._batch(action.mb))
         out, aux = (out.output, out.aux_losses) if isinstance(out, StageOutput) else (out, {})
         self._add_aux_losses(action, aux)
         side = None   # a middle stage's aux losses, scaled, backpropagated with its outputs
@@ -310,7 +313,7 @@ class _Run:
         last = action.stage == self.ex.last_stage
         grads = None if last else self._received(action)
         chunk = self.ex.chunks[action.stage]
-        with weight_grads_of(chunk).defer(action.mb) if self.split else contextlib.nullcontext():
+        with self._splittable(action, chunk), self._deferring(action, chunk):
             if last:   # the loss (with its stage's aux losses)
                 torch.autograd.backward(outputs[0])
             else:
@@ -321,6 +324,19 @@ class _Run:
         if ids is not None:
             self.versions.done(ids)
             self._log(action, ids)
+
+    def _splittable(self, action, chunk):
+        """A split micro-batch's forward, and its B (which may recompute the forward), run
+        with the chunk's layers on its weight-gradient queue."""
+        if (action.mb, action.stage) not in self.split:
+            return contextlib.nullcontext()
+        return weight_grads_of(chunk).bound()
+
+    def _deferring(self, action, chunk):
+        """A split micro-batch's B leaves its weight gradients to its Wg."""
+        if (action.mb, action.stage) not in self.split:
+            return contextlib.nullcontext()
+        return weight_grads_of(chunk).defer(action.mb)
 
     @staticmethod
     def _backward_outputs(outputs: tuple, grads: tuple, side) -> None:

@@ -91,6 +91,17 @@ def _flush_1f1b(stages: StageMap, m: int, rank: int) -> list[Action]:
     return _one_f_one_b(forwards, backwards, warmup=stages.p - rank - 1)
 
 
+def _split_cooldown(actions: list[Action]) -> list[Action]:
+    """The cooldown sends input gradients first: each backward after the rank's last forward,
+    on any stage but the first (nothing waits for stage 0's input gradient), becomes ``B``
+    then ``Wg`` (module doc)."""
+    last_forward = max(i for i, a in enumerate(actions) if a.kind == FORWARD)
+    out = actions[:last_forward + 1]
+    for a in actions[last_forward + 1:]:
+        out += [a, Action(WEIGHT_GRAD, a.mb, a.stage)] if a.stage > 0 else [a]
+    return out
+
+
 def _interleaved(stages: StageMap, m: int, rank: int) -> list[Action]:
     p, v = stages.p, stages.v
     if v == 1:  # one chunk per rank: nothing to interleave, and no m % p constraint

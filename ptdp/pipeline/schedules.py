@@ -23,23 +23,25 @@ from ptdp.config.catalogue import (GPIPE, INTERLEAVED, NAMES, ONE_F_ONE_B, PIPED
                                    ZERO_BUBBLE_H1, schedule_spec)
 from ptdp.config.stages import StageMap
 from ptdp.pipeline.actions import Action, BACKWARD, FORWARD, RANK_ACTIONS, WEIGHT_GRAD
-from ptdp.pipeline.flushing import _flush_1f1b, _gpipe, _interleaved, _zb_h1
+from ptdp.pipeline.flushing import _flush_1f1b, _gpipe, _interleaved, _split_cooldown, _zb_h1
 from ptdp.pipeline.no_flush import _pipedream_skeleton, _two_bw_skeleton, place_iteration_ends
 
 
-def _repeat(builder: Callable[[StageMap, int, int], list[Action]]):
-    """A flushing schedule over ``batches`` consecutive iterations: one after the other."""
+def _repeat(builder: Callable[[StageMap, int, int], list[Action]], split_cooldown=False):
+    """A flushing schedule over ``batches`` consecutive iterations: one after the other (each
+    with its cooldown's backwards split where the catalogue says so)."""
     def window(stages: StageMap, m: int, rank: int, batches: int) -> list[Action]:
         one = builder(stages, m, rank)
+        one = _split_cooldown(one) if split_cooldown else one
         return [Action(a.kind, a.mb + t * m, a.stage) for t in range(batches) for a in one]
     return window
 
 
 _BUILDERS: dict[str, Callable[[StageMap, int, int, int], list[Action]]] = {
-    GPIPE.name: _repeat(_gpipe),
-    ONE_F_ONE_B.name: _repeat(_flush_1f1b),
-    INTERLEAVED.name: _repeat(_interleaved),
-    ZERO_BUBBLE_H1.name: _repeat(_zb_h1),
+    GPIPE.name: _repeat(_gpipe, GPIPE.split_cooldown),
+    ONE_F_ONE_B.name: _repeat(_flush_1f1b, ONE_F_ONE_B.split_cooldown),
+    INTERLEAVED.name: _repeat(_interleaved, INTERLEAVED.split_cooldown),
+    ZERO_BUBBLE_H1.name: _repeat(_zb_h1, ZERO_BUBBLE_H1.split_cooldown),
     TWO_BW.name: _two_bw_skeleton,
     PIPEDREAM.name: _pipedream_skeleton,
 }
@@ -82,16 +84,22 @@ def _build_all_cached(name: str, p: int, v: int, m: int, batches: int) -> tuple:
 def max_in_flight(actions: list[Action]) -> int:
     """Most (mb, stage) pairs whose forward ran and backward has not yet, over the list (with
     split backwards: whose weight-gradient pass has not, since it needs the activations)."""
-    release = WEIGHT_GRAD if any(a.kind == WEIGHT_GRAD for a in actions) else BACKWARD
+    split = split_units(actions)
     live: set[tuple[int, int]] = set()
     peak = 0
     for a in actions:
+        unit = (a.mb, a.stage)
         if a.kind == FORWARD:
-            live.add((a.mb, a.stage))
+            live.add(unit)
             peak = max(peak, len(live))
-        elif a.kind == release:
-            live.discard((a.mb, a.stage))
+        elif a.kind == (WEIGHT_GRAD if unit in split else BACKWARD):
+            live.discard(unit)
     return peak
+
+
+def split_units(actions) -> set[tuple[int, int]]:
+    """The (mb, stage) whose backward is split: a ``Wg`` action follows their ``B``."""
+    return {(a.mb, a.stage) for a in actions if a.kind == WEIGHT_GRAD}
 
 
 def format_schedule(name: str, p: int, v: int, m: int, batches: int = 1) -> str:

@@ -13,9 +13,10 @@ schedule would deadlock, and ``DeadlockError`` says which rank waits for what.
 WHOLE share of layers, so one chunk takes ``t_f / v`` and ``t_b / v`` (§4.2.2). The ideal
 iteration time is ``m * (t_f + t_b)`` and the bubble fraction is measured against it, which is
 the quantity the dissertation's (p-1)/m and (p-1)/(v*m) describe. Times may be ``Fraction``s
-for exact arithmetic. With split backwards (``zb-h1``) ``t_b`` is still the whole backward:
-``B`` takes ``t_b - t_w`` and ``Wg`` takes ``t_w`` (by default ``t_b / 2``, the paper's
-``t_B = t_W``).
+for exact arithmetic. With split backwards (every one of ``zb-h1``'s, 1F1B's drain's) ``t_b``
+is still the whole backward: a ``B`` followed by a ``Wg`` of the same micro-batch and stage
+takes ``t_b - t_w`` and the ``Wg`` takes ``t_w`` (by default ``t_b / 2``, the paper's
+``t_B = t_W``); any other ``B`` takes ``t_b``.
 """
 
 from __future__ import annotations
@@ -96,9 +97,9 @@ def simulate_lists(
     # (p-1)/m accounting, and W/E still wait for every rank's R through their dependencies.
     duration = {FORWARD: t_f / v, BACKWARD: t_b / v, **{kind: 0 * t_f for kind in RANK_ACTIONS},
                 **{kind: t_update for kind in (WEIGHTS, UPDATE, TIED)}}
-    if any(a.kind == WEIGHT_GRAD for row in schedule for a in row):  # split backwards
-        t_w = t_b / 2 if t_w is None else t_w
-        duration.update({BACKWARD: (t_b - t_w) / v, WEIGHT_GRAD: t_w / v})
+    split = {(a.mb, a.stage) for row in schedule for a in row if a.kind == WEIGHT_GRAD}
+    t_w = t_b / 2 if t_w is None else t_w
+    duration[WEIGHT_GRAD] = t_w / v   # and a split B takes t_b - t_w (`_duration`)
     finished: dict[Action, float] = {}  # action -> end time
     rows: list[list[Slot]] = [[] for _ in range(p)]
 
@@ -124,7 +125,7 @@ def simulate_lists(
         if ready is None:
             return False
         start = max(ready, row[-1].end if row else 0)
-        end = start + duration[action.kind]
+        end = start + _duration(action, duration, split, t_w / v)
         row.append(Slot(action, start, end))
         finished[action] = end
         return True
@@ -137,6 +138,13 @@ def simulate_lists(
         if not progressed:
             raise DeadlockError(_deadlock_report(schedule, rows, finished, p, v))
     return Timeline(name, p, v, m, t_f, t_b, t_comm, rows, stages)
+
+
+def _duration(action: Action, duration: dict, split: set, chunk_t_w):
+    """How long `action` takes: a B whose Wg comes later leaves that part to it."""
+    if action.kind == BACKWARD and (action.mb, action.stage) in split:
+        return duration[BACKWARD] - chunk_t_w
+    return duration[action.kind]
 
 
 def _check_action(action: Action, rank: int, stages: StageMap, duration: dict,

@@ -64,7 +64,6 @@ from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import RandomStreams
 from ptdp.parallel.roles import reduce_sets, role_of, writes
 from ptdp.parallel.sharding import gather_full_state
-from ptdp.parallel.weight_grad import defer_weight_grads
 from ptdp.training.experts import ExpertBiasState, ExpertLoads
 
 
@@ -258,9 +257,6 @@ def build_state(cfg: Config, grid: RankGrid, device: torch.device,
         chunks = {s: build_chunk(ctx, s, num_stages, par.stage_layers)
                   for s in spec.stage_map(par.pipeline, par.chunks).stages_of(grid.pp_rank)}
     chunks = {s: chunk.to(device, PRECISIONS[tr.precision]) for s, chunk in chunks.items()}
-    if spec.split_backward:   # zb-h1: a chunk's B passes leave its weight gradients to its Wg
-        for chunk in chunks.values():
-            defer_weight_grads(chunk)
     params = [p for c in chunks.values() for p in c.parameters()]
     weights = _master_weights(cfg, grid, params, spec)
     m = cfg.num_micro_batches

@@ -3,6 +3,8 @@
 B leaves them all to W (but the fused chains' biases and the position table), W then equals
 a plain backward to the bit, and chunks on one rank defer into separate queues."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -88,11 +90,43 @@ def test_each_chunk_defers_into_its_own_queue():
     assert pending_weight_grads({3: first, 4: second}) == []
 
 
-def test_a_split_schedule_needs_a_deferring_chunk():
-    with pytest.raises(RuntimeError, match="defers no weight gradients"):
-        weight_grads_of(torch.nn.Linear(2, 2))
+def test_a_w_pass_needs_its_b_pass():
     with pytest.raises(RuntimeError, match="W pass of 1 without its B pass"):
         defer_weight_grads(torch.nn.Linear(2, 2)).run(1)
+
+
+def test_an_unbound_queue_splits_only_the_micro_batches_run_bound():
+    """The executor's queue (`weight_grads_of` on a chunk without one): the layers keep torch's
+    own ops except inside `bound()`, so a micro-batch run outside it backpropagates whole even
+    inside a B pass, and one run inside it leaves its weight gradients to W, equal to the
+    plain ones to the bit. 1F1B splits only its drain's micro-batches this way."""
+    torch.manual_seed(0)
+    chunk = build_chunk(_context("gpt"), 0, 1)
+    layers = [m for m in chunk.modules() if hasattr(m, "weight_ops")]
+    queue = weight_grads_of(chunk)
+    assert weight_grads_of(chunk) is queue and all(m.weight_ops is PLAIN for m in layers)
+    fc2 = chunk.stack.layers[0].mlp.fc2.weight
+
+    def step(mb, bound):
+        with queue.bound() if bound else contextlib.nullcontext():
+            loss, _ = chunk(None, _batch())
+        with queue.defer(mb), queue.bound() if bound else contextlib.nullcontext():
+            loss.backward()
+
+    step(0, bound=False)
+    plain = fc2.grad.clone()
+    assert all(m.weight_ops is PLAIN for m in layers) and queue.pending() == [0]
+    queue.run(0)   # nothing was deferred
+    chunk.zero_grad(set_to_none=True)
+    step(1, bound=True)
+    assert fc2.grad is None and queue.pending() == [1]
+    assert all(m.weight_ops is PLAIN for m in layers)   # restored after the pass
+    queue.run(1)
+    assert torch.equal(fc2.grad, plain)
+    with pytest.raises(ValueError), queue.bound():
+        assert all(m.weight_ops is queue for m in layers)
+        raise ValueError
+    assert all(m.weight_ops is PLAIN for m in layers)   # restored after an error too
 
 
 def test_a_compiled_layer_defers_its_weight_gradients():

@@ -17,7 +17,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ptdp.parallel.stage_output import StageOutput
-from ptdp.parallel.weight_grad import defer_weight_grads
 from ptdp.config.catalogue import schedule_spec
 from ptdp.pipeline.comm_plan import check_plans, plan_exchanges
 from ptdp.pipeline.executor import PipelineExecutor
@@ -106,9 +105,6 @@ def train_pipelined(runs: list[tuple], iters: int, nccl_rules: bool) -> list[dic
     for schedule, v, m in runs:
         spec = schedule_spec(schedule)
         chunks = {s: SideChunk(s, p * v) for s in spec.stage_map(p, v).stages_of(rank)}
-        if spec.split_backward:   # zb-h1: plain nn layers defer nothing, but Wg needs a queue
-            for chunk in chunks.values():
-                defer_weight_grads(chunk)
         transport = InOrderTransport() if nccl_rules else None
         executor = PipelineExecutor(chunks, p * v, P2P(list(range(p)), transport=transport),
                                     boundary_shapes=boundary_shapes,

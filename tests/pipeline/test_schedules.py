@@ -34,21 +34,36 @@ def _id(case):
     return f"{name}-p{p}-v{v}-m{m}"
 
 
+def _split_expected(name: str, actions: list, units: set) -> set:
+    """The (mb, stage) whose backward the schedule splits: zb-h1 every one; 1F1B and
+    interleaved those after the rank's last forward, on any stage but the first."""
+    spec = schedule_spec(name)
+    if spec.split_backward:
+        return units
+    if not spec.split_cooldown:
+        return set()
+    last_forward = max(i for i, a in enumerate(actions) if a.kind == "F")
+    return {(a.mb, a.stage) for a in actions[last_forward + 1:] if a.stage > 0}
+
+
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_every_forward_and_backward_once_forward_first(case):
     name, p, v, m = case
     stages = schedule_spec(name).stage_map(p, v)
     for rank, actions in enumerate(build_all(name, p, v, m)):
         expected = {(mb, s) for mb in range(m) for s in stages.stages_of(rank)}
-        kinds = ("F", "B", "Wg") if name == "zb-h1" else ("F", "B")
-        for kind in kinds:
+        split = _split_expected(name, actions, expected)
+        for kind, units in (("F", expected), ("B", expected), ("Wg", split)):
             pairs = Counter((a.mb, a.stage) for a in actions if a.kind == kind)
-            assert set(pairs) == expected and set(pairs.values()) == {1}, (rank, kind)
+            assert set(pairs) == units and set(pairs.values()) <= {1}, (rank, kind)
         position = {a: i for i, a in enumerate(actions)}
         for mb, s in expected:
+            kinds = ("F", "B", "Wg") if (mb, s) in split else ("F", "B")
             order = [position[Action(kind, mb, s)] for kind in kinds]
             assert order == sorted(order), (rank, mb, s)
-        assert len(actions) == len(kinds) * m * v
+            if (mb, s) in split and not schedule_spec(name).split_backward:
+                assert order[2] == order[1] + 1, (rank, mb, s)   # the cooldown's Wg: at once
+        assert len(actions) == 2 * m * v + len(split)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
@@ -85,10 +100,11 @@ def test_gpipe_stashes_all_micro_batches():
 
 
 def test_1f1b_known_order():
-    # p=2: rank 0 warms up with p-0-1 = 1 forward, then F/B pairs, then drains.
+    # p=2: rank 0 warms up with p-0-1 = 1 forward, then F/B pairs, then drains; rank 1's
+    # backward after its last forward sends its input gradient before its weight gradients.
     assert format_schedule("1f1b", 2, 1, 4) == (
-        "rank 0: F0 F1 B0 F2 B1 F3 B2 B3\n"
-        "rank 1: F0 B0 F1 B1 F2 B2 F3 B3"
+        "rank 0: F0  F1  B0  F2  B1  F3  B2  B3\n"
+        "rank 1: F0  B0  F1  B1  F2  B2  F3  B3  Wg3"
     )
 
 
@@ -105,11 +121,12 @@ def test_gpipe_known_order():
 def test_interleaved_known_order():
     # p=2, v=2, m=4: (mb, chunk) order (0,0) (1,0) (0,1) (1,1) (2,0) (3,0) (2,1) (3,1);
     # rank 0 warms up with 2*(2-0-1) + (2-1)*2 = 4 forwards, backwards visit chunk 1 first.
-    assert format_schedule("interleaved", 2, 2, 4) == (
+    # The cooldown (after a rank's last forward) splits every backward but stage 0's.
+    assert format_schedule("interleaved", 2, 2, 4).replace("  ", " ").replace("  ", " ") == (
         "rank 0: F0@s0 F1@s0 F0@s2 F1@s2 F2@s0 B0@s2 F3@s0 B1@s2 "
-        "F2@s2 B0@s0 F3@s2 B1@s0 B2@s2 B3@s2 B2@s0 B3@s0\n"
+        "F2@s2 B0@s0 F3@s2 B1@s0 B2@s2 Wg2@s2 B3@s2 Wg3@s2 B2@s0 B3@s0\n"
         "rank 1: F0@s1 F1@s1 F0@s3 B0@s3 F1@s3 B1@s3 F2@s1 B0@s1 "
-        "F3@s1 B1@s1 F2@s3 B2@s3 F3@s3 B3@s3 B2@s1 B3@s1"
+        "F3@s1 B1@s1 F2@s3 B2@s3 F3@s3 B3@s3 Wg3@s3 B2@s1 Wg2@s1 B3@s1 Wg3@s1"
     )
 
 
