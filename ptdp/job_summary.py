@@ -102,4 +102,7 @@ def _bubble_line(spec, p: int, v: int, m: int) -> str:
     if spec.split_backward:
         return (f"bubble (p-1)/(3m) = {bubble_fraction(p, m, 1) / 3:.3f} (zero bubble: "
                 f"t_F = t_B = t_W)")
+    if spec.split_cooldown:
+        return (f"bubble 2(p-1)/(3v*m) = {2 * bubble_fraction(p, m, v) / 3:.3f} (the cooldown "
+                f"sends input gradients first: t_F = t_B = t_W)")
     return f"bubble (p-1)/(v*m) = {bubble_fraction(p, m, v):.3f}"

@@ -102,14 +102,19 @@ class WeightGradQueue(WeightOps):
         if self._always:
             yield
             return
-        before = [module.weight_ops for module in self._layers]
+        # Restored as they were, the class's PLAIN not copied into the instance: a compiled
+        # layer's guards see the same module again and reuse its graph.
+        before = [module.__dict__.get("weight_ops") for module in self._layers]
         for module in self._layers:
             module.weight_ops = self
         try:
             yield
         finally:
             for module, ops in zip(self._layers, before):
-                module.weight_ops = ops
+                if ops is None:
+                    del module.weight_ops
+                else:
+                    module.weight_ops = ops
 
     def run(self, mb) -> None:
         """The W pass of `mb`: compute its weight gradients and accumulate them."""

@@ -31,9 +31,10 @@ micro-batch uses and stashes its id; the backward activates the same one. Rank a
 U, T, E) are handed to the trainer's `rank_actions(action, stream)`: the optimizer and the
 reductions are the trainer's business.
 
-Split backwards (zb-h1): when the steps hold weight-gradient actions (`Wg`), a `B` runs with
-the weight gradients deferred to its chunk's queue (`ptdp.parallel.weight_grad`) and its `Wg`
-computes them later.
+Split backwards (zb-h1's every one, the cooldown's of 1F1B and interleaved): a (micro-batch,
+stage) whose steps hold a weight-gradient action (`Wg`) runs its forward and its `B` with the
+chunk's layers bound to the chunk's queue (`ptdp.parallel.weight_grad`), the `B` deferring
+the weight gradients, which its `Wg` computes; every other micro-batch runs torch's own ops.
 
 Freed outputs (Megatron's `deallocate_output_tensor`): once a stage's output is posted to the
 next stage, its backward needs only the autograd graph behind it, not its [s, b, h] values.

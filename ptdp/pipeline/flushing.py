@@ -1,5 +1,5 @@
-"""The flushing schedules' action lists: GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B and
-zero bubble (ZB-H1). Pure functions of ``(stages, m, rank)``, ``stages`` the schedule's
+"""The flushing schedules' action lists: GPipe, 1F1B (PipeDream-Flush, its cooldown split),
+interleaved 1F1B and zero bubble (ZB-H1). Pure functions of ``(stages, m, rank)``, ``stages`` the schedule's
 ``StageMap`` (its ``p``, ``v`` and which stages each rank holds: ptdp/config/stages.py); no torch.
 
 Schedules. All three are one shape, ``_one_f_one_b(forwards, backwards, warmup)``: ``warmup``
@@ -21,8 +21,22 @@ chunk, i.e. 1/v of the rank's layers, so rank 0's bound of ``(v+1)p - 1`` chunk 
 Megatron-LM's bound for its interleaved schedule.
 
 Bubble (``ptdp.pipeline.timeline.simulate``, no communication cost, any t_b/t_f): exactly (p-1)/m for gpipe and
-1f1b, and (p-1)/(v*m) for interleaved; gpipe with v>1 (the "all-forward, all-backward" version
-of interleaving, §4.2.2) also reaches (p-1)/(v*m) once m >= p.
+1f1b with whole backwards, and (p-1)/(v*m) for interleaved; gpipe with v>1 (the "all-forward,
+all-backward" version of interleaving, §4.2.2) also reaches (p-1)/(v*m) once m >= p.
+
+The cooldown split (1f1b and interleaved, the catalogue's ``split_cooldown``). After a rank's
+last forward nothing but backwards is left to it, and the earlier stages wait for each of their
+input gradients in turn: the drain is a chain of p - 1 hops, each a whole backward long.
+``_split_cooldown`` makes each of those backwards (on any stage but stage 0, whose input
+gradient nobody waits for) ``B`` then ``Wg`` at once: the input gradient is sent a weight-
+gradient pass t_w sooner, and the weight gradients are computed while the next stage works.
+The order of forwards and backwards, the memory (Wg right after B: the same in-flight counts)
+and the arithmetic (a split backward equals a whole one to the bit,
+ptdp/parallel/weight_grad.py) are PipeDream-Flush's; the bubble becomes
+(p-1)(t_f + t_b - t_w)/(v*m*(t_f + t_b)) as long as t_w <= t_f (the sender must be free when
+the next gradient arrives; beyond it each hop saves t_f), never more than without the split.
+Only the cooldown is split: in the steady state the receiving rank is busy with a forward when
+the gradient arrives, so a split there would only add its cost (docs/performance.md).
 
 Zero bubble (``zb-h1``, Qi et al. 2023, "Zero Bubble Pipeline Parallelism", schedule ZB-H1).
 The backward is split in two: ``B`` computes only the input gradient, which the previous stage

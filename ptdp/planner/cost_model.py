@@ -204,6 +204,7 @@ class _RankTimes:
     p2p_fill: float = 0.0  # per micro-batch step of the fill and drain: every transfer waited
     ring: float = 0.0      # the context ring's exposed transfers
     all_to_all: float = 0.0   # the MoE layers' token dispatch and combine
+    cooldown_saving: float = 0.0   # off each drain step by sending input gradients first
 
     @property
     def total(self) -> float:
@@ -217,7 +218,8 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     p, t, d, v, b = lay.pipeline, lay.tensor, lay.data, lay.chunks, lay.micro_batch
     c = lay.context
     shape = context_shape(whole, c)   # this rank's s/c tokens
-    split = schedule_spec(lay.schedule).split_backward   # backward as B now and W later
+    spec = schedule_spec(lay.schedule)
+    split = spec.split_backward   # backward as B now and W later
     layers = shape.layers // p
     attention = attention_kernel(attention, c)
     lt = layer_times(hw, prec, shape, b, t, attention)
@@ -237,9 +239,11 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     ar = comm.all_reduce_time(t, act_bytes, tp_link)
     measured = hw.measured or {}
     backward = lt.backward
-    if split:   # the split layer's own cost, or the trainer's, measured on one rank: the larger
-        backward += max(lt.backward_split - lt.backward,
-                        measured.get("split_backward_overhead_s", 0.0))
+    # the split layer's own cost, or the trainer's, measured on one rank: the larger
+    split_cost = max(lt.backward_split - lt.backward,
+                     measured.get("split_backward_overhead_s", 0.0))
+    if split:
+        backward += split_cost
     fwd, bwd = layers * lt.forward, layers * backward
     # The trainer's own cost per layer and micro-batch beyond the kernels (measured profiles).
     overhead = layers * measured.get("layer_overhead_s", 0.0)
@@ -276,8 +280,11 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
         p2p, p2p_fill = (_exposed_p2p(lay.schedule, p, v, one_way) if hw.overlap_pipeline
                          else (2 * v * one_way, 2 * v * one_way))
     slow = _oversubscription(hw, lay.gpus, work.gpus_per_node)
+    saving = 0.0
+    if spec.split_cooldown and p > 1:   # the weight-gradient half of the backward, at most
+        saving = max(0.0, min(bwd / 2, fwd) - layers * split_cost)   # the sender's forward
     return _RankTimes((fwd + bwd) * slow, recompute * slow, tensor_comm, p2p, bwd * slow,
-                      p2p_fill, ring, all_to_all)
+                      p2p_fill, ring, all_to_all, saving * slow)
 
 
 def _ring_time(hw: HardwareProfile, work: Workload, lay: Layout, attention: str, busy: int,
@@ -349,6 +356,21 @@ def _flush_compute_factor(hw: HardwareProfile, p: int, m: int, gpus: int,
         return 1.0
     wave = sum(max(1.0, slicing * min(k, p, m, m + p - k) / p) for k in range(1, m + p))
     return max(wave - m * slicing, 0.0) / max(p - 1, 1) / slicing
+
+
+def _cooldown_split_flush(ranks: list[_RankTimes], p: int, v: int, flush: float, bubble: float,
+                          compute_factor: float) -> tuple[float, float]:
+    """1F1B's and interleaved's cooldown send each backward's input gradient before its weight
+    gradients (ptdp/pipeline/flushing.py): each of the drain's p - 1 chunk steps is shorter by
+    the chunk's weight-gradient pass (half its backward, as _zero_bubble_flush assumes; at most
+    its forward, which the sender is still running otherwise; less the split's own cost).
+    -> (seconds, bubble fraction), from whole-backward `flush` and `bubble`."""
+    first, last = ranks[0], ranks[-1]
+    middle = ranks[1] if len(ranks) > 2 else first
+    mean = (first.cooldown_saving + last.cooldown_saving
+            + (p - 2) * middle.cooldown_saving) / p
+    split = max(flush - (p - 1) / v * mean * compute_factor, 0.0)
+    return split, bubble * split / flush
 
 
 def _zero_bubble_flush(ranks: list[_RankTimes], p: int, m: int,
@@ -439,6 +461,8 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     spec = schedule_spec(lay.schedule)
     flush = (p - 1) / v * _flush_rank_time(ranks, p, flush_compute) if spec.flushing else 0.0
     bubble = bubble_fraction(p, m, v) if spec.flushing else 0.0
+    if spec.split_cooldown and flush:
+        flush, bubble = _cooldown_split_flush(ranks, p, v, flush, bubble, flush_compute)
     if spec.split_backward:
         flush, bubble = _zero_bubble_flush(ranks, p, m, flush_compute)
 

@@ -163,6 +163,41 @@ def test_a_deferring_layer_compiles_into_one_graph():
         assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
 
 
+def test_compiled_layers_split_per_micro_batch_without_recompiling():
+    """1F1B's cooldown binds a compiled chunk to its queue for some micro-batches only: dynamo
+    keeps one graph for each binding (shared by the chunks, whatever their queues), none after
+    the first iteration, and the split micro-batches' weight gradients equal the whole ones."""
+    from torch._dynamo.utils import counters
+    stacks = [TransformerStack(_context("gpt"), 0, 2, causal=True) for _ in range(3)]
+    for stack in stacks:
+        for layer in stack.layers:
+            layer.compile(backend="eager")   # dynamo's graphs without inductor's compilation
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    graphs = []
+    for _ in range(2):
+        for stack in stacks:
+            queue = weight_grads_of(stack)
+            grads = []
+            for mb, split in enumerate((False, True)):
+                binding = queue.bound() if split else contextlib.nullcontext()
+                with binding:
+                    y = stack(x)
+                with queue.defer(mb), queue.bound() if split else contextlib.nullcontext():
+                    y.square().sum().backward()
+                deferred = stack.layers[0].mlp.fc1.weight.grad is None
+                assert deferred == split
+                queue.run(mb)
+                grads.append({n: p.grad.clone() for n, p in stack.named_parameters()})
+                stack.zero_grad(set_to_none=True)
+            for name, grad in grads[0].items():
+                assert torch.equal(grads[1][name], grad), name
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [2, 2], graphs   # plain and bound
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
 def test_the_owner_table_forgets_the_weights_of_dropped_chunks():
     """The table that finds a weight's queue at backward time (weight_grad._OWNERS) holds live
     weights only: building, training and dropping chunks leaves it as it was."""

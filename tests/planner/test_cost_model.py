@@ -61,10 +61,19 @@ def _simulated_makespan(schedule: str, p: int, m: int, forward: float, backward:
                         transfer: float) -> float:
     """A schedule of ptdp/pipeline/schedules.py played out: each rank runs its actions in order, an
     action starts when its rank is free and its inputs have arrived (`transfer` seconds after
-    they were produced on another rank)."""
-    from ptdp.pipeline.schedules import build_all
+    they were produced on another rank). A backward split into B and Wg (1F1B's cooldown)
+    takes half of `backward` in each, the planner's t_B = t_W."""
+    from ptdp.pipeline.schedules import build_all, split_units
     from ptdp.pipeline.actions import dependencies
     schedule, end, free, nxt = build_all(schedule, p, 1, m), {}, [0.0] * p, [0] * p
+    split = {unit for row in schedule for unit in split_units(row)}
+
+    def duration(action):
+        if action.kind == "F":
+            return forward
+        halved = action.kind == "Wg" or (action.mb, action.stage) in split
+        return backward / 2 if halved else backward
+
     while any(nxt[r] < len(schedule[r]) for r in range(p)):
         for r in range(p):
             while nxt[r] < len(schedule[r]):
@@ -74,7 +83,7 @@ def _simulated_makespan(schedule: str, p: int, m: int, forward: float, backward:
                     break
                 start = max([free[r]] + [end[d] + (transfer if d.stage != action.stage else 0.0)
                                          for d in deps])
-                end[action] = free[r] = start + (forward if action.kind == "F" else backward)
+                end[action] = free[r] = start + duration(action)
                 nxt[r] += 1
     return max(free)
 
