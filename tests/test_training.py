@@ -124,7 +124,8 @@ def test_recomputation_replays_dropout_exactly(jobs, mode):
 
 def test_trace_file_has_every_rank_and_action(jobs, metrics_dir):
     """Iterations 2-4 of a (p, t) = (2, 2) BERT run with m = 4: per iteration each rank runs
-    4 F and 4 B, waits for 4 received tensors (activations on stage 1, gradients on stage 0),
+    4 F and 4 B (stage 1 also its last backward's Wg: the cooldown sends the input gradient
+    first), waits for 4 received tensors (activations on stage 1, gradients on stage 0),
     reduces twice (data-parallel, then embedding + norm) and steps the optimizer once."""
     events = json.loads((metrics_dir / "trace.json").read_text())["traceEvents"]
     actions = [e for e in events if e["ph"] == "X"]
@@ -132,8 +133,9 @@ def test_trace_file_has_every_rank_and_action(jobs, metrics_dir):
     for rank in range(4):
         mine = [e for e in actions if e["pid"] == rank]
         counts = Counter(e["cat"] for e in mine)
-        assert counts == {"forward": 12, "backward": 12, "wait": 12, "reduce": 6,
-                          "optimizer": 3}, rank
+        assert counts == {"forward": 12, "backward": 12 if rank < 2 else 15, "wait": 12,
+                          "reduce": 6, "optimizer": 3}, rank
+        assert sum(e["name"].startswith("Wg3@s1") for e in mine) == (0 if rank < 2 else 3)
         waited = "grad" if rank < 2 else "act"
         assert all(e["name"].startswith(f"wait {waited}") for e in mine if e["cat"] == "wait")
         assert {e["args"]["iteration"] for e in mine} == {2, 3, 4}

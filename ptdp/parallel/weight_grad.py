@@ -29,6 +29,7 @@ bias-add chains and the position-embedding slice keep their (cheap) weight gradi
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import weakref
@@ -79,8 +80,7 @@ class WeightGradQueue(WeightOps):
         self._open: list | None = None
         self._pending: dict = {}
         self._triggers: dict = {}
-        self._layers: list = []     # the chunk's modules with `weight_ops` (defer_weight_grads)
-        self._always = True         # bound for good, or only inside `bound()`
+        self._layers, self._always = [], True   # (defer_weight_grads): bound for good or not
 
     @contextlib.contextmanager
     def defer(self, mb):
@@ -102,25 +102,19 @@ class WeightGradQueue(WeightOps):
         if self._always:
             yield
             return
-        # Restored as they were, the class's PLAIN not copied into the instance: a compiled
-        # layer's guards see the same module again and reuse its graph.
-        before = [module.__dict__.get("weight_ops") for module in self._layers]
         for module in self._layers:
             module.weight_ops = self
         try:
             yield
-        finally:
-            for module, ops in zip(self._layers, before):
-                if ops is None:
-                    del module.weight_ops
-                else:
-                    module.weight_ops = ops
+        finally:   # the class's PLAIN again, not a copy in the instance: a compiled layer's
+            for module in self._layers:   # guards then see the module as before (one graph)
+                module.__dict__.pop("weight_ops", None)
 
     def run(self, mb) -> None:
         """The W pass of `mb`: compute its weight gradients and accumulate them."""
         if mb not in self._pending:
             raise RuntimeError(f"W pass of {mb} without its B pass")
-        _accumulate([(params, compute()) for params, compute in self._pending.pop(mb)])
+        _accumulate(self._pending.pop(mb))
 
     def pending(self) -> list:
         """The micro-batches whose B pass ran and whose W pass did not."""
@@ -131,7 +125,7 @@ class WeightGradQueue(WeightOps):
         if self._open is not None:
             self._open.append((params, compute))
         else:
-            _accumulate([(params, compute())])
+            _accumulate([(params, compute)])
 
     # The weights enter the ops detached, so autograd holds no edge to them: a B pass neither
     # accumulates into them nor fires their accumulation hooks (it would, with a None
@@ -214,19 +208,26 @@ def pending_weight_grads(chunks: dict) -> list:
             for mb in queue.pending()]
 
 
-def _accumulate(results: list[tuple[list, list]]) -> None:
-    """Sum the gradients per weight (a tied table is used twice), then accumulate each once
-    through autograd, so every weight sees one accumulation (and one hook call) per pass."""
-    totals: dict[int, list] = {}
-    for params, grads in results:
-        for param, grad in zip(params, grads):
-            if param is None or grad is None:
+def _accumulate(pending: list[tuple[list, Callable[[], list]]]) -> None:
+    """Compute the closures in order and accumulate each weight's gradient through autograd
+    once its last contribution is in (a tied table is used twice: summed first), so every
+    weight sees one accumulation (and one hook call) per pass, and the pass holds the
+    gradients of one closure and of the weights still waiting for another, not all of them."""
+    left = collections.Counter(id(p) for params, _ in pending for p in params if p is not None)
+    totals: dict[int, torch.Tensor] = {}
+    for params, compute in pending:
+        ready = []
+        for param, grad in zip(params, compute()):
+            if param is None:
                 continue
-            entry = totals.setdefault(id(param), [param, None])
-            entry[1] = grad if entry[1] is None else entry[1] + grad
-    if totals:
-        params, grads = zip(*totals.values())
-        torch.autograd.backward(list(params), list(grads))
+            key = id(param)
+            if grad is not None:
+                totals[key] = grad if key not in totals else totals[key] + grad
+            left[key] -= 1
+            if not left[key] and key in totals:
+                ready.append((param, totals.pop(key)))
+        if ready:
+            torch.autograd.backward(*map(list, zip(*ready)))
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

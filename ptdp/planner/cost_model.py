@@ -240,10 +240,8 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
     measured = hw.measured or {}
     backward = lt.backward
     # the split layer's own cost, or the trainer's, measured on one rank: the larger
-    split_cost = max(lt.backward_split - lt.backward,
-                     measured.get("split_backward_overhead_s", 0.0))
-    if split:
-        backward += split_cost
+    split_cost = max(lt.backward_split - lt.backward, measured.get("split_backward_overhead_s", 0))
+    backward += split_cost if split else 0.0
     fwd, bwd = layers * lt.forward, layers * backward
     # The trainer's own cost per layer and micro-batch beyond the kernels (measured profiles).
     overhead = layers * measured.get("layer_overhead_s", 0.0)
@@ -280,9 +278,9 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
         p2p, p2p_fill = (_exposed_p2p(lay.schedule, p, v, one_way) if hw.overlap_pipeline
                          else (2 * v * one_way, 2 * v * one_way))
     slow = _oversubscription(hw, lay.gpus, work.gpus_per_node)
-    saving = 0.0
-    if spec.split_cooldown and p > 1:   # the weight-gradient half of the backward, at most
-        saving = max(0.0, min(bwd / 2, fwd) - layers * split_cost)   # the sender's forward
+    saving = 0.0   # a drain step's saving: its weight-gradient pass (half the backward, as
+    if spec.split_cooldown and p > 1:   # _zero_bubble_flush assumes) but at most the forward
+        saving = max(0.0, min(bwd / 2, fwd) - layers * split_cost)   # the sender is running
     return _RankTimes((fwd + bwd) * slow, recompute * slow, tensor_comm, p2p, bwd * slow,
                       p2p_fill, ring, all_to_all, saving * slow)
 
@@ -332,12 +330,17 @@ def _flush_rank_time(ranks: list, p: int, compute_factor: float) -> float:
     """A pipeline rank's mean time per micro-batch step of the fill and drain, beyond the
     steady state's m steps: the steady-state time, its compute scaled by `compute_factor`
     (1 on GPUs; _flush_compute_factor)."""
-    first, last = ranks[0], ranks[-1]
-    middle = ranks[1] if len(ranks) > 2 else first
     def mean(attr):
-        return (getattr(first, attr) + getattr(last, attr) + (p - 2) * getattr(middle, attr)) / p
+        return _rank_mean(ranks, p, attr)
     return ((mean("compute") + mean("recompute")) * compute_factor
             + mean("tensor_comm") + mean("p2p_fill") + mean("ring") + mean("all_to_all"))
+
+
+def _rank_mean(ranks: list, p: int, attr: str) -> float:
+    """The mean of `attr` over the p ranks: the first, the last and p - 2 middle ones."""
+    first, last = ranks[0], ranks[-1]
+    middle = ranks[1] if len(ranks) > 2 else first
+    return (getattr(first, attr) + getattr(last, attr) + (p - 2) * getattr(middle, attr)) / p
 
 
 def _flush_compute_factor(hw: HardwareProfile, p: int, m: int, gpus: int,
@@ -356,21 +359,6 @@ def _flush_compute_factor(hw: HardwareProfile, p: int, m: int, gpus: int,
         return 1.0
     wave = sum(max(1.0, slicing * min(k, p, m, m + p - k) / p) for k in range(1, m + p))
     return max(wave - m * slicing, 0.0) / max(p - 1, 1) / slicing
-
-
-def _cooldown_split_flush(ranks: list[_RankTimes], p: int, v: int, flush: float, bubble: float,
-                          compute_factor: float) -> tuple[float, float]:
-    """1F1B's and interleaved's cooldown send each backward's input gradient before its weight
-    gradients (ptdp/pipeline/flushing.py): each of the drain's p - 1 chunk steps is shorter by
-    the chunk's weight-gradient pass (half its backward, as _zero_bubble_flush assumes; at most
-    its forward, which the sender is still running otherwise; less the split's own cost).
-    -> (seconds, bubble fraction), from whole-backward `flush` and `bubble`."""
-    first, last = ranks[0], ranks[-1]
-    middle = ranks[1] if len(ranks) > 2 else first
-    mean = (first.cooldown_saving + last.cooldown_saving
-            + (p - 2) * middle.cooldown_saving) / p
-    split = max(flush - (p - 1) / v * mean * compute_factor, 0.0)
-    return split, bubble * split / flush
 
 
 def _zero_bubble_flush(ranks: list[_RankTimes], p: int, m: int,
@@ -461,8 +449,10 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     spec = schedule_spec(lay.schedule)
     flush = (p - 1) / v * _flush_rank_time(ranks, p, flush_compute) if spec.flushing else 0.0
     bubble = bubble_fraction(p, m, v) if spec.flushing else 0.0
-    if spec.split_cooldown and flush:
-        flush, bubble = _cooldown_split_flush(ranks, p, v, flush, bubble, flush_compute)
+    if spec.split_cooldown and flush:   # each of the drain's p - 1 chunk steps sends its input
+        # gradient before its weight gradients (ptdp/pipeline/flushing.py): _RankTimes's saving
+        saved = (p - 1) / v * _rank_mean(ranks, p, "cooldown_saving") * flush_compute
+        flush, bubble = flush - saved, bubble * (flush - saved) / flush
     if spec.split_backward:
         flush, bubble = _zero_bubble_flush(ranks, p, m, flush_compute)
 

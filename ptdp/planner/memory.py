@@ -379,8 +379,15 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
         transient += rows * vocab_padded / t * (2 * e + fp32_copy)
         if shape.bert_heads:  # the LM transform's dense output, GeLU and LayerNorm inputs
             transient += 3 * rows * shape.hidden * e
-    if spec.split_backward:   # a W pass computes all the stage's weight gradients of one
-        transient = max(transient, params * e)   # micro-batch before accumulating them
+    # A W pass (zb-h1's everywhere, the cooldown split's on any stage but the first) holds the
+    # gradients of one weight at a time, the largest a layer's fc1 or the embedding table (a
+    # table used twice: both contributions, ptdp/parallel/weight_grad.py's _accumulate). (The
+    # output gradients a split micro-batch of the cooldown keeps for its W take the place of
+    # the stash its B frees; its inputs are the stash's own: modelled as no more than that.)
+    if spec.split_backward or (spec.split_cooldown and p > 1 and (rank > 0 or v > 1)):
+        table = vocab_padded * shape.hidden / t * (2 if first and last else 1)
+        fc1 = shape.hidden * max(shape.ffn, shape.moe_ffn) * (1 + shape.gated) / t
+        transient = max(transient, max(fc1, table if first or last else 0.0) * e)
     working += transient
     if d > 1 and spec.weight_versions:   # gradients of their own: torch.cat copy
         working += min(params * g, bucket_mb * 2**20)

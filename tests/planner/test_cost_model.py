@@ -4,7 +4,10 @@ import dataclasses
 
 import pytest
 
+from ptdp.config.catalogue import schedule_spec
+
 from tests.planner.planner_cases import GPT3_175B, GPT_145B, GPT_1T, GPT_530B, gpt, run
+from ptdp.config.catalogue import schedule_spec
 from ptdp.planner import comm
 from ptdp.planner.compute import layer_times
 from ptdp.planner.cost_model import Layout
@@ -116,15 +119,21 @@ def test_pipeline_transfers_overlap_compute_as_the_schedule_played_out(ideal, p,
 @pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2),
                                         ("interleaved", 4), ("2bw", 1)])
 def test_bubble(a100, schedule, v):
+    """(p-1)/(v m) with whole backwards; 1F1B's and interleaved's cooldown sends input
+    gradients first, which takes up to a weight-gradient pass (a third of a micro-batch's
+    time at t_b = 2 t_f) off each of the drain's steps."""
     lay = Layout(8, 2, 1, chunks=v, micro_batch=1, schedule=schedule)
     pred = run(a100, gpt(32, 2048, 16, vocab=256), 32, lay)   # tiny vocab: balanced stages
-    expected = 0.0 if schedule == "2bw" else 7 / (v * 32)
-    assert pred.bubble_fraction == pytest.approx(expected)
+    whole = 0.0 if schedule == "2bw" else 7 / (v * 32)
+    if schedule_spec(schedule).split_cooldown:
+        assert whole * 2 / 3 <= pred.bubble_fraction < whole * 0.8
+    else:
+        assert pred.bubble_fraction == pytest.approx(whole)
     # Balanced middle stages: the flush costs (p-1)/v stage-times (L3548, L3633).
     if schedule != "2bw":
         assert pred.time["bubble"] / (pred.time["compute"] + pred.time["tensor_comm"]
                                       + pred.time["pipeline_p2p"]) == pytest.approx(
-            7 / (v * 32), rel=0.1)
+            pred.bubble_fraction, rel=0.1)
 
 
 def test_2bw_has_no_flush_and_two_weight_versions(a100):

@@ -3,6 +3,8 @@ ZB-H1's pending weight-gradient closures and W-pass copy (ptdp/parallel/weight_g
 distributed optimizer's buffers and gloo staging (ptdp/optim/distributed.py), and which
 layouts copy a gradient bucket for the data-parallel reduction (ptdp/optim/grads.py)."""
 
+import weakref
+
 import pytest
 import torch
 
@@ -74,20 +76,37 @@ def test_pending_weight_gradients_hold_what_the_model_counts(pending_layer):
     assert pending_weight_grad_bytes(SHAPE, B, 1, "fp32") == (12 * s * B * h + 2 * s * B * f) * 4
 
 
-def test_w_pass_materializes_the_layers_weight_gradients_at_once(pending_layer):
-    """The W pass (WeightGradQueue.run) computes every closure of the micro-batch before accumulating: one copy of
-    the layer's weight gradients (all but the biases of fc1, the projection and fc2, added in
-    the fused bias-GeLU and bias-dropout-add chains, which B computes), the term gpu_memory
-    adds for zb-h1."""
+def test_w_pass_holds_one_weight_gradient_at_a_time(pending_layer):
+    """The W pass (WeightGradQueue.run) accumulates each weight's gradient as soon as it is
+    computed: at most one weight's gradient is alive at once, the largest fc1's, the term
+    gpu_memory adds for zb-h1 (the first stage: its embedding table's, when larger)."""
     layer, pending = pending_layer
-    materialized = sum(g.numel() * g.element_size()
-                       for _, compute in pending for g in compute() if g is not None)
-    assert materialized == (layer_parameters(SHAPE, 1) - 2 * CFG.hidden_size - SHAPE.ffn) * 4
+    sizes = {g.numel() * g.element_size() for _, compute in pending for g in compute()
+             if g is not None}
+    live, peak = [0], [0]
+
+    def tracked(compute):
+        def run():
+            grads = compute()
+            for g in grads:
+                if g is not None:
+                    live[0] += g.numel() * g.element_size()
+                    peak[0] = max(peak[0], live[0])
+                    weakref.finalize(g, lambda n=g.numel() * g.element_size(): live.__setitem__(
+                        0, live[0] - n))
+            return grads
+        return run
+
+    queue = layer.weight_grads
+    queue._pending["mb"] = [(params, tracked(compute)) for params, compute in pending]
+    queue.run("mb")
+    fc1 = CFG.hidden_size * SHAPE.ffn * 4
+    assert max(sizes) == fc1 and peak[0] <= fc1 + CFG.hidden_size * 4   # fc1's and a bias
+    assert layer.mlp.fc1.weight.grad is not None
     kwargs = dict(p=2, t=1, v=1, m=8, b=B, recompute="none", precision="fp32", attention="flash",
-                  vocab_padded=128, reserved_gb=0.0, rank=0)
-    zb, flush = (gpu_memory(SHAPE, schedule=s, **kwargs) for s in ("zb-h1", "1f1b"))
-    stage = stage_parameters(SHAPE, 1, 2, 128, True, False)
-    assert zb.buffers - flush.buffers == pytest.approx(stage * 4)   # no logits on rank 0
+                  vocab_padded=128, reserved_gb=0.0)
+    zb, flush = (gpu_memory(SHAPE, schedule=s, rank=0, **kwargs) for s in ("zb-h1", "gpipe"))
+    assert zb.buffers - flush.buffers == pytest.approx(max(fc1, 128 * CFG.hidden_size * 4))
 
 
 def test_zb_h1_ranks_hold_forward_stashes_and_pending_weight_gradients():

@@ -183,7 +183,8 @@ def test_recomputation_chosen_when_it_buys_throughput(a100):
 
 def test_sequence_parallelism_and_zero_bubble_are_chosen_when_they_pay(a100):
     """With t > 1 sequence parallelism costs no time and saves activations (and boundary
-    bytes); with p > 1 ZB-H1 idles a third of 1F1B's bubble at 1F1B's peak memory."""
+    bytes); with p > 1 ZB-H1 idles a third of PipeDream-Flush's bubble, about half of ptdp's
+    1F1B's (whose cooldown sends input gradients first), at 1F1B's peak memory."""
     best = _search(a100, GPT3_175B, 1536, 1024).best
     assert best.layout.sequence_parallel and best.layout.schedule == "zb-h1"
     fixed = {"tensor": 8, "pipeline": 16, "micro_batch": 1, "recompute": "none"}
@@ -193,6 +194,6 @@ def test_sequence_parallelism_and_zero_bubble_are_chosen_when_they_pay(a100):
                                                "sequence_parallel": False}).best
     sp = _search(a100, GPT3_175B, 1536, 1024, {**fixed, "schedule": "1f1b",
                                                "sequence_parallel": True}).best
-    assert zb.time["bubble"] < one.time["bubble"] / 2 and zb.step_time_s < one.step_time_s
+    assert zb.time["bubble"] < one.time["bubble"] * 0.6 and zb.step_time_s < one.step_time_s
     assert sp.memory["activations"] < one.memory["activations"]
     assert sp.time["pipeline_p2p"] < one.time["pipeline_p2p"]
