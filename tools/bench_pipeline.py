@@ -19,7 +19,8 @@ One gloo job of p*t local ranks (``ptdp.runtime.local_ranks.run_on_ranks``) runs
 * ``measured bubble``: from the executor trace, per rank (makespan - compute) / compute, where
   the makespan runs from the first action start to the last action end over all ranks and
   compute is the rank's action time minus the time spent waiting for receives; the mean over
-  ranks is compared with (p-1)/(v*m) (zb-h1: (p-1)/(3m), t_F = t_B = t_W);
+  ranks is compared with the schedule's own at t_F = t_B = t_W (simulated: (p-1)/(v*m) with
+  whole backwards, 2/3 of it with 1F1B's and interleaved's split cooldown, 1/3 with zb-h1);
 * ``makespan ... the least its own action times allow`` (GPipe and 1F1B, v = 1): our
   forward_backward's makespan over sum_s (F_s + B_s) + (m - 1) max_s (F_s + B_s), from each
   stage's mean forward and backward compute; 1.0 means the engine adds nothing to the stages'
@@ -360,10 +361,12 @@ def aggregate(s: dict, per_rank: list[list[dict]]) -> list[dict]:
 
 
 def _formula_bubble(name: str, p: int, v: int, m: int) -> float:
-    """Eq. 4.1's (p-1)/(v*m); none for 2BW (no flush); zb-h1's (p-1)/(3m) with t_F = t_B = t_W."""
-    if name == "2bw":
-        return 0.0
-    return (p - 1) / (v * m) / (3 if name == "zb-h1" else 1)
+    """The schedule's own bubble with t_F = t_B = t_W (ptdp/pipeline/timeline.py): Eq. 4.1's
+    (p-1)/(v*m) less what split backwards save (1F1B's and interleaved's cooldown: 2/3 of it;
+    zb-h1: 1/3); 0 without a flush."""
+    from ptdp.config.catalogue import schedule_spec
+    from ptdp.pipeline.timeline import simulate
+    return float(simulate(name, p, v, m).bubble_fraction) if schedule_spec(name).flushing else 0.0
 
 
 def _fmt(x, spec):
@@ -372,7 +375,7 @@ def _fmt(x, spec):
 
 def format_table(rows: list[dict]) -> str:
     head = ["schedule", "p", "v", "m", "ours step s", "torch step s", "ratio", "measured bubble",
-            "(p-1)/(v*m)", "bytes/msg measured", "bytes/msg formula"]
+            "its bubble, t_F=t_B=t_W", "bytes/msg measured", "bytes/msg formula"]
     body = [[r["schedule"], str(r["p"]), str(r["v"]), str(r["m"]), _fmt(r["ours_step_s"], ".4f"),
              _fmt(r["torch_step_s"], ".4f"), _fmt(r["ratio"], ".3f"),
              _fmt(r["measured_bubble"], ".3f"), _fmt(r["formula_bubble"], ".3f"),
