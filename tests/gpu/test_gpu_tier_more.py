@@ -212,3 +212,46 @@ def test_cuda_graph_replays_draw_fresh_dropout_masks(world):
     assert all(torch.isfinite(o).all() for o in outputs)
     assert not torch.equal(outputs[2], outputs[3])
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+def test_the_cooldown_split_compiles_two_graphs_and_matches(world):
+    """1F1B's cooldown binds a compiled chunk to its weight-gradient queue for some micro-batches
+    only (ptdp/pipeline/flushing.py, ptdp/parallel/weight_grad.py): with inductor on CUDA the
+    bound and the plain region are two graphs, a second pass compiles nothing, and the split
+    micro-batch's weight gradients equal the whole backward's (fp32, 1e-5)."""
+    import contextlib
+
+    from torch._dynamo.utils import counters
+
+    from ptdp.config import ModelConfig
+    from ptdp.models.transformer import ModelContext, TransformerStack
+    from ptdp.parallel.mappings import TensorParallel
+    from ptdp.parallel.rng import TensorParallelRNG
+    from ptdp.parallel.weight_grad import weight_grads_of
+    device = torch.device("cuda")
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, seq_length=64, vocab_size=128)
+    ctx = ModelContext(cfg, TensorParallel(), 7, TensorParallelRNG(7, 0, device), 128,
+                       compile=True, compile_layers=2)
+    stack = TransformerStack(ctx, 0, 2, causal=True).to(device)
+    queue = weight_grads_of(stack)
+    x = torch.randn(64, 2, 64, device=device, generator=torch.Generator(device).manual_seed(3),
+                    requires_grad=True)
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    for _ in range(2):
+        grads = []
+        for mb, split in enumerate((False, True)):
+            with queue.bound() if split else contextlib.nullcontext():
+                y = stack(x)
+            with queue.defer(mb), queue.bound() if split else contextlib.nullcontext():
+                y.square().sum().backward()
+            assert (stack.layers[0].mlp.fc1.weight.grad is None) == split
+            queue.run(mb)
+            grads.append({n: p.grad.clone() for n, p in stack.named_parameters()})
+            stack.zero_grad(set_to_none=True)
+        for name, grad in grads[0].items():
+            error = (grads[1][name] - grad).norm() / grad.norm().clamp_min(1e-30)
+            assert error <= 1e-5, (name, float(error))
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[1] <= 2, graphs
