@@ -53,6 +53,11 @@ def action_rank(action: Action, stages: StageMap) -> int:
     return action.stage if action.kind in RANK_ACTIONS else stages.ranks[action.stage]
 
 
+def split_units(actions) -> set[tuple[int, int]]:
+    """The (mb, stage) whose backward is split: a ``Wg`` action follows their ``B``."""
+    return {(a.mb, a.stage) for a in actions if a.kind == WEIGHT_GRAD}
+
+
 def dependencies(action: Action, p: int, v: int) -> list[Action]:
     """Actions (on any rank) that must have finished before ``action`` can start."""
     if action.kind == FORWARD:

@@ -60,10 +60,9 @@ from torch.autograd.graph import _engine_run_backward
 
 from ptdp.parallel.stage_output import StageOutput
 from ptdp.parallel.weight_grad import pending_weight_grads, weight_grads_of
-from ptdp.pipeline.actions import BACKWARD, END, FORWARD, REDUCE, WEIGHT_GRAD
+from ptdp.pipeline.actions import BACKWARD, END, FORWARD, REDUCE, WEIGHT_GRAD, split_units
 from ptdp.pipeline.comm_plan import Message, Step, needed_messages, produced_messages
 from ptdp.pipeline.p2p import P2P
-from ptdp.pipeline.schedules import split_units
 from ptdp.runtime.trace import NO_SPANS
 
 

@@ -22,7 +22,8 @@ from typing import Callable
 from ptdp.config.catalogue import (GPIPE, INTERLEAVED, NAMES, ONE_F_ONE_B, PIPEDREAM, TWO_BW,
                                    ZERO_BUBBLE_H1, schedule_spec)
 from ptdp.config.stages import StageMap
-from ptdp.pipeline.actions import Action, BACKWARD, FORWARD, RANK_ACTIONS, WEIGHT_GRAD
+from ptdp.pipeline.actions import (Action, BACKWARD, FORWARD, RANK_ACTIONS, WEIGHT_GRAD,
+                                   split_units)
 from ptdp.pipeline.flushing import _flush_1f1b, _gpipe, _interleaved, _split_cooldown, _zb_h1
 from ptdp.pipeline.no_flush import _pipedream_skeleton, _two_bw_skeleton, place_iteration_ends
 
@@ -95,11 +96,6 @@ def max_in_flight(actions: list[Action]) -> int:
         elif a.kind == (WEIGHT_GRAD if unit in split else BACKWARD):
             live.discard(unit)
     return peak
-
-
-def split_units(actions) -> set[tuple[int, int]]:
-    """The (mb, stage) whose backward is split: a ``Wg`` action follows their ``B``."""
-    return {(a.mb, a.stage) for a in actions if a.kind == WEIGHT_GRAD}
 
 
 def format_schedule(name: str, p: int, v: int, m: int, batches: int = 1) -> str:

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from ptdp.config.stages import Placement, StageMap
 from ptdp.pipeline.actions import (Action, BACKWARD, FORWARD, RANK_ACTIONS, TIED, UPDATE, WEIGHTS,
-                                   WEIGHT_GRAD, action_rank, dependencies)
+                                   WEIGHT_GRAD, action_rank, dependencies, split_units)
 
 
 def exact_times(v: int) -> dict:
@@ -97,7 +97,7 @@ def simulate_lists(
     # (p-1)/m accounting, and W/E still wait for every rank's R through their dependencies.
     duration = {FORWARD: t_f / v, BACKWARD: t_b / v, **{kind: 0 * t_f for kind in RANK_ACTIONS},
                 **{kind: t_update for kind in (WEIGHTS, UPDATE, TIED)}}
-    split = {(a.mb, a.stage) for row in schedule for a in row if a.kind == WEIGHT_GRAD}
+    split = split_units(a for row in schedule for a in row)
     t_w = t_b / 2 if t_w is None else t_w
     duration[WEIGHT_GRAD] = t_w / v   # and a split B takes t_b - t_w (`_duration`)
     finished: dict[Action, float] = {}  # action -> end time

@@ -204,7 +204,7 @@ class _RankTimes:
     p2p_fill: float = 0.0  # per micro-batch step of the fill and drain: every transfer waited
     ring: float = 0.0      # the context ring's exposed transfers
     all_to_all: float = 0.0   # the MoE layers' token dispatch and combine
-    cooldown_saving: float = 0.0   # off each drain step by sending input gradients first
+    cooldown_saving: float = 0.0   # per drain step, the input gradient sent first: its W pass
 
     @property
     def total(self) -> float:
@@ -278,9 +278,8 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
         p2p, p2p_fill = (_exposed_p2p(lay.schedule, p, v, one_way) if hw.overlap_pipeline
                          else (2 * v * one_way, 2 * v * one_way))
     slow = _oversubscription(hw, lay.gpus, work.gpus_per_node)
-    saving = 0.0   # a drain step's saving: its weight-gradient pass (half the backward, as
-    if spec.split_cooldown and p > 1:   # _zero_bubble_flush assumes) but at most the forward
-        saving = max(0.0, min(bwd / 2, fwd) - layers * split_cost)   # the sender is running
+    # Half the backward, as _zero_bubble_flush assumes, at most the forward the sender runs.
+    saving = max(0.0, min(bwd / 2, fwd) - layers * split_cost) if spec.split_cooldown else 0.0
     return _RankTimes((fwd + bwd) * slow, recompute * slow, tensor_comm, p2p, bwd * slow,
                       p2p_fill, ring, all_to_all, saving * slow)
 

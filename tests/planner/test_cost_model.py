@@ -4,8 +4,6 @@ import dataclasses
 
 import pytest
 
-from ptdp.config.catalogue import schedule_spec
-
 from tests.planner.planner_cases import GPT3_175B, GPT_145B, GPT_1T, GPT_530B, gpt, run
 from ptdp.config.catalogue import schedule_spec
 from ptdp.planner import comm
@@ -66,10 +64,10 @@ def _simulated_makespan(schedule: str, p: int, m: int, forward: float, backward:
     action starts when its rank is free and its inputs have arrived (`transfer` seconds after
     they were produced on another rank). A backward split into B and Wg (1F1B's cooldown)
     takes half of `backward` in each, the planner's t_B = t_W."""
-    from ptdp.pipeline.schedules import build_all, split_units
-    from ptdp.pipeline.actions import dependencies
+    from ptdp.pipeline.schedules import build_all
+    from ptdp.pipeline.actions import dependencies, split_units
     schedule, end, free, nxt = build_all(schedule, p, 1, m), {}, [0.0] * p, [0] * p
-    split = {unit for row in schedule for unit in split_units(row)}
+    split = split_units(a for row in schedule for a in row)
 
     def duration(action):
         if action.kind == "F":
