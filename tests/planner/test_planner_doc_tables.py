@@ -1,4 +1,5 @@
-"""docs/planner.md's prediction tables are what `ptdp plan` predicts today.
+"""docs/planner.md's prediction tables, and the planner's figures quoted in its prose and in
+docs/parallelism.md, are what `ptdp plan` predicts today.
 
 Each row's layout is pinned with `--fix` and the planner's step time, TFLOP/s, MFU and memory
 are compared with the row at the precision the table prints. The MoE table had drifted by
@@ -22,9 +23,9 @@ RECOMPUTE = {"no recompute": "none", "selective recompute": "selective",
 
 @pytest.fixture
 def plan(capsys):
-    """`ptdp plan PATH --hardware h100-80gb --json ARGV` -> its JSON."""
-    def run(path, *argv):
-        assert run_plan([str(path), "--hardware", "h100-80gb", "--json", *argv]) == 0
+    """`ptdp plan PATH --hardware HARDWARE --json ARGV` -> its JSON (H100-80GB by default)."""
+    def run(path, *argv, hardware="h100-80gb"):
+        assert run_plan([str(path), "--hardware", hardware, "--json", *argv]) == 0
         return json.loads(capsys.readouterr().out)
     return run
 
@@ -87,3 +88,53 @@ def test_the_llama_table_is_what_the_planner_predicts(plan, row):
 def test_the_moe_table_is_what_the_planner_predicts(plan, row):
     config, gpus, batch, layout, *figures = row
     _check_row(plan, config.split("`")[1], gpus, batch, layout, figures, expert=True)
+
+
+def _prose(path: Path, pattern: str) -> tuple[str, ...]:
+    text = " ".join(path.read_text().split())
+    match = re.search(pattern, text)
+    assert match, f"{path.relative_to(ROOT)} no longer says {pattern!r}"
+    return match.groups()
+
+
+def test_the_gpt_1t_paragraph_is_what_the_planner_predicts():
+    """docs/planner.md's GPT-1T on 3,072 A100s: t = 16 across nodes against t = 8."""
+    from ptdp.hardware import load_hardware
+    from tests.planner.planner_cases import GPT_1T, Layout, run
+
+    said = _prose(DOC, r"\(64, 16, 3\), selective, ([\d.]+) s per step \(tensor all-reduces "
+                       r"([\d.]+) s\), against ([\d.]+) s for the best t = 8 layout, .*?"
+                       r"\(its recomputation ([\d.]+) s\)\. t = 8 with selective recomputation "
+                       r"needs ([\d.]+) GB \(p = 64\) or ([\d.]+) GB \(p = 128\).*?"
+                       r"\(64, 8, 6\) selective fits \(([\d.]+) GB, ([\d.]+) s\)")
+    a100 = load_hardware("a100-80gb")
+
+    def predict(p, t, d, recompute, v=1, distopt=False):
+        return run(a100, GPT_1T, 3072, Layout(p, t, d, v, 1, "interleaved" if v > 1 else "1f1b",
+                                              recompute, True, distributed_optimizer=distopt,
+                                              sequence_parallel=False))
+    t16, full = predict(64, 16, 3, "selective"), predict(64, 8, 6, "full", v=2)
+    t8, t8_deep = predict(64, 8, 6, "selective"), predict(128, 8, 3, "selective")
+    sharded = predict(64, 8, 6, "selective", distopt=True)
+    computed = (t16.step_time_s, t16.time["tensor_comm"], full.step_time_s,
+                full.time["recompute"], t8.memory_gb_per_gpu, t8_deep.memory_gb_per_gpu,
+                sharded.memory_gb_per_gpu, sharded.step_time_s)
+    assert tuple(f"{x:.1f}" for x in computed) == said
+
+
+def test_the_distributed_optimizer_example_is_what_the_planner_predicts(plan):
+    """docs/parallelism.md's GPT-3 175B on 1,024 A100s with and without a sharded optimizer."""
+    said = _prose(ROOT / "docs" / "parallelism.md",
+                  r"p = 8, t = 4, d = 32, v = 6, predicted ([\d.]+) s per step \((\d+) TFLOP/s "
+                  r"per GPU, ([\d.]+) GB\) against ([\d.]+) s \((\d+) TFLOP/s, ([\d.]+) GB\) for "
+                  r"the best layout without it \(p = 32, t = 4, d = 8, zb-h1\)")
+    common = ["--nodes", "128", "--global-batch-size", "1536", "--top", "1", "--fix"]
+    sharded = plan(ROOT / "configs" / "gpt_175b.yaml", *common,
+                   "p=8,t=4,v=6,b=1,schedule=interleaved,sp=true,recompute=none,distopt=true",
+                   "--allow-distributed-optimizer", hardware="a100-80gb")["predicted"]
+    whole = plan(ROOT / "configs" / "gpt_175b.yaml", *common,
+                 "p=32,t=4,b=1,schedule=zb-h1,sp=true,recompute=none",
+                 hardware="a100-80gb")["predicted"]
+    shown = tuple(f"{x['step_time_s']:.1f}|{x['tflops_per_gpu']:.0f}|{x['memory_gb_per_gpu']:.1f}"
+                  for x in (sharded, whole))
+    assert shown == ("|".join(said[:3]), "|".join(said[3:]))
