@@ -336,7 +336,7 @@ def aggregate(s: dict, per_rank: list[list[dict]]) -> list[dict]:
             "ours_step_s": ours_med, "torch_step_s": theirs_med,
             "ratio": ours_med / theirs_med if theirs_steps else None,
             "measured_bubble": _median(bubbles),
-            "formula_bubble": _formula_bubble(name, s["p"], v, s["m"]),
+            "schedule_bubble": _schedule_bubble(name, s["p"], v, s["m"]),
             "torch_schedule": THEIRS[name],
             "bytes_per_msg": sent / msgs if msgs else 0, "bytes_per_msg_formula": formula,
             "bytes_per_boundary_per_iter": sent / boundaries / t if boundaries else 0,
@@ -360,7 +360,7 @@ def aggregate(s: dict, per_rank: list[list[dict]]) -> list[dict]:
     return rows
 
 
-def _formula_bubble(name: str, p: int, v: int, m: int) -> float:
+def _schedule_bubble(name: str, p: int, v: int, m: int) -> float:
     """The schedule's own bubble with t_F = t_B = t_W (ptdp/pipeline/timeline.py): Eq. 4.1's
     (p-1)/(v*m) less what split backwards save (1F1B's and interleaved's cooldown: 2/3 of it;
     zb-h1: 1/3); 0 without a flush."""
@@ -378,7 +378,7 @@ def format_table(rows: list[dict]) -> str:
             "its bubble, t_F=t_B=t_W", "bytes/msg measured", "bytes/msg formula"]
     body = [[r["schedule"], str(r["p"]), str(r["v"]), str(r["m"]), _fmt(r["ours_step_s"], ".4f"),
              _fmt(r["torch_step_s"], ".4f"), _fmt(r["ratio"], ".3f"),
-             _fmt(r["measured_bubble"], ".3f"), _fmt(r["formula_bubble"], ".3f"),
+             _fmt(r["measured_bubble"], ".3f"), _fmt(r["schedule_bubble"], ".3f"),
              _fmt(r["bytes_per_msg"], ".0f"), str(r["bytes_per_msg_formula"])] for r in rows]
     return harness.table(head, body, sep=" | ")
 

@@ -33,7 +33,7 @@ def test_bench_pipeline_tiny(tmp_path):
         assert r["bytes_per_msg"] == r["bytes_per_msg_formula"] == 1 * 8 * 16 * 4
         assert r["bytes_per_boundary_per_iter"] == r["bytes_per_boundary_per_iter_formula"]
         # p = 2, m = 2, t_F = t_B = t_W: (p-1)/(v m), 2/3 of it with the split cooldown
-        assert r["formula_bubble"] == pytest.approx({"gpipe": 1 / 2, "1f1b": 1 / 3,
+        assert r["schedule_bubble"] == pytest.approx({"gpipe": 1 / 2, "1f1b": 1 / 3,
                                                      "interleaved": 1 / 6, "2bw": 0}[r["schedule"]])
         assert r["ours_step_s"] > 0 and r["torch_step_s"] > 0
         floor_known = r["schedule"] in ("gpipe", "1f1b")
