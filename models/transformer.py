@@ -274,12 +274,27 @@ def run_layers(layers: nn.ModuleList, x, mask, positions):
     return x
 
 
+# Graphs `run_layers` may keep: one per variant of a region in a job. The variants multiply:
+# region lengths (uneven stages, recomputed groups), grad mode (a fully recomputed forward
+# runs without), train or eval mode, bound to the weight-gradient queue or not
+# (ptdp/parallel/weight_grad.py). Past dynamo's default of 8 the next variant would run eagerly,
+# with one warning and no error.
+REGION_GRAPHS = 64
+
+
 @functools.cache
 def compiled_run_layers(cuda_graphs: bool = False):
     """`run_layers` compiled once for every stack: regions of equal length and structure
     (their weights are the graph's inputs) share one graph. With `cuda_graphs`, torch's CUDA
     graph trees replay each region's kernels as one graph (ptdp/config/compilation.py)."""
-    return torch.compile(run_layers, mode="reduce-overhead" if cuda_graphs else None)
+    mode = "reduce-overhead" if cuda_graphs else None
+    try:
+        return torch.compile(run_layers, mode=mode, recompile_limit=REGION_GRAPHS)
+    except TypeError:   # a torch whose limit is only global (recompile_limit, or cache_size_limit)
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), REGION_GRAPHS))
+        return torch.compile(run_layers, mode=mode)
 
 
 class TransformerStack(nn.Module):

@@ -300,3 +300,59 @@ def test_ptdp_check_says_the_regions_are_replayed_as_cuda_graphs():
     assert compile_line(cfg) == (
         "compile: on when training on CUDA (train.compile=null), in regions of up to 8 layers "
         "(train.compile_layers=null), each replayed as a CUDA graph (train.cuda_graphs=true)")
+
+
+def test_every_region_variant_of_a_job_stays_compiled(monkeypatch):
+    """A job's regions are one compiled function with a graph per variant: each region length,
+    grad mode (a fully recomputed forward runs without), train or eval mode, and binding to
+    the weight-gradient queue (the cooldown's split micro-batches). Uneven stages can make
+    more than dynamo's default of 8 per function, after which it would run the rest eagerly
+    without an error; here 2 lengths x 2 x 2 x 2 = 16 variants are 16 graphs."""
+    import contextlib
+    import itertools
+
+    from torch._dynamo.utils import counters
+
+    import ptdp.models.transformer as transformer
+    from ptdp.parallel.weight_grad import weight_grads_of
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, mode=None, **options: real_compile(
+        fn, backend="eager", **options))   # dynamo's graphs, without inductor's compile time
+    transformer.compiled_run_layers.cache_clear()
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        stack = _stack(3, 2)   # regions of 2 and 1 layers
+        queue = weight_grads_of(stack)
+        for grad, train, bound in itertools.product((True, False), repeat=3):
+            stack.train(train)
+            with torch.set_grad_enabled(grad), queue.bound() if bound else contextlib.nullcontext():
+                stack(torch.randn(8, 2, 16, requires_grad=grad))
+        graphs = counters["stats"]["unique_graphs"]
+        torch._dynamo.reset()
+    finally:
+        transformer.compiled_run_layers.cache_clear()
+    assert graphs == 16
+
+
+def test_a_torch_without_a_per_function_limit_gets_the_global_one_raised(monkeypatch):
+    """Where torch.compile takes no recompile_limit, the regions raise dynamo's global limit
+    instead (never lowering one the user set higher)."""
+    import ptdp.models.transformer as transformer
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    real_compile = torch.compile
+
+    def old_compile(fn, mode=None, **options):
+        if options:
+            raise TypeError(f"compile() got an unexpected keyword argument {next(iter(options))!r}")
+        return real_compile(fn, mode=mode)
+    monkeypatch.setattr(torch, "compile", old_compile)
+    for start, expected in ((8, transformer.REGION_GRAPHS), (1000, 1000)):
+        monkeypatch.setattr(config, name, start)
+        transformer.compiled_run_layers.cache_clear()
+        try:
+            assert callable(transformer.compiled_run_layers(False))
+        finally:
+            transformer.compiled_run_layers.cache_clear()
+        assert getattr(config, name) == expected
