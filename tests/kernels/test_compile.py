@@ -348,11 +348,15 @@ def test_a_torch_without_a_per_function_limit_gets_the_global_one_raised(monkeyp
             raise TypeError(f"compile() got an unexpected keyword argument {next(iter(options))!r}")
         return real_compile(fn, mode=mode)
     monkeypatch.setattr(torch, "compile", old_compile)
+    before = getattr(config, name)
     for start, expected in ((8, transformer.REGION_GRAPHS), (1000, 1000)):
-        monkeypatch.setattr(config, name, start)
-        transformer.compiled_run_layers.cache_clear()
-        try:
-            assert callable(transformer.compiled_run_layers(False))
-        finally:
+        # config.patch, not monkeypatch: pytest 9.2's monkeypatch deletes an attribute it did
+        # not find in a module's __dict__, and dynamo's config then hides the key for good
+        with config.patch(**{name: start}):
             transformer.compiled_run_layers.cache_clear()
-        assert getattr(config, name) == expected
+            try:
+                assert callable(transformer.compiled_run_layers(False))
+            finally:
+                transformer.compiled_run_layers.cache_clear()
+            assert getattr(config, name) == expected
+    assert getattr(config, name) == before
