@@ -1,5 +1,5 @@
 """The planner's mixture-of-experts formulas: parameter counts against the published totals
-(Mixtral-8x7B exactly; Qwen3-30B-A3B up to what ptdp's attention lacks), active FLOPs,
+(Mixtral-8x7B and Qwen3-30B-A3B exactly), active FLOPs,
 layer placement, memory with E/e experts per rank, the all-to-all in the cost model."""
 
 import dataclasses
@@ -54,20 +54,17 @@ def test_the_mixtral_config_has_mixtrals_counts():
             cfg.parallel.expert) == (2, 1, 32, 8)
 
 
-def test_qwen3_30b_a3b_differs_by_exactly_what_ptdp_lacks():
+def test_the_qwen3_30b_a3b_config_has_qwen3s_counts():
     """Qwen3-30B-A3B: 48 layers, h=2048, 32 heads of head_dim 128 (queries 4096 wide), 4 K/V
-    heads, E=128 experts of f=768, k=8, V=151936, untied, QK-norm. Published: 30.5 B total,
-    3.3 B active; by hand 30,532,122,624 and 3,353,032,704. ptdp's head_dim is h/heads = 64
-    and it has no QK-norm (the model-family issue adds both), so per layer it counts
-    (Q and O: 2*2048*(4096-2048)) + (K and V: 2*2048*(512-256)) + QK-norm gains 2*128 fewer
-    parameters, in both counts; the rest (experts, router, norms, tables) is exact."""
+    heads, QK-norm, E=128 experts of f=768, k=8, V=151936, untied. Published: 30.5 B total,
+    3.3 B active; by hand 30,532,122,624 and 3,353,032,704."""
     cfg = load_config(CONFIGS / "qwen3_30b_a3b.yaml", world_size=64)
     shape = ModelShape.from_config(cfg.model)
-    missing = 48 * (2 * 2048 * (4096 - 2048) + 2 * 2048 * (512 - 256) + 2 * 128)
-    assert decoder_parameters(shape) + missing == 30_532_122_624
-    assert active_parameters(shape) + missing == 3_353_032_704
-    assert round((decoder_parameters(shape) + missing) / 1e9, 1) == 30.5
-    assert 3.3e9 <= active_parameters(shape) + missing < 3.4e9   # Qwen's "3.3 B" truncates
+    assert (shape.q_hidden, shape.kv_hidden, shape.qk_norm) == (4096, 512, True)
+    assert decoder_parameters(shape) == 30_532_122_624
+    assert active_parameters(shape) == 3_353_032_704
+    assert round(decoder_parameters(shape) / 1e9, 1) == 30.5
+    assert 3.3e9 <= active_parameters(shape) < 3.4e9   # Qwen's "3.3 B" truncates
 
 
 def test_active_flops_are_a_dense_model_with_k_experts_plus_the_router():
