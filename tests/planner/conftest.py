@@ -4,6 +4,7 @@ searches answered once."""
 import argparse
 import dataclasses
 import inspect
+import json
 
 import pytest
 import yaml
@@ -38,6 +39,16 @@ def plan(argv: list[str]) -> int:
         return args.func(args)
     finally:
         plan_command.search = real
+
+
+@pytest.fixture
+def plan_json(capsys):
+    """`ptdp plan PATH --hardware HARDWARE --json ARGV` in this process -> its JSON
+    (H100-80GB unless `hardware` names another profile)."""
+    def run(path, *argv, hardware="h100-80gb"):
+        assert plan([str(path), "--hardware", hardware, "--json", *argv]) == 0
+        return json.loads(capsys.readouterr().out)
+    return run
 
 
 @pytest.fixture

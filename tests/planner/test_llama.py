@@ -2,15 +2,12 @@
 no biases, an untied output layer): memory terms, communication, measured profiles, and
 `ptdp plan` on the shipped Llama-3 configs."""
 
-import argparse
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import yaml
 
-from ptdp.commands import plan as cli
 from ptdp.config import load_config
 from ptdp.planner.compute import ModelShape, layer_times
 from ptdp.planner.cost_model import Layout, Workload, predict
@@ -22,18 +19,6 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 LLAMA = ModelShape("gpt", 4, 4096, 32, 14336, 8192, 128256, False, kv_heads=8,
                    activation="swiglu", normalization="rmsnorm", position_embedding="rope",
                    bias=False, tie_embeddings=False)
-
-
-@pytest.fixture
-def plan(capsys):
-    """`ptdp plan PATH --hardware h100-80gb --json ARGV` -> its JSON."""
-    def run(path, *argv):
-        parser = argparse.ArgumentParser()
-        cli.register(parser.add_subparsers())
-        args = parser.parse_args(["plan", str(path), "--hardware", "h100-80gb", "--json", *argv])
-        assert args.func(args) == 0
-        return json.loads(capsys.readouterr().out)
-    return run
 
 
 def test_layer_activations_follow_the_derivation():
@@ -118,15 +103,15 @@ def test_a_gpt_profile_row_does_not_time_a_llama_layer(a100):
     assert layer_times(hw, "bf16", LLAMA, 1, 8, "flash").forward == 5.0
 
 
-def test_plan_llama3_8b_memory_shrinks_with_grouped_query_attention(plan, tmp_path):
+def test_plan_llama3_8b_memory_shrinks_with_grouped_query_attention(plan_json, tmp_path):
     fix = ["--fix", "p=2,t=2,d=2,b=1,schedule=1f1b,recompute=none,sp=false"]
-    gqa = plan(CONFIGS / "llama3_8b.yaml", "--nodes", "1", *fix)
+    gqa = plan_json(CONFIGS / "llama3_8b.yaml", "--nodes", "1", *fix)
     assert gqa["model"]["parameters"] == 8_030_261_248
     raw = yaml.safe_load((CONFIGS / "llama3_8b.yaml").read_text())
     raw["model"]["num_kv_heads"] = 32
     mha_file = tmp_path / "mha.yaml"
     mha_file.write_text(yaml.safe_dump(raw))
-    mha = plan(mha_file, "--nodes", "1", *fix)
+    mha = plan_json(mha_file, "--nodes", "1", *fix)
     assert mha["model"]["parameters"] == 8_030_261_248 + 32 * 2 * 4096 * (4096 - 1024)
     small, big = gqa["predicted"]["memory_breakdown_gb"], mha["predicted"]["memory_breakdown_gb"]
     for kind in ("weights", "gradients", "optimizer", "activations", "total"):
@@ -135,9 +120,9 @@ def test_plan_llama3_8b_memory_shrinks_with_grouped_query_attention(plan, tmp_pa
 
 
 @pytest.mark.parametrize("name, nodes", [("llama3_8b", 1), ("llama3_8b", 8), ("llama3_70b", 8)])
-def test_the_llama_configs_hold_the_planned_layout(plan, name, nodes):
+def test_the_llama_configs_hold_the_planned_layout(plan_json, name, nodes):
     """docs/planner.md's table: each config's layout is what `ptdp plan` predicts fastest."""
-    result = plan(CONFIGS / f"{name}.yaml", "--nodes", str(nodes), "--top", "1")
+    result = plan_json(CONFIGS / f"{name}.yaml", "--nodes", str(nodes), "--top", "1")
     cfg = load_config(CONFIGS / f"{name}.yaml", world_size=8 * nodes)
     par = result["parallel"]
     assert (par["pipeline"], par["tensor"], par["data"], par["chunks"]) == (

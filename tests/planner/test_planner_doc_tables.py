@@ -6,28 +6,17 @@ are compared with the row at the precision the table prints. The MoE table had d
 to 6 % before this test existed: a change to the cost model now has to rerun the tables.
 """
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 
-from tests.planner.conftest import plan as run_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "planner.md"
 LLAMA_CONFIGS = {"Llama-3 8B": "llama3_8b.yaml", "Llama-3 70B": "llama3_70b.yaml"}
 RECOMPUTE = {"no recompute": "none", "selective recompute": "selective",
              "full recompute": "full"}
-
-
-@pytest.fixture
-def plan(capsys):
-    """`ptdp plan PATH --hardware HARDWARE --json ARGV` -> its JSON (H100-80GB by default)."""
-    def run(path, *argv, hardware="h100-80gb"):
-        assert run_plan([str(path), "--hardware", hardware, "--json", *argv]) == 0
-        return json.loads(capsys.readouterr().out)
-    return run
 
 
 def _table(header_start: str) -> list[list[str]]:
@@ -57,13 +46,13 @@ def _pins(layout: str, expert: bool) -> tuple[list[str], str]:
     return pins, str(sizes[2])
 
 
-def _check_row(plan, config: str, gpus: str, batch: str, layout: str, figures: list[str],
+def _check_row(plan_json, config: str, gpus: str, batch: str, layout: str, figures: list[str],
                expert: bool) -> None:
     pins, data = _pins(layout, expert)
     argv = ["--gpus", gpus, "--global-batch-size", batch, "--fix", ",".join(pins), "--top", "1"]
     if expert:
         argv.append("--allow-distributed-optimizer")
-    result = plan(ROOT / "configs" / config, *argv)
+    result = plan_json(ROOT / "configs" / config, *argv)
     assert str(result["parallel"]["data"]) == data
     step, tflops, mfu, memory = figures
     predicted = result["predicted"]
@@ -78,16 +67,16 @@ def _check_row(plan, config: str, gpus: str, batch: str, layout: str, figures: l
 
 @pytest.mark.parametrize("row", _table("| model | GPUs | B | layout (p, t, d)"),
                          ids=lambda row: f"{row[0]}-{row[1]}-{row[2]}".replace(" ", ""))
-def test_the_llama_table_is_what_the_planner_predicts(plan, row):
+def test_the_llama_table_is_what_the_planner_predicts(plan_json, row):
     model, gpus, batch, layout, *figures = row
-    _check_row(plan, LLAMA_CONFIGS[model], gpus, batch, layout, figures, expert=False)
+    _check_row(plan_json, LLAMA_CONFIGS[model], gpus, batch, layout, figures, expert=False)
 
 
 @pytest.mark.parametrize("row", _table("| config | GPUs | B | layout (p, t, d, e)"),
                          ids=lambda row: row[0].split("`")[1])
-def test_the_moe_table_is_what_the_planner_predicts(plan, row):
+def test_the_moe_table_is_what_the_planner_predicts(plan_json, row):
     config, gpus, batch, layout, *figures = row
-    _check_row(plan, config.split("`")[1], gpus, batch, layout, figures, expert=True)
+    _check_row(plan_json, config.split("`")[1], gpus, batch, layout, figures, expert=True)
 
 
 def _prose(path: Path, pattern: str) -> tuple[str, ...]:
@@ -122,17 +111,17 @@ def test_the_gpt_1t_paragraph_is_what_the_planner_predicts():
     assert tuple(f"{x:.1f}" for x in computed) == said
 
 
-def test_the_distributed_optimizer_example_is_what_the_planner_predicts(plan):
+def test_the_distributed_optimizer_example_is_what_the_planner_predicts(plan_json):
     """docs/parallelism.md's GPT-3 175B on 1,024 A100s with and without a sharded optimizer."""
     said = _prose(ROOT / "docs" / "parallelism.md",
                   r"p = 8, t = 4, d = 32, v = 6, predicted ([\d.]+) s per step \((\d+) TFLOP/s "
                   r"per GPU, ([\d.]+) GB\) against ([\d.]+) s \((\d+) TFLOP/s, ([\d.]+) GB\) for "
                   r"the best layout without it \(p = 32, t = 4, d = 8, zb-h1\)")
     common = ["--nodes", "128", "--global-batch-size", "1536", "--top", "1", "--fix"]
-    sharded = plan(ROOT / "configs" / "gpt_175b.yaml", *common,
+    sharded = plan_json(ROOT / "configs" / "gpt_175b.yaml", *common,
                    "p=8,t=4,v=6,b=1,schedule=interleaved,sp=true,recompute=none,distopt=true",
                    "--allow-distributed-optimizer", hardware="a100-80gb")["predicted"]
-    whole = plan(ROOT / "configs" / "gpt_175b.yaml", *common,
+    whole = plan_json(ROOT / "configs" / "gpt_175b.yaml", *common,
                  "p=32,t=4,b=1,schedule=zb-h1,sp=true,recompute=none",
                  hardware="a100-80gb")["predicted"]
     shown = tuple(f"{x['step_time_s']:.1f}|{x['tflops_per_gpu']:.0f}|{x['memory_gb_per_gpu']:.1f}"
