@@ -8,6 +8,11 @@ Router (`Router`): scores = x W_r^T in fp32, softmax or sigmoid; the k best expe
 (plus the per-expert selection bias of auxiliary-loss-free balancing, which picks but never
 weighs), ties broken towards the lower expert index (a stable sort); the chosen scores,
 renormalised to sum 1 if `moe_renormalize`, times `moe_routed_scaling_factor`, are the gates.
+Node-limited routing (`moe_router_groups` G > 1, DeepSeek-V2/V3's device- and node-limited
+routing): the experts form G groups of E/G consecutive indices (with expert parallelism and
+G = the nodes an expert group spans, a group is a node's experts), each group scores the sum of
+its best k/G' selection scores, and a token's k experts come from its best G' groups
+(`moe_router_group_top_k`) only; megatron-core's `group_limited_topk`.
 Its losses, over the micro-batch's N tokens and their N k choices:
 
     moe_aux_loss = coeff * E * sum_i f_i P_i     f_i = (choices of expert i) / (N k),
@@ -99,6 +104,9 @@ class Router(nn.Module):
         if cfg.moe_expert_bias_rate > 0:
             self.expert_bias = self.expert_bias.to(x.device)
             select = scores.detach() + self.expert_bias
+        if cfg.moe_router_groups > 1:
+            select = best_groups_only(select.detach(), cfg.moe_router_groups,
+                                      cfg.moe_router_group_top_k, self.k)
         chosen = torch.sort(select.detach(), dim=-1, descending=True, stable=True)[1][..., :self.k]
         gates = scores.gather(-1, chosen)
         if cfg.moe_renormalize:
@@ -127,6 +135,18 @@ class Router(nn.Module):
         if tp.sequence_parallel:
             losses = _completed_over_tensor(losses, tp)
         return losses
+
+
+def best_groups_only(select: torch.Tensor, groups: int, group_top_k: int,
+                     k: int) -> torch.Tensor:
+    """`select` [.., E] with every expert outside the token's best `group_top_k` of `groups`
+    groups (consecutive experts) at -inf; a group's score is the sum of its best k //
+    group_top_k values (ties between groups go to the lower group, as between experts)."""
+    per_group = select.unflatten(-1, (groups, -1))
+    group_scores = per_group.topk(k // group_top_k, dim=-1).values.sum(-1)
+    best = torch.sort(group_scores, dim=-1, descending=True, stable=True)[1][..., :group_top_k]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best, True)
+    return per_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
 
 
 def _sum_over_token_ranks(counts: torch.Tensor, ctx) -> torch.Tensor:

@@ -50,6 +50,29 @@ def check_moe_model(m: ModelConfig, out: Problems) -> None:
     for key in COEFFICIENTS:
         out.positive(getattr(m, key), f"model.{key}", strict=False, hint=" (0 disables it)")
     out.positive(m.moe_routed_scaling_factor, "model.moe_routed_scaling_factor")
+    _check_router_groups(m, out)
+
+
+def _check_router_groups(m: ModelConfig, out: Problems) -> None:
+    """Node-limited routing: G groups of E/G experts, each token's k from its best G'."""
+    E, k, G, best = m.num_experts, m.moe_top_k, m.moe_router_groups, m.moe_router_group_top_k
+    if not out.require(G >= 1, f"model.moe_router_groups must be >= 1 (1: every expert open to "
+                               f"every token), got {G}"):
+        return
+    if G == 1:
+        out.require(best == 1, f"model.moe_router_group_top_k={best} needs "
+                               f"model.moe_router_groups > 1: one group limits nothing")
+        return
+    if not out.require(E % G == 0, f"model.num_experts ({E}) must be divisible by "
+                                   f"model.moe_router_groups ({G})"):
+        return
+    if not out.require(1 <= best <= min(G, k),
+                       f"model.moe_router_group_top_k must be between 1 and min("
+                       f"model.moe_router_groups, model.moe_top_k) = {min(G, k)} (each chosen "
+                       f"group is scored by its best k // group_top_k experts), got {best}"):
+        return
+    out.require(best * (E // G) >= k, f"model.moe_router_group_top_k ({best}) groups of E/G = "
+                                      f"{E // G} experts hold fewer than model.moe_top_k ({k})")
 
 
 def check_moe_layout(cfg: Config, out: Problems) -> None:

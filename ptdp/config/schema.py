@@ -85,6 +85,8 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0      # Switch/GShard load-balancing loss E * sum_i f_i * P_i
     moe_z_loss_coeff: float = 0.0        # router z-loss: mean of logsumexp(scores)^2
     moe_expert_bias_rate: float = 0.0    # aux-loss-free balancing: per-expert bias update rate
+    moe_router_groups: int = 1           # node-limited routing: the experts in G groups...
+    moe_router_group_top_k: int = 1      # ...and each token's k from its best G' of them
     # The longest position a rotary model supports (HF's max_position_embeddings); any
     # model.seq_length up to it loads its checkpoint. null = model.seq_length
     max_position_embeddings: int | None = None

@@ -29,7 +29,8 @@ from ptdp.hf.base import Set, fc1_of_gate_then_up, gate_then_up, require
 from ptdp.hf.llama import Llama, Mistral, Qwen2, Qwen3
 
 MOE = dict(num_experts=Set(0), moe_score_function="softmax", moe_routed_scaling_factor=1.0,
-           moe_expert_bias_rate=0.0, moe_shared_ffn_hidden_size=0)
+           moe_expert_bias_rate=0.0, moe_shared_ffn_hidden_size=0, moe_router_groups=1,
+           moe_router_group_top_k=1)
 
 
 class _Experts:

@@ -33,6 +33,8 @@ VALUED = [
     ("--moe-router-bias-update-rate", "moe_router_bias_update_rate"),
     ("--moe-router-load-balancing-type", "moe_router_load_balancing_type"),
     ("--moe-aux-loss-coeff", "moe_aux_loss_coeff"), ("--moe-z-loss-coeff", "moe_z_loss_coeff"),
+    ("--moe-router-num-groups", "moe_router_num_groups"),
+    ("--moe-router-group-topk", "moe_router_group_topk"),
     ("--ckpt-format", "ckpt_format"), ("--transformer-impl", "transformer_impl"),
 ]
 # (flag, argument, the value that writes the flag): switches.

@@ -23,36 +23,31 @@ import torch
 from ptdp.config import ModelConfig
 from ptdp.config.models import GPT2_BLOCK, LLAMA_BLOCK, Heads, model_family
 from ptdp.megatron.moe_args import moe_args, moe_config, refuse_moe_for_megatron
-from ptdp.megatron.names import require
+from ptdp.megatron.names import argument, require
 
 # Megatron's llama3 rope scaling (rotary_pos_embedding.py `_apply_scaling`) fixes these three.
 ROPE_SCALING_FIXED = dict(rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
                           rope_original_seq_length=8192)
 
 
-def _get(args, name, default=None):
-    value = getattr(args, name, default)
-    return default if value is None else value
-
-
 def _refusals(args):
     """(condition, argument, why) for every setting ptdp's block cannot compute."""
-    yield _get(args, "multi_latent_attention", False), "multi_latent_attention", \
+    yield argument(args, "multi_latent_attention", False), "multi_latent_attention", \
         "ptdp's attention is multi-head / grouped-query"
-    yield _get(args, "qk_layernorm", False), "qk_layernorm", \
+    yield argument(args, "qk_layernorm", False), "qk_layernorm", \
         "the converter does not map q_layernorm/k_layernorm weights yet (model.qk_norm computes it)"
-    yield _get(args, "apply_residual_connection_post_layernorm", False), \
+    yield argument(args, "apply_residual_connection_post_layernorm", False), \
         "apply_residual_connection_post_layernorm", "ptdp's residual adds the layer's input"
-    yield _get(args, "squared_relu", False), "squared_relu", "ptdp's MLP is GeLU or SwiGLU"
-    yield _get(args, "softmax_scale", None) is not None, "softmax_scale", \
+    yield argument(args, "squared_relu", False), "squared_relu", "ptdp's MLP is GeLU or SwiGLU"
+    yield argument(args, "softmax_scale", None) is not None, "softmax_scale", \
         "ptdp scales attention by 1/sqrt(head_dim)"
-    yield _get(args, "rotary_interleaved", False), "rotary_interleaved", \
+    yield argument(args, "rotary_interleaved", False), "rotary_interleaved", \
         "ptdp rotates halves of each head (rotate_half), not interleaved pairs"
-    yield _get(args, "rotary_percent", 1.0) != 1.0, "rotary_percent", \
+    yield argument(args, "rotary_percent", 1.0) != 1.0, "rotary_percent", \
         "ptdp rotates the whole head"
-    yield _get(args, "heterogeneous_layers_config_path", None), \
+    yield argument(args, "heterogeneous_layers_config_path", None), \
         "heterogeneous_layers_config_path", "ptdp's layers all have one shape"
-    yield _get(args, "add_position_embedding", True) is False and _get(
+    yield argument(args, "add_position_embedding", True) is False and argument(
         args, "position_embedding_type", "learned_absolute") == "learned_absolute", \
         "add_position_embedding", "a model without positions; ptdp's have learned or rotary ones"
 
@@ -63,56 +58,56 @@ def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
     require(args is not None, "the checkpoint has no 'args': Megatron-LM saves its arguments "
                               "in every checkpoint, and the model's shape comes from them")
     for condition, name, why in _refusals(args):
-        require(not condition, f"--{name.replace('_', '-')}={_get(args, name)}: {why}, so the "
+        require(not condition, f"--{name.replace('_', '-')}={argument(args, name)}: {why}, so the "
                                f"logits would differ")
-    norm = _get(args, "normalization", "LayerNorm")
+    norm = argument(args, "normalization", "LayerNorm")
     require(norm in ("LayerNorm", "RMSNorm"), f"--normalization={norm}: ptdp has LayerNorm and "
                                               f"RMSNorm")
-    kind = _get(args, "position_embedding_type", "learned_absolute")
+    kind = argument(args, "position_embedding_type", "learned_absolute")
     require(kind in ("learned_absolute", "rope"), f"--position-embedding-type={kind}: ptdp's "
                                                   f"positions are learned_absolute or rope")
     heads, hidden = args.num_attention_heads, args.hidden_size
-    kv = _get(args, "kv_channels", hidden // heads)
-    gated = bool(_get(args, "swiglu", False))
+    kv = argument(args, "kv_channels", hidden // heads)
+    gated = bool(argument(args, "swiglu", False))
     if model_family(arch).heads is Heads.BERT:   # Megatron's BertModel
         _refuse_for_bert(args, gated, norm, kind)
-    groups = (_get(args, "num_query_groups", heads)
-              if _get(args, "group_query_attention", False) else heads)
-    bias = bool(_get(args, "add_bias_linear", True))
+    groups = (argument(args, "num_query_groups", heads)
+              if argument(args, "group_query_attention", False) else heads)
+    bias = bool(argument(args, "add_bias_linear", True))
     rope = kind == "rope"
-    max_pos = _get(args, "max_position_embeddings", _get(args, "seq_length"))
-    seq = _get(args, "seq_length", max_pos)
+    max_pos = argument(args, "max_position_embeddings", argument(args, "seq_length"))
+    seq = argument(args, "seq_length", max_pos)
     require(rope or seq <= max_pos, f"--seq-length={seq} is longer than the position table "
                                     f"(--max-position-embeddings={max_pos})")
     extra = {}
     if rope:
-        extra = dict(rope_theta=float(_get(args, "rotary_base", 10000)))
+        extra = dict(rope_theta=float(argument(args, "rotary_base", 10000)))
         if max_pos is not None and seq is not None and max_pos > seq:   # trainable up to it
             extra.update(max_position_embeddings=max_pos)
-        if _get(args, "use_rope_scaling", False):
-            extra.update(rope_scaling_factor=float(_get(args, "rope_scaling_factor", 8.0)),
+        if argument(args, "use_rope_scaling", False):
+            extra.update(rope_scaling_factor=float(argument(args, "rope_scaling_factor", 8.0)),
                          **ROPE_SCALING_FIXED)
-    vocab = _get(args, "padded_vocab_size", vocab_rows)
+    vocab = argument(args, "padded_vocab_size", vocab_rows)
     require(vocab is not None, "the checkpoint's args have no padded_vocab_size")
     return ModelConfig(
         arch=arch, num_layers=args.num_layers, hidden_size=hidden, num_heads=heads,
-        num_kv_heads=groups, ffn_hidden_size=_get(args, "ffn_hidden_size", 4 * hidden),
+        num_kv_heads=groups, ffn_hidden_size=argument(args, "ffn_hidden_size", 4 * hidden),
         # the length Megatron trained at; a longer learned table is cut to it (names.py)
         seq_length=seq,
-        vocab_size=vocab, dropout=float(_get(args, "hidden_dropout", 0.1)),
-        attention_dropout=float(_get(args, "attention_dropout", 0.1)),
-        layernorm_eps=float(_get(args, "layernorm_epsilon", 1e-5)),
-        init_std=float(_get(args, "init_method_std", 0.02)),
+        vocab_size=vocab, dropout=float(argument(args, "hidden_dropout", 0.1)),
+        attention_dropout=float(argument(args, "attention_dropout", 0.1)),
+        layernorm_eps=float(argument(args, "layernorm_epsilon", 1e-5)),
+        init_std=float(argument(args, "init_method_std", 0.02)),
         preset=LLAMA_BLOCK if rope else GPT2_BLOCK,
         position_embedding="rope" if rope else "learned",
         normalization="rmsnorm" if norm == "RMSNorm" else "layernorm",
-        norm_zero_centered=bool(_get(args, "apply_layernorm_1p", False)
-                                or _get(args, "layernorm_zero_centered_gamma", False)),
+        norm_zero_centered=bool(argument(args, "apply_layernorm_1p", False)
+                                or argument(args, "layernorm_zero_centered_gamma", False)),
         activation="swiglu" if gated else "gelu_tanh" if tanh_gelu(args, arch) else "gelu",
         bias=bias, head_dim=kv,
-        qkv_bias=bias or bool(_get(args, "add_qkv_bias", False)),
-        tie_embeddings=not _get(args, "untie_embeddings_and_output_weights", False),
-        **moe_config(args, _get), **extra)
+        qkv_bias=bias or bool(argument(args, "add_qkv_bias", False)),
+        tie_embeddings=not argument(args, "untie_embeddings_and_output_weights", False),
+        **moe_config(args, argument), **extra)
 
 
 def _refuse_for_bert(args, gated: bool, norm: str, kind: str) -> None:
@@ -121,9 +116,9 @@ def _refuse_for_bert(args, gated: bool, norm: str, kind: str) -> None:
     for condition, setting in [
             (gated, "--swiglu"), (norm != "LayerNorm", f"--normalization={norm}"),
             (kind != "learned_absolute", f"--position-embedding-type={kind}"),
-            (_get(args, "untie_embeddings_and_output_weights", False),
+            (argument(args, "untie_embeddings_and_output_weights", False),
              "--untie-embeddings-and-output-weights"),
-            (not _get(args, "bert_binary_head", True), "--bert-binary-head=False")]:
+            (not argument(args, "bert_binary_head", True), "--bert-binary-head=False")]:
         require(not condition, f"{setting} with BERT: ptdp's BERT has GeLU, LayerNorm, learned "
                                f"positions, a tied LM head and the sentence-order head")
 
@@ -135,13 +130,13 @@ def notes(args, arch: str) -> list[str]:
         out.append("the run used Megatron's fused bias-GeLU (--bias-gelu-fusion, its default), "
                    "the tanh approximation; ptdp's BERT has the GPT-2 block's exact GeLU, so "
                    "logits differ slightly")
-    seq, table = _get(args, "seq_length"), _get(args, "max_position_embeddings")
-    if _get(args, "position_embedding_type", "learned_absolute") == "learned_absolute" and \
+    seq, table = argument(args, "seq_length"), argument(args, "max_position_embeddings")
+    if argument(args, "position_embedding_type", "learned_absolute") == "learned_absolute" and \
             seq is not None and table is not None and seq < table:
         out.append(f"the position table's rows from --seq-length={seq} on (of "
                    f"--max-position-embeddings={table}) are dropped: ptdp's table has "
                    f"model.seq_length rows, and Megatron trained none beyond {seq}")
-    if _get(args, "openai_gelu", False):
+    if argument(args, "openai_gelu", False):
         out.append("--openai-gelu changes only Megatron-LM's legacy models; its megatron-core "
                    "model computed the GeLU the checkpoint converts with")
     return out
@@ -151,8 +146,8 @@ def gelu_with_bias(args) -> bool:
     """A GeLU MLP with biases: the model Megatron-LM computes, by default
     (--bias-gelu-fusion), with its fused kernel, the tanh approximation
     (megatron/core/fusions/fused_bias_gelu.py), and otherwise the exact GeLU."""
-    gelu = not (_get(args, "swiglu", False) or _get(args, "squared_relu", False))
-    return gelu and _get(args, "add_bias_linear", True)
+    gelu = not (argument(args, "swiglu", False) or argument(args, "squared_relu", False))
+    return gelu and argument(args, "add_bias_linear", True)
 
 
 def tanh_gelu(args, arch: str) -> bool:
@@ -165,7 +160,7 @@ def fused_tanh_gelu(args) -> bool:
     """Whether megatron-core's MLP computed the tanh GeLU (model.activation: gelu_tanh): the
     fused bias-GeLU (Megatron-LM's args default --bias-gelu-fusion to True; megatron-core's
     MLP ignores --openai-gelu, which only Megatron-LM's legacy models read)."""
-    return gelu_with_bias(args) and bool(_get(args, "bias_gelu_fusion", False))
+    return gelu_with_bias(args) and bool(argument(args, "bias_gelu_fusion", False))
 
 
 def refuse_for_megatron(cfg: ModelConfig) -> None:

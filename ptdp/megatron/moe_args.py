@@ -46,7 +46,16 @@ def moe_args(cfg) -> dict:
             "moe_router_bias_update_rate"],
         moe_router_topk_scaling_factor=None if factor == 1.0 else factor,
         moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff else "none",
-        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_z_loss_coeff=cfg.moe_z_loss_coeff or None)
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,
+        **_router_groups(cfg))
+
+
+def _router_groups(cfg) -> dict:
+    """Megatron's group-limited routing arguments of ptdp's node-limited routing."""
+    if cfg.moe_router_groups == 1:
+        return {}
+    return dict(moe_router_num_groups=cfg.moe_router_groups,
+                moe_router_group_topk=cfg.moe_router_group_top_k)
 
 
 def refuse_moe_for_megatron(cfg) -> None:
@@ -58,6 +67,11 @@ def refuse_moe_for_megatron(cfg) -> None:
     require(cfg.moe_expert_bias_rate == 0 or cfg.moe_score_function == "sigmoid",
             "model.moe_expert_bias_rate > 0 with softmax scores: Megatron-LM 0.16 uses the "
             "selection bias with sigmoid scores only, so its routing would differ")
+    require(cfg.moe_router_groups == 1 or cfg.moe_score_function == "sigmoid"
+            or not cfg.moe_renormalize,
+            "model.moe_router_groups > 1 with renormalised softmax scores: Megatron then ranks "
+            "the groups by their logits, ptdp by their scores (set model.moe_renormalize=false, "
+            "Megatron's --moe-router-pre-softmax, or sigmoid scores)")
     if cfg.moe_score_function == "sigmoid":
         require(cfg.moe_renormalize == (cfg.moe_top_k > 1),
                 f"model.moe_renormalize={str(cfg.moe_renormalize).lower()} with sigmoid scores "
@@ -104,8 +118,7 @@ def moe_config(args, get) -> dict:
     experts = get(args, "num_experts", None)
     if not experts:
         return {}
-    for name, why in [("moe_router_num_groups", "device-limited routing"),
-                      ("moe_expert_capacity_factor", "token dropping; ptdp's experts are dropless"),
+    for name, why in [("moe_expert_capacity_factor", "token dropping; ptdp's experts are dropless"),
                       ("moe_latent_size", "a latent expert projection")]:
         require(get(args, name, None) is None, f"--{name.replace('_', '-')}="
                                                f"{get(args, name, None)}: {why}, which ptdp lacks")
@@ -123,6 +136,7 @@ def moe_config(args, get) -> dict:
                    not get(args, "moe_router_pre_softmax", False))
     # Megatron-LM 0.16 adds the selection bias under sigmoid scores only
     enabled = get(args, "moe_router_enable_expert_bias", False) and score == "sigmoid"
+    groups = _groups_of(args, get, score, renormalize)
     return dict(
         num_experts=experts, moe_top_k=top_k,
         moe_ffn_hidden_size=get(args, "moe_ffn_hidden_size", get(args, "ffn_hidden_size", None)),
@@ -135,4 +149,19 @@ def moe_config(args, get) -> dict:
         if balance == "aux_loss" else 0.0,
         moe_z_loss_coeff=float(get(args, "moe_z_loss_coeff", 0.0)),
         moe_expert_bias_rate=float(get(args, "moe_router_bias_update_rate", 1e-3))
-        if enabled else 0.0)
+        if enabled else 0.0, **groups)
+
+
+def _groups_of(args, get, score: str, renormalize: bool) -> dict:
+    """ptdp's node-limited routing keys of Megatron's group-limited routing, which applies
+    only with --moe-router-group-topk."""
+    group_top_k = get(args, "moe_router_group_topk", None)
+    if not group_top_k:
+        return {}
+    groups = get(args, "moe_router_num_groups", None)
+    require(bool(groups), f"--moe-router-group-topk={group_top_k} without "
+                          f"--moe-router-num-groups")
+    require(score == "sigmoid" or not renormalize,
+            "--moe-router-num-groups with softmax scores without --moe-router-pre-softmax: "
+            "Megatron ranks the groups by their logits, ptdp by their scores")
+    return dict(moe_router_groups=int(groups), moe_router_group_top_k=int(group_top_k))

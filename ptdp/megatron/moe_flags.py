@@ -108,6 +108,30 @@ def bias_update_rate(value, given):
     return {}   # written by --moe-router-enable-expert-bias
 
 
+def _groups_rank_by_logits(given: dict) -> bool:
+    """Megatron's softmax without --moe-router-pre-softmax picks experts (and groups) by their
+    logits; ptdp picks groups by scores, which ranks groups (sums of scores) otherwise."""
+    return (given.get("--moe-router-score-function", "softmax") == "softmax"
+            and "--moe-router-pre-softmax" not in given)
+
+
+@moe_only
+def router_groups(value, given):
+    if "--moe-router-group-topk" not in given:
+        raise Unmapped(IGNORED, "Megatron limits the groups only with --moe-router-group-topk")
+    if _groups_rank_by_logits(given):
+        raise Unmapped(REFUSED, "softmax scores without --moe-router-pre-softmax: Megatron ranks "
+                                "the groups by their logits, ptdp by their scores")
+    return int(value)
+
+
+@moe_only
+def router_group_topk(value, given):
+    if "--moe-router-num-groups" not in given:
+        raise Unmapped(REFUSED, "needs --moe-router-num-groups (Megatron's groups)")
+    return int(value)
+
+
 @moe_only
 def router_dtype(value, given):
     if value == "fp32":
@@ -199,6 +223,10 @@ MOE_ARGS: tuple[Arg, ...] = (
                       "as Megatron"),
     Arg("--moe-router-bias-update-rate", "model.moe_expert_bias_rate", EXACT, bias_update_rate,
         note="with --moe-router-enable-expert-bias"),
+    Arg("--moe-router-num-groups", "model.moe_router_groups", EXACT, router_groups,
+        note="node-limited routing, with --moe-router-group-topk (without it Megatron limits "
+             "nothing); sigmoid or pre-softmax scores"),
+    Arg("--moe-router-group-topk", "model.moe_router_group_top_k", EXACT, router_group_topk),
     Arg("--moe-router-dtype", None, EXACT, router_dtype,
         note="fp32: ptdp's router always computes in fp32 (absent, Megatron's uses the model's "
              "dtype)"),

@@ -20,13 +20,15 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import yaml
 
 from ptdp.config import ModelConfig
 from ptdp.config.models import GPT2_BLOCK, LLAMA_BLOCK
 from ptdp.megatron.experts import expert_name
-from ptdp.megatron.names import MegatronConversionError, require
+from ptdp.megatron.moe_args import moe_config
+from ptdp.megatron.names import MegatronConversionError, argument, require
 
 BESIDE = ("run_config.yaml", "context/model.yaml")
 # megatron-core TransformerConfig / model provider fields -> ptdp's ModelConfig keys
@@ -37,14 +39,8 @@ TRANSFORMER_CONFIG = {
     "layernorm_epsilon": "layernorm_eps", "rotary_base": "rope_theta",
     "init_method_std": "init_std", "hidden_dropout": "dropout",
     "attention_dropout": "attention_dropout", "add_bias_linear": "bias",
-    "add_qkv_bias": "qkv_bias", "num_moe_experts": "num_experts",
-    "moe_router_topk": "moe_top_k", "moe_ffn_hidden_size": "moe_ffn_hidden_size",
-    "moe_shared_expert_intermediate_size": "moe_shared_ffn_hidden_size",
-    "moe_shared_expert_gate": "moe_shared_expert_gate",
-    "moe_router_score_function": "moe_score_function",
-    "moe_router_topk_scaling_factor": "moe_routed_scaling_factor",
-    "moe_aux_loss_coeff": "moe_aux_loss_coeff", "moe_z_loss_coeff": "moe_z_loss_coeff",
-}
+    "add_qkv_bias": "qkv_bias",
+}   # and the MoE fields (`num_moe_experts`, `moe_*`), read as Megatron-LM's arguments are
 NEEDED = ("num_heads", "layernorm_eps")
 NEEDED_FOR_ROPE = ("rope_theta", "seq_length")
 
@@ -80,6 +76,9 @@ def beside_config(directory: Path) -> tuple[Path, dict] | None:
 def _ptdp_keys(found: dict, path: Path) -> dict:
     out = {ours: found[theirs] for theirs, ours in TRANSFORMER_CONFIG.items()
            if found.get(theirs) is not None}
+    if found.get("num_moe_experts"):   # the MoE fields are named as Megatron-LM's arguments
+        moe = SimpleNamespace(**{**found, "num_experts": found["num_moe_experts"]})
+        out.update(moe_config(moe, argument))
     if found.get("num_query_groups") is None and "num_heads" in out:
         out["num_kv_heads"] = out["num_heads"]
     if "normalization" in found:

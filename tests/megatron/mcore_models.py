@@ -90,9 +90,11 @@ def bert_args(**overrides) -> Namespace:
 
 def moe_args(**overrides) -> Namespace:
     """A DeepSeek-style mixture of experts on the tiny Llama: sigmoid scores with selection
-    biases, scaled gates, a gated shared expert, SwiGLU experts, no biases."""
+    biases, node-limited routing (each token's 2 experts from the better of 2 groups), scaled
+    gates, a gated shared expert, SwiGLU experts, no biases."""
     return gpt_args(**dict(dict(
         num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24,
+        moe_router_num_groups=2, moe_router_group_topk=1,
         moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True,
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
         moe_router_topk_scaling_factor=2.5, moe_router_pre_softmax=False, moe_grouped_gemm=False,
@@ -111,6 +113,8 @@ def _moe_config(args: Namespace) -> dict:
                 moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
                 moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
                 moe_router_pre_softmax=args.moe_router_pre_softmax,
+                moe_router_num_groups=args.moe_router_num_groups,
+                moe_router_group_topk=args.moe_router_group_topk,
                 moe_grouped_gemm=args.moe_grouped_gemm, moe_aux_loss_coeff=0.0,
                 moe_token_dispatcher_type="allgather")   # the others need CUDA streams
 

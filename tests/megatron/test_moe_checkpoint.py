@@ -20,7 +20,8 @@ from tests.megatron import mcore_models as mc, megatron_lm  # noqa: E402
 TOKENS = torch.randint(0, mc.VOCAB, (2, mc.SEQ), generator=torch.Generator().manual_seed(1))
 GROUPED = dict(moe_grouped_gemm=True, moe_router_score_function="softmax",
                moe_router_enable_expert_bias=False, moe_router_topk_scaling_factor=None,
-               moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False)
+               moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False,
+               moe_router_num_groups=None, moe_router_group_topk=None)
 
 
 def _expert_split(model, args, root, expert: int):
@@ -78,8 +79,8 @@ def test_megatron_moe_converts_with_megatron_cores_logits(moe, source, reference
     assert (m.num_experts, m.moe_top_k, m.moe_ffn_hidden_size) == (4, 2, 24)
     if not source.startswith("grouped"):
         assert (m.moe_score_function, m.moe_routed_scaling_factor, m.moe_shared_ffn_hidden_size,
-                m.moe_shared_expert_gate, m.moe_expert_bias_rate) == ("sigmoid", 2.5, 16, True,
-                                                                      1e-3)
+                m.moe_shared_expert_gate, m.moe_expert_bias_rate, m.moe_router_groups,
+                m.moe_router_group_top_k) == ("sigmoid", 2.5, 16, True, 1e-3, 2, 1)
     model = LocalModel.from_checkpoint(tmp_path / "ptdp")
     _close(model.logits(TOKENS), moe[reference])
 
@@ -95,7 +96,9 @@ def test_ptdp_moe_loads_in_megatron_core(moe, fmt, tmp_path):
     info = to_megatron_checkpoint(tmp_path / "ptdp", tmp_path / fmt, transformer_impl="local",
                                   ckpt_format=fmt)
     assert megatron_lm.assert_loads(info["directory"], info["load_flags"], mc.VOCAB) == 1
-    assert "--num-experts 4" in " ".join(info["load_flags"])
+    flags = " ".join(info["load_flags"])
+    assert "--num-experts 4" in flags
+    assert "--moe-router-num-groups 2 --moe-router-group-topk 1" in flags
     fresh = mc.build_gpt(mc.moe_args(), seed=99)
     if fmt == "torch":
         mc.load_legacy_into(fresh, info["directory"])

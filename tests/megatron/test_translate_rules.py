@@ -43,6 +43,15 @@ def moe_values(*words: str) -> dict:
                                           "model.moe_layer_freq": 2}),
     (["--moe-layer-freq", "[1,0,0,1]"], {"model.moe_layer_freq": 3}),   # Megatron's 3
     (["--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "1e-2"], {}),
+    # DeepSeek-V3's node-limited routing (sigmoid scores), DeepSeek-V2's (pre-softmax)
+    (["--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "4",
+      "--moe-router-group-topk", "2"],
+     {"model.moe_score_function": "sigmoid", "model.moe_renormalize": True,
+      "model.moe_router_groups": 4, "model.moe_router_group_top_k": 2}),
+    (["--moe-router-pre-softmax", "--moe-router-num-groups", "4", "--moe-router-group-topk", "1"],
+     {"model.moe_renormalize": False, "model.moe_router_groups": 4,
+      "model.moe_router_group_top_k": 1}),
+    (["--moe-router-num-groups", "4"], {}),   # Megatron limits nothing without the group top-k
 ])
 def test_moe_arguments_become_ptdps_moe_keys(words, expected):
     assert moe_values(*words) == expected
@@ -53,7 +62,12 @@ def test_moe_arguments_become_ptdps_moe_keys(words, expected):
      "--disable-bias-linear; ptdp's experts have none", True),
     (MOE + ["--moe-expert-capacity-factor", "1.0"], "refused: --moe-expert-capacity-factor 1.0: "
      "ptdp's routing is dropless: every token reaches its k experts", True),
-    (MOE + ["--moe-router-num-groups", "4"], "refused: --moe-router-num-groups 4: not one of "
+    (MOE + ["--moe-router-num-groups", "4", "--moe-router-group-topk", "2"],
+     "refused: --moe-router-num-groups 4: softmax scores without --moe-router-pre-softmax: "
+     "Megatron ranks the groups by their logits, ptdp by their scores", True),
+    (MOE + ["--moe-router-group-topk", "2"], "refused: --moe-router-group-topk 2: needs "
+     "--moe-router-num-groups (Megatron's groups)", True),
+    (MOE + ["--moe-latent-size", "4"], "refused: --moe-latent-size 4: not one of "
      "ptdp's MoE options (docs/moe.md)", True),
     (MOE + ["--moe-layer-freq", "[1,1,0,1]"], "refused: --moe-layer-freq [1,1,0,1]: ptdp's MoE "
      "layers are every n-th after the first dense ones (model.moe_first_dense_layers, "

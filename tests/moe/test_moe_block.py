@@ -74,6 +74,47 @@ def test_scaling_sigmoid_and_selection_bias():
     torch.testing.assert_close(gates, 2.5 * scores.gather(-1, chosen))
 
 
+def test_node_limited_routing_takes_the_k_experts_from_the_best_groups():
+    """E = 4 in 2 groups, k = 2 from 1 group: the better group by the sum of its best
+    k / 1 = 2 scores wins, even over a group holding the single best expert."""
+    block = MoEMLP(_ctx("model.moe_router_groups=2", "model.moe_router_group_top_k=1"), 1,
+                   ParallelMLP)
+    block.router.expert_bias = torch.zeros(4)
+    scores = torch.tensor([[0.9, 0.1, 0.8, 0.7], [0.5, 0.45, 0.6, 0.2]])
+    with torch.no_grad():   # x = one-hot rows make the logits the rows of the weight
+        block.router.weight.copy_(torch.cat([scores.log().t(), torch.zeros(4, 30)], 1))
+    x = torch.eye(32)[:2].reshape(2, 1, 32)
+    chosen, gates, _ = block.router(x)
+    assert chosen.reshape(2, 2).tolist() == [[2, 3], [0, 1]]   # plain top-2: [0, 2], [2, 0]
+    torch.testing.assert_close(gates.sum(-1), torch.ones(2, 1))
+
+
+@pytest.mark.parametrize("score, bias", [("sigmoid", True), ("softmax", False)])
+def test_node_limited_routing_is_megatron_cores(score, bias):
+    """The experts and gates of megatron-core's `topk_routing_with_score_function` (sigmoid
+    with selection biases: DeepSeek-V3; softmax over all experts: its pre-softmax), E = 16 in 4
+    groups, k = 4 from 2 groups."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    renormalize = score == "sigmoid"   # Megatron's: sigmoid when k > 1; pre-softmax never
+    ctx = _ctx("model.num_experts=16", "model.moe_top_k=4", f"model.moe_score_function={score}",
+               f"model.moe_renormalize={str(renormalize).lower()}", "model.moe_router_groups=4",
+               "model.moe_router_group_top_k=2")
+    router = MoEMLP(ctx, 1, ParallelMLP).router
+    router.expert_bias = torch.randn(16, generator=torch.Generator().manual_seed(2)) * 0.1 * bias
+    x = torch.randn(64, 1, 32, generator=torch.Generator().manual_seed(1))
+    chosen, gates, _ = router(x)
+    ours = torch.zeros(64, 16).scatter_(1, chosen.reshape(64, 4), gates.reshape(64, 4))
+    logits = x.reshape(64, 32) @ router.weight.t()
+    probs, chosen_map = moe_utils.topk_routing_with_score_function(
+        logits, 4, use_pre_softmax=score == "softmax", num_groups=4, group_topk=2,
+        score_function=score, expert_bias=router.expert_bias if bias else None)
+    assert torch.equal(ours > 0, chosen_map)
+    torch.testing.assert_close(ours, probs)
+    plain = torch.zeros(64, 16, dtype=torch.bool).scatter_(   # the limit changed some choices
+        1, (logits.sigmoid() + router.expert_bias if bias else logits).topk(4).indices, True)
+    assert not torch.equal(plain, chosen_map)
+
+
 def test_router_losses_follow_their_formulas():
     block = MoEMLP(_ctx(), 1, ParallelMLP)
     x = torch.randn(8, 2, 32)

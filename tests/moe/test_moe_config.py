@@ -40,6 +40,17 @@ def _errors(overrides: list[str], world: int = 8) -> list[str]:
      "model.num_experts > 0 needs a flushing schedule"),
     (["model.moe_ffn_hidden_size=30", "parallel.tensor=4", *MOE],
      "model.moe_ffn_hidden_size (30) must be divisible by parallel.tensor (4)"),
+    (["model.moe_router_groups=3", *MOE],
+     "model.num_experts (4) must be divisible by model.moe_router_groups (3)"),
+    (["model.moe_router_group_top_k=2", *MOE], "model.moe_router_group_top_k=2 needs "
+     "model.moe_router_groups > 1: one group limits nothing"),
+    (["model.moe_router_groups=4", "model.moe_router_group_top_k=3", *MOE],
+     "model.moe_router_group_top_k must be between 1 and min(model.moe_router_groups, "
+     "model.moe_top_k) = 2"),
+    (["model.moe_router_groups=4", "model.moe_router_group_top_k=1", *MOE],
+     "model.moe_router_group_top_k (1) groups of E/G = 1 experts hold fewer than "
+     "model.moe_top_k (2)"),
+    (["model.moe_router_groups=2"], "model.moe_router_groups set while model.num_experts = 0"),
 ])
 def test_each_problem_is_one_line(overrides, line):
     errors = _errors(overrides)
