@@ -184,3 +184,30 @@ def test_expert_names_are_read_one_way_in_every_layout():
     shape = from_weights(state)
     assert (shape["num_experts"], shape["moe_ffn_hidden_size"], shape["activation"]) == (
         3, 6, "swiglu")
+
+
+def test_an_args_less_moe_checkpoint_routes_as_its_config_says(moe, tmp_path):
+    """A torch_dist MoE checkpoint without Megatron-LM's args (Megatron-Bridge, NeMo 2): the
+    routing of its TransformerConfig beside it (sigmoid scores, node-limited groups, scaled
+    gates, the shared expert's gate) is read as Megatron-LM's arguments are, and the logits
+    are megatron-core's."""
+    import shutil
+
+    import yaml
+
+    from ptdp.megatron.checkpoint import from_megatron
+    src = tmp_path / "bridge"
+    shutil.copytree(moe["root"] / "dist", src)
+    common = src / "iter_0000009" / "common.pt"
+    torch.save({k: v for k, v in torch.load(common, weights_only=False).items() if k != "args"},
+               common)
+    args = moe["args"]
+    config = dict(mc.transformer_config(args).__dict__, seq_length=args.seq_length,
+                  rotary_base=args.rotary_base)
+    fields = {k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))}
+    (src / "iter_0000009" / "run_config.yaml").write_text(yaml.safe_dump({"model": fields}))
+    _, cfg, _ = from_megatron(src, tmp_path / "ptdp")
+    m = cfg.model
+    assert (m.moe_score_function, m.moe_renormalize, m.moe_routed_scaling_factor,
+            m.moe_router_groups, m.moe_router_group_top_k) == ("sigmoid", True, 2.5, 2, 1)
+    _close(LocalModel.from_checkpoint(tmp_path / "ptdp").logits(TOKENS), moe["logits"])
