@@ -242,7 +242,7 @@ def _weight_grads(grads: list[torch.Tensor], x: torch.Tensor, groups: Groups) ->
 class _GroupedLinear(torch.autograd.Function):
     """x [R, in] -> `halves` tensors [R, out / halves]: rows of expert i times each row set of
     weights[i] (transposed). With a queue, the weights enter detached and their gradients go
-    to `queue.collect` (as ptdp/parallel/weight_grad.py's deferred linear does); without one they are
+    to `queue.collect` (as ptdp/parallel/deferred_ops.py's deferred linear does); without one they are
     returned to autograd."""
 
     @staticmethod
@@ -272,7 +272,7 @@ def grouped_linear(x: torch.Tensor, weights: list[torch.Tensor], groups: Groups,
     writes no strided halves. `weight_ops` is the experts' (PLAIN, or zb-h1's queue)."""
     if not isinstance(weight_ops, WeightGradQueue):
         return _GroupedLinear.apply(x, groups, halves, None, None, None, *weights)
-    # detached weights and an input that requires grad, as weight_grad.py's ops (it says why)
+    # detached weights and an input that requires grad, as deferred_ops.py's ops (it says why)
     return _GroupedLinear.apply(x, groups, halves, weight_ops, tuple(weights),
                                 weight_ops._trigger(x.device),
                                 *(w.detach() for w in weights))

@@ -199,13 +199,13 @@ def test_compiled_layers_split_per_micro_batch_without_recompiling():
 
 
 def test_the_owner_table_forgets_the_weights_of_dropped_chunks():
-    """The table that finds a weight's queue at backward time (weight_grad._OWNERS) holds live
+    """The table that finds a weight's queue at backward time (deferred_ops.OWNERS) holds live
     weights only: building, training and dropping chunks leaves it as it was."""
     import gc
 
-    from ptdp.parallel import weight_grad
+    from ptdp.parallel import deferred_ops
     gc.collect()
-    before = len(weight_grad._OWNERS)
+    before = len(deferred_ops.OWNERS)
     x = torch.randn(8, 2, 32, requires_grad=True)
     for _ in range(2):
         stack = TransformerStack(_context("gpt"), 0, 1, causal=True)
@@ -213,7 +213,7 @@ def test_the_owner_table_forgets_the_weights_of_dropped_chunks():
         with queue.defer(0):
             stack(x).sum().backward()
         queue.run(0)
-        assert len(weight_grad._OWNERS) > before   # its weights are known while it lives
+        assert len(deferred_ops.OWNERS) > before   # its weights are known while it lives
         del stack, queue
         gc.collect()
-        assert len(weight_grad._OWNERS) == before
+        assert len(deferred_ops.OWNERS) == before
