@@ -179,3 +179,14 @@ def test_qwen_moe_layers_map_both_ways_or_are_refused(step, mlp_only, expected):
     cfg = ModelConfig(arch="gpt", preset="llama", num_layers=4, num_experts=4, **keys)
     back = transformers.Qwen2MoeConfig(num_hidden_layers=4, **qwen_moe_config(cfg))
     assert qwen_moe_layers(back) == keys
+
+
+def test_node_limited_routing_has_no_mixtral_or_qwen_moe_form():
+    """Mixtral's and Qwen's routers choose among all experts: a model with node-limited routing
+    is not theirs (ptdp/hf/moe.py)."""
+    from ptdp.config import ModelConfig
+    from ptdp.hf.moe import Mixtral, Qwen3Moe
+    cfg = ModelConfig(preset="llama", num_layers=2, num_kv_heads=2, num_experts=4, moe_top_k=2,
+                      moe_router_groups=2, moe_router_group_top_k=1)
+    for family in (Mixtral(), Qwen3Moe()):
+        assert "model.moe_router_groups=1 (not 2)" in family.mismatches(cfg), family
