@@ -81,6 +81,17 @@ def norm(cfg: ModelConfig, tp: TensorParallel) -> nn.Module:
     return rms
 
 
+def latent_norm(cfg: ModelConfig, size: int, tp: TensorParallel) -> nn.Module:
+    """The block's normalisation over a latent of `size` values (latent attention's query and
+    key/value latents), applied where the hidden state is: on this rank's tokens, so marked
+    for sequence parallelism's tensor-group gradient sum."""
+    kind = LayerNorm if cfg.normalization == "layernorm" else RMSNorm
+    module = kind(size, cfg.layernorm_eps, cfg.norm_zero_centered)
+    for param in module.parameters():
+        mark_sequence_parallel(param, tp)
+    return module
+
+
 def head_norm(cfg: ModelConfig, tp: TensorParallel) -> nn.Module:
     """model.qk_norm: the block's normalisation over each query or key head's head_dim values
     (Qwen3, Gemma 3), one weight shared by every head. A tensor rank applies it to its own

@@ -135,3 +135,14 @@ def without_output(produce, consume, *args):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         return consume(out)
+
+
+def after_norm(ctx, norm_module, consume, x):
+    """consume(norm(x)); with the layernorm module recomputed (`ctx.recomputes`, a
+    ModelContext's), norm(x) is not kept for consume's backward but rebuilt from x
+    (`without_output`). No norm: consume(x)."""
+    if norm_module is None:
+        return consume(x)
+    if ctx.recomputes("layernorm"):
+        return without_output(norm_module, consume, x)
+    return consume(norm_module(x))

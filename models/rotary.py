@@ -21,9 +21,10 @@ import torch.nn as nn
 from ptdp.config import ModelConfig
 
 
-def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
-    """[head_dim / 2] fp32 angular frequencies, with the Llama-3 scaling when configured."""
-    d = cfg.head_dim
+def inverse_frequencies(cfg: ModelConfig, dim: int | None = None) -> torch.Tensor:
+    """[dim / 2] fp32 angular frequencies (dim: the rotated size, default head_dim), with the
+    Llama-3 scaling when configured."""
+    d = cfg.head_dim if dim is None else dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if cfg.rope_scaling_factor == 1.0:
         return inv_freq
@@ -45,18 +46,18 @@ class RotaryEmbedding(nn.Module):
     angles off by more than a radian at position 1,024 (cos and sin then mean nothing). So
     every cast or move recomputes them from the config in fp32 on the buffer's new device."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, dim: int | None = None):
         super().__init__()
-        self.cfg = cfg
-        self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)
+        self.cfg, self.dim = cfg, dim   # dim: the rotated size (latent attention's rotary part)
+        self.register_buffer("inv_freq", inverse_frequencies(cfg, dim), persistent=False)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        self.inv_freq = inverse_frequencies(self.cfg).to(self.inv_freq.device)
+        self.inv_freq = inverse_frequencies(self.cfg, self.dim).to(self.inv_freq.device)
         return self
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [s] or [b, s] (integers) -> cos, sin [..., head_dim] in fp32."""
+        """positions [s] or [b, s] (integers) -> cos, sin [..., dim] in fp32."""
         angles = positions.float()[..., None] * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos(), angles.sin()

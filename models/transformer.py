@@ -41,7 +41,8 @@ from ptdp.kernels import ACTIVATIONS, bias_dropout_add
 from ptdp.models.attention import core_attention
 from ptdp.models.moe import MoEMLP
 from ptdp.models.norms import head_norm, norm
-from ptdp.models.recompute import checkpointed, recompute, without_output
+from ptdp.models.latent_attention import LatentAttention
+from ptdp.models.recompute import after_norm, checkpointed, recompute, without_output
 from ptdp.models.rotary import RotaryEmbedding, rotate
 from ptdp.parallel.context import ContextParallel
 from ptdp.parallel.experts import ExpertParallel
@@ -73,16 +74,6 @@ class ModelContext:
         """recompute=selective recomputes this module (ptdp/config/recompute.py)."""
         return self.recompute == "selective" and module in selective_modules(
             self.recompute_modules, self.tp.sequence_parallel)
-
-
-def after_norm(ctx: ModelContext, norm_module, consume, x):
-    """consume(norm(x)); with the layernorm module recomputed, norm(x) is not kept for
-    consume's backward but rebuilt from x (models/recompute.py). No norm: consume(x)."""
-    if norm_module is None:
-        return consume(x)
-    if ctx.recomputes("layernorm"):
-        return without_output(norm_module, consume, x)
-    return consume(norm_module(x))
 
 
 def hidden_dropout_add(x, bias, residual, p: float, training: bool, tp: TensorParallel):
@@ -249,7 +240,8 @@ class TransformerLayer(nn.Module):
         cfg = ctx.model
         self.tp, self.ctx = ctx.tp, ctx
         self.ln1 = norm(cfg, ctx.tp)
-        self.attention = ParallelAttention(ctx, layer, causal)
+        self.attention = (LatentAttention if cfg.latent_attention else ParallelAttention)(
+            ctx, layer, causal)
         self.ln2 = norm(cfg, ctx.tp)
         self.mlp = (MoEMLP(ctx, layer, ParallelMLP) if cfg.is_moe_layer(layer)
                     else ParallelMLP(ctx, layer))

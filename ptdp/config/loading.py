@@ -19,7 +19,7 @@ from ptdp.config.validation import validate, validate_model
 
 # Model keys whose default depends on others (the preset, the hidden size, the activation).
 DERIVED_MODEL_KEYS = (*BLOCK_OPTIONS, "qkv_bias", "num_kv_heads", "head_dim", "ffn_hidden_size",
-                      "moe_ffn_hidden_size")
+                      "moe_ffn_hidden_size", "mla_v_head_dim")
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:

@@ -71,6 +71,13 @@ class ModelConfig:
                                          # --apply-layernorm-1p)
     qk_norm: bool = False                # normalise each query and key head (Qwen3, Gemma 3)
     scale_embeddings: bool = False       # word embeddings times sqrt(hidden_size) (Gemma)
+    # Multi-head latent attention (DeepSeek-V2/V3; models/latent_attention.py): K and V from a
+    # compressed latent; head_dim is then each query and key head's non-rotary part
+    mla_kv_lora_rank: int = 0            # the K/V latent's size; 0 = the usual QKV projection
+    mla_q_lora_rank: int = 0             # the query latent's size; 0 = queries from h directly
+    mla_rope_head_dim: int = 64          # each query and key head's rotary part (one key part
+                                         # shared by the heads)
+    mla_v_head_dim: int | None = None    # each value head's size; null = head_dim
     # Mixture of experts (0 experts = a dense MLP in every layer; docs/moe.md)
     num_experts: int = 0                 # E, routed experts per MoE layer
     moe_top_k: int = 2                   # k, experts each token is routed to
@@ -106,10 +113,17 @@ class ModelConfig:
             self.num_kv_heads = self.num_heads
         if self.head_dim is None and self.num_heads > 0 and self.hidden_size % self.num_heads == 0:
             self.head_dim = self.hidden_size // self.num_heads   # (else validation says so)
+        if self.mla_v_head_dim is None:
+            self.mla_v_head_dim = self.head_dim
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = default_ffn_hidden_size(self.hidden_size, self.activation)
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
+
+    @property
+    def latent_attention(self) -> bool:
+        """Multi-head latent attention (model.mla_kv_lora_rank > 0)."""
+        return self.mla_kv_lora_rank > 0
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether transformer layer `layer` (0-based) has a mixture of experts as its MLP."""

@@ -117,6 +117,24 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
+class ReplicatedLinear(nn.Module):
+    """Y = X A^T with A whole on every tensor rank, applied to the tokens the rank holds: all
+    of them (A's gradient is then the same everywhere), or with sequence parallelism its 1/t of
+    them (partial: summed over the tensor group like a norm's). Latent attention's
+    down-projections (models/latent_attention.py)."""
+
+    weight_ops = PLAIN
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallel, *, seed: int,
+                 key: str, std: float):
+        super().__init__()
+        self.weight = mark_sequence_parallel(
+            normal_param((out_features, in_features), std, seed, f"{key}.weight", None, tp), tp)
+
+    def forward(self, x):
+        return self.weight_ops.linear(x, self.weight)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows; rank i owns rows [i*V/t, (i+1)*V/t).
 
