@@ -47,7 +47,8 @@ class LatentAttention(nn.Module):
         key, std, h = f"layers.{layer}.attention", cfg.init_std, cfg.hidden_size
         self.ctx, self.causal = ctx, causal
         self.local_heads = tp.shard(cfg.num_heads)
-        self.nope, self.rope, self.v_dim = cfg.head_dim, cfg.mla_rope_head_dim, cfg.mla_v_head_dim
+        self.nope, self.rope = cfg.head_dim, cfg.mla_rope_head_dim
+        self.v_head_dim = cfg.mla_v_head_dim
         self.qk_head_dim = self.nope + self.rope
         self.q_latent = cfg.mla_q_lora_rank > 0
         q_rows, latent = cfg.num_heads * self.qk_head_dim, cfg.mla_kv_lora_rank
@@ -67,8 +68,8 @@ class LatentAttention(nn.Module):
             self.q = column(h, q_rows, "q")
         self.kv_down = replicated(h, latent + self.rope, "kv_down")
         self.kv_norm = latent_norm(cfg, latent, tp)
-        self.kv_up = column(latent, cfg.num_heads * (self.nope + self.v_dim), "kv_up")
-        self.proj = RowParallelLinear(cfg.num_heads * self.v_dim, h, tp, seed=ctx.seed,
+        self.kv_up = column(latent, cfg.num_heads * (self.nope + self.v_head_dim), "kv_up")
+        self.proj = RowParallelLinear(cfg.num_heads * self.v_head_dim, h, tp, seed=ctx.seed,
                                       key=f"{key}.proj", skip_bias_add=True, bias=cfg.bias,
                                       std=scaled_std(std, cfg.num_layers))
         self.rotary = RotaryEmbedding(cfg, self.rope)
@@ -99,7 +100,7 @@ class LatentAttention(nn.Module):
         k_rot = enter_tensor_region(k_rot, self.ctx.tp)         # [s, b, rope], every head's
         s, b = q.shape[:2]
         q_pass, q_rot = q.view(s, b, self.local_heads, -1).split([self.nope, self.rope], dim=-1)
-        k_pass, v = kv.view(s, b, self.local_heads, -1).split([self.nope, self.v_dim], dim=-1)
+        k_pass, v = kv.view(s, b, self.local_heads, -1).split([self.nope, self.v_head_dim], dim=-1)
         if positions is None:
             positions = torch.arange(s, device=x.device)
         cos, sin = self.rotary(positions)

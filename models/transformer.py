@@ -115,6 +115,7 @@ class ParallelAttention(nn.Module):
         self.local_groups = tp.shard(cfg.num_kv_heads)
         self.group_size = cfg.num_heads // cfg.num_kv_heads
         self.local_heads = self.local_groups * self.group_size
+        self.qk_head_dim = self.v_head_dim = cfg.head_dim   # (latent attention's differ)
         # The QKV weight's rows are ordered [group, (q_1 .. q_r, k, v), head_dim]: a group is one
         # key/value head and the r = num_heads / num_kv_heads query heads that share it (r = 1
         # without grouped-query attention: [head, (q, k, v), head_dim]). Group-major rows make a

@@ -61,10 +61,9 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
     else:   # Llama-style and other blocks: counted exactly (ptdp/planner/formulas.py)
         formula, params = "Eq. 4.3 generalised", decoder_parameters(shape, cfg.padded_vocab_size)
     block = f" ({m.preset} block)" if m.preset != DEFAULT_PRESET else ""
-    kv = f" ({m.num_kv_heads} K/V)" if m.num_kv_heads != m.num_heads else ""
     lines = [
-        f"model: {m.arch}{block}, {m.num_layers} layers, h={m.hidden_size}, {m.num_heads} heads"
-        f"{kv}, ffn {m.ffn_hidden_size}, s={m.seq_length}, vocab {m.vocab_size} (padded "
+        f"model: {m.arch}{block}, {m.num_layers} layers, h={m.hidden_size}, {m.heads_text()}"
+        f", ffn {m.ffn_hidden_size}, s={m.seq_length}, vocab {m.vocab_size} (padded "
         f"{cfg.padded_vocab_size}), {params / 1e6:,.2f} M parameters ({formula})",
         layout_text(par, m.seq_length, shape.experts > 0)
         + f", v = {par.chunks}, schedule {cfg.schedule.name}, world size {world_size}",

@@ -31,6 +31,20 @@ def test_cached_logits_equal_the_full_forward(model):
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_the_cache_holds_latent_attentions_keys_and_values():
+    """With latent attention (DeepSeek's) the cache keeps every head's keys and values, which
+    the latent expands to; cached logits equal the full forward's."""
+    cfg = ModelConfig(arch="gpt", preset="llama", num_layers=2, hidden_size=32, num_heads=4,
+                      head_dim=8, mla_kv_lora_rank=12, mla_q_lora_rank=16, mla_rope_head_dim=4,
+                      mla_v_head_dim=6, seq_length=24, vocab_size=600, init_std=0.3)
+    latent = LocalModel(cfg, initial_state(cfg, seed=3))
+    tokens = torch.randint(0, 600, (2, 20), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(cfg.num_layers)
+    parts = [forward_cached(latent, tokens[:, :7], cache)]
+    parts += [forward_cached(latent, tokens[:, i:i + 1], cache) for i in range(7, 20)]
+    torch.testing.assert_close(torch.cat(parts, 1), latent.logits(tokens), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(0.9, 20, 0.9, seed=5)])
 def test_generation_with_cache_equals_generation_without(model, sampling):
     prompt = [5, 77, 301, 9]

@@ -62,7 +62,8 @@ def test_a_layer_computes_hugging_faces_deepseek_v3_attention(q_lora):
             q_up, q_theirs = ours.q_up.weight, theirs.q_b_proj.weight
         else:
             q_up, q_theirs = ours.q.weight, theirs.q_proj.weight
-        q_theirs.copy_(torch.stack([_interleaved(h, 4) for h in heads_rows(q_up, 12)]).flatten(0, 1))
+        per_head = [_interleaved(rows, 4) for rows in heads_rows(q_up, 12)]
+        q_theirs.copy_(torch.stack(per_head).flatten(0, 1))
         theirs.kv_a_proj_with_mqa.weight.copy_(_interleaved(ours.kv_down.weight, 4))
         theirs.kv_a_layernorm.weight.copy_(torch.rand(12) + 0.5)
         ours.kv_norm.weight.copy_(theirs.kv_a_layernorm.weight)

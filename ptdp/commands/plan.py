@@ -153,9 +153,8 @@ def _plan(args) -> int:
         print(json.dumps(out, indent=2))
     else:
         block = f" ({m.preset} block)" if m.preset != DEFAULT_PRESET else ""
-        kv = f" ({m.num_kv_heads} K/V)" if m.num_kv_heads != m.num_heads else ""
         title = (f"{m.arch}{block} {params / 1e9:.1f}B parameters ({m.num_layers} layers, "
-                 f"h={m.hidden_size}, {m.num_heads} heads{kv}, f={m.ffn_hidden_size}, "
+                 f"h={m.hidden_size}, {m.heads_text()}, f={m.ffn_hidden_size}, "
                  f"s={m.seq_length}, V={m.vocab_size}{_moe_title(m, shape)}) "
                  f"on {gpus} x {hw.name} ({gpus // per_node} node(s) x {per_node}), "
                  f"B={batch}, {precision}")

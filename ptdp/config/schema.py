@@ -125,6 +125,15 @@ class ModelConfig:
         """Multi-head latent attention (model.mla_kv_lora_rank > 0)."""
         return self.mla_kv_lora_rank > 0
 
+    def heads_text(self) -> str:
+        """The attention heads for summaries: "32 heads (8 K/V)", or latent attention's."""
+        if self.latent_attention:
+            q = f", Q latent {self.mla_q_lora_rank}" if self.mla_q_lora_rank else ""
+            return (f"{self.num_heads} heads (latent attention: K/V latent "
+                    f"{self.mla_kv_lora_rank}{q})")
+        kv = f" ({self.num_kv_heads} K/V)" if self.num_kv_heads != self.num_heads else ""
+        return f"{self.num_heads} heads{kv}"
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether transformer layer `layer` (0-based) has a mixture of experts as its MLP."""
         return moe_layer(layer, self.num_experts, self.moe_first_dense_layers,

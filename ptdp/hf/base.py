@@ -55,8 +55,11 @@ class Family:
         'model.arch=WANTED', then the block options, as 'model.KEY=WANTED (not GOT)'."""
         ours = self.model_family
         family = [] if cfg.family is ours else [f"model.arch={ours.name}"]
-        return family + [f"model.{key}={_text(want)} (not {_text(getattr(cfg, key))})"
-                         for key, want in self.block.items() if not _fits(getattr(cfg, key), want)]
+        # latent attention (DeepSeek's) is no converted family's attention
+        latent = [f"model.mla_kv_lora_rank=0 (not {cfg.mla_kv_lora_rank})"] * cfg.latent_attention
+        return family + latent + [f"model.{key}={_text(want)} (not {_text(getattr(cfg, key))})"
+                                  for key, want in self.block.items()
+                                  if not _fits(getattr(cfg, key), want)]
 
     def model_config(self, config) -> ModelConfig:
         raise NotImplementedError

@@ -33,7 +33,8 @@ ROPE_SCALING_FIXED = dict(rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
 def _refusals(args):
     """(condition, argument, why) for every setting ptdp's block cannot compute."""
     yield argument(args, "multi_latent_attention", False), "multi_latent_attention", \
-        "ptdp's attention is multi-head / grouped-query"
+        "the converter does not map latent attention's weights yet (model.mla_kv_lora_rank " \
+        "computes it, without Megatron's default YaRN rotary scaling)"
     yield argument(args, "qk_layernorm", False), "qk_layernorm", \
         "the converter does not map q_layernorm/k_layernorm weights yet (model.qk_norm computes it)"
     yield argument(args, "apply_residual_connection_post_layernorm", False), \
@@ -173,6 +174,8 @@ def refuse_for_megatron(cfg: ModelConfig) -> None:
                                         "SwiGLU (--swiglu); it has no GeGLU")
     require(not cfg.qk_norm, "model.qk_norm=true: the converter does not write Megatron's "
                              "q_layernorm/k_layernorm weights yet (--qk-layernorm)")
+    require(not cfg.latent_attention, "model.mla_kv_lora_rank > 0: the converter does not write "
+                                      "Megatron's latent attention yet (--multi-latent-attention)")
     require(not cfg.scale_embeddings, "model.scale_embeddings=true: Megatron-LM's GPT has no "
                                       "such option")
     if cfg.position_embedding == "rope" and cfg.rope_scaling_factor != 1.0:

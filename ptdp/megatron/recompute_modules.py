@@ -12,7 +12,7 @@ REFUSED_MODULES = {
                "activations, not the routed experts'",
     "moe": "ptdp does not recompute the MoE layer (its all-to-alls) alone",
     "shared_experts": "ptdp does not recompute the shared experts alone",
-    "mla_up_proj": "ptdp has no multi-latent attention",
+    "mla_up_proj": "ptdp does not recompute latent attention's up-projections alone",
 }
 
 

@@ -26,8 +26,7 @@ def startup_report(cfg: Config, grid, local_params: int, total_params: int,
     else:   # Llama-style blocks: counted exactly (ptdp/planner/formulas.py)
         formula, eq43 = "Eq. 4.3 generalised", decoder_parameters(shape, cfg.padded_vocab_size)
     name = m.arch.upper() + (f" ({m.preset} block)" if m.preset != DEFAULT_PRESET else "")
-    heads = f"{m.num_heads} heads" + (f" ({m.num_kv_heads} K/V)" if m.num_kv_heads != m.num_heads
-                                      else "")
+    heads = m.heads_text()
     world = grid.p * grid.t * par.context * grid.d
     lines = []
     if cfg.log.verbose:

@@ -78,9 +78,9 @@ def _split_backward_time(queue, forward, backward, device, iters: int,
 def _attention_time(attention, x, device, iters: int) -> float:
     import torch
     s, b, _ = x.shape
-    heads, dh = attention.local_heads, attention.ctx.model.head_dim
+    heads = attention.local_heads
     q, k, v = (torch.randn(b, heads, s, dh, device=device, dtype=x.dtype, requires_grad=True)
-               for _ in range(3))
+               for dh in (attention.qk_head_dim, attention.qk_head_dim, attention.v_head_dim))
     return best_time(lambda: attention.core_attention(q, k, v, None), device, iters)
 
 

@@ -190,3 +190,14 @@ def test_node_limited_routing_has_no_mixtral_or_qwen_moe_form():
                       moe_router_groups=2, moe_router_group_top_k=1)
     for family in (Mixtral(), Qwen3Moe()):
         assert "model.moe_router_groups=1 (not 2)" in family.mismatches(cfg), family
+
+
+def test_latent_attention_has_no_converted_family():
+    """No converted Hugging Face family computes latent attention: converting such a model is
+    refused in one line that names the key."""
+    from ptdp.config import ModelConfig
+    from ptdp.hf.registry import ConversionError, family_of
+    cfg = ModelConfig(preset="llama", num_layers=2, head_dim=8, mla_kv_lora_rank=12,
+                      mla_rope_head_dim=4)
+    with pytest.raises(ConversionError, match=r"model.mla_kv_lora_rank=0 \(not 12\)"):
+        family_of(cfg)
