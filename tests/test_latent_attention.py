@@ -111,6 +111,24 @@ def test_latent_attention_layout_equals_one_process(layout):
         assert_equivalent(got, ref, f"latent attention {layout} rank {rank}")
 
 
+def test_a_checkpoint_reshards_from_sequence_parallel_tensor_ranks_to_pipeline_stages(tmp_path):
+    """Saved at t = 2 with sequence parallelism (replicated down-projections and latent norms
+    written once), resumed at p = 2: the uninterrupted run's losses and weights."""
+    from ptdp.runtime.local_ranks import run_on_ranks
+    from tests.equivalence import RTOL, relative_error
+    from tests.features import resume_job
+    runs = {"t2-sp": MLA + LAYOUTS["t2-sp"][1], "reshard": [("t2-sp", "p2")],
+            "targets": {"p2": MLA + ["parallel.pipeline=2"]}}
+    out = run_on_ranks(2, resume_job, str(tmp_path), runs, timeout_s=within(400))[0]
+    straight, resharded = out["t2-sp straight"], out["t2-sp -> p2"]
+    assert len(resharded) == 2 and all(abs(x - y) <= RTOL * abs(y)
+                                       for x, y in zip(resharded, straight[2:])), out
+    assert out["t2-sp resumed"] == straight[2:]
+    weights, expected = out["t2-sp -> p2 weights"], out["t2-sp straight weights"]
+    assert weights.keys() == expected.keys()
+    assert all(relative_error(weights[k], expected[k]) <= RTOL for k in expected)
+
+
 def _errors(overrides: list[str]) -> list[str]:
     try:
         load_config(None, TINY + overrides, world_size=2)
