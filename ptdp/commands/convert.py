@@ -14,7 +14,7 @@ def register(subparsers) -> None:
                     "GPT with GPT-2's block -> GPT2LMHeadModel; Llama's block -> LlamaForCausalLM, "
                     "Mistral's with a window, Qwen2's with q/k/v-only biases, Qwen3's with "
                     "QK-norm, Gemma's with its options; with experts Mixtral, Qwen2-MoE, "
-                    "Qwen3-MoE; BERT -> MegatronBertForPreTraining; model.safetensors, config.json, "
+                    "Qwen3-MoE; with latent attention DeepseekV3ForCausalLM; BERT -> MegatronBertForPreTraining; model.safetensors, config.json, "
                     "tokenizer.json, generation_config.json with every end id; --model-type "
                     "picks another class, e.g. phi3). ptdp convert HF_DIR --from hf --out "
                     "CHECKPOINT [parallel.tensor=T parallel.pipeline=P parallel.chunks=V "

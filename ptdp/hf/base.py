@@ -48,6 +48,19 @@ class Family:
     hf_class: str = ""
     config_class: str = ""
     model_family: ModelFamily
+    latent_attention = False   # the HF class's attention is DeepSeek's latent attention
+
+    def for_config(self, config) -> "Family":
+        """This family reading the weights of the transformers `config` (a family whose weight
+        layout depends on the config returns a copy that knows it)."""
+        return self
+
+    def meta_from_hf(self, cfg: ModelConfig, hf: dict) -> dict | None:
+        """State a ptdp checkpoint keeps in its metadata, from the HF weights (none)."""
+        return None
+
+    def meta_to_hf(self, cfg: ModelConfig, meta: dict, out: dict) -> None:
+        """Add to the HF weights `out` what the checkpoint's metadata `meta` holds (nothing)."""
     block: dict = {}
 
     def mismatches(self, cfg: ModelConfig) -> list[str]:
@@ -55,8 +68,9 @@ class Family:
         'model.arch=WANTED', then the block options, as 'model.KEY=WANTED (not GOT)'."""
         ours = self.model_family
         family = [] if cfg.family is ours else [f"model.arch={ours.name}"]
-        # latent attention (DeepSeek's) is no converted family's attention
-        latent = [f"model.mla_kv_lora_rank=0 (not {cfg.mla_kv_lora_rank})"] * cfg.latent_attention
+        latent = ([] if cfg.latent_attention == self.latent_attention else
+                  [f"model.mla_kv_lora_rank {'> 0' if self.latent_attention else '= 0'} (not "
+                   f"{cfg.mla_kv_lora_rank})"])
         return family + latent + [f"model.{key}={_text(want)} (not {_text(getattr(cfg, key))})"
                                   for key, want in self.block.items()
                                   if not _fits(getattr(cfg, key), want)]

@@ -72,7 +72,9 @@ def to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
         config.eos_token_id = ends[0] if len(ends) == 1 else ends   # generation config list them
     config.ptdp = {"checkpoint": str(directory), "iteration": meta["iteration"]}
     model = getattr(transformers, family.hf_class)(config)
-    model.load_state_dict(family.to_hf(cfg, state), strict=True)
+    weights = family.to_hf(cfg, state)
+    family.meta_to_hf(cfg, meta, weights)
+    model.load_state_dict(weights, strict=True)
     out = Path(out_dir)
     model.save_pretrained(str(out))
     if tok_path:
@@ -175,10 +177,12 @@ def from_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overrides: list[s
         checked_tokenizer(tokenizer, model_cfg.vocab_size)
     cfg = conversion_config(model_cfg, overrides, tokenizer)
     check_model_overrides(model_cfg, cfg.model)
-    state = family.from_hf(model_cfg, load_hf_weights(hf_dir, family, config))
+    hf = load_hf_weights(hf_dir, family, config)
+    state = family.for_config(config).from_hf(model_cfg, hf)
     if "embedding.position" in state:   # a learned table: cut to model.seq_length on request
         state["embedding.position"] = state["embedding.position"][:cfg.model.seq_length]
-    return save_full_state(state, cfg, out, iteration=iteration), cfg
+    return save_full_state(state, cfg, out, iteration=iteration,
+                           extra_meta=family.meta_from_hf(model_cfg, hf)), cfg
 
 
 def check_model_overrides(read: ModelConfig, model: ModelConfig) -> None:

@@ -192,12 +192,14 @@ def test_node_limited_routing_has_no_mixtral_or_qwen_moe_form():
         assert "model.moe_router_groups=1 (not 2)" in family.mismatches(cfg), family
 
 
-def test_latent_attention_has_no_converted_family():
-    """No converted Hugging Face family computes latent attention: converting such a model is
-    refused in one line that names the key."""
+def test_latent_attention_converts_as_deepseek_v3_or_says_what_it_lacks():
+    """Latent attention is DeepSeek-V3's class's only (its latent norms' eps fixed at 1e-6): a
+    model it cannot compute is refused in one line naming what that class needs."""
     from ptdp.config import ModelConfig
     from ptdp.hf.registry import ConversionError, family_of
-    cfg = ModelConfig(preset="llama", num_layers=2, head_dim=8, mla_kv_lora_rank=12,
-                      mla_rope_head_dim=4)
-    with pytest.raises(ConversionError, match=r"model.mla_kv_lora_rank=0 \(not 12\)"):
-        family_of(cfg)
+    keys = dict(preset="llama", num_layers=2, head_dim=8, mla_kv_lora_rank=12, mla_rope_head_dim=4)
+    assert family_of(ModelConfig(**keys, layernorm_eps=1e-6)).hf_class == "DeepseekV3ForCausalLM"
+    with pytest.raises(ConversionError) as err:
+        family_of(ModelConfig(**keys, layernorm_eps=1e-5))
+    assert str(err.value) == ("no Hugging Face class computes this model: DeepseekV3ForCausalLM "
+                              "needs model.layernorm_eps=1e-06 (not 1e-05)")
