@@ -36,8 +36,10 @@ import functools
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
+from ptdp.models.recompute import checkpointed
 from ptdp.parallel.context import ContextParallel
 from ptdp.parallel.ring_attention import expand_heads, ring_attention, visible
 from ptdp.parallel.rng import TensorParallelRNG
@@ -148,11 +150,12 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex_attention(q, k, v, block_mask):
+def _flex_attention(q, k, v, block_mask, scale=None):
     from torch.nn.attention.flex_attention import flex_attention
     # inside a compiled layer (train.compile) dynamo compiles it with the layer
     flex = flex_attention if torch.compiler.is_compiling() else _compiled_flex()
-    return flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+    return flex(q, k, v, block_mask=block_mask, scale=scale,
+                enable_gqa=k.shape[1] != q.shape[1])
 
 
 def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -162,35 +165,37 @@ def expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def attention(q, k, v, mask=None, causal: bool = False, dropout: float = 0.0,
-              expand: bool | None = None):
+              expand: bool | None = None, scale: float | None = None):
     """q [b, heads, s, d], k and v [b, groups, s, d] -> [b, heads, s, d]. `mask`: a prepared
     form (None, a BlockMask or a boolean keep-mask). `expand`: expand grouped K/V to the
     query heads when a mask is given (default: on CUDA, where the kernels that take a mask
-    do not take `enable_gqa`)."""
+    do not take `enable_gqa`). `scale`: the softmax scale (None: 1/sqrt(d))."""
     if mask is not None and not isinstance(mask, torch.Tensor):   # a FlexAttention BlockMask
-        return _flex_attention(q, k, v, mask)
+        return _flex_attention(q, k, v, mask, scale)
     expand = q.device.type == "cuda" if expand is None else expand
     if mask is not None and expand:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
-                                          is_causal=causal and mask is None, **gqa)
+                                          is_causal=causal and mask is None, scale=scale,
+                                          **gqa)
 
 
 @torch.compiler.disable
 def attention_with_dropout(rng: TensorParallelRNG, q, k, v, mask, dropout: float,
-                           causal: bool):
+                           causal: bool, scale: float | None = None):
     """Attention dropout draws from the tensor-parallel stream; swapping generator states is
     Python-side work a compiled layer must not trace, so this runs eagerly (a graph break)."""
     with rng.fork():
-        return attention(q, k, v, mask, causal, dropout)
+        return attention(q, k, v, mask, causal, dropout, scale=scale)
 
 
 def core_attention(q, k, v, mask: AttentionMask | None, *, causal: bool, window: int | None,
                    dropout: float, rng: TensorParallelRNG, cp: ContextParallel,
-                   tensor_ranks: int):
+                   tensor_ranks: int, scale: float | None = None):
     """A layer's attention over its heads: the ring with context parallelism (config: no
     padding, no dropout there), else the kernel of the mask prepared for this layer's window.
+    `scale`: the softmax scale (None: 1/sqrt(d); DeepSeek's YaRN changes it).
 
     Attention dropout draws from the tensor-parallel stream, eagerly (a graph break in a
     compiled layer), except in a compiled layer with one tensor rank: there no other rank's
@@ -198,10 +203,40 @@ def core_attention(q, k, v, mask: AttentionMask | None, *, causal: bool, window:
     hidden dropout's (which torch.utils.checkpoint restores for recomputation)."""
     if cp.size > 1:
         documents = None if mask is None else mask.documents
-        return ring_attention(q, k, v, cp, causal, documents=documents, window=window)
+        return ring_attention(q, k, v, cp, causal, scale, documents=documents, window=window)
     prepared = None if mask is None else mask.prepared[effective_window(window, q.shape[2])]
     if dropout == 0.0:  # no randomness: skip swapping RNG states
-        return attention(q, k, v, prepared, causal)
+        return attention(q, k, v, prepared, causal, scale=scale)
     if tensor_ranks == 1 and torch.compiler.is_compiling():
-        return attention(q, k, v, prepared, causal, dropout)
-    return attention_with_dropout(rng, q, k, v, prepared, dropout, causal)
+        return attention(q, k, v, prepared, causal, dropout, scale=scale)
+    return attention_with_dropout(rng, q, k, v, prepared, dropout, causal, scale)
+
+
+class HeadAttention(nn.Module):
+    """What an attention block (models/transformer.py ParallelAttention, models/
+    latent_attention.py LatentAttention) does after projecting its heads: core attention with
+    the micro-batch's mask and the block's window, recomputed in backward with the core_attn
+    module of recompute=selective, then the output projection. A block sets `ctx`, `causal`,
+    `window`, `proj` and `project(x, positions, norm) -> q, k, v`, and `softmax_scale` where
+    it is not 1/sqrt(d)."""
+
+    softmax_scale: float | None = None
+
+    def core_attention(self, q, k, v, mask):
+        """q, k [b, heads, s, d], v [b, heads or groups, s, d_v] -> [b, heads, s, d_v]; dropout
+        here is inside the tensor region. `mask`: the micro-batch's AttentionMask or None."""
+        dropout = self.ctx.model.attention_dropout_rate if self.training else 0.0
+        return core_attention(q, k, v, mask, causal=self.causal, window=self.window,
+                              dropout=dropout, rng=self.ctx.rng, cp=self.ctx.cp,
+                              tensor_ranks=self.ctx.tp.size, scale=self.softmax_scale)
+
+    def forward(self, x, mask=None, positions=None, norm=None):
+        """-> (output without the projection's bias, that bias); `norm`: the pre-norm, applied
+        to x in `project` so that the layernorm module can rebuild its output."""
+        q, k, v = self.project(x, positions, norm)
+        if self.ctx.recomputes("core_attn"):
+            out = checkpointed(self.ctx.rng, lambda *qkv: self.core_attention(*qkv, mask), q, k, v)
+        else:
+            out = self.core_attention(q, k, v, mask)
+        out = out.permute(2, 0, 1, 3)  # [s, b, heads, d_v]
+        return self.proj(out.reshape(out.shape[0], out.shape[1], -1))

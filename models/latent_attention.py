@@ -11,11 +11,13 @@ Values have `mla_v_head_dim` per head. Per head and token:
     q = [c_q W_uq (non-rotary), RoPE(c_q W_qr)]       k = [c_kv W_uk, RoPE(x W_kr)]
     v = c_kv W_uv                                     out = softmax(q k^T / sqrt(d_q)) v
 
-with d_q = head_dim + mla_rope_head_dim (Hugging Face's DeepseekV3Attention without its YaRN
-rescaling). Parameters: `q_down` [q_lora, h], `q_norm`, `q_up` [heads (head_dim + rope),
-q_lora] (or `q` [heads (head_dim + rope), h]); `kv_down` [kv_lora + rope, h] (the latent's
-rows, then the rotary key's), `kv_norm`, `kv_up` [heads (head_dim + v), kv_lora]; `proj` [h,
-heads v]. Up-projection rows are head-major, each head's [non-rotary, rotary] or [key, value].
+with d_q = head_dim + mla_rope_head_dim (Hugging Face's DeepseekV3Attention); with YaRN and
+`rope_yarn_mscale_all_dim` the softmax scale 1/sqrt(d_q) is multiplied by mscale(factor,
+mscale_all_dim)^2, as its `yarn_apply_mscale` does (models/rotary.py). Parameters: `q_down`
+[q_lora, h], `q_norm`, `q_up` [heads (head_dim + rope), q_lora] (or `q` [heads (head_dim +
+rope), h]); `kv_down` [kv_lora + rope, h] (the latent's rows, then the rotary key's),
+`kv_norm`, `kv_up` [heads (head_dim + v), kv_lora]; `proj` [h, heads v]. Up-projection rows
+are head-major, each head's [non-rotary, rotary] or [key, value].
 
 Tensor parallelism splits the heads: the up-projections are column-parallel (each rank its
 whole heads), `proj` row-parallel. The down-projections and latent norms are replicated and
@@ -29,18 +31,17 @@ layer keeps the two all-reduces of the usual block, forward and backward.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
-from ptdp.models.attention import core_attention
+from ptdp.models.attention import HeadAttention
 from ptdp.models.norms import latent_norm
-from ptdp.models.recompute import after_norm, checkpointed
-from ptdp.models.rotary import RotaryEmbedding, rotate
+from ptdp.models.recompute import after_norm
+from ptdp.models.rotary import RotaryEmbedding, rotary_tables, rotate, softmax_scale_multiplier
 from ptdp.parallel.layers import (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear,
                                   scaled_std)
 from ptdp.parallel.sequence import enter_tensor_region
 
 
-class LatentAttention(nn.Module):
+class LatentAttention(HeadAttention):
     def __init__(self, ctx, layer: int, causal: bool):
         super().__init__()
         cfg, tp = ctx.model, ctx.tp
@@ -73,29 +74,23 @@ class LatentAttention(nn.Module):
                                       key=f"{key}.proj", skip_bias_add=True, bias=cfg.bias,
                                       std=scaled_std(std, cfg.num_layers))
         self.rotary = RotaryEmbedding(cfg, self.rope)
+        multiplier = softmax_scale_multiplier(cfg)   # (None below: SDPA's 1/sqrt(d_q))
+        self.softmax_scale = None if multiplier == 1.0 else self.qk_head_dim ** -0.5 * multiplier
         self.window = cfg.attention_window(layer)
 
-    def core_attention(self, q, k, v, mask):
-        """q, k [b, heads, s, qk_head_dim], v [b, heads, s, v_head_dim] -> [b, heads, s,
-        v_head_dim]."""
-        dropout = self.ctx.model.attention_dropout_rate if self.training else 0.0
-        return core_attention(q, k, v, mask, causal=self.causal, window=self.window,
-                              dropout=dropout, rng=self.ctx.rng, cp=self.ctx.cp,
-                              tensor_ranks=self.ctx.tp.size)
-
-    def _down(self, x):
-        """The normalised hidden state -> (the queries' input to their up-projection, the
-        key/value latent's down-projection with the rotary key's rows)."""
-        q_in = self.q_norm(self.q_down(x)) if self.q_latent else x
-        return q_in, self.kv_down(x)
+    def _from_normalised(self, x):
+        """The normalised hidden state -> (the queries, the key/value latent's down-projection
+        with the rotary key's rows): everything that reads it, so that recompute's layernorm
+        module can rebuild it for their backward (models/recompute.py after_norm)."""
+        q = self.q_up(self.q_norm(self.q_down(x))) if self.q_latent else self.q(x)
+        return q, self.kv_down(x)
 
     def project(self, x, positions=None, norm=None):
         """x [s, b, h] (or this rank's tokens with sequence parallelism; normalised by `norm`
         first when given) -> q, k [b, heads, s, qk_head_dim], v [b, heads, s, v_head_dim] of my
         heads, the rotary parts rotated for `positions` ([s] or [b, s]; default 0 .. s-1)."""
-        q_in, kv = after_norm(self.ctx, norm, self._down, x)
+        q, kv = after_norm(self.ctx, norm, self._from_normalised, x)
         latent, k_rot = kv.split([kv.shape[-1] - self.rope, self.rope], dim=-1)
-        q = (self.q_up if self.q_latent else self.q)(q_in)
         kv = self.kv_up(self.kv_norm(latent))
         k_rot = enter_tensor_region(k_rot, self.ctx.tp)         # [s, b, rope], every head's
         s, b = q.shape[:2]
@@ -103,21 +98,9 @@ class LatentAttention(nn.Module):
         k_pass, v = kv.view(s, b, self.local_heads, -1).split([self.nope, self.v_head_dim], dim=-1)
         if positions is None:
             positions = torch.arange(s, device=x.device)
-        cos, sin = self.rotary(positions)
-        if positions.dim() == 2:   # per sample: [b, s, d] -> [b, 1, s, d] over the heads
-            cos, sin = cos[:, None], sin[:, None]
+        cos, sin = rotary_tables(self.rotary, positions)
         q_rot = rotate(q_rot.permute(1, 2, 0, 3), cos, sin)            # [b, heads, s, rope]
         k_rot = rotate(k_rot.permute(1, 0, 2).unsqueeze(1), cos, sin)  # [b, 1, s, rope]
         q = torch.cat([q_pass.permute(1, 2, 0, 3), q_rot], dim=-1)
         k = torch.cat([k_pass.permute(1, 2, 0, 3), k_rot.expand_as(q_rot)], dim=-1)
         return q, k, v.permute(1, 2, 0, 3)
-
-    def forward(self, x, mask=None, positions=None, norm=None):
-        """-> (output without the projection's bias, that bias), as ParallelAttention's."""
-        q, k, v = self.project(x, positions, norm)
-        if self.ctx.recomputes("core_attn"):
-            out = checkpointed(self.ctx.rng, lambda *qkv: self.core_attention(*qkv, mask), q, k, v)
-        else:
-            out = self.core_attention(q, k, v, mask)
-        out = out.permute(2, 0, 1, 3)  # [s, b, heads, v_head_dim]
-        return self.proj(out.reshape(out.shape[0], out.shape[1], -1))

@@ -38,12 +38,12 @@ import torch.nn as nn
 from ptdp.config import ModelConfig
 from ptdp.config.recompute import selective_modules
 from ptdp.kernels import ACTIVATIONS, bias_dropout_add
-from ptdp.models.attention import core_attention
+from ptdp.models.attention import HeadAttention
 from ptdp.models.moe import MoEMLP
 from ptdp.models.norms import head_norm, norm
 from ptdp.models.latent_attention import LatentAttention
 from ptdp.models.recompute import after_norm, checkpointed, recompute, without_output
-from ptdp.models.rotary import RotaryEmbedding, rotate
+from ptdp.models.rotary import RotaryEmbedding, rotary_tables, rotate
 from ptdp.parallel.context import ContextParallel
 from ptdp.parallel.experts import ExpertParallel
 from ptdp.parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_std
@@ -106,7 +106,7 @@ def _sequence_parallel_dropout(x, p: float, tp: TensorParallel):
     return sequence_parallel_dropout(x, p, tp)
 
 
-class ParallelAttention(nn.Module):
+class ParallelAttention(HeadAttention):
     def __init__(self, ctx: ModelContext, layer: int, causal: bool):
         super().__init__()
         cfg, tp = ctx.model, ctx.tp
@@ -133,15 +133,6 @@ class ParallelAttention(nn.Module):
             self.q_norm, self.k_norm = head_norm(cfg, tp), head_norm(cfg, tp)
         self.window = cfg.attention_window(layer)   # a sliding window, or None
 
-    def core_attention(self, q, k, v, mask):
-        """q [b, heads, s, d], k and v [b, groups, s, d] -> [b, heads, s, d]; dropout here is
-        inside the tensor region. `mask`: the micro-batch's AttentionMask (models/attention.py)
-        or None."""
-        dropout = self.ctx.model.attention_dropout_rate if self.training else 0.0
-        return core_attention(q, k, v, mask, causal=self.causal, window=self.window,
-                              dropout=dropout, rng=self.ctx.rng, cp=self.ctx.cp,
-                              tensor_ranks=self.ctx.tp.size)
-
     def project(self, x, positions=None, norm=None):
         """x [s, b, h] (normalised by `norm` first when given) -> q [b, heads, s, d], k and v
         [b, groups, s, d] of my heads (q and k normalised with model.qk_norm), rotated for
@@ -162,22 +153,9 @@ class ParallelAttention(nn.Module):
             if positions is None:   # this rank's chunks' positions with context parallelism
                 positions = (self.ctx.cp.positions(s, x.device) if self.ctx.cp.size > 1
                              else torch.arange(s, device=x.device))
-            cos, sin = self.rotary(positions)
-            if positions.dim() == 2:   # per sample: [b, s, d] -> [b, 1, s, d] over the heads
-                cos, sin = cos[:, None], sin[:, None]
+            cos, sin = rotary_tables(self.rotary, positions)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         return q, k, v
-
-    def forward(self, x, mask=None, positions=None, norm=None):
-        """-> (output without the projection's bias, that bias); `norm`: the pre-norm, applied
-        to x here so that the layernorm module can rebuild its output."""
-        q, k, v = self.project(x, positions, norm)
-        if self.ctx.recomputes("core_attn"):
-            out = checkpointed(self.ctx.rng, lambda *qkv: self.core_attention(*qkv, mask), q, k, v)
-        else:
-            out = self.core_attention(q, k, v, mask)
-        out = out.permute(2, 0, 1, 3)  # [s, b, heads, d]
-        return self.proj(out.reshape(out.shape[0], out.shape[1], -1))
 
 
 def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

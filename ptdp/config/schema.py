@@ -62,10 +62,18 @@ class ModelConfig:
     tie_embeddings: bool | None = None   # output layer shares the input word table
     num_kv_heads: int | None = None      # grouped-query attention: K/V heads; null = num_heads
     rope_theta: float = 10000.0          # rotary base (Llama 3: 500000)
-    rope_scaling_factor: float = 1.0     # Llama-3 frequency scaling; 1 = off (Llama 3.1: 8)
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
+    rope_scaling_factor: float = 1.0     # frequency scaling; 1 = off (Llama 3.1: 8)
+    rope_scaling_type: str = "llama3"    # with a factor > 1: llama3 | yarn (models/rotary.py)
+    rope_low_freq_factor: float = 1.0    # llama3 only
+    rope_high_freq_factor: float = 4.0   # llama3 only
     rope_original_seq_length: int = 8192  # the context the scaled frequencies were trained at
+    rope_yarn_beta_fast: float = 32.0    # YaRN: rotations where the ramp starts (extrapolated)
+    rope_yarn_beta_slow: float = 1.0     # YaRN: ... and ends (interpolated)
+    rope_yarn_mscale: float | None = None          # YaRN: cos/sin factor's numerator weight
+    rope_yarn_mscale_all_dim: float | None = None  # ... its denominator's (and DeepSeek's
+                                                   # softmax scale, latent attention only)
+    rope_yarn_attention_factor: float | None = None  # YaRN: cos/sin factor; null = derived
+    rope_yarn_truncate: bool = True      # YaRN: the ramp's ends rounded to whole dimensions
     head_dim: int | None = None          # per-head size; null = hidden_size / num_heads
     norm_zero_centered: bool = False     # norm gain 1 + w, w starting at 0 (Gemma; Megatron's
                                          # --apply-layernorm-1p)

@@ -15,6 +15,7 @@ from ptdp.config.models import (ACTIVATIONS, DEFAULT_PRESET, EXTRA_BLOCK_OPTIONS
                                 MODEL_FAMILIES, PRESETS, Samples, family_names)
 from ptdp.config.problems import Problems as _Problems
 from ptdp.config.recompute import check_recompute_modules
+from ptdp.config.rope import check_rope
 from ptdp.config.run_length import check_rampup_layout, check_run_length_and_schedule
 from ptdp.config.stages import stage_layers_problem
 from ptdp.config.windows import check_window, window_notes
@@ -133,7 +134,7 @@ def _check_block(m: ModelConfig, out: _Problems, sizes_ok: bool) -> None:
                                  f"{', '.join('model.' + k for k in changed)} apply to "
                                  f"model.arch={family_names(lambda f: f.block_options)} only")
     if m.position_embedding == "rope":
-        _check_rope(m, out, sizes_ok)
+        check_rope(m, out, sizes_ok)
     else:   # rotary keys would do nothing: say so rather than ignore them
         unused = [f.name for f in dataclasses.fields(ModelConfig)
                   if f.name.startswith("rope_") and getattr(m, f.name) != f.default]
@@ -161,20 +162,6 @@ def _check_max_positions(m: ModelConfig, out: _Problems) -> None:
         out.require(limit >= m.seq_length, f"model.seq_length={m.seq_length} is past the "
                                            f"{limit} positions the model supports "
                                            f"(model.max_position_embeddings)")
-
-
-def _check_rope(m: ModelConfig, out: _Problems, sizes_ok: bool) -> None:
-    if sizes_ok:
-        out.require(m.head_dim % 2 == 0, f"model.position_embedding=rope needs an even head "
-                                         f"size, got model.head_dim = {m.head_dim}")
-    out.positive(m.rope_theta, "model.rope_theta")
-    out.require(m.rope_scaling_factor >= 1.0, f"model.rope_scaling_factor must be >= 1 "
-                                              f"(1 = off), got {m.rope_scaling_factor}")
-    if m.rope_scaling_factor > 1.0:
-        out.require(m.rope_high_freq_factor > m.rope_low_freq_factor > 0,
-                    f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) must exceed "
-                    f"model.rope_low_freq_factor ({m.rope_low_freq_factor}) > 0")
-        out.positive(m.rope_original_seq_length, "model.rope_original_seq_length")
 
 
 def _check_train(tr: TrainConfig, out: _Problems) -> bool:

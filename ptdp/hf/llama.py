@@ -14,8 +14,10 @@ attention, an output layer tied or not. Mapped:
     slices in head order (ptdp/hf/base.py `split_qkv`). Same for Qwen2's biases.
   * MLP: ptdp's fc1 rows alternate gate and up (`fc1.view(f, 2, h)`, so any tensor split holds
     whole pairs); HF's gate_proj and up_proj are the two halves, fc2 is down_proj.
-  * Rotary frequencies: the default or Llama 3's "llama3" scaling (factor, low/high frequency
-    factors, original context); other rope types (linear, dynamic, yarn, ...) are refused.
+  * Rotary frequencies: the default, Llama 3's "llama3" scaling (factor, low/high frequency
+    factors, original context) or "yarn" (factor, beta_fast/slow, mscale, mscale_all_dim,
+    attention_factor, truncate, original context); other rope types (linear, dynamic,
+    longrope, ...) are refused.
   * Windows: HF's `layer_types` ("sliding_attention" / "full_attention") and sliding_window;
     its window counts the query itself, as ptdp's does (ptdp/config/windows.py).
   * head_dim: model.head_dim (heads x head_dim need not be the hidden size).
@@ -47,18 +49,54 @@ def rope_settings(config) -> dict:
                                        f"each head; ptdp's rotary positions rotate all of it")
     if kind == "default":
         return dict(rope_theta=theta, rope_scaling_factor=1.0)
-    require(kind == "llama3", f"rope_parameters.rope_type={kind!r}: ptdp's rotary positions are "
-                              f"unscaled ('default') or Llama 3's ('llama3'), so the logits "
-                              f"would differ")
+    require(kind in ("llama3", "yarn"), f"rope_parameters.rope_type={kind!r}: ptdp's rotary "
+                                        f"positions are unscaled ('default'), Llama 3's "
+                                        f"('llama3') or YaRN ('yarn'), so the logits would differ")
+    if kind == "yarn":
+        return dict(rope_theta=theta, **_yarn_settings(config, params))
     return dict(rope_theta=theta, rope_scaling_factor=float(params["factor"]),
                 rope_low_freq_factor=float(params["low_freq_factor"]),
                 rope_high_freq_factor=float(params["high_freq_factor"]),
                 rope_original_seq_length=int(params["original_max_position_embeddings"]))
 
 
+def _yarn_settings(config, params: dict) -> dict:
+    """The YaRN keys as transformers reads them (modeling_rope_utils.py
+    `_compute_yarn_parameters`): a missing factor is max / original positions, a missing (or
+    0) beta 32 and 1, mscale counts only beside mscale_all_dim and without attention_factor;
+    factor 1 is no scaling."""
+    original = int(params.get("original_max_position_embeddings")
+                   or config.max_position_embeddings)
+    factor = params.get("factor")
+    factor = float(config.max_position_embeddings / original if factor is None else factor)
+    if factor == 1.0:   # no scaling (transformers' blend of equal frequencies, factor 1)
+        return dict(rope_scaling_factor=1.0)
+    optional = {key: None if params.get(key) in (None, 0) else float(params[key])
+                for key in ("mscale", "mscale_all_dim")}   # (0: unset, as transformers reads)
+    given = params.get("attention_factor")
+    optional["attention_factor"] = None if given is None else float(given)
+    if optional["mscale_all_dim"] is None or given is not None:
+        optional["mscale"] = None   # (transformers ignores it then; ptdp refuses it)
+    return dict(rope_scaling_factor=factor, rope_scaling_type="yarn",
+                rope_original_seq_length=original,
+                rope_yarn_beta_fast=float(params.get("beta_fast") or 32.0),
+                rope_yarn_beta_slow=float(params.get("beta_slow") or 1.0),
+                rope_yarn_truncate=bool(params.get("truncate", True)),
+                **{f"rope_yarn_{key}": value for key, value in optional.items()})
+
+
 def rope_parameters(cfg: ModelConfig) -> dict:
     if cfg.rope_scaling_factor == 1.0:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling_type == "yarn":
+        optional = {key: getattr(cfg, f"rope_yarn_{key}")
+                    for key in ("mscale", "mscale_all_dim", "attention_factor")}
+        return {"rope_type": "yarn", "rope_theta": cfg.rope_theta,
+                "factor": cfg.rope_scaling_factor,
+                "original_max_position_embeddings": cfg.rope_original_seq_length,
+                "beta_fast": cfg.rope_yarn_beta_fast, "beta_slow": cfg.rope_yarn_beta_slow,
+                **{key: value for key, value in optional.items() if value is not None},
+                **({} if cfg.rope_yarn_truncate else {"truncate": False})}
     return {"rope_type": "llama3", "rope_theta": cfg.rope_theta,
             "factor": cfg.rope_scaling_factor, "low_freq_factor": cfg.rope_low_freq_factor,
             "high_freq_factor": cfg.rope_high_freq_factor,

@@ -99,7 +99,8 @@ def forward_cached(model: LocalModel, tokens: torch.Tensor, cache: KVCache) -> t
         mask = decoding_mask(start, s, layer.attention.window, x.device)
         q, k, v = layer.attention.project(layer.ln1(x), positions)
         k, v = cache.extend(i, k, v)
-        out = attention(q, k, v, mask, causal=mask is None and start == 0 and s > 1)
+        out = attention(q, k, v, mask, causal=mask is None and start == 0 and s > 1,
+                        scale=layer.attention.softmax_scale)
         out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
         x = bias_dropout_add(*layer.attention.proj(out), x, 0.0, False)
         x = bias_dropout_add(*layer.mlp(layer.ln2(x)), x, 0.0, False)

@@ -174,6 +174,9 @@ def refuse_for_megatron(cfg: ModelConfig) -> None:
                                         "SwiGLU (--swiglu); it has no GeGLU")
     require(not cfg.qk_norm, "model.qk_norm=true: the converter does not write Megatron's "
                              "q_layernorm/k_layernorm weights yet (--qk-layernorm)")
+    require(cfg.rope_scaling_factor == 1.0 or cfg.rope_scaling_type == "llama3",
+            f"model.rope_scaling_type={cfg.rope_scaling_type}: Megatron-LM's GPT scales rotary "
+            f"positions as Llama 3 does (--use-rope-scaling) only")
     require(not cfg.latent_attention, "model.mla_kv_lora_rank > 0: the converter does not write "
                                       "Megatron's latent attention yet (--multi-latent-attention)")
     require(not cfg.scale_embeddings, "model.scale_embeddings=true: Megatron-LM's GPT has no "

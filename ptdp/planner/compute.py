@@ -18,6 +18,7 @@ from functools import lru_cache
 from ptdp.config.recompute import selective_modules
 from ptdp.hardware import HardwareProfile
 from ptdp.planner.formulas import ModelShape
+from ptdp.planner.latent import attention_elementwise, attention_gemms
 
 BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -66,8 +67,10 @@ def elementwise_time(hw: HardwareProfile, nbytes: float, kernels: int) -> float:
 
 
 def _attention_times(hw, precision, shape: ModelShape, b: int, t: int, attention: str):
-    """Forward and backward seconds of softmax(QK^T)V for the rank's heads."""
-    s, dh = shape.seq, shape.head_dim
+    """Forward and backward seconds of softmax(QK^T)V for the rank's heads: scores of
+    qk_head_dim values per query and key head, probabilities times V of v_head_dim (both
+    head_dim but with latent attention)."""
+    s, dh, dv = shape.seq, shape.qk_head_dim, shape.v_head_dim
     heads = b * shape.heads / t
     e = BYTES[precision]
     if attention == "flash":
@@ -76,31 +79,47 @@ def _attention_times(hw, precision, shape: ModelShape, b: int, t: int, attention
         # H200: GPT-1.3B's attention took 0.41x what the full square predicts, docs/performance.md).
         eff = hw.efficiency
         shape_eff = _sat(s, eff.gemm_half_dim) * _sat(dh, eff.gemm_half_dim)
-        flops = 4.0 * s * s * dh * heads * (0.5 if shape.family.causal else 1.0)
+        flops = 2.0 * s * s * (dh + dv) * heads * (0.5 if shape.family.causal else 1.0)
         fwd = flops / (hw.peak_flops(precision) * eff.gemm_max * eff.attention * shape_eff)
         fwd += eff.kernel_launch_us * 1e-6
         return fwd, 2.5 * fwd
-    scores = gemm_time(hw, precision, s, s, dh, heads) + gemm_time(hw, precision, s, dh, s, heads)
+    scores = gemm_time(hw, precision, s, s, dh, heads) + gemm_time(hw, precision, s, dv, s, heads)
     # fused scale+mask+softmax (+dropout): read and write the [b, a/t, s, s] scores.
     softmax = elementwise_time(hw, 2 * heads * s * s * e, 1 + shape.dropout)
     return scores + softmax, 2 * scores + 2 * softmax
 
 
+def layer_kernel(hw, shape: ModelShape, attention: str) -> str:
+    """The kernel `shape`'s layers really run for `attention` (attention_kernel's): on CPU
+    torch's fused SDPA kernel takes equal query/key and value head sizes only, so latent
+    attention with v_head_dim != qk_head_dim (DeepSeek's) runs the math path there, which
+    keeps the s x s probabilities as a materialized kernel does. (CUDA's memory-efficient
+    kernel takes unequal sizes: flash-like.)"""
+    unequal = shape.qk_head_dim != shape.v_head_dim
+    cpu = hw is not None and hw.device == "cpu"
+    return "materialized" if attention == "flash" and cpu and unequal else attention
+
+
 def _analytic_layer(hw, precision, shape: ModelShape, b: int, t: int, attention: str) -> LayerTimes:
     """The layer's GEMMs: QKV h -> h_q + 2h_kv (grouped-query attention narrows K and V), the
     projection h_q -> h, fc1 h -> f or, gated, h -> 2f (gate and up), and fc2 f -> h, each
-    split by t; attention over the rank's query heads; the elementwise kernels."""
+    split by t; attention over the rank's query heads; the elementwise kernels. Latent
+    attention's GEMMs and kernels (latent.attention_gemms, latent.attention_elementwise)
+    replace QKV, the projection, the head copies and the rotary ones."""
     s, h, f, q = shape.seq, shape.hidden, shape.ffn, shape.q_hidden
     kv, g = shape.kv_hidden, shape.gated
     tokens = b * s
     e = BYTES[precision]
     gemms = [(tokens, (q + 2 * kv) / t, h), (tokens, h, q / t), (tokens, (1 + g) * f / t, h),
              (tokens, h, f / t)]
+    if shape.latent:
+        gemms = attention_gemms(shape, tokens, t) + gemms[2:]
     fwd_gemm = sum(gemm_time(hw, precision, m, n, k) for m, n, k in gemms)
     # Backward: data gradient [m,n]x[n,k] and weight gradient [k,m]x[m,n] per forward GEMM.
     bwd_gemm = sum(gemm_time(hw, precision, m, k, n) + gemm_time(hw, precision, k, n, m)
                    for m, n, k in gemms)
-    attn_fwd, attn_bwd = _attention_times(hw, precision, shape, b, t, attention)
+    attn_fwd, attn_bwd = _attention_times(hw, precision, shape, b, t,
+                                          layer_kernel(hw, shape, attention))
     # Elementwise traffic (elements): 2 norms (LayerNorm or RMSNorm) 4sbh, 2 bias+dropout+
     # residual 6sbh, bias+GeLU 2sf/t (SwiGLU reads gate and up, writes their product: 3sf/t),
     # head split/merge copies 4s(h_q + h_kv)/t (8sh/t without grouped-query attention), and
@@ -110,6 +129,9 @@ def _analytic_layer(hw, precision, shape: ModelShape, b: int, t: int, attention:
     qk_norm = 2 * (q + kv) / t if shape.qk_norm else 0
     elems = tokens * (10 * h + (2 + g) * f / t + 4 * (q + kv) / t + rope + qk_norm)
     kernels = 10 + (2 if shape.rope else 0) + (2 if shape.qk_norm else 0)
+    if shape.latent:
+        latent_elems, latent_kernels = attention_elementwise(shape, t)
+        elems, kernels = tokens * (10 * h + (2 + g) * f / t + latent_elems), 10 + latent_kernels
     fwd_elem = elementwise_time(hw, elems * e, kernels)
     bwd_elem = elementwise_time(hw, 2 * elems * e, 2 * kernels)
     backward = bwd_gemm + attn_bwd + bwd_elem

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 from ptdp.config.models import GATED_ACTIVATIONS, Heads, ModelFamily, model_family
 from ptdp.config.schema import DataConfig
+from ptdp.planner.latent import (attention_forward_flops, attention_parameter_split,
+                                 latent_fields)
 from ptdp.planner.moe import (dense_mlp_forward_flops, moe_layer_count, moe_mlp_forward_flops,
                               moe_parameter_change)
 
@@ -79,6 +81,11 @@ class ModelShape:
     qk_norm: bool = False                # a norm of size d on every query and key head
     window: int = 0                      # sliding-window attention's window; 0 = none
     local_layers: int = 0                # the layers that use it
+    # Multi-head latent attention (ptdp/planner/latent.py); 0 = the usual QKV projection
+    mla_kv_lora: int = 0                 # the K/V latent's size
+    mla_q_lora: int = 0                  # the query latent's size; 0 = queries from h
+    mla_rope_dim: int = 0                # each query/key head's rotary part (head_dim: the rest)
+    mla_v_dim: int = 0                   # each value head's size
 
     def __post_init__(self):
         if self.kv_heads is None:
@@ -99,7 +106,7 @@ class ModelShape:
                    m.seq_length, m.vocab_size, _any_dropout(m), m.num_kv_heads, m.activation,
                    m.normalization, m.position_embedding, m.bias, m.qkv_bias, m.tie_embeddings,
                    m.num_tokentypes, head_dim=m.head_dim, qk_norm=m.qk_norm, **moe,
-                   **_window_fields(m))
+                   **_window_fields(m), **latent_fields(m))
 
     @property
     def family(self) -> ModelFamily:
@@ -111,6 +118,9 @@ class ModelShape:
         counting s keys per query in a global layer (causal or not)."""
         if not self.window or self.window >= self.seq:
             return 0.0
+        if self.latent:   # scores of width h_q, probabilities times V of width heads * v
+            return (2.0 * batch * self.seq * (self.q_hidden + self.heads * self.v_head_dim)
+                    * (self.seq - self.window) * self.local_layers)
         return 4.0 * batch * self.seq * self.q_hidden * (self.seq - self.window) * self.local_layers
 
     @property
@@ -127,15 +137,30 @@ class ModelShape:
         return tokens * BERT_MASKED_SHARE if self.bert_heads else tokens
 
     @property
+    def latent(self) -> bool:
+        """Multi-head latent attention (model.mla_kv_lora_rank > 0; ptdp/planner/latent.py)."""
+        return self.mla_kv_lora > 0
+
+    @property
+    def qk_head_dim(self) -> int:   # a query or key head: head_dim (latent: + its rotary part)
+        return self.head_dim + self.mla_rope_dim if self.latent else self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:    # a value head, and a head's share of attention's output
+        return self.mla_v_dim if self.latent else self.head_dim
+
+    @property
     def q_hidden(self) -> int:
         """Width of Q and of the attention output: heads * head_dim; h unless model.head_dim
-        sets another head size."""
-        return self.heads * self.head_dim
+        sets another head size. (Latent attention: Q's, heads * qk_head_dim; its output is
+        heads * v_head_dim wide.)"""
+        return self.heads * self.qk_head_dim
 
     @property
     def kv_hidden(self) -> int:
-        """Width of K (and of V): num_kv_heads * head_dim; h without grouped-query attention."""
-        return self.kv_heads * self.head_dim
+        """Width of K (and of V): num_kv_heads * head_dim; h without grouped-query attention.
+        (Latent attention: K's, heads * qk_head_dim; V is heads * v_head_dim wide.)"""
+        return self.kv_heads * self.qk_head_dim
 
     @property
     def gated(self) -> int:
@@ -158,7 +183,8 @@ class ModelShape:
         return (self.ffn == 4 * self.hidden and self.kv_heads == self.heads and not self.gated
                 and self.q_hidden == self.hidden and not self.qk_norm
                 and self.normalization == "layernorm" and not self.rope and self.bias
-                and self.qkv_bias and self.tie_embeddings and not self.experts)
+                and self.qkv_bias and self.tie_embeddings and not self.experts
+                and not self.latent)
 
     def block_key(self) -> dict:
         """What a measured profile row must match beyond the sizes (ptdp/planner/compute.py);
@@ -167,7 +193,9 @@ class ModelShape:
                     activation=self.activation,
                     normalization=self.normalization,
                     position_embedding=self.position_embedding, bias=self.bias,
-                    qkv_bias=self.qkv_bias)
+                    qkv_bias=self.qkv_bias, mla_kv_lora=self.mla_kv_lora,
+                    mla_q_lora=self.mla_q_lora, mla_rope_dim=self.mla_rope_dim,
+                    mla_v_dim=self.mla_v_dim)
 
 
 def _window_fields(m) -> dict:
@@ -278,6 +306,9 @@ def iteration_flops(shape: ModelShape, batch: int, vocab: int | None = None,
     MoE layers (ptdp/planner/moe.py) count active experts only, as Megatron's MFU does: their
     MLP's 2*T*h*(2+g)*f is replaced by moe.moe_mlp_forward_flops (router, k routed experts,
     the shared expert), added as the difference so dense models keep their number bit for bit.
+
+    Latent attention (DeepSeek's): its GEMMs, scores and products with V
+    (latent.attention_forward_flops) replace the QKV, projection and attention terms.
     """
     vocab = shape.vocab if vocab is None else vocab
     if shape.bert_heads:
@@ -286,11 +317,15 @@ def iteration_flops(shape: ModelShape, batch: int, vocab: int | None = None,
     b, s, l, h, v = (float(batch), float(shape.seq), float(shape.layers), float(shape.hidden),
                      float(vocab))
     passes = 4.0 if recompute_forward else 3.0
-    per_layer_forward = 24.0 * b * s * h * h + 4.0 * b * s * s * h
-    per_layer_forward += (4.0 * b * s * h * (shape.kv_hidden - shape.hidden)
-                          + 2.0 * b * s * h * ((2 + shape.gated) * shape.ffn - 8 * shape.hidden))
-    if shape.q_hidden != shape.hidden:   # an explicit head size: Q, the scores, the projection
-        per_layer_forward += 4.0 * b * s * (h + s) * (shape.q_hidden - shape.hidden)
+    if shape.latent:   # its attention (latent.py), then the MLP's 2*T*h*f*(2+g)
+        per_layer_forward = (attention_forward_flops(shape, b)
+                             + 2.0 * b * s * h * (2 + shape.gated) * shape.ffn)
+    else:
+        per_layer_forward = 24.0 * b * s * h * h + 4.0 * b * s * s * h
+        per_layer_forward += (4.0 * b * s * h * (shape.kv_hidden - shape.hidden)
+                              + 2.0 * b * s * h * ((2 + shape.gated) * shape.ffn - 8 * h))
+        if shape.q_hidden != shape.hidden:   # an explicit head size: Q, scores, projection
+            per_layer_forward += 4.0 * b * s * (h + s) * (shape.q_hidden - shape.hidden)
     layers = passes * l * per_layer_forward - passes * shape.attention_flops_saved(b)
     if shape.experts:
         tokens = b * s
@@ -307,12 +342,14 @@ def layer_parameter_split(shape: ModelShape) -> tuple[int, int]:
     QKV h*(h_q + 2*h_kv) (+ h_q + 2*h_kv biases with qkv_bias), projection h_q*h (+ h), fc1
     h*(1+g)*f (+ (1+g)*f), fc2 f*h (+ h), two norms of n*h each (n = 2 for LayerNorm's weight
     and bias, 1 for RMSNorm's gain), and with QK-norm two norms of n*d (one shared by the query heads,
-    one by the key heads). The dissertation's block: 12h^2 + 13h, Eq. 4.3's layer."""
+    one by the key heads). The dissertation's block: 12h^2 + 13h, Eq. 4.3's layer. Latent
+    attention's (latent.attention_parameter_split) replace QKV, the projection and its bias."""
     h, f, g = shape.hidden, shape.ffn, shape.gated
     qkv = shape.q_hidden + 2 * shape.kv_hidden
-    split = (h * qkv + (qkv if shape.qkv_bias else 0) + shape.q_hidden * h
-             + (h * (1 + g) * f + ((1 + g) * f if shape.bias else 0)) + f * h)
-    replicated = (2 * h if shape.bias else 0) + 2 * shape.norm_parameters * h
+    split, replicated = (attention_parameter_split(shape) if shape.latent else (
+        h * qkv + (qkv if shape.qkv_bias else 0) + shape.q_hidden * h, h if shape.bias else 0))
+    split += (h * (1 + g) * f + ((1 + g) * f if shape.bias else 0)) + f * h
+    replicated += (h if shape.bias else 0) + 2 * shape.norm_parameters * h
     replicated += 2 * shape.norm_parameters * shape.head_dim if shape.qk_norm else 0
     return split, replicated
 

@@ -26,6 +26,20 @@ MLP width:
 * attention scores (materialized kernels only): softmax output and dropout output
   2*a*s^2*b/t elements plus the 1-byte mask, a the query heads.
 
+Latent attention (ptdp/planner/latent.py: a heads of n + r query/key and v value values, latents
+of L_q and L_kv) keeps, beside the norms', the down-projections' (QKV's) and fc1's inputs: the
+latent norms' inputs s*b*(L_q + L_kv + r) (kv_down's whole output, of which the latent is a
+view; on the rank's tokens, 1/t with sequence parallelism) and the up-projections' inputs
+s*b*(L_q + L_kv) (whole); split by t, Q and K s*b*a(n+r) each (concatenations that hold the
+rotated parts: nothing more for rotary positions), kv_up's output s*b*a(n+v) (V, a view, keeps
+it) and the projection input s*b*a*v (the heads' outputs merged, a copy); a flash kernel's
+output s*b*a*v/t; and, on the safe side, every norm's fp32 statistics and the rotary tables
+(latent.latent_activation_bytes). On CPU, torch's fused attention takes equal query/key and
+value head sizes only: with unequal ones (DeepSeek's) the math path keeps the s x s
+probabilities, counted as a materialized kernel's (compute.layer_kernel). Measured on tiny
+eager LayerNorm layers without dropout, the count is at or above what they keep, recompute
+none or selective.
+
 With f = 4h, h_kv = h, GeLU, learned positions, e = 2 and dropout this is the paper's
 sbh(34 + 5as/h) at t = 1: (4 + 4 + 2 + 6 + 2 + 16) sbh + 5as^2b. A Llama-style layer (SwiGLU,
 rotary, no dropout) keeps, split part per token, 2h + 2h_kv + 3f + h + h_kv elements instead
@@ -77,8 +91,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ptdp.config.catalogue import schedule_spec
-from ptdp.planner.compute import BYTES, ModelShape, attention_kernel, planned_modules, same_block
+from ptdp.planner.compute import (BYTES, ModelShape, attention_kernel, layer_kernel,
+                                  planned_modules, same_block)
 from ptdp.planner.formulas import context_shape, layer_parameter_split, ring_block_bytes
+from ptdp.planner.latent import (latent_activation_bytes, pending_elements,
+                                 split_activation_elements)
 from ptdp.planner.moe import (moe_activation_bytes, rank_expert_parameters, rank_moe_layers,
                               rank_moe_parameter_change)
 
@@ -219,7 +236,8 @@ def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, re
         modules = planned_modules(recompute, modules, sequence_parallel, attention)
         return (layer_activation_bytes(shape, b, t, precision, "none", attention, hw,
                                        sequence_parallel)
-                - selective_saving(shape, b, t, precision, attention, modules, sequence_parallel))
+                - selective_saving(shape, b, t, precision, layer_kernel(hw, shape, attention),
+                                   modules, sequence_parallel))
     if hw is not None and not sequence_parallel:   # the profile measures layers without it
         measured = measured_activation_bytes(hw, shape, b, t, precision, recompute)
         if measured is not None:
@@ -232,9 +250,12 @@ def layer_activation_bytes(shape: ModelShape, b: int, t: int, precision: str, re
     replicated = sequence_parallel_replicated(sbh, e, shape.dropout, t, sequence_parallel)
     rotated = s * b * (q + shape.kv_hidden) if shape.rope else 0    # rotated Q and K
     normed = s * b * (q + shape.kv_hidden) if shape.qk_norm else 0  # normalised Q and K
+    if shape.latent:   # its latents; Q and K, rotated parts in, are in _split_linear_elements
+        replicated += latent_activation_bytes(shape, b, t, e, sequence_parallel)
+        rotated = 0
     split = (_split_linear_elements(shape, b) + rotated + normed) / t * e
-    if attention == "flash":
-        core = s * b * q / t * e + a * s * b / t * 4     # saved output + fp32 logsumexp
+    if layer_kernel(hw, shape, attention) == "flash":   # saved output (heads * v_head_dim
+        core = s * b * a * shape.v_head_dim / t * e + a * s * b / t * 4   # wide), fp32 lse
     else:
         core = a * s * s * b / t * (2 * e + (1 if shape.dropout else 0))
     return replicated + split + core
@@ -275,11 +296,14 @@ def pending_weight_grad_bytes(shape: ModelShape, b: int, t: int, precision: str,
     Norms: input and output gradient, 2 x 2sbh (split by t with sequence parallelism).
     With grouped-query attention and SwiGLU the QKV and fc1 output gradients are
     s*b*(h + 2h_kv)/t and 2sbf/t. QK-norm's gains hold the normalised Q and K and their output
-    gradients, 2s*b*(h_q + h_kv)/t."""
+    gradients, 2s*b*(h_q + h_kv)/t. Latent attention: latent.pending_elements."""
     e = BYTES[precision]
     sbh = shape.seq * b * shape.hidden
     whole = 4 * sbh                                  # QKV, fc1 inputs; proj, fc2 out-grads
     split = _split_linear_elements(shape, b) / t     # proj, fc2 inputs; QKV, fc1 out-grads
+    if shape.latent:   # its linears' and latent norms' (latent.pending_elements), the MLP's
+        split = (_mlp_split_elements(shape, b) / t
+                 + pending_elements(shape, shape.seq * b, sequence_parallel, t))
     if shape.qk_norm:
         split += 2 * shape.seq * b * (shape.q_hidden + shape.kv_hidden) / t
     layer_norms = 4 * sbh / (t if sequence_parallel else 1)
@@ -290,9 +314,17 @@ def _split_linear_elements(shape: ModelShape, b: int) -> int:
     """Elements of a layer's tensor-split activations around its linears, before the division
     by t: the QKV output s*b*(h_q + 2h_kv) and the projection input s*b*h_q; fc1's output
     (1+g)sbf and fc2's input sbf, with g = 1 for a gated activation (whose fused kernel keeps
-    gate and up). 4sbh + 2sbf for the dissertation's block."""
-    s, q, f = shape.seq, shape.q_hidden, shape.ffn
-    return s * b * (2 * q + 2 * shape.kv_hidden) + (2 + shape.gated) * s * b * f
+    gate and up). 4sbh + 2sbf for the dissertation's block. Latent attention: Q, K, kv_up's
+    output and the projection input (latent.split_activation_elements) instead."""
+    s, q = shape.seq, shape.q_hidden
+    if shape.latent:
+        return split_activation_elements(shape, s * b) + _mlp_split_elements(shape, b)
+    return s * b * (2 * q + 2 * shape.kv_hidden) + _mlp_split_elements(shape, b)
+
+
+def _mlp_split_elements(shape: ModelShape, b: int) -> int:
+    """fc1's output (1+g)sbf and fc2's input sbf."""
+    return (2 + shape.gated) * shape.seq * b * shape.ffn
 
 
 def ring_working_bytes(shape: ModelShape, b: int, t: int, c: int, precision: str) -> float:

@@ -506,3 +506,15 @@ def test_latent_attention_is_not_written_for_megatron_yet():
                       seq_length=8, vocab_size=64, mla_kv_lora_rank=12, mla_rope_head_dim=4)
     with pytest.raises(MegatronConversionError, match="model.mla_kv_lora_rank > 0"):
         refuse_for_megatron(cfg)
+
+
+def test_yarn_scaling_is_not_written_as_megatrons_llama3_scaling():
+    """Megatron-LM's GPT knows Llama 3's rotary scaling only: a YaRN model is refused rather
+    than written with --use-rope-scaling."""
+    from ptdp.config import ModelConfig
+    from ptdp.megatron.model_args import refuse_for_megatron
+    from ptdp.megatron.names import MegatronConversionError
+    cfg = ModelConfig(preset="llama", num_layers=2, hidden_size=32, num_heads=4, seq_length=8,
+                      vocab_size=64, rope_scaling_factor=4.0, rope_scaling_type="yarn")
+    with pytest.raises(MegatronConversionError, match="model.rope_scaling_type=yarn"):
+        refuse_for_megatron(cfg)

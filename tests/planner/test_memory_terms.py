@@ -16,9 +16,8 @@ from ptdp.parallel.mappings import TensorParallel
 from ptdp.parallel.rng import TensorParallelRNG
 from ptdp.parallel.weight_grad import defer_weight_grads
 from ptdp.planner.compute import ModelShape
-from ptdp.planner.memory import (gloo_sharding_staging_bytes, gpu_memory, layer_parameters,
-                                 optimizer_state_bytes, pending_weight_grad_bytes,
-                                 stage_parameters)
+from ptdp.planner.memory import (gloo_sharding_staging_bytes, gpu_memory, optimizer_state_bytes,
+                                 pending_weight_grad_bytes, stage_parameters)
 
 CFG = ModelConfig(arch="gpt", num_layers=2, hidden_size=64, num_heads=4, seq_length=16,
                   vocab_size=100, dropout=0.0)
