@@ -19,6 +19,10 @@ DEEPSEEK = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_interm
                 tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
                 pad_token_id=None)
 DENSE = dict(DEEPSEEK, first_k_dense_replace=4, q_lora_rank=None)
+# DeepSeek-V3's own rotary scaling (its config.json): YaRN, which also scales the softmax
+YARN = dict(DEEPSEEK, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
+                                           original_max_position_embeddings=4096, beta_fast=32,
+                                           beta_slow=1, mscale=1.0, mscale_all_dim=1.0))
 
 
 def _hf_dir(path, **keys):
@@ -33,7 +37,7 @@ def _hf_dir(path, **keys):
     return model
 
 
-@pytest.mark.parametrize("keys", [DEEPSEEK, DENSE], ids=["moe", "dense"])
+@pytest.mark.parametrize("keys", [DEEPSEEK, DENSE, YARN], ids=["moe", "dense", "yarn"])
 def test_deepseek_v3_converts_both_ways_with_its_logits(keys, tmp_path):
     import transformers
 
@@ -45,7 +49,8 @@ def test_deepseek_v3_converts_both_ways_with_its_logits(keys, tmp_path):
     m = cfg.model
     assert (m.mla_kv_lora_rank, m.mla_q_lora_rank, m.head_dim, m.mla_rope_head_dim,
             m.mla_v_head_dim) == (12, keys["q_lora_rank"] or 0, 8, 4, 6)
-    if keys is DEEPSEEK:
+    assert m.rope_scaling_factor == (40.0 if keys is YARN else 1.0)
+    if keys is not DENSE:
         assert (m.num_experts, m.moe_top_k, m.moe_router_groups, m.moe_router_group_top_k,
                 m.moe_first_dense_layers, m.moe_shared_ffn_hidden_size, m.moe_score_function,
                 m.moe_routed_scaling_factor) == (8, 4, 4, 2, 1, 16, "sigmoid", 2.5)
