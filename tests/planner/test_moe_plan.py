@@ -78,7 +78,7 @@ def test_check_prints_the_layout_placement_and_parameters():
 
 # name -> (GPUs, (p, t, d), e)
 MOE_CONFIGS = {"moe_tiny": (8, (2, 2, 2), 2), "mixtral_8x7b": (64, (2, 1, 32), 8),
-               "qwen3_30b_a3b": (64, (1, 1, 64), 8), "deepseek_v3_mha": (2048, (1, 8, 256), 32)}
+               "qwen3_30b_a3b": (64, (1, 1, 64), 8), "deepseek_v3": (2048, (1, 8, 256), 32)}
 
 
 @pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
@@ -97,8 +97,20 @@ def test_moe_configs_load_with_the_layout_their_header_states(name):
 
 
 def test_deepseek_shape():
-    m = load_config(CONFIGS / "deepseek_v3_mha.yaml", world_size=2048).model
+    m = load_config(CONFIGS / "deepseek_v3.yaml", world_size=2048).model
     assert (m.moe_first_dense_layers, m.moe_shared_ffn_hidden_size, m.moe_score_function,
             m.moe_routed_scaling_factor, m.num_experts, m.moe_top_k) == (3, 2048, "sigmoid",
                                                                        2.5, 256, 8)
     assert m.moe_expert_bias_rate > 0
+    assert (m.moe_router_groups, m.moe_router_group_top_k) == (8, 4)
+
+
+def test_the_deepseek_v3_config_has_deepseek_v3s_counts():
+    """configs/deepseek_v3.yaml is DeepSeek-V3 with its latent attention: Hugging Face's
+    DeepseekV3ForCausalLM count (the MTP module left out), 37.6 B active (its "37B")."""
+    m = load_config(CONFIGS / "deepseek_v3.yaml", world_size=2048).model
+    assert (m.mla_kv_lora_rank, m.mla_q_lora_rank, m.head_dim, m.mla_rope_head_dim,
+            m.mla_v_head_dim) == (512, 1536, 128, 64, 128)
+    shape = ModelShape.from_config(m)
+    assert decoder_parameters(shape) == 671_026_404_352
+    assert round(active_parameters(shape) / 1e8) == 376
