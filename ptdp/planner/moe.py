@@ -49,12 +49,14 @@ def rank_moe_layers(shape, p: int, v: int = 1, stages: StageMap | None = None) -
             for rank in range(p)]
 
 
-def mlp_parameter_split(shape, ffn: int) -> tuple[int, int]:
+def mlp_parameter_split(shape, ffn: int, bias: bool | None = None) -> tuple[int, int]:
     """(split by t, replicated) parameters of one MLP of width `ffn`: fc1's weight (and biases)
-    and fc2's weight are split; fc2's bias is whole on every tensor rank."""
+    and fc2's weight are split; fc2's bias is whole on every tensor rank. `bias`: whether it
+    has biases (default: the model's; a routed expert has none, models/moe.py)."""
     h, g = shape.hidden, shape.gated
-    split = h * (1 + g) * ffn + ((1 + g) * ffn if shape.bias else 0) + ffn * h
-    return split, (h if shape.bias else 0)
+    bias = shape.bias if bias is None else bias
+    split = h * (1 + g) * ffn + ((1 + g) * ffn if bias else 0) + ffn * h
+    return split, (h if bias else 0)
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class MoeMlpParameters:
 
 
 def moe_mlp_parameters(shape) -> MoeMlpParameters:
-    split, replicated = mlp_parameter_split(shape, shape.moe_ffn)
+    split, replicated = mlp_parameter_split(shape, shape.moe_ffn, bias=False)
     shared_split, shared_replicated = (mlp_parameter_split(shape, shape.shared_ffn)
                                        if shape.shared_ffn else (0, 0))
     router = shape.experts * shape.hidden

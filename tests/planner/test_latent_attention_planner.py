@@ -72,11 +72,9 @@ def _count(module) -> int:
 @pytest.mark.parametrize("q_lora", [16, 0])
 @pytest.mark.parametrize("block", sorted(BLOCKS))
 def test_parameter_count_equals_the_model(block, q_lora, tie, moe):
-    # (MoE without biases: the routed experts have none (models/moe.py), while moe.py's
-    # mlp_parameter_split counts them with model.bias, a dense-MLP rule; not latent attention's)
+    # (with model.bias the dense MLPs and the shared expert have biases, the routed experts none)
     cfg = _config(block, f"model.mla_q_lora_rank={q_lora}",
-                  f"model.tie_embeddings={str(tie).lower()}",
-                  *(MOE + ["model.bias=false"] if moe else []))
+                  f"model.tie_embeddings={str(tie).lower()}", *(MOE if moe else []))
     shape = ModelShape.from_config(cfg.model)
     assert shape.latent and shape.mla_q_lora == q_lora and bool(shape.experts) == moe
     params = _count(build_chunk(_context(cfg.model), 0, 1))
