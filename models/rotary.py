@@ -149,3 +149,15 @@ def rotary_tables(rotary: RotaryEmbedding, positions: torch.Tensor):
     per sample, broadcast over the heads)."""
     cos, sin = rotary(positions)
     return (cos[:, None], sin[:, None]) if positions.dim() == 2 else (cos, sin)
+
+
+def interleaved_rows(rows: torch.Tensor, rope: int, heads: int = 1,
+                     to_pairs: bool = True) -> torch.Tensor:
+    """A weight's rows [heads * (n + rope), ..] with each head's last `rope` (rotary) rows
+    reordered from ptdp's halves (x0 x1 .. y0 y1 ..) to DeepSeek's interleaved pairs (x0 y0 x1
+    y1 ..), as its and Megatron's latent-attention checkpoints hold them, or back with
+    to_pairs=False. The rotation is the same; only the rows' order differs."""
+    per_head = rows.unflatten(0, (heads, -1))
+    order = (2, rope // 2) if to_pairs else (rope // 2, 2)
+    rotary = per_head[:, -rope:].unflatten(1, order).transpose(1, 2).flatten(1, 2)
+    return torch.cat([per_head[:, :-rope], rotary], dim=1).flatten(0, 1).contiguous()

@@ -63,6 +63,7 @@ def test_frequencies_and_tables_are_transformers(params, dim, dtype):
     """The frequencies and attention factor of `_compute_yarn_parameters`, and the cos/sin of
     transformers' rotary embedding at positions up to 160k (measured: bit-identical), also
     after a module cast (whose frequencies stay fp32)."""
+    needs("transformers")
     from transformers.modeling_rope_utils import _compute_yarn_parameters
     config, theirs = _hf_rotary(params, dim)
     cfg = load_config(None, LLAMA + [f"model.hidden_size={4 * dim}"] + _keys(params)).model

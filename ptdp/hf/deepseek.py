@@ -38,24 +38,13 @@ from ptdp.config import ModelConfig
 from ptdp.hf.base import require
 from ptdp.hf.llama import Llama
 from ptdp.hf.moe import _Experts
+from ptdp.models.rotary import interleaved_rows
 
 DEEPSEEK_BIAS_RATE = 1e-3   # DeepSeek-V3's bias update speed (its paper's gamma)
 LATENT_NORM_EPS = 1e-6      # transformers' DeepseekV3Attention's q_a/kv_a_layernorm
 _ATTENTION = [("q_down", "q_a_proj"), ("q_norm", "q_a_layernorm"), ("q_up", "q_b_proj"),
               ("q", "q_proj"), ("kv_down", "kv_a_proj_with_mqa"), ("kv_norm", "kv_a_layernorm"),
               ("kv_up", "kv_b_proj")]
-
-
-def interleaved_rows(rows: torch.Tensor, rope: int, heads: int = 1, to_pairs: bool = True):
-    """`rows` [heads * (n + rope), ..] with each head's last `rope` rows reordered: ptdp's
-    halves (x0 .. y0 ..) to DeepSeek's pairs (x0 y0 ..), or back with to_pairs=False."""
-    per_head = rows.unflatten(0, (heads, -1))
-    rotary = per_head[:, -rope:]
-    if to_pairs:
-        rotary = rotary.unflatten(1, (2, rope // 2)).transpose(1, 2).flatten(1, 2)
-    else:
-        rotary = rotary.unflatten(1, (rope // 2, 2)).transpose(1, 2).flatten(1, 2)
-    return torch.cat([per_head[:, :-rope], rotary], dim=1).flatten(0, 1).contiguous()
 
 
 class DeepseekV3(_Experts, Llama):

@@ -20,6 +20,7 @@ from ptdp.megatron.converters import (
     kv_heads, load, max_positions, megatron_ffn_hidden_size, merge_file,
     no_position_embedding, number, only, query_groups, recompute_method, refuse, rope_scaling,
     rope_scaling_factor, seed, split, tokenizer, vocab_size)
+from ptdp.megatron.latent_flags import LATENT_ARGS, not_with_latent, qk_layernorm
 from ptdp.megatron.moe_flags import MOE_ARGS, expert_tensor_parallel
 from ptdp.megatron.rows import Arg
 from ptdp.megatron.recompute_modules import recompute_modules, selective_default
@@ -97,7 +98,8 @@ ARGS: tuple[Arg, ...] = (
         note="K/V heads = --num-query-groups (Megatron's default 1)"),
     Arg("--num-query-groups", "model.num_kv_heads", EXACT, query_groups,
         note="with --group-query-attention"),
-    Arg("--kv-channels", "model.head_dim", EXACT, head_size,
+    Arg("--kv-channels", "model.head_dim", EXACT,
+        not_with_latent(head_size, "latent attention's heads are --qk-head-dim / --v-head-dim"),
         note="written where it is not hidden-size / num-attention-heads"),
     Arg("--seq-length", "model.seq_length", EXACT, integer),
     Arg("--encoder-seq-length", "model.seq_length", EXACT, integer, note="BERT's spelling"),
@@ -117,7 +119,8 @@ ARGS: tuple[Arg, ...] = (
         refuse("ptdp rotates halves, not interleaved pairs"), nargs=0, model=True),
     Arg("--rotary-seq-len-interpolation-factor", None, REFUSED,
         refuse("ptdp has Llama-3 scaling only"), model=True),
-    Arg("--use-rope-scaling", "model.rope_scaling_factor", EXACT, rope_scaling, nargs=0,
+    Arg("--use-rope-scaling", "model.rope_scaling_factor", EXACT,
+        not_with_latent(rope_scaling, "megatron-core's latent attention does not read it"), nargs=0,
         note="Llama-3.1 scaling, factor --rope-scaling-factor (default 8)"),
     Arg("--rope-scaling-factor", "model.rope_scaling_factor", EXACT, rope_scaling_factor,
         note="with --use-rope-scaling"),
@@ -128,8 +131,9 @@ ARGS: tuple[Arg, ...] = (
         number, note="older spelling of --norm-epsilon"),
     Arg("--apply-layernorm-1p", "model.norm_zero_centered", EXACT, const(True), nargs=0,
         note="the norm's gain is 1 + w, w starting at 0"),
-    Arg("--qk-layernorm", "model.qk_norm", EXACT, const(True), nargs=0,
-        note="each query and key head normalised by the model's norm before rotary"),
+    Arg("--qk-layernorm", "model.qk_norm", EXACT, qk_layernorm, nargs=0,
+        note="each query and key head normalised by the model's norm before rotary; with "
+             "--multi-latent-attention the latents' norms instead"),
     Arg("--apply-residual-connection-post-layernorm", None, REFUSED,
         refuse("ptdp's blocks are pre-norm"), nargs=0, model=True),
     Arg("--fp32-residual-connection", None, APPROXIMATE,
@@ -190,6 +194,7 @@ ARGS: tuple[Arg, ...] = (
         ignore("ptdp initialises each shard from the full tensor's stream"), nargs=0),
     Arg("--deterministic-mode", None, IGNORED, ignore(_KERNEL), nargs=0),
     *MOE_ARGS,   # ptdp/megatron/moe_flags.py
+    *LATENT_ARGS,   # ptdp/megatron/latent_flags.py
     # Precision
     Arg("--fp16", "train.precision", EXACT, const("fp16"), nargs=0),
     Arg("--bf16", "train.precision", EXACT, const("bf16"), nargs=0),

@@ -32,6 +32,11 @@ from ptdp.megatron.names import (VOCAB_ROWS, arch_of, block_name, expert_biases,
                                  to_megatron, to_ptdp)
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
+# megatron-core's latent down-projections are column-parallel in its local spec, replicated in
+# TransformerEngine's: legacy files split over tensor ranks are not converted yet
+_LATENT_SPLIT = ("latent attention in legacy files split over {} tensor ranks: the converter "
+                 "does not split or gather MLA's down-projections yet; use --ckpt-format "
+                 "torch_dist (layout-free) or tensor size 1")
 FORMATS = ("torch_dist", "torch")   # Megatron-LM's --ckpt-format names; torch = legacy
 
 
@@ -51,6 +56,9 @@ def read_megatron(path: str | os.PathLike, overrides=()) -> dict:
                              tokenizer_args(None, given.vocab_size))
     word = mstate.get("embedding.word_embeddings.weight")
     cfg = model_config(args, arch, None if word is None else word.shape[0])
+    require(not (cfg.latent_attention and fmt == "legacy"
+                 and (getattr(args, "tensor_model_parallel_size", 1) or 1) > 1),
+            _LATENT_SPLIT.format(getattr(args, "tensor_model_parallel_size", 1)))
     if word is not None:
         require(word.shape[0] == cfg.vocab_size,
                 f"the word table has {word.shape[0]} rows but padded_vocab_size is "
@@ -152,6 +160,8 @@ def to_megatron_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike
                        ("model.num_kv_heads (query groups)", cfg.num_kv_heads)):
         require(size % tensor == 0, f"{what}={size} does not split over parallel.tensor={tensor} "
                                     f"ranks, as Megatron-LM's split needs")
+    require(not (cfg.latent_attention and ckpt_format == "torch" and tensor > 1),
+            _LATENT_SPLIT.format(tensor))
     padded = padded_vocab(cfg.vocab_size, tensor)
     train = meta.get("config", {}).get("train", {})
     batch = int(train.get("global_batch_size", 0) or 0)

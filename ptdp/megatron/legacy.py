@@ -30,7 +30,7 @@ from ptdp.megatron import experts, files
 from ptdp.megatron.converters import Unmapped
 from ptdp.megatron.pipeline_layers import counts_from_args
 from ptdp.megatron.names import (extra_states, fused_norm_names, is_gated_fc1,
-                                 local_norm_names, partition_dim, require)
+                                 local_norm_names, partition_dim, require, written_norm_names)
 
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 
@@ -176,6 +176,8 @@ def write(state: dict[str, torch.Tensor], cfg: ModelConfig, args, root: Path, it
     if cfg.tie_embeddings and pipeline > 1:   # the last stage's own copy of the word table
         state = dict(state, **{"output_layer.weight": state["embedding.word_embeddings.weight"]})
     dicts = {(t, p): {} for t in range(tensor) for p in range(pipeline)}
+    if cfg.latent_attention:   # by global layer numbers (a dense layer's pre-MLP norm fuses)
+        state = written_norm_names(state, cfg, fused_norms)
     for name, value in state.items():
         p, local = _stage_of(name, cfg, pipeline)
         for t, shard in enumerate(_split(name, value, tensor, cfg)):
@@ -183,7 +185,7 @@ def write(state: dict[str, torch.Tensor], cfg: ModelConfig, args, root: Path, it
     final = root / f"iter_{iteration:07d}"
     local_experts = cfg.num_experts // expert
     for (t, p), model in dicts.items():
-        model = fused_norm_names(model) if fused_norms else model
+        model = fused_norm_names(model) if fused_norms and not cfg.latent_attention else model
         model.update(extra_states(model, fused_norms))
         if p == pipeline - 1:   # the output layer is a ColumnParallelLinear, tied or not
             model["output_layer._extra_state"] = None

@@ -51,6 +51,14 @@ SWITCHES = [
     ("--moe-router-enable-expert-bias", "moe_router_enable_expert_bias", True),
     ("--moe-grouped-gemm", "moe_grouped_gemm", True),   # GroupedMLP's legacy layout
 ]
+# latent attention's, after --multi-latent-attention --qk-layernorm
+LATENT = [("--q-lora-rank", "q_lora_rank"), ("--kv-lora-rank", "kv_lora_rank"),
+          ("--qk-head-dim", "qk_head_dim"), ("--qk-pos-emb-head-dim", "qk_pos_emb_head_dim"),
+          ("--v-head-dim", "v_head_dim"), ("--rope-type", "rope_type"),
+          ("--rotary-scaling-factor", "rotary_scaling_factor"), ("--mscale", "mscale"),
+          ("--mscale-all-dim", "mscale_all_dim")]
+
+
 def load_flags(args, split: bool) -> list[str]:
     """The Megatron-LM arguments (a list of words) that build and load the checkpoint with
     `args`; `split`: the legacy format, whose tensor and pipeline sizes are the files'."""
@@ -72,6 +80,11 @@ def load_flags(args, split: bool) -> list[str]:
             add("--rope-scaling-factor", args.rope_scaling_factor)
     if args.group_query_attention:
         add("--num-query-groups", args.num_query_groups)
+    if getattr(args, "multi_latent_attention", False):   # ptdp/megatron/latent.py
+        words.extend(["--multi-latent-attention", "--qk-layernorm"])
+        for flag, name in LATENT:
+            if getattr(args, name, None) is not None:
+                add(flag, getattr(args, name))
     if moe:
         add("--moe-layer-freq", args.moe_layer_freq)
     if split:

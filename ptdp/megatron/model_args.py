@@ -22,6 +22,7 @@ import torch
 
 from ptdp.config import ModelConfig
 from ptdp.config.models import GPT2_BLOCK, LLAMA_BLOCK, Heads, model_family
+from ptdp.megatron.latent import latent_megatron_args, refuse_latent_for_megatron
 from ptdp.megatron.moe_args import moe_args, moe_config, refuse_moe_for_megatron
 from ptdp.megatron.names import argument, require
 
@@ -32,10 +33,8 @@ ROPE_SCALING_FIXED = dict(rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,
 
 def _refusals(args):
     """(condition, argument, why) for every setting ptdp's block cannot compute."""
-    yield argument(args, "multi_latent_attention", False), "multi_latent_attention", \
-        "the converter does not map latent attention's weights yet (model.mla_kv_lora_rank " \
-        "computes it, without Megatron's default YaRN rotary scaling)"
-    yield argument(args, "qk_layernorm", False), "qk_layernorm", \
+    latent = argument(args, "multi_latent_attention", False)   # ptdp/megatron/latent.py
+    yield argument(args, "qk_layernorm", False) and not latent, "qk_layernorm", \
         "the converter does not map q_layernorm/k_layernorm weights yet (model.qk_norm computes it)"
     yield argument(args, "apply_residual_connection_post_layernorm", False), \
         "apply_residual_connection_post_layernorm", "ptdp's residual adds the layer's input"
@@ -44,7 +43,7 @@ def _refusals(args):
         "ptdp scales attention by 1/sqrt(head_dim)"
     yield argument(args, "rotary_interleaved", False), "rotary_interleaved", \
         "ptdp rotates halves of each head (rotate_half), not interleaved pairs"
-    yield argument(args, "rotary_percent", 1.0) != 1.0, "rotary_percent", \
+    yield argument(args, "rotary_percent", 1.0) != 1.0 and not latent, "rotary_percent", \
         "ptdp rotates the whole head"
     yield argument(args, "heterogeneous_layers_config_path", None), \
         "heterogeneous_layers_config_path", "ptdp's layers all have one shape"
@@ -81,16 +80,19 @@ def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
     require(rope or seq <= max_pos, f"--seq-length={seq} is longer than the position table "
                                     f"(--max-position-embeddings={max_pos})")
     extra = {}
+    latent = bool(argument(args, "multi_latent_attention", False))
+    require(rope or not latent, f"--multi-latent-attention with --position-embedding-type={kind}: "
+                                f"ptdp's latent attention has rotary positions")
     if rope:
         extra = dict(rope_theta=float(argument(args, "rotary_base", 10000)))
         if max_pos is not None and seq is not None and max_pos > seq:   # trainable up to it
             extra.update(max_position_embeddings=max_pos)
-        if argument(args, "use_rope_scaling", False):
+        if argument(args, "use_rope_scaling", False) and not latent:   # (MLA: not read)
             extra.update(rope_scaling_factor=float(argument(args, "rope_scaling_factor", 8.0)),
                          **ROPE_SCALING_FIXED)
     vocab = argument(args, "padded_vocab_size", vocab_rows)
     require(vocab is not None, "the checkpoint's args have no padded_vocab_size")
-    return ModelConfig(
+    keys = dict(
         arch=arch, num_layers=args.num_layers, hidden_size=hidden, num_heads=heads,
         num_kv_heads=groups, ffn_hidden_size=argument(args, "ffn_hidden_size", 4 * hidden),
         # the length Megatron trained at; a longer learned table is cut to it (names.py)
@@ -108,7 +110,17 @@ def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
         bias=bias, head_dim=kv,
         qkv_bias=bias or bool(argument(args, "add_qkv_bias", False)),
         tie_embeddings=not argument(args, "untie_embeddings_and_output_weights", False),
-        **moe_config(args, argument), **extra)
+        **moe_config(args, argument))
+    return ModelConfig(**dict(keys, **_latent(args, latent, heads, extra)))
+
+
+def _latent(args, latent: bool, heads: int, extra: dict) -> dict:
+    """`extra` with latent attention's keys and rotary scaling (ptdp/megatron/latent.py)."""
+    if not latent:
+        return extra
+    from ptdp.megatron.latent import latent_config
+    base = dict(extra, num_heads=heads, position_embedding="rope")
+    return dict(extra, **latent_config(args, base))
 
 
 def _refuse_for_bert(args, gated: bool, norm: str, kind: str) -> None:
@@ -174,14 +186,16 @@ def refuse_for_megatron(cfg: ModelConfig) -> None:
                                         "SwiGLU (--swiglu); it has no GeGLU")
     require(not cfg.qk_norm, "model.qk_norm=true: the converter does not write Megatron's "
                              "q_layernorm/k_layernorm weights yet (--qk-layernorm)")
-    require(cfg.rope_scaling_factor == 1.0 or cfg.rope_scaling_type == "llama3",
+    if cfg.latent_attention:
+        refuse_latent_for_megatron(cfg)
+    require(cfg.rope_scaling_factor == 1.0 or cfg.rope_scaling_type == "llama3"
+            or cfg.latent_attention,
             f"model.rope_scaling_type={cfg.rope_scaling_type}: Megatron-LM's GPT scales rotary "
             f"positions as Llama 3 does (--use-rope-scaling) only")
-    require(not cfg.latent_attention, "model.mla_kv_lora_rank > 0: the converter does not write "
-                                      "Megatron's latent attention yet (--multi-latent-attention)")
     require(not cfg.scale_embeddings, "model.scale_embeddings=true: Megatron-LM's GPT has no "
                                       "such option")
-    if cfg.position_embedding == "rope" and cfg.rope_scaling_factor != 1.0:
+    if cfg.position_embedding == "rope" and cfg.rope_scaling_factor != 1.0 and \
+            not cfg.latent_attention:
         for key, fixed in ROPE_SCALING_FIXED.items():
             require(getattr(cfg, key) == fixed, f"model.{key}={getattr(cfg, key)}: Megatron's "
                                                 f"rope scaling fixes it at {fixed}")
@@ -211,7 +225,7 @@ def megatron_args(cfg: ModelConfig, split: dict, padded_vocab: int, progress: di
     counterpart. `split`: {"tensor", "pipeline", "expert"}; `progress`: {"iteration",
     "consumed_samples", "global_batch_size"}; `tokenizer`: ptdp/megatron/tokenizer_args.py."""
     rope = cfg.position_embedding == "rope"
-    scaled = rope and cfg.rope_scaling_factor != 1.0
+    scaled = rope and cfg.rope_scaling_factor != 1.0 and not cfg.latent_attention
     return Namespace(
         num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
         ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=cfg.num_heads,
@@ -236,7 +250,7 @@ def megatron_args(cfg: ModelConfig, split: dict, padded_vocab: int, progress: di
         init_method_std=cfg.init_std, apply_query_key_layer_scaling=False,
         apply_residual_connection_post_layernorm=False,
         bert_binary_head=cfg.family.heads is Heads.BERT,
-        **NOT_PTDP, **moe_args(cfg), **tokenizer,
+        **NOT_PTDP, **moe_args(cfg), **latent_megatron_args(cfg), **tokenizer,
         padded_vocab_size=padded_vocab,
         make_vocab_size_divisible_by=vocab_divisor(cfg.vocab_size, split["tensor"]),
         tensor_model_parallel_size=split["tensor"],
@@ -256,5 +270,4 @@ NOT_PTDP = dict(hybrid_override_pattern=None, spec=None, hybrid_attention_ratio=
                 hybrid_mlp_ratio=0.0, is_hybrid_model=False, mamba_state_dim=128,
                 mamba_head_dim=64, mamba_num_groups=8, mamba_num_heads=None,
                 heterogeneous_layers_config_path=None,
-                heterogeneous_layers_config_encoded_json=None, moe_latent_size=None,
-                multi_latent_attention=False, qk_layernorm=False)
+                heterogeneous_layers_config_encoded_json=None, moe_latent_size=None)

@@ -24,6 +24,7 @@ import torch
 
 from ptdp.config import ModelConfig
 from ptdp.config.models import BERT, GPT, Heads
+from ptdp.megatron.latent_names import fused_latent_names, latent_pairs, rotary_rows
 from ptdp.models.transformer import fuse_gate_up, split_gate_up
 
 
@@ -46,7 +47,12 @@ def require(condition: bool, message: str) -> None:
 # TransformerEngine fuses each pre-norm into the next linear; torch_dist always uses these names.
 FUSED_NORMS = {".self_attention.linear_qkv.layer_norm_": ".input_layernorm.",
                ".mlp.linear_fc1.layer_norm_": ".pre_mlp_layernorm."}
+# ... and TransformerEngine's latent attention's latent norms (ptdp/megatron/latent.py)
+FUSED_LATENT_NORMS = {
+    ".self_attention.linear_q_up_proj.layer_norm_": ".self_attention.q_layernorm.",
+    ".self_attention.linear_kv_up_proj.layer_norm_": ".self_attention.kv_layernorm."}
 COLUMN_PARALLEL = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.weight",
+                   ".linear_q_up_proj.weight", ".linear_q_proj.weight", ".linear_kv_up_proj.weight",
                    ".linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight",
                    "output_layer.bias")
 ROW_PARALLEL = (".linear_proj.weight", ".linear_fc2.weight")
@@ -76,7 +82,7 @@ def local_norm_names(state: dict) -> dict:
     for name, value in state.items():
         if name.endswith("_extra_state"):
             continue
-        for fused, local in FUSED_NORMS.items():
+        for fused, local in {**FUSED_NORMS, **FUSED_LATENT_NORMS}.items():
             name = name.replace(fused, local)
         out[name] = value
     return out
@@ -91,6 +97,16 @@ def fused_norm_names(state: dict) -> dict:
             name = name.replace(local, fused)
         out[name] = value
     return out
+
+
+def written_norm_names(state: dict, cfg: ModelConfig, fused_norms: bool,
+                       torch_dist: bool = False) -> dict:
+    """The norm names a written checkpoint holds: TransformerEngine's fused ones (--transformer-
+    impl transformer_engine), and in torch_dist always for the usual block (its local spec's
+    sharded_state_dict maps them); latent attention's specs map none (ptdp/megatron/latent.py)."""
+    if cfg.latent_attention:
+        return fused_latent_names(state, cfg) if fused_norms else state
+    return fused_norm_names(state) if fused_norms or torch_dist else state
 
 
 def arch_of(state: dict) -> str:
@@ -123,11 +139,16 @@ def _pairs(cfg: ModelConfig):
     norm_kinds = bias if cfg.normalization == "layernorm" else ("weight",)
     for i in range(cfg.num_layers):
         ours, theirs = f"layers.{i}.", f"{block}.layers.{i}."
+        proj_kinds = bias if cfg.bias else ("weight",)
+        if cfg.latent_attention:
+            yield from latent_pairs(cfg, ours, theirs, norm_kinds, proj_kinds)
         for a, b, kinds in [
                 ("ln1", "input_layernorm", norm_kinds), ("ln2", "pre_mlp_layernorm", norm_kinds),
                 ("attention.qkv", "self_attention.linear_qkv",
                  bias if cfg.qkv_bias else ("weight",)),
-                ("attention.proj", "self_attention.linear_proj", bias if cfg.bias else ("weight",))]:
+                ("attention.proj", "self_attention.linear_proj", proj_kinds)]:
+            if cfg.latent_attention and a.startswith("attention."):
+                continue
             for kind in kinds:
                 yield f"{ours}{a}.{kind}", f"{theirs}{b}.{kind}"
         for a, b in _mlp_linears(cfg, i):
@@ -193,7 +214,7 @@ def to_ptdp(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch
         return state[theirs].float()
 
     for ours, theirs in _pairs(cfg):
-        out[ours] = take(theirs).contiguous()
+        out[ours] = rotary_rows(cfg, theirs, take(theirs), to_pairs=False).contiguous()
     if cfg.gated:
         for ours, theirs in _fc1_names(cfg):
             out[ours] = fuse_gate_up(*take(theirs).chunk(2, dim=0))   # Megatron: [gate; up]
@@ -234,7 +255,8 @@ def to_megatron(cfg: ModelConfig, full: dict[str, torch.Tensor],
                 biases: dict | None = None) -> dict[str, torch.Tensor]:
     """ptdp's full state (and its selection biases, metadata "moe") -> a full Megatron state
     (vocabulary not padded yet)."""
-    out = {theirs: full[ours] for ours, theirs in _pairs(cfg)}
+    out = {theirs: rotary_rows(cfg, theirs, full[ours], to_pairs=True)
+           for ours, theirs in _pairs(cfg)}
     if cfg.moe_expert_bias_rate > 0:   # megatron-core's router then holds the buffer
         for i in range(cfg.num_layers):
             if cfg.is_moe_layer(i):
@@ -253,8 +275,9 @@ VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight", "output
 # spec) for each linear of a layer (experts' and shared experts' included) and, with
 # TransformerEngine, for its attention kernel. A strict load expects exactly these, so a
 # written checkpoint has them.
-_LINEAR = re.compile(r"^(.*\.linear_(?:qkv|proj|fc1|fc2))\.weight$")
-_QKV = re.compile(r"^(.*\.layers\.\d+\.self_attention\.)linear_qkv\.weight$")
+_LINEAR = re.compile(r"^(.*\.linear_(?:qkv|proj|fc1|fc2|q_proj|q_down_proj|q_up_proj|kv_down_proj"
+                     r"|kv_up_proj))\.weight$")
+_QKV = re.compile(r"^(.*\.layers\.\d+\.self_attention\.)linear_(?:qkv|kv_up_proj)\.weight$")
 
 
 def extra_states(state: dict, fused_norms: bool) -> dict:

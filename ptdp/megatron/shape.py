@@ -96,7 +96,8 @@ def _ptdp_keys(found: dict, path: Path) -> dict:
         out["activation"] = "swiglu"
     for name, why in [("layernorm_zero_centered_gamma", "a zero-centred norm gain"),
                       ("qk_layernorm", "normalised queries and keys"),
-                      ("multi_latent_attention", "latent attention")]:
+                      ("multi_latent_attention", "latent attention (converted only from a "
+                                                 "checkpoint with Megatron-LM's args)")]:
         require(not found.get(name), f"{path}: {name}: {why}, which ptdp's converter lacks")
     return out
 

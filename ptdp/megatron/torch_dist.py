@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ptdp.megatron import experts, files
-from ptdp.megatron.names import extra_states, fused_norm_names, local_norm_names, require
+from ptdp.megatron.names import extra_states, local_norm_names, require, written_norm_names
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "encoder.", "output_layer.", "lm_head.", "pooler.",
                   "binary_head.")
@@ -131,7 +131,7 @@ def write(state: dict[str, torch.Tensor], cfg, block: str, args, directory: Path
     import torch.distributed.checkpoint as dcp
     layers, count = cfg.num_layers, cfg.num_experts
     alike = not count or (cfg.moe_layer_freq == 1 and cfg.moe_first_dense_layers == 0)
-    state = fused_norm_names(state)
+    state = written_norm_names(state, cfg, fused_norms, torch_dist=True)
     tensors = experts.stacked(state)
     sharded: dict[str, object] = dict(_stacked(tensors, layers) if alike else tensors)
     for name in extra_states(state, fused_norms):

@@ -8,7 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.hf.hf_models import logits_diff, random_hf_model
+from tests.optional import needs
+transformers = needs("transformers")
+
+from tests.hf.hf_models import logits_diff, random_hf_model  # noqa: E402
 
 DEEPSEEK = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
@@ -27,7 +30,6 @@ YARN = dict(DEEPSEEK, rope_parameters=dict(rope_type="yarn", rope_theta=10000.0,
 
 def _hf_dir(path, **keys):
     """A random DeepseekV3ForCausalLM saved in `path`, with random selection biases."""
-    import transformers
     model = random_hf_model(transformers.DeepseekV3Config(**keys))
     generator = torch.Generator().manual_seed(5)
     for name, buffer in model.named_buffers():
@@ -39,8 +41,6 @@ def _hf_dir(path, **keys):
 
 @pytest.mark.parametrize("keys", [DEEPSEEK, DENSE, YARN], ids=["moe", "dense", "yarn"])
 def test_deepseek_v3_converts_both_ways_with_its_logits(keys, tmp_path):
-    import transformers
-
     from ptdp.hf.convert import from_hf, to_hf
     from ptdp.inference.local_model import LocalModel
     theirs = _hf_dir(tmp_path / "hf", **keys)
@@ -73,8 +73,6 @@ def test_deepseek_v3_converts_both_ways_with_its_logits(keys, tmp_path):
                                   "topk_group = 1"),
 ])
 def test_what_ptdp_would_compute_otherwise_is_refused(change, line, tmp_path):
-    import transformers
-
     from ptdp.hf.base import ConversionError
     from ptdp.hf.convert import read_hf_config
     transformers.DeepseekV3Config(**{**DEEPSEEK, **change}).save_pretrained(str(tmp_path))

@@ -34,6 +34,9 @@ def cpu_megatron(monkeypatch_context):
     mp.setattr(fsa, "_results_queue", queue.Queue())
     mp.setattr(fsa, "_process_memory", lambda: 0)
     _cpu_experts(mp)
+    import megatron.core.transformer.multi_latent_attention as mla
+    # MLA asks TransformerEngine's TELinear (None without it) whether linear_proj is one
+    mp.setattr(mla, "HAVE_TE", False)
     owned = not dist.is_initialized()
     if owned:
         from ptdp.runtime.local_ranks import free_port
@@ -102,6 +105,39 @@ def moe_args(**overrides) -> Namespace:
         **overrides))
 
 
+def mla_args(**overrides) -> Namespace:
+    """Latent attention (--multi-latent-attention --qk-layernorm, DeepSeek-V2/V3's) on the tiny
+    GPT: a query latent of 12, a key/value latent of 10, per head 6 non-rotary and 4 rotary
+    query/key values and 5 value values; YaRN (megatron-core's default rope type for MLA) with
+    a factor of 4 (over megatron-core's original 4096 positions), DeepSeek's mscale and
+    mscale_all_dim."""
+    return gpt_args(**dict(dict(
+        group_query_attention=False, num_query_groups=None, multi_latent_attention=True,
+        qk_layernorm=True, q_lora_rank=12, kv_lora_rank=10, qk_head_dim=6,
+        qk_pos_emb_head_dim=4, v_head_dim=5, rope_type="yarn", rotary_scaling_factor=4.0,
+        mscale=0.8, mscale_all_dim=0.6), **overrides))
+
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+              "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim",
+              "original_max_position_embeddings")
+
+
+def _core_attention():
+    """megatron-core 0.16's local DotProductAttention takes no k_channels / v_channels, which
+    MLASelfAttention passes (only TransformerEngine's takes them): the same attention, its
+    output sized by the value heads (v_channels), the softmax scale MLA's."""
+    import copy
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LatentCoreAttention(DotProductAttention):
+        def __init__(self, config, *args, k_channels=None, v_channels=None, **kwargs):
+            config = copy.copy(config)
+            config.kv_channels = v_channels or config.kv_channels
+            super().__init__(config, *args, **kwargs)
+    return LatentCoreAttention
+
+
 def _moe_config(args: Namespace) -> dict:
     if not getattr(args, "num_experts", None):
         return {}
@@ -120,9 +156,13 @@ def _moe_config(args: Namespace) -> dict:
 
 
 def transformer_config(args: Namespace):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-    gated = args.swiglu
-    return TransformerConfig(**_moe_config(args),
+    from megatron.core.transformer.transformer_config import (MLATransformerConfig,
+                                                              TransformerConfig)
+    gated, latent = args.swiglu, getattr(args, "multi_latent_attention", False)
+    extra = ({name: getattr(args, name) for name in MLA_FIELDS if hasattr(args, name)}
+             | dict(multi_latent_attention=True, qk_layernorm=args.qk_layernorm)
+             if latent else {})
+    return (MLATransformerConfig if latent else TransformerConfig)(**_moe_config(args), **extra,
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
@@ -139,10 +179,14 @@ def build_gpt(args: Namespace, seed: int = 7):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     torch.manual_seed(seed)
     experts = getattr(args, "num_experts", None)
-    model = GPTModel(transformer_config(args), get_gpt_layer_local_spec(
-                         num_experts=experts, moe_grouped_gemm=bool(experts and
-                                                                    args.moe_grouped_gemm),
-                         normalization=args.normalization),
+    latent = getattr(args, "multi_latent_attention", False)
+    spec = get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=bool(experts and args.moe_grouped_gemm),
+        normalization=args.normalization, multi_latent_attention=latent,
+        qk_layernorm=getattr(args, "qk_layernorm", False))
+    if latent:
+        spec.submodules.self_attention.submodules.core_attention = _core_attention()
+    model = GPTModel(transformer_config(args), spec,
                      vocab_size=args.padded_vocab_size, max_sequence_length=SEQ,
                      position_embedding_type=args.position_embedding_type,
                      share_embeddings_and_output_weights=not

@@ -496,18 +496,6 @@ def test_only_swiglu_is_written_as_megatrons_gated_mlp(activation, refused):
         refuse_for_megatron(cfg)
 
 
-def test_latent_attention_is_not_written_for_megatron_yet():
-    """ptdp -> Megatron of a latent-attention model is refused in one line (its weights would
-    be written as a QKV block that is not there)."""
-    from ptdp.config import ModelConfig
-    from ptdp.megatron.model_args import refuse_for_megatron
-    from ptdp.megatron.names import MegatronConversionError
-    cfg = ModelConfig(preset="llama", num_layers=2, hidden_size=32, num_heads=4, head_dim=8,
-                      seq_length=8, vocab_size=64, mla_kv_lora_rank=12, mla_rope_head_dim=4)
-    with pytest.raises(MegatronConversionError, match="model.mla_kv_lora_rank > 0"):
-        refuse_for_megatron(cfg)
-
-
 def test_yarn_scaling_is_not_written_as_megatrons_llama3_scaling():
     """Megatron-LM's GPT knows Llama 3's rotary scaling only: a YaRN model is refused rather
     than written with --use-rope-scaling."""
