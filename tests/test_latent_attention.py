@@ -40,20 +40,18 @@ def _interleaved(rows: torch.Tensor, rope: int) -> torch.Tensor:
     return torch.cat([rows[:head], pairs])
 
 
-@pytest.mark.parametrize("q_lora", [16, 0])
-def test_a_layer_computes_hugging_faces_deepseek_v3_attention(q_lora):
+def hugging_face_copy(ours, **keys):
+    """transformers' DeepseekV3Attention of the toy's sizes (and `keys`) holding `ours`' weights:
+    its rotary rows in DeepSeek's pairs, the latent norms' gains random in both."""
     transformers = needs("transformers")
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
-    # (HF's latent norms keep their default eps, 1e-6, whatever rms_norm_eps says; ptdp's use
-    # model.layernorm_eps, as Megatron's do: DeepSeek-V3's is 1e-6 for both)
-    ours, m = _attention(f"model.mla_q_lora_rank={q_lora}", "model.layernorm_eps=1e-6")
+    q_lora = ours.q_down.weight.shape[0] if ours.q_latent else None
     config = transformers.DeepseekV3Config(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora or None,
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=q_lora,
         kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
-        rms_norm_eps=m.layernorm_eps, attention_bias=False, max_position_embeddings=16)
+        attention_bias=False, **keys)
     config._attn_implementation = "eager"
     theirs = hf.DeepseekV3Attention(config, layer_idx=0)
-    heads_rows = lambda w, width: w.view(4, width, -1)   # noqa: E731  [head, rows, in]
     with torch.no_grad():
         if q_lora:
             theirs.q_a_proj.weight.copy_(ours.q_down.weight)
@@ -62,17 +60,26 @@ def test_a_layer_computes_hugging_faces_deepseek_v3_attention(q_lora):
             q_up, q_theirs = ours.q_up.weight, theirs.q_b_proj.weight
         else:
             q_up, q_theirs = ours.q.weight, theirs.q_proj.weight
-        per_head = [_interleaved(rows, 4) for rows in heads_rows(q_up, 12)]
+        per_head = [_interleaved(rows, 4) for rows in q_up.view(4, 12, -1)]   # [head, rows, in]
         q_theirs.copy_(torch.stack(per_head).flatten(0, 1))
         theirs.kv_a_proj_with_mqa.weight.copy_(_interleaved(ours.kv_down.weight, 4))
         theirs.kv_a_layernorm.weight.copy_(torch.rand(12) + 0.5)
         ours.kv_norm.weight.copy_(theirs.kv_a_layernorm.weight)
         theirs.kv_b_proj.weight.copy_(ours.kv_up.weight)
         theirs.o_proj.weight.copy_(ours.proj.weight)
+    return theirs, hf.DeepseekV3RotaryEmbedding(config)
+
+
+@pytest.mark.parametrize("q_lora", [16, 0])
+def test_a_layer_computes_hugging_faces_deepseek_v3_attention(q_lora):
+    # (HF's latent norms keep their default eps, 1e-6, whatever rms_norm_eps says; ptdp's use
+    # model.layernorm_eps, as Megatron's do: DeepSeek-V3's is 1e-6 for both)
+    ours, m = _attention(f"model.mla_q_lora_rank={q_lora}", "model.layernorm_eps=1e-6")
+    theirs, rotary = hugging_face_copy(ours, rms_norm_eps=m.layernorm_eps,
+                                       max_position_embeddings=16)
     x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(0))
     out, bias = ours(x)
     assert bias is None
-    rotary = hf.DeepseekV3RotaryEmbedding(config)
     positions = torch.arange(16)[None].expand(2, -1)
     causal = torch.full((16, 16), float("-inf")).triu(1)[None, None].expand(2, 1, -1, -1)
     expected, _ = theirs(x.transpose(0, 1), rotary(x, positions), causal)

@@ -141,37 +141,19 @@ def test_a_latent_attention_layer_computes_hugging_faces_with_yarn(mscales):
     """One layer of models/latent_attention.py against DeepseekV3Attention with DeepSeek-V3's
     YaRN (factor 40 on 4,096 positions) at positions up to ~160k: the rotary part's tables and
     the softmax scale times mscale(40, mscale_all_dim)^2 (1.874 for V3)."""
-    transformers = needs("transformers")
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
-    from tests.test_latent_attention import _attention, _interleaved
+    from tests.test_latent_attention import _attention, hugging_face_copy
     rope = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, beta_fast=32.0, beta_slow=1.0,
                 original_max_position_embeddings=4096, **mscales)
     ours, m = _attention("model.layernorm_eps=1e-6", *_keys(rope))
-    config = transformers.DeepseekV3Config(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
-        kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
-        rms_norm_eps=m.layernorm_eps, attention_bias=False, max_position_embeddings=163840,
-        rope_parameters=rope)
-    config._attn_implementation = "eager"
-    theirs = hf.DeepseekV3Attention(config, layer_idx=0)
+    theirs, rotary = hugging_face_copy(ours, rms_norm_eps=m.layernorm_eps,
+                                       max_position_embeddings=163840, rope_parameters=rope)
     assert ours.softmax_scale == (None if "mscale_all_dim" not in mscales
                                   else pytest.approx(theirs.scaling, rel=1e-15))
-    with torch.no_grad():
-        theirs.q_a_proj.weight.copy_(ours.q_down.weight)
-        theirs.q_a_layernorm.weight.copy_(torch.rand(16) + 0.5)
-        ours.q_norm.weight.copy_(theirs.q_a_layernorm.weight)
-        theirs.q_b_proj.weight.copy_(torch.stack(
-            [_interleaved(rows, 4) for rows in ours.q_up.weight.view(4, 12, -1)]).flatten(0, 1))
-        theirs.kv_a_proj_with_mqa.weight.copy_(_interleaved(ours.kv_down.weight, 4))
-        theirs.kv_a_layernorm.weight.copy_(torch.rand(12) + 0.5)
-        ours.kv_norm.weight.copy_(theirs.kv_a_layernorm.weight)
-        theirs.kv_b_proj.weight.copy_(ours.kv_up.weight)
-        theirs.o_proj.weight.copy_(ours.proj.weight)
     x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(0))
     positions = torch.arange(16) * 10_000 + 7   # past the original 4,096: the ramp matters
     out, _ = ours(x, positions=positions)
     causal = torch.full((16, 16), float("-inf")).triu(1)[None, None].expand(2, 1, -1, -1)
-    tables = hf.DeepseekV3RotaryEmbedding(config)(x, positions[None].expand(2, -1))
+    tables = rotary(x, positions[None].expand(2, -1))
     expected, _ = theirs(x.transpose(0, 1), tables, causal)
     # (outputs ~4e-3; measured differences ~2e-10)
     torch.testing.assert_close(out.transpose(0, 1), expected, rtol=1e-5, atol=1e-8)
