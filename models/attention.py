@@ -222,6 +222,12 @@ class HeadAttention(nn.Module):
 
     softmax_scale: float | None = None
 
+    def default_positions(self, s: int, device) -> torch.Tensor:
+        """The positions of this rank's s tokens: 0 .. s-1, or with context parallelism its two
+        chunks' positions in the whole sequence."""
+        cp = self.ctx.cp
+        return cp.positions(s, device) if cp.size > 1 else torch.arange(s, device=device)
+
     def core_attention(self, q, k, v, mask):
         """q, k [b, heads, s, d], v [b, heads or groups, s, d_v] -> [b, heads, s, d_v]; dropout
         here is inside the tensor region. `mask`: the micro-batch's AttentionMask or None."""

@@ -31,6 +31,7 @@ layer keeps the two all-reduces of the usual block, forward and backward.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ptdp.models.attention import HeadAttention
 from ptdp.models.norms import latent_norm
@@ -97,10 +98,20 @@ class LatentAttention(HeadAttention):
         q_pass, q_rot = q.view(s, b, self.local_heads, -1).split([self.nope, self.rope], dim=-1)
         k_pass, v = kv.view(s, b, self.local_heads, -1).split([self.nope, self.v_head_dim], dim=-1)
         if positions is None:
-            positions = torch.arange(s, device=x.device)
+            positions = self.default_positions(s, x.device)
         cos, sin = rotary_tables(self.rotary, positions)
         q_rot = rotate(q_rot.permute(1, 2, 0, 3), cos, sin)            # [b, heads, s, rope]
         k_rot = rotate(k_rot.permute(1, 0, 2).unsqueeze(1), cos, sin)  # [b, 1, s, rope]
         q = torch.cat([q_pass.permute(1, 2, 0, 3), q_rot], dim=-1)
         k = torch.cat([k_pass.permute(1, 2, 0, 3), k_rot.expand_as(q_rot)], dim=-1)
         return q, k, v.permute(1, 2, 0, 3)
+
+    def core_attention(self, q, k, v, mask):
+        """As every block's, but the context ring passes K and V around as one tensor and its
+        kernels take one head size: there V is zero-padded to the query/key heads' size and the
+        padding cut off the output (the zero columns add nothing to what the others hold)."""
+        if self.ctx.cp.size == 1 or v.shape[-1] == q.shape[-1]:
+            return super().core_attention(q, k, v, mask)
+        assert v.shape[-1] < q.shape[-1], "the ring pads the values up to the keys' head size"
+        padded = F.pad(v, (0, q.shape[-1] - v.shape[-1]))
+        return super().core_attention(q, k, padded, mask)[..., :v.shape[-1]]

@@ -150,9 +150,8 @@ class ParallelAttention(HeadAttention):
         if self.ctx.model.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
-            if positions is None:   # this rank's chunks' positions with context parallelism
-                positions = (self.ctx.cp.positions(s, x.device) if self.ctx.cp.size > 1
-                             else torch.arange(s, device=x.device))
+            if positions is None:
+                positions = self.default_positions(s, x.device)
             cos, sin = rotary_tables(self.rotary, positions)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         return q, k, v

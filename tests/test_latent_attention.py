@@ -94,6 +94,10 @@ LAYOUTS = {
     "p2-zb-h1": (2, ["parallel.pipeline=2", "schedule.name=zb-h1"]),
     "p2-recompute-selective": (2, ["parallel.pipeline=2", "train.recompute=selective",
                                    "train.recompute_modules=[core_attn,layernorm]"]),
+    # the context ring: V padded to the query/key heads' size, rotary positions per chunk
+    "c2": (2, ["parallel.context=2"]),
+    "t2-sp-c2": (4, ["parallel.tensor=2", "parallel.sequence_parallel=true",
+                     "parallel.context=2"]),
     "p2-t2-sp-interleaved": (4, ["parallel.pipeline=2", "parallel.chunks=2",
                                  "schedule.name=interleaved", "parallel.tensor=2",
                                  "parallel.sequence_parallel=true"]),
@@ -155,7 +159,9 @@ def _errors(overrides: list[str]) -> list[str]:
     ([*MLA, "model.qk_norm=true"], "model.qk_norm: not with latent attention"),
     ([*MLA, "model.arch=bert"], "model.mla_kv_lora_rank > 0 (latent attention) applies to "
                                 "model.arch=gpt only"),
-    ([*MLA, "parallel.context=2"], "parallel.context=2 with latent attention"),
+    ([*MLA, "parallel.context=2", "model.mla_v_head_dim=16"],
+     "model.mla_v_head_dim (16) must be at most model.head_dim + model.mla_rope_head_dim = 12 "
+     "with parallel.context=2"),
 ])
 def test_each_problem_is_one_line(overrides, line):
     errors = _errors(overrides)

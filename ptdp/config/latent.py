@@ -53,10 +53,13 @@ def check_latent_attention(m: ModelConfig, out: Problems) -> None:
 
 
 def check_latent_layout(cfg: Config, out: Problems) -> None:
-    """Latent attention against the layout: no context ring (its value heads differ in size
-    from its query and key heads, which the ring's blocks assume equal)."""
-    if cfg.model.latent_attention:
-        out.require(cfg.parallel.context == 1,
-                    f"parallel.context={cfg.parallel.context} with latent attention "
-                    f"(model.mla_kv_lora_rank > 0): the context ring does not take it yet; set "
-                    f"parallel.context=1")
+    """Latent attention against the layout: the context ring's kernels take one head size, so
+    there the value heads are zero-padded up to the query/key heads' (models/latent_attention.py)
+    and must not be larger."""
+    m, c = cfg.model, cfg.parallel.context
+    if m.latent_attention and c > 1:
+        qk = m.head_dim + m.mla_rope_head_dim
+        out.require(m.mla_v_head_dim <= qk,
+                    f"model.mla_v_head_dim ({m.mla_v_head_dim}) must be at most model.head_dim + "
+                    f"model.mla_rope_head_dim = {qk} with parallel.context={c}: the context "
+                    f"ring pads the value heads up to the query/key heads' size")

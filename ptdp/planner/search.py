@@ -168,8 +168,8 @@ def _shape_reason(work: Workload, t: int, p: int) -> str | None:
 
 
 def _context_reason(work: Workload, c: int) -> str | None:
-    """Context parallelism (c > 1) splits a causal decoder's sequence into 2c chunks (not one
-    with latent attention: the trainer refuses it, ptdp/config/latent.py)."""
+    """Context parallelism (c > 1) splits a causal decoder's sequence into 2c chunks (with
+    latent attention, value heads no larger than the query/key heads: ptdp/config/latent.py)."""
     s = work.shape
     if c == 1:
         return None
@@ -178,8 +178,8 @@ def _context_reason(work: Workload, c: int) -> str | None:
         return f"c={c}: context parallelism supports model.arch={causal} only"
     if s.dropout:
         return f"c={c}: context parallelism needs model.dropout=0"
-    if s.latent:
-        return f"c={c}: the context ring does not take latent attention (model.mla_kv_lora_rank)"
+    if s.latent and s.v_head_dim > s.qk_head_dim:
+        return f"c={c}: the context ring pads value heads up to the query/key heads' size"
     if s.seq % (2 * c):
         return f"c={c}: model.seq_length ({s.seq}) not divisible by 2c = {2 * c}"
     return None

@@ -374,13 +374,14 @@ def test_a_measured_row_of_another_block_does_not_time_a_latent_layer(a100):
     assert layer_times(hw, "bf16", shape, 1, 8, "flash").forward != 1.0
 
 
-def test_search_refuses_context_parallelism_with_latent_attention(a100):
-    """As the trainer does (ptdp/config/latent.py): the ring's blocks take equal head sizes."""
+def test_search_takes_context_parallelism_with_value_heads_no_larger(a100):
+    """As the trainer (ptdp/config/latent.py): the ring pads the value heads up to the
+    query/key heads' size, so larger value heads are refused with c > 1."""
     shape = ModelShape("gpt", 4, 256, 8, 1024, 512, 1000, False, position_embedding="rope",
                        mla_kv_lora=64, mla_q_lora=96, mla_rope_dim=16, mla_v_dim=24, head_dim=40)
-    plain = dataclasses.replace(shape, mla_kv_lora=0, mla_q_lora=0, mla_rope_dim=0, mla_v_dim=0)
-    assert search(a100, Workload(plain, 16, "bf16", 8), 4, fixed={"context": 2}).ranked
-    result = search(a100, Workload(shape, 16, "bf16", 8), 4, fixed={"context": 2})
+    assert search(a100, Workload(shape, 16, "bf16", 8), 4, fixed={"context": 2}).ranked
+    wide = dataclasses.replace(shape, mla_v_dim=64)   # > 40 + 16
+    result = search(a100, Workload(wide, 16, "bf16", 8), 4, fixed={"context": 2})
     assert not result.ranked
-    assert "latent attention" in result.rejected.examples["indivisible"]
-    assert search(a100, Workload(shape, 16, "bf16", 8), 4).ranked
+    assert "pads value heads" in result.rejected.examples["indivisible"]
+    assert search(a100, Workload(wide, 16, "bf16", 8), 4).ranked
