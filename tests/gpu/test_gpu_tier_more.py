@@ -1,5 +1,6 @@
-"""More of the GPU tier (issue 34, item 7): Llama in bf16, the attention kernel actually used,
-compilation with full recomputation, asynchronous saves on CUDA, the fused loss.
+"""More of the GPU tier (issue 34, item 7): Llama in bf16, latent attention in bf16, the attention
+kernel actually used, compilation with full recomputation, asynchronous saves on CUDA, the fused
+loss.
 
 Run with the rest of the tier (`PTDP_GPU_TESTS=1 pytest -m gpu`, tools/gpu_check.sh). Written
 without a GPU at hand: a failure here is as likely to be the test's as the code's.
@@ -34,6 +35,23 @@ def test_llama_in_bf16_follows_fp32_on_long_sequences(world):
     half = _trainer(*run, "train.precision=bf16")
     assert half.state.params[0].dtype == torch.bfloat16
     losses = _losses(half)
+    reference = _losses(_trainer(*run, *EXACT))
+    assert all(math.isfinite(x) for x in losses)
+    assert max(abs(a - b) for a, b in zip(losses, reference)) < 0.05, (losses, reference)
+
+
+# DeepSeek's latent attention at toy size (models/latent_attention.py): query/key heads of 16 + 8
+# values, value heads of 16, so SDPA must pick a kernel that takes unequal head sizes
+LATENT = ["model.preset=llama", "model.head_dim=16", "model.mla_kv_lora_rank=32",
+          "model.mla_q_lora_rank=32", "model.mla_rope_head_dim=8", "model.mla_v_head_dim=16"]
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_latent_attention_in_bf16_follows_fp32(world, compile):
+    """Latent attention on CUDA (unequal query/key and value head sizes, a kernel flash may not
+    take), eager and compiled, trains in bf16 like in fp32."""
+    run = [*LATENT, "train.iters=10", f"train.compile={str(compile).lower()}"]
+    losses = _losses(_trainer(*run, "train.precision=bf16"))
     reference = _losses(_trainer(*run, *EXACT))
     assert all(math.isfinite(x) for x in losses)
     assert max(abs(a - b) for a, b in zip(losses, reference)) < 0.05, (losses, reference)
