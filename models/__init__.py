@@ -26,11 +26,14 @@ def global_parameter_name(chunk, local_name: str) -> str:
     """A chunk-local parameter name -> its name in the whole (single-process) model.
 
     `stack.layers.{i}.` becomes `layers.{first + i}.`; the last stage's copy of the tied word
-    table is `embedding.word.weight`, like the original on the first stage.
+    table is `embedding.word.weight`, like the original on the first stage; a
+    multi-token-prediction depth's layer (models/mtp.py) `mtp.{k}.layer.`.
     """
     if local_name.startswith("stack.layers."):
         index, rest = local_name[len("stack.layers."):].split(".", 1)
         return f"layers.{chunk.stack.first + int(index)}.{rest}"
+    if local_name.startswith("mtp.") and ".stack.layers.0." in local_name:
+        return local_name.replace(".stack.layers.0.", ".layer.", 1)
     if local_name == "output.weight":
         return "embedding.word.weight"
     return local_name

@@ -113,6 +113,15 @@ class OutputLayer(nn.Module):
                                              key=OUTPUT_LAYER_KEY, std=cfg.init_std).weight
 
 
+def word_table_copy(ctx: ModelContext) -> Embedding:
+    """The last stage's embedding when the first stage holds the original (p > 1) and the last
+    embeds tokens too (multi-token prediction, models/mtp.py): its word table is a copy, with
+    OutputEmbedding's role. (Only rotary models: there is no position table to share.)"""
+    copy = Embedding(ctx)
+    declare_role(copy.word.weight, shared_embedding=True, duplicate=True)
+    return copy
+
+
 def mark_shared(weight: torch.Tensor) -> None:
     """The first stage's word table when the head lives on another stage (p > 1)."""
     declare_role(weight, shared_embedding=True)

@@ -4,7 +4,8 @@ GeLU, tied input/output embeddings; with `model.preset: llama` the same decoder 
 
 A model is built as one or more *chunks* (virtual pipeline stages); with a single stage the
 chunk is the whole model. The first chunk embeds, the last one applies the final norm, the
-output layer and the vocab-parallel loss.
+output layer and the vocab-parallel loss, and runs the multi-token-prediction depths
+(models/mtp.py) when model.mtp_layers > 0.
 """
 
 from __future__ import annotations
@@ -34,15 +35,22 @@ class GPTChunk(ModelChunk):
         hidden = self.stack(hidden, attend, positions)
         if not self.is_last:
             return self.with_aux_losses(hidden)
-        # with sequence parallelism the logits GEMM all-gathers the final hidden state
-        out = logits(self.final_ln(hidden), self.output_table(), self.ctx,
-                     sequence_sharded=self.ctx.tp.sequence_parallel, ops=self.weight_ops)
-        per_token = vocab_parallel_cross_entropy(out, batch["labels"].t(), self.ctx.model.vocab_size,
-                                                 self.ctx.tp, fused=self.ctx.compile)
-        mask = batch["loss_mask"].t().to(per_token.dtype)
-        # with context parallelism this rank holds part of the sequence: its share of the
-        # micro-batch's mean, over the whole sequence's mask count (the batch carries it)
-        count = batch["loss_count"].to(per_token.dtype) if "loss_count" in batch else mask.sum()
-        loss = (per_token * mask).sum() / count.clamp(min=1.0)
-        return self.with_aux_losses((loss, {"lm_loss": loss.detach()}))
+        hidden = self.final_ln(hidden)
+        loss = self.mean_loss(hidden, labels, batch["loss_mask"], batch.get("loss_count"))
+        ahead = ({} if self.mtp is None else
+                 self.mtp(hidden, batch, self.embedding, self.mean_loss, attend, positions))
+        return self.with_aux_losses((loss, {"lm_loss": loss.detach()}), ahead)
 
+    def mean_loss(self, hidden, labels, mask, count=None):
+        """The micro-batch's mean loss over the positions `mask` [b, s] counts, from the
+        normalised hidden state [s, b, h] and `labels` [b, s]. With context parallelism this rank
+        holds part of the sequence: its share of the mean, over the whole sequence's mask count
+        `count` (the batch carries it; None: this rank's mask holds the whole sequence)."""
+        # with sequence parallelism the logits GEMM all-gathers the final hidden state
+        out = logits(hidden, self.output_table(), self.ctx,
+                     sequence_sharded=self.ctx.tp.sequence_parallel, ops=self.weight_ops)
+        per_token = vocab_parallel_cross_entropy(out, labels.t(), self.ctx.model.vocab_size,
+                                                 self.ctx.tp, fused=self.ctx.compile)
+        mask = mask.t().to(per_token.dtype)
+        count = mask.sum() if count is None else count.to(per_token.dtype)
+        return (per_token * mask).sum() / count.clamp(min=1.0)

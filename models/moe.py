@@ -169,10 +169,11 @@ def _completed_over_tensor(losses: dict, tp) -> dict:
 
 
 def routers_by_layer(chunk: nn.Module) -> dict[int, Router]:
-    """{global layer index: its router} of a chunk's MoE layers (models/chunk.py's `stack`)."""
-    stack = chunk.stack
-    return {stack.first + i: layer.mlp.router for i, layer in enumerate(stack.layers)
-            if isinstance(layer.mlp, MoEMLP)}
+    """{global layer index: its router} of a chunk's MoE layers (models/chunk.py's `stack`, and
+    the multi-token-prediction depths' layers, num_layers onwards, models/mtp.py)."""
+    stacks = [chunk.stack] + [depth.stack for depth in getattr(chunk, "mtp", None) or ()]
+    return {stack.first + i: layer.mlp.router for stack in stacks
+            for i, layer in enumerate(stack.layers) if isinstance(layer.mlp, MoEMLP)}
 
 
 class _Weight(nn.Module):

@@ -102,6 +102,10 @@ class ModelConfig:
     moe_expert_bias_rate: float = 0.0    # aux-loss-free balancing: per-expert bias update rate
     moe_router_groups: int = 1           # node-limited routing: the experts in G groups...
     moe_router_group_top_k: int = 1      # ...and each token's k from its best G' of them
+    # Multi-token prediction (DeepSeek-V3; models/mtp.py): D extra depths on the last stage,
+    # depth k predicting the token k + 1 places ahead of the main head's
+    mtp_layers: int = 0                  # D, one transformer layer each; 0 = off
+    mtp_loss_scale: float = 0.1          # lambda: the objective adds lambda / D * their losses
     # The longest position a rotary model supports (HF's max_position_embeddings); any
     # model.seq_length up to it loads its checkpoint. null = model.seq_length
     max_position_embeddings: int | None = None
@@ -129,6 +133,13 @@ class ModelConfig:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
 
     @property
+    def word_table_on_last_stage(self) -> bool:
+        """The last pipeline stage uses the word table too: for the logits (tied embeddings) or
+        to embed the multi-token-prediction depths' tokens. With p > 1 it holds a copy whose
+        gradient is summed with the first stage's."""
+        return self.tie_embeddings or self.mtp_layers > 0
+
+    @property
     def latent_attention(self) -> bool:
         """Multi-head latent attention (model.mla_kv_lora_rank > 0)."""
         return self.mla_kv_lora_rank > 0
@@ -143,12 +154,16 @@ class ModelConfig:
         return f"{self.num_heads} heads{kv}"
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether transformer layer `layer` (0-based) has a mixture of experts as its MLP."""
-        return moe_layer(layer, self.num_experts, self.moe_first_dense_layers,
-                         self.moe_layer_freq)
+        """Whether transformer layer `layer` (0-based) has a mixture of experts as its MLP.
+        Layers num_layers, num_layers + 1, ... are the multi-token-prediction depths' (model.
+        mtp_layers): of the last decoder layer's kind, as Megatron builds them."""
+        return moe_layer(min(layer, self.num_layers - 1), self.num_experts,
+                         self.moe_first_dense_layers, self.moe_layer_freq)
 
     def attention_window(self, layer: int) -> int | None:
-        """The sliding window of transformer layer `layer` (0-based), None where it is global."""
+        """The sliding window of transformer layer `layer` (0-based), None where it is global;
+        a multi-token-prediction depth's layer has the last decoder layer's."""
+        layer = min(layer, self.num_layers - 1)
         local = self.sliding_window_layers is None or layer in self.sliding_window_layers
         return self.sliding_window if local else None
 

@@ -11,6 +11,7 @@ from ptdp.config.catalogue import Chunks, DEFAULT, NAMES, SCHEDULES, ScheduleSpe
 from ptdp.config.compilation import check_compile_layers, check_cuda_graphs
 from ptdp.config.experts import check_moe_layout, check_moe_model
 from ptdp.config.latent import check_latent_attention, check_latent_layout
+from ptdp.config.mtp import check_mtp_layout, check_mtp_model
 from ptdp.config.models import (ACTIVATIONS, DEFAULT_PRESET, EXTRA_BLOCK_OPTIONS, FAMILY_NAMES,
                                 MODEL_FAMILIES, PRESETS, Samples, family_names)
 from ptdp.config.problems import Problems as _Problems
@@ -112,6 +113,7 @@ def _check_model(m: ModelConfig, out: _Problems) -> bool:
     _check_block(m, out, sizes_ok)
     check_moe_model(m, out)
     check_latent_attention(m, out)
+    check_mtp_model(m, out)
     check_window(m, out)
     return len(out.lines) == before
 
@@ -322,6 +324,7 @@ def _check_layout(cfg: Config, world_size: int, out: _Problems) -> None:
         _check_context(cfg, out)
     check_moe_layout(cfg, out)
     check_latent_layout(cfg, out)
+    check_mtp_layout(cfg, out)
     check_compile_layers(cfg, out)
     check_cuda_graphs(cfg, out)
     if out.require(tr.global_batch_size % (tr.micro_batch_size * d) == 0,

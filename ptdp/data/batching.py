@@ -12,6 +12,11 @@ along it (`SEQUENCE_KEYS`); `loss_count` carries the whole sequence's loss-mask 
 rank's loss is its share of the single-process mean. `document_ids` stays whole: the ring
 attention masks each (query chunk, key chunk) block by the documents of both chunks
 (ptdp/parallel/ring_attention.py).
+
+With multi-token prediction (model.mtp_layers = D) each micro-batch also carries every depth's
+inputs and targets, `mtp_tokens`, `mtp_labels` and `mtp_loss_mask` [b, s, D], and the counts
+over the whole sequence `mtp_loss_count` [D] (`future_targets`): shifted on the host, before the
+context split, so that no context rank needs a token another holds.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from ptdp.config.batches import BatchSchedule
 from ptdp.parallel.context import context_shard
 
 # The [b, s] tensors of a micro-batch, split along the sequence with context parallelism.
-SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "types", "padding_mask", "position_ids")
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "types", "padding_mask", "position_ids",
+                 "mtp_tokens", "mtp_labels", "mtp_loss_mask")
 
 
 def micro_batch_indices(iteration: int, micro_batch: int, *, global_batch: int,
@@ -62,8 +68,10 @@ class MicroBatches:
 
     def __init__(self, dataset, *, global_batch: int, micro_batch_size: int, data_rank: int,
                  data_size: int, device: torch.device, context_rank: int = 0,
-                 context_size: int = 1, schedule: BatchSchedule | None = None):
+                 context_size: int = 1, schedule: BatchSchedule | None = None,
+                 prediction_depths: int = 0):
         self.dataset, self.device = dataset, device
+        self.prediction_depths = prediction_depths   # model.mtp_layers
         self.schedule = schedule or BatchSchedule(global_batch)
         self.micro_batch_size = micro_batch_size
         self.data_rank, self.data_size = data_rank, data_size
@@ -88,8 +96,10 @@ class MicroBatches:
                                   micro_batch_size=self.micro_batch_size, data_rank=self.data_rank,
                                   data_size=self.data_size,
                                   consumed=self.schedule.consumed(iteration))
-        batch = context_split(collate([self.dataset[i % n] for i in idx]), self.context_rank,
-                              self.context_size)
+        batch = collate([self.dataset[i % n] for i in idx])
+        if self.prediction_depths:
+            batch.update(future_targets(batch, self.prediction_depths))
+        batch = context_split(batch, self.context_rank, self.context_size)
         if getattr(self.dataset, "masked_lm", False):
             batch["loss_rows"] = loss_rows(batch["loss_mask"])
         return batch
@@ -118,6 +128,25 @@ def loss_rows(loss_mask: torch.Tensor) -> torch.Tensor:
         filler = (flat == 0).nonzero()[0]
         rows = torch.cat([rows, filler.expand(count - len(rows))])
     return rows
+
+
+def shift_left(x: torch.Tensor, k: int) -> torch.Tensor:
+    """[b, s] -> the same with position i holding x[:, i + k], the last k positions 0."""
+    return torch.cat([x[:, k:], x.new_zeros(x.shape[0], k)], dim=1)
+
+
+def future_targets(batch: dict, depths: int) -> dict:
+    """Multi-token prediction's inputs and targets (models/mtp.py): depth k (1 .. `depths`)
+    embeds at position i token i + k, tokens[i + k], and predicts the token after it,
+    labels[i + k], where that token's loss mask counts. Past the sequence's end both are 0 and
+    the mask 0, as Megatron's roll leaves them. Stacked along a last dimension: `mtp_tokens`,
+    `mtp_labels`, `mtp_loss_mask` [b, s, depths], and `mtp_loss_count` [depths], each depth's
+    count over the whole sequence."""
+    ahead = range(1, depths + 1)
+    stacked = lambda x: torch.stack([shift_left(x, k) for k in ahead], dim=-1)  # noqa: E731
+    masks = stacked(batch["loss_mask"])
+    return {"mtp_tokens": stacked(batch["tokens"]), "mtp_labels": stacked(batch["labels"]),
+            "mtp_loss_mask": masks, "mtp_loss_count": masks.sum(dim=(0, 1))}
 
 
 def context_split(batch: dict, rank: int, size: int) -> dict:

@@ -3,7 +3,8 @@
 The families (ptdp/hf/registry.py; docs/models.md has the table): GPT-2 (ptdp/hf/gpt2.py),
 Megatron-BERT (megatron_bert.py), Llama, Mistral, Qwen2 and Qwen3 (llama.py), Gemma
 (gemma.py, which also names why Gemma 2 and 3 are refused), Phi-3 (phi3.py), Mixtral,
-Qwen2-MoE and Qwen3-MoE (moe.py). Each maps its config and its weights both ways; anything it
+Qwen2-MoE and Qwen3-MoE (moe.py), DeepSeek-V3 (deepseek.py, with its multi-token-prediction
+layers beside transformers': mtp.py). Each maps its config and its weights both ways; anything it
 cannot reproduce exactly is refused in one line (`ConversionError`) before anything is
 written.
 
@@ -18,7 +19,7 @@ and written as a checkpoint of the layout the overrides ask for (ptdp/checkpoint
 `save_full_state`), with the directory's tokenizer files; `ptdp train ... checkpoint.load=OUT`
 continues from it (with fresh optimizer state). Of the model keys the overrides may set only
 model.seq_length (a rotary model: up to its max_position_embeddings, default 4096; a learned
-table is cut to it) and the dropout rates.
+table is cut to it), the dropout rates and model.mtp_loss_scale.
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from ptdp.data.tokenizer import checked_tokenizer
 from ptdp.config import ModelConfig
 from ptdp.hf.base import ConversionError, Family, require
 from ptdp.hf.gemma import REFUSED
+from ptdp.hf.mtp import (depth_prefixes, prediction_depths, read_depths, split_depths,
+                         write_depths)
 from ptdp.hf.registry import family_of, family_of_model_type
 from ptdp.hf.tokenizer import directory_tokenizer, write_tokenizer
 from ptdp.inference.local_model import checkpoint_tokenizer, model_config, read_full_state
@@ -74,9 +77,11 @@ def to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     model = getattr(transformers, family.hf_class)(config)
     weights = family.to_hf(cfg, state)
     family.meta_to_hf(cfg, meta, weights)
+    depths = split_depths(family, cfg, weights)   # the layers transformers' class lacks
     model.load_state_dict(weights, strict=True)
     out = Path(out_dir)
     model.save_pretrained(str(out))
+    write_depths(out, depths)
     if tok_path:
         write_tokenizer(tok_path, out, cfg.arch, cfg.max_positions)
     return {"class": family.hf_class, "checkpoint": str(directory),
@@ -111,9 +116,11 @@ def read_hf_config(hf_dir: str | os.PathLike):
     return family, config, family.model_config(config)
 
 
-def load_hf_weights(hf_dir: str | os.PathLike, family: Family, config) -> dict:
+def load_hf_weights(hf_dir: str | os.PathLike, family: Family, config,
+                    beside: tuple[str, ...] = ()) -> dict:
     """The HF model's state dict, loaded by transformers, or a one-line ConversionError: no
-    weights, unreadable weights, or weights that are not config.json's model."""
+    weights, unreadable weights, or weights that are not config.json's model (but for those
+    whose names start with `beside`: layers read beside transformers)."""
     import torch
     import transformers
 
@@ -133,6 +140,7 @@ def load_hf_weights(hf_dir: str | os.PathLike, family: Family, config) -> dict:
             ("unexpected_keys", "hold {n} tensor(s) config.json has no place for", "fewer"),
             ("mismatched_keys", "have {n} tensor(s) of another shape than config.json's", "")):
         names = [k[0] if isinstance(k, tuple) else k for k in info.get(key) or ()]
+        names = [name for name in names if not name.startswith(beside)]
         if names:
             first = min(names, key=lambda name: (order.get(name, len(order)), name))
             layers = (f" (config.json gives {hint} layers than the weights hold)"
@@ -172,13 +180,17 @@ def from_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overrides: list[s
 
     _quiet_transformers()
     family, config, model_cfg = read_hf_config(hf_dir)
+    family = family.for_config(config)
+    model_cfg = replace(model_cfg, mtp_layers=prediction_depths(hf_dir, family, config,
+                                                                model_cfg.num_layers))
     tokenizer = directory_tokenizer(hf_dir)
     if tokenizer:
         checked_tokenizer(tokenizer, model_cfg.vocab_size)
     cfg = conversion_config(model_cfg, overrides, tokenizer)
     check_model_overrides(model_cfg, cfg.model)
-    hf = load_hf_weights(hf_dir, family, config)
-    state = family.for_config(config).from_hf(model_cfg, hf)
+    hf = load_hf_weights(hf_dir, family, config, depth_prefixes(model_cfg))
+    hf.update(read_depths(hf_dir, model_cfg))
+    state = family.from_hf(model_cfg, hf)
     if "embedding.position" in state:   # a learned table: cut to model.seq_length on request
         state["embedding.position"] = state["embedding.position"][:cfg.model.seq_length]
     return save_full_state(state, cfg, out, iteration=iteration,
@@ -187,9 +199,9 @@ def from_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overrides: list[s
 
 def check_model_overrides(read: ModelConfig, model: ModelConfig) -> None:
     """Of the model keys, a conversion may set only the sequence length (a learned table is cut
-    to it; a rotary model takes any up to its longest position) and the training-only rates;
-    anything else would not be the Hugging Face model: one line naming the key."""
-    free = ("seq_length", "dropout", "attention_dropout", "init_std")
+    to it; a rotary model takes any up to its longest position) and the training-only rates
+    and coefficient (multi-token prediction's λ); anything else would not be the Hugging Face model: one line naming the key."""
+    free = ("seq_length", "dropout", "attention_dropout", "init_std", "mtp_loss_scale")
     for field in fields(ModelConfig):
         key, want, got = field.name, getattr(read, field.name), getattr(model, field.name)
         if key not in free and want != got:

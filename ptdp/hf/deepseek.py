@@ -21,8 +21,10 @@ renormalised (`norm_topk_prob`) and scaled (`routed_scaling_factor`), plus
 Refused, naming the setting: rms_norm_eps other than 1e-6 (HF's latent norms keep 1e-6 whatever
 it says; ptdp's use model.layernorm_eps), n_group > 1 with num_experts_per_tok / topk_group
 other than 2 (HF scores a group by its best 2 experts; ptdp, as Megatron, by its best k / G'),
-no mixture-of-experts layer, and what Llama's refusals name. Not converted: the multi-token
-prediction layers (`num_nextn_predict_layers`), which transformers' class does not hold either.
+no mixture-of-experts layer, and what Llama's refusals name. The multi-token-prediction layers
+(`num_nextn_predict_layers`, `model.layers.{num_hidden_layers + j}`), which transformers' class
+does not hold, are ptdp's `mtp.{j}.*` (model.mtp_layers), read from and written to the
+safetensors beside it (ptdp/hf/mtp.py).
 HF masks the groups a token may not use with 0 rather than -inf: where the groups it may use
 hold fewer than k experts whose score plus bias is positive, its choice can differ from ptdp's
 (and Megatron's).
@@ -38,6 +40,7 @@ from ptdp.config import ModelConfig
 from ptdp.hf.base import require
 from ptdp.hf.llama import Llama
 from ptdp.hf.moe import _Experts
+from ptdp.hf.mtp import PredictionLayers
 from ptdp.models.rotary import interleaved_rows
 
 DEEPSEEK_BIAS_RATE = 1e-3   # DeepSeek-V3's bias update speed (its paper's gamma)
@@ -47,7 +50,7 @@ _ATTENTION = [("q_down", "q_a_proj"), ("q_norm", "q_a_layernorm"), ("q_up", "q_b
               ("kv_up", "kv_b_proj")]
 
 
-class DeepseekV3(_Experts, Llama):
+class DeepseekV3(PredictionLayers, _Experts, Llama):
     model_type, hf_class, config_class = "deepseek_v3", "DeepseekV3ForCausalLM", "DeepseekV3Config"
     latent_attention = True
     block = {**{k: v for k, v in Llama.block.items() if k != "num_experts"},   # any, or dense
@@ -111,7 +114,8 @@ class DeepseekV3(_Experts, Llama):
                          qk_nope_head_dim=cfg.head_dim, qk_rope_head_dim=cfg.mla_rope_head_dim,
                          head_dim=cfg.mla_rope_head_dim, v_head_dim=cfg.mla_v_head_dim,
                          kv_lora_rank=cfg.mla_kv_lora_rank,
-                         q_lora_rank=cfg.mla_q_lora_rank or None, rope_interleave=False)
+                         q_lora_rank=cfg.mla_q_lora_rank or None, rope_interleave=False,
+                         num_nextn_predict_layers=cfg.mtp_layers)
         if not cfg.num_experts:   # every layer dense (HF's expert sizes then build nothing)
             return dict(attention, first_k_dense_replace=cfg.num_layers)
         return dict(attention, n_routed_experts=cfg.num_experts,
@@ -152,7 +156,8 @@ class DeepseekV3(_Experts, Llama):
                               out)
 
     def meta_from_hf(self, cfg: ModelConfig, hf: dict) -> dict | None:
-        """The routers' selection biases as a ptdp checkpoint's metadata keeps them."""
+        """The routers' selection biases as a ptdp checkpoint's metadata keeps them (the
+        prediction depths' under num_layers + j)."""
         if not cfg.num_experts:
             return None
         biases = {str(i): hf[f"model.layers.{i}.mlp.gate.e_score_correction_bias"].float().tolist()
@@ -160,9 +165,10 @@ class DeepseekV3(_Experts, Llama):
         return {"moe": {"expert_bias": biases}}
 
     def meta_to_hf(self, cfg: ModelConfig, meta: dict, out: dict) -> None:
-        """Each MoE layer's `e_score_correction_bias`: the checkpoint's biases (0 without)."""
+        """Each MoE layer's `e_score_correction_bias` (the depths' too): the checkpoint's
+        biases (0 without)."""
         biases = meta.get("moe", {}).get("expert_bias", {})
-        for i in range(cfg.num_layers):
+        for i in range(cfg.num_layers + cfg.mtp_layers):
             if cfg.is_moe_layer(i):
                 out[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] = torch.tensor(
                     biases.get(str(i), [0.0] * cfg.num_experts), dtype=torch.float32)

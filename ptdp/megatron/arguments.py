@@ -22,6 +22,7 @@ from ptdp.megatron.converters import (
     rope_scaling_factor, seed, split, tokenizer, vocab_size)
 from ptdp.megatron.latent_flags import LATENT_ARGS, not_with_latent, qk_layernorm
 from ptdp.megatron.moe_flags import MOE_ARGS, expert_tensor_parallel
+from ptdp.megatron.mtp_flags import MTP_ARGS
 from ptdp.megatron.rows import Arg
 from ptdp.megatron.recompute_modules import recompute_modules, selective_default
 from ptdp.megatron.script_converters import (
@@ -61,7 +62,8 @@ ARGS: tuple[Arg, ...] = (
     Arg("--decoder-last-pipeline-num-layers", "parallel.stage_layers", EXACT, first_last,
         note="the last rank's layers, the rest even; each of a rank's v chunks holds 1/v"),
     Arg("--pipeline-model-parallel-layout", "parallel.stage_layers", EXACT, layout,
-        note="E, t and L stages (no MTP); also parallel.chunks = stages / p"),
+        note="E, t, L and m (MTP depths, on the last stage only) stages; also "
+             "parallel.chunks = stages / p"),
     Arg("--account-for-embedding-in-pipeline-split", "parallel.stage_layers", EXACT, accounted,
         note="the embedding counts as a layer of an even split", nargs=0),
     Arg("--account-for-loss-in-pipeline-split", "parallel.stage_layers", EXACT, accounted,
@@ -195,6 +197,7 @@ ARGS: tuple[Arg, ...] = (
     Arg("--deterministic-mode", None, IGNORED, ignore(_KERNEL), nargs=0),
     *MOE_ARGS,   # ptdp/megatron/moe_flags.py
     *LATENT_ARGS,   # ptdp/megatron/latent_flags.py
+    *MTP_ARGS,   # ptdp/megatron/mtp_flags.py
     # Precision
     Arg("--fp16", "train.precision", EXACT, const("fp16"), nargs=0),
     Arg("--bf16", "train.precision", EXACT, const("bf16"), nargs=0),
@@ -413,7 +416,6 @@ ARGS: tuple[Arg, ...] = (
     Arg("--grpo-*", None, REFUSED, refuse("ptdp has no reinforcement learning")),
     Arg("--mamba-*", None, REFUSED, refuse("ptdp has no state-space layers"), model=True),
     Arg("--muon-*", None, REFUSED, refuse("ptdp trains with AdamW")),
-    Arg("--mtp-*", None, REFUSED, refuse("ptdp has no multi-token prediction"), model=True),
     Arg("--sft*", None, REFUSED, refuse("ptdp pretrains")),
 )
 

@@ -5,6 +5,7 @@ interleaved pairs, and TransformerEngine's fused norm names."""
 
 from __future__ import annotations
 
+from ptdp.megatron.mtp_names import layer_index
 from ptdp.models.rotary import interleaved_rows
 
 _ROTARY_ROWS = ("self_attention.linear_q_up_proj.weight", "self_attention.linear_q_proj.weight",
@@ -42,15 +43,15 @@ def rotary_rows(cfg, theirs: str, value, to_pairs: bool):
 def fused_latent_names(state: dict, cfg) -> dict:
     """The local spec's names -> TransformerEngine's MLA spec's: the latent norms into the
     up-projections, a dense layer's pre-MLP norm into fc1 (megatron-core's MoE layers keep
-    theirs), input_layernorm kept."""
+    theirs; a prediction depth's layer is of global index num_layers + j), input_layernorm
+    kept."""
     out = {}
     for name, value in state.items():
         name = name.replace(".self_attention.q_layernorm.",
                             ".self_attention.linear_q_up_proj.layer_norm_")
         name = name.replace(".self_attention.kv_layernorm.",
                             ".self_attention.linear_kv_up_proj.layer_norm_")
-        if ".pre_mlp_layernorm." in name and not cfg.is_moe_layer(
-                int(name.split(".layers.")[1].split(".")[0])):
+        if ".pre_mlp_layernorm." in name and not cfg.is_moe_layer(layer_index(cfg, name)):
             name = name.replace(".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_")
         out[name] = value
     return out

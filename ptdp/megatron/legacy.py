@@ -15,6 +15,12 @@ accounted in the split, a layout) from the start of virtual stage k * P + s
 Writing does the inverse, with the last stage's copy of a tied word table as
 `output_layer.weight` and `_extra_state: None` for each of a layer's modules that megatron-core
 gives one (names.py `extra_states`); experts as ptdp/megatron/experts.py says.
+
+Multi-token prediction (`mtp.layers.{j}.*`, ptdp/megatron/mtp_names.py) lives on the last
+stage, with megatron-core's copy of the word table there (`embedding.word_embeddings.weight`,
+kept equal to the first stage's; read from the first stage only) and, tied, an
+`output_layer.weight` megatron-core allocates but never uses (the logits take the embedding's:
+gpt_model.py `shared_embedding_or_output_weight`), written as the word table.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from ptdp.megatron.names import (extra_states, fused_norm_names, is_gated_fc1,
                                  local_norm_names, partition_dim, require, written_norm_names)
 
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
+WORD = "embedding.word_embeddings.weight"
 
 
 def _chunks(saved: dict, path: Path) -> list[dict]:
@@ -106,7 +113,8 @@ def _rank_state(path: Path, saved: dict, args, rank: tuple[int, int, int],
         out.update((name, value) for name, value in
                    _renumbered(local_norm_names(chunk), offset).items()
                    if isinstance(value, torch.Tensor)
-                   and (expert_rank == 0 or experts.is_expert(name)))
+                   and (expert_rank == 0 or experts.is_expert(name))
+                   and (name != WORD or (stage, k) == (0, 0)))   # the MTP stage's copy
     return out, saved.get("opt_param_scheduler") or {}
 
 
@@ -182,6 +190,8 @@ def write(state: dict[str, torch.Tensor], cfg: ModelConfig, args, root: Path, it
         p, local = _stage_of(name, cfg, pipeline)
         for t, shard in enumerate(_split(name, value, tensor, cfg)):
             dicts[t, p][local] = shard.clone().contiguous()
+            if name == WORD and cfg.mtp_layers and pipeline > 1:   # the depths embed tokens
+                dicts[t, pipeline - 1][local] = shard.clone().contiguous()
     final = root / f"iter_{iteration:07d}"
     local_experts = cfg.num_experts // expert
     for (t, p), model in dicts.items():

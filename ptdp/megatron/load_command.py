@@ -9,6 +9,7 @@ written. Optimizer and RNG states are not written, hence --no-load-optim --no-lo
 from __future__ import annotations
 
 from ptdp.megatron.model_args import gelu_with_bias
+from ptdp.megatron.mtp_args import mtp_flags
 
 # (Megatron-LM flag, argument): flags with a value, written when the argument is not None.
 VALUED = [
@@ -87,6 +88,7 @@ def load_flags(args, split: bool) -> list[str]:
                 add(flag, getattr(args, name))
     if moe:
         add("--moe-layer-freq", args.moe_layer_freq)
+    words += mtp_flags(args)   # --mtp-num-layers, --mtp-loss-scaling-factor
     if split:
         add("--tensor-model-parallel-size", args.tensor_model_parallel_size)
         add("--pipeline-model-parallel-size", args.pipeline_model_parallel_size)

@@ -10,8 +10,9 @@ what reproduces its logits and losses.
 Written (ptdp -> Megatron): every argument Megatron-LM's `load_args_from_checkpoint` reads and
 its `check_checkpoint_args` compares (tensor/pipeline sizes, make_vocab_size_divisible_by,
 add_position_embedding, the tokenizer's, ptdp/megatron/tokenizer_args.py), the MoE ones
-(ptdp/megatron/moe_args.py) and the progress fields its loader reads (iteration,
-consumed_train_samples); ptdp/megatron/load_command.py prints the matching command line.
+(ptdp/megatron/moe_args.py), multi-token prediction's (ptdp/megatron/mtp_args.py) and the
+progress fields its loader reads (iteration, consumed_train_samples);
+ptdp/megatron/load_command.py prints the matching command line.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ptdp.config import ModelConfig
 from ptdp.config.models import GPT2_BLOCK, LLAMA_BLOCK, Heads, model_family
 from ptdp.megatron.latent import latent_megatron_args, refuse_latent_for_megatron
 from ptdp.megatron.moe_args import moe_args, moe_config, refuse_moe_for_megatron
+from ptdp.megatron.mtp_args import mtp_config, mtp_megatron_args, mtp_notes
 from ptdp.megatron.names import argument, require
 
 # Megatron's llama3 rope scaling (rotary_pos_embedding.py `_apply_scaling`) fixes these three.
@@ -110,7 +112,7 @@ def model_config(args, arch: str, vocab_rows: int | None = None) -> ModelConfig:
         bias=bias, head_dim=kv,
         qkv_bias=bias or bool(argument(args, "add_qkv_bias", False)),
         tie_embeddings=not argument(args, "untie_embeddings_and_output_weights", False),
-        **moe_config(args, argument))
+        **moe_config(args, argument), **mtp_config(args))
     return ModelConfig(**dict(keys, **_latent(args, latent, heads, extra)))
 
 
@@ -152,7 +154,7 @@ def notes(args, arch: str) -> list[str]:
     if argument(args, "openai_gelu", False):
         out.append("--openai-gelu changes only Megatron-LM's legacy models; its megatron-core "
                    "model computed the GeLU the checkpoint converts with")
-    return out
+    return out + mtp_notes(args)
 
 
 def gelu_with_bias(args) -> bool:
@@ -250,7 +252,8 @@ def megatron_args(cfg: ModelConfig, split: dict, padded_vocab: int, progress: di
         init_method_std=cfg.init_std, apply_query_key_layer_scaling=False,
         apply_residual_connection_post_layernorm=False,
         bert_binary_head=cfg.family.heads is Heads.BERT,
-        **NOT_PTDP, **moe_args(cfg), **latent_megatron_args(cfg), **tokenizer,
+        **NOT_PTDP, **moe_args(cfg), **latent_megatron_args(cfg), **mtp_megatron_args(cfg),
+        **tokenizer,
         padded_vocab_size=padded_vocab,
         make_vocab_size_divisible_by=vocab_divisor(cfg.vocab_size, split["tensor"]),
         tensor_model_parallel_size=split["tensor"],

@@ -14,6 +14,10 @@ What differs besides the names:
     up (`fc1.view(f, 2, h)`, so any tensor split keeps pairs together).
   * The tied output layer: Megatron's last pipeline stage keeps a copy named
     `output_layer.weight`; ptdp stores the word table once.
+
+Multi-token prediction's depths (`mtp.layers.{j}.*`, ptdp/megatron/mtp_names.py) are mapped
+here too: their norms and projection by name, their transformer layer as a decoder layer of
+global index num_layers + j (the same pairs, SwiGLU rows, experts and selection bias).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from ptdp.config import ModelConfig
 from ptdp.config.models import BERT, GPT, Heads
 from ptdp.megatron.latent_names import fused_latent_names, latent_pairs, rotary_rows
+from ptdp.megatron.mtp_names import depth_pairs, layer_prefixes
 from ptdp.models.transformer import fuse_gate_up, split_gate_up
 
 
@@ -54,7 +59,7 @@ FUSED_LATENT_NORMS = {
 COLUMN_PARALLEL = (".linear_qkv.weight", ".linear_qkv.bias", ".linear_fc1.weight",
                    ".linear_q_up_proj.weight", ".linear_q_proj.weight", ".linear_kv_up_proj.weight",
                    ".linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight",
-                   "output_layer.bias")
+                   "output_layer.bias", ".eh_proj.weight")   # (eh_proj: multi-token prediction's)
 ROW_PARALLEL = (".linear_proj.weight", ".linear_fc2.weight")
 
 
@@ -137,23 +142,9 @@ def _pairs(cfg: ModelConfig):
     if cfg.family.token_types:
         yield "embedding.tokentype", "embedding.tokentype_embeddings.weight"
     norm_kinds = bias if cfg.normalization == "layernorm" else ("weight",)
-    for i in range(cfg.num_layers):
-        ours, theirs = f"layers.{i}.", f"{block}.layers.{i}."
-        proj_kinds = bias if cfg.bias else ("weight",)
-        if cfg.latent_attention:
-            yield from latent_pairs(cfg, ours, theirs, norm_kinds, proj_kinds)
-        for a, b, kinds in [
-                ("ln1", "input_layernorm", norm_kinds), ("ln2", "pre_mlp_layernorm", norm_kinds),
-                ("attention.qkv", "self_attention.linear_qkv",
-                 bias if cfg.qkv_bias else ("weight",)),
-                ("attention.proj", "self_attention.linear_proj", proj_kinds)]:
-            if cfg.latent_attention and a.startswith("attention."):
-                continue
-            for kind in kinds:
-                yield f"{ours}{a}.{kind}", f"{theirs}{b}.{kind}"
-        for a, b in _mlp_linears(cfg, i):
-            if not (cfg.gated and _is_fc1(a)):
-                yield f"{ours}{a}", f"{theirs}{b}"
+    for i, ours, theirs in _layers(cfg):
+        yield from _layer_pairs(cfg, i, ours, theirs, norm_kinds)
+    yield from depth_pairs(cfg, norm_kinds)   # multi-token prediction's (mtp_names.py)
     for kind in norm_kinds:
         yield f"final_ln.{kind}", f"{block}.final_layernorm.{kind}"
     if not cfg.tie_embeddings:
@@ -164,6 +155,35 @@ def _pairs(cfg: ModelConfig):
             for kind in bias:
                 yield f"{a}.{kind}", f"{b}.{kind}"
         yield "heads.lm_bias", "output_layer.bias"
+
+
+def _layers(cfg: ModelConfig):
+    """(global index, ptdp prefix, Megatron prefix) of every transformer layer: the decoder's
+    (encoder's) and the multi-token-prediction depths' (ptdp/megatron/mtp_names.py)."""
+    block = block_name(cfg)
+    for i in range(cfg.num_layers):
+        yield i, f"layers.{i}.", f"{block}.layers.{i}."
+    yield from layer_prefixes(cfg)
+
+
+def _layer_pairs(cfg: ModelConfig, i: int, ours: str, theirs: str, norm_kinds):
+    """(ptdp, Megatron) names of transformer layer i (prefixes `ours`, `theirs`) but a gated
+    fc1."""
+    bias = ("weight", "bias")
+    proj_kinds = bias if cfg.bias else ("weight",)
+    if cfg.latent_attention:
+        yield from latent_pairs(cfg, ours, theirs, norm_kinds, proj_kinds)
+    for a, b, kinds in [
+            ("ln1", "input_layernorm", norm_kinds), ("ln2", "pre_mlp_layernorm", norm_kinds),
+            ("attention.qkv", "self_attention.linear_qkv", bias if cfg.qkv_bias else ("weight",)),
+            ("attention.proj", "self_attention.linear_proj", proj_kinds)]:
+        if cfg.latent_attention and a.startswith("attention."):
+            continue
+        for kind in kinds:
+            yield f"{ours}{a}.{kind}", f"{theirs}{b}.{kind}"
+    for a, b in _mlp_linears(cfg, i):
+        if not (cfg.gated and _is_fc1(a)):
+            yield f"{ours}{a}", f"{theirs}{b}"
 
 
 def _mlp_linears(cfg: ModelConfig, layer: int):
@@ -193,11 +213,10 @@ def _is_fc1(name: str) -> bool:
 def _fc1_names(cfg: ModelConfig):
     """(ptdp, Megatron) names of every fc1 weight (and bias) whose rows are SwiGLU's gate and
     up."""
-    block = block_name(cfg)
-    for i in range(cfg.num_layers):
+    for i, ours, theirs in _layers(cfg):
         for a, b in _mlp_linears(cfg, i):
             if _is_fc1(a):
-                yield f"layers.{i}.{a}", f"{block}.layers.{i}.{b}"
+                yield f"{ours}{a}", f"{theirs}{b}"
 
 
 def to_ptdp(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -243,12 +262,16 @@ def _cut_rows(cfg: ModelConfig, out: dict[str, torch.Tensor]) -> dict[str, torch
 EXPERT_BIAS = ".mlp.router.expert_bias"
 
 
+def _routers(cfg: ModelConfig) -> dict[str, str]:
+    """{global MoE layer: its router's Megatron selection-bias name}, the depths' layers too."""
+    return {str(i): f"{theirs}{EXPERT_BIAS[1:]}" for i, _, theirs in _layers(cfg)
+            if cfg.is_moe_layer(i)}
+
+
 def expert_biases(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, list[float]]:
     """The routers' selection biases of a Megatron state (--moe-router-enable-expert-bias) as
     ptdp's checkpoints hold them (metadata "moe" `expert_bias`: layer -> E values)."""
-    block = block_name(cfg)
-    return {str(i): state[f"{block}.layers.{i}{EXPERT_BIAS}"].float().tolist()
-            for i in range(cfg.num_layers) if f"{block}.layers.{i}{EXPERT_BIAS}" in state}
+    return {i: state[name].float().tolist() for i, name in _routers(cfg).items() if name in state}
 
 
 def to_megatron(cfg: ModelConfig, full: dict[str, torch.Tensor],
@@ -258,11 +281,9 @@ def to_megatron(cfg: ModelConfig, full: dict[str, torch.Tensor],
     out = {theirs: rotary_rows(cfg, theirs, full[ours], to_pairs=True)
            for ours, theirs in _pairs(cfg)}
     if cfg.moe_expert_bias_rate > 0:   # megatron-core's router then holds the buffer
-        for i in range(cfg.num_layers):
-            if cfg.is_moe_layer(i):
-                row = (biases or {}).get(str(i), [0.0] * cfg.num_experts)
-                out[f"{block_name(cfg)}.layers.{i}{EXPERT_BIAS}"] = torch.tensor(
-                    row, dtype=torch.float32)
+        for i, name in _routers(cfg).items():
+            row = (biases or {}).get(i, [0.0] * cfg.num_experts)
+            out[name] = torch.tensor(row, dtype=torch.float32)
     if cfg.gated:
         for ours, theirs in _fc1_names(cfg):
             out[theirs] = torch.cat(split_gate_up(full[ours]), dim=0)
@@ -275,9 +296,10 @@ VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight", "output
 # spec) for each linear of a layer (experts' and shared experts' included) and, with
 # TransformerEngine, for its attention kernel. A strict load expects exactly these, so a
 # written checkpoint has them.
-_LINEAR = re.compile(r"^(.*\.linear_(?:qkv|proj|fc1|fc2|q_proj|q_down_proj|q_up_proj|kv_down_proj"
-                     r"|kv_up_proj))\.weight$")
-_QKV = re.compile(r"^(.*\.layers\.\d+\.self_attention\.)linear_(?:qkv|kv_up_proj)\.weight$")
+_LINEAR = re.compile(r"^(.*\.(?:linear_(?:qkv|proj|fc1|fc2|q_proj|q_down_proj|q_up_proj|kv_down_proj"
+                     r"|kv_up_proj)|eh_proj))\.weight$")
+_QKV = re.compile(r"^(.*\.layers\.\d+\.(?:transformer_layer\.)?self_attention\.)"
+                  r"linear_(?:qkv|kv_up_proj)\.weight$")
 
 
 def extra_states(state: dict, fused_norms: bool) -> dict:

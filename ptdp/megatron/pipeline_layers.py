@@ -11,7 +11,9 @@ As megatron-core places layers (`get_num_layers_to_build`, `PipelineParallelLaye
   the first (last) virtual stage holds one layer fewer.
 * `--pipeline-model-parallel-layout`: every virtual stage spelled out in order, `|` between
   stages, `E` the embedding (first stage), `t` a transformer layer, `L` the loss (last stage),
-  `X*n` and `(...)*n` repeat; it also fixes v = stages / p.
+  `m` a multi-token-prediction depth (as many as --mtp-num-layers, after every `t`; ptdp runs
+  them on the last stage, so a layout placing them earlier is refused), `X*n` and `(...)*n`
+  repeat, commas are cosmetic; it also fixes v = stages / p.
 
 Each converter works out the whole list from every argument given, so the flags that belong
 together agree. Torch-free.
@@ -29,6 +31,7 @@ FIRST, LAST = "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-nu
 EMBEDDING = "--account-for-embedding-in-pipeline-split"
 LOSS = "--account-for-loss-in-pipeline-split"
 LAYOUT = "--pipeline-model-parallel-layout"
+MTP = "--mtp-num-layers"
 _VIRTUAL = ("--num-virtual-stages-per-pipeline-rank", "--virtual-pipeline-model-parallel-size")
 
 
@@ -89,22 +92,47 @@ def accounted(value, given):
 
 
 def layout(value, given):
-    """--pipeline-model-parallel-layout -> stage_layers, and v = its stages / p."""
+    """--pipeline-model-parallel-layout -> stage_layers, and v = its stages / p. Multi-token
+    prediction's depths (m) only on the last stage, where ptdp runs them."""
+    return _layout(value, given, mtp_last=True)
+
+
+def _layout(value, given, mtp_last: bool) -> dict:
+    """`mtp_last`: refuse m before the last stage (a checkpoint's layers count the same)."""
     layers, p, _ = _sizes(given)
-    text = _expand(re.sub(r"\s", "", str(value)))
-    stages = text.split("|")
+    stages = layout_stages(value)
     v, rest = divmod(len(stages), p)
     if rest:
         raise Unmapped(REFUSED, f"{len(stages)} stages are not a multiple of p = {p}")
     for k, stage in enumerate(stages):
-        allowed = "t" + ("E" if k == 0 else "") + ("L" if k == len(stages) - 1 else "")
+        last = k == len(stages) - 1
+        allowed = "tm" + ("E" if k == 0 else "") + ("L" if last else "")
         if set(stage) - set(allowed):
             raise Unmapped(REFUSED, f"stage {k} '{stage}': ptdp's stages hold transformer "
-                                    f"layers (t), the embedding on the first (E) and the loss "
-                                    f"on the last (L)")
+                                    f"layers (t), the embedding on the first (E), the loss and "
+                                    f"the multi-token-prediction depths (m) on the last (L)")
+        if "m" in stage and not last and mtp_last:
+            raise Unmapped(REFUSED, f"stage {k} '{stage}': MTP depths (m) before the last stage; "
+                                    f"ptdp runs them on the last stage, with the loss")
+    _check_depths("".join(stages), given_int(given, MTP, 0) or 0)
     out = _check([stage.count("t") for stage in stages], layers)
     out.update({"parallel.chunks": v, **({"schedule.name": INTERLEAVED.name} if v > 1 else {})})
     return out
+
+
+def _check_depths(text: str, depths: int) -> None:
+    """The m entries: as many as --mtp-num-layers, after every t (megatron-core's checks)."""
+    if text.count("m") != depths:
+        raise Unmapped(REFUSED, f"{text.count('m')} MTP depths (m) in the layout, but "
+                                f"{MTP} {depths}: Megatron-LM requires them equal")
+    if depths and "t" in text[text.index("m"):]:
+        raise Unmapped(REFUSED, "a transformer layer (t) after an MTP depth (m): megatron-core "
+                                "places every decoder layer before them")
+
+
+def layout_stages(value) -> list[str]:
+    """A layout's virtual stages, repetitions expanded, cosmetic commas and spaces dropped."""
+    return _expand(re.sub(r"[\s,]", "", str(value))).split("|")
 
 
 def _expand(text: str) -> str:
@@ -131,7 +159,9 @@ def counts_from_args(args, pipeline: int, chunks: int) -> list[int] | None:
     if not given or pipeline == 1:
         return None
     given.update({"--num-layers": args.num_layers, "--pipeline-model-parallel-size": pipeline,
-                  "--num-virtual-stages-per-pipeline-rank": chunks})
-    convert = (layout if LAYOUT in given else first_last if FIRST in given or LAST in given
-               else accounted)
+                  "--num-virtual-stages-per-pipeline-rank": chunks,
+                  MTP: getattr(args, "mtp_num_layers", None) or 0})
+    if LAYOUT in given:   # the depths' stage does not move a checkpoint's layers
+        return _layout(given[LAYOUT], given, mtp_last=False)["parallel.stage_layers"]
+    convert = first_last if FIRST in given or LAST in given else accounted
     return convert(given[next(iter(given))], given)["parallel.stage_layers"]

@@ -10,7 +10,8 @@ Read beside the iteration directory (or its parent): `run_config.yaml` (Megatron
 
 From the weights: the layers, hidden and vocabulary sizes (the word table), the MLP width,
 SwiGLU (fc1 twice fc2's width), biases, LayerNorm or RMSNorm (a norm bias), learned or rotary
-positions (a position table), a separate output layer and the experts. What only a config
+positions (a position table), a separate output layer, the experts and the multi-token-
+prediction depths. What only a config
 says and changes the logits must be given: the attention heads, the norm epsilon and, for
 rotary positions, the base and the sequence length.
 """
@@ -28,6 +29,7 @@ from ptdp.config import ModelConfig
 from ptdp.config.models import GPT2_BLOCK, LLAMA_BLOCK
 from ptdp.megatron.experts import expert_name
 from ptdp.megatron.moe_args import moe_config
+from ptdp.megatron.mtp_names import depth_count
 from ptdp.megatron.names import MegatronConversionError, argument, require
 
 BESIDE = ("run_config.yaml", "context/model.yaml")
@@ -39,7 +41,8 @@ TRANSFORMER_CONFIG = {
     "layernorm_epsilon": "layernorm_eps", "rotary_base": "rope_theta",
     "init_method_std": "init_std", "hidden_dropout": "dropout",
     "attention_dropout": "attention_dropout", "add_bias_linear": "bias",
-    "add_qkv_bias": "qkv_bias",
+    "add_qkv_bias": "qkv_bias", "mtp_num_layers": "mtp_layers",
+    "mtp_loss_scaling_factor": "mtp_loss_scale",
 }   # and the MoE fields (`num_moe_experts`, `moe_*`), read as Megatron-LM's arguments are
 NEEDED = ("num_heads", "layernorm_eps")
 NEEDED_FOR_ROPE = ("rope_theta", "seq_length")
@@ -117,6 +120,8 @@ def from_weights(state: dict) -> dict:
            "normalization": ("layernorm" if any(n.endswith("input_layernorm.bias") for n in state)
                              else "rmsnorm"),
            "bias": any(n.endswith("linear_proj.bias") for n in state)}
+    if depths := depth_count(state):   # multi-token prediction (ptdp/megatron/mtp_names.py)
+        out["mtp_layers"] = depths
     fc2 = next((v for n, v in state.items() if n.endswith(".mlp.linear_fc2.weight")), None)
     fc1 = next((v for n, v in state.items() if n.endswith(".mlp.linear_fc1.weight")), None)
     expert_fc1 = next((v for n, v in state.items() if expert_name(n)

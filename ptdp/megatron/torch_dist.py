@@ -7,7 +7,8 @@ puts 'args', 'iteration' and 'checkpoint_version' there), `metadata.json`
 sharded keys are layout-free: every tensor is stored at its full (all tensor ranks) shape,
 the layers of a block stacked along a leading dimension under one key without a layer
 number (`decoder.layers.self_attention.linear_qkv.weight`, [num_layers, 3h, h]) whatever
-the pipeline split, the norms under TransformerEngine's fused names, SwiGLU's fc1 as
+the pipeline split (multi-token prediction's depths numbered, `mtp.layers.{j}.`), the norms
+under TransformerEngine's fused names, SwiGLU's fc1 as
 [gate (f rows); up (f rows)] and the word table padded to padded_vocab_size. Optimizer
 states, RNG states and `_extra_state` objects are other keys, not read.
 
@@ -29,7 +30,7 @@ from ptdp.megatron import experts, files
 from ptdp.megatron.names import extra_states, local_norm_names, require, written_norm_names
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "encoder.", "output_layer.", "lm_head.", "pooler.",
-                  "binary_head.")
+                  "binary_head.", "mtp.")
 _STACKED = re.compile(r"^(decoder|encoder)\.layers\.(?!\d+\.)(.*)$")
 _NUMBERED = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
@@ -148,14 +149,18 @@ def write(state: dict[str, torch.Tensor], cfg, block: str, args, directory: Path
 
 def _extra_key(name: str, layers: int, count: int, alike: bool) -> str:
     """megatron-core's key of a module's `_extra_state` (numbered layer `name`): one shard per
-    layer (and per expert) of the stacked dimensions, `KEY/shard_I_L`, `KEY/shard_I.J_L.E`."""
-    match = _NUMBERED.match(name)
-    prefix, layer, rest = (f"{match.group(1)}.layers", int(match.group(2)), match.group(3))
-    index, size = ([layer], [layers]) if alike else ([], [])
-    if expert := experts.expert_name(rest):
-        rest = experts.stacked_name(expert[0], expert[2])
+    layer (and per expert) of the stacked dimensions, `KEY/shard_I_L`, `KEY/shard_I.J_L.E`; a
+    multi-token-prediction depth's module (`mtp.layers.{j}.`, ptdp/megatron/mtp_names.py) is
+    never stacked by layer."""
+    if match := _NUMBERED.match(name):
+        prefix, layer, rest = (f"{match.group(1)}.layers", int(match.group(2)), match.group(3))
+        index, size = ([layer], [layers]) if alike else ([], [])
+        key = f"{prefix}.{rest}" if alike else f"{prefix}.{layer}.{rest}"
+    else:
+        index, size, key = [], [], name
+    if expert := experts.expert_name(key):
+        key = experts.stacked_name(expert[0], expert[2])
         index, size = index + [expert[1]], size + [count]
-    key = f"{prefix}.{rest}" if alike else f"{prefix}.{layer}.{rest}"
     if not index:
         index, size = [0], [1]
     return f"{key}/shard_{'.'.join(map(str, index))}_{'.'.join(map(str, size))}"

@@ -28,7 +28,9 @@ class ExpertLoads:
 
     def __init__(self, state):
         self.state, model = state, state.cfg.model
-        self.layers = [layer for layer in range(model.num_layers) if model.is_moe_layer(layer)]
+        # the decoder's MoE layers, then the multi-token-prediction depths' (models/mtp.py)
+        self.layers = [layer for layer in range(model.num_layers + model.mtp_layers)
+                       if model.is_moe_layer(layer)]
         self.routers: dict[int, Router] = {}
         for chunk in state.chunks.values():
             self.routers.update(routers_by_layer(chunk))

@@ -167,4 +167,5 @@ class NoFlushStep:
 
     def _tied_embeddings(self) -> bool:
         """The word table has a copy on another stage (tied embeddings, p > 1)."""
-        return self.state.cfg.model.tie_embeddings and len(self.state.grid.embedding_ranks) > 1
+        return (self.state.cfg.model.word_table_on_last_stage
+                and len(self.state.grid.embedding_ranks) > 1)

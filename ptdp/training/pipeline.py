@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ptdp.config.catalogue import FORWARD_ONLY, schedule_spec
 from ptdp.models.moe import moe_aux_loss_names
+from ptdp.models.mtp import mtp_aux_loss_names
 from ptdp.pipeline.actions import FORWARD
 from ptdp.pipeline.comm_plan import Message, check_plans, plan_exchanges
 from ptdp.pipeline.executor import PipelineExecutor
@@ -27,14 +28,16 @@ class Pipeline:
                        scatter_gather=par.scatter_gather)
         # What crosses a stage boundary (the executor's chunk contract): every model family
         # hands on one [s, b, h] hidden state. Side outputs: the aux losses of MoE layers
-        # (models/moe.py), declared here from the config, so that every rank derives the same.
+        # (models/moe.py) and of the multi-token-prediction depths (models/mtp.py), declared
+        # here from the config, so that every rank derives the same.
         # With sequence parallelism each tensor rank holds (and sends) its 1/t of the sequence,
         # with context parallelism each context rank its 2 of 2c chunks.
         boundary = ((cfg.local_seq_length, cfg.train.micro_batch_size, cfg.model.hidden_size),)
         self.executor = PipelineExecutor(state.chunks, self.p * self.v, self.p2p,
                                          boundary_shapes=lambda stage: boundary,
                                          activation_dtype=state.dtype, device=state.device,
-                                         aux_loss_names=moe_aux_loss_names(cfg.model))
+                                         aux_loss_names=moe_aux_loss_names(cfg.model)
+                                         + mtp_aux_loss_names(cfg.model))
         # each boundary tensor's shape on the wire (1/t of it with scatter/gather)
         self.wire_shapes = tuple(self.p2p.wire_shape(shape) for shape in boundary)
         # Validation runs the forwards of a forward-only schedule, nothing to backward.

@@ -77,7 +77,8 @@ class Trainer:
                          micro_batch_size=tr.micro_batch_size, data_rank=grid.dp_rank,
                          data_size=grid.d, device=device, context_rank=grid.cp_rank,
                          context_size=grid.c,
-                         schedule=self.state.batches if split == "train" else None),
+                         schedule=self.state.batches if split == "train" else None,
+                         prediction_depths=cfg.model.mtp_layers),
             cfg.data.num_workers if split != "test" else 0)
                         for split, ds in build_datasets(cfg).items() if len(ds) > 0}
         self.step = STEP_TYPES[self.spec.family](self.state, self.pipeline, self.batches["train"])
