@@ -64,7 +64,7 @@ def summary(cfg: Config, world_size: int, hardware=None) -> list[str]:
     lines = [
         f"model: {m.arch}{block}, {m.num_layers} layers, h={m.hidden_size}, {m.heads_text()}"
         f", ffn {m.ffn_hidden_size}, s={m.seq_length}, vocab {m.vocab_size} (padded "
-        f"{cfg.padded_vocab_size}), {params / 1e6:,.2f} M parameters ({formula})",
+        f"{cfg.padded_vocab_size}){_mtp_text(m)}, {params / 1e6:,.2f} M parameters ({formula})",
         layout_text(par, m.seq_length, shape.experts > 0)
         + f", v = {par.chunks}, schedule {cfg.schedule.name}, world size {world_size}",
         f"micro-batches: m = {mb} of {tr.micro_batch_size} per pipeline per iteration "
@@ -105,3 +105,11 @@ def _bubble_line(spec, p: int, v: int, m: int) -> str:
         return (f"bubble 2(p-1)/(3v*m) = {2 * bubble_fraction(p, m, v) / 3:.3f} (the cooldown "
                 f"sends input gradients first: t_F = t_B = t_W)")
     return f"bubble (p-1)/(v*m) = {bubble_fraction(p, m, v):.3f}"
+
+
+def _mtp_text(m) -> str:
+    """The multi-token-prediction depths (models/mtp.py), or nothing."""
+    if not m.mtp_layers:
+        return ""
+    depths = "depth" if m.mtp_layers == 1 else "depths"
+    return f", {m.mtp_layers} multi-token-prediction {depths} (λ = {m.mtp_loss_scale:g})"

@@ -131,3 +131,22 @@ def _errors(overrides: list[str]) -> list[str]:
 def test_each_problem_is_one_line(overrides, line):
     errors = _errors(overrides)
     assert sum(line in e for e in errors) == 1, errors
+
+
+def test_a_checkpoint_saved_at_p2_resumes_at_t2_with_sequence_parallelism(tmp_path):
+    """Saved at p = 2 (the last stage's copy of the word table written once, the depths' MoE
+    selection biases kept), resumed at t = 2 with sequence parallelism: the uninterrupted run's
+    losses and weights."""
+    from ptdp.runtime.local_ranks import run_on_ranks
+    from tests.equivalence import relative_error
+    from tests.features import resume_job
+    runs = {"p2": MTP + LAYOUTS["p2"][2], "reshard": [("p2", "t2-sp")],
+            "targets": {"t2-sp": MTP + LAYOUTS["t2-sp"][2]}}
+    out = run_on_ranks(2, resume_job, str(tmp_path), runs, timeout_s=within(400))[0]
+    straight, resharded = out["p2 straight"], out["p2 -> t2-sp"]
+    assert len(resharded) == 2 and all(abs(x - y) <= RTOL * abs(y)
+                                       for x, y in zip(resharded, straight[2:])), out
+    assert out["p2 resumed"] == straight[2:]
+    weights, expected = out["p2 -> t2-sp weights"], out["p2 straight weights"]
+    assert weights.keys() == expected.keys() and "mtp.1.eh_proj.weight" in expected
+    assert all(relative_error(weights[k], expected[k]) <= RTOL for k in expected)
