@@ -200,7 +200,8 @@ def from_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, overrides: list[s
 def check_model_overrides(read: ModelConfig, model: ModelConfig) -> None:
     """Of the model keys, a conversion may set only the sequence length (a learned table is cut
     to it; a rotary model takes any up to its longest position) and the training-only rates
-    and coefficient (multi-token prediction's λ); anything else would not be the Hugging Face model: one line naming the key."""
+    and coefficient (multi-token prediction's λ); anything else would not be the Hugging Face
+    model: one line naming the key."""
     free = ("seq_length", "dropout", "attention_dropout", "init_std", "mtp_loss_scale")
     for field in fields(ModelConfig):
         key, want, got = field.name, getattr(read, field.name), getattr(model, field.name)

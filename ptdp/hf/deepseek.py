@@ -161,7 +161,7 @@ class DeepseekV3(PredictionLayers, _Experts, Llama):
         if not cfg.num_experts:
             return None
         biases = {str(i): hf[f"model.layers.{i}.mlp.gate.e_score_correction_bias"].float().tolist()
-                  for i in range(cfg.num_layers) if cfg.is_moe_layer(i)}
+                  for i in range(cfg.num_layers + cfg.mtp_layers) if cfg.is_moe_layer(i)}
         return {"moe": {"expert_bias": biases}}
 
     def meta_to_hf(self, cfg: ModelConfig, meta: dict, out: dict) -> None:

@@ -56,20 +56,9 @@ class PredictionLayers:
     count_key = "num_nextn_predict_layers"
 
     def from_hf(self, cfg: ModelConfig, hf: dict) -> dict:
-        out, plain = super().from_hf(cfg, hf), getter(hf)
+        out = super().from_hf(cfg, hf)
         for j, theirs in enumerate(depth_prefixes(cfg)):
-            used: set[str] = set()
-
-            def get(name: str, plain=plain, used=used) -> torch.Tensor:
-                used.add(name)
-                return plain(name)
-            self._depth_from_hf(cfg, j, get, out)
-            for copy, original, what in _COPIES:
-                require(torch.equal(get(theirs + copy), plain(original)),
-                        f"'{theirs}{copy}' differs from '{original}': ptdp's prediction depths "
-                        f"share the model's {what}")
-            if cfg.is_moe_layer(cfg.num_layers + j):   # (the metadata's: meta_from_hf)
-                get(f"{theirs}mlp.gate.e_score_correction_bias")
+            used = self._depth_from_hf(cfg, j, hf, out)
             left = sorted(name for name in hf if name.startswith(theirs) and name not in used)
             require(not left, f"the Hugging Face weights hold {len(left)} tensor(s) of the "
                               f"prediction layer {theirs}* that ptdp has no place for, the "
@@ -91,14 +80,27 @@ class PredictionLayers:
                 out[theirs + copy] = out[original]
         return out
 
-    def _depth_from_hf(self, cfg: ModelConfig, j: int, get, out: dict) -> None:
+    def _depth_from_hf(self, cfg: ModelConfig, j: int, hf: dict, out: dict) -> set[str]:
+        """Depth j's weights from `hf` into `out`; returns the HF names it read."""
         ours, theirs, layer = f"mtp.{j}.", depth_prefixes(cfg)[j], cfg.num_layers + j
+        used, plain = set(), getter(hf)
+
+        def get(name: str) -> torch.Tensor:
+            used.add(name)
+            return plain(name)
         for mine, hf_name in _OWN:
             out[f"{ours}{mine}.weight"] = get(f"{theirs}{hf_name}.weight").contiguous()
         for mine, hf_name in self._layer_pairs(cfg, layer):
             out[f"{ours}layer.{mine}"] = get(theirs + hf_name).contiguous()
         self.attention_from_hf(cfg, get, f"{ours}layer.attention.", f"{theirs}self_attn.", out)
         self.mlp_from_hf(cfg, layer, get, f"{ours}layer.mlp.", f"{theirs}mlp.", out)
+        for copy, original, what in _COPIES:
+            require(torch.equal(get(theirs + copy), plain(original)),
+                    f"'{theirs}{copy}' differs from '{original}': ptdp's prediction depths "
+                    f"share the model's {what}")
+        if cfg.is_moe_layer(layer):   # its router's bias: the metadata's (meta_from_hf)
+            get(f"{theirs}mlp.gate.e_score_correction_bias")
+        return used
 
     def _layer_pairs(self, cfg: ModelConfig, layer: int):
         """(ptdp name, HF name) of decoder layer `layer`'s weights that only change name, after
@@ -114,8 +116,9 @@ def prediction_depths(hf_dir, family, config, num_layers: int) -> int:
     """model.mtp_layers of an HF directory: config.json's D when its safetensors hold the D
     layers, 0 when they hold none of them (saying so on stderr) or the family has no such
     layers; some of them only is refused."""
-    want = int(getattr(config, family.count_key, 0) or 0) \
-        if isinstance(family, PredictionLayers) else 0
+    if not isinstance(family, PredictionLayers):
+        return 0
+    want = int(getattr(config, family.count_key, 0) or 0)
     if not want:
         return 0
     names = _weight_files(Path(hf_dir))

@@ -240,3 +240,54 @@ def test_no_layers_in_the_files_converts_without_and_says_so(tmp_path, capsys):
         f"{tmp_path / 'hf'}: config.json has num_nextn_predict_layers=1, but the safetensors "
         f"hold no 'model.layers.4.*': converted without multi-token prediction "
         f"(model.mtp_layers=0)"]
+
+
+def test_sharded_weights_read_and_write_through_the_index(imported, tmp_path):
+    """DeepSeek's release is sharded (model.safetensors.index.json): the layer is found by the
+    index, and written into the last shard and the index."""
+    from ptdp.hf.convert import from_hf
+    from ptdp.hf.mtp import INDEX, write_depths
+    from ptdp.inference.local_model import read_full_state
+    imported["model"].save_pretrained(str(tmp_path / "hf"), max_shard_size="100KB")
+    write_depths(tmp_path / "hf", imported["layer"])
+    index = json.loads((tmp_path / "hf" / INDEX).read_text())
+    last = sorted(set(index["weight_map"].values()))[-1]
+    assert len(set(index["weight_map"].values())) > 1
+    assert {index["weight_map"][name] for name in imported["layer"]} == {last}
+    from_hf(tmp_path / "hf", tmp_path / "ptdp")
+    _, _, state = read_full_state(tmp_path / "ptdp")
+    _, _, first = read_full_state(imported["root"] / "ptdp")
+    assert all(torch.equal(value, first[name]) for name, value in state.items())
+
+
+def test_a_dense_model_with_its_layer_round_trips(tmp_path):
+    from ptdp.hf.convert import from_hf, to_hf
+    from ptdp.inference.local_model import read_full_state
+    _, layer = _with_layer(tmp_path / "hf", first_k_dense_replace=4, q_lora_rank=None)
+    assert LAYER + "mlp.gate_proj.weight" in layer
+    _, cfg = from_hf(tmp_path / "hf", tmp_path / "ptdp", ["model.mtp_loss_scale=0.3"])
+    assert (cfg.model.mtp_layers, cfg.model.mtp_loss_scale) == (1, 0.3)   # λ: training's
+    to_hf(tmp_path / "ptdp", tmp_path / "back")
+    from_hf(tmp_path / "back", tmp_path / "again")
+    _, _, state = read_full_state(tmp_path / "ptdp")
+    _, _, again = read_full_state(tmp_path / "again")
+    assert torch.equal(state["mtp.0.layer.mlp.fc2.weight"], layer[LAYER + "mlp.down_proj.weight"])
+    assert set(state) == set(again) and all(torch.equal(v, again[k]) for k, v in state.items())
+
+
+def test_a_class_without_the_layers_is_written_without_them_and_says_so(tmp_path, capsys):
+    """A Llama-style model with a prediction depth: LlamaForCausalLM has no place for it."""
+    from ptdp.checkpoint.save import save_full_state
+    from ptdp.config import load_config
+    from ptdp.hf.convert import to_hf
+    from ptdp.inference.local_model import initial_state
+    cfg = load_config(None, ["model.preset=llama", "model.num_layers=2", "model.hidden_size=32",
+                             "model.num_heads=4", "model.seq_length=16", "model.vocab_size=128",
+                             "model.mtp_layers=1", "data.source=synthetic"], world_size=1)
+    save_full_state(initial_state(cfg.model, 0), cfg, tmp_path / "ptdp")
+    assert to_hf(tmp_path / "ptdp", tmp_path / "hf")["class"] == "LlamaForCausalLM"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "the 1 multi-token-prediction depth(s) (model.mtp_layers) are not written: "
+        "LlamaForCausalLM's checkpoints have no place for them; the model's logits are whole "
+        "without them"]
+    transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
