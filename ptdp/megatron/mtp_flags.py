@@ -45,7 +45,8 @@ def _moe_depths_after_dense(given: dict) -> bool:
     """Whether Megatron's depths are MoE layers where the last decoder layer is dense."""
     last = layout_stages(given[LAYOUT])[-1]
     layers = given_int(given, "--num-layers")
-    if "t" in last or not given_int(given, "--num-experts", 0) or layers is None:
+    if "m" not in last or "t" in last or not given_int(given, "--num-experts", 0) \
+            or layers is None:
         return False
     try:
         found = layer_freq(given.get("--moe-layer-freq", 1), given)

@@ -296,8 +296,8 @@ VOCAB_ROWS = ("embedding.word_embeddings.weight", "output_layer.weight", "output
 # spec) for each linear of a layer (experts' and shared experts' included) and, with
 # TransformerEngine, for its attention kernel. A strict load expects exactly these, so a
 # written checkpoint has them.
-_LINEAR = re.compile(r"^(.*\.(?:linear_(?:qkv|proj|fc1|fc2|q_proj|q_down_proj|q_up_proj|kv_down_proj"
-                     r"|kv_up_proj)|eh_proj))\.weight$")
+_LINEAR = re.compile(r"^(.*\.(?:linear_(?:qkv|proj|fc1|fc2|q_proj|q_down_proj|q_up_proj"
+                     r"|kv_down_proj|kv_up_proj)|eh_proj))\.weight$")
 _QKV = re.compile(r"^(.*\.layers\.\d+\.(?:transformer_layer\.)?self_attention\.)"
                   r"linear_(?:qkv|kv_up_proj)\.weight$")
 

@@ -98,7 +98,8 @@ def layout(value, given):
 
 
 def _layout(value, given, mtp_last: bool) -> dict:
-    """`mtp_last`: refuse m before the last stage (a checkpoint's layers count the same)."""
+    """`mtp_last`: refuse m before the last stage (the flags); a checkpoint's layers are
+    counted wherever its depths sat."""
     layers, p, _ = _sizes(given)
     stages = layout_stages(value)
     v, rest = divmod(len(stages), p)
@@ -109,8 +110,8 @@ def _layout(value, given, mtp_last: bool) -> dict:
         allowed = "tm" + ("E" if k == 0 else "") + ("L" if last else "")
         if set(stage) - set(allowed):
             raise Unmapped(REFUSED, f"stage {k} '{stage}': ptdp's stages hold transformer "
-                                    f"layers (t), the embedding on the first (E), the loss and "
-                                    f"the multi-token-prediction depths (m) on the last (L)")
+                                    f"layers (t), the embedding on the first (E), the loss (L) "
+                                    f"and the MTP depths (m) on the last")
         if "m" in stage and not last and mtp_last:
             raise Unmapped(REFUSED, f"stage {k} '{stage}': MTP depths (m) before the last stage; "
                                     f"ptdp runs them on the last stage, with the loss")
@@ -123,8 +124,8 @@ def _layout(value, given, mtp_last: bool) -> dict:
 def _check_depths(text: str, depths: int) -> None:
     """The m entries: as many as --mtp-num-layers, after every t (megatron-core's checks)."""
     if text.count("m") != depths:
-        raise Unmapped(REFUSED, f"{text.count('m')} MTP depths (m) in the layout, but "
-                                f"{MTP} {depths}: Megatron-LM requires them equal")
+        raise Unmapped(REFUSED, f"m (an MTP depth) appears {text.count('m')} times but {MTP} is "
+                                f"{depths}: Megatron-LM requires them equal")
     if depths and "t" in text[text.index("m"):]:
         raise Unmapped(REFUSED, "a transformer layer (t) after an MTP depth (m): megatron-core "
                                 "places every decoder layer before them")

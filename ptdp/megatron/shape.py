@@ -11,9 +11,8 @@ Read beside the iteration directory (or its parent): `run_config.yaml` (Megatron
 From the weights: the layers, hidden and vocabulary sizes (the word table), the MLP width,
 SwiGLU (fc1 twice fc2's width), biases, LayerNorm or RMSNorm (a norm bias), learned or rotary
 positions (a position table), a separate output layer, the experts and the multi-token-
-prediction depths. What only a config
-says and changes the logits must be given: the attention heads, the norm epsilon and, for
-rotary positions, the base and the sequence length.
+prediction depths. What only a config says and changes the logits must be given: the attention
+heads, the norm epsilon and, for rotary positions, the base and the sequence length.
 """
 
 from __future__ import annotations

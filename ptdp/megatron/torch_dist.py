@@ -8,9 +8,9 @@ sharded keys are layout-free: every tensor is stored at its full (all tensor ran
 the layers of a block stacked along a leading dimension under one key without a layer
 number (`decoder.layers.self_attention.linear_qkv.weight`, [num_layers, 3h, h]) whatever
 the pipeline split (multi-token prediction's depths numbered, `mtp.layers.{j}.`), the norms
-under TransformerEngine's fused names, SwiGLU's fc1 as
-[gate (f rows); up (f rows)] and the word table padded to padded_vocab_size. Optimizer
-states, RNG states and `_extra_state` objects are other keys, not read.
+under TransformerEngine's fused names, SwiGLU's fc1 as [gate (f rows); up (f rows)] and the
+word table padded to padded_vocab_size. Optimizer states, RNG states and `_extra_state`
+objects are other keys, not read.
 
 Writing makes the same keys with `torch.distributed.checkpoint.save` (one process, no group):
 what megatron-core's `dist_checkpointing.load` asks of a model's `sharded_state_dict()`,

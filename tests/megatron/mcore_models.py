@@ -171,7 +171,9 @@ def transformer_config(args: Namespace):
         activation_func=torch.nn.functional.silu if gated else torch.nn.functional.gelu,
         normalization=args.normalization, add_bias_linear=args.add_bias_linear,
         bias_activation_fusion=getattr(args, "bias_gelu_fusion", False),
-        layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std)
+        layernorm_epsilon=args.layernorm_epsilon, init_method_std=args.init_method_std,
+        mtp_num_layers=getattr(args, "mtp_num_layers", None),
+        mtp_loss_scaling_factor=getattr(args, "mtp_loss_scaling_factor", 0.1))
 
 
 def build_gpt(args: Namespace, seed: int = 7):
@@ -186,16 +188,27 @@ def build_gpt(args: Namespace, seed: int = 7):
         qk_layernorm=getattr(args, "qk_layernorm", False))
     if latent:
         spec.submodules.self_attention.submodules.core_attention = _core_attention()
-    model = GPTModel(transformer_config(args), spec,
+    config = transformer_config(args)
+    model = GPTModel(config, spec,
                      vocab_size=args.padded_vocab_size, max_sequence_length=SEQ,
                      position_embedding_type=args.position_embedding_type,
                      share_embeddings_and_output_weights=not
-                     args.untie_embeddings_and_output_weights)
+                     args.untie_embeddings_and_output_weights,
+                     mtp_block_spec=_mtp_spec(config, spec))
     _randomise_norms(model)
     _grouped_in_fp32(model)
     if getattr(args, "apply_layernorm_1p", False):
         _zero_centred(model)
     return model.eval()
+
+
+def _mtp_spec(config, spec):
+    """Multi-token prediction's depths (--mtp-num-layers) as Megatron-LM's GPT builder makes
+    them: the last decoder layer's spec in megatron-core's MTP block spec; None without."""
+    if not config.mtp_num_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    return get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
 
 
 def _zero_centred(model) -> None:

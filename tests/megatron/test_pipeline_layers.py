@@ -42,9 +42,10 @@ def test_layout_sets_the_virtual_stages():
     (["--decoder-first-pipeline-num-layers", "3"],
      "refused: --decoder-first-pipeline-num-layers 3: the other 3 pipeline ranks cannot share the "
      "remaining 5 of 8 layers evenly"),
-    (["--pipeline-model-parallel-layout", "E|tt|tt|ttmL"],
-     "refused: --pipeline-model-parallel-layout E|tt|tt|ttmL: stage 3 'ttmL': ptdp's stages hold "
-     "transformer layers (t), the embedding on the first (E) and the loss on the last (L)"),
+    (["--pipeline-model-parallel-layout", "E|tt|tEt|ttL"],
+     "refused: --pipeline-model-parallel-layout E|tt|tEt|ttL: stage 2 'tEt': ptdp's stages hold "
+     "transformer layers (t), the embedding on the first (E), the loss (L) and the MTP depths "
+     "(m) on the last"),
     (["--pipeline-model-parallel-layout", "E|tt|tt|tt|tt|L"],
      "refused: --pipeline-model-parallel-layout E|tt|tt|tt|tt|L: 6 stages are not a multiple of "
      "p = 4"),
