@@ -146,6 +146,10 @@ ARGS: tuple[Arg, ...] = (
         ignore("megatron-core's GPT ignores it (Megatron-LM's legacy models only): its GeLU "
                "follows --bias-gelu-fusion"), nargs=0),
     Arg("--squared-relu", None, REFUSED, refuse("ptdp has GeLU, SwiGLU and GeGLU"), nargs=0, model=True),
+    Arg("--window-size", None, REFUSED, refuse("the converter does not translate Megatron's "
+                                                "sliding windows yet (model.sliding_window)"),
+        model=True),
+    Arg("--window-attn-skip-freq", None, REFUSED, refuse("only with --window-size"), model=True),
     Arg("--quick-geglu", None, REFUSED, refuse("ptdp's GeGLU gates with the tanh GeLU, not "
                                                         "the quick (sigmoid) GeLU"), nargs=0, model=True),
     Arg("--disable-bias-linear", "model.bias", EXACT, const(False), nargs=0),

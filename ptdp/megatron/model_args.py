@@ -47,6 +47,8 @@ def _refusals(args):
         "ptdp rotates halves of each head (rotate_half), not interleaved pairs"
     yield argument(args, "rotary_percent", 1.0) != 1.0 and not latent, "rotary_percent", \
         "ptdp rotates the whole head"
+    yield argument(args, "window_size", None) is not None, "window_size", \
+        "the converter does not translate Megatron's sliding windows yet (model.sliding_window)"
     yield argument(args, "heterogeneous_layers_config_path", None), \
         "heterogeneous_layers_config_path", "ptdp's layers all have one shape"
     yield argument(args, "add_position_embedding", True) is False and argument(
@@ -196,6 +198,8 @@ def refuse_for_megatron(cfg: ModelConfig) -> None:
             f"positions as Llama 3 does (--use-rope-scaling) only")
     require(not cfg.scale_embeddings, "model.scale_embeddings=true: Megatron-LM's GPT has no "
                                       "such option")
+    require(cfg.sliding_window is None, "model.sliding_window: the converter does not write "
+                                        "Megatron's sliding windows (--window-size) yet")
     if cfg.position_embedding == "rope" and cfg.rope_scaling_factor != 1.0 and \
             not cfg.latent_attention:
         for key, fixed in ROPE_SCALING_FIXED.items():

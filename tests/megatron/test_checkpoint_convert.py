@@ -259,6 +259,8 @@ def test_a_converted_fp16_run_resumes_at_megatrons_learning_rate(megatron, tmp_p
     ("gpt", dict(normalization="LayerNorm1p"), "--normalization=LayerNorm1p"),
     ("gpt", dict(qk_layernorm=True), "--qk-layernorm=True"),
     ("gpt", dict(rotary_percent=0.5), "--rotary-percent=0.5"),
+    ("gpt", dict(window_size=(8, 0)), "--window-size=\\(8, 0\\): the converter does not "
+                                      "translate Megatron's sliding windows"),
     ("bert", dict(untie_embeddings_and_output_weights=True),
      "--untie-embeddings-and-output-weights with BERT"),
 ])
@@ -494,6 +496,22 @@ def test_only_swiglu_is_written_as_megatrons_gated_mlp(activation, refused):
         return
     with pytest.raises(MegatronConversionError, match="model.activation=geglu"):
         refuse_for_megatron(cfg)
+
+
+def test_sliding_windows_are_refused_both_ways_rather_than_dropped():
+    """Megatron's --window-size is not translated: a windowed model would silently attend
+    globally on the other side."""
+    from ptdp.config import ModelConfig
+    from ptdp.megatron.model_args import refuse_for_megatron
+    from ptdp.megatron.names import MegatronConversionError
+    from ptdp.megatron.translate import translate
+    cfg = ModelConfig(preset="llama", num_layers=2, hidden_size=32, num_heads=4, seq_length=8,
+                      vocab_size=64, sliding_window=4)
+    with pytest.raises(MegatronConversionError, match="model.sliding_window: the converter"):
+        refuse_for_megatron(cfg)
+    refused = [line for line in translate(["--window-size", "4096,0"]).lines
+               if line.argument.startswith("--window-size")]
+    assert [(line.kind, line.blocks) for line in refused] == [("refused", True)]
 
 
 def test_yarn_scaling_is_not_written_as_megatrons_llama3_scaling():
