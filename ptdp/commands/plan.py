@@ -144,7 +144,8 @@ def _plan(args) -> int:
                             "num_heads": m.num_heads, "num_kv_heads": m.num_kv_heads,
                             "ffn_hidden_size": m.ffn_hidden_size, "activation": m.activation,
                             "seq_length": m.seq_length, "vocab_size": m.vocab_size,
-                            "tie_embeddings": m.tie_embeddings, **_moe_header(m, shape)},
+                            "tie_embeddings": m.tie_embeddings, "mtp_layers": m.mtp_layers,
+                            **_moe_header(m, shape)},
                   "hardware": hw.name, "gpus": gpus, "gpus_per_node": per_node,
                   "global_batch_size": batch}
         out = result_dict(result, header, precision, args.top, args.attention or hw.attention)
@@ -155,7 +156,7 @@ def _plan(args) -> int:
         block = f" ({m.preset} block)" if m.preset != DEFAULT_PRESET else ""
         title = (f"{m.arch}{block} {params / 1e9:.1f}B parameters ({m.num_layers} layers, "
                  f"h={m.hidden_size}, {m.heads_text()}, f={m.ffn_hidden_size}, "
-                 f"s={m.seq_length}, V={m.vocab_size}{_moe_title(m, shape)}) "
+                 f"s={m.seq_length}, V={m.vocab_size}{_moe_title(m, shape)}{_mtp_title(m)}) "
                  f"on {gpus} x {hw.name} ({gpus // per_node} node(s) x {per_node}), "
                  f"B={batch}, {precision}")
         print(format_result(result, title, args.top))
@@ -191,6 +192,13 @@ def _moe_title(m, shape) -> str:
         return ""
     return (f", {m.num_experts} experts, top-{m.moe_top_k}, f_moe={m.moe_ffn_hidden_size}, "
             f"{active_parameters(shape) / 1e9:.1f}B active")
+
+
+def _mtp_title(m) -> str:
+    """The multi-token-prediction depths (counted in the parameters, FLOPs and last stage)."""
+    if not m.mtp_layers:
+        return ""
+    return f", {m.mtp_layers} MTP depth{'s' if m.mtp_layers > 1 else ''}"
 
 
 def _check_trainer_accepts(out: dict, gpus: int) -> None:

@@ -15,8 +15,9 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ptdp.config import padded_vocab_size
 from ptdp.hardware import HardwareProfile
-from ptdp.planner.compute import measured_tensor_comm, recompute_collectives
+from ptdp.planner.compute import BYTES, measured_tensor_comm, recompute_collectives
 from ptdp.planner.formulas import context_shape
 
 
@@ -201,3 +202,19 @@ def layer_tensor_comm(hw: HardwareProfile, work, lay, act_bytes: float,
     scatter = reduce_scatter_time(t, act_bytes, tensor_link(
         hw, t, work.gpus_per_node, busy, "reduce_scatter"))
     return collectives * (gather + scatter)
+
+
+def distributed_optimizer_comm(hw, work, lay, params: float,
+                               busy: int | None = None) -> tuple[float, float]:
+    """(reduce-scatter, all-gather) seconds of the distributed optimizer, which splits the
+    data-parallel all-reduce in its two halves: the fp32 gradients are reduce-scattered during
+    backward (overlapped like the all-reduce; the tied embedding's bucket stays all-reduced),
+    the updated weights all-gathered in the model's precision after the step (exposed: the
+    trainer waits for them). `work` and `lay`: cost_model.py's Workload and Layout."""
+    d, t, p = lay.replicas, lay.tensor, lay.pipeline
+    link = lambda kind: data_link(hw, t, d, work.gpus_per_node, busy, kind)  # noqa: E731
+    tied = p > 1 and work.shape.word_table_on_last_stage
+    table = padded_vocab_size(work.shape.vocab, t) * work.shape.hidden / t if tied else 0.0
+    reduce = (reduce_scatter_time(d, (params - table) * 4, link("reduce_scatter"))
+              + all_reduce_time(d, table * 4, link("all_reduce")))
+    return reduce, all_gather_time(d, params * BYTES[work.precision], link("all_gather"))

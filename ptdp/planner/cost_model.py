@@ -57,6 +57,9 @@ Context parallelism (c > 1, ptdp/parallel/ring_attention.py)
 
 Mixtures of experts (e expert ranks folded out of d*c): ptdp/planner/expert_cost.py.
 
+Multi-token prediction (D depths on the last stage): ptdp/planner/mtp_cost.py. With p > 1 the
+last stage then holds a copy of the word table, summed with the first stage's as a tied one.
+
 Pipeline (formulas.bubble_fraction)
   * Flushing schedules (gpipe, 1f1b, interleaved): m * T_slowest + (p-1)/v * T_mean, which
     is (p-1)/(v*m) bubble for balanced stages. 2BW never flushes: m *
@@ -112,6 +115,8 @@ from ptdp.planner.formulas import (bubble_fraction, context_shape, iteration_flo
 from ptdp.planner.expert_cost import all_to_all_seconds, expert_gradient_comm, moe_layer_time_change
 from ptdp.planner.memory import GB, MemoryBreakdown, gpu_memory, stage_parameters
 from ptdp.planner.moe import rank_expert_parameters, rank_moe_layers
+from ptdp.planner.mtp import mtp_expert_parameters
+from ptdp.planner.mtp_cost import depth_times
 
 # What the cost model has formulas for (ptdp/config/catalogue.py: all but PipeDream async).
 SCHEDULES = names_where(lambda spec: spec.planner is not Planner.NOT_MODELLED)
@@ -264,7 +269,13 @@ def _rank_times(hw: HardwareProfile, work: Workload, lay: Layout, attention: str
         if last:    # logits input's backward all-reduce + 3 small cross-entropy reductions
             fwd = fwd + ht.head_forward
             bwd += ht.head_backward_split if split else ht.head_backward
-            tensor_comm += ar + 3 * comm.all_reduce_time(t, shape.seq * b * 4, tp_link)
+            head_comm = ar + 3 * comm.all_reduce_time(t, shape.seq * b * 4, tp_link)
+            tensor_comm += head_comm
+        if last and shape.mtp_layers:   # the MTP depths (ptdp/planner/mtp_cost.py)
+            mtp = depth_times(hw, work, lay, shape, attention, lt, backward, ht, ar, head_comm,
+                              busy)
+            fwd, bwd, recompute = fwd + mtp.forward, bwd + mtp.backward, recompute + mtp.recompute
+            tensor_comm, all_to_all = tensor_comm + mtp.tensor_comm, all_to_all + mtp.all_to_all
     p2p = p2p_fill = 0.0
     if p > 1:
         link = comm.pipeline_link(hw, t, d * lay.context, p, work.gpus_per_node, busy)
@@ -402,22 +413,6 @@ def _optimizer_time(hw: HardwareProfile, params: float, precision: str) -> float
     return params * traffic / (hw.memory_bandwidth_GBps * 1e9 * hw.efficiency.memory)
 
 
-def _distributed_optimizer_comm(hw, work: Workload, lay: Layout, params: float,
-                                busy: int | None = None) -> tuple[float, float]:
-    """(reduce-scatter, all-gather) seconds of the distributed optimizer, which splits the
-    data-parallel all-reduce in its two halves: the fp32 gradients are reduce-scattered during
-    backward (overlapped like the all-reduce; the tied embedding's bucket stays all-reduced),
-    the updated weights all-gathered in the model's precision after the step (exposed: the
-    trainer waits for them)."""
-    d, t, p = lay.replicas, lay.tensor, lay.pipeline
-    link = lambda kind: comm.data_link(hw, t, d, work.gpus_per_node, busy, kind)  # noqa: E731
-    tied = p > 1 and work.shape.tie_embeddings
-    table = padded_vocab_size(work.shape.vocab, t) * work.shape.hidden / t if tied else 0.0
-    reduce = (comm.reduce_scatter_time(d, (params - table) * 4, link("reduce_scatter"))
-              + comm.all_reduce_time(d, table * 4, link("all_reduce")))
-    return reduce, comm.all_gather_time(d, params * BYTES[work.precision], link("all_gather"))
-
-
 def _worst_memory(hw, work: Workload, lay: Layout, attention: str) -> MemoryBreakdown:
     m = lay.micro_batches(work.global_batch)
     kwargs = dict(p=lay.pipeline, t=lay.tensor, v=lay.chunks, m=m, b=lay.micro_batch, d=lay.data,
@@ -458,21 +453,23 @@ def predict(hw: HardwareProfile, work: Workload, lay: Layout, *, dp_overlap: boo
     vocab_padded = padded_vocab_size(shape.vocab, t)
     params = max(stage_parameters(shape, t, p, vocab_padded, r == 0, r == p - 1, lay.expert, v)
                  for r in {0, p - 1})
-    experts = rank_expert_parameters(shape, t, p, v, lay.expert)   # reduced over d*c/e
+    experts = (rank_expert_parameters(shape, t, p, v, lay.expert)   # reduced over d*c/e
+               + mtp_expert_parameters(shape, t, lay.expert))      # (the last rank's depths)
     busy = min(lay.gpus, work.gpus_per_node)
     replicas = lay.replicas   # data x context: the ranks whose gradients are summed
     dp_total, param_gather = comm.all_reduce_time(replicas, (params - experts) * 4, comm.data_link(
         hw, t, replicas, work.gpus_per_node, busy)), 0.0
     if lay.distributed_optimizer:
-        dp_total, param_gather = _distributed_optimizer_comm(hw, work, lay, params - experts,
-                                                             busy)
+        dp_total, param_gather = comm.distributed_optimizer_comm(hw, work, lay, params - experts,
+                                                                 busy)
     expert_reduce, expert_gather = expert_gradient_comm(hw, work, lay, experts, busy)
     dp_total, param_gather = dp_total + expert_reduce, param_gather + expert_gather
     hidden = slowest.backward if dp_overlap and hw.overlap_communication else 0.0
     dp_exposed = max(0.0, dp_total - hidden) + param_gather
     dp_total += param_gather
     embedding_sync = 0.0
-    if p > 1 and shape.tie_embeddings:   # sum the first and last stage's table gradients
+    if p > 1 and shape.word_table_on_last_stage:   # sum the first and last stage's table
+        # gradients (the tied logits', or the MTP depths' embeddings')
         table = vocab_padded * shape.hidden / t * 4
         embedding_sync = comm.all_reduce_time(
             2, table, comm.pipeline_link(hw, t, d * lay.context, p, work.gpus_per_node, busy))

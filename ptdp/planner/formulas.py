@@ -4,9 +4,9 @@ Equation numbers are those of Narayanan's dissertation (chapter 4 is the PTD-P p
 trainer reports model TFLOP/s per rank from these formulas (`ptdp/metrics/throughput.py`), so the
 conventions here are the paper's, not a hardware FLOP count:
 
-* Eq. 4.2 counts 4 passes per transformer layer (forward, backward = 2x,
-  and the extra forward of activation recomputation) whether or not recomputation is on.
-  Pass `recompute_forward=False` for the 3-pass "model FLOPs" of a run without it.
+* Eq. 4.2 counts 4 passes per transformer layer (forward, backward = 2x, and the extra forward
+  of activation recomputation) whether or not recomputation is on. Pass
+  `recompute_forward=False` for the 3-pass "model FLOPs" of a run without it.
 * Eq. 4.3 counts parameters of a GPT with a tied output embedding.
 * Eq. 4.4 estimates training time as 8*T*P / (n*X).
 
@@ -33,6 +33,7 @@ from ptdp.planner.latent import (attention_forward_flops, attention_parameter_sp
                                  latent_fields)
 from ptdp.planner.moe import (dense_mlp_forward_flops, moe_layer_count, moe_mlp_forward_flops,
                               moe_parameter_change)
+from ptdp.planner.mtp import depth_own_parameters, mtp_forward_flops
 
 SECONDS_PER_DAY = 86_400.0
 BERT_MASKED_SHARE = DataConfig.mask_prob   # the share of tokens BERT's loss reads (its default)
@@ -80,12 +81,13 @@ class ModelShape:
     head_dim: int | None = None          # per-head size d; None = hidden / heads
     qk_norm: bool = False                # a norm of size d on every query and key head
     window: int = 0                      # sliding-window attention's window; 0 = none
-    local_layers: int = 0                # the layers that use it
+    local_layers: int = 0                # the layers that use it (the MTP depths' included)
     # Multi-head latent attention (ptdp/planner/latent.py); 0 = the usual QKV projection
     mla_kv_lora: int = 0                 # the K/V latent's size
     mla_q_lora: int = 0                  # the query latent's size; 0 = queries from h
     mla_rope_dim: int = 0                # each query/key head's rotary part (head_dim: the rest)
     mla_v_dim: int = 0                   # each value head's size
+    mtp_layers: int = 0                  # multi-token prediction's depths (ptdp/planner/mtp.py)
 
     def __post_init__(self):
         if self.kv_heads is None:
@@ -106,7 +108,7 @@ class ModelShape:
                    m.seq_length, m.vocab_size, _any_dropout(m), m.num_kv_heads, m.activation,
                    m.normalization, m.position_embedding, m.bias, m.qkv_bias, m.tie_embeddings,
                    m.num_tokentypes, head_dim=m.head_dim, qk_norm=m.qk_norm, **moe,
-                   **_window_fields(m), **latent_fields(m))
+                   **_window_fields(m), **latent_fields(m), mtp_layers=m.mtp_layers)
 
     @property
     def family(self) -> ModelFamily:
@@ -137,8 +139,11 @@ class ModelShape:
         return tokens * BERT_MASKED_SHARE if self.bert_heads else tokens
 
     @property
-    def latent(self) -> bool:
-        """Multi-head latent attention (model.mla_kv_lora_rank > 0; ptdp/planner/latent.py)."""
+    def word_table_on_last_stage(self) -> bool:   # with p > 1: a copy, summed with the first's
+        return self.tie_embeddings or self.mtp_layers > 0
+
+    @property
+    def latent(self) -> bool:   # multi-head latent attention (ptdp/planner/latent.py)
         return self.mla_kv_lora > 0
 
     @property
@@ -163,9 +168,7 @@ class ModelShape:
         return self.kv_heads * self.qk_head_dim
 
     @property
-    def gated(self) -> int:
-        """1 when the MLP's first GEMM makes a gate and an up projection (SwiGLU, GeGLU), else
-        0."""
+    def gated(self) -> int:   # 1 when fc1 makes a gate and an up projection (SwiGLU, GeGLU)
         return int(self.activation in GATED_ACTIVATIONS)
 
     @property
@@ -184,7 +187,7 @@ class ModelShape:
                 and self.q_hidden == self.hidden and not self.qk_norm
                 and self.normalization == "layernorm" and not self.rope and self.bias
                 and self.qkv_bias and self.tie_embeddings and not self.experts
-                and not self.latent)
+                and not self.latent and not self.mtp_layers)
 
     def block_key(self) -> dict:
         """What a measured profile row must match beyond the sizes (ptdp/planner/compute.py);
@@ -202,7 +205,7 @@ def _window_fields(m) -> dict:
     """ModelShape's sliding-window fields of a ModelConfig (none without a window)."""
     if getattr(m, "sliding_window", None) is None:
         return {}
-    local = sum(m.attention_window(i) is not None for i in range(m.num_layers))
+    local = sum(m.attention_window(i) is not None for i in range(m.num_layers + m.mtp_layers))
     return dict(window=m.sliding_window, local_layers=local)
 
 
@@ -295,10 +298,10 @@ def iteration_flops(shape: ModelShape, batch: int, vocab: int | None = None,
     (h_q = h_kv = h, f = 4h, g = 0) is Eq. 4.2's 24*B*s*h^2 + 4*B*s^2*h. It is computed as Eq.
     4.2's layer plus what the block changes, 4*T*h*(h_q - h) + 4*T*h*(h_kv - h) +
     4*B*s^2*(h_q - h) + 2*T*h*((2+g)*f - 8h), so the GPT block's result is Eq. 4.2's to the
-    bit. QK-norm is elementwise and, like the other norms, not counted. Passes as in Eq. 4.2 (4 with the recomputed
-    forward, else 3). The logit layer's 6*B*s*h*V is the same whether the output layer is tied
-    to the word table or not; biases, norms, the activation and rotary positions are
-    elementwise and, as in Eq. 4.2, not counted.
+    bit. Passes as in Eq. 4.2 (4 with the recomputed forward, else 3). The logit layer's
+    6*B*s*h*V is the same whether the output layer is tied to the word table or not; biases,
+    norms (QK-norm too), the activation and rotary positions are elementwise and, as in Eq.
+    4.2, not counted.
 
     Sliding-window layers attend each query to min(window, s) keys: 4*B*s*h*(s - window) less
     per local layer (ModelShape.attention_flops_saved), 0 without a window.
@@ -306,16 +309,17 @@ def iteration_flops(shape: ModelShape, batch: int, vocab: int | None = None,
     MoE layers (ptdp/planner/moe.py) count active experts only, as Megatron's MFU does: their
     MLP's 2*T*h*(2+g)*f is replaced by moe.moe_mlp_forward_flops (router, k routed experts,
     the shared expert), added as the difference so dense models keep their number bit for bit.
-
     Latent attention (DeepSeek's): its GEMMs, scores and products with V
     (latent.attention_forward_flops) replace the QKV, projection and attention terms.
+    Multi-token prediction's D depths (ptdp/planner/mtp.py) are model FLOPs, as Megatron's:
+    D more layers of the last one's kind, and eh_proj's and the logits' 3 passes each.
     """
     vocab = shape.vocab if vocab is None else vocab
     if shape.bert_heads:
         return bert_flops_per_iteration(batch, shape.seq, shape.layers, shape.hidden, vocab,
                                         recompute_forward)
-    b, s, l, h, v = (float(batch), float(shape.seq), float(shape.layers), float(shape.hidden),
-                     float(vocab))
+    b, s, h, v = float(batch), float(shape.seq), float(shape.hidden), float(vocab)
+    l = float(shape.layers + shape.mtp_layers)   # the MTP depths' layers are decoder layers
     passes = 4.0 if recompute_forward else 3.0
     if shape.latent:   # its attention (latent.py), then the MLP's 2*T*h*f*(2+g)
         per_layer_forward = (attention_forward_flops(shape, b)
@@ -331,7 +335,7 @@ def iteration_flops(shape: ModelShape, batch: int, vocab: int | None = None,
         tokens = b * s
         layers += passes * moe_layer_count(shape) * (moe_mlp_forward_flops(shape, tokens)
                                                      - dense_mlp_forward_flops(shape, tokens))
-    return layers + 6.0 * b * s * h * v
+    return layers + 6.0 * b * s * h * v + 3.0 * mtp_forward_flops(shape, b * s, v)
 
 
 def layer_parameter_split(shape: ModelShape) -> tuple[int, int]:
@@ -364,7 +368,8 @@ def decoder_parameters(shape: ModelShape, vocab: int | None = None) -> float:
     12*l*h^2 + 13*l*h + (V + s)*h + 2h: Eq. 4.3 plus the final LayerNorm, which Eq. 4.3 leaves
     out. Llama-3 8B (32 layers, h = 4096, 32 heads, 8 K/V heads, f = 14336, V = 128256):
     8,030,261,248, Meta's count. MoE layers count all E experts (`active_parameters`: the k
-    a token passes)."""
+    a token passes). The MTP depths (ptdp/planner/mtp.py): D layers of the last one's kind,
+    each with mtp.depth_own_parameters; they share the word table and output layer."""
     return _decoder_parameters(shape, vocab, active=False)
 
 
@@ -384,7 +389,9 @@ def _decoder_parameters(shape: ModelShape, vocab: int | None, active: bool) -> f
     tables = vocab * h * (1 if shape.tie_embeddings else 2)
     positions = 0 if shape.rope else shape.seq * h
     moe = moe_layer_count(shape) * moe_parameter_change(shape)[active] if shape.experts else 0
-    return float(shape.layers * layer + moe + tables + positions + shape.norm_parameters * h)
+    depths = shape.mtp_layers * depth_own_parameters(shape)   # (their layers: in `layers`)
+    layers = (shape.layers + shape.mtp_layers) * layer
+    return float(layers + moe + depths + tables + positions + shape.norm_parameters * h)
 
 
 def parameter_total(shape: ModelShape, vocab: int | None = None) -> float:
@@ -402,11 +409,9 @@ def parameter_total(shape: ModelShape, vocab: int | None = None) -> float:
 
 def training_days(tokens: float, parameters: float, num_gpus: int,
                   tflops_per_gpu: float) -> float:
-    """Eq. 4.4: end-to-end training time ~ 8*T*P / (n*X), in days.
-
-    `tflops_per_gpu` is X in teraFLOP/s per GPU as measured with Eq. 4.2. Example from the
-    source: 175e9 parameters, 300e9 tokens, 1024 GPUs at 140 TFLOP/s -> ~34 days.
-    """
+    """Eq. 4.4: end-to-end training time ~ 8*T*P / (n*X), in days. `tflops_per_gpu` is X
+    in teraFLOP/s per GPU as measured with Eq. 4.2. Example from the source: 175e9
+    parameters, 300e9 tokens, 1024 GPUs at 140 TFLOP/s -> ~34 days."""
     if num_gpus <= 0 or tflops_per_gpu <= 0:
         raise ValueError("num_gpus and tflops_per_gpu must be positive")
     seconds = 8.0 * tokens * parameters / (num_gpus * tflops_per_gpu * 1e12)
@@ -430,20 +435,16 @@ def iterations_for_tokens(tokens: float, global_batch: int, seq: int) -> float:
 
 def bubble_fraction(pipeline: int, micro_batches: int, chunks: int = 1) -> float:
     """Pipeline bubble of flushing schedules as a fraction of ideal time: (p-1)/(v*m).
-
-    GPipe and 1F1B: (p-1)/m; interleaved 1F1B with v chunks per device:
-    (1/v)*(p-1)/m. PipeDream-2BW and async PipeDream have no flush, hence no bubble.
-    """
+    GPipe and 1F1B: (p-1)/m; interleaved 1F1B with v chunks per device: (1/v)*(p-1)/m.
+    PipeDream-2BW and async PipeDream have no flush, hence no bubble."""
     if micro_batches <= 0 or chunks <= 0:
         raise ValueError("micro_batches and chunks must be positive")
     return (pipeline - 1) / (chunks * micro_batches)
 
 
 def tensor_parallel_elements_per_layer(batch: int, seq: int, hidden: int, tensor: int) -> float:
-    """Elements each device moves per layer per micro-batch: 8*b*s*h*(t-1)/t.
-
-    Two all-reduces of b*s*h forward and two backward, each a ring moving 2(t-1)/t of it.
-    """
+    """Elements each device moves per layer per micro-batch: 8*b*s*h*(t-1)/t. Two
+    all-reduces of b*s*h forward and two backward, each a ring moving 2(t-1)/t of it."""
     return 8.0 * batch * seq * hidden * (tensor - 1) / tensor
 
 

@@ -78,6 +78,9 @@ the distributed optimizer shards the experts' state over the d*c/e ranks that ho
 experts, the rest over d*c. An MoE layer keeps moe.moe_activation_bytes beyond a dense one
 (k copies of each token dispatched, balanced routing). Stages are costed at the busiest
 rank's count of MoE layers (DeepSeek-V3's dense first layers make the first stage lighter).
+Multi-token prediction (ptdp/planner/mtp.py) adds its depths' parameters to the last stage (and
+with p > 1 the word table's copy), and per micro-batch in flight there a decoder layer's stash
+of the last layer's kind and what the depth's head keeps (mtp.depth_extra_bytes).
 
 ZB-H1's split backward (ptdp/parallel/weight_grad.py) changes what a micro-batch holds after
 its B pass: the graph is freed, but each deferred weight gradient keeps its operation's input
@@ -98,6 +101,8 @@ from ptdp.planner.latent import (latent_activation_bytes, pending_elements,
                                  split_activation_elements)
 from ptdp.planner.moe import (moe_activation_bytes, rank_expert_parameters, rank_moe_layers,
                               rank_moe_parameter_change)
+from ptdp.planner.mtp import (depth_extra_bytes, depth_is_moe, depth_micro_batches,
+                              mtp_expert_parameters, mtp_stage_parameters)
 
 GB = 2**30   # GiB, as torch.cuda memory stats and the trainer's mem_gb report
 
@@ -124,8 +129,7 @@ class MemoryBreakdown:
 # --------------------------------------------------------------------------------------------
 
 def layer_parameters(shape: ModelShape, t: int) -> float:
-    """Parameters of one layer held by one tensor rank: QKV, the projection's weight, fc1 and
-    fc2's weight split by t; the projection and fc2 biases and the two norms whole."""
+    """Parameters of one layer held by one tensor rank: formulas.layer_parameter_split's."""
     split, replicated = layer_parameter_split(shape)
     return split / t + replicated
 
@@ -159,16 +163,15 @@ def stage_parameters(shape: ModelShape, t: int, p: int, vocab_padded: int, first
             params += vocab_padded * shape.hidden / t    # or the untied output layer
         if shape.bert_heads:
             params += bert_head_parameters(shape, t, vocab_padded)
+        params += mtp_stage_parameters(shape, t, e, layer_parameters(shape, t), vocab_padded,
+                                       first)   # the MTP depths, with p > 1 the table's copy
     return params
 
 
 def state_bytes_per_parameter(precision: str) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter with Adam.
-
-    Mixed precision keeps 16-bit weights, fp32 gradient accumulation buffers (as Megatron's
-    main_grad) and fp32 master weights + two moments: 2 + 4 + 12 = 18 bytes.
-    fp32 training: 4 + 4 + 8 = 16 bytes.
-    """
+    """(weights, gradients, optimizer) bytes per parameter with Adam. Mixed precision keeps
+    16-bit weights, fp32 gradient accumulation buffers (as Megatron's main_grad) and fp32
+    master weights + two moments: 2 + 4 + 12 = 18 bytes. fp32 training: 4 + 4 + 8 = 16."""
     e = BYTES[precision]
     if e >= 4:
         return 4.0, 4.0, 8.0
@@ -381,7 +384,8 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     e = BYTES[precision]
     w, g, o = state_bytes_per_parameter(precision)
     params = stage_parameters(shape, t, p, vocab_padded, first, last, expert, v)
-    experts = rank_expert_parameters(shape, t, p, v, expert)   # sharded over d*c/e ranks
+    experts = rank_expert_parameters(shape, t, p, v, expert) + (   # sharded over d*c/e ranks
+        mtp_expert_parameters(shape, t, expert) if last else 0.0)
     whole, shape = shape, context_shape(shape, c)   # activations: this rank's s/c tokens
     attention = attention_kernel(attention, c)
     spec = schedule_spec(schedule)
@@ -398,6 +402,14 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     local_sbh = sbh / (t if sequence_parallel else 1)          # boundary and embedding tensors
     if first and shape.dropout:
         activations += local_sbh * min(m, m if spec.all_forwards_first else p - rank)  # embedding mask
+    fp32_copy = 0 if hw is not None and hw.device != "cpu" else 4   # the loss's, on CPU
+    if last and shape.mtp_layers:   # the MTP depths' layers and heads (ptdp/planner/mtp.py)
+        moe = _moe_extra(shape, b, t, precision) if depth_is_moe(shape) else 0.0
+        depth = layer_activation_bytes(shape, b, t, precision, recompute, attention, hw,
+                                       sequence_parallel, recompute_modules) + depth_extra_bytes(
+            shape, b, t, e, sequence_parallel, vocab_padded, fp32_copy or e)
+        depth += moe if recompute != "full" else 0.0
+        activations += shape.mtp_layers * depth_micro_batches(spec, p, m) * depth
     working = 2 * local_sbh * e                                # send/recv buffers
     transient = 0.0           # the forward/backward's own working set
     if recompute != "none":   # a recomputed layer's activations live while its backward runs
@@ -406,7 +418,7 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
     transient += ring_working_bytes(whole, b, t, c, precision)
     if last:   # the logits, their one fp32 copy (exp, then softmax) and the gradient; on GPUs,
         # where train.compile fuses the loss's passes, the logits kept and the gradient only
-        fp32_copy = 0 if hw is not None and hw.device != "cpu" else 4   # (ptdp/parallel/cross_entropy.py)
+        # (ptdp/parallel/cross_entropy.py)
         rows = shape.head_rows(shape.seq * b)   # BERT: its masked positions only
         transient += rows * vocab_padded / t * (2 * e + fp32_copy)
         if shape.bert_heads:  # the LM transform's dense output, GeLU and LayerNorm inputs
@@ -433,7 +445,7 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
         shape, b, t, precision, "none", attention, hw))
     if distributed_optimizer and hw is not None and hw.device == "cpu":
         tied = (vocab_padded * shape.hidden / t
-                if p > 1 and (first or last) and shape.tie_embeddings else 0.0)
+                if p > 1 and (first or last) and shape.word_table_on_last_stage else 0.0)
         buffers += gloo_sharding_staging_bytes(params, precision, d * c, all_reduced=tied)
     optimizer = (optimizer_state_bytes(params - experts, precision, d * c, distributed_optimizer)
                  + optimizer_state_bytes(experts, precision, d * c // expert,

@@ -35,7 +35,11 @@ def is_moe_layer(shape, layer: int) -> bool:
 
 
 def moe_layer_count(shape) -> int:
-    return sum(is_moe_layer(shape, i) for i in range(shape.layers))
+    """The MoE layers, the multi-token-prediction depths' included (ptdp/planner/mtp.py: of
+    the last decoder layer's kind, layers num_layers, num_layers + 1, ...)."""
+    last = shape.layers - 1
+    return sum(is_moe_layer(shape, min(i, last))
+               for i in range(shape.layers + shape.mtp_layers))
 
 
 def rank_moe_layers(shape, p: int, v: int = 1, stages: StageMap | None = None) -> list[int]:

@@ -33,6 +33,8 @@ from functools import lru_cache
 
 from ptdp.planner.compute import BYTES, head_times, layer_times
 from ptdp.planner.memory import embedding_parameters, layer_parameters
+from ptdp.planner.mtp import mtp_stage_parameters
+from ptdp.planner.mtp_cost import depth_head_times
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,8 @@ def transformer_layer_profiles(hw, shape, micro_batch: int, precision: str,
                                attention: str | None = None, t: int = 1) -> list[LayerProfile]:
     """[embedding, layer 1..l, head] for one device of a t-way tensor group, as PipeDream's
     profiler would record them: T_l forward+backward, a_l output bytes, w_l weight bytes. The
-    head is the final norm, the output layer and the vocab-parallel loss."""
+    head is the final norm, the output layer and the vocab-parallel loss, and the
+    multi-token-prediction depths (a layer each and their heads: mtp_cost.depth_head_times)."""
     from ptdp.config import padded_vocab_size
     attention = attention or hw.attention
     e = BYTES[precision]
@@ -203,8 +206,11 @@ def transformer_layer_profiles(hw, shape, micro_batch: int, precision: str,
     embed = LayerProfile(ht.embed_forward + ht.embed_backward, act,
                          embedding_parameters(shape, t, vocab) * e)
     body = LayerProfile(lt.forward + lt.backward, act, layer_parameters(shape, t) * e)
-    head = LayerProfile(ht.head_forward + ht.head_backward, 4.0 * micro_batch,
-                        (vocab * shape.hidden / t + 2 * shape.hidden) * e)
+    depths = shape.mtp_layers * (body.compute + sum(depth_head_times(hw, precision, shape,
+                                                                     micro_batch, t, ht)))
+    head = LayerProfile(ht.head_forward + ht.head_backward + depths, 4.0 * micro_batch,
+                        (vocab * shape.hidden / t + 2 * shape.hidden + mtp_stage_parameters(
+                            shape, t, 1, layer_parameters(shape, t), vocab, False)) * e)
     return [embed] + [body] * shape.layers + [head]
 
 

@@ -146,6 +146,10 @@ def _schedule_options(work: Workload, p: int, m: int, fixed: dict, rej: Rejectio
         if not spec.flushing:   # 2BW: searched with v = 1 only
             if p == 1:
                 continue
+            if work.shape.mtp_layers:   # the trainer refuses it (ptdp/config/mtp.py)
+                rej.add(SCHEDULE_RULE, f"{where}: {name} does not add the MTP depths' "
+                                       f"losses (side outputs) to the objective")
+                continue
             least = spec.min_micro_batches(p, 1)
             if m < least:
                 rej.add(SCHEDULE_RULE, f"{where}: {name} needs m={m} >= p={p} micro-batches")

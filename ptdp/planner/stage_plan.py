@@ -62,7 +62,8 @@ def layer_profiles(hw, work, lay, attention: str | None = None) -> list[LayerPro
                                   attention, lt, lay.recompute, lay.recompute_modules,
                                   lay.sequence_parallel)
         body = replace(profiles[1], compute=profiles[1].compute + extra)
-        profiles = [profiles[0]] + [body] * shape.layers + [profiles[-1]]
+        head = replace(profiles[-1], compute=profiles[-1].compute + shape.mtp_layers * extra)
+        profiles = [profiles[0]] + [body] * shape.layers + [head]   # (the MTP depths' layers)
     return profiles
 
 
@@ -166,6 +167,7 @@ def stage_lines(cfg, hardware=None) -> list[str]:
     for s, layers in enumerate(ranges):
         held = ([f"layers {layers.start}-{layers.stop - 1}"] if layers else []) \
             + (["embedding"] if s == 0 else []) + (["output layer and loss"] if s == n - 1 else [])
+        held += [f"{cfg.model.mtp_layers} MTP depth(s)"] if s == n - 1 and cfg.model.mtp_layers else []
         time = f", {times[s] * 1e3:.2f} ms per micro-batch ({hardware.name})" if times else ""
         lines.append(f"  stage {s}: {' + '.join(held)}{time}")
     return lines

@@ -2,6 +2,7 @@
 that divide E and explained, pinned with --fix e=, refused for dense models; the check's
 layout, expert placement and parameters; the shipped MoE configs."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -106,11 +107,15 @@ def test_deepseek_shape():
 
 
 def test_the_deepseek_v3_config_has_deepseek_v3s_counts():
-    """configs/deepseek_v3.yaml is DeepSeek-V3 with its latent attention: Hugging Face's
-    DeepseekV3ForCausalLM count (the MTP module left out), 37.6 B active (its "37B")."""
+    """configs/deepseek_v3.yaml is DeepSeek-V3 with its latent attention and its one MTP
+    depth: without the depth Hugging Face's DeepseekV3ForCausalLM count, 37.6 B active (its
+    "37B"); the depth adds 11,610,067,968 (tests/planner/test_mtp_planner.py), 0.69 B active."""
     m = load_config(CONFIGS / "deepseek_v3.yaml", world_size=2048).model
     assert (m.mla_kv_lora_rank, m.mla_q_lora_rank, m.head_dim, m.mla_rope_head_dim,
-            m.mla_v_head_dim) == (512, 1536, 128, 64, 128)
+            m.mla_v_head_dim, m.mtp_layers) == (512, 1536, 128, 64, 128, 1)
     shape = ModelShape.from_config(m)
-    assert decoder_parameters(shape) == 671_026_404_352
-    assert round(active_parameters(shape) / 1e8) == 376
+    assert decoder_parameters(shape) == 671_026_404_352 + 11_610_067_968
+    assert round(active_parameters(shape) / 1e8) == 382
+    without = dataclasses.replace(shape, mtp_layers=0)
+    assert decoder_parameters(without) == 671_026_404_352
+    assert round(active_parameters(without) / 1e8) == 376
