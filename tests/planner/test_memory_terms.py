@@ -153,3 +153,32 @@ def test_only_unflattened_gradients_copy_a_bucket():
         one, two = (gpu_memory(SHAPE, schedule=schedule, d=d, **kwargs) for d in (1, 2))
         stage = stage_parameters(SHAPE, 1, 2, 128, False, True)
         assert two.buffers - one.buffers == pytest.approx(stage * 4 if copies else 0.0)
+
+
+def _loss_kept_bytes(rows: int, vocab_padded: int) -> int:
+    """What the vocab-parallel loss keeps for its backward from [rows, V] logits (saved-tensor
+    hooks on the real function; its index tensors left out)."""
+    from ptdp.parallel.cross_entropy import vocab_parallel_cross_entropy
+    logits = torch.randn(rows, 1, vocab_padded, requires_grad=True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda x: kept.append(x) or x, lambda x: x):
+        vocab_parallel_cross_entropy(logits * 1.0, torch.zeros(rows, 1, dtype=torch.long), 100,
+                                     TensorParallel())
+    return sum(x.numel() * x.element_size() for x in kept if x.is_floating_point())
+
+
+def test_gpipe_keeps_every_micro_batchs_loss_state_on_the_last_stage():
+    """All m forwards run before the first backward: the last stage holds what the loss keeps
+    for each micro-batch, where 1F1B holds one at a time (only the logits' terms depend on V)."""
+    rows, m = SHAPE.seq * B, 4
+    per_logit = _loss_kept_bytes(rows, 256) - _loss_kept_bytes(rows, 128)
+    assert per_logit == rows * 128 * 4     # the fp32 softmax, [rows, V]
+
+    def last_stage(schedule, vocab):
+        return gpu_memory(SHAPE, p=2, t=1, v=1, m=m, b=B, schedule=schedule, rank=1,
+                          recompute="none", precision="fp32", attention="flash",
+                          vocab_padded=vocab, reserved_gb=0.0).activations
+
+    assert last_stage("gpipe", 256) - last_stage("gpipe", 128) == (m - 1) * per_logit
+    assert last_stage("1f1b", 256) == last_stage("1f1b", 128)
