@@ -13,16 +13,13 @@ routing): the experts form G groups of E/G consecutive indices (with expert para
 G = the nodes an expert group spans, a group is a node's experts), each group scores the sum of
 its best k/G' selection scores, and a token's k experts come from its best G' groups
 (`moe_router_group_top_k`) only; megatron-core's `group_limited_topk`.
-Its losses, over the micro-batch's N tokens and their N k choices:
-
-    moe_aux_loss = coeff * E * sum_i f_i P_i     f_i = (choices of expert i) / (N k),
-                                                 P_i = mean score of expert i
-    moe_z_loss   = coeff * mean_tokens logsumexp(x W_r^T)^2
-
-Where a layout splits a micro-batch's tokens over ranks (the sequence-parallel tensor group,
-the context ring), f_i is summed over those ranks first, and each rank's loss is its tokens'
-share; with sequence parallelism the reported value is completed over the tensor group while
-the gradient stays each rank's share (the router weight's gradient is then summed over the
+Its losses: the load-balancing loss, coeff * E * sum_i f_i P_i over the micro-batch's or each
+sequence's tokens (`moe_aux_loss_scope`), f_i counting each token's k best scores (not its
+biased or group-limited choice), as DeepSeek-V3 and megatron-core define it (models/balance.py),
+and the z-loss, coeff * mean_tokens logsumexp(x W_r^T)^2. Where a layout splits a micro-batch's
+tokens over ranks (the sequence-parallel tensor group, the context ring), each rank's loss is its
+tokens' share; with sequence parallelism the reported value is completed over the tensor group
+while the gradient stays each rank's share (the router weight's gradient is then summed over the
 group, as sequence-parallel weights' are). So every layout computes the single process's loss.
 
 Experts (`Expert`, `MoEMLP.route`): the model's activation (GeLU, or SwiGLU/GeGLU with fc1's rows alternating
@@ -50,6 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ptdp.kernels import ACTIVATIONS, GATES
+from ptdp.models.balance import balance_loss
 from ptdp.parallel.experts import (Groups, all_to_all, by_local_expert, exchange_counts,
                                    grouped_linear, inverse_permutation, permute)
 from ptdp.parallel.layers import normal_param, scaled_std
@@ -115,20 +113,17 @@ class Router(nn.Module):
         counts = torch.bincount(chosen.reshape(-1), minlength=self.E).to(torch.float64)
         if self.training and counting():
             self.loads = self.loads.to(x.device) + counts
-        return chosen, gates, self._losses(logits, scores, counts)
+        return chosen, gates, self._losses(logits, scores)
 
-    def _losses(self, logits, scores, counts) -> dict:
+    def _losses(self, logits, scores) -> dict:
         """This rank's share of the micro-batch's aux losses (module docstring)."""
         if not self.aux_names:
             return {}
         cfg, tp, cp = self.ctx.model, self.ctx.tp, self.ctx.cp
-        local = scores.reshape(-1, self.E)
-        tokens = local.shape[0] * (tp.size if tp.sequence_parallel else 1) * cp.size
+        tokens = logits[..., 0].numel() * (tp.size if tp.sequence_parallel else 1) * cp.size
         losses = {}
         if AUX_LOSS in self.aux_names:
-            counts = _sum_over_token_ranks(counts, self.ctx)
-            f = (counts / (tokens * self.k)).to(local.dtype)
-            losses[AUX_LOSS] = cfg.moe_aux_loss_coeff * self.E * (f * local.sum(0)).sum() / tokens
+            losses[AUX_LOSS] = balance_loss(scores, cfg, self.ctx)
         if Z_LOSS in self.aux_names:
             lse = torch.logsumexp(logits.reshape(-1, self.E), dim=-1)
             losses[Z_LOSS] = cfg.moe_z_loss_coeff * lse.square().sum() / tokens
@@ -147,17 +142,6 @@ def best_groups_only(select: torch.Tensor, groups: int, group_top_k: int,
     best = torch.sort(group_scores, dim=-1, descending=True, stable=True)[1][..., :group_top_k]
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best, True)
     return per_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
-
-
-def _sum_over_token_ranks(counts: torch.Tensor, ctx) -> torch.Tensor:
-    """`counts` summed over the ranks holding other tokens of the same micro-batch: the
-    sequence-parallel tensor group and the context ring."""
-    counts = counts.clone()
-    if ctx.tp.sequence_parallel:
-        dist.all_reduce(counts, group=ctx.tp.group)
-    if ctx.cp.size > 1:
-        dist.all_reduce(counts, group=ctx.cp.group)
-    return counts
 
 
 def _completed_over_tensor(losses: dict, tp) -> dict:

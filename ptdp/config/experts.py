@@ -11,6 +11,9 @@ from ptdp.config.problems import Problems
 from ptdp.config.schema import Config, ModelConfig
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+# the tokens the load-balancing loss balances over (models/balance.py): each micro-batch's
+# (Megatron's aux_loss), or each sequence's, averaged (DeepSeek-V3's, Megatron's seq_aux_loss)
+AUX_LOSS_SCOPES = ("micro_batch", "sequence")
 COEFFICIENTS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_bias_rate")
 
 
@@ -47,6 +50,7 @@ def check_moe_model(m: ModelConfig, out: Problems) -> None:
                 f"model.moe_first_dense_layers must be in [0, model.num_layers) = [0, "
                 f"{m.num_layers}) so that some layer is MoE, got {m.moe_first_dense_layers}")
     out.choice(m.moe_score_function, SCORE_FUNCTIONS, "model.moe_score_function")
+    out.choice(m.moe_aux_loss_scope, AUX_LOSS_SCOPES, "model.moe_aux_loss_scope")
     for key in COEFFICIENTS:
         out.positive(getattr(m, key), f"model.{key}", strict=False, hint=" (0 disables it)")
     out.positive(m.moe_routed_scaling_factor, "model.moe_routed_scaling_factor")

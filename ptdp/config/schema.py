@@ -98,6 +98,7 @@ class ModelConfig:
     moe_renormalize: bool = True         # top-k weights renormalised to sum 1 (Mixtral, Qwen3)
     moe_routed_scaling_factor: float = 1.0  # the routed experts' weights times this (DeepSeek)
     moe_aux_loss_coeff: float = 0.0      # Switch/GShard load-balancing loss E * sum_i f_i * P_i
+    moe_aux_loss_scope: str = "micro_batch"  # ... over each micro-batch's tokens | sequence's
     moe_z_loss_coeff: float = 0.0        # router z-loss: mean of logsumexp(scores)^2
     moe_expert_bias_rate: float = 0.0    # aux-loss-free balancing: per-expert bias update rate
     moe_router_groups: int = 1           # node-limited routing: the experts in G groups...

@@ -45,9 +45,16 @@ def moe_args(cfg) -> dict:
         moe_router_bias_update_rate=cfg.moe_expert_bias_rate or DENSE[
             "moe_router_bias_update_rate"],
         moe_router_topk_scaling_factor=None if factor == 1.0 else factor,
-        moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff else "none",
+        moe_router_load_balancing_type=_balancing_type(cfg),
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,
         **_router_groups(cfg))
+
+
+def _balancing_type(cfg) -> str:
+    """Megatron's --moe-router-load-balancing-type of ptdp's loss (models/balance.py)."""
+    if not cfg.moe_aux_loss_coeff:
+        return "none"
+    return "seq_aux_loss" if cfg.moe_aux_loss_scope == "sequence" else "aux_loss"
 
 
 def _router_groups(cfg) -> dict:
@@ -126,8 +133,10 @@ def moe_config(args, get) -> dict:
                                                     "experts carry biases, ptdp's have none")
     balance = _one(get(args, "moe_router_load_balancing_type", "aux_loss"),
                    "moe_router_load_balancing_type")
-    require(balance in ("aux_loss", "none"), f"--moe-router-load-balancing-type={balance}: ptdp "
-                                             f"has the Switch/GShard loss (aux_loss)")
+    require(balance in ("aux_loss", "seq_aux_loss", "none"),
+            f"--moe-router-load-balancing-type={balance}: ptdp has the Switch/GShard loss per "
+            f"micro-batch (aux_loss) or per sequence (seq_aux_loss)")
+    scope = "sequence" if balance == "seq_aux_loss" else "micro_batch"
     score = get(args, "moe_router_score_function", "softmax")
     require(score in ("softmax", "sigmoid"), f"--moe-router-score-function={score}")
     top_k = get(args, "moe_router_topk", 2)
@@ -146,7 +155,7 @@ def moe_config(args, get) -> dict:
         moe_renormalize=renormalize,
         moe_routed_scaling_factor=float(get(args, "moe_router_topk_scaling_factor", 1.0)),
         moe_aux_loss_coeff=float(_one(get(args, "moe_aux_loss_coeff", 0.0), "moe_aux_loss_coeff"))
-        if balance == "aux_loss" else 0.0,
+        if balance != "none" else 0.0, moe_aux_loss_scope=scope,
         moe_z_loss_coeff=float(get(args, "moe_z_loss_coeff", 0.0)),
         moe_expert_bias_rate=float(get(args, "moe_router_bias_update_rate", 1e-3))
         if enabled else 0.0, **groups)

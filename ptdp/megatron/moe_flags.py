@@ -52,10 +52,13 @@ def _balancing_type(given: dict) -> str:
 @moe_only
 def load_balancing_type(value, given):
     kind = _balancing_type(given)
+    if kind == "seq_aux_loss":   # DeepSeek-V3's: per sequence (models/balance.py)
+        return {"model.moe_aux_loss_scope": "sequence"}
     if kind in ("aux_loss", "none"):
         return {}   # aux_loss: ptdp's loss (--moe-aux-loss-coeff); none: no loss
     raise Unmapped(REFUSED, f"{kind!r}: ptdp's balancing is the Switch/GShard loss per "
-                            f"micro-batch (aux_loss), the z-loss and the expert bias")
+                            f"micro-batch (aux_loss) or per sequence (seq_aux_loss), the z-loss "
+                            f"and the expert bias")
 
 
 @moe_only
@@ -66,11 +69,7 @@ def aux_loss_coeff(value, given):
     if _balancing_type(given) == "none":
         raise Unmapped(IGNORED, "Megatron adds no load-balancing loss with "
                                 "--moe-router-load-balancing-type none")
-    coeff = float(words[0])
-    if coeff > 0 and given.get("--moe-router-score-function") == "sigmoid":
-        return Differs(coeff, "Megatron's aux loss renormalises the sigmoid scores per token; "
-                              "ptdp's averages them as they are")
-    return coeff
+    return float(words[0])
 
 
 def _topk(given: dict) -> int:
@@ -208,9 +207,9 @@ MOE_ARGS: tuple[Arg, ...] = (
         note="n, or a list such as ([0]*3+[1]*29): model.moe_first_dense_layers and "
              "model.moe_layer_freq"),
     Arg("--moe-router-load-balancing-type", None, EXACT, load_balancing_type, nargs="+",
-        note="aux_loss (the default) or none", model=True),
-    Arg("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff", EXACT, aux_loss_coeff, nargs="+",
-        note="approximate with sigmoid scores (Megatron renormalises them for the loss)"),
+        note="aux_loss (the default), seq_aux_loss (model.moe_aux_loss_scope: sequence) or none",
+        model=True),
+    Arg("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff", EXACT, aux_loss_coeff, nargs="+"),
     Arg("--moe-z-loss-coeff", "model.moe_z_loss_coeff", EXACT, moe_only(number)),
     Arg("--moe-router-score-function", "model.moe_score_function", EXACT, score_function,
         note="sigmoid also sets model.moe_renormalize (k > 1), as Megatron renormalises"),

@@ -421,9 +421,7 @@ def gpu_memory(shape: ModelShape, *, p: int, t: int, v: int, m: int, b: int, sch
         # (ptdp/parallel/cross_entropy.py)
         rows = shape.head_rows(shape.seq * b)   # BERT: its masked positions only
         transient += rows * vocab_padded / t * (2 * e + fp32_copy)
-        # GPipe runs every forward before the first backward: the other micro-batches' kept
-        # part (the fp32 copy on CPU, the logits on GPUs) waits meanwhile
-        if spec.all_forwards_first:
+        if spec.all_forwards_first:   # GPipe: m - 1 more kept (CPU: fp32 copies, GPU: logits)
             activations += (m - 1) * rows * vocab_padded / t * (fp32_copy or e)
         if shape.bert_heads:  # the LM transform's dense output, GeLU and LayerNorm inputs
             transient += 3 * rows * shape.hidden * e

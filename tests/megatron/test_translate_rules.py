@@ -43,6 +43,12 @@ def moe_values(*words: str) -> dict:
                                           "model.moe_layer_freq": 2}),
     (["--moe-layer-freq", "[1,0,0,1]"], {"model.moe_layer_freq": 3}),   # Megatron's 3
     (["--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "1e-2"], {}),
+    # DeepSeek-V3's sequence-wise balance loss, with sigmoid scores (renormalised for the loss
+    # by both, models/balance.py)
+    (["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4",
+      "--moe-router-score-function", "sigmoid"],
+     {"model.moe_aux_loss_scope": "sequence", "model.moe_aux_loss_coeff": 1e-4,
+      "model.moe_score_function": "sigmoid", "model.moe_renormalize": True}),
     # DeepSeek-V3's node-limited routing (sigmoid scores), DeepSeek-V2's (pre-softmax)
     (["--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "4",
       "--moe-router-group-topk", "2"],
@@ -72,9 +78,10 @@ def test_moe_arguments_become_ptdps_moe_keys(words, expected):
     (MOE + ["--moe-layer-freq", "[1,1,0,1]"], "refused: --moe-layer-freq [1,1,0,1]: ptdp's MoE "
      "layers are every n-th after the first dense ones (model.moe_first_dense_layers, "
      "model.moe_layer_freq)", True),
-    (MOE + ["--moe-router-load-balancing-type", "seq_aux_loss"], "refused: "
-     "--moe-router-load-balancing-type seq_aux_loss: 'seq_aux_loss': ptdp's balancing is the "
-     "Switch/GShard loss per micro-batch (aux_loss), the z-loss and the expert bias", True),
+    (MOE + ["--moe-router-load-balancing-type", "global_aux_loss"], "refused: "
+     "--moe-router-load-balancing-type global_aux_loss: 'global_aux_loss': ptdp's balancing is "
+     "the Switch/GShard loss per micro-batch (aux_loss) or per sequence (seq_aux_loss), the "
+     "z-loss and the expert bias", True),
     (["--moe-router-topk", "4"], "ignored: --moe-router-topk 4: Megatron uses it only with "
      "--num-experts", False),
     (["--apply-residual-connection-post-layernorm"],
