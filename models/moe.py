@@ -1,8 +1,9 @@
 """The mixture-of-experts MLP: a router, E routed experts, optional shared experts (docs/moe.md).
 
 A token's MLP output is sum_j gate_j * expert_{i_j}(x) over its k chosen experts i_j, plus the
-shared experts' output that every token gets. Routing is dropless: every token reaches its k
-experts, so no layout changes what a token computes.
+shared experts' output that every token gets. Routing is dropless (every token reaches its k
+experts) unless `moe_capacity_factor` caps each expert's share of a micro-batch
+(models/capacity.py); either way no layout changes what a token computes.
 
 Router (`Router`): scores = x W_r^T in fp32, softmax or sigmoid; the k best experts by score
 (plus the per-expert selection bias of auxiliary-loss-free balancing, which picks but never
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 
 from ptdp.kernels import ACTIVATIONS, GATES
 from ptdp.models.balance import balance_loss
+from ptdp.models.capacity import kept_choices
 from ptdp.parallel.experts import (Groups, all_to_all, by_local_expert, exchange_counts,
                                    grouped_linear, inverse_permutation, permute)
 from ptdp.parallel.layers import normal_param, scaled_std
@@ -110,7 +112,11 @@ class Router(nn.Module):
         if cfg.moe_renormalize:
             gates = gates / gates.sum(-1, keepdim=True).clamp(min=1e-20)
         gates = gates * cfg.moe_routed_scaling_factor
-        counts = torch.bincount(chosen.reshape(-1), minlength=self.E).to(torch.float64)
+        if cfg.moe_capacity_factor is not None:   # token dropping (models/capacity.py)
+            kept = kept_choices(chosen, gates, cfg, self.ctx)
+            gates = gates * kept
+            chosen = chosen.masked_fill(~kept, self.E)   # expert E: dropped, no expert runs it
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.E + 1)[:self.E].to(torch.float64)
         if self.training and counting():
             self.loads = self.loads.to(x.device) + counts
         return chosen, gates, self._losses(logits, scores)
@@ -193,7 +199,7 @@ class Expert(nn.Module):
 def expert_order(chosen: torch.Tensor, num_experts: int):
     """The (token, choice) pairs of `chosen` [N, k] sorted by expert (a stable argsort: within
     an expert, in token order), its inverse, and how many each expert got [E] (on the device:
-    no host sync here)."""
+    no host sync here); with token dropping [E + 1], the last the dropped choices' (expert E)."""
     flat = chosen.reshape(-1)
     order = torch.argsort(flat, stable=True)
     return order, inverse_permutation(order), torch.bincount(flat, minlength=num_experts)
@@ -253,6 +259,7 @@ class MoEMLP(nn.Module):
         self.shared = (SharedExperts(ctx, layer, mlp_type) if cfg.moe_shared_ffn_hidden_size
                        else None)
         self.aux_losses: dict = {}
+        self.drops = cfg.moe_capacity_factor is not None   # token dropping (models/capacity.py)
 
     @torch.compiler.disable   # data-dependent sizes: the block runs eagerly in a compiled layer
     def forward(self, x):
@@ -273,10 +280,16 @@ class MoEMLP(nn.Module):
         other ranks' experts sent there and back with expert parallelism."""
         order, inverse, counts = expert_order(chosen, self.E)
         rows = permute(x, order // self.k, inverse, self.k)
+        dropped = 0
+        if self.drops:   # the dropped choices sort last (expert E): no expert runs them
+            dropped = int(counts[self.E])                  # (a host sync, with dropping only)
+            rows, counts = rows[:rows.shape[0] - dropped], counts[:self.E]
         if self.ep.size == 1:
             out = self._experts(rows, Groups.of(counts, rows, self.widths))
         else:
             out = self._expert_parallel(rows, counts.tolist())
+        if dropped:   # their gates are 0: any output does, zeros cost nothing to combine
+            out = torch.cat([out, out.new_zeros(dropped, out.shape[1])])
         return combine(out, order, inverse, gates)
 
     def _experts(self, rows, groups: Groups):

@@ -14,6 +14,7 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 # the tokens the load-balancing loss balances over (models/balance.py): each micro-batch's
 # (Megatron's aux_loss), or each sequence's, averaged (DeepSeek-V3's, Megatron's seq_aux_loss)
 AUX_LOSS_SCOPES = ("micro_batch", "sequence")
+DROP_POLICIES = ("probs", "position")   # token dropping's (models/capacity.py)
 COEFFICIENTS = ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_bias_rate")
 
 
@@ -51,6 +52,13 @@ def check_moe_model(m: ModelConfig, out: Problems) -> None:
                 f"{m.num_layers}) so that some layer is MoE, got {m.moe_first_dense_layers}")
     out.choice(m.moe_score_function, SCORE_FUNCTIONS, "model.moe_score_function")
     out.choice(m.moe_aux_loss_scope, AUX_LOSS_SCOPES, "model.moe_aux_loss_scope")
+    if m.moe_capacity_factor is not None:
+        out.positive(m.moe_capacity_factor, "model.moe_capacity_factor",
+                     hint=" (null: dropless routing)")
+    out.choice(m.moe_drop_policy, DROP_POLICIES, "model.moe_drop_policy")
+    out.require(m.moe_drop_policy == "probs" or m.moe_capacity_factor is not None,
+                "model.moe_drop_policy applies only with model.moe_capacity_factor (token "
+                "dropping)")
     for key in COEFFICIENTS:
         out.positive(getattr(m, key), f"model.{key}", strict=False, hint=" (0 disables it)")
     out.positive(m.moe_routed_scaling_factor, "model.moe_routed_scaling_factor")

@@ -101,6 +101,9 @@ class ModelConfig:
     moe_aux_loss_scope: str = "micro_batch"  # ... over each micro-batch's tokens | sequence's
     moe_z_loss_coeff: float = 0.0        # router z-loss: mean of logsumexp(scores)^2
     moe_expert_bias_rate: float = 0.0    # aux-loss-free balancing: per-expert bias update rate
+    moe_capacity_factor: float | None = None  # token dropping: an expert keeps at most
+                                         # ceil(N k / E * factor) choices; null = dropless
+    moe_drop_policy: str = "probs"       # which it keeps: the largest gates | the first tokens
     moe_router_groups: int = 1           # node-limited routing: the experts in G groups...
     moe_router_group_top_k: int = 1      # ...and each token's k from its best G' of them
     # Multi-token prediction (DeepSeek-V3; models/mtp.py): D extra depths on the last stage,

@@ -36,6 +36,7 @@ VALUED = [
     ("--moe-aux-loss-coeff", "moe_aux_loss_coeff"), ("--moe-z-loss-coeff", "moe_z_loss_coeff"),
     ("--moe-router-num-groups", "moe_router_num_groups"),
     ("--moe-router-group-topk", "moe_router_group_topk"),
+    ("--moe-expert-capacity-factor", "moe_expert_capacity_factor"),
     ("--ckpt-format", "ckpt_format"), ("--transformer-impl", "transformer_impl"),
 ]
 # (flag, argument, the value that writes the flag): switches.
@@ -72,6 +73,8 @@ def load_flags(args, split: bool) -> list[str]:
     for flag, name in VALUED:
         if getattr(args, name, None) is not None and (moe or not name.startswith("moe_")):
             add(flag, getattr(args, name))
+    if moe and getattr(args, "moe_expert_capacity_factor", None) is not None:
+        add("--moe-token-drop-policy", args.moe_token_drop_policy)
     for flag, name, when in SWITCHES:
         if getattr(args, name, not when) == when and (moe or not name.startswith("moe_")):
             words.append(flag)

@@ -47,6 +47,8 @@ def moe_args(cfg) -> dict:
         moe_router_topk_scaling_factor=None if factor == 1.0 else factor,
         moe_router_load_balancing_type=_balancing_type(cfg),
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff, moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,
+        moe_expert_capacity_factor=cfg.moe_capacity_factor,
+        moe_token_drop_policy=cfg.moe_drop_policy,
         **_router_groups(cfg))
 
 
@@ -125,10 +127,12 @@ def moe_config(args, get) -> dict:
     experts = get(args, "num_experts", None)
     if not experts:
         return {}
-    for name, why in [("moe_expert_capacity_factor", "token dropping; ptdp's experts are dropless"),
-                      ("moe_latent_size", "a latent expert projection")]:
-        require(get(args, name, None) is None, f"--{name.replace('_', '-')}="
-                                               f"{get(args, name, None)}: {why}, which ptdp lacks")
+    require(get(args, "moe_latent_size", None) is None,
+            f"--moe-latent-size={get(args, 'moe_latent_size', None)}: a latent expert "
+            f"projection, which ptdp lacks")
+    policy = get(args, "moe_token_drop_policy", "probs")
+    require(policy in ("probs", "position"), f"--moe-token-drop-policy={policy}: ptdp's drop "
+                                             f"policies are probs and position")
     require(not get(args, "add_bias_linear", True), "--add-bias-linear with experts: Megatron's "
                                                     "experts carry biases, ptdp's have none")
     balance = _one(get(args, "moe_router_load_balancing_type", "aux_loss"),
@@ -158,7 +162,14 @@ def moe_config(args, get) -> dict:
         if balance != "none" else 0.0, moe_aux_loss_scope=scope,
         moe_z_loss_coeff=float(get(args, "moe_z_loss_coeff", 0.0)),
         moe_expert_bias_rate=float(get(args, "moe_router_bias_update_rate", 1e-3))
-        if enabled else 0.0, **groups)
+        if enabled else 0.0, **groups, **_dropping(args, get, policy))
+
+
+def _dropping(args, get, policy: str) -> dict:
+    """Token dropping's keys (models/capacity.py), {} when dropless."""
+    factor = get(args, "moe_expert_capacity_factor", None)
+    return {} if factor is None else dict(moe_capacity_factor=float(factor),
+                                          moe_drop_policy=policy)
 
 
 def _groups_of(args, get, score: str, renormalize: bool) -> dict:

@@ -72,6 +72,31 @@ def aux_loss_coeff(value, given):
     return float(words[0])
 
 
+@moe_only
+def capacity_factor(value, given):
+    """Token dropping (models/capacity.py): the same drops as Megatron's where one rank routes a
+    micro-batch's every token."""
+    factor = float(value)
+    split = "--sequence-parallel" in given or given_int(given, "--context-parallel-size", 1) > 1
+    return Differs(factor, "Megatron drops among each rank's tokens (sequence or context "
+                           "parallelism split them), ptdp among the micro-batch's") if split \
+        else factor
+
+
+def drop_policy(value, given):
+    if "--moe-expert-capacity-factor" not in given:
+        raise Unmapped(IGNORED, "only with --moe-expert-capacity-factor")
+    if value not in ("probs", "position"):
+        raise Unmapped(REFUSED, "ptdp's drop policies are probs and position")
+    return value
+
+
+def pad_to_capacity(value, given):
+    raise Unmapped(IGNORED, "the padding rows are zeros with gate 0: the same results, and ptdp "
+                            "does not pad" if "--moe-expert-capacity-factor" in given
+                   else "only with --moe-expert-capacity-factor")
+
+
 def _topk(given: dict) -> int:
     return given_int(given, "--moe-router-topk", 2)
 
@@ -242,11 +267,11 @@ MOE_ARGS: tuple[Arg, ...] = (
     Arg("--moe-per-layer-logging", None, IGNORED,
         ignore("ptdp logs each layer's expert loads in its metrics file"), nargs=0),
     Arg("--moe-router-padding-for-fp8", None, IGNORED, ignore("ptdp has no FP8"), nargs=0),
-    Arg("--moe-expert-capacity-factor", None, REFUSED,
-        refuse("ptdp's routing is dropless: every token reaches its k experts"), model=True),
-    Arg("--moe-pad-expert-input-to-capacity", None, IGNORED,
-        ignore("only with --moe-expert-capacity-factor"), nargs=0),
-    Arg("--moe-token-drop-policy", None, IGNORED, ignore("only with --moe-expert-capacity-factor")),
+    Arg("--moe-expert-capacity-factor", "model.moe_capacity_factor", EXACT, capacity_factor,
+        note="approximate with sequence or context parallelism (Megatron drops per rank's "
+             "tokens, ptdp per micro-batch)"),
+    Arg("--moe-pad-expert-input-to-capacity", None, IGNORED, pad_to_capacity, nargs=0),
+    Arg("--moe-token-drop-policy", "model.moe_drop_policy", EXACT, drop_policy),
     Arg("--moe-*", None, REFUSED, refuse("not one of ptdp's MoE options (docs/moe.md)"),
         model=True),
 )

@@ -254,8 +254,8 @@ def test_a_converted_fp16_run_resumes_at_megatrons_learning_rate(megatron, tmp_p
 
 
 @pytest.mark.parametrize("arch, setting, words", [
-    ("gpt", dict(num_experts=8, moe_expert_capacity_factor=1.0),
-     "--moe-expert-capacity-factor=1.0: token dropping"),
+    ("gpt", dict(num_experts=8, moe_expert_capacity_factor=1.0, moe_token_drop_policy="random"),
+     "--moe-token-drop-policy=random: ptdp's drop policies are probs and position"),
     ("gpt", dict(normalization="LayerNorm1p"), "--normalization=LayerNorm1p"),
     ("gpt", dict(qk_layernorm=True), "--qk-layernorm=True"),
     ("gpt", dict(rotary_percent=0.5), "--rotary-percent=0.5"),

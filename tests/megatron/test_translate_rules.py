@@ -43,6 +43,9 @@ def moe_values(*words: str) -> dict:
                                           "model.moe_layer_freq": 2}),
     (["--moe-layer-freq", "[1,0,0,1]"], {"model.moe_layer_freq": 3}),   # Megatron's 3
     (["--moe-router-load-balancing-type", "none", "--moe-aux-loss-coeff", "1e-2"], {}),
+    # token dropping (models/capacity.py)
+    (["--moe-expert-capacity-factor", "1.25", "--moe-token-drop-policy", "position"],
+     {"model.moe_capacity_factor": 1.25, "model.moe_drop_policy": "position"}),
     # DeepSeek-V3's sequence-wise balance loss, with sigmoid scores (renormalised for the loss
     # by both, models/balance.py)
     (["--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4",
@@ -66,8 +69,12 @@ def test_moe_arguments_become_ptdps_moe_keys(words, expected):
 @pytest.mark.parametrize("words, line, blocks", [
     (["--num-experts", "8"], "refused: --num-experts 8: Megatron's experts have biases without "
      "--disable-bias-linear; ptdp's experts have none", True),
-    (MOE + ["--moe-expert-capacity-factor", "1.0"], "refused: --moe-expert-capacity-factor 1.0: "
-     "ptdp's routing is dropless: every token reaches its k experts", True),
+    (MOE + ["--moe-expert-capacity-factor", "1.0", "--sequence-parallel"],
+     "approximate: --moe-expert-capacity-factor 1.0: Megatron drops among each rank's tokens "
+     "(sequence or context parallelism split them), ptdp among the micro-batch's", False),
+    (MOE + ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"],
+     "ignored: --moe-pad-expert-input-to-capacity: the padding rows are zeros with gate 0: the "
+     "same results, and ptdp does not pad", False),
     (MOE + ["--moe-router-num-groups", "4", "--moe-router-group-topk", "2"],
      "refused: --moe-router-num-groups 4: softmax scores without --moe-router-pre-softmax: "
      "Megatron ranks the groups by their logits, ptdp by their scores", True),
