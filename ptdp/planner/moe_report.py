@@ -46,11 +46,13 @@ def moe_lines(cfg, vocab_padded: int) -> list[str]:
               if m.moe_shared_ffn_hidden_size else "")
     groups = (f" from {m.moe_router_group_top_k} of {m.moe_router_groups} expert groups"
               if m.moe_router_groups > 1 else "")
+    dropping = (f", dropping past a capacity factor of {m.moe_capacity_factor:g} "
+                f"({m.moe_drop_policy})" if m.moe_capacity_factor is not None else "")
     e, d_c = par.expert, par.data * par.context
     lines = [
         f"experts: {m.num_experts} of f = {m.moe_ffn_hidden_size} in layers {_ranges(moe)} "
         f"({len(moe)} of {m.num_layers}), top-{m.moe_top_k} {m.moe_score_function} routing"
-        f"{groups}{shared}; {decoder_parameters(shape, vocab_padded) / 1e6:,.2f} M parameters in all, "
+        f"{groups}{dropping}{shared}; {decoder_parameters(shape, vocab_padded) / 1e6:,.2f} M parameters in all, "
         f"{active_parameters(shape, vocab_padded) / 1e6:,.2f} M active per token",
         f"expert placement: e = {e} expert ranks (folded out of d*c = {d_c}; the ranks holding "
         f"the same experts reduce their gradients over d*c/e = {d_c // e}), each "
