@@ -51,7 +51,10 @@ def check_moe_model(m: ModelConfig, out: Problems) -> None:
                 f"model.moe_first_dense_layers must be in [0, model.num_layers) = [0, "
                 f"{m.num_layers}) so that some layer is MoE, got {m.moe_first_dense_layers}")
     out.choice(m.moe_score_function, SCORE_FUNCTIONS, "model.moe_score_function")
-    out.choice(m.moe_aux_loss_scope, AUX_LOSS_SCOPES, "model.moe_aux_loss_scope")
+    if out.choice(m.moe_aux_loss_scope, AUX_LOSS_SCOPES, "model.moe_aux_loss_scope"):
+        out.require(m.moe_aux_loss_scope == "micro_batch" or m.moe_aux_loss_coeff > 0,
+                    "model.moe_aux_loss_scope applies only with model.moe_aux_loss_coeff > 0 "
+                    "(the load-balancing loss)")
     if m.moe_capacity_factor is not None:
         out.positive(m.moe_capacity_factor, "model.moe_capacity_factor",
                      hint=" (null: dropless routing)")

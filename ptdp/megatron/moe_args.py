@@ -140,7 +140,8 @@ def moe_config(args, get) -> dict:
     require(balance in ("aux_loss", "seq_aux_loss", "none"),
             f"--moe-router-load-balancing-type={balance}: ptdp has the Switch/GShard loss per "
             f"micro-batch (aux_loss) or per sequence (seq_aux_loss)")
-    scope = "sequence" if balance == "seq_aux_loss" else "micro_batch"
+    coeff = float(_one(get(args, "moe_aux_loss_coeff", 0.0), "moe_aux_loss_coeff"))
+    scope = "sequence" if balance == "seq_aux_loss" and coeff > 0 else "micro_batch"
     score = get(args, "moe_router_score_function", "softmax")
     require(score in ("softmax", "sigmoid"), f"--moe-router-score-function={score}")
     top_k = get(args, "moe_router_topk", 2)
@@ -158,8 +159,7 @@ def moe_config(args, get) -> dict:
         moe_layer_freq=freq, moe_first_dense_layers=first, moe_score_function=score,
         moe_renormalize=renormalize,
         moe_routed_scaling_factor=float(get(args, "moe_router_topk_scaling_factor", 1.0)),
-        moe_aux_loss_coeff=float(_one(get(args, "moe_aux_loss_coeff", 0.0), "moe_aux_loss_coeff"))
-        if balance != "none" else 0.0, moe_aux_loss_scope=scope,
+        moe_aux_loss_coeff=coeff if balance != "none" else 0.0, moe_aux_loss_scope=scope,
         moe_z_loss_coeff=float(get(args, "moe_z_loss_coeff", 0.0)),
         moe_expert_bias_rate=float(get(args, "moe_router_bias_update_rate", 1e-3))
         if enabled else 0.0, **groups, **_dropping(args, get, policy))

@@ -53,7 +53,9 @@ def _balancing_type(given: dict) -> str:
 def load_balancing_type(value, given):
     kind = _balancing_type(given)
     if kind == "seq_aux_loss":   # DeepSeek-V3's: per sequence (models/balance.py)
-        return {"model.moe_aux_loss_scope": "sequence"}
+        coeff = given.get("--moe-aux-loss-coeff", ["0"])
+        coeff = coeff[0] if isinstance(coeff, list) else coeff
+        return {"model.moe_aux_loss_scope": "sequence"} if float(coeff) > 0 else {}
     if kind in ("aux_loss", "none"):
         return {}   # aux_loss: ptdp's loss (--moe-aux-loss-coeff); none: no loss
     raise Unmapped(REFUSED, f"{kind!r}: ptdp's balancing is the Switch/GShard loss per "

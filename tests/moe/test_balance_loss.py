@@ -116,3 +116,12 @@ def test_megatron_checkpoint_args_carry_the_scope_both_ways(scope, megatrons):
                       argument)
     assert back["moe_aux_loss_scope"] == scope
     assert back["moe_aux_loss_coeff"] == model.moe_aux_loss_coeff
+
+
+def test_a_scope_without_the_loss_is_one_line():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, TINY + MOE + ["model.moe_aux_loss_coeff=0",
+                                        "model.moe_aux_loss_scope=sequence"], world_size=1)
+    assert [line for line in err.value.errors if "moe_aux_loss_scope" in line] == [
+        "model.moe_aux_loss_scope applies only with model.moe_aux_loss_coeff > 0 (the "
+        "load-balancing loss)"]
