@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -78,6 +79,10 @@ def to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
     weights = family.to_hf(cfg, state)
     family.meta_to_hf(cfg, meta, weights)
     depths = split_depths(family, cfg, weights)   # the layers transformers' class lacks
+    if cfg.moe_capacity_factor is not None:       # training-time routing HF does not have
+        print(f"model.moe_capacity_factor={cfg.moe_capacity_factor:g}: {family.hf_class} routes "
+              f"dropless, so where an expert's capacity would have bound, its outputs differ "
+              f"from the trained model's forward", file=sys.stderr)
     model.load_state_dict(weights, strict=True)
     out = Path(out_dir)
     model.save_pretrained(str(out))

@@ -129,3 +129,19 @@ def test_megatron_checkpoint_args_carry_dropping_both_ways(policy):
     dropless = moe_config(SimpleNamespace(num_layers=model.num_layers, add_bias_linear=False,
                                           **moe_args(_router()[1])), argument)
     assert "moe_capacity_factor" not in dropless
+
+
+def test_exporting_a_dropping_model_to_hugging_face_says_it_routes_dropless(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from ptdp.checkpoint.save import save_full_state
+    from ptdp.hf.convert import to_hf
+    from ptdp.inference.local_model import initial_state
+    cfg = load_config(None, ["model.preset=llama", "model.num_layers=2", "model.hidden_size=32",
+                             "model.num_heads=4", "model.seq_length=16", "model.vocab_size=128",
+                             "model.num_experts=4", "model.moe_capacity_factor=1.5",
+                             "data.source=synthetic"], world_size=1)
+    save_full_state(initial_state(cfg.model, 0), cfg, tmp_path / "ptdp")
+    assert to_hf(tmp_path / "ptdp", tmp_path / "hf")["class"] == "MixtralForCausalLM"
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "model.moe_capacity_factor=1.5: MixtralForCausalLM routes dropless, so where an expert's "
+        "capacity would have bound, its outputs differ from the trained model's forward"]
