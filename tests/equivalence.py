@@ -6,7 +6,7 @@ single-process loss sequence, gradients and updated weights to float32 round-off
 
 from __future__ import annotations
 
-import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -172,7 +172,6 @@ def archs_for(layout: str) -> tuple[str, ...]:
     return archs + (("blocks",) if layout in BLOCKS_LAYOUTS else ())
 
 
-@functools.lru_cache(maxsize=None)
 def _world_results(world: int) -> dict:
     names = [n for n, (w, _) in LAYOUTS.items() if w == world]
     keys = [(n, arch) for n in names for arch in archs_for(n)]
@@ -180,13 +179,30 @@ def _world_results(world: int) -> dict:
     return {key: next(results) for key in keys}
 
 
+_JOBS: dict = {}   # world size -> future of _world_results(world size)
+
+
+def _results_of(world: int, with_the_others: bool) -> dict:
+    """_world_results(world), spawned once. `with_the_others`: also start every other world
+    size's job, all together (one job alone leaves cores idle: the single process uses one,
+    the others wait on exchanges and start-up); the single process's alone otherwise (a module
+    that only compares with it needs no other)."""
+    sizes = sorted({w for w, _ in LAYOUTS.values()}) if with_the_others else [world]
+    for size in sizes:
+        if size not in _JOBS:
+            pool = ThreadPoolExecutor(1, thread_name_prefix=f"equivalence-{size}")
+            _JOBS[size] = pool.submit(_world_results, size)
+            pool.shutdown(wait=False)   # its thread ends with the job
+    return _JOBS[world].result()
+
+
 def layout_result(name: str, arch: str) -> list[dict]:
     """Per-rank results of layout `name` for `arch` (cached; one spawn per world size)."""
-    return _world_results(LAYOUTS[name][0])[(name, arch)]
+    return _results_of(LAYOUTS[name][0], with_the_others=True)[(name, arch)]
 
 
 def reference(arch: str) -> dict:
-    return layout_result("single", arch)[0]
+    return _results_of(1, with_the_others=False)[("single", arch)][0]
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

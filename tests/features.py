@@ -8,6 +8,7 @@ cores); tests look at what the jobs returned.
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch.distributed as dist
@@ -24,16 +25,31 @@ LAYOUTS = {
     (1, 2, 2): ["parallel.tensor=2", "parallel.data=2"],
     (2, 2, 2): ["parallel.pipeline=2", "parallel.tensor=2", "parallel.data=2"],
 }
+WORLDS = sorted({p * t * d for p, t, d in LAYOUTS})
 
 
-@functools.lru_cache(maxsize=None)
-def feature_results(feature: tuple[str, ...], world: int) -> dict:
+def _feature_results(feature: tuple[str, ...], world: int) -> dict:
     """{(layout, arch): per-rank results} for every layout of `world` ranks with `feature`,
     GPT, BERT and Llama-style, all under the in-order (NCCL-rules) transport: one spawned job."""
     names = [n for n in LAYOUTS if n[0] * n[1] * n[2] == world]
     runs = [[*MODELS[arch], *LAYOUTS[n], *feature] for n in names for arch in ARCHS]
     results = iter(run_layouts(world, runs, timeout_s=within(400), nccl_rules=True))
     return {(n, arch): next(results) for n in names for arch in ARCHS}
+
+
+@functools.lru_cache(maxsize=None)
+def _feature_jobs(feature: tuple[str, ...]) -> dict:
+    """{world size: future of _feature_results(feature, world size)}: the jobs of every world
+    size of LAYOUTS, started together (one job alone leaves cores idle: its ranks wait on
+    exchanges and start-up); their threads end with them."""
+    pool = ThreadPoolExecutor(len(WORLDS), thread_name_prefix="features")
+    futures = {world: pool.submit(_feature_results, feature, world) for world in WORLDS}
+    pool.shutdown(wait=False)
+    return futures
+
+
+def feature_results(feature: tuple[str, ...], world: int) -> dict:
+    return _feature_jobs(feature)[world].result()
 
 
 def feature_layout(feature: tuple[str, ...], layout: tuple, arch: str) -> list[dict]:

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import ast
 import re
-import subprocess
 import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 
+from tests.background import end, finish, start
 from tests.deadline import within
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,28 +205,6 @@ def test_every_command_module_registers_a_command():
     assert listed == on_disk
 
 
-def test_ptdp_help_lists_every_command():
-    out = subprocess.run([sys.executable, "-m", "ptdp", "--help"], capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    for command in ("train", "check", "plan", "profile", "tokenizer", "preprocess", "timeline",
-                    "convert", "generate", "plot", "config"):
-        assert re.search(rf"^\s+{command}\b", out.stdout, re.M), command
-
-
-def test_a_source_checkout_imports_ptdp_models_without_an_install(tmp_path):
-    """PYTHONPATH=the repository, no install: ptdp.models is still models/ (ptdp/__init__.py)."""
-    code = ("import sys\n"   # drop the editable install's finder, as if nothing were installed
-            "sys.meta_path = [f for f in sys.meta_path if 'editable' not in str(f)]\n"
-            f"sys.path.insert(0, {str(ROOT)!r})\n"
-            "import ptdp.models.gpt, ptdp.training\n"
-            "print(ptdp.models.gpt.__file__)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=within(120), cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == str(ROOT / "models" / "gpt.py")
-
-
 def _reads_arch(node: ast.AST) -> bool:
     """`x.arch` or a variable named `arch`: model.arch's value, a family's name."""
     return (isinstance(node, ast.Attribute) and node.attr == "arch") or \
@@ -321,3 +299,41 @@ def test_collectives_new_in_torch_come_through_their_fallbacks():
              if isinstance(node, ast.Attribute) and node.attr in newer
              and isinstance(node.value, ast.Name) and node.value.id == "dist"]
     assert found == []
+
+
+# ------------------------------------------------------------------ commands run in processes
+
+# A source checkout's imports, run with PYTHONPATH=the repository and no install.
+SOURCE_CHECKOUT = (
+    "import sys\n"   # drop the editable install's finder, as if nothing were installed
+    "sys.meta_path = [f for f in sys.meta_path if 'editable' not in str(f)]\n"
+    f"sys.path.insert(0, {str(ROOT)!r})\n"
+    "import ptdp.models.gpt, ptdp.training\n"
+    "print(ptdp.models.gpt.__file__)\n")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launched(tmp_path_factory):
+    """The two commands the last tests below run, started as the module starts: each is
+    seconds of one core importing torch, while the module's other tests read code in this
+    process."""
+    procs = {"help": start([sys.executable, "-m", "ptdp", "--help"]),
+             "source checkout": start([sys.executable, "-c", SOURCE_CHECKOUT],
+                                      cwd=tmp_path_factory.mktemp("checkout"))}
+    yield procs
+    end(procs.values())
+
+
+def test_ptdp_help_lists_every_command(launched):
+    out = finish(launched["help"], within(60))
+    assert out.returncode == 0, out.stderr
+    for command in ("train", "check", "plan", "profile", "tokenizer", "preprocess", "timeline",
+                    "convert", "generate", "plot", "config"):
+        assert re.search(rf"^\s+{command}\b", out.stdout, re.M), command
+
+
+def test_a_source_checkout_imports_ptdp_models_without_an_install(launched):
+    """PYTHONPATH=the repository, no install: ptdp.models is still models/ (ptdp/__init__.py)."""
+    out = finish(launched["source checkout"], within(120))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(ROOT / "models" / "gpt.py")

@@ -6,12 +6,12 @@ the same parameter count) and both start at the loss of a uniform guess."""
 import gzip
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.background import end, finish, start
 from tests.deadline import within
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,22 +20,41 @@ ROW_FIELDS = {"model", "micro_batch", "micro_batches", "step_ms", "step_ms_all",
               "parameters", "vocab", "compile_layers"}
 
 
-@pytest.mark.parametrize("arch,extra,program", [
+TINY_RUNS = [
     ("gpt", ["--no-tf32", "--data-workers", "1", "--rounds", "0"],
      [str(ROOT / "tools" / "bench_gpu.py")]),
-    ("bert", [], ["-m", "tools.bench_gpu"])])   # both ways of running a tool (tools/harness.py)
-def test_bench_gpu_tiny_on_cpu(tmp_path, arch, extra, program):
+    ("bert", [], ["-m", "tools.bench_gpu"])]   # both ways of running a tool (tools/harness.py)
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+    """Both runs of the test below, started at once (each is one process: one core's work);
+    each test waits for its own. {arch: (process, its folder)}."""
+    started = {}
+    try:
+        for arch, extra, program in TINY_RUNS:
+            tmp_path = tmp_path_factory.mktemp(arch)
+            cmd = [sys.executable, *program, "--device", "cpu", "--tiny", "--arch", arch,
+                   "--steps", "2", "--warmup", "1", "--json", str(tmp_path / "bench.json"),
+                   *extra]
+            if not extra:   # one profiled step of each model: its tables and its timeline
+                cmd += ["--profile", str(tmp_path / "profile")]
+            started[arch] = (start(cmd, cwd=ROOT), tmp_path)
+        yield started
+    finally:
+        end(proc for proc, _ in started.values())
+
+
+@pytest.mark.parametrize("arch,extra,program", TINY_RUNS)
+def test_bench_gpu_tiny_on_cpu(tiny_runs, arch, extra, program):
     """Like with like: the same TF32 setting for both (ptdp's train.tf32), and both take each
     micro-batch from host memory during the step (ptdp's built ahead by data.num_workers).
     By default the two then alternate for as many rounds as timed steps (ptdp kept in memory
     while the reference is measured), and the speedup is those rounds'; `--rounds 0` skips
     them and the speedup is the sequential medians'."""
+    proc, tmp_path = tiny_runs[arch]
+    run = finish(proc, within(240))
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, *program, "--device", "cpu", "--tiny",
-           "--arch", arch, "--steps", "2", "--warmup", "1", "--json", str(out), *extra]
-    if not extra:   # one profiled step of each model: its tables and its timeline
-        cmd += ["--profile", str(tmp_path / "profile")]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=within(240), cwd=ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
     for heading in ("step ms", "tokens/s", "TFLOP/s eq4.2", "MFU", "peak GiB"):
         assert heading in run.stdout

@@ -13,7 +13,6 @@ import importlib.util
 import os
 import re
 import shutil
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import pytest
 from ptdp import checks, cli
 from ptdp.config import load_config
 from tests.data.tokenised import write_tokenised
+from tests.background import end, finish, start
 from tests.deadline import within
 from tests.optional import needs
 
@@ -431,37 +431,28 @@ def _env() -> dict:
     return env
 
 
-def test_torchrun_ranks_exit_2_before_any_process_group(assets, tmp_path):
-    config, overrides, expect, out = _prepare(ROW["everything-at-once"], tmp_path, assets)
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "2", "-m", "ptdp", "train", config, *overrides],
-                         cwd=tmp_path, env=_env(), text=True, capture_output=True,
-                         timeout=within(120))
-    text = res.stdout + res.stderr
-    assert res.returncode != 0
-    ours = [line for line in text.splitlines() if line.startswith("ptdp train: ")]
-    assert len(ours) == len(expect), text            # rank 0 only: each problem once
-    for want in expect:
-        assert sum(want in line for line in ours) == 1, text
-    # The workers exited with code 2 (torchrun may stop the slower one with SIGTERM first);
-    # the only traceback is torchrun's own report.
-    codes = re.findall(r"exitcode\s+: (-?\d+)", text)
-    assert "2" in codes and set(codes) <= {"2", "-15"}, text
-    assert not re.search(r'File ".*/ptdp/', text), text
-    assert not out.exists()
-
-
-def test_launch_script_stops_before_torchrun(assets, tmp_path):
-    config, overrides, expect, out = _prepare(ROW["everything-at-once"], tmp_path, assets)
-    env = {**_env(), "PYTHON": sys.executable, "NPROC": "2", "CUDA_VISIBLE_DEVICES": "",
-           "TORCHRUN": "false"}   # a launcher that would fail the test if it ran
-    res = subprocess.run(["bash", str(ROOT / "tools" / "pretrain_gpt.sh"), config, *overrides],
-                         env=env, text=True, capture_output=True, timeout=within(120))
-    assert res.returncode == 2, res.stderr
-    for want in expect:
-        assert want in res.stderr
-    assert "fix the job or launch a different number of ranks" in res.stderr
-    assert "--nnodes" not in res.stderr and not out.exists()
+@pytest.fixture(scope="module", autouse=True)
+def launched(assets, tmp_path_factory):
+    """The two real launches the last tests below read, started as the module's assets are
+    ready: they run (the torchrun job's ranks wait seconds for rank 0 to speak, the launch
+    script's `ptdp check` is one core's work) while the tests before them run in this process.
+    {name: (process, expected substrings, output folder)}."""
+    started = {}
+    try:
+        tmp = tmp_path_factory.mktemp("torchrun")
+        config, overrides, expect, out = _prepare(ROW["everything-at-once"], tmp, assets)
+        started["torchrun"] = (start(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+             "2", "-m", "ptdp", "train", config, *overrides], cwd=tmp, env=_env()), expect, out)
+        tmp = tmp_path_factory.mktemp("script")
+        config, overrides, expect, out = _prepare(ROW["everything-at-once"], tmp, assets)
+        env = {**_env(), "PYTHON": sys.executable, "NPROC": "2", "CUDA_VISIBLE_DEVICES": "",
+               "TORCHRUN": "false"}   # a launcher that would fail the test if it ran
+        started["script"] = (start(["bash", str(ROOT / "tools" / "pretrain_gpt.sh"), config,
+                                    *overrides], env=env), expect, out)
+        yield started
+    finally:
+        end(proc for proc, _, _ in started.values())
 
 
 @pytest.mark.parametrize("content,message", [
@@ -520,3 +511,32 @@ def test_ranks_other_than_0_leave_after_rank_0_had_time_to_say_why(monkeypatch, 
     monkeypatch.setenv("WORLD_SIZE", world)
     assert train._after_rank_0_said_why(2) == 2
     assert slept == ([train.SAID_WHY_GRACE_S] if waits else [])
+
+
+# ---- the real launches (started by `launched` above, as the module's assets were ready)
+
+def test_torchrun_ranks_exit_2_before_any_process_group(launched):
+    proc, expect, out = launched["torchrun"]
+    res = finish(proc, within(120))
+    text = res.stdout + res.stderr
+    assert res.returncode != 0
+    ours = [line for line in text.splitlines() if line.startswith("ptdp train: ")]
+    assert len(ours) == len(expect), text            # rank 0 only: each problem once
+    for want in expect:
+        assert sum(want in line for line in ours) == 1, text
+    # The workers exited with code 2 (torchrun may stop the slower one with SIGTERM first);
+    # the only traceback is torchrun's own report.
+    codes = re.findall(r"exitcode\s+: (-?\d+)", text)
+    assert "2" in codes and set(codes) <= {"2", "-15"}, text
+    assert not re.search(r'File ".*/ptdp/', text), text
+    assert not out.exists()
+
+
+def test_launch_script_stops_before_torchrun(launched):
+    proc, expect, out = launched["script"]
+    res = finish(proc, within(120))
+    assert res.returncode == 2, res.stderr
+    for want in expect:
+        assert want in res.stderr
+    assert "fix the job or launch a different number of ranks" in res.stderr
+    assert "--nnodes" not in res.stderr and not out.exists()

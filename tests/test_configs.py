@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from ptdp.config import Config, ConfigError, load_config
+from tests.background import end, finish, start
 from tests.deadline import within
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,13 +129,17 @@ def test_tiny_configs_run_on_one_to_eight_ranks(name):
 SCRIPTS = ["pretrain_gpt.sh", "pretrain_bert.sh", "slurm_pretrain.sh", "demo.sh"]
 
 
-def run_script(args, env=None, cwd=ROOT):
+def _script_env(env=None) -> dict:
     full_env = {k: v for k, v in os.environ.items()
                 if k not in ("NNODES", "NUM_NODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
                              "GPUS_PER_NODE", "NPROC", "TORCHRUN", "TORCHRUN_ARGS")}
     full_env.update(PYTHON=sys.executable, DRY_RUN="1", **(env or {}))
-    return subprocess.run(["bash", *map(str, args)], cwd=cwd, env=full_env, text=True,
-                          capture_output=True, timeout=within(120))
+    return full_env
+
+
+def start_script(args, env=None, cwd=ROOT) -> subprocess.Popen:
+    """A launch script with DRY_RUN=1, started now (tests/background.py)."""
+    return start(["bash", *args], cwd=cwd, env=_script_env(env))
 
 
 def torchrun_line(stderr: str) -> list[list[str]]:
@@ -151,64 +156,18 @@ def test_scripts_are_strict_bash(script):
     subprocess.run(["bash", "-n", str(TOOLS / script)], check=True)
 
 
-def test_pretrain_gpt_multi_node_command():
-    res = run_script([TOOLS / "pretrain_gpt.sh", "configs/gpt_tiny.yaml", "parallel.tensor=2",
-                      "parallel.pipeline=2"],
-                     env=dict(NNODES="2", NODE_RANK="1", MASTER_ADDR="10.1.2.3",
-                              MASTER_PORT="6000", GPUS_PER_NODE="4", TORCHRUN="torchrun"))
-    assert res.returncode == 0, res.stderr
-    [cmd] = torchrun_line(res.stderr)
-    assert cmd == ["torchrun", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "4",
-                   "--master-addr", "10.1.2.3", "--master-port", "6000", "-m", "ptdp", "train",
-                   "configs/gpt_tiny.yaml", "parallel.tensor=2", "parallel.pipeline=2"]
-    assert "(p, t, d) = (2, 2, 2)" in res.stderr
-
-
-def test_pretrain_accepts_megatrons_num_nodes():
-    env = dict(NODE_RANK="1", MASTER_ADDR="10.1.2.3", GPUS_PER_NODE="4", TORCHRUN="torchrun")
-    res = run_script([TOOLS / "pretrain_gpt.sh", "parallel.tensor=4"], env=dict(env, NUM_NODES="2"))
-    assert res.returncode == 0, res.stderr
-    [cmd] = torchrun_line(res.stderr)
-    assert cmd[cmd.index("--nnodes") + 1] == "2"
-    res = run_script([TOOLS / "pretrain_gpt.sh"], env=dict(env, NUM_NODES="2", NNODES="3"))
-    assert res.returncode == 2 and "NNODES=3 and NUM_NODES=2 disagree" in res.stderr
-
-
-def test_pretrain_cpu_defaults():
-    res = run_script([TOOLS / "pretrain_gpt.sh"], env=dict(CUDA_VISIBLE_DEVICES="", NPROC="4"))
-    assert res.returncode == 0, res.stderr
-    [cmd] = torchrun_line(res.stderr)
-    assert cmd[cmd.index("--nproc-per-node") + 1] == "4"
-    assert cmd[cmd.index("--nnodes") + 1] == "1"
-    assert cmd[-1].endswith("configs/gpt_tiny.yaml")
-    assert "cpu (gloo)" in res.stderr
-
-
-def test_pretrain_bert_default_config():
-    res = run_script([TOOLS / "pretrain_bert.sh", "train.iters=3"],
-                     env=dict(CUDA_VISIBLE_DEVICES="", NPROC="2"))
-    assert res.returncode == 0, res.stderr
-    [cmd] = torchrun_line(res.stderr)
-    assert cmd[-2:] == ["configs/bert_tiny.yaml", "train.iters=3"]
-
-
-@pytest.mark.parametrize("args, message", [
+PRETRAIN_ERRORS = [
     (["configs/missing.yaml"], "config file not found: configs/missing.yaml"),
     (["configs/gpt_tiny.yaml", "--nproc-per-node", "2"], "pass overrides as key=value"),
     (["configs/gpt_tiny.yaml", "iters=5"], "not a section.key=value override"),
     (["configs/gpt_tiny.yaml", "parallel.tensor=3"], "not divisible by parallel.pipeline"),
-])
-def test_pretrain_errors(args, message):
-    res = run_script([TOOLS / "pretrain_gpt.sh", *args],
-                     env=dict(CUDA_VISIBLE_DEVICES="", NPROC="8"))
-    assert res.returncode == 2
-    assert message in res.stderr
-    assert not torchrun_line(res.stderr)
+]
+NUM_NODES_ENV = dict(NODE_RANK="1", MASTER_ADDR="10.1.2.3", GPUS_PER_NODE="4", TORCHRUN="torchrun")
 
 
-def test_slurm_script(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+def _fake_slurm(bin_dir: Path) -> Path:
+    """Stand-ins for SLURM's scontrol and srun in `bin_dir`."""
+    bin_dir.mkdir(exist_ok=True)
     # The pause makes a reader that stops after the first host (`| head -n 1`) kill the fake
     # with SIGPIPE, which `set -o pipefail` would turn into a failed job.
     (bin_dir / "scontrol").write_text(
@@ -220,11 +179,103 @@ def test_slurm_script(tmp_path):
         'for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do SLURM_NODEID=$i "$@" || exit; done\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    res = run_script([TOOLS / "slurm_pretrain.sh", "configs/gpt_tiny.yaml", "train.iters=2"],
-                     env=dict(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="123",
-                              SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="gpu-node-[07-08]",
-                              SLURM_SUBMIT_DIR=str(ROOT), SLURM_GPUS_PER_NODE="a100:4",
-                              TORCHRUN="torchrun"))
+    return bin_dir
+
+
+def _launches(bin_dir: Path) -> dict:
+    """name -> (arguments, environment) of every dry run the tests below read."""
+    out = {
+        "multi-node": ([TOOLS / "pretrain_gpt.sh", "configs/gpt_tiny.yaml", "parallel.tensor=2",
+                        "parallel.pipeline=2"],
+                       dict(NNODES="2", NODE_RANK="1", MASTER_ADDR="10.1.2.3",
+                            MASTER_PORT="6000", GPUS_PER_NODE="4", TORCHRUN="torchrun")),
+        "num-nodes": ([TOOLS / "pretrain_gpt.sh", "parallel.tensor=4"],
+                      dict(NUM_NODES_ENV, NUM_NODES="2")),
+        "num-nodes-conflict": ([TOOLS / "pretrain_gpt.sh"],
+                               dict(NUM_NODES_ENV, NUM_NODES="2", NNODES="3")),
+        "cpu-defaults": ([TOOLS / "pretrain_gpt.sh"], dict(CUDA_VISIBLE_DEVICES="", NPROC="4")),
+        "bert-default": ([TOOLS / "pretrain_bert.sh", "train.iters=3"],
+                         dict(CUDA_VISIBLE_DEVICES="", NPROC="2")),
+        "slurm": ([TOOLS / "slurm_pretrain.sh", "configs/gpt_tiny.yaml", "train.iters=2"],
+                  dict(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="123",
+                       SLURM_JOB_NUM_NODES="2", SLURM_JOB_NODELIST="gpu-node-[07-08]",
+                       SLURM_SUBMIT_DIR=str(ROOT), SLURM_GPUS_PER_NODE="a100:4",
+                       TORCHRUN="torchrun")),
+        "slurm-outside": ([TOOLS / "slurm_pretrain.sh", "configs/gpt_tiny.yaml"],
+                          dict(SLURM_JOB_ID="")),
+    }
+    for i, (args, _) in enumerate(PRETRAIN_ERRORS):
+        out[f"error {i}"] = ([TOOLS / "pretrain_gpt.sh", *args],
+                             dict(CUDA_VISIBLE_DEVICES="", NPROC="8"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    """Every dry run of the tests below, started at once (each spends seconds in its
+    `ptdp check`, and without GPUS_PER_NODE in importing torch to count GPUs: one core's work
+    each); each test waits for its own (`ran`). {name: process}."""
+    bin_dir = _fake_slurm(tmp_path_factory.mktemp("slurm") / "bin")
+    started = {}
+    try:
+        for name, (args, env) in _launches(bin_dir).items():
+            started[name] = start_script(args, env)
+        yield started
+    finally:
+        end(started.values())
+
+
+def ran(launches, name: str) -> subprocess.CompletedProcess:
+    return finish(launches[name], within(120))
+
+
+def test_pretrain_gpt_multi_node_command(launches):
+    res = ran(launches, "multi-node")
+    assert res.returncode == 0, res.stderr
+    [cmd] = torchrun_line(res.stderr)
+    assert cmd == ["torchrun", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "4",
+                   "--master-addr", "10.1.2.3", "--master-port", "6000", "-m", "ptdp", "train",
+                   "configs/gpt_tiny.yaml", "parallel.tensor=2", "parallel.pipeline=2"]
+    assert "(p, t, d) = (2, 2, 2)" in res.stderr
+
+
+def test_pretrain_accepts_megatrons_num_nodes(launches):
+    res = ran(launches, "num-nodes")
+    assert res.returncode == 0, res.stderr
+    [cmd] = torchrun_line(res.stderr)
+    assert cmd[cmd.index("--nnodes") + 1] == "2"
+    res = ran(launches, "num-nodes-conflict")
+    assert res.returncode == 2 and "NNODES=3 and NUM_NODES=2 disagree" in res.stderr
+
+
+def test_pretrain_cpu_defaults(launches):
+    res = ran(launches, "cpu-defaults")
+    assert res.returncode == 0, res.stderr
+    [cmd] = torchrun_line(res.stderr)
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "4"
+    assert cmd[cmd.index("--nnodes") + 1] == "1"
+    assert cmd[-1].endswith("configs/gpt_tiny.yaml")
+    assert "cpu (gloo)" in res.stderr
+
+
+def test_pretrain_bert_default_config(launches):
+    res = ran(launches, "bert-default")
+    assert res.returncode == 0, res.stderr
+    [cmd] = torchrun_line(res.stderr)
+    assert cmd[-2:] == ["configs/bert_tiny.yaml", "train.iters=3"]
+
+
+@pytest.mark.parametrize("case", range(len(PRETRAIN_ERRORS)),
+                         ids=[f"args{i}-{message}" for i, (_, message) in enumerate(PRETRAIN_ERRORS)])
+def test_pretrain_errors(launches, case):
+    res, message = ran(launches, f"error {case}"), PRETRAIN_ERRORS[case][1]
+    assert res.returncode == 2
+    assert message in res.stderr
+    assert not torchrun_line(res.stderr)
+
+
+def test_slurm_script(launches):
+    res = ran(launches, "slurm")
     assert res.returncode == 0, res.stderr
     cmds = torchrun_line(res.stderr)
     assert len(cmds) == 2
@@ -235,9 +286,8 @@ def test_slurm_script(tmp_path):
         assert cmd[-3:] == ["train", "configs/gpt_tiny.yaml", "train.iters=2"]
 
 
-def test_slurm_script_outside_slurm():
-    res = run_script([TOOLS / "slurm_pretrain.sh", "configs/gpt_tiny.yaml"],
-                     env=dict(SLURM_JOB_ID=""))
+def test_slurm_script_outside_slurm(launches):
+    res = ran(launches, "slurm-outside")
     assert res.returncode == 2 and "not inside a SLURM job" in res.stderr
 
 

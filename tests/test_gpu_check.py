@@ -8,16 +8,59 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.background import end, finish, start
 from tests.deadline import within
 import tools.gpu_check as gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_dry_run_predicts_and_reports(tmp_path):
-    run = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), "--dry-run", "--out",
-                          str(tmp_path)], capture_output=True, text=True, timeout=within(120),
-                         env={**os.environ, "PYTHON": sys.executable})
+def _dry_runs(mktemp) -> dict:
+    """name -> (its --out, None for none; the folder its test reads; its environment beside
+    PYTHON) of the tests' dry runs."""
+    wheels, predicts, stages, graphs = (mktemp(name) for name in
+                                        ("wheels", "predicts", "stages", "graphs"))
+    (wheels / "wheels").mkdir()
+    for name in ("pytest-8.0.0-py3-none-any.whl", "pluggy-1.5.0-py3-none-any.whl"):
+        (wheels / "wheels" / name).write_bytes(b"")
+    return {"predicts": (predicts, predicts, {}),
+            "wheels": (wheels / "out", wheels,
+                       {"WHEELS": str(wheels / "wheels"), "STAGES": "loss"}),
+            "without out": (None, None, {"STAGES": "gpu_tier"}),
+            "stages": (stages / "some", stages, {"STAGES": "gpu_tier,bench_bert"}),
+            "misspelt stage": (stages / "bad", stages, {"STAGES": "gpu-tier"}),
+            "graphs": (graphs / "graphs", graphs, {"STAGES": "bert_graphs"})}
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory):
+    """The tests' dry runs of tools/gpu_check.sh, started at once (each is a second or two of
+    one core's work); each test waits for its own (`ran`). {name: (process, the folder its
+    test reads)}."""
+    runs, started = _dry_runs(tmp_path_factory.mktemp), {}
+    base = {k: v for k, v in os.environ.items() if k != "OUT"}
+    try:
+        for name, (out, folder, env) in runs.items():
+            started[name] = (start(
+                ["bash", ROOT / "tools/gpu_check.sh", "--dry-run", *(["--out", out] if out else [])],
+                cwd=ROOT if out is None else None,
+                env={**(base if out is None else os.environ), **env, "PYTHON": sys.executable}),
+                folder)
+        yield started
+    finally:
+        end(proc for proc, _ in started.values())
+
+
+def ran(dry_runs, name: str) -> tuple:
+    """(CompletedProcess, the folder its test reads) of dry run `name`."""
+    proc, folder = dry_runs[name]
+    return finish(proc, within(120)), folder
+
+
+def test_dry_run_predicts_and_reports(dry_runs):
+    run, tmp_path = ran(dry_runs, "predicts")
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert set(report["stages"]["stages"]) == {"gpu_tier", "bench_gpt", "bench_bert", "plan",
@@ -28,28 +71,18 @@ def test_dry_run_predicts_and_reports(tmp_path):
     assert "[dry run] offline install: none (" in run.stdout   # the default .whl/ is empty here
 
 
-def test_a_dry_run_shows_the_offline_install_of_the_fetched_wheels(tmp_path):
+def test_a_dry_run_shows_the_offline_install_of_the_fetched_wheels(dry_runs):
+    run, tmp_path = ran(dry_runs, "wheels")
     wheels = tmp_path / "wheels"
-    wheels.mkdir()
-    for name in ("pytest-8.0.0-py3-none-any.whl", "pluggy-1.5.0-py3-none-any.whl"):
-        (wheels / name).write_bytes(b"")
-    run = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), "--dry-run", "--out",
-                          str(tmp_path / "out")], capture_output=True, text=True,
-                         timeout=within(120),
-                         env={**os.environ, "PYTHON": sys.executable, "WHEELS": str(wheels),
-                              "STAGES": "loss"})
     assert run.returncode == 0, run.stdout + run.stderr
     line = next(line for line in run.stdout.splitlines() if "offline install" in line)
     assert "--no-index" in line and f"{wheels}/*.whl (2 wheels)" in line
 
 
-def test_a_dry_run_without_out_writes_outside_the_checkout():
+def test_a_dry_run_without_out_writes_outside_the_checkout(dry_runs):
     """Its files go to a temporary folder: a dry run leaves nothing untracked in the checkout
     (bench/gpu_check/ holds the recorded runs)."""
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    run = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), "--dry-run"],
-                         capture_output=True, text=True, timeout=within(120), cwd=ROOT,
-                         env={**env, "PYTHON": sys.executable, "STAGES": "gpu_tier"})
+    run, _ = ran(dry_runs, "without out")
     assert run.returncode == 0, run.stdout + run.stderr
     written = ROOT / run.stderr.strip().splitlines()[-1].split()[1]   # ".../gpu_check.json"
     assert written.is_file() and ROOT not in written.parents, written
@@ -94,33 +127,25 @@ def test_report_judges_each_target(tmp_path):
     assert "**no**" in gpu_check.markdown(report)
 
 
-def test_stages_picks_stages_and_a_misspelt_one_is_one_line(tmp_path):
+def test_stages_picks_stages_and_a_misspelt_one_is_one_line(dry_runs):
     """STAGES reruns what a cut-short run missed; a name that is not a stage stops the check
     before it does anything (it would otherwise run nothing, silently)."""
-    env = {**os.environ, "PYTHON": sys.executable}
-    run = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), "--dry-run", "--out",
-                          str(tmp_path / "some")], capture_output=True, text=True,
-                         timeout=within(120), env={**env, "STAGES": "gpu_tier,bench_bert"})
+    run, tmp_path = ran(dry_runs, "stages")
     assert run.returncode == 0, run.stdout + run.stderr
     stages = json.loads((tmp_path / "some" / "stages.json").read_text())["stages"]
     assert stages["bench_gpt"]["rc"] == "not run" and stages["gpu_tier"]["rc"] == "dry-run"
     assert stages["bench_bert"]["rc"] == "dry-run" and stages["plan"]["rc"] == "not run"
-    bad = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), "--dry-run", "--out",
-                          str(tmp_path / "bad")], capture_output=True, text=True,
-                         timeout=within(60), env={**env, "STAGES": "gpu-tier"})
+    bad, _ = ran(dry_runs, "misspelt stage")
     assert bad.returncode == 2 and not (tmp_path / "bad").exists()
     assert bad.stderr.strip().splitlines() == [
         "gpu_check.sh: STAGES names 'gpu-tier'; the stages are gpu_tier, bench_gpt, "
         "bench_bert, plan, loss, bert_head, mlp_chain (and on request bert_graphs)"]
 
 
-def test_the_cuda_graphs_stage_runs_only_when_named(tmp_path):
+def test_the_cuda_graphs_stage_runs_only_when_named(dry_runs):
     """bert_graphs (BERT-large with train.cuda_graphs) is not in a default run's budget; named
     in STAGES it runs bench_gpu.py with --cuda-graphs and the report has its row."""
-    env = {**os.environ, "PYTHON": sys.executable}
-    run = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), "--dry-run", "--out",
-                          str(tmp_path / "graphs")], capture_output=True, text=True,
-                         timeout=within(120), env={**env, "STAGES": "bert_graphs"})
+    run, tmp_path = ran(dry_runs, "graphs")
     assert run.returncode == 0, run.stdout + run.stderr
     line = next(line for line in run.stdout.splitlines() if "bert_graphs" in line)
     assert "--arch bert" in line and "--cuda-graphs" in line, line

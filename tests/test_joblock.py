@@ -21,6 +21,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from ptdp.metrics.log import read_metrics
 from ptdp.runtime.joblock import wait_until_free
 from ptdp.runtime.local_ranks import free_port, run_on_ranks
@@ -29,7 +31,7 @@ from tests.test_restart import _reference_losses
 from tools import jobs
 from tools.jobs import ROOT, SCRIPT, env as _env
 
-ITERS = 30
+ITERS = 20
 # train.timeout_s=15: heartbeats every 0.5 s (the shortest), so a rank lost in
 # tests/test_multinode_restart.py is found stale within ~2 s.
 JOB = ["parallel.pipeline=2", f"train.iters={ITERS}", "checkpoint.save_interval=10",
@@ -68,7 +70,20 @@ def _gone(pid: int, within_s: float) -> bool:
     return False
 
 
-def test_a_killed_agent_takes_its_workers_and_the_restart_loses_nothing(tmp_path):
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    """The three scenarios of real jobs below, started at once (the killed agent's job waits
+    out start-ups and a restart, the others mostly a lock's patience and rank 0's time to
+    speak): {name: future of what the scenario saw}; each test asserts on its own."""
+    with ThreadPoolExecutor(3) as pool:
+        yield {"killed agent": pool.submit(_killed_agent, tmp_path_factory.mktemp("agent")),
+               "second job": pool.submit(_second_job, tmp_path_factory.mktemp("second")),
+               "refusal": pool.submit(_refusal, tmp_path_factory.mktemp("refusal"))}
+
+
+def _killed_agent(tmp_path: Path) -> dict:
+    """The job of the first test below, its agent killed at iteration 12: whether its workers
+    went with it, the job's exit code, output and metrics, and the uninterrupted losses."""
     metrics = tmp_path / "metrics.jsonl"
     overrides = JOB + [f"checkpoint.dir={tmp_path / 'ck'}", f"log.metrics_file={metrics}"]
     job = jobs.start(["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), *overrides],
@@ -80,15 +95,22 @@ def test_a_killed_agent_takes_its_workers_and_the_restart_loses_nothing(tmp_path
             workers = [jobs.pid_of_rank(rank, job.marker) for rank in (0, 1)]
             [agent] = jobs.trainers(job.marker, agent=True)
             os.kill(agent, signal.SIGKILL)
-            assert all(_gone(pid, 10) for pid in workers)   # no orphan trains on
-            output, _ = job.communicate(timeout=within(300))
+            gone = [_gone(pid, 10) for pid in workers]
+            output = job.communicate(timeout=within(300))[0] if all(gone) else ""
         finally:
             jobs.stop(job)   # whatever happened: the workers too
         reference = reference.result()
-    assert job.returncode == 0, output[-3000:]
-    records = read_metrics(metrics)
+    return {"gone": gone, "rc": job.returncode, "output": output,
+            "records": read_metrics(metrics), "reference": reference}
+
+
+def test_a_killed_agent_takes_its_workers_and_the_restart_loses_nothing(scenarios):
+    out = scenarios["killed agent"].result()
+    assert all(out["gone"])   # no orphan trains on
+    assert out["rc"] == 0, out["output"][-3000:]
+    records = out["records"]
     assert [r["iter"] for r in records] == list(range(1, ITERS + 1))
-    assert [r["loss"] for r in records] == reference
+    assert [r["loss"] for r in records] == out["reference"]
 
 
 def _holder(program: str, *args: str, timeout_s: float = 60) -> subprocess.Popen:
@@ -107,25 +129,34 @@ def _holder(program: str, *args: str, timeout_s: float = 60) -> subprocess.Popen
     return holder
 
 
-def test_a_second_job_on_a_checkpoint_dir_in_use_stops_naming_the_holder(tmp_path):
+def _second_job(tmp_path: Path) -> dict:
+    """A launch on a checkpoint.dir a live process holds: what the lock's own wait saw, the
+    launch's exit code and lines, and whether the lock was free once the holder died."""
     directory = tmp_path / "ck"
     holder = _holder(HOLDER, str(directory))
     try:
         held = wait_until_free(directory, patience_s=0.5)
-        assert held == [f"rank 3 pid {holder.pid} on {os.uname().nodename}"]
         result = subprocess.run(
             ["bash", str(SCRIPT), str(ROOT / "configs/gpt_tiny.yaml"), "train.iters=2",
              f"checkpoint.dir={directory}"], cwd=tmp_path, capture_output=True, text=True,
-            env=_env(PTDP_LOCK_WAIT_S="1", GPUS_PER_NODE="2"), timeout=120)
-        assert result.returncode == 2
-        lines = [line for line in result.stderr.splitlines() if "is in use by another job" in line]
-        assert lines == [f"checkpoint.dir {directory} is in use by another job (waited 1 s): rank 3 "
-                         f"pid {holder.pid} on {os.uname().nodename}; stop it, or give this job "
-                         f"another checkpoint.dir"]
+            env=_env(PTDP_LOCK_WAIT_S="1", GPUS_PER_NODE="2"), timeout=within(120))
     finally:
         holder.kill()
         holder.wait()
-    assert wait_until_free(directory, patience_s=5) == []   # the kernel released its lock
+    return {"directory": directory, "holder": holder.pid, "held": held, "result": result,
+            "free after": wait_until_free(directory, patience_s=5)}
+
+
+def test_a_second_job_on_a_checkpoint_dir_in_use_stops_naming_the_holder(scenarios):
+    out = scenarios["second job"].result()
+    directory, pid, result = out["directory"], out["holder"], out["result"]
+    assert out["held"] == [f"rank 3 pid {pid} on {os.uname().nodename}"]
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if "is in use by another job" in line]
+    assert lines == [f"checkpoint.dir {directory} is in use by another job (waited 1 s): rank 3 "
+                     f"pid {pid} on {os.uname().nodename}; stop it, or give this job "
+                     f"another checkpoint.dir"]
+    assert out["free after"] == []   # the kernel released its lock
 
 
 METRICS_HOLDER = """
@@ -145,6 +176,36 @@ def _metrics_holder(metrics: Path, port: str) -> subprocess.Popen:
     return _holder(METRICS_HOLDER, str(metrics), port)
 
 
+def _refusal(tmp_path: Path) -> dict:
+    """Two ranks started directly, rank 1's metrics file held by another job."""
+    held = tmp_path / "1" / "metrics.jsonl"
+    holder = _metrics_holder(held, "1")
+    try:   # (no hang: seconds)
+        ended = jobs.train_direct([["train.iters=1",
+                                    f"log.metrics_file={tmp_path / str(rank) / 'metrics.jsonl'}"]
+                                   for rank in (0, 1)], free_port(), timeout_s=within(120))
+    finally:
+        holder.kill()
+        holder.wait()
+    return {"held": held, "holder": holder.pid, "ended": ended}
+
+
+def test_a_refusal_found_by_one_rank_only_ends_every_rank_in_one_line(scenarios):
+    """Rank 1 alone finds its output held, as when nodes see a folder differently (here each
+    rank is given a metrics file of its own): both ranks exit 2 before any process group, and
+    rank 0 prints the refusal, naming rank 1. Rank 1 used to leave without a word, and rank 0
+    to wait for it in the process group's rendezvous until the backend's timeout."""
+    out = scenarios["refusal"].result()
+    held, pid, ended = out["held"], out["holder"], out["ended"]
+    said = [err for _, err in ended]
+    assert [code for code, _ in ended] == [2, 2], said
+    lines = [[line for line in err.splitlines() if line.startswith("ptdp train")] for err in said]
+    assert lines == [[f"ptdp train: rank 1 (1 of 2 ranks found it): log.metrics_file {held} is "
+                      f"in use by another job: rank 3 pid {pid} on {os.uname().nodename}; "
+                      f"stop it, or give this job another log.metrics_file"], []], said
+
+
+# (Last: it sets MASTER_PORT in this process, which the scenarios' launches above read.)
 def test_a_direct_launch_on_a_metrics_file_in_use_is_refused_in_one_line(tmp_path, monkeypatch,
                                                                          capsys):
     """No checkpoint.dir, no launch script: the job's metrics file is locked, and a second job
@@ -171,25 +232,3 @@ def test_a_direct_launch_on_a_metrics_file_in_use_is_refused_in_one_line(tmp_pat
     second.wait()
     assert sorted(p.name for p in tmp_path.glob(".metrics.jsonl.ptdp-holder-*")) == \
         [f".metrics.jsonl.ptdp-holder-{os.uname().nodename}-{second.pid}"]
-
-
-def test_a_refusal_found_by_one_rank_only_ends_every_rank_in_one_line(tmp_path):
-    """Rank 1 alone finds its output held, as when nodes see a folder differently (here each
-    rank is given a metrics file of its own): both ranks exit 2 before any process group, and
-    rank 0 prints the refusal, naming rank 1. Rank 1 used to leave without a word, and rank 0
-    to wait for it in the process group's rendezvous until the backend's timeout."""
-    held = tmp_path / "1" / "metrics.jsonl"
-    holder = _metrics_holder(held, "1")
-    try:   # (no hang: seconds)
-        ended = jobs.train_direct([["train.iters=1",
-                                    f"log.metrics_file={tmp_path / str(rank) / 'metrics.jsonl'}"]
-                                   for rank in (0, 1)], free_port())
-    finally:
-        holder.kill()
-        holder.wait()
-    said = [err for _, err in ended]
-    assert [code for code, _ in ended] == [2, 2], said
-    lines = [[line for line in err.splitlines() if line.startswith("ptdp train")] for err in said]
-    assert lines == [[f"ptdp train: rank 1 (1 of 2 ranks found it): log.metrics_file {held} is "
-                      f"in use by another job: rank 3 pid {holder.pid} on {os.uname().nodename}; "
-                      f"stop it, or give this job another log.metrics_file"], []], said

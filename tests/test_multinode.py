@@ -7,6 +7,7 @@ The tiny GPT in (p, t, d) = (2, 2, 1) over 2 nodes x 2 ranks must reproduce one 
 loss sequence; a node that dies must end the other node's ranks with one line naming the
 lost ranks, within 60 s. Skipped where namespaces cannot be made (not root, no iproute2).
 `srun` starting one task per rank without torchrun needs no namespaces (the last test).
+The jobs run at once (fixture `started`), the node-death test's on a cluster of its own.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -49,37 +51,31 @@ def _cannot_make_namespaces() -> str | None:
     return None
 
 
-def _sim(*args, check=True, **kwargs):
-    env = {**os.environ, "SIMCLUSTER_NAME": NAME}
+# The node-death test kills every process of node 1 of its cluster: it gets a cluster of its
+# own, so that it runs beside the SLURM test's job (module fixture `started`).
+DEATH = f"{NAME}d"
+
+
+def _sim(*args, check=True, name=NAME, **kwargs):
+    env = {**os.environ, "SIMCLUSTER_NAME": name}
     return subprocess.run([str(SIMCLUSTER), *args], env=env, check=check, text=True,
                           capture_output=True, timeout=within(60), **kwargs)
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    reason = _cannot_make_namespaces()
-    if reason:
-        pytest.skip(reason)
-    _sim("up", "2", "--inter-node-rate", "200mbit")
-    try:
-        yield NAME
-    finally:
-        _sim("down", check=False)
-
-
-def _job_env(**extra) -> dict:
+def _job_env(name=NAME, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", SIMCLUSTER_NAME=NAME,
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", SIMCLUSTER_NAME=name,
                PYTHON=sys.executable, **extra)
     return env
 
 
-def _launch_node(node: int, overrides: list[str], log: Path, port: int) -> subprocess.Popen:
-    """tools/pretrain_gpt.sh on one node, exactly as on a cluster."""
+def _launch_node(name: str, node: int, overrides: list[str], log: Path,
+                 port: int) -> subprocess.Popen:
+    """tools/pretrain_gpt.sh on one node of cluster `name`, exactly as on a cluster."""
     return _started([str(SIMCLUSTER), "run", str(node), str(ROOT / "tools/pretrain_gpt.sh"),
                      "configs/gpt_tiny.yaml", *LAYOUT, *overrides], log,
-                    _job_env(NNODES="2", NODE_RANK=str(node), MASTER_ADDR=f"{NAME}-n0",
+                    _job_env(name, NNODES="2", NODE_RANK=str(node), MASTER_ADDR=f"{name}-n0",
                              MASTER_PORT=str(port), GPUS_PER_NODE="2"))
 
 
@@ -97,7 +93,7 @@ def _losses(metrics: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 
 
-def _wait_all(jobs, logs, timeout_s: float) -> None:
+def _wait_all(jobs, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     try:
         for job in jobs:
@@ -105,8 +101,6 @@ def _wait_all(jobs, logs, timeout_s: float) -> None:
     finally:
         for job in jobs:
             stop(job)
-    for job, log in zip(jobs, logs):
-        assert job.returncode == 0, log.read_text()[-3000:]
 
 
 def _one_process(overrides: list[str]) -> list[float]:
@@ -116,19 +110,47 @@ def _one_process(overrides: list[str]) -> list[float]:
     return [record["loss"] for record in Trainer(cfg).train()]
 
 
-@pytest.fixture(scope="module")
-def single_process_losses():
+def _single_process_losses() -> list[float]:
     """The oracle: the same model, data and seed in one process (p = t = d = 1)."""
     from ptdp.runtime.local_ranks import run_on_ranks
     return run_on_ranks(1, _one_process, ["train.device=cpu", "log.progress=false",
                                           f"train.iters={ITERS}"], timeout_s=within(120))[0]
 
 
-def test_slurm_script_launches_one_node_per_namespace(cluster, single_process_losses, tmp_path):
-    """tools/slurm_pretrain.sh with stand-ins for scontrol and srun: srun starts the task on
-    every node at once, each inside its namespace, with SLURM_NODEID set; each runs
-    tools/pretrain_gpt.sh with NNODES, NODE_RANK, MASTER_ADDR and GPUS_PER_NODE, exactly as a
-    node of a job launched by hand does, and the 2 x 2 ranks train like one process."""
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """Every job of the tests below, started at once: the one process, the srun job (no
+    namespaces needed) and, where namespaces can be made, the SLURM job and the node-death
+    job, each on a simulated cluster of its own (their start-ups, rendezvous and the wait for
+    a lost node's heartbeats leave cores idle). Yields (why there are no clusters, or None;
+    {name: future of what the job left})."""
+    reason, clusters = _cannot_make_namespaces(), []
+    futures: dict = {}
+    with ThreadPoolExecutor(4) as pool:
+        try:
+            futures["one process"] = pool.submit(_single_process_losses)
+            futures["srun"] = pool.submit(_srun_job, tmp_path_factory.mktemp("srun"))
+            if reason is None:
+                for name in (NAME, DEATH):
+                    _sim("up", "2", "--inter-node-rate", "200mbit", name=name)
+                    clusters.append(name)
+                futures["slurm"] = pool.submit(_slurm_job, tmp_path_factory.mktemp("slurm"))
+                futures["death"] = pool.submit(_death_job, tmp_path_factory.mktemp("death"))
+            yield reason, futures
+        finally:
+            wait(list(futures.values()))
+            for name in clusters:
+                _sim("down", check=False, name=name)
+
+
+def _cluster_job(started, name: str):
+    reason, futures = started
+    if reason:
+        pytest.skip(reason)
+    return futures[name].result()
+
+
+def _slurm_job(tmp_path: Path) -> dict:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho {NAME}-n0\necho {NAME}-n1\n")
@@ -146,50 +168,64 @@ def test_slurm_script_launches_one_node_per_namespace(cluster, single_process_lo
                           f"train.iters={ITERS}", f"log.metrics_file={metrics}"],
                          cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=within(180))
+    return {"result": res, "losses": _losses(metrics) if res.returncode == 0 else None}
+
+
+def test_slurm_script_launches_one_node_per_namespace(started):
+    """tools/slurm_pretrain.sh with stand-ins for scontrol and srun: srun starts the task on
+    every node at once, each inside its namespace, with SLURM_NODEID set; each runs
+    tools/pretrain_gpt.sh with NNODES, NODE_RANK, MASTER_ADDR and GPUS_PER_NODE, exactly as a
+    node of a job launched by hand does, and the 2 x 2 ranks train like one process."""
+    out = _cluster_job(started, "slurm")
+    res = out["result"]
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"master {NAME}-n0:24242" in res.stderr
     for node in (0, 1):
         assert f"pretrain_gpt.sh: node {node} of 2, 2 ranks here" in res.stderr
     assert "world size 4" in res.stderr
-    assert _losses(metrics) == pytest.approx(single_process_losses, rel=1e-5)
+    assert out["losses"] == pytest.approx(started[1]["one process"].result(), rel=1e-5)
 
 
-def test_a_node_that_dies_ends_the_other_with_a_line_naming_its_ranks(cluster, tmp_path):
+def _death_job(tmp_path: Path) -> dict:
     metrics = tmp_path / "metrics.jsonl"
     logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
-    jobs = [_launch_node(n, ["train.iters=100000", f"log.metrics_file={metrics}"], logs[n], 29412)
-            for n in (0, 1)]
+    jobs = [_launch_node(DEATH, n, ["train.iters=100000", f"log.metrics_file={metrics}"],
+                         logs[n], 29412) for n in (0, 1)]
     try:
         deadline = time.monotonic() + within(150)
         while time.monotonic() < deadline and jobs[0].poll() is None:
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
                 break
             time.sleep(0.05)
-        assert jobs[0].poll() is None, logs[0].read_text()[-3000:]
-        _sim("kill", "1")
+        if jobs[0].poll() is not None:
+            return {"running": False, "log": logs[0].read_text()}
+        _sim("kill", "1", name=DEATH)
         killed = time.monotonic()
         jobs[0].wait(timeout=within(90))
         elapsed = time.monotonic() - killed
     finally:
         for job in jobs:
             stop(job)
-    out = logs[0].read_text()
+    return {"running": True, "log": logs[0].read_text(), "rc": jobs[0].returncode,
+            "elapsed": elapsed}
+
+
+def test_a_node_that_dies_ends_the_other_with_a_line_naming_its_ranks(started):
+    res = _cluster_job(started, "death")
+    out = res["log"]
+    assert res["running"], out[-3000:]
     ours = [line for line in out.splitlines() if line.startswith("ptdp train: ")]
-    assert jobs[0].returncode != 0
+    assert res["rc"] != 0
     assert len(ours) == 1, out[-3000:]
     assert ours[0].startswith("ptdp train: lost rank(s): rank 2 (p=1, d=0, t=0) (pid ")
     for rank in (2, 3):   # node 1's ranks, named with their host
         assert f"rank {rank} (p=1, " in ours[0]
-    assert ours[0].count(f"on {NAME}-n1; no heartbeat for") == 2
+    assert ours[0].count(f"on {DEATH}-n1; no heartbeat for") == 2
     assert "gloo: " in ours[0] and "Ending the job." in ours[0]
-    assert elapsed < 60, elapsed
+    assert res["elapsed"] < 60, res["elapsed"]
 
 
-def test_srun_one_task_per_rank_without_torchrun_forms_the_job(single_process_losses, tmp_path):
-    """`srun --nodes 2 --ntasks-per-node 1 python -m ptdp train ...` (no torchrun, no namespaces
-    needed; both "nodes" are this host): each task has only SLURM's variables, the two ranks
-    train like one process, and the tensor group that spans the two nodes is warned about once
-    (the node size comes from SLURM_TASKS_PER_NODE, as torchrun's LOCAL_WORLD_SIZE)."""
+def _srun_job(tmp_path: Path) -> dict:
     metrics = tmp_path / "metrics.jsonl"
     slurm = dict(SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="1(x2)",
                  SLURM_STEP_NODELIST="localhost", SLURM_JOB_ID=str(os.getpid()))
@@ -199,11 +235,24 @@ def test_srun_one_task_per_rank_without_torchrun_forms_the_job(single_process_lo
                      _job_env(SLURM_PROCID=str(task), SLURM_LOCALID="0", SLURM_NODEID=str(task),
                               **slurm))
             for task, log in zip((0, 1), logs)]
-    _wait_all(jobs, logs, timeout_s=within(120))
-    out = [log.read_text() for log in logs]
+    _wait_all(jobs, timeout_s=within(120))
+    codes = [job.returncode for job in jobs]
+    return {"codes": codes, "out": [log.read_text() for log in logs],
+            "losses": _losses(metrics) if codes == [0, 0] else None}
+
+
+def test_srun_one_task_per_rank_without_torchrun_forms_the_job(started):
+    """`srun --nodes 2 --ntasks-per-node 1 python -m ptdp train ...` (no torchrun, no namespaces
+    needed; both "nodes" are this host): each task has only SLURM's variables, the two ranks
+    train like one process, and the tensor group that spans the two nodes is warned about once
+    (the node size comes from SLURM_TASKS_PER_NODE, as torchrun's LOCAL_WORLD_SIZE)."""
+    res = started[1]["srun"].result()
+    out = res["out"]
+    for code, text in zip(res["codes"], out):
+        assert code == 0, text[-3000:]
     assert "(p, t, d) = (1, 2, 1)" in out[0]
     warnings = [line for text in out for line in text.splitlines()
                 if line.startswith("ptdp train: warning: ")]
     assert len(warnings) == 1, out
     assert "parallel.tensor=2 does not divide the 1 ranks per node" in warnings[0]
-    assert _losses(metrics) == pytest.approx(single_process_losses, rel=1e-5)
+    assert res["losses"] == pytest.approx(started[1]["one process"].result(), rel=1e-5)

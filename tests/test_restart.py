@@ -35,7 +35,7 @@ from tests.test_watchdog import _continue_when_named
 from tools import jobs
 from tools.jobs import ROOT, SCRIPT, env as _env, wait_for_iteration as _wait_for_iteration
 
-ITERS = 40
+ITERS = 30
 # train.timeout_s=3: the stopped rank is named after a stall of 2.4 s (tests/test_watchdog.py's
 # STALL_TIMEOUT_S says why that is enough), the job's cores idle meanwhile.
 JOB = ["parallel.pipeline=2", f"train.iters={ITERS}", "checkpoint.save_interval=10",
@@ -81,14 +81,14 @@ def failed_twice(tmp_path_factory):
 
 
 def _kill_then_stop(job, metrics: Path, stopped: list) -> None:
-    """Kill rank 0 in iteration ~16, stop rank 1 in iteration ~26 of the restarted job; wait
-    until the job ends."""
+    """Kill rank 0 in iteration ~14, stop rank 1 in iteration ~24 of the restarted job; wait
+    until the job ends. (Each is 3 iterations past a checkpoint and 7 before the next.)"""
     try:
-        _wait_for_iteration(metrics, job, 15, timeout=within(120))
-        os.kill(jobs.pid_of_rank(0, job.marker), signal.SIGKILL)  # a crash in iteration ~16
-        _wait_for_iteration(metrics, job, 25, timeout=within(120))  # restarted, past it
+        _wait_for_iteration(metrics, job, 13, timeout=within(120))
+        os.kill(jobs.pid_of_rank(0, job.marker), signal.SIGKILL)  # a crash in iteration ~14
+        _wait_for_iteration(metrics, job, 23, timeout=within(120))  # restarted, past it
         stopped.append(jobs.pid_of_rank(1, job.marker))
-        os.kill(stopped[0], signal.SIGSTOP)                       # a hang in iteration ~26
+        os.kill(stopped[0], signal.SIGSTOP)                       # a hang in iteration ~24
         job.wait(timeout=within(240))
     finally:
         jobs.stop(job)   # its workers too, had the test failed half-way

@@ -264,16 +264,18 @@ def _reporter_scenario() -> dict:
 
 
 @pytest.fixture(scope="module")
-def waits():
-    """The waiting scenarios, started together: {name: future of its outcome}."""
+def waits(tmp_path_factory):
+    """The waiting scenarios, and the job of 4 ranks whose stopped rank is named (its cores
+    idle while the stall budget runs out), started together: {name: future of its outcome}."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ptdp.runtime.local_ranks import run_on_ranks
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(4) as pool:
         yield {"stall": pool.submit(_stall_scenario),
                "reporter": pool.submit(_reporter_scenario),
                "slow start": pool.submit(run_on_ranks, 2, _slow_first_iteration_and_validation,
-                                         timeout_s=60)}
+                                         timeout_s=60),
+               "sigstop": pool.submit(_sigstop_scenario, tmp_path_factory.mktemp("sigstop"))}
 
 
 def test_stall_check_fires_only_after_the_first_iteration_and_not_in_checkpoint_saves(waits):
@@ -349,7 +351,9 @@ def _continue_when_named(job, stopped: list, lines: list) -> None:
 STALL_TIMEOUT_S = 3
 
 
-def test_sigstop_on_one_of_4_ranks_ends_the_job_naming_it(tmp_path):
+def _sigstop_scenario(tmp_path: Path) -> dict:
+    """4 ranks under torchrun, rank 3 stopped (SIGSTOP) at iteration 3: the job's exit code
+    and output, and how long it took to end after the stop."""
     metrics = tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "-m", "ptdp", "train", str(ROOT / "configs/gpt_tiny.yaml"), "parallel.pipeline=2",
@@ -370,9 +374,15 @@ def test_sigstop_on_one_of_4_ranks_ends_the_job_naming_it(tmp_path):
         reader.join(timeout=10)
     finally:
         jobs.stop(job)   # the workers too, whatever happened
+    return {"rc": job.returncode, "lines": lines, "elapsed": elapsed}
+
+
+def test_sigstop_on_one_of_4_ranks_ends_the_job_naming_it(waits):
+    ended = waits["sigstop"].result()
+    lines, elapsed = ended["lines"], ended["elapsed"]
     out = "\n".join(lines)
     ours = [line for line in lines if line.startswith("ptdp train: ")]
-    assert job.returncode != 0
+    assert ended["rc"] != 0
     assert len(ours) == 1, out
     assert ours[0].startswith("ptdp train: rank(s) stopped making progress: rank 3 (p=1, d=0, t=1)")
     assert "no heartbeat for" in ours[0] and "last in iteration" in ours[0]

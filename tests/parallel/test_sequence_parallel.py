@@ -6,6 +6,8 @@ are the ones the layout without sequence parallelism draws; checkpoints resume e
 into layouts with and without it.
 """
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch.distributed as dist
 
@@ -46,14 +48,17 @@ def _dropout_job() -> dict:
 
 def test_dropout_masks_equal_those_without_sequence_parallelism():
     """Each rank drops its rows of the full tensor's mask (default generator, same draws)."""
-    out = run_on_ranks(2, _dropout_job, timeout_s=within(240))[0]
+    with ThreadPoolExecutor(2) as pool:   # both jobs at once: the single process uses one core
+        dropout = pool.submit(run_on_ranks, 2, _dropout_job, timeout_s=within(240))
+        single = pool.submit(run_on_ranks, 1, _single_loss, timeout_s=within(120))
+    out = dropout.result()[0]
     ref_loss, ref_grads = out["plain"]
     for name in ("sp", "sp-full", "sp-selective"):
         loss, grads = out[name]
         assert abs(loss - ref_loss) <= RTOL * abs(ref_loss), (name, loss, ref_loss)
         for key, expected in ref_grads.items():
             assert relative_error(grads[key], expected) <= RTOL, (name, key)
-    no_dropout = run_on_ranks(1, _single_loss, timeout_s=within(120))[0]
+    no_dropout = single.result()[0]
     assert abs(no_dropout - ref_loss) > 1e-4  # dropout really ran
 
 
@@ -98,8 +103,10 @@ def test_sharded_regions_keep_one_tth_of_the_activations():
     fp32 scaled mask: 4), plus its 0-d scale."""
     from tools.bench_sequence_parallel import SHARDED, measure
     shape = {"hidden": 32, "heads": 4, "seq": 16, "batch": 2}
-    plain, sp = (run_on_ranks(2, measure, shape, flag, timeout_s=within(120))[0]
-                 for flag in (False, True))
+    with ThreadPoolExecutor(2) as pool:   # both jobs at once
+        jobs = [pool.submit(run_on_ranks, 2, measure, shape, flag, timeout_s=within(120))
+                for flag in (False, True)]
+    plain, sp = (job.result()[0] for job in jobs)
     for region in SHARDED:
         if region == "dropout+add":
             assert sp[region] == plain[region] // (2 * 4) + 8, (region, sp[region], plain[region])

@@ -10,6 +10,8 @@ which the plan checker rejects, must really hang under it, so the transport is k
 teeth.
 """
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -27,15 +29,20 @@ PIPELINED = {name: spec for name, spec in LAYOUTS.items()
 CASES = [(name, "gpt") for name in sorted(PIPELINED)] + [("p2-t2-v2-sg", "bert")]
 
 
+def _strict_world(world: int) -> dict:
+    cases = [c for c in CASES if PIPELINED[c[0]][0] == world]
+    runs = [[f"model.arch={arch}", *PIPELINED[name][1]] for name, arch in cases]
+    return dict(zip(cases, run_layouts(world, runs, nccl_rules=True)))
+
+
 @pytest.fixture(scope="module")
 def strict_results():
-    """{(layout, arch): per-rank results}, one spawned job per world size."""
-    out = {}
-    for world in sorted({PIPELINED[name][0] for name, _ in CASES}):
-        cases = [c for c in CASES if PIPELINED[c[0]][0] == world]
-        runs = [[f"model.arch={arch}", *PIPELINED[name][1]] for name, arch in cases]
-        out.update(zip(cases, run_layouts(world, runs, nccl_rules=True)))
-    return out
+    """{(layout, arch): per-rank results}, one spawned job per world size, all started
+    together (one job alone leaves cores idle: its ranks wait on exchanges and start-up)."""
+    worlds = sorted({PIPELINED[name][0] for name, _ in CASES})
+    with ThreadPoolExecutor(len(worlds)) as pool:
+        jobs = [pool.submit(_strict_world, world) for world in worlds]
+    return {case: ranks for job in jobs for case, ranks in job.result().items()}
 
 
 def test_every_pipelined_layout_is_covered():
@@ -140,7 +147,8 @@ def _train_with_naive_plan(overrides):
 
     cfg = load_config(None, TINY + overrides, world_size=dist.get_world_size())
     trainer = Trainer(cfg)
-    trainer.pipeline.p2p.transport = InOrderTransport(trainer.state.grid.group("pipeline"), timeout_s=3)
+    # (the exchange below cannot complete: the timeout only bounds how long it is waited for)
+    trainer.pipeline.p2p.transport = InOrderTransport(trainer.state.grid.group("pipeline"), timeout_s=1)
     trainer.step.plans[trainer.state.m] = naive_plans("interleaved", 2, 2, cfg.num_micro_batches)[
         trainer.state.grid.pp_rank]
     return trainer.train_step(0).loss
