@@ -28,8 +28,9 @@ from ptdp.megatron.load_command import load_flags
 from ptdp.megatron.model_args import (megatron_args, model_config, notes, refuse_for_megatron,
                                       vocab_divisor)
 from ptdp.megatron.tokenizer_args import tokenizer_args
-from ptdp.megatron.names import (VOCAB_ROWS, arch_of, block_name, expert_biases, require,
-                                 to_megatron, to_ptdp)
+from ptdp.megatron.errors import require
+from ptdp.megatron.names import (VOCAB_ROWS, arch_of, block_name, expert_biases, to_megatron,
+                                to_ptdp)
 
 TRANSFORMER_IMPLS = ("transformer_engine", "local")
 # megatron-core's latent down-projections are column-parallel in its local spec, replicated in

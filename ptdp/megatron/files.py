@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ptdp.megatron.names import MegatronConversionError, require
+from ptdp.megatron.errors import MegatronConversionError, require
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 
-from ptdp.megatron.names import argument, require
+from ptdp.megatron.errors import argument, require
 
 # Megatron-LM's and MLATransformerConfig's defaults (megatron-core 0.16.1)
 YARN_DEFAULTS = dict(original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0)

@@ -35,8 +35,9 @@ from ptdp.config.stages import StageMap, layer_ranges
 from ptdp.megatron import experts, files
 from ptdp.megatron.converters import Unmapped
 from ptdp.megatron.pipeline_layers import counts_from_args
-from ptdp.megatron.names import (extra_states, fused_norm_names, is_gated_fc1,
-                                 local_norm_names, partition_dim, require, written_norm_names)
+from ptdp.megatron.errors import require
+from ptdp.megatron.names import (extra_states, fused_norm_names, is_gated_fc1, local_norm_names,
+                                partition_dim, written_norm_names)
 
 _LAYER = re.compile(r"^(decoder|encoder)\.layers\.(\d+)\.(.*)$")
 WORD = "embedding.word_embeddings.weight"

@@ -26,7 +26,7 @@ from ptdp.config.models import GPT2_BLOCK, LLAMA_BLOCK, Heads, model_family
 from ptdp.megatron.latent import latent_megatron_args, refuse_latent_for_megatron
 from ptdp.megatron.moe_args import moe_args, moe_config, refuse_moe_for_megatron
 from ptdp.megatron.mtp_args import mtp_config, mtp_megatron_args, mtp_notes
-from ptdp.megatron.names import argument, require
+from ptdp.megatron.errors import argument, require
 
 # Megatron's llama3 rope scaling (rotary_pos_embedding.py `_apply_scaling`) fixes these three.
 ROPE_SCALING_FIXED = dict(rope_low_freq_factor=1.0, rope_high_freq_factor=4.0,

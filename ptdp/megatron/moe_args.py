@@ -13,7 +13,7 @@ makes layer i MoE when i % N == 0; a list gives each layer's 0/1.
 
 from __future__ import annotations
 
-from ptdp.megatron.names import require
+from ptdp.megatron.errors import require
 
 # Megatron-LM 0.16.1's defaults (megatron/core/transformer/transformer_config.py): what a
 # dense checkpoint carries, and the base of a MoE one.

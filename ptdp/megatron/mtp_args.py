@@ -12,7 +12,7 @@ ptdp/megatron/mtp_names.py's.
 
 from __future__ import annotations
 
-from ptdp.megatron.names import argument, require
+from ptdp.megatron.errors import argument, require
 
 # Megatron-LM's default λ (megatron/core/transformer/transformer_config.py), ptdp's too
 LOSS_SCALE = 0.1

@@ -28,25 +28,10 @@ import torch
 
 from ptdp.config import ModelConfig
 from ptdp.config.models import BERT, GPT, Heads
+from ptdp.megatron.errors import MegatronConversionError, require
 from ptdp.megatron.latent_names import fused_latent_names, latent_pairs, rotary_rows
 from ptdp.megatron.mtp_names import depth_pairs, layer_prefixes
 from ptdp.models.transformer import fuse_gate_up, split_gate_up
-
-
-class MegatronConversionError(ValueError):
-    """A Megatron checkpoint, argument or file that cannot be converted faithfully; one line."""
-
-
-def argument(args, name: str, default=None):
-    """A Megatron argument (or megatron-core config field) of `args`, or `default` where it is
-    absent or None."""
-    value = getattr(args, name, default)
-    return default if value is None else value
-
-
-def require(condition: bool, message: str) -> None:
-    if not condition:
-        raise MegatronConversionError(message)
 
 
 # TransformerEngine fuses each pre-norm into the next linear; torch_dist always uses these names.

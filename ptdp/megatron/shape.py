@@ -29,7 +29,7 @@ from ptdp.config.models import GPT2_BLOCK, LLAMA_BLOCK
 from ptdp.megatron.experts import expert_name
 from ptdp.megatron.moe_args import moe_config
 from ptdp.megatron.mtp_names import depth_count
-from ptdp.megatron.names import MegatronConversionError, argument, require
+from ptdp.megatron.errors import MegatronConversionError, argument, require
 
 BESIDE = ("run_config.yaml", "context/model.yaml")
 # megatron-core TransformerConfig / model provider fields -> ptdp's ModelConfig keys

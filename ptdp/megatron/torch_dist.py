@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from ptdp.megatron import experts, files
-from ptdp.megatron.names import extra_states, local_norm_names, require, written_norm_names
+from ptdp.megatron.errors import require
+from ptdp.megatron.names import extra_states, local_norm_names, written_norm_names
 
 MODEL_PREFIXES = ("embedding.", "decoder.", "encoder.", "output_layer.", "lm_head.", "pooler.",
                   "binary_head.", "mtp.")

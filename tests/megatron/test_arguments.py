@@ -487,7 +487,7 @@ def test_a_moe_layer_pattern_is_read_one_way_from_flags_and_checkpoints(pattern,
     """--moe-layer-freq as a list, on a command line and in a checkpoint's args: one reading
     (moe_args.pattern_layout); what ptdp cannot place is refused by both."""
     from ptdp.megatron.moe_args import _layer_pattern, pattern_layout
-    from ptdp.megatron.names import MegatronConversionError
+    from ptdp.megatron.errors import MegatronConversionError
     assert pattern_layout(pattern) == layout
     words = ["--num-experts", "4", "--num-layers", "4", "--moe-layer-freq", str(pattern)]
     if layout is None:

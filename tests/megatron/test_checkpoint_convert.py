@@ -267,7 +267,7 @@ def test_a_converted_fp16_run_resumes_at_megatrons_learning_rate(megatron, tmp_p
 def test_what_ptdp_cannot_compute_is_refused_in_one_line(megatron, tmp_path, arch, setting,
                                                          words):
     from ptdp.megatron.checkpoint import read_megatron
-    from ptdp.megatron.names import MegatronConversionError
+    from ptdp.megatron.errors import MegatronConversionError
     iteration = {"gpt": 100, "bert": 5}[arch]
     name = f"iter_{iteration:07d}"
     src = megatron["root"] / f"{arch}_legacy" / name / "mp_rank_00" / "model_optim_rng.pt"
@@ -343,7 +343,7 @@ def test_converting_refuses_what_would_be_wrong_in_one_line(megatron, tmp_path, 
 
 def test_legacy_model_names_and_old_versions_are_refused_naming_the_way_out(tmp_path):
     from ptdp.megatron.checkpoint import read_megatron
-    from ptdp.megatron.names import MegatronConversionError
+    from ptdp.megatron.errors import MegatronConversionError
     for name, version, words in [("a", 3.0, "tools/checkpoint/convert.py"),
                                  ("b", 2.0, "checkpoint_version 2.0")]:
         sub = tmp_path / name / "release" / "mp_rank_00"
@@ -430,7 +430,7 @@ def test_a_checkpoint_without_megatron_lms_args_takes_the_shape_given(megatron, 
     import shutil
 
     from ptdp.megatron.checkpoint import from_megatron
-    from ptdp.megatron.names import MegatronConversionError
+    from ptdp.megatron.errors import MegatronConversionError
     src = tmp_path / "bridge"
     shutil.copytree(megatron["root"] / "gpt_dist", src)
     common = src / "iter_0000100" / "common.pt"
@@ -488,7 +488,7 @@ def test_only_swiglu_is_written_as_megatrons_gated_mlp(activation, refused):
     """megatron-core's gated MLP is SwiGLU: a GeGLU model would silently change there."""
     from ptdp.config import ModelConfig
     from ptdp.megatron.model_args import refuse_for_megatron
-    from ptdp.megatron.names import MegatronConversionError
+    from ptdp.megatron.errors import MegatronConversionError
     cfg = ModelConfig(preset="llama", num_layers=2, hidden_size=32, num_heads=4, seq_length=8,
                       vocab_size=64, activation=activation)
     if refused is None:
@@ -503,7 +503,7 @@ def test_sliding_windows_are_refused_both_ways_rather_than_dropped():
     globally on the other side."""
     from ptdp.config import ModelConfig
     from ptdp.megatron.model_args import refuse_for_megatron
-    from ptdp.megatron.names import MegatronConversionError
+    from ptdp.megatron.errors import MegatronConversionError
     from ptdp.megatron.translate import translate
     cfg = ModelConfig(preset="llama", num_layers=2, hidden_size=32, num_heads=4, seq_length=8,
                       vocab_size=64, sliding_window=4)
@@ -519,7 +519,7 @@ def test_yarn_scaling_is_not_written_as_megatrons_llama3_scaling():
     than written with --use-rope-scaling."""
     from ptdp.config import ModelConfig
     from ptdp.megatron.model_args import refuse_for_megatron
-    from ptdp.megatron.names import MegatronConversionError
+    from ptdp.megatron.errors import MegatronConversionError
     cfg = ModelConfig(preset="llama", num_layers=2, hidden_size=32, num_heads=4, seq_length=8,
                       vocab_size=64, rope_scaling_factor=4.0, rope_scaling_type="yarn")
     with pytest.raises(MegatronConversionError, match="model.rope_scaling_type=yarn"):

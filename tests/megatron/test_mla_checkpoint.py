@@ -109,14 +109,14 @@ def test_ptdp_mla_loads_in_megatron_core(mla, variant, fmt, tmp_path):
 ])
 def test_mla_settings_ptdp_cannot_compute_are_refused(change, says):
     from ptdp.megatron.model_args import model_config
-    from ptdp.megatron.names import MegatronConversionError
+    from ptdp.megatron.errors import MegatronConversionError
     with pytest.raises(MegatronConversionError, match=says):
         model_config(mc.mla_args(**change), "gpt")
 
 
 def test_ptdp_yarn_megatron_cannot_take_is_refused(mla, tmp_path):
     from ptdp.megatron.checkpoint import from_megatron, to_megatron_checkpoint
-    from ptdp.megatron.names import MegatronConversionError
+    from ptdp.megatron.errors import MegatronConversionError
     from_megatron(mla["root"] / "yarn_dist", tmp_path / "ptdp",
                   ["model.rope_original_seq_length=16"])
     with pytest.raises(MegatronConversionError, match="original_max_position_embeddings"):
@@ -150,7 +150,7 @@ def test_transformer_engine_names_read_back(mla, variant, fmt, tmp_path):
 
 def test_latent_legacy_split_over_tensor_ranks_is_refused(mla, tmp_path):
     from ptdp.megatron.checkpoint import from_megatron, to_megatron_checkpoint
-    from ptdp.megatron.names import MegatronConversionError
+    from ptdp.megatron.errors import MegatronConversionError
     from_megatron(mla["root"] / "yarn_dist", tmp_path / "ptdp")
     with pytest.raises(MegatronConversionError, match="tensor ranks"):
         to_megatron_checkpoint(tmp_path / "ptdp", tmp_path / "out", 2, ckpt_format="torch")

@@ -145,7 +145,7 @@ def test_the_selection_bias_goes_with_sigmoid_scores_only():
 
     from ptdp.config import load_config
     from ptdp.megatron.moe_args import moe_config, refuse_moe_for_megatron
-    from ptdp.megatron.names import MegatronConversionError
+    from ptdp.megatron.errors import MegatronConversionError
     base = ["model.num_experts=4", "model.moe_top_k=2", "model.bias=false"]
     softmax = load_config(None, base + ["model.moe_expert_bias_rate=0.001"], world_size=1).model
     with pytest.raises(MegatronConversionError, match="moe_expert_bias_rate.*softmax"):

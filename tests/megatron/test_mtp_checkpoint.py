@@ -269,7 +269,7 @@ def test_ptdp_megatron_ptdp_round_trip_is_exact(mtp, case, tmp_path):
 def test_what_ptdp_would_compute_otherwise_is_refused_in_one_line(mtp, tmp_path):
     from ptdp.megatron.checkpoint import read_megatron
     from ptdp.megatron.model_args import model_config, notes
-    from ptdp.megatron.names import MegatronConversionError
+    from ptdp.megatron.errors import MegatronConversionError
     base = vars(mtp["dense2"]["args"])
     for extra, message in [
             (dict(mtp_use_repeated_layer=True), "--mtp-use-repeated-layer: Megatron runs one MTP "

@@ -74,7 +74,7 @@ def test_uneven_legacy_checkpoint_reads_as_the_whole_model(megatron, tmp_path):
 
 def test_unholdable_uneven_split_is_refused_in_one_line(megatron, tmp_path):
     from ptdp.megatron.checkpoint import read_megatron
-    from ptdp.megatron.names import MegatronConversionError
+    from ptdp.megatron.errors import MegatronConversionError
     args = mc.gpt_args(num_layers=4, pipeline_model_parallel_size=2,
                        pipeline_model_parallel_layout="E|ttmL")
     model = mc.build_gpt(mc.gpt_args(num_layers=4))

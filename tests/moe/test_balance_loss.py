@@ -108,7 +108,7 @@ def test_an_unknown_scope_is_one_line():
 def test_megatron_checkpoint_args_carry_the_scope_both_ways(scope, megatrons):
     from types import SimpleNamespace
     from ptdp.megatron.moe_args import moe_args, moe_config
-    from ptdp.megatron.names import argument
+    from ptdp.megatron.errors import argument
     model = _router(scope, *DEEPSEEK)[1]
     args = moe_args(model)
     assert args["moe_router_load_balancing_type"] == megatrons

@@ -119,7 +119,7 @@ def test_megatron_checkpoint_args_carry_dropping_both_ways(policy):
     from types import SimpleNamespace
     from ptdp.megatron.load_command import load_flags
     from ptdp.megatron.moe_args import moe_args, moe_config
-    from ptdp.megatron.names import argument
+    from ptdp.megatron.errors import argument
     model = _router("model.moe_capacity_factor=1.25", f"model.moe_drop_policy={policy}")[1]
     args = moe_args(model)
     assert (args["moe_expert_capacity_factor"], args["moe_token_drop_policy"]) == (1.25, policy)
