@@ -3,8 +3,9 @@ MoE layers' MLP against a dense one, the all-to-alls that carry tokens to their 
 back, and the expert gradients' reduction.
 
 * An MoE layer's MLP on one rank of e expert ranks: the router (T x h -> E), E/e experts
-  each running the e*k*T/E tokens routed to it (balanced routing) through fc1 and fc2 split by
-  t, the shared expert on all T tokens, and the permutation copies; its difference from the
+  each running the e*k*T/E tokens routed to it (balanced routing; with token dropping the
+  kept share of them, moe.kept_share) through fc1 and fc2 split by t, the shared expert on all
+  T tokens, and the permutation copies; its difference from the
   dense MLP's GEMMs is added to the (measured or analytic) layer time, forward and backward.
 * Per MoE layer and micro-batch: dispatch and combine forward, their gradients backward (and
   the forward's two again under full recomputation), each moving k*T*h elements per rank, of
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from ptdp.planner import comm
 from ptdp.planner.compute import BYTES, elementwise_time, gemm_time
-from ptdp.planner.moe import all_to_all_bytes, all_to_alls_per_layer
+from ptdp.planner.moe import all_to_all_bytes, all_to_alls_per_layer, kept_share
 
 
 def _gemm_pair(hw, precision: str, m: float, n: float, k: float,
@@ -44,13 +45,14 @@ def moe_layer_time_change(hw, precision: str, shape, b: int, t: int,
     """(forward, backward) seconds an MoE layer's MLP takes beyond the dense MLP's, for a
     micro-batch of b sequences of shape.seq tokens on one tensor and expert rank."""
     tokens, h, g = b * shape.seq, shape.hidden, shape.gated
-    per_expert = e * shape.top_k * tokens / shape.experts
+    kept = kept_share(shape)
+    per_expert = kept * e * shape.top_k * tokens / shape.experts
     experts = _mlp(hw, precision, per_expert, h, g, shape.moe_ffn, t, shape.experts // e)
     shared = _mlp(hw, precision, tokens, h, g, shape.shared_ffn, t) if shape.shared_ffn else (0, 0)
     router = _gemm_pair(hw, precision, tokens, shape.experts, h)
     dense = _mlp(hw, precision, tokens, h, g, shape.ffn, t)
     # permute and un-permute k*T rows of h (read + write), the experts' activation function
-    copies = (4 * shape.top_k * tokens * h + (2 + g) * shape.top_k * tokens * shape.moe_ffn / t)
+    copies = kept * shape.top_k * tokens * (4 * h + (2 + g) * shape.moe_ffn / t)
     fwd_copies = elementwise_time(hw, copies * BYTES[precision], 3)
     bwd_copies = elementwise_time(hw, 2 * copies * BYTES[precision], 6)
     forward = experts[0] + shared[0] + router[0] + fwd_copies - dense[0]

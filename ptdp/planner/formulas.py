@@ -78,6 +78,7 @@ class ModelShape:
     shared_gate: bool = False            # a sigmoid gate h -> 1 on the shared expert
     moe_freq: int = 1                    # every n-th layer is MoE ...
     dense_first: int = 0                 # ... after this many dense ones
+    capacity_factor: float = 0.0         # token dropping's capacity factor; 0 = dropless
     head_dim: int | None = None          # per-head size d; None = hidden / heads
     qk_norm: bool = False                # a norm of size d on every query and key head
     window: int = 0                      # sliding-window attention's window; 0 = none
@@ -103,7 +104,8 @@ class ModelShape:
         moe = (dict(experts=m.num_experts, top_k=m.moe_top_k, moe_ffn=m.moe_ffn_hidden_size,
                     shared_ffn=m.moe_shared_ffn_hidden_size,
                     shared_gate=m.moe_shared_expert_gate, moe_freq=m.moe_layer_freq,
-                    dense_first=m.moe_first_dense_layers) if m.num_experts else {})
+                    dense_first=m.moe_first_dense_layers,
+                    capacity_factor=m.moe_capacity_factor or 0.0) if m.num_experts else {})
         return cls(m.arch, m.num_layers, m.hidden_size, m.num_heads, m.ffn_hidden_size,
                    m.seq_length, m.vocab_size, _any_dropout(m), m.num_kv_heads, m.activation,
                    m.normalization, m.position_embedding, m.bias, m.qkv_bias, m.tie_embeddings,

@@ -20,6 +20,12 @@ moe_layer_freq = 2 alternates MoE and dense layers from the first MoE one.
 
 A token passes its k routed experts and the shared one: "active" parameters and FLOPs count
 those (Megatron reports MFU on them), the parameter total counts all E.
+
+With token dropping (model.moe_capacity_factor c, models/capacity.py) each expert runs at most
+c times its balanced share of the k·T choices and the dropped ones are neither sent nor run:
+under balanced routing the experts run min(1, c) of the choices (`kept_share`), which scales
+their time, the all-to-all's bytes and the activations they keep. The FLOPs stay the model's
+(as Megatron's count, which ignores dropping).
 """
 
 from __future__ import annotations
@@ -123,6 +129,11 @@ def rank_moe_parameter_change(shape, t: int, p: int, v: int, e: int) -> float:
     return max(rank_moe_layers(shape, p, v)) * per_layer
 
 
+def kept_share(shape) -> float:
+    """The share of the routed choices the experts run (module docstring): 1 when dropless."""
+    return min(1.0, shape.capacity_factor) if shape.capacity_factor else 1.0
+
+
 def moe_mlp_forward_flops(shape, tokens: float) -> float:
     """Forward FLOPs of one MoE layer's MLP on `tokens` tokens, active experts only (2 per
     multiply-add, as Eq. 4.2): the router 2·T·h·E, each token's k routed experts and the
@@ -144,18 +155,18 @@ def moe_activation_bytes(shape, tokens: float, t: int, element: int) -> float:
     output (1+g)·f_moe/t, fc2's input f_moe/t and the expert output h (the routing weights'
     gradient needs it); the shared expert (2+g)·T·f_shared/t; the router's fp32 scores and
     probabilities 2·T·E. Balanced routing: an expert rank receives as many token copies as
-    it sends (k·T)."""
+    it sends (k·T, of which kept_share run)."""
     h, g, k = shape.hidden, shape.gated, shape.top_k
-    routed = k * tokens * (2 * h + (2 + g) * shape.moe_ffn / t)
+    routed = kept_share(shape) * k * tokens * (2 * h + (2 + g) * shape.moe_ffn / t)
     shared = (2 + g) * tokens * shape.shared_ffn / t
     dense = (2 + g) * tokens * shape.ffn / t
     return (routed + shared - dense) * element + 2 * tokens * shape.experts * 4
 
 
 def all_to_all_bytes(shape, tokens: float, element: int) -> float:
-    """What one rank dispatches per all-to-all: k copies of each of its tokens' h-vectors (the
-    combine sends as many back; backward moves their gradients)."""
-    return shape.top_k * tokens * shape.hidden * element
+    """What one rank dispatches per all-to-all: k copies of each of its tokens' h-vectors, those
+    kept (kept_share; the combine sends as many back; backward moves their gradients)."""
+    return kept_share(shape) * shape.top_k * tokens * shape.hidden * element
 
 
 def all_to_alls_per_layer(recompute: str) -> int:

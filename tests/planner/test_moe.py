@@ -13,7 +13,8 @@ from ptdp.planner.compute import ModelShape
 from ptdp.planner.cost_model import Layout, Workload, predict
 from ptdp.planner.formulas import active_parameters, decoder_parameters, iteration_flops
 from ptdp.planner.memory import gpu_memory
-from ptdp.planner.moe import (expert_placement, moe_layer_count, moe_mlp_parameters,
+from ptdp.planner.moe import (all_to_all_bytes, expert_placement, kept_share,
+                              moe_activation_bytes, moe_layer_count, moe_mlp_parameters,
                               rank_moe_layers)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -143,6 +144,35 @@ def test_all_to_all_time_grows_with_e_and_leaves_the_node(a100):
     # forward 2, backward 2, + 2 for a full recompute, per MoE layer and micro-batch
     full = a2a(pipeline=4, data=16, expert=8, recompute="full")
     assert full == pytest.approx(inside * 6 / 4)
+
+
+def test_token_dropping_runs_the_kept_share_of_the_choices(a100):
+    """With a capacity factor c < 1 (model.moe_capacity_factor) the experts run c of the k*T
+    choices under balanced routing: the all-to-all carries c of the bytes, the experts keep c
+    of their activations and take c of their GEMM time; c >= 1 drops nothing. The FLOPs stay
+    the model's (Megatron's count ignores dropping)."""
+    dropless, half = mixtral(), mixtral(capacity_factor=0.5)
+    assert kept_share(dropless) == kept_share(mixtral(capacity_factor=1.25)) == 1.0
+    assert all_to_all_bytes(half, 1000, 2) == all_to_all_bytes(dropless, 1000, 2) / 2
+    assert moe_activation_bytes(mixtral(capacity_factor=1.25), 1000, 2, 2) == \
+        moe_activation_bytes(dropless, 1000, 2, 2)
+    routed = 2 * 1000 * (2 * 4096 + 3 * 14336 / 2) * 2 / 2   # half of k*T*(2h + (2+g)f/t) bytes
+    assert moe_activation_bytes(half, 1000, 2, 2) == \
+        pytest.approx(moe_activation_bytes(dropless, 1000, 2, 2) - routed)
+    work = lambda shape: Workload(shape, 64, "bf16", 8)   # noqa: E731
+    lay = Layout(pipeline=4, data=16, expert=8)
+    full, dropped = predict(a100, work(dropless), lay), predict(a100, work(half), lay)
+    none = predict(a100, work(mixtral(capacity_factor=1e-12)), lay)   # its latencies only
+    a2a = [pred.time["expert_all_to_all"] for pred in (none, dropped, full)]
+    assert a2a[2] - a2a[1] == pytest.approx(a2a[1] - a2a[0]) and a2a[1] > a2a[0]   # half the bytes
+    assert dropped.step_time_s < full.step_time_s
+    assert dropped.memory["activations"] < full.memory["activations"]
+    assert iteration_flops(half, 64, 4096) == iteration_flops(dropless, 64, 4096)
+    cfg = ModelConfig(arch="gpt", preset="llama", num_layers=2, hidden_size=64, num_heads=4,
+                      num_experts=4, moe_ffn_hidden_size=32, moe_capacity_factor=0.75)
+    assert ModelShape.from_config(cfg).capacity_factor == 0.75
+    assert ModelShape.from_config(dataclasses.replace(cfg, moe_capacity_factor=None)) \
+        .capacity_factor == 0.0
 
 
 def test_dense_models_have_no_expert_terms(a100):
