@@ -74,6 +74,11 @@ def register(subparsers) -> None:
                              "end of text and generation_config.json's eos_token_id)")
     parser.add_argument("--no-cache", action="store_true",
                         help="recompute every position at each step (slow; for checking)")
+    parser.add_argument("--speculative", action="store_true",
+                        help="greedy decoding that drafts each next token with the checkpoint's "
+                             "multi-token-prediction depth (model.mtp_layers) and checks it in "
+                             "the decoder's next forward: the same tokens in fewer forwards; "
+                             "prints how many drafts were kept")
     parser.set_defaults(func=run)
     _one_line_errors(parser)
 
@@ -109,20 +114,41 @@ def run(args) -> int:
             pick_device(args.device, "ptdp generate --device"))
         tok = checked_tokenizer(path, model.cfg.vocab_size)
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+        decode = _speculative(args, model) if args.speculative else None
         made = Prompts(path, tok)
         stop = made.end_ids(args.stop)
         for i, text in enumerate(prompts):
             ids = made.encode(text, chat=args.chat)
-            new = generate(model, ids, args.max_new_tokens, sampling, stop,
-                           use_cache=not args.no_cache)
+            new = (decode(ids, stop) if decode else
+                   generate(model, ids, args.max_new_tokens, sampling, stop,
+                            use_cache=not args.no_cache))
             if len(prompts) > 1:
                 print(f"--- prompt {i + 1}")
             reply = _completion(tok, ids, new)
             print(reply.lstrip() if args.chat else text + reply, flush=True)
+        if decode:
+            print(f"ptdp generate: {decode.drafts.accepted} of {decode.drafts.proposed} drafts "
+                  f"kept", file=sys.stderr)
     except (CheckpointError, TokenizerError, ValueError, FileNotFoundError, NoDevice) as err:
         print(f"ptdp generate: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _speculative(args, model):
+    """generate_speculative for every prompt, counting the drafts across them; refused unless
+    greedy with the cache."""
+    from ptdp.inference.speculative import Drafts, MtpDrafter, generate_speculative
+    if args.temperature != 0 or args.no_cache:
+        raise ValueError("--speculative decodes greedily with the cache: drop --temperature "
+                         "and --no-cache")
+    MtpDrafter(model)   # a checkpoint without a depth is refused before any prompt runs
+    drafts = Drafts()
+
+    def decode(ids, stop):
+        return generate_speculative(model, ids, args.max_new_tokens, stop, drafts)
+    decode.drafts = drafts
+    return decode
 
 
 def _completion(tok, prompt_ids: list[int], new: list[int]) -> str:

@@ -81,32 +81,57 @@ class KVCache:
         self.keys[layer], self.values[layer] = k, v
         return k, v
 
+    def truncate(self, length: int) -> None:
+        """Forget every position from `length` on (a rejected draft's, ptdp/inference/speculative.py)."""
+        self.keys = [k[:, :, :length] for k in self.keys]
+        self.values = [v[:, :, :length] for v in self.values]
+
+
+def layer_cached(layer, x: torch.Tensor, cache: KVCache, index: int, start: int) -> torch.Tensor:
+    """One transformer layer on x [s, b, h], positions start .. start + s - 1, the first
+    `start` of which cache layer `index` holds; adds their keys and values to it. The layer's
+    own modules (its norms, QKV projection and rotation, MLP), so the arithmetic is
+    TransformerLayer.forward's."""
+    s, b = x.shape[0], x.shape[1]
+    positions = torch.arange(start, start + s, device=x.device)
+    # query i (absolute position start + i) sees keys 0 .. start + i (within its window)
+    mask = decoding_mask(start, s, layer.attention.window, x.device)
+    q, k, v = layer.attention.project(layer.ln1(x), positions)
+    k, v = cache.extend(index, k, v)
+    out = attention(q, k, v, mask, causal=mask is None and start == 0 and s > 1,
+                    scale=layer.attention.softmax_scale)
+    out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
+    x = bias_dropout_add(*layer.attention.proj(out), x, 0.0, False)
+    return bias_dropout_add(*layer.mlp(layer.ln2(x)), x, 0.0, False)
+
+
+@torch.no_grad()
+def hidden_cached(model: LocalModel, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """The final norm's output [s, b, h] for `tokens` [b, s], the positions after those in
+    `cache`, whose keys and values it adds."""
+    chunk, start = model.chunk, cache.length
+    emb = chunk.embedding
+    x = emb.words(tokens.t())                                               # [s, b, h]
+    if emb.position is not None:
+        x = x + emb.position[start:start + tokens.shape[1]].unsqueeze(1)
+    for i, layer in enumerate(chunk.stack.layers):
+        x = layer_cached(layer, x, cache, i, start)
+    return chunk.final_ln(x)
+
+
+def vocab_logits(model: LocalModel, hidden: torch.Tensor) -> torch.Tensor:
+    """Normalised hidden states [s, b, h] -> logits [b, s, vocab], fp32, through the model's
+    output layer."""
+    from ptdp.models.embedding import logits
+    out = logits(hidden, model.chunk.output_table(), model.chunk.ctx)
+    return out[..., :model.cfg.vocab_size].transpose(0, 1).float()
+
 
 @torch.no_grad()
 def forward_cached(model: LocalModel, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits [b, s, vocab] of `tokens` [b, s], the positions after those in `cache`; adds their
-    keys and values to it. The layer's own modules (its norms, QKV projection and rotation,
-    MLP), so the arithmetic is TransformerLayer.forward's."""
-    chunk, start = model.chunk, cache.length
-    b, s = tokens.shape
-    positions = torch.arange(start, start + s, device=tokens.device)
-    emb = chunk.embedding
-    x = emb.words(tokens.t())                                               # [s, b, h]
-    if emb.position is not None:
-        x = x + emb.position[start:start + s].unsqueeze(1)
-    for i, layer in enumerate(chunk.stack.layers):
-        # query i (absolute position start + i) sees keys 0 .. start + i (within its window)
-        mask = decoding_mask(start, s, layer.attention.window, x.device)
-        q, k, v = layer.attention.project(layer.ln1(x), positions)
-        k, v = cache.extend(i, k, v)
-        out = attention(q, k, v, mask, causal=mask is None and start == 0 and s > 1,
-                        scale=layer.attention.softmax_scale)
-        out = out.permute(2, 0, 1, 3).reshape(s, b, -1)
-        x = bias_dropout_add(*layer.attention.proj(out), x, 0.0, False)
-        x = bias_dropout_add(*layer.mlp(layer.ln2(x)), x, 0.0, False)
-    from ptdp.models.embedding import logits
-    out = logits(chunk.final_ln(x), chunk.output_table(), chunk.ctx)
-    return out[..., :model.cfg.vocab_size].transpose(0, 1).float()
+    keys and values to it."""
+    return vocab_logits(model, hidden_cached(model, tokens, cache))
 
 
 @torch.no_grad()
@@ -114,16 +139,8 @@ def generate(model: LocalModel, prompt: list[int], max_new_tokens: int, sampling
              stop_ids: Collection[int] = (), use_cache: bool = True) -> list[int]:
     """The new token ids after `prompt` (at most max_new_tokens; fewer at the first of
     stop_ids, which is kept, as transformers keeps its eos, or at the model's last position)."""
-    if not model.cfg.family.generates:
-        raise ValueError(f"generation needs a GPT checkpoint (model.arch="
-                         f"{family_names(lambda f: f.generates)}); this one is {model.cfg.arch}")
-    if not prompt:
-        raise ValueError("the prompt is empty: give at least one token (e.g. some text)")
     sampling.check()
-    limit, key = model.cfg.max_positions, _limit_key(model.cfg)
-    if len(prompt) >= limit:
-        raise ValueError(f"the prompt has {len(prompt)} tokens; the model sees at most "
-                         f"{key}={limit}, so nothing is left to generate")
+    limit = check_generation(model, prompt)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(sampling.seed)
     tokens = list(prompt)
@@ -142,6 +159,20 @@ def generate(model: LocalModel, prompt: list[int], max_new_tokens: int, sampling
         if token in stop_ids:
             break
     return new
+
+
+def check_generation(model: LocalModel, prompt: list[int]) -> int:
+    """The model's last position, once the model generates and the prompt leaves room."""
+    if not model.cfg.family.generates:
+        raise ValueError(f"generation needs a GPT checkpoint (model.arch="
+                         f"{family_names(lambda f: f.generates)}); this one is {model.cfg.arch}")
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token (e.g. some text)")
+    limit, key = model.cfg.max_positions, _limit_key(model.cfg)
+    if len(prompt) >= limit:
+        raise ValueError(f"the prompt has {len(prompt)} tokens; the model sees at most "
+                         f"{key}={limit}, so nothing is left to generate")
+    return limit
 
 
 def _limit_key(cfg) -> str:
