@@ -147,3 +147,19 @@ def test_the_depth_drafts_what_the_training_forward_predicts(model):
     s = tokens.shape[1]
     guesses = [drafter.draft(hidden[i:i + 1], [int(tokens[0, (i + 1) % s])]) for i in range(s)]
     assert guesses == whole.tolist()
+
+
+@pytest.mark.timeout(300)
+def test_the_benchmark_trains_decodes_both_ways_and_writes_its_table(tmp_path, capsys):
+    import json
+
+    import tools.bench_speculative as tool
+    assert tool.main(["--layers", "1", "--hidden", "32", "--seq", "24", "--vocab", "64",
+                      "--iters", "2", "--prompts", "2", "--prompt-tokens", "4",
+                      "--new-tokens", "10", "--rounds", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["same_tokens"] and result["new_tokens"] == 20
+    assert 0 < result["drafts_proposed"] <= 18   # at most 9 per prompt: the first token is free
+    assert result["decoder_forwards_per_token"]["speculative"] == \
+        pytest.approx((20 - result["drafts_kept"]) / 20)
+    assert "speculative speedup" in capsys.readouterr().out
