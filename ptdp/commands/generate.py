@@ -75,10 +75,11 @@ def register(subparsers) -> None:
     parser.add_argument("--no-cache", action="store_true",
                         help="recompute every position at each step (slow; for checking)")
     parser.add_argument("--speculative", action="store_true",
-                        help="greedy decoding that drafts each next token with the checkpoint's "
-                             "multi-token-prediction depth (model.mtp_layers) and checks it in "
-                             "the decoder's next forward: the same tokens in fewer forwards; "
-                             "prints how many drafts were kept")
+                        help="draft each next token with the checkpoint's multi-token-"
+                             "prediction depth (model.mtp_layers) and check it in the "
+                             "decoder's next forward: greedy gives the same tokens, sampling "
+                             "the same distribution, in fewer forwards; prints how many "
+                             "drafts were kept")
     parser.set_defaults(func=run)
     _one_line_errors(parser)
 
@@ -114,7 +115,7 @@ def run(args) -> int:
             pick_device(args.device, "ptdp generate --device"))
         tok = checked_tokenizer(path, model.cfg.vocab_size)
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-        decode = _speculative(args, model) if args.speculative else None
+        decode = _speculative(args, model, sampling) if args.speculative else None
         made = Prompts(path, tok)
         stop = made.end_ids(args.stop)
         for i, text in enumerate(prompts):
@@ -135,18 +136,17 @@ def run(args) -> int:
     return 0
 
 
-def _speculative(args, model):
-    """generate_speculative for every prompt, counting the drafts across them; refused unless
-    greedy with the cache."""
+def _speculative(args, model, sampling):
+    """generate_speculative for every prompt, counting the drafts across them; refused
+    without the cache."""
     from ptdp.inference.speculative import Drafts, MtpDrafter, generate_speculative
-    if args.temperature != 0 or args.no_cache:
-        raise ValueError("--speculative decodes greedily with the cache: drop --temperature "
-                         "and --no-cache")
+    if args.no_cache:
+        raise ValueError("--speculative decodes with the cache: drop --no-cache")
     MtpDrafter(model)   # a checkpoint without a depth is refused before any prompt runs
     drafts = Drafts()
 
     def decode(ids, stop):
-        return generate_speculative(model, ids, args.max_new_tokens, stop, drafts)
+        return generate_speculative(model, ids, args.max_new_tokens, sampling, stop, drafts)
     decode.drafts = drafts
     return decode
 

@@ -47,6 +47,12 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     """One token id from a [vocab] row of logits."""
     if sampling.temperature == 0:
         return int(logits.argmax())
+    return int(torch.multinomial(token_probabilities(logits, sampling), 1, generator=generator))
+
+
+def token_probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The distribution [vocab] (fp32, on the CPU) a temperature > 0 draws from: the logits
+    over the temperature, cut by top-k and top-p."""
     logits = logits.float() / sampling.temperature
     if sampling.top_k:
         kth = torch.topk(logits, min(sampling.top_k, logits.numel())).values[-1]
@@ -57,8 +63,7 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
         # drop a token when the tokens ranked above it already reach top_p (the first stays)
         drop = probs.cumsum(-1) - probs >= sampling.top_p
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    probs = logits.softmax(-1).cpu()
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return logits.softmax(-1).cpu()
 
 
 class KVCache:
