@@ -278,7 +278,8 @@ class MoEMLP(nn.Module):
         """x [N, h] (inside the tensor region), chosen and gates [N, k] -> [N, h], this tensor
         rank's partial sums: the experts' grouped GEMMs on their contiguous rows, the rows of
         other ranks' experts sent there and back with expert parallelism."""
-        order, inverse, counts = expert_order(chosen, self.E)
+        # with dropping, counts[E] is the dropped choices' (0 when none is: a count for it anyway)
+        order, inverse, counts = expert_order(chosen, self.E + 1 if self.drops else self.E)
         rows = permute(x, order // self.k, inverse, self.k)
         dropped = 0
         if self.drops:   # the dropped choices sort last (expert E): no expert runs them

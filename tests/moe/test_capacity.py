@@ -3,6 +3,7 @@ same drops in every layout as in one process (losses, gradients, weights, expert
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -60,6 +61,30 @@ def test_the_position_policy_keeps_the_first_tokens():
 def test_a_large_factor_drops_nothing():
     (chosen, gates), (all_chosen, all_gates) = _routed(4.0)
     assert torch.equal(chosen, all_chosen) and torch.equal(gates, all_gates)
+
+
+def test_a_block_whose_micro_batch_drops_nothing_equals_the_dropless_block():
+    """A capacity no expert reaches (factor 4) leaves the MoE block's output and gradients the
+    dropless block's: its count of dropped choices is 0, not missing (it raised IndexError
+    once, in every micro-batch without a drop)."""
+    from ptdp.models.moe import MoEMLP
+    from ptdp.models.transformer import ParallelMLP
+    cfg = load_config(None, TINY + MOE + [f"model.num_experts={E}", f"model.moe_top_k={K}",
+                                          "model.moe_capacity_factor=4"], world_size=1)
+    outs = []
+    for factor in (4.0, None):
+        model = dataclasses.replace(cfg.model, moe_capacity_factor=factor)
+        ctx = ModelContext(model, TensorParallel(), 7, TensorParallelRNG(7, 0, torch.device("cpu")),
+                           cfg.padded_vocab_size)
+        torch.manual_seed(3)
+        block = MoEMLP(ctx, 1, ParallelMLP)
+        x = torch.randn(S, B, model.hidden_size, requires_grad=True)
+        out, _ = block(x)
+        out.square().sum().backward()
+        outs.append((out.detach(), x.grad, [p.grad for p in block.parameters()]))
+    (out, dx, grads), (ref, ref_dx, ref_grads) = outs
+    assert torch.equal(out, ref) and torch.equal(dx, ref_dx)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
 
 
 # drops in every MoE layer of the tiny model: 32 tokens x 2 choices, 4 experts, capacity 8
