@@ -52,7 +52,8 @@ def moe_layer_time_change(hw, precision: str, shape, b: int, t: int,
     router = _gemm_pair(hw, precision, tokens, shape.experts, h)
     dense = _mlp(hw, precision, tokens, h, g, shape.ffn, t)
     # permute and un-permute k*T rows of h (read + write), the experts' activation function
-    copies = kept * shape.top_k * tokens * (4 * h + (2 + g) * shape.moe_ffn / t)
+    # (every choice is permuted and combined; the activation runs on the kept ones)
+    copies = shape.top_k * tokens * (4 * h + kept * (2 + g) * shape.moe_ffn / t)
     fwd_copies = elementwise_time(hw, copies * BYTES[precision], 3)
     bwd_copies = elementwise_time(hw, 2 * copies * BYTES[precision], 6)
     forward = experts[0] + shared[0] + router[0] + fwd_copies - dense[0]

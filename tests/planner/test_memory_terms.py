@@ -182,3 +182,39 @@ def test_gpipe_keeps_every_micro_batchs_loss_state_on_the_last_stage():
 
     assert last_stage("gpipe", 256) - last_stage("gpipe", 128) == (m - 1) * per_logit
     assert last_stage("1f1b", 256) == last_stage("1f1b", 128)
+
+
+def _saved_activation_bytes(layer, x) -> int:
+    """Bytes of the distinct storages a layer's forward saves for backward, its weights
+    excepted."""
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    return sum(saved.values())
+
+
+def test_token_dropping_keeps_what_the_moe_term_counts():
+    """An MoE layer with capacity factor 0.5 (every expert reaches its capacity here) keeps
+    exactly moe_activation_bytes' difference less than with factor 4 (no drop): fc1's and the
+    activation's outputs of the dropped half; the h-wide rows stay whole."""
+    from ptdp.planner.moe import moe_activation_bytes
+    measured, modelled = [], []
+    for factor in (4.0, 0.5):
+        cfg = ModelConfig(arch="gpt", num_layers=1, hidden_size=64, num_heads=4, seq_length=32,
+                          vocab_size=100, dropout=0.0, num_experts=4, moe_top_k=2,
+                          moe_ffn_hidden_size=96, moe_capacity_factor=factor)
+        ctx = ModelContext(cfg, TensorParallel(), 1234,
+                           TensorParallelRNG(1234, 0, torch.device("cpu")),
+                           padded_vocab_size(cfg.vocab_size, 1))
+        torch.manual_seed(0)
+        layer = TransformerLayer(ctx, 0, causal=True)
+        measured.append(_saved_activation_bytes(layer, torch.randn(32, B, 64)))
+        modelled.append(moe_activation_bytes(ModelShape.from_config(cfg), 32 * B, 1, 4))
+    assert measured[0] - measured[1] == modelled[0] - modelled[1] == 0.5 * 2 * 64 * 2 * 96 * 4
