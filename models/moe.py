@@ -284,7 +284,9 @@ class MoEMLP(nn.Module):
         dropped = 0
         if self.drops:   # the dropped choices sort last (expert E): no expert runs them
             dropped = int(counts[self.E])                  # (a host sync, with dropping only)
-            rows, counts = rows[:rows.shape[0] - dropped], counts[:self.E]
+            counts = counts[:self.E]
+            if dropped:   # a copy of the kept rows: fc1 keeps it, not a view of every choice's
+                rows = rows[:rows.shape[0] - dropped].clone()
         if self.ep.size == 1:
             out = self._experts(rows, Groups.of(counts, rows, self.widths))
         else:

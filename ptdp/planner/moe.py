@@ -24,10 +24,9 @@ those (Megatron reports MFU on them), the parameter total counts all E.
 With token dropping (model.moe_capacity_factor c, models/capacity.py) each expert runs at most
 c times its balanced share of the k·T choices and the dropped ones are neither sent nor run:
 under balanced routing the experts run min(1, c) of the choices (`kept_share`), which scales
-their GEMMs, the all-to-all's bytes and the fc1 and activation outputs they keep. The h-wide
-rows stay whole: every choice is permuted (the kept are a view of those rows) and combined
-(a dropped one as zeros). The FLOPs stay the model's (as Megatron's count, which ignores
-dropping).
+their GEMMs, the all-to-all's bytes and the expert inputs, fc1 and activation outputs they
+keep. The expert outputs the combine keeps stay whole (a dropped choice's as zeros). The FLOPs
+stay the model's (as Megatron's count, which ignores dropping).
 """
 
 from __future__ import annotations
@@ -157,10 +156,11 @@ def moe_activation_bytes(shape, tokens: float, t: int, element: int) -> float:
     output (1+g)·f_moe/t, fc2's input f_moe/t and the expert output h (the routing weights'
     gradient needs it); the shared expert (2+g)·T·f_shared/t; the router's fp32 scores and
     probabilities 2·T·E. Balanced routing: an expert rank receives as many token copies as
-    it sends (k·T; with token dropping fc1's and the activation's outputs only for the kept
-    share, the h-wide rows whole)."""
+    it sends (k·T; with token dropping the inputs, fc1's and the activation's outputs only
+    for the kept share, the outputs whole)."""
     h, g, k = shape.hidden, shape.gated, shape.top_k
-    routed = k * tokens * (2 * h + kept_share(shape) * (2 + g) * shape.moe_ffn / t)
+    kept = kept_share(shape)
+    routed = k * tokens * (h + kept * (h + (2 + g) * shape.moe_ffn / t))
     shared = (2 + g) * tokens * shape.shared_ffn / t
     dense = (2 + g) * tokens * shape.ffn / t
     return (routed + shared - dense) * element + 2 * tokens * shape.experts * 4

@@ -202,8 +202,9 @@ def _saved_activation_bytes(layer, x) -> int:
 
 def test_token_dropping_keeps_what_the_moe_term_counts():
     """An MoE layer with capacity factor 0.5 (every expert reaches its capacity here) keeps
-    exactly moe_activation_bytes' difference less than with factor 4 (no drop): fc1's and the
-    activation's outputs of the dropped half; the h-wide rows stay whole."""
+    exactly moe_activation_bytes' difference less than with factor 4 (no drop): the expert
+    inputs, fc1's and the activation's outputs of the dropped half; the expert outputs the
+    combine keeps stay whole."""
     from ptdp.planner.moe import moe_activation_bytes
     measured, modelled = [], []
     for factor in (4.0, 0.5):
@@ -217,4 +218,5 @@ def test_token_dropping_keeps_what_the_moe_term_counts():
         layer = TransformerLayer(ctx, 0, causal=True)
         measured.append(_saved_activation_bytes(layer, torch.randn(32, B, 64)))
         modelled.append(moe_activation_bytes(ModelShape.from_config(cfg), 32 * B, 1, 4))
-    assert measured[0] - measured[1] == modelled[0] - modelled[1] == 0.5 * 2 * 64 * 2 * 96 * 4
+    assert measured[0] - measured[1] == modelled[0] - modelled[1] == \
+        0.5 * 2 * 64 * (64 + 2 * 96) * 4

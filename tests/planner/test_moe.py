@@ -149,15 +149,15 @@ def test_all_to_all_time_grows_with_e_and_leaves_the_node(a100):
 def test_token_dropping_runs_the_kept_share_of_the_choices(a100):
     """With a capacity factor c < 1 (model.moe_capacity_factor) the experts run c of the k*T
     choices under balanced routing: the all-to-all carries c of the bytes, the experts keep c
-    of their fc1 and activation outputs (tests/planner/test_memory_terms.py measures it) and
-    take c of their GEMM time; c >= 1 drops nothing. The FLOPs stay the model's (Megatron's
-    count ignores dropping)."""
+    of their inputs, fc1 and activation outputs (tests/planner/test_memory_terms.py measures
+    it) and take c of their GEMM time; c >= 1 drops nothing. The FLOPs stay the model's
+    (Megatron's count ignores dropping)."""
     dropless, half = mixtral(), mixtral(capacity_factor=0.5)
     assert kept_share(dropless) == kept_share(mixtral(capacity_factor=1.25)) == 1.0
     assert all_to_all_bytes(half, 1000, 2) == all_to_all_bytes(dropless, 1000, 2) / 2
     assert moe_activation_bytes(mixtral(capacity_factor=1.25), 1000, 2, 2) == \
         moe_activation_bytes(dropless, 1000, 2, 2)
-    routed = 2 * 1000 * (3 * 14336 / 2) * 2 / 2   # half of k*T*(2+g)f/t bytes (h rows whole)
+    routed = 2 * 1000 * (4096 + 3 * 14336 / 2) * 2 / 2   # half of k*T*(h + (2+g)f/t) bytes
     assert moe_activation_bytes(half, 1000, 2, 2) == \
         pytest.approx(moe_activation_bytes(dropless, 1000, 2, 2) - routed)
     work = lambda shape: Workload(shape, 64, "bf16", 8)   # noqa: E731
