@@ -284,9 +284,9 @@ class MoEMLP(nn.Module):
         dropped = 0
         if self.drops:   # the dropped choices sort last (expert E): no expert runs them
             dropped = int(counts[self.E])                  # (a host sync, with dropping only)
-            counts = counts[:self.E]
-            if dropped:   # a copy of the kept rows: fc1 keeps it, not a view of every choice's
-                rows = rows[:rows.shape[0] - dropped].clone()
+            rows, counts = rows[:rows.shape[0] - dropped], counts[:self.E]
+            if dropped and self.ep.size == 1:   # fc1 keeps its input: a copy of the kept rows,
+                rows = rows.clone()             # not a view of every choice's (e > 1 sends them)
         if self.ep.size == 1:
             out = self._experts(rows, Groups.of(counts, rows, self.widths))
         else:

@@ -104,6 +104,11 @@ def run(args) -> int:
     from ptdp.inference.prompts import Prompts
     from ptdp.runtime.startup import NoDevice, pick_device
 
+    from ptdp.inference.speculative import generate_speculative
+    if args.speculative and args.no_cache:
+        print("ptdp generate: --speculative decodes with the cache: drop --no-cache",
+              file=sys.stderr)
+        return 2
     try:
         prompts = _prompts(args)
         directory, _ = find_checkpoint(args.checkpoint)
@@ -115,40 +120,34 @@ def run(args) -> int:
             pick_device(args.device, "ptdp generate --device"))
         tok = checked_tokenizer(path, model.cfg.vocab_size)
         sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-        decode = _speculative(args, model, sampling) if args.speculative else None
+        drafts = _drafts(model) if args.speculative else None
         made = Prompts(path, tok)
         stop = made.end_ids(args.stop)
         for i, text in enumerate(prompts):
             ids = made.encode(text, chat=args.chat)
-            new = (decode(ids, stop) if decode else
+            new = (generate_speculative(model, ids, args.max_new_tokens, sampling, stop, drafts)
+                   if drafts is not None else
                    generate(model, ids, args.max_new_tokens, sampling, stop,
                             use_cache=not args.no_cache))
             if len(prompts) > 1:
                 print(f"--- prompt {i + 1}")
             reply = _completion(tok, ids, new)
             print(reply.lstrip() if args.chat else text + reply, flush=True)
-        if decode:
-            print(f"ptdp generate: {decode.drafts.accepted} of {decode.drafts.proposed} drafts "
-                  f"kept", file=sys.stderr)
+        if drafts is not None:
+            print(f"ptdp generate: {drafts.accepted} of {drafts.proposed} drafts kept",
+                  file=sys.stderr)
     except (CheckpointError, TokenizerError, ValueError, FileNotFoundError, NoDevice) as err:
         print(f"ptdp generate: {err}", file=sys.stderr)
         return 2
     return 0
 
 
-def _speculative(args, model, sampling):
-    """generate_speculative for every prompt, counting the drafts across them; refused
-    without the cache."""
-    from ptdp.inference.speculative import Drafts, MtpDrafter, generate_speculative
-    if args.no_cache:
-        raise ValueError("--speculative decodes with the cache: drop --no-cache")
-    MtpDrafter(model)   # a checkpoint without a depth is refused before any prompt runs
-    drafts = Drafts()
-
-    def decode(ids, stop):
-        return generate_speculative(model, ids, args.max_new_tokens, sampling, stop, drafts)
-    decode.drafts = drafts
-    return decode
+def _drafts(model):
+    """The count of --speculative's drafts across the prompts, once the checkpoint is known to
+    have a depth to draft with (refused before any prompt runs)."""
+    from ptdp.inference.speculative import Drafts, MtpDrafter
+    MtpDrafter(model)
+    return Drafts()
 
 
 def _completion(tok, prompt_ids: list[int], new: list[int]) -> str:

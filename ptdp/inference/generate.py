@@ -87,7 +87,8 @@ class KVCache:
         return k, v
 
     def truncate(self, length: int) -> None:
-        """Forget every position from `length` on (a rejected draft's, ptdp/inference/speculative.py)."""
+        """Forget every position from `length` on (a refused draft's:
+        ptdp/inference/speculative.py)."""
         self.keys = [k[:, :, :length] for k in self.keys]
         self.values = [v[:, :, :length] for v in self.values]
 

@@ -77,8 +77,8 @@ class _Verifier:
         return int(torch.multinomial(q, 1, generator=self.generator)), q
 
     def keeps(self, draft: int, q, logits: torch.Tensor) -> tuple[bool, int | None]:
-        """(is the draft kept; if not, the token taken instead) given the decoder's logits
-        after the token before the draft."""
+        """(is the draft kept; the token taken instead where it is not) given the decoder's
+        logits after the token before the draft."""
         if self.greedy:
             guess = int(logits.argmax())
             return guess == draft, guess
@@ -86,9 +86,9 @@ class _Verifier:
         u = float(torch.rand(1, generator=self.generator))
         if u * float(q[draft]) < float(p[draft]):   # u < p(d) / q(d)
             return True, None
-        rest = (p - q).clamp(min=0)
-        rest = rest / rest.sum() if rest.sum() > 0 else p
-        return False, int(torch.multinomial(rest, 1, generator=self.generator))
+        rest = (p - q).clamp(min=0)   # not empty once p(d) < q(d), but for round-off
+        return False, int(torch.multinomial(rest if rest.sum() > 0 else p, 1,
+                                            generator=self.generator))
 
     def choose(self, logits: torch.Tensor) -> int:
         return next_token(logits, self.sampling, self.generator)
@@ -115,21 +115,22 @@ def generate_speculative(model: LocalModel, prompt: list[int], max_new_tokens: i
     decided = prompt[1:] + new   # the next token of each position in `hidden`
     while len(new) < max_new_tokens and len(prompt) + len(new) < limit \
             and new[-1] not in stop_ids:
-        draft, q = verify.propose(drafter.logits(hidden, decided))
-        # the draft is checked when both it and the token after it may still be added
-        checked = len(new) + 2 <= max_new_tokens and len(prompt) + len(new) + 2 <= limit
-        feed = [new[-1], draft] if checked else [new[-1]]
+        # a draft only where both it and the token after it may still be added (else this
+        # step, the last, adds one token as generate() does)
+        drafting = len(new) + 2 <= max_new_tokens and len(prompt) + len(new) + 2 <= limit
+        draft, q = verify.propose(drafter.logits(hidden, decided)) if drafting else (None, None)
+        feed = [new[-1], draft] if drafting else [new[-1]]
         hidden = hidden_cached(model, torch.tensor([feed], device=device), cache)
         logits = vocab_logits(model, hidden)[0]
-        drafts.proposed += checked
-        kept, instead = verify.keeps(draft, q, logits[0]) if checked else (False, None)
+        kept, instead = verify.keeps(draft, q, logits[0]) if drafting else (False, None)
+        drafts.proposed += drafting
+        drafts.accepted += kept
         if kept:
-            drafts.accepted += 1
             decided = [draft] if draft in stop_ids else [draft, verify.choose(logits[1])]
         else:
-            if checked:   # the draft's position leaves the cache
+            if drafting:   # the draft's position leaves the cache
                 cache.truncate(cache.length - 1)
-            decided = [instead if instead is not None else verify.choose(logits[0])]
+            decided = [instead if drafting else verify.choose(logits[0])]
         hidden = hidden[:len(decided)]
         new += decided
     return new
