@@ -26,6 +26,10 @@ own process group even where two sets have the same members (tensor and pipeline
 p = 1): a communicator orders its work by issue order, and keeping sets apart keeps the
 asynchronous gradient buckets of one from queueing behind the other's traffic. Sets of one
 rank are real groups too; callers skip communication on them by `size()`.
+A later grid in the same process (a second trainer) reuses the groups an earlier one made
+for the same set, members and timeout, rather than leaving the earlier ones open for the rest
+of the process (`new_groups`); a trainer's collectives all run on its training thread, so two
+trainers taking turns use a shared group in one order on every rank.
 
 Beside the axes is the one group that is not a slice of them: the embedding group, the
 pipeline stages holding a copy of the tied word embedding (first and last stage by default,
@@ -135,11 +139,32 @@ def embedding_rows(p: int, d: int, t: int, c: int = 1,
     return chosen.t().tolist()
 
 
-def new_groups(rows: list[list[int]], timeout: timedelta | None = None) -> list:
+# The groups earlier grids of this process made, by (set, rows, timeout), and the world they
+# belong to. A process that builds several trainers (tests, benchmarks, tools, a notebook)
+# would otherwise keep every group of every one of them: each is a communicator with its own
+# threads and sockets, and each of gloo's I/O threads wakes every 10 ms, idle or not.
+_MADE: dict = {"world": None, "groups": {}}
+
+
+def new_groups(rows: list[list[int]], timeout: timedelta | None = None,
+               reuse_as: str | None = None) -> list:
     """One process group per row, created in order (every rank must call this with the same
-    rows): the only place ptdp creates process groups (tests/test_architecture.py)."""
+    rows): the only place ptdp creates process groups (tests/test_architecture.py).
+
+    `reuse_as` names the set the rows are for: a later call with the same name, rows and
+    timeout in the same world returns the groups made the first time. Every rank makes the
+    same calls in the same order, so every rank reuses the same groups, and a set keeps a
+    group of its own as before (`RankGrid`)."""
+    if _MADE["world"] is not dist.group.WORLD:   # a new world: the old groups died with it
+        _MADE["world"], _MADE["groups"] = dist.group.WORLD, {}
+    key = (reuse_as, tuple(map(tuple, rows)), timeout)
+    if reuse_as is not None and key in _MADE["groups"]:
+        return _MADE["groups"][key]
     kwargs = {} if timeout is None else {"timeout": timeout}
-    return [dist.new_group(row, **kwargs) for row in rows]
+    groups = [dist.new_group(row, **kwargs) for row in rows]
+    if reuse_as is not None:
+        _MADE["groups"][key] = groups
+    return groups
 
 
 class RankGrid:
@@ -170,15 +195,18 @@ class RankGrid:
             self.layouts.append(expert_layout(pipeline, data, tensor, context, expert))
         for names in GROUPS + (EXPERT_GROUPS if expert > 1 else ()):
             key = self._key(names)
-            self._groups[key] = self._build(axis_rows(self._layout_of(key), key), timeout)
+            self._groups[key] = self._build(axis_rows(self._layout_of(key), key), timeout,
+                                            "+".join(key))
         # the only groups that leave ranks out: the middle pipeline stages hold no embedding
         self.embedding_group, self.embedding_ranks = self._build(
-            embedding_rows(pipeline, data, tensor, context, embedding_pipeline_ranks), timeout)
+            embedding_rows(pipeline, data, tensor, context, embedding_pipeline_ranks), timeout,
+            "embedding")
 
-    def _build(self, rows: list[list[int]], timeout: timedelta):
-        """Create one group per row; return (group, ranks) of mine, (None, []) if none is."""
+    def _build(self, rows: list[list[int]], timeout: timedelta, name: str):
+        """One group per row (an earlier grid's where it made the same, `new_groups`); return
+        (group, ranks) of mine, (None, []) if none is."""
         mine = (None, [])
-        for row, group in zip(rows, new_groups(rows, timeout)):
+        for row, group in zip(rows, new_groups(rows, timeout, reuse_as=name)):
             if self.rank in row:
                 mine = (group, row)
         return mine

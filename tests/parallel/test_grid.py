@@ -147,3 +147,47 @@ def test_context_ranks_index_data_major():
     assert [r["context"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert [r["coordinate"] for r in ranks] == [[0, 0, 0, 0], [0, 0, 1, 0], [0, 1, 0, 0],
                                                 [0, 1, 1, 0]]
+
+
+def later_grids_reuse_groups():
+    """Grids built one after another in one process (a second trainer): the same set, members
+    and timeout get the first grid's group and no new threads; any other set, layout or
+    timeout gets its own; after the world is torn down and made again, new ones."""
+    import os
+    import torch.distributed as dist
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    first = RankGrid(1, 2, 1, timeout_s=30)
+    before = threads()
+    again = [RankGrid(1, 2, 1, timeout_s=30) for _ in range(4)]
+    out = {"added_threads": threads() - before,
+           "same": all(g.group("tensor") is first.group("tensor")
+                       and g.embedding_group is first.embedding_group for g in again),
+           # a set keeps its own group where its members are another set's
+           "own_per_set": first.group("pipeline", "tensor") is not first.group("tensor")}
+    other_timeout = RankGrid(1, 2, 1, timeout_s=31)
+    pipeline = RankGrid(2, 1, 1, timeout_s=30)   # [0, 1] again, as the pipeline set
+    out["other_timeout_new"] = other_timeout.group("tensor") is not first.group("tensor")
+    out["other_layout_new"] = pipeline.group("pipeline") not in (
+        first.group("tensor"), first.group("pipeline", "tensor"))
+    total = torch.ones(1)
+    dist.all_reduce(total, group=again[-1].group("tensor"))
+    out["sum"] = total.item()
+    rank, world, store = dist.get_rank(), dist.get_world_size(), dist.distributed_c10d._get_default_store()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("again", store), rank=rank,
+                            world_size=world)
+    remade = RankGrid(1, 2, 1, timeout_s=30)
+    total = torch.ones(1)
+    dist.all_reduce(total, group=remade.group("tensor"))
+    out["sum_after_remade_world"] = total.item()
+    return out
+
+
+def test_a_later_grid_reuses_the_groups_of_an_earlier_one():
+    for rank in run_on_ranks(2, later_grids_reuse_groups, timeout_s=within(120)):
+        assert rank == {"added_threads": 0, "same": True, "own_per_set": True,
+                        "other_timeout_new": True, "other_layout_new": True, "sum": 2.0,
+                        "sum_after_remade_world": 2.0}
