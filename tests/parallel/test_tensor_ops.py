@@ -232,6 +232,34 @@ def _dropout_streams(tp):
             "fork_keeps_state": not torch.equal(state_after_fork, rng.get_state())}
 
 
+def _full_tensors(tp):
+    """Sharded values to full fp32 tensors, every split value in as many all-gathers as batches
+    of GATHER_BATCH elements allow: a column weight (split on rows), a row weight (on columns),
+    a padded vocabulary table in bf16 (trimmed, exact in fp32), a replicated bias."""
+    import ptdp.parallel.sharding as sharding
+    from ptdp.parallel.roles import declare_role
+    col = ColumnParallelLinear(6, 8, tp, seed=5, key="c", std=0.5)
+    row = RowParallelLinear(8, 4, tp, seed=5, key="r", std=0.5)
+    table = full_normal((12, 4), 1.0, 5, "v").to(torch.bfloat16)    # vocabulary 10, padded to 12
+    shard = declare_role(table.chunk(tp.size)[tp.rank].clone(), tp_split_dim=0, vocab_padded=True)
+    bias = torch.full((3,), 0.5)
+    items = [(col.weight, col.weight), (row.weight, row.weight), (shard, shard), (bias, bias)]
+    expected = [full_normal((8, 6), 0.5, 5, "c.weight"), full_normal((4, 8), 0.5, 5, "r.weight"),
+                table.float()[:10], bias]
+    original, counted = dist.all_gather, []
+    out = {}
+    try:
+        dist.all_gather = lambda *a, **k: counted.append(1) or original(*a, **k)
+        for batch in (1 << 26, 48, 1):   # all in one; the two weights (40), the table; each alone
+            sharding.GATHER_BATCH, counted[:] = batch, []
+            full = sharding.full_tensors(items, tp, vocab_size=10)
+            out[batch] = (len(counted), all(torch.equal(f, e) and f.dtype == torch.float32
+                                            for f, e in zip(full, expected)))
+    finally:
+        dist.all_gather, sharding.GATHER_BATCH = original, 1 << 26
+    return out
+
+
 def run_checks():
     torch.set_default_dtype(torch.float32)
     tp = _tp()
@@ -240,7 +268,7 @@ def run_checks():
             "ce_padding_rank": _cross_entropy_low_precision(tp, vocab=6),
             "modes": _gather_and_scatter_modes(tp),
             "embedding": _embedding(tp), "dropout": _dropout_streams(tp),
-            "copies": _collective_copies(tp)}
+            "copies": _collective_copies(tp), "full_tensors": _full_tensors(tp)}
 
 
 @pytest.fixture(scope="module")
@@ -339,6 +367,11 @@ def test_collectives_write_in_place(results, pattern, extra):
     for r in results:
         assert r["copies"]["extra"][pattern] == extra, (pattern, r["copies"]["extra"])
         assert all(r["copies"]["exact"].values()), r["copies"]["exact"]
+
+
+def test_full_tensors_gather_the_shards_in_batches(results):
+    for r in results:   # (all-gathers, every full tensor exact)
+        assert r["full_tensors"] == {1 << 26: (1, True), 48: (2, True), 1: (3, True)}
 
 
 def test_vocab_parallel_embedding_equals_lookup(results):
