@@ -31,6 +31,7 @@ stay the model's (as Megatron's count, which ignores dropping).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ptdp.config.schema import moe_layer
@@ -53,11 +54,19 @@ def rank_moe_layers(shape, p: int, v: int = 1, stages: StageMap | None = None) -
     """MoE layers each pipeline rank holds: virtual stage j holds layers [j·l/(p·v),
     (j+1)·l/(p·v)) (the even split the trainer makes without parallel.stage_layers), on the
     ranks `stages` places them (default: Megatron's looped placement, every schedule's)."""
-    stages = stages or StageMap(p, v)
-    per_stage = shape.layers // (p * v)
-    return [sum(is_moe_layer(shape, i) for stage in stages.stages_of(rank)
-                for i in range(stage * per_stage, (stage + 1) * per_stage))
-            for rank in range(p)]
+    if not shape.experts:
+        return [0] * p
+    return list(_rank_moe_layers(shape.layers, shape.experts, shape.dense_first, shape.moe_freq,
+                                 stages or StageMap(p, v)))
+
+
+@functools.lru_cache(maxsize=1024)   # a plan search asks for each layout's, thousands of times
+def _rank_moe_layers(layers: int, experts: int, dense_first: int, freq: int,
+                     stages: StageMap) -> tuple[int, ...]:
+    per_stage = layers // stages.num_stages
+    return tuple(sum(moe_layer(i, experts, dense_first, freq) for stage in stages.stages_of(rank)
+                     for i in range(stage * per_stage, (stage + 1) * per_stage))
+                 for rank in range(stages.p))
 
 
 def mlp_parameter_split(shape, ffn: int, bias: bool | None = None) -> tuple[int, int]:
