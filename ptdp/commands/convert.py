@@ -3,6 +3,7 @@ Megatron-LM (ptdp/megatron/checkpoint.py)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -71,6 +72,9 @@ def register(subparsers) -> None:
 
 
 FORMATS = ["hf", "megatron"]
+SOURCES = {"ptdp": "a ptdp checkpoint (its directory or an iter_N in it)",
+           "hf": "a Hugging Face model directory",
+           "megatron": "a Megatron-LM checkpoint (its directory, an iter_NNNNNNN or release)"}
 
 
 def _misplaced(args) -> str | None:
@@ -97,6 +101,11 @@ def run(args) -> int:
             return 2
         if (args.to or args.from_) and _misplaced(args):
             print(f"ptdp convert: {_misplaced(args)}", file=sys.stderr)
+            return 2
+        if (args.to or args.from_) and not os.path.exists(args.source):
+            # before the converters import torch and transformers (seconds)
+            what = SOURCES[args.from_ or "ptdp"]
+            print(f"ptdp convert: {args.source} does not exist: give {what}", file=sys.stderr)
             return 2
         if args.to and not args.from_:
             return _to_hf(args) if args.to[0] == "hf" else _to_megatron(args)
