@@ -11,9 +11,8 @@ import torch
 
 from ptdp.config import ModelConfig, load_config
 from ptdp.inference import speculative
-from ptdp.inference.generate import Sampling, generate
+from ptdp.inference.generate import Sampling, generate, token_probabilities
 from ptdp.inference.local_model import LocalModel, initial_state
-from ptdp.inference.generate import token_probabilities
 from ptdp.inference.speculative import Drafts, MtpDrafter, _Verifier, generate_speculative
 
 LLAMA = dict(arch="gpt", preset="llama", num_layers=2, hidden_size=32, num_heads=4,

@@ -27,11 +27,7 @@ def full_tensors(items: list, tp, vocab_size: int) -> list[torch.Tensor]:
     out = [value.detach().to(torch.float32, copy=True) for _, value in items]
     split = [i for i, (param, _) in enumerate(items)
              if role_of(param).tp_split_dim is not None and tp.size > 1]
-    while split:
-        batch, size = [], 0
-        while split and (not batch or size + out[split[0]].numel() <= GATHER_BATCH):
-            size += out[split[0]].numel()
-            batch.append(split.pop(0))
+    for batch in _batches([(i, out[i].numel()) for i in split], GATHER_BATCH):
         flat = torch.cat([out[i].reshape(-1) for i in batch])
         parts = [torch.empty_like(flat) for _ in range(tp.size)]
         dist.all_gather(parts, flat, group=tp.group)
@@ -43,6 +39,20 @@ def full_tensors(items: list, tp, vocab_size: int) -> list[torch.Tensor]:
             offset += n
     return [value[:vocab_size] if role_of(param).vocab_padded else value
             for (param, _), value in zip(items, out)]
+
+
+def _batches(sizes: list[tuple[int, int]], limit: int):
+    """Consecutive runs of the (index, size) pairs' indices, each run's sizes summing to at
+    most `limit` (a larger one alone)."""
+    batch, total = [], 0
+    for index, size in sizes:
+        if batch and total + size > limit:
+            yield batch
+            batch, total = [], 0
+        batch.append(index)
+        total += size
+    if batch:
+        yield batch
 
 
 def local_slice(param: torch.Tensor, full: torch.Tensor, tp, padded_vocab: int) -> torch.Tensor:

@@ -175,7 +175,8 @@ def later_grids_reuse_groups():
     total = torch.ones(1)
     dist.all_reduce(total, group=again[-1].group("tensor"))
     out["sum"] = total.item()
-    rank, world, store = dist.get_rank(), dist.get_world_size(), dist.distributed_c10d._get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()   # the same rendezvous, a new prefix
     dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.PrefixStore("again", store), rank=rank,
                             world_size=world)
