@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.background import end, finish, start
 from tests.deadline import within
@@ -20,8 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _dry_runs(mktemp) -> dict:
     """name -> (its --out, None for none; the folder its test reads; its environment beside
     PYTHON) of the tests' dry runs."""
-    wheels, predicts, stages, graphs = (mktemp(name) for name in
-                                        ("wheels", "predicts", "stages", "graphs"))
+    wheels, predicts, stages, eager = (mktemp(name) for name in
+                                       ("wheels", "predicts", "stages", "eager"))
     (wheels / "wheels").mkdir()
     for name in ("pytest-8.0.0-py3-none-any.whl", "pluggy-1.5.0-py3-none-any.whl"):
         (wheels / "wheels" / name).write_bytes(b"")
@@ -31,7 +32,7 @@ def _dry_runs(mktemp) -> dict:
             "without out": (None, None, {"STAGES": "gpu_tier"}),
             "stages": (stages / "some", stages, {"STAGES": "gpu_tier,bench_bert"}),
             "misspelt stage": (stages / "bad", stages, {"STAGES": "gpu-tier"}),
-            "graphs": (graphs / "graphs", graphs, {"STAGES": "bert_graphs"})}
+            "eager": (eager / "eager", eager, {"STAGES": "bert_eager"})}
 
 
 @pytest.fixture(scope="module")
@@ -139,25 +140,31 @@ def test_stages_picks_stages_and_a_misspelt_one_is_one_line(dry_runs):
     assert bad.returncode == 2 and not (tmp_path / "bad").exists()
     assert bad.stderr.strip().splitlines() == [
         "gpu_check.sh: STAGES names 'gpu-tier'; the stages are gpu_tier, bench_gpt, "
-        "bench_bert, plan, loss, bert_head, mlp_chain (and on request bert_graphs)"]
+        "bench_bert, plan, loss, bert_head, mlp_chain (and on request bert_eager)"]
 
 
-def test_the_cuda_graphs_stage_runs_only_when_named(dry_runs):
-    """bert_graphs (BERT-large with train.cuda_graphs) is not in a default run's budget; named
-    in STAGES it runs bench_gpu.py with --cuda-graphs and the report has its row."""
-    run, tmp_path = ran(dry_runs, "graphs")
+def test_bert_runs_with_cuda_graphs_and_without_only_when_named(dry_runs):
+    """The BERT stage measures BERT-large as configs/bert_large.yaml trains it, its regions
+    replayed as CUDA graphs; bert_eager (without them) is not in a default run's budget: named
+    in STAGES it runs bench_gpu.py without --cuda-graphs, and the report has its rows."""
+    default, _ = ran(dry_runs, "predicts")
+    bert = next(line for line in default.stdout.splitlines() if "bench_bert " in line)
+    assert "--arch bert" in bert and "--cuda-graphs" in bert, bert
+    assert "bert_eager" not in default.stdout
+    run, tmp_path = ran(dry_runs, "eager")
     assert run.returncode == 0, run.stdout + run.stderr
-    line = next(line for line in run.stdout.splitlines() if "bert_graphs" in line)
-    assert "--arch bert" in line and "--cuda-graphs" in line, line
-    row = {"model": "ptdp", "mfu": 0.45, "peak_memory_gb": 13.0, "compile_layers": 8,
-           "cuda_graphs": True}
-    (tmp_path / "bench_bert_graphs.json").write_text(json.dumps(
-        {"rows": [row, {"model": "reference (HF)"}], "speedup": 1.3, "memory_ratio": 1.0,
+    line = next(line for line in run.stdout.splitlines() if "bert_eager" in line)
+    assert "--arch bert" in line and "--cuda-graphs" not in line, line
+    row = {"model": "ptdp", "mfu": 0.30, "peak_memory_gb": 13.0, "compile_layers": 8,
+           "cuda_graphs": False}
+    (tmp_path / "bench_bert_eager.json").write_text(json.dumps(
+        {"rows": [row, {"model": "reference (HF)"}], "speedup": 0.97, "memory_ratio": 1.0,
          "paired": None, "targets": {"speedup": 1.25, "mfu": 0.4, "memory_ratio": 1.1}}))
     checks = gpu_check.evaluate(tmp_path)["checks"]
-    assert checks[0]["what"] == ("bert_graphs tokens/s vs reference (HF), ptdp compiled in "
-                                 "regions of 8 layers replayed as CUDA graphs")
-    assert [c["met"] for c in checks] == [True, True, True]
+    assert checks[0]["what"] == ("bert_eager tokens/s vs reference (HF), ptdp compiled in "
+                                 "regions of 8 layers")
+    assert [c["met"] for c in checks] == [False, False, True]
+    assert yaml.safe_load((ROOT / "configs/bert_large.yaml").read_text())["train"]["cuda_graphs"]
 
 
 def test_report_keeps_a_benchmark_stopped_after_one_model(tmp_path):

@@ -14,7 +14,7 @@ is in DIR (`bench_gpt.json`) its ptdp row is used instead of training it again. 
 DIR/plan.json.
 
 `report` reads what DIR holds (gpu_tier.xml from pytest, bench_gpt.json, bench_bert.json,
-bench_bert_graphs.json when that stage ran, plan.json, stages.json from the shell script) and
+bench_bert_eager.json when that stage ran, plan.json, stages.json from the shell script) and
 writes DIR/gpu_check.json and DIR/gpu_check.md: one table, each target with its measured value and whether it is met. The
 targets (issue 22): GPT-1.3B >= 1.10x the compiled plain-PyTorch reference and >= 58 % MFU;
 BERT-large >= 1.25x Hugging Face and >= 40 % MFU; peak memory <= the reference's + 10 % (each
@@ -47,9 +47,9 @@ LAYOUTS = {   # name -> (model, b, m, recompute); bf16, (p, t, d) = (1, 1, 1), c
 KERNELS = (("loss", "loss time, fused / eager", "fused_over_eager"),
            ("bert_head", "BERT heads' time, masked rows / every token", "masked_over_every_token"),
            ("mlp_chain", "GPT MLP block's time, token rows / [s, b, h]", "rows_over_sbh"))
-# The model stages' files (bench_<name>.json, tools/bench_gpu.py): bert_graphs, BERT-large with
+# The model stages' files (bench_<name>.json, tools/bench_gpu.py): bert_eager, BERT-large without
 # train.cuda_graphs, is a stage gpu_check.sh runs only on request.
-BENCHES = ("gpt", "bert", "bert_graphs")
+BENCHES = ("gpt", "bert", "bert_eager")
 # The planner's targets; the models' are bench_gpu.py's, in the JSON of each benchmark.
 TARGETS = {"plan_step_error": 0.10, "plan_memory_under": 0.03}
 

@@ -2,12 +2,14 @@
 # The GPU check, one command on one GPU (about 7 minutes on one H200, compilation included:
 # its stages took 82 + 119 + 91 + 38 s, and 102 + 111 + 105 + 33 s on a later run, on
 # 2026-11-27; with paired rounds and the kernel stages 96 + 132 + 105 + 34 + 22 + 10 s, 412 s
-# in all; with regions of 8 layers, 94 + 149 + 121 + 42 + 22 + 9 + 22 s, 472 s; the budget
-# leaves slack inside a 10-minute command limit):
+# in all; with regions of 8 layers, 94 + 149 + 121 + 42 + 22 + 9 + 22 s, 472 s; on
+# 2026-11-28 104 + 171 + 121 + 42 + 22 + 11 + 25 s, BERT then still without CUDA graphs; the
+# budget leaves slack inside a 10-minute command limit and stops the last stages first):
 #   0. pre-flight (fails fast): CUDA visible, free GPU memory, Triton's compiler, pytest;
 #   1. the GPU tier of the suite (PTDP_GPU_TESTS=1 pytest -m gpu, tests/gpu/), over 4
 #      processes when pytest-xdist is installed (most of its time is compiling, on the CPU);
-#   2. tools/bench_gpu.py for GPT-1.3B and BERT-large against their references, each with one
+#   2. tools/bench_gpu.py for GPT-1.3B and BERT-large against their references (BERT-large as
+#      configs/bert_large.yaml trains it, its regions replayed as CUDA graphs), each with one
 #      profiled step per model (OUT/profile_<arch>_<model>.txt: where each step's time goes,
 #      by device and by host time; .trace.json.gz beside it, the step's timeline);
 #   3. ptdp plan's predicted step time and memory against measured ones for two layouts
@@ -36,13 +38,14 @@
 # folder]; WHEELS [.whl]; BUDGET_S,
 # the whole run's limit [470]; STAGES, the stages to run
 # [gpu_tier,bench_gpt,bench_bert,plan,loss,bert_head,mlp_chain] (to rerun what a cut-short
-# run missed; `bert_graphs`, BERT-large with train.cuda_graphs against Hugging Face, runs only
-# when named: GRAPHS_S 170);
-# each stage stops at its share (TIER_S 160, GPT_S 190, BERT_S 170, PLAN_S 50: what each took
+# run missed; `bert_eager`, BERT-large without train.cuda_graphs against Hugging Face, runs
+# only when named: EAGER_S 170);
+# each stage stops at its share (TIER_S 160, GPT_S 190, BERT_S 150, PLAN_S 50: what each took
 # on one H200, 2026-11-27, 82, 119, 91 and 38 s, with room for an H100's slower memory where
 # the step is longest, and for bench_gpu's paired rounds: GPT took 132 s with them, BERT 105;
 # 30 s more each for compiling regions of 8 layers, and 40 s more for the tier's three new
-# compiled tests: the fifth run took 149, 121 and 94 s there; LOSS_S 25,
+# compiled tests: the fifth run took 149, 121 and 94 s there; BERT with CUDA graphs took 57 s
+# unprofiled, on a warm compile cache, on 2026-11-28; LOSS_S 25,
 # HEAD_S 25: about 12 s each there; MLP_S 25, three compiled MLP blocks) or at what the
 # budget has left, whichever is less, with SIGINT first (pytest then still writes its junit
 # file, bench_gpu.py has written each model's row as it went), and the report says which
@@ -67,7 +70,7 @@ if [[ -z "$OUT" ]]; then
     else OUT="bench/gpu_check/$(date +%Y%m%d-%H%M%S)"; fi
 fi
 BUDGET_S="${BUDGET_S:-470}"
-for name in BUDGET_S TIER_S GPT_S BERT_S PLAN_S LOSS_S HEAD_S MLP_S GRAPHS_S; do   # seconds
+for name in BUDGET_S TIER_S GPT_S BERT_S PLAN_S LOSS_S HEAD_S MLP_S EAGER_S; do   # seconds
     value="${!name:-1}"
     if ! [[ "$value" =~ ^[1-9][0-9]*$ ]]; then
         echo "gpu_check.sh: $name='$value' is not a whole number of seconds" >&2
@@ -75,7 +78,7 @@ for name in BUDGET_S TIER_S GPT_S BERT_S PLAN_S LOSS_S HEAD_S MLP_S GRAPHS_S; do
     fi
 done
 ALL_STAGES="gpu_tier,bench_gpt,bench_bert,plan,loss,bert_head,mlp_chain"
-ON_REQUEST="bert_graphs"   # only when STAGES names it
+ON_REQUEST="bert_eager"   # only when STAGES names it
 STAGES="${STAGES:-$ALL_STAGES}"
 for name in ${STAGES//,/ }; do   # a misspelt stage would silently run nothing
     if [[ ",$ALL_STAGES,$ON_REQUEST," != *",$name,"* ]]; then
@@ -170,11 +173,12 @@ stage gpu_tier "${TIER_S:-160}" env PTDP_GPU_TESTS=1 "$PYTHON" -m pytest -m gpu 
     -p no:cacheprovider --junitxml "$OUT/gpu_tier.xml" "${TIER_ARGS[@]}"
 stage bench_gpt "${GPT_S:-190}" "$PYTHON" tools/bench_gpu.py --device cuda --arch gpt \
     --steps 6 --warmup 3 --json "$OUT/bench_gpt.json" --profile "$OUT"
-stage bench_bert "${BERT_S:-170}" "$PYTHON" tools/bench_gpu.py --device cuda --arch bert \
-    --steps 6 --warmup 3 --json "$OUT/bench_bert.json" --profile "$OUT"
-if [[ ",$STAGES," == *",bert_graphs,"* ]]; then   # BERT-large with train.cuda_graphs
-    stage bert_graphs "${GRAPHS_S:-170}" "$PYTHON" tools/bench_gpu.py --device cuda --arch bert \
-        --steps 6 --warmup 3 --cuda-graphs --json "$OUT/bench_bert_graphs.json"
+# BERT-large as configs/bert_large.yaml trains it: its regions replayed as CUDA graphs
+stage bench_bert "${BERT_S:-120}" "$PYTHON" tools/bench_gpu.py --device cuda --arch bert \
+    --steps 6 --warmup 3 --cuda-graphs --json "$OUT/bench_bert.json" --profile "$OUT"
+if [[ ",$STAGES," == *",bert_eager,"* ]]; then   # BERT-large without train.cuda_graphs
+    stage bert_eager "${EAGER_S:-170}" "$PYTHON" tools/bench_gpu.py --device cuda --arch bert \
+        --steps 6 --warmup 3 --json "$OUT/bench_bert_eager.json"
 fi
 if [[ "$DRY_RUN" -eq 1 && ",$STAGES," == *",plan,"* ]]; then   # the planner's half needs no GPU
     "$PYTHON" tools/gpu_check.py plan --out "$OUT" --hardware h100-80gb
