@@ -65,7 +65,8 @@ def test_dry_run_predicts_and_reports(dry_runs):
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert set(report["stages"]["stages"]) == {"gpu_tier", "bench_gpt", "bench_bert", "plan",
-                                               "loss", "bert_head", "mlp_chain"}
+                                               "attention", "wgrad", "loss", "bert_head",
+                                               "mlp_chain"}
     assert [row["layout"] for row in report["plan"]] == list(gpu_check.LAYOUTS)
     assert all(row["predicted_step_s"] > 0 and row["fits"] for row in report["plan"])
     assert "| gpt-1.3b b=8 m=4 |" in (tmp_path / "gpu_check.md").read_text()
@@ -140,7 +141,8 @@ def test_stages_picks_stages_and_a_misspelt_one_is_one_line(dry_runs):
     assert bad.returncode == 2 and not (tmp_path / "bad").exists()
     assert bad.stderr.strip().splitlines() == [
         "gpu_check.sh: STAGES names 'gpu-tier'; the stages are gpu_tier, bench_gpt, "
-        "bench_bert, plan, loss, bert_head, mlp_chain (and on request bert_eager)"]
+        "bench_bert, plan, attention, wgrad, loss, bert_head, mlp_chain (and on request "
+        "bert_eager)"]
 
 
 def test_bert_runs_with_cuda_graphs_and_without_only_when_named(dry_runs):
@@ -179,6 +181,21 @@ def test_report_keeps_a_benchmark_stopped_after_one_model(tmp_path):
     assert check["what"] == "bert tokens/s vs reference" and check["met"] is None
     assert check["target"] == ">= 1.25x"
     assert "| bert tokens/s vs reference | n/a |" in gpu_check.markdown(report)
+
+
+def test_candidates_are_reported_without_a_verdict(tmp_path):
+    """The candidate stages measure changes not yet made: their ratios go in a table of their
+    own, never in the checks (no target to meet); a candidate that could not run is n/a."""
+    (tmp_path / "attention.json").write_text(json.dumps(
+        {"best_over_default": 0.8, "ms": {"default": 30.0, "flash": 24.0}}))
+    (tmp_path / "wgrad.json").write_text(json.dumps({"fused_over_add": None}))
+    report = gpu_check.evaluate(tmp_path)
+    assert report["checks"] == []
+    assert [row["value"] for row in report["candidates"]] == [0.8, None]
+    text = gpu_check.markdown(report)
+    assert ("| GPT-1.3B attention, the fastest SDPA kernel / torch's pick | 0.800x | default "
+            "30.00, flash 24.00 |") in text
+    assert "| GPT-1.3B weight gradients into main_grad, fused GEMM / GEMM + add | n/a | n/a |" in text
 
 
 def test_a_time_share_that_is_not_whole_seconds_is_one_line(tmp_path):

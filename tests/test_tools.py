@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import ptdp.runtime.local_ranks as local_ranks
+import tools.bench_attention_backends as bench_attention_backends
 import tools.bench_checkpoint as bench_checkpoint
 import tools.bench_context as bench_context
 import tools.bench_bert_head as bench_bert_head
@@ -23,6 +24,7 @@ import tools.bench_mlp_chain as bench_mlp_chain
 import tools.bench_sequence_parallel as bench_sequence_parallel
 import tools.bench_startup as bench_startup
 import tools.bench_topology as bench_topology
+import tools.bench_wgrad_fusion as bench_wgrad_fusion
 import tools.bench_zero_bubble as bench_zero_bubble
 import tools.validate_planner as validate_planner
 from tests.optional import assert_picture
@@ -187,6 +189,46 @@ def test_bench_mlp_chain_adds_the_biases_three_ways_to_the_same_mlp(tmp_path, ca
     with pytest.raises(SystemExit) as stop:
         bench_mlp_chain.main(["--kernels"])
     assert stop.value.code == 2 and "--kernels needs --device cuda" in capsys.readouterr().err
+
+
+def test_bench_attention_backends_times_each_kernel_torch_runs(tmp_path, capsys):
+    """On CPU only flash runs of the three pinned kernels (cuDNN and memory-efficient are CUDA
+    kernels): it and torch's own pick are timed, their errors against fp32 math are bf16's,
+    and the others are listed as unavailable."""
+    out = tmp_path / "attention.json"
+    assert bench_attention_backends.main(["--batch", "1", "--heads", "2", "--seq", "32",
+                                          "--head-dim", "16", "--rounds", "1", "--warmup", "0",
+                                          "--json", str(out)]) == 0
+    data = _written(out, "bench_attention_backends")
+    assert list(data["ms"]) == ["default", "flash"] and data["over_default"]["default"] == 1.0
+    assert data["best_over_default"] == min(data["over_default"].values())
+    assert data["unavailable"] == ["cudnn", "efficient"]
+    for name in ("default", "flash"):
+        errors = data["max_error_vs_fp32_math"][name]
+        assert set(errors) == {"out", "dq", "dk", "dv"}
+        assert all(0 < e < 0.1 for e in errors.values()), errors   # bf16 round-off only
+    assert "fastest / default:" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        bench_attention_backends.main(["--seq", "0"])
+    assert stop.value.code == 2 and "--seq must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_wgrad_fusion_accumulates_the_same_sums_both_ways(tmp_path, capsys):
+    """Both paths add the same weight gradients into fp32 main_grad; the fused one (on CPU an
+    fp32 GEMM) skips the bf16 rounding of each gradient, so it lies far closer to fp64."""
+    out = tmp_path / "wgrad.json"
+    assert bench_wgrad_fusion.main(["--tokens", "64", "--hidden", "16", "--rounds", "2",
+                                    "--warmup", "1", "--json", str(out)]) == 0
+    data = _written(out, "bench_wgrad_fusion")
+    assert data["shape"]["linears"] == {"qkv": [48, 16], "proj": [16, 16], "fc1": [64, 16],
+                                        "fc2": [16, 64]}
+    assert data["fused_over_add"] == pytest.approx(data["ms"]["fused"] / data["ms"]["add"])
+    error = data["max_error_vs_fp64"]
+    assert error["fused"] < 1e-3 < error["add"] < 1.0, error
+    assert "fused / add:" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        bench_wgrad_fusion.main(["--tokens", "0"])
+    assert stop.value.code == 2 and "--tokens must be >= 1" in capsys.readouterr().err
 
 
 def test_bench_sequence_parallel_shards_by_t(tmp_path):

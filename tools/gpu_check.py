@@ -14,7 +14,8 @@ is in DIR (`bench_gpt.json`) its ptdp row is used instead of training it again. 
 DIR/plan.json.
 
 `report` reads what DIR holds (gpu_tier.xml from pytest, bench_gpt.json, bench_bert.json,
-bench_bert_eager.json when that stage ran, plan.json, stages.json from the shell script) and
+bench_bert_eager.json when that stage ran, plan.json, the kernel stages' and the candidates'
+JSON files, stages.json from the shell script) and
 writes DIR/gpu_check.json and DIR/gpu_check.md: one table, each target with its measured value and whether it is met. The
 targets (issue 22): GPT-1.3B >= 1.10x the compiled plain-PyTorch reference and >= 58 % MFU;
 BERT-large >= 1.25x Hugging Face and >= 40 % MFU; peak memory <= the reference's + 10 % (each
@@ -47,6 +48,12 @@ LAYOUTS = {   # name -> (model, b, m, recompute); bf16, (p, t, d) = (1, 1, 1), c
 KERNELS = (("loss", "loss time, fused / eager", "fused_over_eager"),
            ("bert_head", "BERT heads' time, masked rows / every token", "masked_over_every_token"),
            ("mlp_chain", "GPT MLP block's time, token rows / [s, b, h]", "rows_over_sbh"))
+# The candidates' files: what a change not yet made would gain, measured before it is made
+# (tools/bench_attention_backends.py, tools/bench_wgrad_fusion.py); no target, so no verdict.
+CANDIDATES = (("attention", "GPT-1.3B attention, the fastest SDPA kernel / torch's pick",
+                "best_over_default"),
+              ("wgrad", "GPT-1.3B weight gradients into main_grad, fused GEMM / GEMM + add",
+               "fused_over_add"))
 # The model stages' files (bench_<name>.json, tools/bench_gpu.py): bert_eager, BERT-large without
 # train.cuda_graphs, is a stage gpu_check.sh runs only on request.
 BENCHES = ("gpt", "bert", "bert_eager")
@@ -164,7 +171,7 @@ def _check(value, target, at_least: bool):
 
 def evaluate(directory: Path) -> dict:
     report = {"stages": _load(directory / "stages.json") or {}, "tier": _tier(directory / "gpu_tier.xml"),
-              "bench": {}, "plan": [], "targets": dict(TARGETS), "checks": []}
+              "bench": {}, "plan": [], "targets": dict(TARGETS), "checks": [], "candidates": []}
     checks = report["checks"]
     for arch in BENCHES:
         result = _load(directory / f"bench_{arch}.json")
@@ -201,6 +208,11 @@ def evaluate(directory: Path) -> dict:
         if result:
             checks.append({"what": what, "value": result[key], "target": "< 1.00x",
                            "met": result[key] < 1.0})
+    for name, what, key in CANDIDATES:
+        result = _load(directory / f"{name}.json")
+        if result:
+            report["candidates"].append({"what": what, "value": result.get(key),
+                                         "detail": result.get("ms")})
     for row in _load(directory / "plan.json") or []:
         report["plan"].append(row)
         if "measured_step_s" not in row:
@@ -245,6 +257,13 @@ def markdown(report: dict) -> str:
         met = {True: "yes", False: "**no**", None: "n/a"}[check["met"]]
         lines.append(f"| {check['what']} | {fmt(check['value'], check['what'])} | "
                      f"{check['target']} | {met} |")
+    if report["candidates"]:
+        lines += ["", "| candidate (not built; no target) | time, candidate / today | ms |",
+                  "| --- | ---: | --- |"]
+        for row in report["candidates"]:
+            value = "n/a" if row["value"] is None else f"{row['value']:.3f}x"
+            detail = ", ".join(f"{k} {v:.2f}" for k, v in (row["detail"] or {}).items())
+            lines.append(f"| {row['what']} | {value} | {detail or 'n/a'} |")
     if report["plan"]:
         lines += ["", "| layout | step predicted / measured ms | memory predicted / measured GiB |",
                   "| --- | --- | --- |"]

@@ -14,7 +14,10 @@
 #      by device and by host time; .trace.json.gz beside it, the step's timeline);
 #   3. ptdp plan's predicted step time and memory against measured ones for two layouts
 #      (tools/gpu_check.py plan --measure);
-#   4. the loss, fused against eager (tools/bench_cross_entropy.py), BERT's heads on the
+#   4. candidates, measured before they are built: each SDPA kernel for GPT-1.3B's causal
+#      attention against flash (tools/bench_attention_backends.py), and its weight gradients
+#      accumulated into main_grad by the GEMM against GEMM + add (tools/bench_wgrad_fusion.py);
+#   5. the loss, fused against eager (tools/bench_cross_entropy.py), BERT's heads on the
 #      masked positions against every token (tools/bench_bert_head.py), at the two models'
 #      shapes, and GPT-1.3B's MLP block on token rows against [s, b, h]
 #      (tools/bench_mlp_chain.py --kernels);
@@ -37,15 +40,16 @@
 # Environment: PYTHON [python3]; OUT [bench/gpu_check/<date-time>; a dry run: a temporary
 # folder]; WHEELS [.whl]; BUDGET_S,
 # the whole run's limit [470]; STAGES, the stages to run
-# [gpu_tier,bench_gpt,bench_bert,plan,loss,bert_head,mlp_chain] (to rerun what a cut-short
-# run missed; `bert_eager`, BERT-large without train.cuda_graphs against Hugging Face, runs
-# only when named: EAGER_S 170);
+# [gpu_tier,bench_gpt,bench_bert,plan,attention,wgrad,loss,bert_head,mlp_chain] (to rerun what
+# a cut-short run missed; `bert_eager`, BERT-large without train.cuda_graphs against Hugging
+# Face, runs only when named: EAGER_S 170);
 # each stage stops at its share (TIER_S 160, GPT_S 190, BERT_S 150, PLAN_S 50: what each took
 # on one H200, 2026-11-27, 82, 119, 91 and 38 s, with room for an H100's slower memory where
 # the step is longest, and for bench_gpu's paired rounds: GPT took 132 s with them, BERT 105;
 # 30 s more each for compiling regions of 8 layers, and 40 s more for the tier's three new
 # compiled tests: the fifth run took 149, 121 and 94 s there; BERT with CUDA graphs took 57 s
-# unprofiled, on a warm compile cache, on 2026-11-28; LOSS_S 25,
+# unprofiled, on a warm compile cache, on 2026-11-28; ATTN_S 30, WGRAD_S 20: eager kernels,
+# unmeasured; LOSS_S 25,
 # HEAD_S 25: about 12 s each there; MLP_S 25, three compiled MLP blocks) or at what the
 # budget has left, whichever is less, with SIGINT first (pytest then still writes its junit
 # file, bench_gpu.py has written each model's row as it went), and the report says which
@@ -70,14 +74,14 @@ if [[ -z "$OUT" ]]; then
     else OUT="bench/gpu_check/$(date +%Y%m%d-%H%M%S)"; fi
 fi
 BUDGET_S="${BUDGET_S:-470}"
-for name in BUDGET_S TIER_S GPT_S BERT_S PLAN_S LOSS_S HEAD_S MLP_S EAGER_S; do   # seconds
+for name in BUDGET_S TIER_S GPT_S BERT_S PLAN_S ATTN_S WGRAD_S LOSS_S HEAD_S MLP_S EAGER_S; do   # seconds
     value="${!name:-1}"
     if ! [[ "$value" =~ ^[1-9][0-9]*$ ]]; then
         echo "gpu_check.sh: $name='$value' is not a whole number of seconds" >&2
         exit 2
     fi
 done
-ALL_STAGES="gpu_tier,bench_gpt,bench_bert,plan,loss,bert_head,mlp_chain"
+ALL_STAGES="gpu_tier,bench_gpt,bench_bert,plan,attention,wgrad,loss,bert_head,mlp_chain"
 ON_REQUEST="bert_eager"   # only when STAGES names it
 STAGES="${STAGES:-$ALL_STAGES}"
 for name in ${STAGES//,/ }; do   # a misspelt stage would silently run nothing
@@ -174,7 +178,7 @@ stage gpu_tier "${TIER_S:-160}" env PTDP_GPU_TESTS=1 "$PYTHON" -m pytest -m gpu 
 stage bench_gpt "${GPT_S:-190}" "$PYTHON" tools/bench_gpu.py --device cuda --arch gpt \
     --steps 6 --warmup 3 --json "$OUT/bench_gpt.json" --profile "$OUT"
 # BERT-large as configs/bert_large.yaml trains it: its regions replayed as CUDA graphs
-stage bench_bert "${BERT_S:-120}" "$PYTHON" tools/bench_gpu.py --device cuda --arch bert \
+stage bench_bert "${BERT_S:-150}" "$PYTHON" tools/bench_gpu.py --device cuda --arch bert \
     --steps 6 --warmup 3 --cuda-graphs --json "$OUT/bench_bert.json" --profile "$OUT"
 if [[ ",$STAGES," == *",bert_eager,"* ]]; then   # BERT-large without train.cuda_graphs
     stage bert_eager "${EAGER_S:-170}" "$PYTHON" tools/bench_gpu.py --device cuda --arch bert \
@@ -186,6 +190,12 @@ if [[ "$DRY_RUN" -eq 1 && ",$STAGES," == *",plan,"* ]]; then   # the planner's h
 else
     stage plan "${PLAN_S:-50}" "$PYTHON" tools/gpu_check.py plan --out "$OUT" --measure
 fi
+# Candidates, measured before they are built: another SDPA kernel for GPT's attention, and the
+# weight-gradient GEMM accumulating into main_grad (eager kernels, nothing to compile)
+stage attention "${ATTN_S:-30}" "$PYTHON" tools/bench_attention_backends.py --device cuda \
+    --json "$OUT/attention.json"
+stage wgrad "${WGRAD_S:-20}" "$PYTHON" tools/bench_wgrad_fusion.py --device cuda \
+    --json "$OUT/wgrad.json"
 stage loss "${LOSS_S:-25}" "$PYTHON" tools/bench_cross_entropy.py --device cuda \
     --json "$OUT/loss.json"
 stage bert_head "${HEAD_S:-25}" "$PYTHON" tools/bench_bert_head.py --device cuda \
