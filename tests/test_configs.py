@@ -341,7 +341,10 @@ def test_readme_commands_exist():
         text = page.read_text()
         for path in re.findall(r"\b((?:tools|configs)/[\w./-]+\.(?:sh|yaml|py))\b", text):
             assert (ROOT / path).exists(), f"{name} mentions {path}, which does not exist"
-    assert "python -m pytest -q" in readme
+    make_args = re.search(r"^TEST_ARGS \?= (.*)$", (ROOT / "Makefile").read_text(), re.M)
+    assert make_args, "the Makefile's test target lost its TEST_ARGS"
+    assert f"python -m pytest -q {make_args.group(1)}" in readme, \
+        "README.md's test command differs from what `make test` runs"
     assert shutil.which("bash")
 
 

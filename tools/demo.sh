@@ -64,7 +64,7 @@ fi
 if ! "$PYTHON" - <<'EOF' >/dev/null 2>&1
 import importlib.metadata, importlib.util, sys
 importlib.metadata.version("ptdp")
-missing = [m for m in ("yaml", "numpy", "tqdm", "sentencepiece", "pytest", "pytest_timeout", "datasets",
+missing = [m for m in ("yaml", "numpy", "tqdm", "sentencepiece", "pytest", "pytest_timeout", "xdist", "datasets",
                        "transformers", "safetensors", "matplotlib", "wandb")
            if importlib.util.find_spec(m) is None]
 sys.exit(1 if missing else 0)
