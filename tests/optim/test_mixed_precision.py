@@ -54,7 +54,9 @@ def test_bf16_weights_masters_and_grads_are_views_of_one_buffer_each():
     tokens = torch.randint(0, 100, (2, 8))
     loss, _ = chunk(None, {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(2, 8)})
     loss.backward()
-    assert grads.abs().sum() > 0 and all(p.grad is None for p in params)  # went to main_grad
+    # went to main_grad and no .grad is kept: train.cuda_graphs relies on it, since a replay
+    # overwrites the gradients it output (the H200 run of 2026-11-28, docs/performance.md)
+    assert grads.abs().sum() > 0 and all(p.grad is None for p in params)
     weights.zero_grads()
     assert grads.abs().sum() == 0 and all(_shares(m.grad, grads) for m in weights.masters)
     with torch.no_grad():
@@ -72,6 +74,7 @@ def test_fp32_grads_accumulate_in_place_into_the_buffer():
     for _ in range(2):  # two micro-batches accumulate into the same views
         loss, _ = chunk(None, {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(2, 8)})
         loss.backward()
+    # views allocated before any CUDA graph capture, accumulated in place (train.cuda_graphs)
     assert all(_shares(p.grad, weights.flat_grads.buffer) for p in params)
 
 
