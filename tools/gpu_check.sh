@@ -15,7 +15,7 @@
 #   3. ptdp plan's predicted step time and memory against measured ones for two layouts
 #      (tools/gpu_check.py plan --measure);
 #   4. candidates, measured before they are built: each SDPA kernel for GPT-1.3B's causal
-#      attention against flash (tools/bench_attention_backends.py), and its weight gradients
+#      attention against torch's pick (tools/bench_attention_backends.py), its weight gradients
 #      accumulated into main_grad by the GEMM against GEMM + add (tools/bench_wgrad_fusion.py);
 #   5. the loss, fused against eager (tools/bench_cross_entropy.py), BERT's heads on the
 #      masked positions against every token (tools/bench_bert_head.py), at the two models'
