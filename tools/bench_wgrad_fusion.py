@@ -42,15 +42,9 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", help="write the results here")
-    args = parser.parse_args(argv)
-    for name in ("tokens", "hidden", "rounds"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name} must be >= 1")
-    if args.warmup < 0:
-        parser.error("--warmup must be >= 0")
+    args = parser.parse_args(argv)   # the pass tools' checks; no --dtype: the GEMMs are bf16
+    harness.check_pass_arguments(parser, args, ("tokens", "hidden"))
     cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        parser.error("--device cuda but no CUDA device is visible")
     args.tokens = args.tokens or (16384 if cuda else 512)
     args.hidden = args.hidden or (2048 if cuda else 128)
     return args
